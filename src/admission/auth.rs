@@ -1,0 +1,125 @@
+//! Caller identity: API keys (per application, compared by SHA-256 digest,
+//! never logged) and JWT bearer tokens (HS256 / RS256, with issuer, audience
+//! and expiry checked).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use serde_json::Value;
+
+use crate::config::{ApplicationConfig, Config, JwtConfig};
+use crate::error::{ErrorCode, GatewayError};
+use crate::task::{Identity, Priority};
+
+pub struct Authenticator {
+    by_key: HashMap<[u8; 32], Arc<ApplicationConfig>>,
+    by_name: HashMap<String, Arc<ApplicationConfig>>,
+    jwt: Option<JwtVerifier>,
+}
+
+struct JwtVerifier {
+    cfg: JwtConfig,
+    hs: Option<DecodingKey>,
+    rs: Option<DecodingKey>,
+}
+
+fn auth_failed(msg: &str) -> GatewayError {
+    GatewayError::new(ErrorCode::AuthFailed, msg)
+}
+
+impl Authenticator {
+    pub fn new(cfg: &Config) -> Authenticator {
+        let mut by_key = HashMap::new();
+        let mut by_name = HashMap::new();
+        for app in cfg.applications.values() {
+            let app = Arc::new(app.clone());
+            for k in &app.api_key_sha256 {
+                by_key.insert(*k, app.clone());
+            }
+            by_name.insert(app.name.clone(), app);
+        }
+        let jwt = cfg.auth.jwt.as_ref().map(|j| JwtVerifier {
+            hs: j.hs256_secret.as_deref().and_then(|s| DecodingKey::from_secret(s).ok()),
+            rs: j.rs256_public_key_pem.as_deref().and_then(|p| DecodingKey::from_rsa_pem(p).ok()),
+            cfg: j.clone(),
+        });
+        Authenticator { by_key, by_name, jwt }
+    }
+
+    /// Identifies the caller from a bearer credential (API key or JWT).
+    pub fn authenticate(&self, credential: Option<&str>) -> Result<Identity, GatewayError> {
+        let cred = credential.map(str::trim).filter(|c| !c.is_empty()).ok_or_else(|| {
+            auth_failed("missing credentials: send an API key or JWT as 'Authorization: Bearer …'")
+        })?;
+        if let Some(app) = self.by_key.get(&crate::config::hash_api_key(cred)) {
+            return Ok(identity(app, None));
+        }
+        if cred.matches('.').count() == 2 {
+            if let Some(j) = &self.jwt {
+                return self.verify_jwt(j, cred);
+            }
+        }
+        Err(auth_failed("invalid API key or token"))
+    }
+
+    fn verify_jwt(&self, j: &JwtVerifier, token: &str) -> Result<Identity, GatewayError> {
+        let header = jsonwebtoken::decode_header(token).map_err(|_| auth_failed("malformed token"))?;
+        let key = match header.alg {
+            Algorithm::HS256 => j.hs.as_ref(),
+            Algorithm::RS256 => j.rs.as_ref(),
+            _ => None,
+        }
+        .ok_or_else(|| auth_failed("token algorithm not accepted"))?;
+        let mut v = Validation::new(header.alg);
+        v.leeway = j.cfg.leeway_s;
+        v.set_required_spec_claims(&["exp"]);
+        match &j.cfg.issuer {
+            Some(iss) => v.set_issuer(&[iss]),
+            None => v.iss = None,
+        }
+        match &j.cfg.audience {
+            Some(aud) => v.set_audience(&[aud]),
+            None => v.validate_aud = false,
+        }
+        let data = jsonwebtoken::decode::<serde_json::Map<String, Value>>(token, key, &v).map_err(|e| {
+            use jsonwebtoken::errors::ErrorKind;
+            match e.kind() {
+                ErrorKind::ExpiredSignature => auth_failed("token expired"),
+                ErrorKind::InvalidIssuer => auth_failed("token issuer not accepted"),
+                ErrorKind::InvalidAudience => auth_failed("token audience not accepted"),
+                _ => auth_failed("invalid token"),
+            }
+        })?;
+        let claims = data.claims;
+        let claim = |name: &str| claims.get(name).and_then(Value::as_str).map(str::to_string);
+        let app_name = claim(&j.cfg.application_claim)
+            .ok_or_else(|| auth_failed("token names no application"))?;
+        let app = self
+            .by_name
+            .get(&app_name)
+            .ok_or_else(|| auth_failed("token names an unknown application"))?;
+        if let Some(t) = claim(&j.cfg.tenant_claim) {
+            if t != app.tenant {
+                return Err(GatewayError::new(ErrorCode::PermissionDenied, "token tenant does not own this application"));
+            }
+        }
+        Ok(identity(app, claim("sub")))
+    }
+}
+
+fn identity(app: &ApplicationConfig, user: Option<String>) -> Identity {
+    Identity {
+        tenant: app.tenant.clone(),
+        application: app.name.clone(),
+        user_id: user,
+        max_priority: app.max_priority,
+        default_priority: app.default_priority,
+        is_admin: app.admin,
+    }
+}
+
+/// Whether `identity` may use `p`.
+pub fn may_use(identity: &Identity, p: Priority) -> bool {
+    p >= identity.max_priority
+}

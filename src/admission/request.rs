@@ -1,0 +1,236 @@
+//! The request body every ingress accepts and its validation.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+use crate::config::Config;
+use crate::context::{self, Fit};
+use crate::error::{ErrorCode, GatewayError};
+use crate::task::{ChatMessage, Identity, Ingress, Priority, Routing, SamplingParams, TaskRequest, Timeouts};
+
+/// OpenAI chat fields plus the edge fields of DESIGN.md. Unknown OpenAI
+/// fields are accepted and ignored, except those edgeway cannot honour,
+/// which are refused (see [`admit`]).
+#[derive(Debug, Deserialize)]
+pub struct ChatRequestBody {
+    pub model: String,
+    pub messages: Vec<ChatMessage>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub max_output_tokens: Option<u32>,
+    #[serde(flatten)]
+    pub params: SamplingParams,
+    pub n: Option<u32>,
+    pub request_id: Option<String>,
+    pub idempotency_key: Option<String>,
+    pub session_id: Option<String>,
+    pub priority: Option<String>,
+    pub context_policy: Option<String>,
+    pub timeouts: Option<RequestTimeouts>,
+    pub routing: Option<Routing>,
+    pub metadata: Option<Map<String, Value>>,
+    /// OpenAI's `user` field: the end user, when metadata has none.
+    pub user: Option<String>,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestTimeouts {
+    pub queue_ms: Option<u64>,
+    pub first_token_ms: Option<u64>,
+    pub inference_ms: Option<u64>,
+    pub idle_ms: Option<u64>,
+    pub total_ms: Option<u64>,
+}
+
+/// Parses a request body, reporting the field that is wrong.
+pub fn parse_body(bytes: &[u8]) -> Result<ChatRequestBody, GatewayError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            GatewayError::invalid(format!("body is not valid JSON: {inner}"))
+        } else if path == "." {
+            GatewayError::invalid(format!("invalid request: {inner}"))
+        } else {
+            GatewayError::invalid(format!("invalid field '{path}': {inner}"))
+        }
+    })
+}
+
+const MAX_ID_LEN: usize = 128;
+
+fn check_id(name: &str, v: &str) -> Result<(), GatewayError> {
+    if v.is_empty() || v.len() > MAX_ID_LEN || !v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c)) {
+        return Err(GatewayError::invalid(format!(
+            "'{name}' must be 1..{MAX_ID_LEN} characters of A-Z a-z 0-9 - _ . :"
+        )));
+    }
+    Ok(())
+}
+
+/// Turns a parsed body into a validated task, or the error to answer with.
+pub fn admit(
+    cfg: &Config,
+    identity: Identity,
+    body: ChatRequestBody,
+    ingress: Ingress,
+    request_id_hint: Option<String>,
+) -> Result<TaskRequest, GatewayError> {
+    for unsupported in ["tools", "functions", "tool_choice", "function_call"] {
+        if body.extra.get(unsupported).is_some_and(|v| !v.is_null()) {
+            return Err(GatewayError::invalid(format!("'{unsupported}' is not supported by this gateway yet")));
+        }
+    }
+    if body.extra.get("logprobs").and_then(Value::as_bool) == Some(true) {
+        return Err(GatewayError::invalid("'logprobs' is not supported by this gateway yet"));
+    }
+    if body.n.is_some_and(|n| n != 1) {
+        return Err(GatewayError::invalid("only n = 1 is supported"));
+    }
+    let model = cfg.models.get(&body.model).ok_or_else(|| {
+        GatewayError::invalid(format!("unknown model '{}'; GET /v1/models lists the models", body.model))
+    })?;
+    if body.messages.is_empty() {
+        return Err(GatewayError::invalid("'messages' must not be empty"));
+    }
+    for (i, m) in body.messages.iter().enumerate() {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
+            return Err(GatewayError::invalid(format!("messages[{i}].role {:?} is not a chat role", m.role)));
+        }
+        if !(m.content.is_string() || m.content.is_array() || (m.content.is_null() && m.role == "assistant")) {
+            return Err(GatewayError::invalid(format!("messages[{i}].content must be a string or content parts")));
+        }
+    }
+    let priority = match &body.priority {
+        Some(p) => Priority::parse(p)
+            .ok_or_else(|| GatewayError::invalid(format!("'priority' must be P0..P4, not {p:?}")))?,
+        None => identity.default_priority,
+    };
+    if !super::auth::may_use(&identity, priority) {
+        return Err(GatewayError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "application '{}' may not use priority {} (most urgent allowed: {})",
+                identity.application,
+                priority.as_str(),
+                identity.max_priority.as_str()
+            ),
+        ));
+    }
+    let request_id = body.request_id.clone().or(request_id_hint).unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    check_id("request_id", &request_id)?;
+    if let Some(k) = &body.idempotency_key {
+        check_id("idempotency_key", k)?;
+    }
+    if let Some(s) = &body.session_id {
+        check_id("session_id", s)?;
+    }
+    if let Some(p) = &body.params.temperature {
+        if !(0.0..=2.0).contains(p) {
+            return Err(GatewayError::invalid("'temperature' must be between 0 and 2"));
+        }
+    }
+    if let Some(p) = &body.params.top_p {
+        if !(0.0..=1.0).contains(p) {
+            return Err(GatewayError::invalid("'top_p' must be between 0 and 1"));
+        }
+    }
+
+    let requested = body.max_output_tokens.or(body.max_completion_tokens).or(body.max_tokens);
+    if requested == Some(0) {
+        return Err(GatewayError::invalid("'max_output_tokens' must be at least 1"));
+    }
+    let mut degrade_reason = None;
+    let mut max_output_tokens = requested.unwrap_or(model.max_output_tokens);
+    if max_output_tokens > model.max_output_tokens {
+        max_output_tokens = model.max_output_tokens;
+        degrade_reason = Some(format!("output budget capped at the model's {} tokens", model.max_output_tokens));
+    }
+    let input_tokens_estimate = context::estimate_tokens(&body.messages);
+    match context::fit(input_tokens_estimate, max_output_tokens, model.context_tokens) {
+        Fit::Fits => {}
+        Fit::ReduceOutput(n) => {
+            max_output_tokens = n;
+            degrade_reason = Some(format!("output budget reduced to {n} tokens to fit the context window"));
+        }
+        Fit::TooLarge => {
+            return Err(GatewayError::new(
+                ErrorCode::ContextTooLarge,
+                format!(
+                    "the prompt is about {input_tokens_estimate} tokens; model '{}' takes at most {}",
+                    model.name, model.context_tokens
+                ),
+            ))
+        }
+    }
+
+    let t = body.timeouts.unwrap_or_default();
+    let pick = |asked: Option<u64>, limit: Duration, name: &str| -> Result<Duration, GatewayError> {
+        match asked {
+            Some(0) => Err(GatewayError::invalid(format!("'timeouts.{name}' must be greater than 0"))),
+            // The configured value is both the default and the ceiling.
+            Some(ms) => Ok(Duration::from_millis(ms).min(limit)),
+            None => Ok(limit),
+        }
+    };
+    let timeouts = Timeouts {
+        queue: pick(t.queue_ms, cfg.timeouts.queue, "queue_ms")?,
+        first_token: pick(t.first_token_ms, cfg.timeouts.first_token, "first_token_ms")?,
+        inference: pick(t.inference_ms, cfg.timeouts.inference, "inference_ms")?,
+        idle: pick(t.idle_ms, cfg.timeouts.idle, "idle_ms")?,
+        total: pick(t.total_ms, cfg.timeouts.total, "total_ms")?,
+    };
+    let routing = body.routing.unwrap_or_default();
+    if routing.local_only && model.instances.iter().all(|i| !cfg.engines[i].local) {
+        return Err(GatewayError::new(
+            ErrorCode::PolicyBlocked,
+            format!("model '{}' has no local instance and the request is local_only", model.name),
+        ));
+    }
+
+    let mut metadata = body.metadata.unwrap_or_default();
+    let mut identity = identity;
+    if identity.user_id.is_none() {
+        identity.user_id = metadata.get("user_id").and_then(Value::as_str).map(str::to_string).or(body.user);
+    }
+    metadata.insert("application".into(), Value::String(identity.application.clone()));
+    let prompt_sha256 = hex::encode(Sha256::digest(serde_json::to_vec(&body.messages).unwrap_or_default()));
+
+    Ok(TaskRequest {
+        task_id: crate::task::new_task_id(),
+        request_id,
+        identity,
+        ingress,
+        logical_model: model.name.clone(),
+        messages: body.messages,
+        params: body.params,
+        priority,
+        max_output_tokens,
+        timeouts,
+        session_id: body.session_id,
+        idempotency_key: body.idempotency_key,
+        routing,
+        metadata,
+        input_tokens_estimate,
+        prompt_sha256,
+        received_at: Instant::now(),
+        received_wall: SystemTime::now(),
+        degrade_reason,
+    })
+}

@@ -1,0 +1,291 @@
+//! Configuration: one TOML file, overridable by `EDGEWAY__SECTION__KEY`
+//! environment variables, parsed into raw serde structs that reject unknown
+//! keys, then validated into a typed [`Config`] with every error reported by
+//! its key path.
+//!
+//! Owns: the file format and its validation. Does not own: what the values
+//! mean at run time (each component reads its own typed section).
+
+mod raw;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+
+use crate::task::{Priority, Timeouts};
+
+pub use raw::RawConfig;
+
+/// One problem in a configuration, with the key path it is about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// All problems found in a configuration.
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{} configuration error(s):", self.0.len())?;
+        for e in &self.0 {
+            writeln!(f, "  - {e}")?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Name of this gateway in results, logs and the task store.
+    pub node_id: String,
+    pub http: HttpConfig,
+    pub store: StoreConfig,
+    pub log: LogConfig,
+    pub timeouts: Timeouts,
+    pub scheduler: SchedulerConfig,
+    pub auth: AuthConfig,
+    pub applications: BTreeMap<String, ApplicationConfig>,
+    pub engines: BTreeMap<String, EngineConfig>,
+    pub models: BTreeMap<String, ModelConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    pub listen: SocketAddr,
+    /// Where `/metrics` and admin endpoints are also served, apart from the
+    /// business port. They stay on `listen` too unless `admin_only` is set.
+    pub admin_listen: Option<SocketAddr>,
+    pub max_body_bytes: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub data_dir: PathBuf,
+    /// Keep prompt and result text in the task store (off: a hash only).
+    pub store_prompts: bool,
+}
+
+impl StoreConfig {
+    pub fn db_path(&self) -> PathBuf {
+        self.data_dir.join("edgeway.db")
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// A `tracing` filter directive such as `info` or `edgeway=debug`.
+    pub level: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Default bound of each logical model's queue.
+    pub queue_capacity: usize,
+    /// How long a client is told to wait after `QUEUE_FULL`.
+    pub busy_retry_after_ms: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct AuthConfig {
+    pub jwt: Option<JwtConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct JwtConfig {
+    /// HS256 secret, read from the environment variable the config names.
+    pub hs256_secret: Option<Vec<u8>>,
+    /// RS256 public key, PEM.
+    pub rs256_public_key_pem: Option<Vec<u8>>,
+    pub issuer: Option<String>,
+    pub audience: Option<String>,
+    pub tenant_claim: String,
+    pub application_claim: String,
+    pub leeway_s: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct ApplicationConfig {
+    pub name: String,
+    pub tenant: String,
+    /// SHA-256 digests of the application's API keys.
+    pub api_key_sha256: Vec<[u8; 32]>,
+    pub max_priority: Priority,
+    pub default_priority: Priority,
+    pub admin: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    /// Any OpenAI-compatible server: llama.cpp, vLLM, SGLang, cloud APIs.
+    OpenAi,
+    Ollama,
+}
+
+impl EngineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineKind::OpenAi => "openai",
+            EngineKind::Ollama => "ollama",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub name: String,
+    pub kind: EngineKind,
+    pub base_url: String,
+    /// The engine's own name for the model it serves.
+    pub model: String,
+    pub max_concurrency: usize,
+    /// Bearer key for cloud APIs, read from the environment variable named in
+    /// `api_key_env` (never from the config file itself).
+    pub api_key: Option<String>,
+    pub health_path: String,
+    pub health_interval: Duration,
+    pub connect_timeout: Duration,
+    /// Stream from the engine (`true`) or ask for one whole answer.
+    pub stream: bool,
+    /// Ollama `keep_alive` (e.g. "5m", "-1").
+    pub keep_alive: Option<String>,
+    /// Whether the engine runs on this machine (`routing.local_only`).
+    pub local: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub name: String,
+    pub instances: Vec<String>,
+    pub context_tokens: u32,
+    /// Upper bound for a request's output tokens (and the default).
+    pub max_output_tokens: u32,
+    pub queue_capacity: usize,
+    pub description: Option<String>,
+}
+
+pub fn hash_api_key(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+impl Config {
+    /// Reads, applies environment overrides from the process environment, and
+    /// validates.
+    pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigErrors(vec![ConfigError {
+                path: String::new(),
+                message: format!("cannot read {}: {e}", path.display()),
+            }])
+        })?;
+        let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Self::from_toml_str(&text, std::env::vars(), &base_dir)
+    }
+
+    /// Parses `text`, applies the `EDGEWAY__…` variables among `env`, and
+    /// validates. Relative file paths other than `store.data_dir` are
+    /// resolved against `base_dir`.
+    pub fn from_toml_str(
+        text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+        base_dir: &Path,
+    ) -> Result<Config, ConfigErrors> {
+        let one = |path: &str, message: String| ConfigErrors(vec![ConfigError { path: path.into(), message }]);
+        let mut value: toml::Value =
+            toml::from_str(text).map_err(|e| one("", format!("invalid TOML: {e}")))?;
+        let env: Vec<(String, String)> = env.into_iter().collect();
+        raw::apply_env_overrides(&mut value, env.iter().cloned())?;
+        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            one(if path == "." { "" } else { &path }, e.into_inner().to_string())
+        })?;
+        raw.validate(&env, base_dir)
+    }
+
+    /// A short human summary, printed by `edgeway check-config`.
+    pub fn explain(&self) -> String {
+        let mut out = String::new();
+        use std::fmt::Write;
+        let _ = writeln!(out, "node {} — HTTP on {}", self.node_id, self.http.listen);
+        if let Some(a) = self.http.admin_listen {
+            let _ = writeln!(out, "admin endpoints also on {a}");
+        }
+        let _ = writeln!(
+            out,
+            "task store: {} (prompts {})",
+            self.store.db_path().display(),
+            if self.store.store_prompts { "stored" } else { "hashed only" }
+        );
+        for (name, m) in &self.models {
+            let _ = writeln!(
+                out,
+                "model {name}: instances [{}], context {} tokens, output ≤ {}, queue ≤ {}",
+                m.instances.join(", "),
+                m.context_tokens,
+                m.max_output_tokens,
+                m.queue_capacity
+            );
+        }
+        for (name, e) in &self.engines {
+            let _ = writeln!(
+                out,
+                "engine {name}: {} at {} (model {}), {} slot(s)",
+                e.kind.as_str(),
+                e.base_url,
+                e.model,
+                e.max_concurrency
+            );
+        }
+        for (name, a) in &self.applications {
+            let _ = writeln!(
+                out,
+                "application {name}: tenant {}, {} key(s), priorities {}–P4 (default {}){}",
+                a.tenant,
+                a.api_key_sha256.len(),
+                a.max_priority.as_str(),
+                a.default_priority.as_str(),
+                if a.admin { ", admin" } else { "" }
+            );
+        }
+        if let Some(j) = &self.auth.jwt {
+            let _ = writeln!(
+                out,
+                "JWT: {}{}",
+                match (j.hs256_secret.is_some(), j.rs256_public_key_pem.is_some()) {
+                    (true, true) => "HS256 and RS256",
+                    (true, false) => "HS256",
+                    (false, true) => "RS256",
+                    (false, false) => "no key",
+                },
+                j.issuer.as_deref().map(|i| format!(", issuer {i}")).unwrap_or_default()
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

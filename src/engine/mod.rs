@@ -1,0 +1,135 @@
+//! Engine adapters: one trait ([`Engine`]) in front of every inference
+//! server, one file per wire protocol family.
+//!
+//! Owns: talking to engines (requests, streams, health) and translating their
+//! wire formats into [`EngineChunk`]s. Does not own: which instance runs a
+//! task (router/scheduler) or what a client is told (the scheduler turns an
+//! [`EngineError`] into a public error code; engine text never reaches a
+//! client).
+//!
+//! # Cancel safety
+//! An [`EngineStream`] owns the engine's HTTP response. Dropping it closes
+//! the connection, which is how llama.cpp, vLLM and Ollama learn that the
+//! client is gone and stop generating. There is no separate cancel call.
+
+pub mod health;
+pub mod ollama;
+pub mod openai;
+mod wire;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::stream::BoxStream;
+
+use crate::config::{EngineConfig, EngineKind};
+use crate::task::{ChatMessage, SamplingParams};
+
+/// What an engine is asked to do: the engine-side model name and the chat.
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    pub model: String,
+    pub messages: Vec<ChatMessage>,
+    pub params: SamplingParams,
+    pub max_output_tokens: u32,
+}
+
+/// One piece of an engine's answer, in the order the engine sent it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineChunk {
+    Delta(String),
+    /// Token counts reported by the engine itself.
+    Usage { input_tokens: u32, output_tokens: u32 },
+    /// Why generation ended (`stop`, `length`, …). The stream ends after it
+    /// (possibly after a `Usage`).
+    Finish(String),
+}
+
+pub type EngineStream = BoxStream<'static, Result<EngineChunk, EngineError>>;
+
+/// What went wrong talking to an engine. Stays inside edgeway: the scheduler
+/// maps it to `MODEL_UNAVAILABLE` or `INTERNAL_ERROR` for the client.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    #[error("cannot reach engine: {0}")]
+    Unreachable(String),
+    #[error("engine answered HTTP {status}: {body}")]
+    Status { status: u16, body: String },
+    #[error("engine reported an error: {0}")]
+    Remote(String),
+    #[error("engine broke the protocol: {0}")]
+    Protocol(String),
+    #[error("engine stream ended before the answer was complete")]
+    Truncated,
+}
+
+impl EngineError {
+    /// Whether the engine itself is likely unusable (so health should be
+    /// re-checked), as opposed to this one request failing.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, EngineError::Unreachable(_)) || matches!(self, EngineError::Status { status, .. } if *status >= 502)
+    }
+}
+
+/// The result of a health probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineHealth {
+    pub up: bool,
+    /// Short, for logs and `/ready` (not for clients of tasks).
+    pub detail: String,
+    /// Whether the model is loaded in memory, where the engine tells.
+    pub model_resident: Option<bool>,
+}
+
+/// What an adapter can do, for the router and `/v1/models`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    pub streaming: bool,
+    /// The engine reports token usage itself.
+    pub reports_usage: bool,
+    /// The engine stops generating when its HTTP connection closes.
+    pub cancel_on_disconnect: bool,
+}
+
+#[async_trait]
+pub trait Engine: Send + Sync + 'static {
+    fn name(&self) -> &str;
+    fn kind(&self) -> EngineKind;
+    fn capabilities(&self) -> Capabilities;
+    /// Starts a generation. Resolves once the engine has accepted the
+    /// request (HTTP headers received); chunks follow on the stream.
+    async fn stream(&self, req: EngineRequest) -> Result<EngineStream, EngineError>;
+    async fn health(&self) -> EngineHealth;
+}
+
+/// Builds the adapter for one configured engine instance.
+pub fn build(cfg: &EngineConfig) -> Result<Arc<dyn Engine>, EngineError> {
+    let client = http_client(cfg.connect_timeout)?;
+    Ok(match cfg.kind {
+        EngineKind::OpenAi => Arc::new(openai::OpenAiEngine::new(cfg.clone(), client)),
+        EngineKind::Ollama => Arc::new(ollama::OllamaEngine::new(cfg.clone(), client)),
+    })
+}
+
+fn http_client(connect_timeout: Duration) -> Result<reqwest::Client, EngineError> {
+    crate::tls::install_default_provider();
+    reqwest::Client::builder()
+        .connect_timeout(connect_timeout)
+        .tcp_nodelay(true)
+        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(64)
+        .build()
+        .map_err(|e| EngineError::Unreachable(format!("cannot build HTTP client: {e}")))
+}
+
+pub(crate) fn truncate(s: &str, n: usize) -> String {
+    if s.len() <= n {
+        return s.to_string();
+    }
+    let mut end = n;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}

@@ -1,0 +1,266 @@
+//! Adapter for OpenAI-compatible servers: llama.cpp's `llama-server`, vLLM,
+//! SGLang and cloud APIs. Streams with `stream_options.include_usage` so the
+//! engine reports token usage on its last chunk.
+
+use std::collections::VecDeque;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::wire::{decode_lines, LineDecoder};
+use super::{truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineRequest, EngineStream};
+use crate::config::{EngineConfig, EngineKind};
+use crate::task::{ChatMessage, SamplingParams};
+
+pub struct OpenAiEngine {
+    cfg: EngineConfig,
+    client: reqwest::Client,
+    url: String,
+}
+
+impl OpenAiEngine {
+    pub fn new(cfg: EngineConfig, client: reqwest::Client) -> Self {
+        let url = format!("{}/v1/chat/completions", cfg.base_url);
+        OpenAiEngine { cfg, client, url }
+    }
+
+    fn post(&self, body: &WireRequest<'_>) -> reqwest::RequestBuilder {
+        let mut rb = self.client.post(&self.url).json(body);
+        if let Some(key) = &self.cfg.api_key {
+            rb = rb.bearer_auth(key);
+        }
+        rb
+    }
+}
+
+#[derive(Serialize)]
+struct WireRequest<'a> {
+    model: &'a str,
+    messages: &'a [ChatMessage],
+    stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<StreamOptions>,
+    max_tokens: u32,
+    #[serde(flatten)]
+    params: &'a SamplingParams,
+}
+
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+#[derive(Deserialize)]
+struct WireUsage {
+    #[serde(default)]
+    prompt_tokens: u32,
+    #[serde(default)]
+    completion_tokens: u32,
+}
+
+#[derive(Deserialize)]
+struct WireChunk {
+    #[serde(default)]
+    choices: Vec<WireChoice>,
+    usage: Option<WireUsage>,
+    error: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct WireChoice {
+    #[serde(default)]
+    delta: Option<WireMessage>,
+    #[serde(default)]
+    message: Option<WireMessage>,
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct WireMessage {
+    content: Option<String>,
+}
+
+impl TryFrom<WireChunk> for Vec<EngineChunk> {
+    type Error = EngineError;
+
+    fn try_from(c: WireChunk) -> Result<Self, EngineError> {
+        if let Some(err) = c.error {
+            let msg = err.get("message").and_then(Value::as_str).map(str::to_string).unwrap_or_else(|| err.to_string());
+            return Err(EngineError::Remote(truncate(&msg, 300)));
+        }
+        let mut out = Vec::new();
+        if let Some(choice) = c.choices.into_iter().next() {
+            let text = choice.delta.or(choice.message).and_then(|m| m.content);
+            if let Some(t) = text.filter(|t| !t.is_empty()) {
+                out.push(EngineChunk::Delta(t));
+            }
+            if let Some(r) = choice.finish_reason {
+                out.push(EngineChunk::Finish(r));
+            }
+        }
+        if let Some(u) = c.usage {
+            out.push(EngineChunk::Usage { input_tokens: u.prompt_tokens, output_tokens: u.completion_tokens });
+        }
+        Ok(out)
+    }
+}
+
+/// SSE decoder. The answer is complete at `data: [DONE]`. A `Finish`
+/// without `[DONE]` is held until the usage chunk or `[DONE]` arrives.
+#[derive(Default)]
+struct SseDecoder {
+    finish: Option<String>,
+}
+
+impl LineDecoder for SseDecoder {
+    fn line(&mut self, line: &str, out: &mut VecDeque<EngineChunk>) -> Result<bool, EngineError> {
+        let Some(data) = line.strip_prefix("data:") else {
+            // Comments (": ping"), `event:`/`id:` fields and blank separators.
+            return Ok(false);
+        };
+        let data = data.trim();
+        if data == "[DONE]" {
+            if let Some(f) = self.finish.take() {
+                out.push_back(EngineChunk::Finish(f));
+            }
+            return Ok(true);
+        }
+        if data.is_empty() {
+            return Ok(false);
+        }
+        let chunk: WireChunk = serde_json::from_str(data)
+            .map_err(|e| EngineError::Protocol(format!("bad SSE chunk ({e}): {}", truncate(data, 120))))?;
+        for c in Vec::<EngineChunk>::try_from(chunk)? {
+            match c {
+                EngineChunk::Finish(f) => self.finish = Some(f),
+                other => out.push_back(other),
+            }
+        }
+        Ok(false)
+    }
+
+    /// Some servers close after the finishing chunk without `[DONE]`.
+    fn eof(&mut self, out: &mut VecDeque<EngineChunk>) -> bool {
+        match self.finish.take() {
+            Some(f) => {
+                out.push_back(EngineChunk::Finish(f));
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+#[async_trait]
+impl Engine for OpenAiEngine {
+    fn name(&self) -> &str {
+        &self.cfg.name
+    }
+
+    fn kind(&self) -> EngineKind {
+        EngineKind::OpenAi
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { streaming: self.cfg.stream, reports_usage: true, cancel_on_disconnect: true }
+    }
+
+    async fn stream(&self, req: EngineRequest) -> Result<EngineStream, EngineError> {
+        let stream = self.cfg.stream;
+        let body = WireRequest {
+            model: &req.model,
+            messages: &req.messages,
+            stream,
+            stream_options: stream.then_some(StreamOptions { include_usage: true }),
+            max_tokens: req.max_output_tokens,
+            params: &req.params,
+        };
+        let resp = self.post(&body).send().await.map_err(|e| EngineError::Unreachable(e.without_url().to_string()))?;
+        let status = resp.status();
+        if !status.is_success() {
+            let text = resp.text().await.unwrap_or_default();
+            return Err(EngineError::Status { status: status.as_u16(), body: truncate(&text, 300) });
+        }
+        if stream {
+            return Ok(decode_lines(resp.bytes_stream(), SseDecoder::default()));
+        }
+        let fut = async move {
+            let bytes = resp.bytes().await.map_err(|_| EngineError::Truncated)?;
+            let chunk: WireChunk = serde_json::from_slice(&bytes)
+                .map_err(|e| EngineError::Protocol(format!("bad completion body: {e}")))?;
+            if chunk.choices.is_empty() && chunk.error.is_none() {
+                return Err(EngineError::Protocol("completion without choices".into()));
+            }
+            let mut chunks = Vec::<EngineChunk>::try_from(chunk)?;
+            // Keep the documented order: deltas, usage, then finish last.
+            chunks.sort_by_key(|c| matches!(c, EngineChunk::Finish(_)));
+            Ok::<_, EngineError>(chunks)
+        };
+        Ok(futures::stream::once(fut)
+            .flat_map(|r| match r {
+                Ok(v) => futures::stream::iter(v.into_iter().map(Ok).collect::<Vec<_>>()),
+                Err(e) => futures::stream::iter(vec![Err(e)]),
+            })
+            .boxed())
+    }
+
+    async fn health(&self) -> EngineHealth {
+        let url = format!("{}{}", self.cfg.base_url, self.cfg.health_path);
+        let mut rb = self.client.get(url).timeout(self.cfg.health_interval.max(std::time::Duration::from_secs(1)));
+        if let Some(key) = &self.cfg.api_key {
+            rb = rb.bearer_auth(key);
+        }
+        match rb.send().await {
+            Ok(r) if r.status().is_success() => EngineHealth { up: true, detail: "ok".into(), model_resident: None },
+            // llama-server answers 503 while it loads the model.
+            Ok(r) => EngineHealth { up: false, detail: format!("HTTP {}", r.status().as_u16()), model_resident: None },
+            Err(e) => EngineHealth { up: false, detail: format!("unreachable: {}", e.without_url()), model_resident: None },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode(lines: &[&str]) -> (Vec<EngineChunk>, bool) {
+        let mut d = SseDecoder::default();
+        let mut out = VecDeque::new();
+        let mut done = false;
+        for l in lines {
+            done = d.line(l, &mut out).unwrap();
+        }
+        (out.into_iter().collect(), done)
+    }
+
+    #[test]
+    fn finish_comes_after_usage() {
+        let (chunks, done) = decode(&[
+            r#"data: {"choices":[{"delta":{"role":"assistant","content":""}}]}"#,
+            r#"data: {"choices":[{"delta":{"content":"Hi"},"finish_reason":null}]}"#,
+            r#"data: {"choices":[{"delta":{},"finish_reason":"length"}]}"#,
+            r#"data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#,
+            "",
+            "data: [DONE]",
+        ]);
+        assert!(done);
+        assert_eq!(
+            chunks,
+            vec![
+                EngineChunk::Delta("Hi".into()),
+                EngineChunk::Usage { input_tokens: 5, output_tokens: 1 },
+                EngineChunk::Finish("length".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn error_objects_become_remote_errors() {
+        let mut d = SseDecoder::default();
+        let mut out = VecDeque::new();
+        let e = d.line(r#"data: {"error":{"message":"context overflow"}}"#, &mut out).unwrap_err();
+        assert!(matches!(e, EngineError::Remote(m) if m == "context overflow"));
+    }
+}

@@ -1,0 +1,207 @@
+//! The one public error code enum and the error every ingress answers with.
+//!
+//! Owns: the closed set of codes of DESIGN.md, and everything derived from a
+//! code (HTTP status, retryability, metric label). Does not own: the leaf
+//! error types of each component (engine, store, config), which are
+//! translated into a [`GatewayError`] once, at the edge that sees them.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Stable error codes shared by every ingress. The wire form is the
+/// SCREAMING_SNAKE_CASE name; never rename a variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ErrorCode {
+    AuthFailed,
+    PermissionDenied,
+    RateLimited,
+    QuotaExceeded,
+    InvalidRequest,
+    ContextTooLarge,
+    QueueFull,
+    QueueTimeout,
+    FirstTokenTimeout,
+    InferenceTimeout,
+    IdleTimeout,
+    TotalTimeout,
+    RequestCancelled,
+    ModelUnavailable,
+    ResourceExhausted,
+    PolicyBlocked,
+    InternalError,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 17] = [
+        ErrorCode::AuthFailed,
+        ErrorCode::PermissionDenied,
+        ErrorCode::RateLimited,
+        ErrorCode::QuotaExceeded,
+        ErrorCode::InvalidRequest,
+        ErrorCode::ContextTooLarge,
+        ErrorCode::QueueFull,
+        ErrorCode::QueueTimeout,
+        ErrorCode::FirstTokenTimeout,
+        ErrorCode::InferenceTimeout,
+        ErrorCode::IdleTimeout,
+        ErrorCode::TotalTimeout,
+        ErrorCode::RequestCancelled,
+        ErrorCode::ModelUnavailable,
+        ErrorCode::ResourceExhausted,
+        ErrorCode::PolicyBlocked,
+        ErrorCode::InternalError,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::AuthFailed => "AUTH_FAILED",
+            ErrorCode::PermissionDenied => "PERMISSION_DENIED",
+            ErrorCode::RateLimited => "RATE_LIMITED",
+            ErrorCode::QuotaExceeded => "QUOTA_EXCEEDED",
+            ErrorCode::InvalidRequest => "INVALID_REQUEST",
+            ErrorCode::ContextTooLarge => "CONTEXT_TOO_LARGE",
+            ErrorCode::QueueFull => "QUEUE_FULL",
+            ErrorCode::QueueTimeout => "QUEUE_TIMEOUT",
+            ErrorCode::FirstTokenTimeout => "FIRST_TOKEN_TIMEOUT",
+            ErrorCode::InferenceTimeout => "INFERENCE_TIMEOUT",
+            ErrorCode::IdleTimeout => "IDLE_TIMEOUT",
+            ErrorCode::TotalTimeout => "TOTAL_TIMEOUT",
+            ErrorCode::RequestCancelled => "REQUEST_CANCELLED",
+            ErrorCode::ModelUnavailable => "MODEL_UNAVAILABLE",
+            ErrorCode::ResourceExhausted => "RESOURCE_EXHAUSTED",
+            ErrorCode::PolicyBlocked => "POLICY_BLOCKED",
+            ErrorCode::InternalError => "INTERNAL_ERROR",
+        }
+    }
+
+    /// HTTP status for this code. 499 is the de-facto "client closed
+    /// request" status; a client that cancelled rarely reads it.
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorCode::AuthFailed => 401,
+            ErrorCode::PermissionDenied | ErrorCode::PolicyBlocked => 403,
+            ErrorCode::RateLimited | ErrorCode::QuotaExceeded => 429,
+            ErrorCode::InvalidRequest => 400,
+            ErrorCode::ContextTooLarge => 413,
+            ErrorCode::QueueFull
+            | ErrorCode::QueueTimeout
+            | ErrorCode::ModelUnavailable
+            | ErrorCode::ResourceExhausted => 503,
+            ErrorCode::FirstTokenTimeout
+            | ErrorCode::InferenceTimeout
+            | ErrorCode::IdleTimeout
+            | ErrorCode::TotalTimeout => 504,
+            ErrorCode::RequestCancelled => 499,
+            ErrorCode::InternalError => 500,
+        }
+    }
+
+    /// OpenAI-style `error.type` for the HTTP body.
+    pub fn error_type(self) -> &'static str {
+        match self {
+            ErrorCode::AuthFailed => "authentication_error",
+            ErrorCode::PermissionDenied | ErrorCode::PolicyBlocked => "permission_error",
+            ErrorCode::RateLimited | ErrorCode::QuotaExceeded => "rate_limit_error",
+            ErrorCode::InvalidRequest | ErrorCode::ContextTooLarge => "invalid_request_error",
+            ErrorCode::QueueFull
+            | ErrorCode::QueueTimeout
+            | ErrorCode::ModelUnavailable
+            | ErrorCode::ResourceExhausted => "overloaded_error",
+            ErrorCode::FirstTokenTimeout
+            | ErrorCode::InferenceTimeout
+            | ErrorCode::IdleTimeout
+            | ErrorCode::TotalTimeout => "timeout_error",
+            ErrorCode::RequestCancelled => "cancelled",
+            ErrorCode::InternalError => "server_error",
+        }
+    }
+
+    /// Whether the same request may succeed if sent again later unchanged.
+    pub fn retryable(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::RateLimited
+                | ErrorCode::QueueFull
+                | ErrorCode::QueueTimeout
+                | ErrorCode::ModelUnavailable
+                | ErrorCode::ResourceExhausted
+                | ErrorCode::FirstTokenTimeout
+                | ErrorCode::InternalError
+        )
+    }
+
+    /// Whether a task that ends with this code ends `TIMED_OUT` (rather than
+    /// `FAILED` or `CANCELLED`).
+    pub fn is_timeout(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::QueueTimeout
+                | ErrorCode::FirstTokenTimeout
+                | ErrorCode::InferenceTimeout
+                | ErrorCode::IdleTimeout
+                | ErrorCode::TotalTimeout
+        )
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a client is told when its call fails. The message is ours, written
+/// for the client: engine error text never goes into it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct GatewayError {
+    pub code: ErrorCode,
+    pub message: String,
+    /// Set on busy answers: when a retry has a fair chance.
+    pub retry_after_ms: Option<u64>,
+}
+
+impl GatewayError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        GatewayError { code, message: message.into(), retry_after_ms: None }
+    }
+
+    pub fn with_retry_after(mut self, ms: u64) -> Self {
+        self.retry_after_ms = Some(ms);
+        self
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::InvalidRequest, message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::InternalError, message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_names_round_trip() {
+        for code in ErrorCode::ALL {
+            let json = serde_json::to_string(&code).unwrap();
+            assert_eq!(json, format!("\"{}\"", code.as_str()));
+            let back: ErrorCode = serde_json::from_str(&json).unwrap();
+            assert_eq!(back, code);
+        }
+    }
+
+    #[test]
+    fn timeouts_are_gateway_timeouts() {
+        for code in ErrorCode::ALL {
+            if code.is_timeout() && code != ErrorCode::QueueTimeout {
+                assert_eq!(code.http_status(), 504, "{code}");
+            }
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! The HTTP ingress (axum): the OpenAI-compatible API for web apps and the
+//! operational endpoints.
+//!
+//! Owns: routes, the OpenAI wire format (chunks, SSE, error bodies) and
+//! client disconnects (dropping a response drops its task stream, which
+//! cancels the task). Does not own: validation or scheduling.
+
+mod chat;
+mod errors;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::error::{ErrorCode, GatewayError};
+use crate::gateway::Gateway;
+
+pub use errors::error_response;
+
+type AppState = Arc<Gateway>;
+
+/// Business endpoints: what applications call.
+fn business_routes(state: AppState) -> Router {
+    let limit = state.config.http.max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/models", get(list_models))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// Operational endpoints: probes and metrics.
+fn admin_routes(state: AppState) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+/// Binds the listeners and serves until `shutdown`. Returns the bound
+/// addresses (port 0 in the config picks a free port).
+pub async fn serve(
+    gw: AppState,
+    tracker: &TaskTracker,
+    shutdown: CancellationToken,
+) -> anyhow::Result<(SocketAddr, Option<SocketAddr>)> {
+    let cfg = &gw.config.http;
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {} (http.listen): {e}", cfg.listen))?;
+    let addr = listener.local_addr()?;
+    let mut app = business_routes(gw.clone());
+    let admin_addr = match cfg.admin_listen {
+        Some(a) => {
+            let l = tokio::net::TcpListener::bind(a)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on {a} (http.admin_listen): {e}"))?;
+            let admin_addr = l.local_addr()?;
+            let admin = admin_routes(gw.clone());
+            let sd = shutdown.clone();
+            tracker.spawn(async move {
+                if let Err(e) = axum::serve(l, admin).with_graceful_shutdown(sd.cancelled_owned()).await {
+                    tracing::error!(error = %e, "admin listener failed");
+                }
+            });
+            Some(admin_addr)
+        }
+        None => {
+            app = app.merge(admin_routes(gw.clone()));
+            None
+        }
+    };
+    tracker.spawn(async move {
+        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await {
+            tracing::error!(error = %e, "HTTP listener failed");
+        }
+    });
+    Ok((addr, admin_addr))
+}
+
+async fn not_found() -> Response {
+    let mut r = error_response(&GatewayError::invalid("no such endpoint"), None);
+    *r.status_mut() = StatusCode::NOT_FOUND;
+    r
+}
+
+async fn list_models(State(gw): State<AppState>, headers: axum::http::HeaderMap) -> Response {
+    if let Err(e) = gw.auth.authenticate(chat::bearer(&headers)) {
+        return error_response(&e, None).into_response();
+    }
+    let created = gw.started.elapsed().as_secs();
+    let created = crate::task::now_ms() / 1000 - created as i64;
+    let data: Vec<_> = gw
+        .config
+        .models
+        .values()
+        .map(|m| {
+            json!({
+                "id": m.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "edgeway",
+                "context_window": m.context_tokens,
+                "max_output_tokens": m.max_output_tokens,
+                "description": m.description,
+            })
+        })
+        .collect();
+    Json(json!({ "object": "list", "data": data })).into_response()
+}
+
+async fn health() -> Response {
+    Json(json!({ "status": "ok" })).into_response()
+}
+
+/// Ready when the store answers and every logical model has a healthy
+/// instance. 503 otherwise, with the details.
+async fn ready(State(gw): State<AppState>) -> Response {
+    let Some(snap) = gw.scheduler.snapshot().await else {
+        return error_response(&GatewayError::new(ErrorCode::InternalError, "scheduler is not running"), None);
+    };
+    let store_ok = tokio::time::timeout(std::time::Duration::from_secs(2), gw.store.flush()).await.is_ok();
+    let models: Vec<_> = gw
+        .config
+        .models
+        .values()
+        .map(|m| {
+            let up = m.instances.iter().any(|i| snap.instances.iter().any(|s| &s.name == i && s.up));
+            json!({ "model": m.name, "ready": up })
+        })
+        .collect();
+    let ready = store_ok && models.iter().all(|m| m["ready"] == true);
+    let body = json!({
+        "ready": ready,
+        "store": if store_ok { "ok" } else { "not responding" },
+        "models": models,
+        "instances": snap.instances,
+        "queues": snap.queues,
+    });
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(body)).into_response()
+}
+
+async fn metrics(State(gw): State<AppState>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], gw.metrics.render()).into_response()
+}

@@ -1,0 +1,84 @@
+//! The `edgeway` command: `serve`, `check-config`, `hash-key`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use edgeway::config::Config;
+
+#[derive(Parser)]
+#[command(name = "edgeway", version, about = "Edge AI gateway")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the gateway.
+    Serve {
+        #[arg(long, short, default_value = "config/edgeway.toml")]
+        config: PathBuf,
+    },
+    /// Validate a config file (with EDGEWAY__… overrides applied) and explain it.
+    CheckConfig { file: PathBuf },
+    /// Print the SHA-256 digest of an API key, for `api_key_sha256`.
+    HashKey { key: String },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::CheckConfig { file } => match Config::load(&file) {
+            Ok(c) => {
+                print!("{} is valid.\n{}", file.display(), c.explain());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprint!("{}: {e}", file.display());
+                ExitCode::from(2)
+            }
+        },
+        Cmd::HashKey { key } => {
+            println!("{}", hex::encode(edgeway::config::hash_api_key(&key)));
+            ExitCode::SUCCESS
+        }
+        Cmd::Serve { config } => {
+            let cfg = match Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprint!("{}: {e}", config.display());
+                    return ExitCode::from(2);
+                }
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+            rt.block_on(serve(cfg))
+        }
+    }
+}
+
+async fn serve(cfg: Config) -> ExitCode {
+    edgeway::telemetry::init_logging(&cfg.log);
+    let running = match edgeway::gateway::start(cfg).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "edgeway could not start");
+            eprintln!("edgeway could not start: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    wait_for_signal().await;
+    tracing::info!("shutting down: cancelling tasks and draining");
+    running.shutdown(Duration::from_secs(10)).await;
+    ExitCode::SUCCESS
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -1,0 +1,387 @@
+//! The task store: SQLite (WAL) on a dedicated thread.
+//!
+//! Owns: the database file, its schema and every write to it. Callers send
+//! operations over a channel and never wait for a write on the request path;
+//! writes are batched into one transaction per burst. Reads (and `flush`)
+//! answer through a oneshot.
+//!
+//! Does not own: the decisions recorded (scheduler) or prompt policy (the
+//! caller decides whether text is passed in at all).
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use rusqlite::{params, Connection, OptionalExtension};
+use tokio::sync::oneshot;
+
+use crate::error::GatewayError;
+use crate::task::{Identity, Ingress, ResultMeta, TaskRequest, TaskState};
+use crate::telemetry::Metrics;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot open task store {path}: {source}")]
+    Open { path: PathBuf, source: rusqlite::Error },
+    #[error("cannot create data directory {path}: {source}")]
+    Dir { path: PathBuf, source: std::io::Error },
+    #[error("task store is closed")]
+    Closed,
+    #[error("task store query failed: {0}")]
+    Query(#[from] rusqlite::Error),
+}
+
+/// One recorded state change.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transition {
+    pub state: TaskState,
+    pub at_ms: i64,
+    pub reason: String,
+    pub node_id: String,
+    pub instance: Option<String>,
+    /// Who caused it: `client`, `scheduler`, `engine`, `admin`, `gateway`.
+    pub actor: String,
+}
+
+/// A task as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskRecord {
+    pub task_id: String,
+    pub request_id: String,
+    pub tenant: String,
+    pub application: String,
+    pub user_id: Option<String>,
+    pub ingress: String,
+    pub logical_model: String,
+    pub priority: String,
+    pub state: TaskState,
+    pub created_at_ms: i64,
+    pub prompt_sha256: String,
+    pub prompt_text: Option<String>,
+    pub result_text: Option<String>,
+    pub error_code: Option<String>,
+    pub result: Option<ResultMeta>,
+    pub transitions: Vec<Transition>,
+}
+
+enum Op {
+    NewTask { req: Box<TaskRequest>, prompt_text: Option<String> },
+    Transition { task_id: String, t: Transition },
+    Finish { meta: Box<ResultMeta>, error_code: Option<String>, result_text: Option<String> },
+    Rejected { row: Box<RejectedCall> },
+    Flush(oneshot::Sender<()>),
+    Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
+}
+
+/// A call refused at admission, before it had a validated task.
+struct RejectedCall {
+    task_id: String,
+    tenant: String,
+    application: String,
+    user_id: Option<String>,
+    ingress: &'static str,
+    model: String,
+    code: &'static str,
+    message: String,
+    at_ms: i64,
+    node_id: String,
+}
+
+/// Handle to the store thread. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    tx: mpsc::Sender<Op>,
+    node_id: Arc<str>,
+    store_prompts: bool,
+}
+
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id        TEXT PRIMARY KEY,
+    request_id     TEXT NOT NULL,
+    tenant         TEXT NOT NULL,
+    application    TEXT NOT NULL,
+    user_id        TEXT,
+    ingress        TEXT NOT NULL,
+    logical_model  TEXT NOT NULL,
+    priority       TEXT NOT NULL,
+    state          TEXT NOT NULL,
+    created_at_ms  INTEGER NOT NULL,
+    updated_at_ms  INTEGER NOT NULL,
+    prompt_sha256  TEXT NOT NULL,
+    prompt_text    TEXT,
+    result_text    TEXT,
+    session_id     TEXT,
+    idempotency_key TEXT,
+    error_code     TEXT,
+    result_json    TEXT
+);
+CREATE INDEX IF NOT EXISTS tasks_by_request ON tasks(tenant, application, request_id);
+CREATE INDEX IF NOT EXISTS tasks_by_state ON tasks(state);
+CREATE TABLE IF NOT EXISTS task_transitions (
+    task_id   TEXT NOT NULL,
+    seq       INTEGER NOT NULL,
+    state     TEXT NOT NULL,
+    at_ms     INTEGER NOT NULL,
+    reason    TEXT NOT NULL,
+    node_id   TEXT NOT NULL,
+    instance  TEXT,
+    actor     TEXT NOT NULL,
+    PRIMARY KEY (task_id, seq)
+);
+"#;
+
+impl Store {
+    /// Opens (creating if needed) the database and starts the writer thread.
+    pub fn open(path: &Path, node_id: &str, store_prompts: bool, metrics: Arc<Metrics>) -> Result<Store, StoreError> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir { path: dir.to_path_buf(), source })?;
+        }
+        let open_err = |source| StoreError::Open { path: path.to_path_buf(), source };
+        let conn = Connection::open(path).map_err(open_err)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(open_err)?;
+        // NORMAL in WAL mode is durable against a process crash (kill -9);
+        // only an OS crash can lose the last transactions.
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
+        conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
+        conn.execute_batch(SCHEMA).map_err(open_err)?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("edgeway-store".into())
+            .spawn(move || writer_loop(conn, rx, metrics))
+            .map_err(|e| StoreError::Dir { path: path.to_path_buf(), source: e })?;
+        Ok(Store { tx, node_id: node_id.into(), store_prompts })
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    pub fn stores_prompts(&self) -> bool {
+        self.store_prompts
+    }
+
+    pub fn new_task(&self, req: &TaskRequest) {
+        let prompt_text = self.store_prompts.then(|| serde_json::to_string(&req.messages).unwrap_or_default());
+        let _ = self.tx.send(Op::NewTask { req: Box::new(req.clone()), prompt_text });
+    }
+
+    pub fn transition(&self, task_id: &str, state: TaskState, reason: &str, instance: Option<&str>, actor: &str) {
+        let t = Transition {
+            state,
+            at_ms: crate::task::now_ms(),
+            reason: reason.to_string(),
+            node_id: self.node_id.to_string(),
+            instance: instance.map(str::to_string),
+            actor: actor.to_string(),
+        };
+        let _ = self.tx.send(Op::Transition { task_id: task_id.to_string(), t });
+    }
+
+    /// Records a call that admission refused, as a task that went
+    /// RECEIVED → VALIDATING → REJECTED.
+    pub fn rejected(&self, who: &Identity, ingress: Ingress, model: &str, e: &GatewayError) {
+        let row = RejectedCall {
+            task_id: crate::task::new_task_id(),
+            tenant: who.tenant.clone(),
+            application: who.application.clone(),
+            user_id: who.user_id.clone(),
+            ingress: ingress.as_str(),
+            model: model.chars().take(128).collect(),
+            code: e.code.as_str(),
+            message: e.message.chars().take(500).collect(),
+            at_ms: crate::task::now_ms(),
+            node_id: self.node_id.to_string(),
+        };
+        let _ = self.tx.send(Op::Rejected { row: Box::new(row) });
+    }
+
+    /// Records the final metadata. `result_text` is dropped unless prompts
+    /// are stored.
+    pub fn finish(&self, meta: &ResultMeta, error_code: Option<&str>, result_text: Option<String>) {
+        let _ = self.tx.send(Op::Finish {
+            meta: Box::new(meta.clone()),
+            error_code: error_code.map(str::to_string),
+            result_text: result_text.filter(|_| self.store_prompts),
+        });
+    }
+
+    /// Resolves once everything sent before it is written.
+    pub async fn flush(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Op::Flush(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    pub async fn get(&self, task_id: &str) -> Result<Option<TaskRecord>, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Op::Get(task_id.to_string(), tx)).map_err(|_| StoreError::Closed)?;
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+}
+
+/// Writes up to this many operations in one transaction.
+const BATCH: usize = 512;
+
+fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metrics>) {
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < BATCH {
+            match rx.try_recv() {
+                Ok(op) => batch.push(op),
+                Err(_) => break,
+            }
+        }
+        let mut replies = Vec::new();
+        let res = (|| -> rusqlite::Result<()> {
+            let txn = conn.transaction()?;
+            for op in batch {
+                match op {
+                    Op::NewTask { req, prompt_text } => insert_task(&txn, &req, prompt_text)?,
+                    Op::Transition { task_id, t } => insert_transition(&txn, &task_id, &t)?,
+                    Op::Finish { meta, error_code, result_text } => finish_task(&txn, &meta, error_code, result_text)?,
+                    Op::Rejected { row } => insert_rejected(&txn, &row)?,
+                    Op::Flush(tx) => replies.push(Reply::Flush(tx)),
+                    Op::Get(id, tx) => replies.push(Reply::Get(id, tx)),
+                }
+            }
+            txn.commit()
+        })();
+        if let Err(e) = res {
+            metrics.store_errors.inc();
+            tracing::error!(error = %e, "task store write failed");
+        }
+        for r in replies {
+            match r {
+                Reply::Flush(tx) => {
+                    let _ = tx.send(());
+                }
+                Reply::Get(id, tx) => {
+                    let _ = tx.send(read_task(&conn, &id));
+                }
+            }
+        }
+    }
+}
+
+enum Reply {
+    Flush(oneshot::Sender<()>),
+    Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
+}
+
+fn insert_task(c: &Connection, r: &TaskRequest, prompt_text: Option<String>) -> rusqlite::Result<()> {
+    let now = crate::task::unix_ms(r.received_wall);
+    c.execute(
+        "INSERT OR IGNORE INTO tasks (task_id, request_id, tenant, application, user_id, ingress, logical_model, \
+         priority, state, created_at_ms, updated_at_ms, prompt_sha256, prompt_text, session_id, idempotency_key) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'RECEIVED', ?9, ?9, ?10, ?11, ?12, ?13)",
+        params![
+            r.task_id,
+            r.request_id,
+            r.identity.tenant,
+            r.identity.application,
+            r.identity.user_id,
+            r.ingress.as_str(),
+            r.logical_model,
+            r.priority.as_str(),
+            now,
+            r.prompt_sha256,
+            prompt_text,
+            r.session_id,
+            r.idempotency_key,
+        ],
+    )?;
+    Ok(())
+}
+
+fn insert_rejected(c: &Connection, r: &RejectedCall) -> rusqlite::Result<()> {
+    c.execute(
+        "INSERT INTO tasks (task_id, request_id, tenant, application, user_id, ingress, logical_model, priority, \
+         state, created_at_ms, updated_at_ms, prompt_sha256, error_code) \
+         VALUES (?1, '', ?2, ?3, ?4, ?5, ?6, '', 'REJECTED', ?7, ?7, '', ?8)",
+        params![r.task_id, r.tenant, r.application, r.user_id, r.ingress, r.model, r.at_ms, r.code],
+    )?;
+    for (state, reason) in [("RECEIVED", r.ingress), ("VALIDATING", ""), ("REJECTED", r.message.as_str())] {
+        c.execute(
+            "INSERT INTO task_transitions (task_id, seq, state, at_ms, reason, node_id, instance, actor) \
+             VALUES (?1, (SELECT COALESCE(MAX(seq), -1) + 1 FROM task_transitions WHERE task_id = ?1), ?2, ?3, ?4, ?5, NULL, 'gateway')",
+            params![r.task_id, state, r.at_ms, reason, r.node_id],
+        )?;
+    }
+    Ok(())
+}
+
+fn insert_transition(c: &Connection, task_id: &str, t: &Transition) -> rusqlite::Result<()> {
+    c.execute(
+        "INSERT INTO task_transitions (task_id, seq, state, at_ms, reason, node_id, instance, actor) \
+         VALUES (?1, (SELECT COALESCE(MAX(seq), -1) + 1 FROM task_transitions WHERE task_id = ?1), ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![task_id, t.state.as_str(), t.at_ms, t.reason, t.node_id, t.instance, t.actor],
+    )?;
+    c.execute(
+        "UPDATE tasks SET state = ?2, updated_at_ms = ?3 WHERE task_id = ?1",
+        params![task_id, t.state.as_str(), t.at_ms],
+    )?;
+    Ok(())
+}
+
+fn finish_task(c: &Connection, m: &ResultMeta, error_code: Option<String>, result_text: Option<String>) -> rusqlite::Result<()> {
+    let json = serde_json::to_string(m).unwrap_or_default();
+    c.execute(
+        "UPDATE tasks SET state = ?2, error_code = ?3, result_json = ?4, result_text = ?5, updated_at_ms = ?6 \
+         WHERE task_id = ?1",
+        params![m.task_id, m.status.as_str(), error_code, json, result_text, crate::task::now_ms()],
+    )?;
+    Ok(())
+}
+
+fn read_task(c: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+    let rec = c
+        .query_row(
+            "SELECT task_id, request_id, tenant, application, user_id, ingress, logical_model, priority, state, \
+             created_at_ms, prompt_sha256, prompt_text, result_text, error_code, result_json FROM tasks WHERE task_id = ?1",
+            params![id],
+            |row| {
+                let state: String = row.get(8)?;
+                let result_json: Option<String> = row.get(14)?;
+                Ok(TaskRecord {
+                    task_id: row.get(0)?,
+                    request_id: row.get(1)?,
+                    tenant: row.get(2)?,
+                    application: row.get(3)?,
+                    user_id: row.get(4)?,
+                    ingress: row.get(5)?,
+                    logical_model: row.get(6)?,
+                    priority: row.get(7)?,
+                    state: TaskState::parse(&state).unwrap_or(TaskState::Failed),
+                    created_at_ms: row.get(9)?,
+                    prompt_sha256: row.get(10)?,
+                    prompt_text: row.get(11)?,
+                    result_text: row.get(12)?,
+                    error_code: row.get(13)?,
+                    result: result_json.and_then(|j| serde_json::from_str(&j).ok()),
+                    transitions: Vec::new(),
+                })
+            },
+        )
+        .optional()?;
+    let Some(mut rec) = rec else { return Ok(None) };
+    let mut stmt = c.prepare(
+        "SELECT state, at_ms, reason, node_id, instance, actor FROM task_transitions WHERE task_id = ?1 ORDER BY seq",
+    )?;
+    let rows = stmt.query_map(params![id], |row| {
+        let state: String = row.get(0)?;
+        Ok(Transition {
+            state: TaskState::parse(&state).unwrap_or(TaskState::Failed),
+            at_ms: row.get(1)?,
+            reason: row.get(2)?,
+            node_id: row.get(3)?,
+            instance: row.get(4)?,
+            actor: row.get(5)?,
+        })
+    })?;
+    for t in rows {
+        rec.transitions.push(t?);
+    }
+    Ok(Some(rec))
+}

@@ -1,0 +1,337 @@
+//! The task model shared by every ingress: what a call asks for
+//! ([`TaskRequest`]), the states it moves through ([`TaskState`]), what its
+//! client sees while it runs ([`TaskEvent`]) and the result metadata
+//! ([`ResultMeta`]).
+//!
+//! Owns: the types and their wire names. Does not own: parsing of any one
+//! ingress's format (see `ingress::*`) or the rules that decide transitions
+//! (see `scheduler`).
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::error::GatewayError;
+
+/// P0 (alarms) is the most urgent, P4 (batch) the least. `Ord` follows
+/// urgency: `P0 < P4`, so the smallest value runs first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Priority {
+    P0,
+    P1,
+    P2,
+    P3,
+    P4,
+}
+
+impl Priority {
+    pub const ALL: [Priority; 5] = [Priority::P0, Priority::P1, Priority::P2, Priority::P3, Priority::P4];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::P0 => "P0",
+            Priority::P1 => "P1",
+            Priority::P2 => "P2",
+            Priority::P3 => "P3",
+            Priority::P4 => "P4",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn parse(s: &str) -> Option<Priority> {
+        match s.trim().to_ascii_uppercase().as_str() {
+            "P0" => Some(Priority::P0),
+            "P1" => Some(Priority::P1),
+            "P2" => Some(Priority::P2),
+            "P3" => Some(Priority::P3),
+            "P4" => Some(Priority::P4),
+            _ => None,
+        }
+    }
+}
+
+/// Life-cycle states of DESIGN.md. Wire form is SCREAMING_SNAKE_CASE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum TaskState {
+    Received,
+    Validating,
+    Rejected,
+    Queued,
+    Dispatching,
+    Running,
+    Streaming,
+    Succeeded,
+    Failed,
+    Cancelled,
+    TimedOut,
+}
+
+impl TaskState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskState::Received => "RECEIVED",
+            TaskState::Validating => "VALIDATING",
+            TaskState::Rejected => "REJECTED",
+            TaskState::Queued => "QUEUED",
+            TaskState::Dispatching => "DISPATCHING",
+            TaskState::Running => "RUNNING",
+            TaskState::Streaming => "STREAMING",
+            TaskState::Succeeded => "SUCCEEDED",
+            TaskState::Failed => "FAILED",
+            TaskState::Cancelled => "CANCELLED",
+            TaskState::TimedOut => "TIMED_OUT",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<TaskState> {
+        serde_json::from_value(Value::String(s.to_string())).ok()
+    }
+
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            TaskState::Rejected
+                | TaskState::Succeeded
+                | TaskState::Failed
+                | TaskState::Cancelled
+                | TaskState::TimedOut
+        )
+    }
+
+    /// The transitions DESIGN.md allows. `Streaming` may also end `Failed`
+    /// (engine broke mid-stream) and `TimedOut` (idle, inference, total).
+    pub fn can_move_to(self, next: TaskState) -> bool {
+        use TaskState::*;
+        match (self, next) {
+            (Received, Validating) => true,
+            (Received, Rejected) | (Validating, Rejected) | (Validating, Queued) => true,
+            (Queued, Dispatching) | (Queued, TimedOut) | (Queued, Cancelled) => true,
+            (Dispatching, Running) | (Dispatching, Failed) => true,
+            (Dispatching, Cancelled) | (Dispatching, TimedOut) => true,
+            (Running, Streaming) | (Running, TimedOut) | (Running, Failed) => true,
+            (Running, Cancelled) | (Running, Succeeded) => true,
+            (Streaming, Succeeded)
+            | (Streaming, Failed)
+            | (Streaming, Cancelled)
+            | (Streaming, TimedOut) => true,
+            _ => false,
+        }
+    }
+}
+
+/// Which door a task came in by. Recorded and used as a metric label only;
+/// the scheduler never looks at it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ingress {
+    Http,
+    Mqtt,
+    Nats,
+}
+
+impl Ingress {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ingress::Http => "http",
+            Ingress::Mqtt => "mqtt",
+            Ingress::Nats => "nats",
+        }
+    }
+}
+
+/// Who is calling, as established by admission (API key or JWT).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub tenant: String,
+    pub application: String,
+    /// From the JWT `sub`, or the request's `metadata.user_id` for API keys.
+    pub user_id: Option<String>,
+    /// The most urgent priority this caller may use (P0 allows all).
+    pub max_priority: Priority,
+    /// Used when the request names no priority.
+    pub default_priority: Priority,
+    pub is_admin: bool,
+}
+
+/// One chat message. `content` is kept as JSON (string or content parts) so
+/// engines receive what the client sent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Value,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl ChatMessage {
+    pub fn text_len(&self) -> usize {
+        match &self.content {
+            Value::String(s) => s.len(),
+            Value::Array(parts) => parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .map(str::len)
+                .sum(),
+            _ => 0,
+        }
+    }
+}
+
+/// Sampling parameters forwarded to the engine as they came.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f64>,
+}
+
+/// Resolved time limits of one task (config defaults, lowered by the request).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    pub queue: Duration,
+    pub first_token: Duration,
+    pub inference: Duration,
+    pub idle: Duration,
+    pub total: Duration,
+}
+
+/// Routing wishes of the caller.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Routing {
+    #[serde(default)]
+    pub local_only: bool,
+    #[serde(default)]
+    pub allow_smaller_model: bool,
+}
+
+/// A validated call, the same whatever ingress it came from.
+#[derive(Debug, Clone)]
+pub struct TaskRequest {
+    pub task_id: String,
+    pub request_id: String,
+    pub identity: Identity,
+    pub ingress: Ingress,
+    pub logical_model: String,
+    pub messages: Vec<ChatMessage>,
+    pub params: SamplingParams,
+    pub priority: Priority,
+    pub max_output_tokens: u32,
+    pub timeouts: Timeouts,
+    pub session_id: Option<String>,
+    pub idempotency_key: Option<String>,
+    pub routing: Routing,
+    /// `metadata` of the request (application, user_id, trace_id, …).
+    pub metadata: Map<String, Value>,
+    /// Estimated prompt size in tokens, from `context::estimate_tokens`.
+    pub input_tokens_estimate: u32,
+    /// SHA-256 of the messages' JSON, hex. Stored instead of the prompt.
+    pub prompt_sha256: String,
+    pub received_at: Instant,
+    pub received_wall: SystemTime,
+    /// Set when admission served less than asked (e.g. output budget cut to
+    /// fit the context); reported as `degraded` in the result.
+    pub degrade_reason: Option<String>,
+}
+
+/// Token counts. `estimated` is true when the engine did not report them
+/// and edgeway counted on its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub input_tokens: u32,
+    pub output_tokens: u32,
+    pub total_tokens: u32,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub estimated: bool,
+}
+
+/// Milliseconds spent in each phase. Phases a task never reached are `None`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Timing {
+    pub queue_ms: Option<u64>,
+    pub first_token_ms: Option<u64>,
+    pub inference_ms: Option<u64>,
+    pub total_ms: u64,
+}
+
+/// The result metadata of DESIGN.md, the same on every ingress.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResultMeta {
+    pub request_id: String,
+    pub task_id: String,
+    pub session_id: Option<String>,
+    pub status: TaskState,
+    pub logical_model: String,
+    pub actual_model: Option<String>,
+    pub node_id: String,
+    pub usage: Usage,
+    pub timing: Timing,
+    pub finish_reason: Option<String>,
+    pub degraded: bool,
+    pub degrade_reason: Option<String>,
+}
+
+/// What the client of a task receives, in order. Exactly one of `Done` and
+/// `Error` ends the stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TaskEvent {
+    Accepted { task_id: String, queue_position: usize },
+    Delta { text: String },
+    Done(Box<ResultMeta>),
+    Error { error: GatewayError, meta: Box<ResultMeta> },
+}
+
+pub fn unix_ms(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+pub fn now_ms() -> i64 {
+    unix_ms(SystemTime::now())
+}
+
+/// A new task id: a UUIDv7 (time-ordered), so ids sort by creation.
+pub fn new_task_id() -> String {
+    uuid::Uuid::now_v7().simple().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn priority_order_is_urgency() {
+        assert!(Priority::P0 < Priority::P1 && Priority::P3 < Priority::P4);
+        assert_eq!(Priority::parse("p2"), Some(Priority::P2));
+        assert_eq!(Priority::parse("P5"), None);
+    }
+
+    #[test]
+    fn every_terminal_state_is_reachable_and_final() {
+        use TaskState::*;
+        let all = [
+            Received, Validating, Rejected, Queued, Dispatching, Running, Streaming, Succeeded,
+            Failed, Cancelled, TimedOut,
+        ];
+        for s in all {
+            if s.is_terminal() {
+                assert!(all.iter().all(|n| !s.can_move_to(*n)), "{s:?} must be final");
+                assert!(all.iter().any(|p| p.can_move_to(s)), "{s:?} must be reachable");
+            }
+            assert_eq!(TaskState::parse(s.as_str()), Some(s));
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! A fake inference server speaking both wire protocols edgeway uses
+//! (OpenAI-compatible SSE and Ollama NDJSON), with knobs for latency,
+//! failures and mid-stream drops, and counters that show whether a client
+//! really went away (what llama.cpp's `/slots` shows for the real engine).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// Behaviour of the fake, changeable while it runs.
+#[derive(Debug, Clone)]
+pub struct Knobs {
+    /// Tokens generated per answer (capped by the request's max tokens).
+    pub tokens: u32,
+    pub token_text: String,
+    /// Delay before the response headers (engine busy accepting).
+    pub accept_delay: Duration,
+    pub first_token_delay: Duration,
+    pub token_delay: Duration,
+    /// Answer every generation request with this HTTP status.
+    pub fail_status: Option<u16>,
+    /// Abort the connection after this many tokens.
+    pub drop_after: Option<u32>,
+    /// Never report usage.
+    pub omit_usage: bool,
+    /// What health endpoints answer.
+    pub healthy: bool,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            tokens: 5,
+            token_text: "tok ".into(),
+            accept_delay: Duration::ZERO,
+            first_token_delay: Duration::ZERO,
+            token_delay: Duration::ZERO,
+            fail_status: None,
+            drop_after: None,
+            omit_usage: false,
+            healthy: true,
+        }
+    }
+}
+
+/// What the fake saw.
+#[derive(Default)]
+pub struct Stats {
+    pub requests: AtomicU64,
+    /// Generations in progress (a slot busy, in llama.cpp terms).
+    pub active: AtomicI64,
+    pub completed: AtomicU64,
+    /// Generations whose client went away before the end.
+    pub aborted: AtomicU64,
+    pub last_request: Mutex<Option<Value>>,
+    changed: Notify,
+}
+
+struct Shared {
+    knobs: Mutex<Knobs>,
+    stats: Arc<Stats>,
+}
+
+pub struct FakeEngine {
+    pub addr: SocketAddr,
+    pub stats: Arc<Stats>,
+    shared: Arc<Shared>,
+    shutdown: CancellationToken,
+}
+
+impl FakeEngine {
+    pub async fn start() -> FakeEngine {
+        Self::start_with(Knobs::default()).await
+    }
+
+    pub async fn start_with(knobs: Knobs) -> FakeEngine {
+        let stats = Arc::new(Stats::default());
+        let shared = Arc::new(Shared { knobs: Mutex::new(knobs), stats: stats.clone() });
+        let app = Router::new()
+            .route("/v1/chat/completions", post(openai_chat))
+            .route("/v1/models", get(openai_models))
+            .route("/health", get(health))
+            .route("/api/chat", post(ollama_chat))
+            .route("/api/tags", get(ollama_tags))
+            .route("/api/ps", get(ollama_tags))
+            .with_state(shared.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind fake engine");
+        let addr = listener.local_addr().expect("local addr");
+        let shutdown = CancellationToken::new();
+        let sd = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).with_graceful_shutdown(sd.cancelled_owned()).await;
+        });
+        FakeEngine { addr, stats, shared, shutdown }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn set(&self, f: impl FnOnce(&mut Knobs)) {
+        f(&mut self.shared.knobs.lock().expect("knobs"));
+    }
+
+    pub fn active(&self) -> i64 {
+        self.stats.active.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `cond` holds on the stats (checked at every change), or
+    /// `limit` passes. Returns whether it held.
+    pub async fn wait_for(&self, limit: Duration, cond: impl Fn(&Stats) -> bool) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let notified = self.stats.changed.notified();
+            if cond(&self.stats) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return cond(&self.stats);
+            }
+        }
+    }
+}
+
+impl Drop for FakeEngine {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Counts a generation as active until dropped; a drop before `complete`
+/// counts as an abort.
+struct Generation {
+    stats: Arc<Stats>,
+    done: bool,
+}
+
+impl Generation {
+    fn start(stats: &Arc<Stats>) -> Generation {
+        stats.active.fetch_add(1, Ordering::SeqCst);
+        stats.changed.notify_waiters();
+        Generation { stats: stats.clone(), done: false }
+    }
+
+    fn complete(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if self.done {
+            self.stats.completed.fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.stats.aborted.fetch_add(1, Ordering::SeqCst);
+        }
+        self.stats.active.fetch_sub(1, Ordering::SeqCst);
+        self.stats.changed.notify_waiters();
+    }
+}
+
+async fn begin(s: &Shared, body: &Value) -> Result<Knobs, Response> {
+    s.stats.requests.fetch_add(1, Ordering::SeqCst);
+    *s.stats.last_request.lock().expect("last") = Some(body.clone());
+    let k = s.knobs.lock().expect("knobs").clone();
+    if !k.accept_delay.is_zero() {
+        tokio::time::sleep(k.accept_delay).await;
+    }
+    if let Some(code) = k.fail_status {
+        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return Err((status, Json(json!({"error": {"message": "fake engine failure: secret internal detail"}}))).into_response());
+    }
+    Ok(k)
+}
+
+fn token_count(k: &Knobs, max: Option<u64>) -> u32 {
+    max.map(|m| (m as u32).min(k.tokens)).unwrap_or(k.tokens)
+}
+
+fn prompt_tokens(body: &Value) -> u32 {
+    body["messages"].as_array().map(|m| m.len() as u32 * 4 + 3).unwrap_or(0)
+}
+
+type Frame = Result<Bytes, std::io::Error>;
+
+/// Streams `n` tokens framed by `frame`, honouring delays and drops.
+fn generate(
+    k: Knobs,
+    n: u32,
+    stats: Arc<Stats>,
+    mut frame: impl FnMut(Option<u32>) -> Vec<Bytes> + Send + 'static,
+) -> Body {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Frame>(4);
+    tokio::spawn(async move {
+        let mut g = Generation::start(&stats);
+        tokio::time::sleep(k.first_token_delay).await;
+        for i in 0..n {
+            if i > 0 && !k.token_delay.is_zero() {
+                tokio::time::sleep(k.token_delay).await;
+            }
+            if k.drop_after == Some(i) {
+                let _ = tx.send(Err(std::io::Error::other("fake mid-stream drop"))).await;
+                return;
+            }
+            for b in frame(Some(i)) {
+                // A failed send means the client is gone: stop generating.
+                if tx.send(Ok(b)).await.is_err() {
+                    return;
+                }
+            }
+        }
+        for b in frame(None) {
+            if tx.send(Ok(b)).await.is_err() {
+                return;
+            }
+        }
+        g.complete();
+        drop(g);
+    });
+    Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+async fn openai_chat(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let k = match begin(&s, &body).await {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    let n = token_count(&k, body["max_tokens"].as_u64());
+    let model = body["model"].as_str().unwrap_or("fake").to_string();
+    let pt = prompt_tokens(&body);
+    if !body["stream"].as_bool().unwrap_or(false) {
+        let mut g = Generation::start(&s.stats);
+        tokio::time::sleep(k.first_token_delay + k.token_delay * n.saturating_sub(1)).await;
+        g.complete();
+        let mut v = json!({
+            "id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": k.token_text.repeat(n as usize)}, "finish_reason": if n < k.tokens { "length" } else { "stop" }}],
+        });
+        if !k.omit_usage {
+            v["usage"] = json!({"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n});
+        }
+        return Json(v).into_response();
+    }
+    let include_usage = body["stream_options"]["include_usage"].as_bool().unwrap_or(false) && !k.omit_usage;
+    let text = k.token_text.clone();
+    let finish = if n < k.tokens { "length" } else { "stop" };
+    let sse = |v: Value| Bytes::from(format!("data: {v}\n\n"));
+    let body = generate(k, n, s.stats.clone(), move |i| match i {
+        Some(0) => vec![
+            sse(json!({"id": "c", "object": "chat.completion.chunk", "model": model, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]})),
+            sse(json!({"id": "c", "object": "chat.completion.chunk", "model": model, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]})),
+        ],
+        Some(_) => vec![sse(json!({"id": "c", "object": "chat.completion.chunk", "model": model, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]}))],
+        None => {
+            let mut v = vec![sse(json!({"id": "c", "object": "chat.completion.chunk", "model": model, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}))];
+            if include_usage {
+                v.push(sse(json!({"id": "c", "object": "chat.completion.chunk", "model": model, "choices": [], "usage": {"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n}})));
+            }
+            v.push(Bytes::from_static(b"data: [DONE]\n\n"));
+            v
+        }
+    });
+    ([("content-type", "text/event-stream")], body).into_response()
+}
+
+async fn ollama_chat(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let k = match begin(&s, &body).await {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    let n = token_count(&k, body["options"]["num_predict"].as_u64());
+    let model = body["model"].as_str().unwrap_or("fake").to_string();
+    let pt = prompt_tokens(&body);
+    let omit_usage = k.omit_usage;
+    let text = k.token_text.clone();
+    let finish = if n < k.tokens { "length" } else { "stop" };
+    let line = |v: Value| Bytes::from(format!("{v}\n"));
+    if !body["stream"].as_bool().unwrap_or(true) {
+        let mut g = Generation::start(&s.stats);
+        tokio::time::sleep(k.first_token_delay + k.token_delay * n.saturating_sub(1)).await;
+        g.complete();
+        let mut v = json!({"model": model, "message": {"role": "assistant", "content": text.repeat(n as usize)}, "done": true, "done_reason": finish});
+        if !omit_usage {
+            v["prompt_eval_count"] = pt.into();
+            v["eval_count"] = n.into();
+        }
+        return Json(v).into_response();
+    }
+    let body = generate(k, n, s.stats.clone(), move |i| match i {
+        Some(_) => vec![line(json!({"model": model, "message": {"role": "assistant", "content": text}, "done": false}))],
+        None => {
+            let mut v = json!({"model": model, "message": {"role": "assistant", "content": ""}, "done": true, "done_reason": finish});
+            if !omit_usage {
+                v["prompt_eval_count"] = pt.into();
+                v["eval_count"] = n.into();
+            }
+            vec![line(v)]
+        }
+    });
+    ([("content-type", "application/x-ndjson")], body).into_response()
+}
+
+fn health_status(s: &Shared) -> StatusCode {
+    if s.knobs.lock().expect("knobs").healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn health(State(s): State<Arc<Shared>>) -> Response {
+    (health_status(&s), Json(json!({"status": "ok"}))).into_response()
+}
+
+async fn openai_models(State(s): State<Arc<Shared>>) -> Response {
+    (health_status(&s), Json(json!({"object": "list", "data": [{"id": "fake", "object": "model"}]}))).into_response()
+}
+
+async fn ollama_tags(State(s): State<Arc<Shared>>) -> Response {
+    (health_status(&s), Json(json!({"models": [{"name": "fake:latest", "model": "fake:latest"}]}))).into_response()
+}

@@ -1,0 +1,132 @@
+//! Test and benchmark support: fake engines and an in-process gateway on
+//! port 0. Used by `tests/` and `bench/`; not part of the gateway's
+//! behaviour.
+
+pub mod fake_engine;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::config::Config;
+use crate::gateway::{self, RunningGateway};
+
+pub use fake_engine::{FakeEngine, Knobs};
+
+/// API keys of the test configs (the same as the example config's).
+pub const DEMO_KEY: &str = "sk-edgeway-demo";
+pub const OPS_KEY: &str = "sk-edgeway-ops";
+
+/// A minimal config: applications `demo` (P1–P4) and `ops` (P0–P4), one
+/// engine `fake` of `kind` at `engine_url` serving model `general-chat`.
+/// `extra` is TOML appended inside `[models.general-chat]`: bare keys set
+/// that model's options, and later `[section]` headers add sections.
+pub fn config_toml(engine_url: &str, kind: &str, data_dir: &std::path::Path, extra: &str) -> String {
+    let demo = hex::encode(crate::config::hash_api_key(DEMO_KEY));
+    let ops = hex::encode(crate::config::hash_api_key(OPS_KEY));
+    let model = if kind == "ollama" { "fake" } else { "fake-model" };
+    format!(
+        r#"
+node_id = "test-node"
+[http]
+listen = "127.0.0.1:0"
+[store]
+data_dir = "{data}"
+[applications.demo]
+tenant = "demo"
+api_key_sha256 = ["{demo}"]
+max_priority = "P1"
+default_priority = "P2"
+[applications.ops]
+tenant = "demo"
+api_key_sha256 = ["{ops}"]
+max_priority = "P0"
+default_priority = "P1"
+[engines.fake]
+type = "{kind}"
+base_url = "{engine_url}"
+model = "{model}"
+max_concurrency = 2
+health_interval_ms = 100
+[models.general-chat]
+instances = ["fake"]
+context_tokens = 2048
+max_output_tokens = 256
+{extra}
+"#,
+        data = data_dir.display().to_string().replace('\\', "\\\\"),
+    )
+}
+
+/// A gateway running in this process, on free ports, with its own data
+/// directory.
+pub struct TestGateway {
+    pub running: Option<RunningGateway>,
+    pub base_url: String,
+    pub data_dir: PathBuf,
+    _tmp: Option<TempDir>,
+}
+
+/// A directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("{prefix}-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl TestGateway {
+    pub async fn start(config: Config) -> TestGateway {
+        let data_dir = config.store.data_dir.clone();
+        let running = gateway::start(config).await.expect("gateway starts");
+        let base_url = format!("http://{}", running.http_addr);
+        TestGateway { running: Some(running), base_url, data_dir, _tmp: None }
+    }
+
+    /// Starts with [`config_toml`] around a fake engine.
+    pub async fn with_engine(engine_url: &str, kind: &str, extra: &str) -> TestGateway {
+        let tmp = TempDir::new("edgeway-test");
+        let text = config_toml(engine_url, kind, &tmp.0, extra);
+        let config = Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new("."))
+            .unwrap_or_else(|e| panic!("test config: {e}\n{text}"));
+        let mut gw = Self::start(config).await;
+        gw._tmp = Some(tmp);
+        gw
+    }
+
+    pub fn gateway(&self) -> &std::sync::Arc<crate::gateway::Gateway> {
+        &self.running.as_ref().expect("running").gateway
+    }
+
+    pub fn db_path(&self) -> PathBuf {
+        self.data_dir.join("edgeway.db")
+    }
+
+    /// Waits until every engine instance has passed its first health check.
+    pub async fn wait_ready(&self) {
+        let gw = self.gateway();
+        for _ in 0..200 {
+            if let Some(s) = gw.scheduler.snapshot().await {
+                if s.instances.iter().all(|i| i.up && i.detail == "ok") {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("engines did not become healthy");
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(r) = self.running.take() {
+            r.shutdown(Duration::from_secs(5)).await;
+        }
+    }
+}
