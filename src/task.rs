@@ -26,7 +26,13 @@ pub enum Priority {
 }
 
 impl Priority {
-    pub const ALL: [Priority; 5] = [Priority::P0, Priority::P1, Priority::P2, Priority::P3, Priority::P4];
+    pub const ALL: [Priority; 5] = [
+        Priority::P0,
+        Priority::P1,
+        Priority::P2,
+        Priority::P3,
+        Priority::P4,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -289,14 +295,24 @@ pub struct ResultMeta {
 /// `Error` ends the stream.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TaskEvent {
-    Accepted { task_id: String, queue_position: usize },
-    Delta { text: String },
+    Accepted {
+        task_id: String,
+        queue_position: usize,
+    },
+    Delta {
+        text: String,
+    },
     Done(Box<ResultMeta>),
-    Error { error: GatewayError, meta: Box<ResultMeta> },
+    Error {
+        error: GatewayError,
+        meta: Box<ResultMeta>,
+    },
 }
 
 pub fn unix_ms(t: SystemTime) -> i64 {
-    t.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 pub fn now_ms() -> i64 {
@@ -323,13 +339,28 @@ mod tests {
     fn every_terminal_state_is_reachable_and_final() {
         use TaskState::*;
         let all = [
-            Received, Validating, Rejected, Queued, Dispatching, Running, Streaming, Succeeded,
-            Failed, Cancelled, TimedOut,
+            Received,
+            Validating,
+            Rejected,
+            Queued,
+            Dispatching,
+            Running,
+            Streaming,
+            Succeeded,
+            Failed,
+            Cancelled,
+            TimedOut,
         ];
         for s in all {
             if s.is_terminal() {
-                assert!(all.iter().all(|n| !s.can_move_to(*n)), "{s:?} must be final");
-                assert!(all.iter().any(|p| p.can_move_to(s)), "{s:?} must be reachable");
+                assert!(
+                    all.iter().all(|n| !s.can_move_to(*n)),
+                    "{s:?} must be final"
+                );
+                assert!(
+                    all.iter().any(|p| p.can_move_to(s)),
+                    "{s:?} must be reachable"
+                );
             }
             assert_eq!(TaskState::parse(s.as_str()), Some(s));
         }

@@ -59,7 +59,11 @@ fn default_max_body() -> usize {
 
 impl Default for RawHttp {
     fn default() -> Self {
-        RawHttp { listen: default_listen(), admin_listen: None, max_body_bytes: default_max_body() }
+        RawHttp {
+            listen: default_listen(),
+            admin_listen: None,
+            max_body_bytes: default_max_body(),
+        }
     }
 }
 
@@ -78,7 +82,10 @@ fn default_data_dir() -> String {
 
 impl Default for RawStore {
     fn default() -> Self {
-        RawStore { data_dir: default_data_dir(), store_prompts: false }
+        RawStore {
+            data_dir: default_data_dir(),
+            store_prompts: false,
+        }
     }
 }
 
@@ -100,7 +107,10 @@ fn default_log_level() -> String {
 
 impl Default for RawLog {
     fn default() -> Self {
-        RawLog { format: default_log_format(), level: default_log_level() }
+        RawLog {
+            format: default_log_format(),
+            level: default_log_level(),
+        }
     }
 }
 
@@ -165,7 +175,10 @@ fn d_busy_retry() -> u64 {
 
 impl Default for RawScheduler {
     fn default() -> Self {
-        RawScheduler { queue_capacity: d_queue_cap(), busy_retry_after_ms: d_busy_retry() }
+        RawScheduler {
+            queue_capacity: d_queue_cap(),
+            busy_retry_after_ms: d_busy_retry(),
+        }
     }
 }
 
@@ -286,13 +299,17 @@ pub fn apply_env_overrides(
     env: impl Iterator<Item = (String, String)>,
 ) -> Result<(), ConfigErrors> {
     let mut errors = Vec::new();
-    let mut vars: Vec<(String, String)> =
-        env.filter(|(k, _)| k.starts_with("EDGEWAY__") && k.len() > "EDGEWAY__".len()).collect();
+    let mut vars: Vec<(String, String)> = env
+        .filter(|(k, _)| k.starts_with("EDGEWAY__") && k.len() > "EDGEWAY__".len())
+        .collect();
     vars.sort();
     for (key, raw_value) in vars {
         let segments: Vec<&str> = key["EDGEWAY__".len()..].split("__").collect();
         if segments.iter().any(|s| s.is_empty()) {
-            errors.push(ConfigError { path: key.clone(), message: "empty key segment".into() });
+            errors.push(ConfigError {
+                path: key.clone(),
+                message: "empty key segment".into(),
+            });
             continue;
         }
         let value = parse_env_value(&raw_value);
@@ -316,7 +333,9 @@ pub fn apply_env_overrides(
                 table.insert(name, value.clone());
                 break;
             }
-            node = table.entry(name).or_insert_with(|| toml::Value::Table(Default::default()));
+            node = table
+                .entry(name)
+                .or_insert_with(|| toml::Value::Table(Default::default()));
         }
     }
     if errors.is_empty() {
@@ -338,7 +357,11 @@ fn parse_env_value(s: &str) -> toml::Value {
 }
 
 impl RawConfig {
-    pub fn validate(self, env: &[(String, String)], base_dir: &Path) -> Result<Config, ConfigErrors> {
+    pub fn validate(
+        self,
+        env: &[(String, String)],
+        base_dir: &Path,
+    ) -> Result<Config, ConfigErrors> {
         let mut errs: Vec<ConfigError> = Vec::new();
         let mut err = |path: String, message: String| errs.push(ConfigError { path, message });
         let getenv = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
@@ -369,12 +392,18 @@ impl RawConfig {
             "text" => LogFormat::Text,
             "json" => LogFormat::Json,
             other => {
-                err("log.format".into(), format!("must be \"text\" or \"json\", not {other:?}"));
+                err(
+                    "log.format".into(),
+                    format!("must be \"text\" or \"json\", not {other:?}"),
+                );
                 LogFormat::Text
             }
         };
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
-            err("log.level".into(), format!("{:?} is not a valid filter", self.log.level));
+            err(
+                "log.level".into(),
+                format!("{:?} is not a valid filter", self.log.level),
+            );
         }
 
         let t = &self.timeouts;
@@ -397,7 +426,10 @@ impl RawConfig {
             total: Duration::from_millis(t.total_ms),
         };
         if self.scheduler.queue_capacity == 0 {
-            err("scheduler.queue_capacity".into(), "must be at least 1".into());
+            err(
+                "scheduler.queue_capacity".into(),
+                "must be at least 1".into(),
+            );
         }
 
         let jwt = match self.auth.jwt {
@@ -407,11 +439,17 @@ impl RawConfig {
                     Some(var) => match getenv(var) {
                         Some(v) if v.len() >= 16 => Some(v.into_bytes()),
                         Some(_) => {
-                            err("auth.jwt.hs256_secret_env".into(), format!("${var} must hold at least 16 bytes"));
+                            err(
+                                "auth.jwt.hs256_secret_env".into(),
+                                format!("${var} must hold at least 16 bytes"),
+                            );
                             None
                         }
                         None => {
-                            err("auth.jwt.hs256_secret_env".into(), format!("environment variable {var} is not set"));
+                            err(
+                                "auth.jwt.hs256_secret_env".into(),
+                                format!("environment variable {var} is not set"),
+                            );
                             None
                         }
                     },
@@ -423,12 +461,18 @@ impl RawConfig {
                         match std::fs::read(&p) {
                             Ok(pem) => {
                                 if jsonwebtoken::DecodingKey::from_rsa_pem(&pem).is_err() {
-                                    err("auth.jwt.rs256_public_key_file".into(), format!("{} is not an RSA public key in PEM", p.display()));
+                                    err(
+                                        "auth.jwt.rs256_public_key_file".into(),
+                                        format!("{} is not an RSA public key in PEM", p.display()),
+                                    );
                                 }
                                 Some(pem)
                             }
                             Err(e) => {
-                                err("auth.jwt.rs256_public_key_file".into(), format!("cannot read {}: {e}", p.display()));
+                                err(
+                                    "auth.jwt.rs256_public_key_file".into(),
+                                    format!("cannot read {}: {e}", p.display()),
+                                );
                                 None
                             }
                         }
@@ -436,7 +480,10 @@ impl RawConfig {
                     None => None,
                 };
                 if j.hs256_secret_env.is_none() && j.rs256_public_key_file.is_none() {
-                    err("auth.jwt".into(), "needs hs256_secret_env or rs256_public_key_file".into());
+                    err(
+                        "auth.jwt".into(),
+                        "needs hs256_secret_env or rs256_public_key_file".into(),
+                    );
                 }
                 Some(JwtConfig {
                     hs256_secret: hs,
@@ -475,22 +522,39 @@ impl RawConfig {
                 }
             }
             let max_priority = Priority::parse(&a.max_priority).unwrap_or_else(|| {
-                err(format!("{p}.max_priority"), format!("must be P0..P4, not {:?}", a.max_priority));
+                err(
+                    format!("{p}.max_priority"),
+                    format!("must be P0..P4, not {:?}", a.max_priority),
+                );
                 Priority::P4
             });
             let default_priority = Priority::parse(&a.default_priority).unwrap_or_else(|| {
-                err(format!("{p}.default_priority"), format!("must be P0..P4, not {:?}", a.default_priority));
+                err(
+                    format!("{p}.default_priority"),
+                    format!("must be P0..P4, not {:?}", a.default_priority),
+                );
                 Priority::P4
             });
             if default_priority < max_priority {
                 err(
                     format!("{p}.default_priority"),
-                    format!("{} is more urgent than max_priority {}", default_priority.as_str(), max_priority.as_str()),
+                    format!(
+                        "{} is more urgent than max_priority {}",
+                        default_priority.as_str(),
+                        max_priority.as_str()
+                    ),
                 );
             }
             applications.insert(
                 name.clone(),
-                ApplicationConfig { name, tenant: a.tenant, api_key_sha256: keys, max_priority, default_priority, admin: a.admin },
+                ApplicationConfig {
+                    name,
+                    tenant: a.tenant,
+                    api_key_sha256: keys,
+                    max_priority,
+                    default_priority,
+                    admin: a.admin,
+                },
             );
         }
 
@@ -501,13 +565,19 @@ impl RawConfig {
                 "openai" => EngineKind::OpenAi,
                 "ollama" => EngineKind::Ollama,
                 other => {
-                    err(format!("{p}.type"), format!("must be \"openai\" or \"ollama\", not {other:?}"));
+                    err(
+                        format!("{p}.type"),
+                        format!("must be \"openai\" or \"ollama\", not {other:?}"),
+                    );
                     EngineKind::OpenAi
                 }
             };
             match reqwest::Url::parse(&e.base_url) {
                 Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
-                _ => err(format!("{p}.base_url"), format!("{:?} is not an http(s) URL", e.base_url)),
+                _ => err(
+                    format!("{p}.base_url"),
+                    format!("{:?} is not an http(s) URL", e.base_url),
+                ),
             }
             if e.model.trim().is_empty() {
                 err(format!("{p}.model"), "must not be empty".into());
@@ -516,20 +586,29 @@ impl RawConfig {
                 err(format!("{p}.max_concurrency"), "must be at least 1".into());
             }
             if e.health_interval_ms < 50 {
-                err(format!("{p}.health_interval_ms"), "must be at least 50".into());
+                err(
+                    format!("{p}.health_interval_ms"),
+                    "must be at least 50".into(),
+                );
             }
             let api_key = match &e.api_key_env {
                 Some(var) => match getenv(var) {
                     Some(v) => Some(v),
                     None => {
-                        err(format!("{p}.api_key_env"), format!("environment variable {var} is not set"));
+                        err(
+                            format!("{p}.api_key_env"),
+                            format!("environment variable {var} is not set"),
+                        );
                         None
                     }
                 },
                 None => None,
             };
             if e.keep_alive.is_some() && kind != EngineKind::Ollama {
-                err(format!("{p}.keep_alive"), "only applies to type = \"ollama\"".into());
+                err(
+                    format!("{p}.keep_alive"),
+                    "only applies to type = \"ollama\"".into(),
+                );
             }
             let health_path = e.health_path.unwrap_or_else(|| match kind {
                 EngineKind::OpenAi => "/v1/models".into(),
@@ -561,18 +640,27 @@ impl RawConfig {
         for (name, m) in self.models {
             let p = format!("models.{name}");
             if m.instances.is_empty() {
-                err(format!("{p}.instances"), "must name at least one engine".into());
+                err(
+                    format!("{p}.instances"),
+                    "must name at least one engine".into(),
+                );
             }
             for (i, inst) in m.instances.iter().enumerate() {
                 if !engines.contains_key(inst) {
-                    err(format!("{p}.instances[{i}]"), format!("no engine named {inst:?} in [engines]"));
+                    err(
+                        format!("{p}.instances[{i}]"),
+                        format!("no engine named {inst:?} in [engines]"),
+                    );
                 }
             }
             if m.context_tokens < 16 {
                 err(format!("{p}.context_tokens"), "must be at least 16".into());
             }
             if m.max_output_tokens == 0 || m.max_output_tokens >= m.context_tokens {
-                err(format!("{p}.max_output_tokens"), "must be between 1 and context_tokens - 1".into());
+                err(
+                    format!("{p}.max_output_tokens"),
+                    "must be between 1 and context_tokens - 1".into(),
+                );
             }
             if m.queue_capacity == Some(0) {
                 err(format!("{p}.queue_capacity"), "must be at least 1".into());
@@ -593,7 +681,10 @@ impl RawConfig {
             err("models".into(), "define at least one logical model".into());
         }
         if applications.is_empty() && jwt.is_none() {
-            err("applications".into(), "define at least one application or [auth.jwt]; nobody could call".into());
+            err(
+                "applications".into(),
+                "define at least one application or [auth.jwt]; nobody could call".into(),
+            );
         }
 
         drop(err);
@@ -602,9 +693,19 @@ impl RawConfig {
         }
         Ok(Config {
             node_id: self.node_id,
-            http: HttpConfig { listen, admin_listen, max_body_bytes: self.http.max_body_bytes },
-            store: StoreConfig { data_dir: PathBuf::from(self.store.data_dir), store_prompts: self.store.store_prompts },
-            log: LogConfig { format, level: self.log.level },
+            http: HttpConfig {
+                listen,
+                admin_listen,
+                max_body_bytes: self.http.max_body_bytes,
+            },
+            store: StoreConfig {
+                data_dir: PathBuf::from(self.store.data_dir),
+                store_prompts: self.store.store_prompts,
+            },
+            log: LogConfig {
+                format,
+                level: self.log.level,
+            },
             timeouts,
             scheduler: SchedulerConfig {
                 queue_capacity: self.scheduler.queue_capacity,
@@ -619,7 +720,8 @@ impl RawConfig {
 }
 
 fn parse_addr(s: &str) -> Result<SocketAddr, String> {
-    s.parse::<SocketAddr>().map_err(|_| format!("{s:?} is not an address like 127.0.0.1:8080"))
+    s.parse::<SocketAddr>()
+        .map_err(|_| format!("{s:?} is not an address like 127.0.0.1:8080"))
 }
 
 fn resolve(base: &Path, f: &str) -> PathBuf {

@@ -48,7 +48,11 @@ mod tests {
         assert_eq!(fit(10, 20, 100), Fit::Fits);
         assert_eq!(fit(90, 20, 100), Fit::ReduceOutput(10));
         assert_eq!(fit(100, 1, 100), Fit::TooLarge);
-        let m = ChatMessage { role: "user".into(), content: "x".repeat(700).into(), extra: Default::default() };
+        let m = ChatMessage {
+            role: "user".into(),
+            content: "x".repeat(700).into(),
+            extra: Default::default(),
+        };
         assert_eq!(estimate_tokens(&[m]), 4 + 200 + 2);
     }
 }

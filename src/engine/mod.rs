@@ -40,7 +40,10 @@ pub struct EngineRequest {
 pub enum EngineChunk {
     Delta(String),
     /// Token counts reported by the engine itself.
-    Usage { input_tokens: u32, output_tokens: u32 },
+    Usage {
+        input_tokens: u32,
+        output_tokens: u32,
+    },
     /// Why generation ended (`stop`, `length`, …). The stream ends after it
     /// (possibly after a `Usage`).
     Finish(String),
@@ -68,7 +71,8 @@ impl EngineError {
     /// Whether the engine itself is likely unusable (so health should be
     /// re-checked), as opposed to this one request failing.
     pub fn is_unreachable(&self) -> bool {
-        matches!(self, EngineError::Unreachable(_)) || matches!(self, EngineError::Status { status, .. } if *status >= 502)
+        matches!(self, EngineError::Unreachable(_))
+            || matches!(self, EngineError::Status { status, .. } if *status >= 502)
     }
 }
 

@@ -44,7 +44,11 @@ mod tests {
     use super::*;
 
     fn v(up: bool, running: usize, max: usize) -> InstanceView {
-        InstanceView { up, running, max_concurrency: max }
+        InstanceView {
+            up,
+            running,
+            max_concurrency: max,
+        }
     }
 
     #[test]

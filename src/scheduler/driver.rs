@@ -51,7 +51,10 @@ impl Driver {
         let store = self.shared.store.clone();
         let id = self.req.task_id.clone();
         store.transition(&id, TaskState::Queued, "admitted", None, "scheduler");
-        let _ = self.events.try_send(TaskEvent::Accepted { task_id: id.clone(), queue_position: self.queue_position });
+        let _ = self.events.try_send(TaskEvent::Accepted {
+            task_id: id.clone(),
+            queue_position: self.queue_position,
+        });
         let mut p = Progress::default();
         let outcome = self.run_phases(grant, &mut p).await;
         self.finish(outcome, p).await;
@@ -65,7 +68,10 @@ impl Driver {
         let queue_raw = tokio::time::Instant::now() + t.queue;
         let queue_deadline = queue_raw.min(total_deadline);
         let timeout_of = |code: ErrorCode, what: &str| Outcome {
-            error: Some((GatewayError::new(code, format!("{what} exceeded")), "gateway")),
+            error: Some((
+                GatewayError::new(code, format!("{what} exceeded")),
+                "gateway",
+            )),
             reason: format!("{} ({what})", code.as_str()),
         };
 
@@ -101,8 +107,18 @@ impl Driver {
         p.instance = Some(lease.instance_name.clone());
         p.actual_model = Some(format!("{}/{}", lease.instance_name, lease.engine_model));
         let labels = [r.logical_model.as_str(), r.priority.as_str()];
-        self.shared.metrics.queue_wait.with_label_values(&labels).observe(r.received_at.elapsed().as_secs_f64());
-        self.shared.store.transition(&r.task_id, TaskState::Dispatching, "slot granted", Some(&lease.instance_name), "scheduler");
+        self.shared
+            .metrics
+            .queue_wait
+            .with_label_values(&labels)
+            .observe(r.received_at.elapsed().as_secs_f64());
+        self.shared.store.transition(
+            &r.task_id,
+            TaskState::Dispatching,
+            "slot granted",
+            Some(&lease.instance_name),
+            "scheduler",
+        );
         let now_t = tokio::time::Instant::from_std(now);
         let inference_raw = now_t + t.inference;
         let first_token_raw = now_t + t.first_token;
@@ -137,7 +153,13 @@ impl Driver {
                 Err(e) => return self.engine_failed(&lease, e, false),
             },
         };
-        self.shared.store.transition(&r.task_id, TaskState::Running, "engine accepted", Some(&lease.instance_name), "engine");
+        self.shared.store.transition(
+            &r.task_id,
+            TaskState::Running,
+            "engine accepted",
+            Some(&lease.instance_name),
+            "engine",
+        );
 
         // Phase 3: stream tokens until the engine finishes.
         let mut last_token = now_t;
@@ -163,8 +185,18 @@ impl Driver {
                     last_token = tokio::time::Instant::now();
                     if p.first_token_at.is_none() {
                         p.first_token_at = Some(Instant::now());
-                        self.shared.metrics.first_token.with_label_values(&labels).observe(r.received_at.elapsed().as_secs_f64());
-                        self.shared.store.transition(&r.task_id, TaskState::Streaming, "first token", Some(&lease.instance_name), "engine");
+                        self.shared
+                            .metrics
+                            .first_token
+                            .with_label_values(&labels)
+                            .observe(r.received_at.elapsed().as_secs_f64());
+                        self.shared.store.transition(
+                            &r.task_id,
+                            TaskState::Streaming,
+                            "first token",
+                            Some(&lease.instance_name),
+                            "engine",
+                        );
                     }
                     p.deltas += 1;
                     if self.shared.store.stores_prompts() {
@@ -180,7 +212,10 @@ impl Driver {
                         return self.cancelled();
                     }
                 }
-                Some(Ok(EngineChunk::Usage { input_tokens, output_tokens })) => p.usage = Some((input_tokens, output_tokens)),
+                Some(Ok(EngineChunk::Usage {
+                    input_tokens,
+                    output_tokens,
+                })) => p.usage = Some((input_tokens, output_tokens)),
                 Some(Ok(EngineChunk::Finish(reason))) => p.finish_reason = Some(reason),
                 Some(Err(e)) => {
                     drop(stream);
@@ -191,16 +226,31 @@ impl Driver {
         }
         drop(stream);
         drop(lease);
-        Outcome { error: None, reason: format!("finished ({})", p.finish_reason.as_deref().unwrap_or("stop")) }
+        Outcome {
+            error: None,
+            reason: format!(
+                "finished ({})",
+                p.finish_reason.as_deref().unwrap_or("stop")
+            ),
+        }
     }
 
     fn withdraw(&self) {
-        let _ = self.tx.send(Cmd::Withdraw { task_id: self.req.task_id.clone(), model: self.req.logical_model.clone() });
+        let _ = self.tx.send(Cmd::Withdraw {
+            task_id: self.req.task_id.clone(),
+            model: self.req.logical_model.clone(),
+        });
     }
 
     fn cancelled(&self) -> Outcome {
         let (reason, actor) = self.cancel.reason();
-        Outcome { error: Some((GatewayError::new(ErrorCode::RequestCancelled, reason.clone()), actor)), reason }
+        Outcome {
+            error: Some((
+                GatewayError::new(ErrorCode::RequestCancelled, reason.clone()),
+                actor,
+            )),
+            reason,
+        }
     }
 
     fn engine_failed(&self, lease: &SlotLease, e: EngineError, mid_stream: bool) -> Outcome {
@@ -209,12 +259,26 @@ impl Driver {
             self.shared.recheck[lease.instance].notify_one();
         }
         let err = if e.is_unreachable() && !mid_stream {
-            GatewayError::new(ErrorCode::ModelUnavailable, "the model's engine is not reachable").with_retry_after(2000)
+            GatewayError::new(
+                ErrorCode::ModelUnavailable,
+                "the model's engine is not reachable",
+            )
+            .with_retry_after(2000)
         } else {
-            GatewayError::internal(if mid_stream { "the engine failed while generating" } else { "the engine refused the request" })
+            GatewayError::internal(if mid_stream {
+                "the engine failed while generating"
+            } else {
+                "the engine refused the request"
+            })
         };
-        let reason = format!("engine error: {}", crate::engine::truncate(&e.to_string(), 200));
-        Outcome { error: Some((err, "engine")), reason }
+        let reason = format!(
+            "engine error: {}",
+            crate::engine::truncate(&e.to_string(), 200)
+        );
+        Outcome {
+            error: Some((err, "engine")),
+            reason,
+        }
     }
 
     async fn finish(&self, outcome: Outcome, p: Progress) {
@@ -227,11 +291,21 @@ impl Driver {
         let end = Instant::now();
         let ms = |from: Instant, to: Instant| to.saturating_duration_since(from).as_millis() as u64;
         let usage = match p.usage {
-            Some((i, o)) => Usage { input_tokens: i, output_tokens: o, total_tokens: i + o, estimated: false },
+            Some((i, o)) => Usage {
+                input_tokens: i,
+                output_tokens: o,
+                total_tokens: i + o,
+                estimated: false,
+            },
             None if p.dispatched_at.is_some() => {
                 // Engine did not report: count what we saw, and say so.
                 let i = r.input_tokens_estimate;
-                Usage { input_tokens: i, output_tokens: p.deltas, total_tokens: i + p.deltas, estimated: true }
+                Usage {
+                    input_tokens: i,
+                    output_tokens: p.deltas,
+                    total_tokens: i + p.deltas,
+                    estimated: true,
+                }
             }
             None => Usage::default(),
         };
@@ -251,28 +325,58 @@ impl Driver {
                 total_ms: ms(r.received_at, end),
             },
             finish_reason: match state {
-                TaskState::Succeeded => Some(p.finish_reason.clone().unwrap_or_else(|| "stop".into())),
+                TaskState::Succeeded => {
+                    Some(p.finish_reason.clone().unwrap_or_else(|| "stop".into()))
+                }
                 _ => None,
             },
             degraded: r.degrade_reason.is_some(),
             degrade_reason: r.degrade_reason.clone(),
         };
         let store = &self.shared.store;
-        store.transition(&r.task_id, state, &outcome.reason, p.instance.as_deref(), actor);
-        store.finish(&meta, outcome.error.as_ref().map(|(e, _)| e.code.as_str()), Some(p.text));
+        store.transition(
+            &r.task_id,
+            state,
+            &outcome.reason,
+            p.instance.as_deref(),
+            actor,
+        );
+        store.finish(
+            &meta,
+            outcome.error.as_ref().map(|(e, _)| e.code.as_str()),
+            Some(p.text),
+        );
 
         let m = &self.shared.metrics;
-        m.tasks_finished.with_label_values(&[&r.logical_model, state.as_str()]).inc();
-        m.task_duration.with_label_values(&[&r.logical_model, state.as_str()]).observe(r.received_at.elapsed().as_secs_f64());
-        m.tokens.with_label_values(&[&r.logical_model, "input"]).inc_by(u64::from(usage.input_tokens));
-        m.tokens.with_label_values(&[&r.logical_model, "output"]).inc_by(u64::from(usage.output_tokens));
+        m.tasks_finished
+            .with_label_values(&[&r.logical_model, state.as_str()])
+            .inc();
+        m.task_duration
+            .with_label_values(&[&r.logical_model, state.as_str()])
+            .observe(r.received_at.elapsed().as_secs_f64());
+        m.tokens
+            .with_label_values(&[&r.logical_model, "input"])
+            .inc_by(u64::from(usage.input_tokens));
+        m.tokens
+            .with_label_values(&[&r.logical_model, "output"])
+            .inc_by(u64::from(usage.output_tokens));
         m.requests
-            .with_label_values(&[r.ingress.as_str(), outcome.error.as_ref().map(|(e, _)| e.code.as_str()).unwrap_or("ok")])
+            .with_label_values(&[
+                r.ingress.as_str(),
+                outcome
+                    .error
+                    .as_ref()
+                    .map(|(e, _)| e.code.as_str())
+                    .unwrap_or("ok"),
+            ])
             .inc();
 
         let event = match outcome.error {
             None => TaskEvent::Done(Box::new(meta)),
-            Some((error, _)) => TaskEvent::Error { error, meta: Box::new(meta) },
+            Some((error, _)) => TaskEvent::Error {
+                error,
+                meta: Box::new(meta),
+            },
         };
         // The client may be gone (cancelled); then nobody needs the event.
         if !self.cancel.is_cancelled() {

@@ -57,7 +57,9 @@ pub struct SlotLease {
 impl Drop for SlotLease {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.tx.send(Cmd::Release { instance: self.instance });
+            let _ = self.tx.send(Cmd::Release {
+                instance: self.instance,
+            });
         }
     }
 }
@@ -71,7 +73,10 @@ pub struct CancelHandle {
 
 impl CancelHandle {
     fn new(token: CancellationToken) -> Self {
-        CancelHandle { token, reason: Default::default() }
+        CancelHandle {
+            token,
+            reason: Default::default(),
+        }
     }
 
     /// Cancels with a reason for the record and the actor that caused it.
@@ -85,7 +90,10 @@ impl CancelHandle {
     }
 
     fn reason(&self) -> (String, &'static str) {
-        self.reason.get().cloned().unwrap_or_else(|| ("client went away".into(), "client"))
+        self.reason
+            .get()
+            .cloned()
+            .unwrap_or_else(|| ("client went away".into(), "client"))
     }
 }
 
@@ -120,11 +128,26 @@ impl Drop for TaskStream {
 }
 
 enum Cmd {
-    Enqueue { entry: QueueEntry, model: String, reply: oneshot::Sender<Result<usize, GatewayError>> },
-    Withdraw { task_id: String, model: String },
-    Release { instance: usize },
-    Health { instance: usize, up: bool, detail: String },
-    Snapshot { reply: oneshot::Sender<Snapshot> },
+    Enqueue {
+        entry: QueueEntry,
+        model: String,
+        reply: oneshot::Sender<Result<usize, GatewayError>>,
+    },
+    Withdraw {
+        task_id: String,
+        model: String,
+    },
+    Release {
+        instance: usize,
+    },
+    Health {
+        instance: usize,
+        up: bool,
+        detail: String,
+    },
+    Snapshot {
+        reply: oneshot::Sender<Snapshot>,
+    },
 }
 
 /// A view of the scheduler for `/ready` and tests.
@@ -181,11 +204,21 @@ pub fn start(
     shutdown: CancellationToken,
 ) -> SchedulerHandle {
     let (tx, rx) = mpsc::unbounded_channel();
-    let index: HashMap<&str, usize> = instances.iter().enumerate().map(|(i, x)| (x.name.as_str(), i)).collect();
+    let index: HashMap<&str, usize> = instances
+        .iter()
+        .enumerate()
+        .map(|(i, x)| (x.name.as_str(), i))
+        .collect();
     let queues: Vec<ModelQueue> = config
         .models
         .values()
-        .map(|m| ModelQueue::new(m.name.clone(), m.queue_capacity, m.instances.iter().map(|n| index[n.as_str()]).collect()))
+        .map(|m| {
+            ModelQueue::new(
+                m.name.clone(),
+                m.queue_capacity,
+                m.instances.iter().map(|n| index[n.as_str()]).collect(),
+            )
+        })
         .collect();
     let shared = Arc::new(Shared {
         config: config.clone(),
@@ -199,9 +232,16 @@ pub fn start(
     let actor = Actor {
         views: instances
             .iter()
-            .map(|i| InstanceView { up: true, running: 0, max_concurrency: i.max_concurrency })
+            .map(|i| InstanceView {
+                up: true,
+                running: 0,
+                max_concurrency: i.max_concurrency,
+            })
             .collect(),
-        details: instances.iter().map(|_| "not checked yet".to_string()).collect(),
+        details: instances
+            .iter()
+            .map(|_| "not checked yet".to_string())
+            .collect(),
         instances,
         queues,
         tx: tx.clone(),
@@ -219,13 +259,31 @@ impl SchedulerHandle {
     pub async fn submit(&self, req: TaskRequest) -> Result<TaskStream, GatewayError> {
         let (grant_tx, grant_rx) = oneshot::channel();
         let (reply_tx, reply_rx) = oneshot::channel();
-        let entry = QueueEntry { task_id: req.task_id.clone(), priority: req.priority, seq: 0, grant: grant_tx };
-        let closed = || GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000);
-        self.tx.send(Cmd::Enqueue { entry, model: req.logical_model.clone(), reply: reply_tx }).map_err(|_| closed())?;
+        let entry = QueueEntry {
+            task_id: req.task_id.clone(),
+            priority: req.priority,
+            seq: 0,
+            grant: grant_tx,
+        };
+        let closed = || {
+            GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down")
+                .with_retry_after(1000)
+        };
+        self.tx
+            .send(Cmd::Enqueue {
+                entry,
+                model: req.logical_model.clone(),
+                reply: reply_tx,
+            })
+            .map_err(|_| closed())?;
         let queue_position = reply_rx.await.map_err(|_| closed())??;
 
         let cancel = CancelHandle::new(self.shared.shutdown.child_token());
-        self.shared.live.lock().expect("live map").insert(req.task_id.clone(), cancel.clone());
+        self.shared
+            .live
+            .lock()
+            .expect("live map")
+            .insert(req.task_id.clone(), cancel.clone());
         let (ev_tx, ev_rx) = mpsc::channel(256);
         let stream = TaskStream {
             task_id: req.task_id.clone(),
@@ -249,7 +307,13 @@ impl SchedulerHandle {
 
     /// Cancels a live task by id. Returns false if it is not running here.
     pub fn cancel(&self, task_id: &str, reason: &str, actor: &'static str) -> bool {
-        let h = self.shared.live.lock().expect("live map").get(task_id).cloned();
+        let h = self
+            .shared
+            .live
+            .lock()
+            .expect("live map")
+            .get(task_id)
+            .cloned();
         match h {
             Some(h) => {
                 h.cancel(reason, actor);
@@ -266,7 +330,11 @@ impl SchedulerHandle {
     }
 
     pub(crate) fn set_instance_health(&self, instance: usize, up: bool, detail: String) {
-        let _ = self.tx.send(Cmd::Health { instance, up, detail });
+        let _ = self.tx.send(Cmd::Health {
+            instance,
+            up,
+            detail,
+        });
     }
 
     /// Resolves when someone asks for an early health check of `instance`.
@@ -294,7 +362,11 @@ impl Actor {
                 c = rx.recv() => match c { Some(c) => c, None => break },
             };
             match cmd {
-                Cmd::Enqueue { mut entry, model, reply } => {
+                Cmd::Enqueue {
+                    mut entry,
+                    model,
+                    reply,
+                } => {
                     seq += 1;
                     entry.seq = seq;
                     let _ = reply.send(self.enqueue(entry, &model));
@@ -302,16 +374,26 @@ impl Actor {
                 Cmd::Withdraw { task_id, model } => {
                     if let Some(q) = self.queues.iter_mut().find(|q| q.name == model) {
                         if let Some(e) = q.remove(&task_id) {
-                            self.metrics.queue_depth.with_label_values(&[&model, e.priority.as_str()]).dec();
+                            self.metrics
+                                .queue_depth
+                                .with_label_values(&[&model, e.priority.as_str()])
+                                .dec();
                         }
                     }
                 }
                 Cmd::Release { instance } => {
                     let v = &mut self.views[instance];
                     v.running = v.running.saturating_sub(1);
-                    self.metrics.running.with_label_values(&[&self.instances[instance].name]).dec();
+                    self.metrics
+                        .running
+                        .with_label_values(&[&self.instances[instance].name])
+                        .dec();
                 }
-                Cmd::Health { instance, up, detail } => {
+                Cmd::Health {
+                    instance,
+                    up,
+                    detail,
+                } => {
                     self.views[instance].up = up;
                     self.details[instance] = detail;
                 }
@@ -344,7 +426,10 @@ impl Actor {
             .with_retry_after(self.busy_retry_after_ms));
         }
         let task_id = entry.task_id.clone();
-        self.metrics.queue_depth.with_label_values(&[model, entry.priority.as_str()]).inc();
+        self.metrics
+            .queue_depth
+            .with_label_values(&[model, entry.priority.as_str()])
+            .inc();
         self.queues[qi].push(entry);
         self.dispatch();
         Ok(self.queues[qi].position(&task_id).unwrap_or(0))
@@ -368,7 +453,10 @@ impl Actor {
             let Some((_, qi, inst)) = best else { return };
             let entry = self.queues[qi].pop().expect("peeked");
             let model = self.queues[qi].name.clone();
-            self.metrics.queue_depth.with_label_values(&[&model, entry.priority.as_str()]).dec();
+            self.metrics
+                .queue_depth
+                .with_label_values(&[&model, entry.priority.as_str()])
+                .dec();
             let i = &self.instances[inst];
             let lease = SlotLease {
                 instance: inst,
@@ -407,7 +495,11 @@ impl Actor {
             queues: self
                 .queues
                 .iter()
-                .map(|q| QueueSnapshot { model: q.name.clone(), waiting: q.len(), capacity: q.capacity })
+                .map(|q| QueueSnapshot {
+                    model: q.name.clone(),
+                    waiting: q.len(),
+                    capacity: q.capacity,
+                })
                 .collect(),
         }
     }

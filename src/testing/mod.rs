@@ -20,10 +20,19 @@ pub const OPS_KEY: &str = "sk-edgeway-ops";
 /// engine `fake` of `kind` at `engine_url` serving model `general-chat`.
 /// `extra` is TOML appended inside `[models.general-chat]`: bare keys set
 /// that model's options, and later `[section]` headers add sections.
-pub fn config_toml(engine_url: &str, kind: &str, data_dir: &std::path::Path, extra: &str) -> String {
+pub fn config_toml(
+    engine_url: &str,
+    kind: &str,
+    data_dir: &std::path::Path,
+    extra: &str,
+) -> String {
     let demo = hex::encode(crate::config::hash_api_key(DEMO_KEY));
     let ops = hex::encode(crate::config::hash_api_key(OPS_KEY));
-    let model = if kind == "ollama" { "fake" } else { "fake-model" };
+    let model = if kind == "ollama" {
+        "fake"
+    } else {
+        "fake-model"
+    };
     format!(
         r#"
 node_id = "test-node"
@@ -88,13 +97,29 @@ impl TestGateway {
         let data_dir = config.store.data_dir.clone();
         let running = gateway::start(config).await.expect("gateway starts");
         let base_url = format!("http://{}", running.http_addr);
-        TestGateway { running: Some(running), base_url, data_dir, _tmp: None }
+        TestGateway {
+            running: Some(running),
+            base_url,
+            data_dir,
+            _tmp: None,
+        }
     }
 
     /// Starts with [`config_toml`] around a fake engine.
     pub async fn with_engine(engine_url: &str, kind: &str, extra: &str) -> TestGateway {
+        Self::with_engine_edit(engine_url, kind, extra, |t| t).await
+    }
+
+    /// Like [`Self::with_engine`], letting the test edit the TOML text first
+    /// (e.g. to change the engine's `max_concurrency`).
+    pub async fn with_engine_edit(
+        engine_url: &str,
+        kind: &str,
+        extra: &str,
+        edit: impl FnOnce(String) -> String,
+    ) -> TestGateway {
         let tmp = TempDir::new("edgeway-test");
-        let text = config_toml(engine_url, kind, &tmp.0, extra);
+        let text = edit(config_toml(engine_url, kind, &tmp.0, extra));
         let config = Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new("."))
             .unwrap_or_else(|e| panic!("test config: {e}\n{text}"));
         let mut gw = Self::start(config).await;

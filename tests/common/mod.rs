@@ -1,0 +1,78 @@
+//! Helpers shared by the integration tests: an HTTP client, SSE parsing and
+//! reading the task store file.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+pub use edgeway::testing::{FakeEngine, Knobs, TestGateway, DEMO_KEY, OPS_KEY};
+
+pub fn client() -> reqwest::Client {
+    edgeway::tls::install_default_provider();
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+pub fn chat_body(stream: bool) -> Value {
+    json!({
+        "model": "general-chat",
+        "messages": [{"role": "user", "content": "Say hello"}],
+        "stream": stream,
+    })
+}
+
+pub async fn post_chat(gw: &TestGateway, key: &str, body: &Value) -> reqwest::Response {
+    client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Reads an SSE body to its end; returns the JSON of every `data:` line
+/// and whether `[DONE]` was seen.
+pub async fn read_sse(resp: reqwest::Response) -> (Vec<Value>, bool) {
+    let mut events = Vec::new();
+    let mut done = false;
+    let mut buf = String::new();
+    let mut body = resp.bytes_stream();
+    while let Some(chunk) = body.next().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        while let Some(pos) = buf.find("\n\n") {
+            let frame: String = buf.drain(..pos + 2).collect();
+            for line in frame.lines() {
+                if let Some(data) = line.strip_prefix("data: ") {
+                    if data == "[DONE]" {
+                        done = true;
+                    } else {
+                        events.push(serde_json::from_str(data).unwrap());
+                    }
+                }
+            }
+        }
+    }
+    (events, done)
+}
+
+/// The states a task went through, from the SQLite file.
+pub async fn stored_states(gw: &TestGateway, task_id: &str) -> Vec<String> {
+    gw.gateway().store.flush().await;
+    let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+    let mut stmt = conn
+        .prepare("SELECT state FROM task_transitions WHERE task_id = ?1 ORDER BY seq")
+        .unwrap();
+    stmt.query_map([task_id], |r| r.get::<_, String>(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+pub fn error_code(v: &Value) -> &str {
+    v["error"]["code"].as_str().unwrap_or("<none>")
+}

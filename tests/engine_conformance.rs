@@ -1,0 +1,552 @@
+//! Conformance tests for the engine adapters: the same behaviour is asserted
+//! for every adapter (OpenAI-compatible SSE and Ollama NDJSON), each against
+//! the fake engine, which speaks both wire protocols on one port.
+//!
+//! Every test is a generic async fn over the engine kind; the
+//! `conformance!` macro at the bottom instantiates it once per adapter
+//! (`openai_*`, `ollama_*`), so an adapter cannot skip a contract.
+
+use std::net::TcpListener;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
+use std::time::Duration;
+
+use edgeway::config::{EngineConfig, EngineKind};
+use edgeway::engine::{
+    Capabilities, Engine, EngineChunk, EngineError, EngineRequest, EngineStream,
+};
+use edgeway::task::{ChatMessage, SamplingParams};
+use edgeway::testing::{FakeEngine, Knobs};
+use futures::StreamExt;
+use serde_json::{json, Map, Value};
+
+/// Upper bound for anything a test waits on; only reached when a test fails.
+const LIMIT: Duration = Duration::from_secs(10);
+
+/// Whether the adapter is configured to stream from the engine.
+const STREAM: bool = true;
+const WHOLE: bool = false;
+
+fn mode(stream: bool) -> &'static str {
+    if stream {
+        "streaming"
+    } else {
+        "non-streaming"
+    }
+}
+
+fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig {
+    let (model, health_path) = match kind {
+        EngineKind::OpenAi => ("fake-model", "/health"),
+        EngineKind::Ollama => ("fake", "/api/tags"),
+    };
+    EngineConfig {
+        name: format!("fake-{}", kind.as_str()),
+        kind,
+        base_url: base_url.to_string(),
+        model: model.to_string(),
+        max_concurrency: 2,
+        api_key: None,
+        health_path: health_path.to_string(),
+        health_interval: Duration::from_secs(1),
+        connect_timeout: Duration::from_secs(2),
+        stream,
+        keep_alive: None,
+        local: true,
+    }
+}
+
+/// A fake engine with `knobs` and an adapter of `kind` pointed at it.
+struct Setup {
+    fake: FakeEngine,
+    cfg: EngineConfig,
+    engine: Arc<dyn Engine>,
+}
+
+impl Setup {
+    async fn new(kind: EngineKind, stream: bool, knobs: Knobs) -> Setup {
+        Self::with_config(kind, stream, knobs, |_| {}).await
+    }
+
+    async fn with_config(
+        kind: EngineKind,
+        stream: bool,
+        knobs: Knobs,
+        tweak: impl FnOnce(&mut EngineConfig),
+    ) -> Setup {
+        let fake = FakeEngine::start_with(knobs).await;
+        let mut cfg = engine_config(kind, &fake.url(), stream);
+        tweak(&mut cfg);
+        let engine = edgeway::engine::build(&cfg).expect("adapter builds");
+        Setup { fake, cfg, engine }
+    }
+
+    fn request(&self, max_output_tokens: u32) -> EngineRequest {
+        EngineRequest {
+            model: self.cfg.model.clone(),
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: json!("Say something."),
+                extra: Map::new(),
+            }],
+            params: SamplingParams::default(),
+            max_output_tokens,
+        }
+    }
+
+    async fn start(&self, max_output_tokens: u32) -> EngineStream {
+        let req = self.request(max_output_tokens);
+        tokio::time::timeout(LIMIT, self.engine.stream(req))
+            .await
+            .expect("stream() resolves")
+            .unwrap_or_else(|e| panic!("stream() failed: {e:?}"))
+    }
+
+    fn last_request(&self) -> Value {
+        self.fake
+            .stats
+            .last_request
+            .lock()
+            .expect("last_request lock")
+            .clone()
+            .expect("the fake received a request")
+    }
+
+    /// Waits until the fake has no generation in progress and has counted
+    /// `completed` and `aborted` generations in all.
+    async fn settles_at(&self, completed: u64, aborted: u64) -> bool {
+        self.fake
+            .wait_for(LIMIT, |s| {
+                s.completed.load(SeqCst) == completed
+                    && s.aborted.load(SeqCst) == aborted
+                    && s.active.load(SeqCst) == 0
+            })
+            .await
+    }
+}
+
+fn knobs(f: impl FnOnce(&mut Knobs)) -> Knobs {
+    let mut k = Knobs::default();
+    f(&mut k);
+    k
+}
+
+/// Reads the stream to its end.
+async fn collect(stream: EngineStream) -> Vec<Result<EngineChunk, EngineError>> {
+    tokio::time::timeout(LIMIT, stream.collect::<Vec<_>>())
+        .await
+        .expect("stream ends")
+}
+
+/// Splits a successful answer into its text, usage chunks and the rest, and
+/// checks the chunk order contract: deltas first, `Finish` last and once.
+struct Answer {
+    text: String,
+    usage: Vec<(u32, u32)>,
+    finish: String,
+}
+
+fn answer(items: Vec<Result<EngineChunk, EngineError>>) -> Answer {
+    let chunks: Vec<EngineChunk> = items
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("unexpected stream error: {e:?}")))
+        .collect();
+    let Some(EngineChunk::Finish(finish)) = chunks.last().cloned() else {
+        panic!("the last chunk must be Finish: {chunks:?}");
+    };
+    let mut text = String::new();
+    let mut usage = Vec::new();
+    let mut seen_usage = false;
+    for c in &chunks[..chunks.len() - 1] {
+        match c {
+            EngineChunk::Delta(t) => {
+                assert!(!seen_usage, "Delta after Usage: {chunks:?}");
+                assert!(!t.is_empty(), "empty Delta: {chunks:?}");
+                text.push_str(t);
+            }
+            EngineChunk::Usage {
+                input_tokens,
+                output_tokens,
+            } => {
+                seen_usage = true;
+                usage.push((*input_tokens, *output_tokens));
+            }
+            EngineChunk::Finish(_) => panic!("Finish before the end: {chunks:?}"),
+        }
+    }
+    Answer {
+        text,
+        usage,
+        finish,
+    }
+}
+
+/// A normal answer: deltas that add up to the text, usage, then `stop`.
+async fn answer_has_deltas_usage_and_finish(kind: EngineKind, stream: bool) {
+    let s = Setup::new(kind, stream, Knobs::default()).await;
+    let a = answer(collect(s.start(256).await).await);
+    let k = Knobs::default();
+    assert_eq!(a.text, k.token_text.repeat(k.tokens as usize));
+    assert_eq!(a.usage.len(), 1, "one Usage chunk");
+    let (input, output) = a.usage[0];
+    assert!(input > 0, "input tokens reported");
+    assert_eq!(output, k.tokens);
+    assert_eq!(a.finish, "stop");
+    assert!(
+        s.settles_at(1, 0).await,
+        "the fake saw one completed generation"
+    );
+
+    let req = s.last_request();
+    assert_eq!(req["model"], s.cfg.model);
+    assert_eq!(req["stream"], stream);
+    assert_eq!(req["messages"][0]["role"], "user");
+    assert_eq!(req["messages"][0]["content"], "Say something.");
+}
+
+/// `max_output_tokens` below what the engine would generate: `length`, and
+/// the limit reaches the engine in its own protocol.
+async fn max_output_tokens_finishes_with_length(kind: EngineKind, stream: bool) {
+    let s = Setup::with_config(kind, stream, knobs(|k| k.tokens = 10), |c| {
+        c.keep_alive = Some("5m".into())
+    })
+    .await;
+    let a = answer(collect(s.start(3).await).await);
+    assert_eq!(a.text, "tok ".repeat(3));
+    assert_eq!(a.usage.len(), 1, "one Usage chunk");
+    assert_eq!(a.usage[0].1, 3, "output tokens");
+    assert_eq!(a.finish, "length");
+
+    let req = s.last_request();
+    match kind {
+        EngineKind::OpenAi => {
+            assert_eq!(req["max_tokens"], 3);
+            if stream {
+                assert_eq!(req["stream_options"]["include_usage"], true);
+            } else {
+                assert!(req.get("stream_options").is_none(), "{req}");
+            }
+            // keep_alive is an Ollama notion.
+            assert!(req.get("keep_alive").is_none(), "{req}");
+        }
+        EngineKind::Ollama => {
+            assert_eq!(req["options"]["num_predict"], 3);
+            assert_eq!(req["keep_alive"], "5m");
+        }
+    }
+}
+
+/// Ollama's `keep_alive` is sent only when configured.
+async fn keep_alive_only_when_configured(kind: EngineKind, stream: bool) {
+    let s = Setup::new(kind, stream, Knobs::default()).await;
+    answer(collect(s.start(256).await).await);
+    let req = s.last_request();
+    assert!(req.get("keep_alive").is_none(), "{req}");
+}
+
+/// An engine that reports no usage still ends its answer with `Finish`.
+async fn without_usage_still_finishes(kind: EngineKind, stream: bool) {
+    let s = Setup::new(kind, stream, knobs(|k| k.omit_usage = true)).await;
+    let a = answer(collect(s.start(256).await).await);
+    assert_eq!(a.text, "tok ".repeat(5));
+    assert!(a.usage.is_empty(), "no Usage chunk: {:?}", a.usage);
+    assert_eq!(a.finish, "stop");
+}
+
+/// An HTTP error from the engine is a `Status` error from `stream()`; only
+/// 502 and above count as the engine being unusable.
+async fn http_error_is_status_error(kind: EngineKind) {
+    for stream in [STREAM, WHOLE] {
+        for (code, unreachable) in [(500u16, false), (503, true)] {
+            let s = Setup::new(kind, stream, knobs(|k| k.fail_status = Some(code))).await;
+            let req = s.request(256);
+            let r = tokio::time::timeout(LIMIT, s.engine.stream(req))
+                .await
+                .expect("stream() resolves");
+            let e = match r {
+                Ok(_) => panic!("{}: HTTP {code} must fail stream()", mode(stream)),
+                Err(e) => e,
+            };
+            assert!(
+                matches!(e, EngineError::Status { status, .. } if status == code),
+                "{}: {e:?}",
+                mode(stream)
+            );
+            assert_eq!(e.is_unreachable(), unreachable, "{}: {e:?}", mode(stream));
+            assert_eq!(s.fake.stats.requests.load(SeqCst), 1);
+        }
+    }
+}
+
+/// Nothing listening: `Unreachable`.
+async fn closed_port_is_unreachable(kind: EngineKind) {
+    for stream in [STREAM, WHOLE] {
+        let cfg = engine_config(kind, &closed_port_url(), stream);
+        let engine = edgeway::engine::build(&cfg).expect("adapter builds");
+        let req = EngineRequest {
+            model: cfg.model.clone(),
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: json!("Hi"),
+                extra: Map::new(),
+            }],
+            params: SamplingParams::default(),
+            max_output_tokens: 16,
+        };
+        let r = tokio::time::timeout(LIMIT, engine.stream(req))
+            .await
+            .expect("stream() resolves");
+        let e = match r {
+            Ok(_) => panic!("{}: a closed port must fail stream()", mode(stream)),
+            Err(e) => e,
+        };
+        assert!(
+            matches!(e, EngineError::Unreachable(_)),
+            "{}: {e:?}",
+            mode(stream)
+        );
+        assert!(e.is_unreachable());
+    }
+}
+
+/// A URL on 127.0.0.1 where nothing listens (a port just freed).
+fn closed_port_url() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    drop(l);
+    format!("http://127.0.0.1:{port}")
+}
+
+/// The engine connection breaks after two tokens: the deltas that arrived,
+/// then an error, never a `Finish`.
+async fn mid_stream_drop_errors_without_finish(kind: EngineKind) {
+    let s = Setup::new(kind, STREAM, knobs(|k| k.drop_after = Some(2))).await;
+    let items = collect(s.start(256).await).await;
+    let deltas: Vec<&EngineChunk> = items
+        .iter()
+        .filter_map(|r| r.as_ref().ok())
+        .filter(|c| matches!(c, EngineChunk::Delta(_)))
+        .collect();
+    assert_eq!(deltas.len(), 2, "{items:?}");
+    assert!(
+        !items
+            .iter()
+            .any(|r| matches!(r, Ok(EngineChunk::Finish(_)))),
+        "no Finish after a drop: {items:?}"
+    );
+    let last = items.last().expect("some items");
+    assert!(
+        matches!(
+            last,
+            Err(EngineError::Truncated) | Err(EngineError::Protocol(_))
+        ),
+        "ends with Truncated or Protocol: {items:?}"
+    );
+    // The error is the stream's end, right after the deltas.
+    assert_eq!(items.len(), 3, "{items:?}");
+    assert!(s.settles_at(0, 1).await);
+}
+
+/// Dropping the stream mid-answer closes the engine connection, and the
+/// engine stops generating (cancel by drop).
+async fn dropping_stream_aborts_generation(kind: EngineKind) {
+    let s = Setup::new(
+        kind,
+        STREAM,
+        knobs(|k| {
+            k.tokens = 100;
+            k.token_delay = Duration::from_millis(50);
+        }),
+    )
+    .await;
+    let mut stream = s.start(256).await;
+    for _ in 0..2 {
+        let c = tokio::time::timeout(LIMIT, stream.next())
+            .await
+            .expect("a chunk arrives");
+        assert!(matches!(c, Some(Ok(EngineChunk::Delta(_)))), "{c:?}");
+    }
+    assert_eq!(s.fake.active(), 1);
+    drop(stream);
+    assert!(
+        s.fake
+            .wait_for(Duration::from_secs(5), |st| st.aborted.load(SeqCst) == 1
+                && st.active.load(SeqCst) == 0)
+            .await,
+        "the fake saw the abort (aborted={}, active={})",
+        s.fake.stats.aborted.load(SeqCst),
+        s.fake.active()
+    );
+    assert_eq!(s.fake.stats.completed.load(SeqCst), 0);
+}
+
+/// Non-streaming: dropping the request while the engine is still working on
+/// the whole answer also aborts the generation.
+async fn dropping_pending_whole_answer_aborts_generation(kind: EngineKind) {
+    let s = Setup::new(
+        kind,
+        WHOLE,
+        knobs(|k| {
+            k.tokens = 100;
+            k.token_delay = Duration::from_millis(50);
+        }),
+    )
+    .await;
+    let engine = s.engine.clone();
+    let req = s.request(256);
+    let pending = tokio::spawn(async move { engine.stream(req).await.map(|_| ()) });
+    assert!(
+        s.fake
+            .wait_for(LIMIT, |st| st.active.load(SeqCst) == 1)
+            .await,
+        "the fake started generating"
+    );
+    pending.abort();
+    assert!(pending.await.expect_err("aborted").is_cancelled());
+    assert!(
+        s.fake
+            .wait_for(Duration::from_secs(5), |st| st.aborted.load(SeqCst) == 1
+                && st.active.load(SeqCst) == 0)
+            .await,
+        "the fake saw the abort (aborted={}, active={})",
+        s.fake.stats.aborted.load(SeqCst),
+        s.fake.active()
+    );
+    assert_eq!(s.fake.stats.completed.load(SeqCst), 0);
+}
+
+/// `health()` follows the engine's own health answer.
+async fn health_follows_engine(kind: EngineKind) {
+    let s = Setup::new(kind, STREAM, Knobs::default()).await;
+    let h = s.engine.health().await;
+    assert!(h.up, "{h:?}");
+    assert_eq!(h.detail, "ok");
+    match kind {
+        // The fake's /api/ps lists the model: it is in memory.
+        EngineKind::Ollama => assert_eq!(h.model_resident, Some(true), "{h:?}"),
+        EngineKind::OpenAi => assert_eq!(h.model_resident, None, "{h:?}"),
+    }
+
+    s.fake.set(|k| k.healthy = false);
+    let h = s.engine.health().await;
+    assert!(!h.up, "{h:?}");
+    assert!(h.detail.contains("503"), "{h:?}");
+
+    s.fake.set(|k| k.healthy = true);
+    let h = s.engine.health().await;
+    assert!(h.up, "up again: {h:?}");
+    // Probes are not generations.
+    assert_eq!(s.fake.stats.requests.load(SeqCst), 0);
+}
+
+async fn health_of_closed_port_is_down(kind: EngineKind) {
+    let cfg = engine_config(kind, &closed_port_url(), STREAM);
+    let engine = edgeway::engine::build(&cfg).expect("adapter builds");
+    let h = tokio::time::timeout(LIMIT, engine.health())
+        .await
+        .expect("health() resolves");
+    assert!(!h.up, "{h:?}");
+    assert!(h.detail.contains("unreachable"), "{h:?}");
+}
+
+async fn reports_kind_and_capabilities(kind: EngineKind) {
+    for stream in [STREAM, WHOLE] {
+        let s = Setup::new(kind, stream, Knobs::default()).await;
+        assert_eq!(s.engine.kind(), kind);
+        assert_eq!(s.engine.name(), s.cfg.name);
+        assert_eq!(
+            s.engine.capabilities(),
+            Capabilities {
+                streaming: stream,
+                reports_usage: true,
+                cancel_on_disconnect: true,
+            },
+            "{}",
+            mode(stream)
+        );
+    }
+}
+
+/// Instantiates each generic test once per adapter, under the names given.
+macro_rules! conformance {
+    ($($test:ident($($arg:expr),*) => $openai:ident, $ollama:ident;)*) => {
+        $(
+            #[tokio::test]
+            async fn $openai() {
+                $test(EngineKind::OpenAi $(, $arg)*).await;
+            }
+
+            #[tokio::test]
+            async fn $ollama() {
+                $test(EngineKind::Ollama $(, $arg)*).await;
+            }
+        )*
+    };
+}
+
+conformance! {
+    answer_has_deltas_usage_and_finish(STREAM)
+        => openai_streams_deltas_usage_and_finish, ollama_streams_deltas_usage_and_finish;
+    answer_has_deltas_usage_and_finish(WHOLE)
+        => openai_whole_answer_has_deltas_usage_and_finish,
+           ollama_whole_answer_has_deltas_usage_and_finish;
+    max_output_tokens_finishes_with_length(STREAM)
+        => openai_streamed_max_output_tokens_finishes_with_length,
+           ollama_streamed_max_output_tokens_finishes_with_length;
+    max_output_tokens_finishes_with_length(WHOLE)
+        => openai_whole_max_output_tokens_finishes_with_length,
+           ollama_whole_max_output_tokens_finishes_with_length;
+    keep_alive_only_when_configured(STREAM)
+        => openai_sends_no_keep_alive_unless_configured,
+           ollama_sends_no_keep_alive_unless_configured;
+    without_usage_still_finishes(STREAM)
+        => openai_streamed_without_usage_still_finishes,
+           ollama_streamed_without_usage_still_finishes;
+    without_usage_still_finishes(WHOLE)
+        => openai_whole_without_usage_still_finishes, ollama_whole_without_usage_still_finishes;
+    http_error_is_status_error()
+        => openai_http_error_is_status_error, ollama_http_error_is_status_error;
+    closed_port_is_unreachable()
+        => openai_closed_port_is_unreachable, ollama_closed_port_is_unreachable;
+    mid_stream_drop_errors_without_finish()
+        => openai_mid_stream_drop_errors_without_finish,
+           ollama_mid_stream_drop_errors_without_finish;
+    dropping_stream_aborts_generation()
+        => openai_dropping_stream_aborts_generation, ollama_dropping_stream_aborts_generation;
+    dropping_pending_whole_answer_aborts_generation()
+        => openai_dropping_pending_whole_answer_aborts_generation,
+           ollama_dropping_pending_whole_answer_aborts_generation;
+    health_follows_engine() => openai_health_follows_engine, ollama_health_follows_engine;
+    health_of_closed_port_is_down()
+        => openai_health_of_closed_port_is_down, ollama_health_of_closed_port_is_down;
+    reports_kind_and_capabilities()
+        => openai_reports_kind_and_capabilities, ollama_reports_kind_and_capabilities;
+}
+
+/// Ollama only: the configured model must be installed (listed by
+/// `/api/tags`) for the instance to be up.
+#[tokio::test]
+async fn ollama_health_needs_the_configured_model() {
+    let s = Setup::with_config(EngineKind::Ollama, STREAM, Knobs::default(), |c| {
+        c.model = "other-model".into()
+    })
+    .await;
+    let h = s.engine.health().await;
+    assert!(!h.up, "{h:?}");
+    assert!(h.detail.contains("other-model"), "{h:?}");
+    assert_eq!(h.model_resident, Some(false));
+}
+
+/// Ollama only: a bare configured name means `:latest`, and an explicit tag
+/// must match exactly.
+#[tokio::test]
+async fn ollama_health_matches_model_tags() {
+    for (model, up) in [("fake", true), ("fake:latest", true), ("fake:7b", false)] {
+        let s = Setup::with_config(EngineKind::Ollama, STREAM, Knobs::default(), |c| {
+            c.model = model.into()
+        })
+        .await;
+        let h = s.engine.health().await;
+        assert_eq!(h.up, up, "{model}: {h:?}");
+    }
+}
