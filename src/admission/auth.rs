@@ -144,3 +144,106 @@ fn identity(app: &ApplicationConfig, user: Option<String>) -> Identity {
 pub fn may_use(identity: &Identity, p: Priority) -> bool {
     p >= identity.max_priority
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use jsonwebtoken::{encode, EncodingKey, Header};
+    use serde_json::json;
+
+    const SECRET: &str = "an-hs256-secret-of-enough-length";
+
+    fn config() -> Config {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let text = format!(
+            r#"
+[applications.demo]
+tenant = "demo"
+api_key_sha256 = ["{}"]
+max_priority = "P1"
+[auth.jwt]
+hs256_secret_env = "JWT_SECRET"
+rs256_public_key_file = "tests/fixtures/jwt-test-public.pem"
+issuer = "https://auth.test"
+audience = "edgeway"
+[engines.e]
+type = "openai"
+base_url = "http://127.0.0.1:1"
+model = "m"
+[models.m]
+instances = ["e"]
+"#,
+            hex::encode(crate::config::hash_api_key("sk-good"))
+        );
+        Config::from_toml_str(&text, [("JWT_SECRET".to_string(), SECRET.to_string())], dir).unwrap()
+    }
+
+    fn now() -> u64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
+    }
+
+    fn claims(exp_offset: i64) -> Value {
+        json!({
+            "sub": "alice", "app": "demo", "tenant": "demo",
+            "iss": "https://auth.test", "aud": "edgeway",
+            "exp": (now() as i64 + exp_offset) as u64,
+        })
+    }
+
+    fn hs(c: &Value) -> String {
+        encode(&Header::new(Algorithm::HS256), c, &EncodingKey::from_secret(SECRET.as_bytes()).unwrap()).unwrap()
+    }
+
+    fn rs(c: &Value) -> String {
+        let pem = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/jwt-test-private.pem")).unwrap();
+        encode(&Header::new(Algorithm::RS256), c, &EncodingKey::from_rsa_pem(&pem).unwrap()).unwrap()
+    }
+
+    fn code(r: Result<Identity, GatewayError>) -> ErrorCode {
+        r.unwrap_err().code
+    }
+
+    #[test]
+    fn api_keys_identify_the_application() {
+        let a = Authenticator::new(&config());
+        let id = a.authenticate(Some("sk-good")).unwrap();
+        assert_eq!((id.tenant.as_str(), id.application.as_str()), ("demo", "demo"));
+        assert_eq!(id.max_priority, Priority::P1);
+        assert_eq!(code(a.authenticate(Some("sk-bad"))), ErrorCode::AuthFailed);
+        assert_eq!(code(a.authenticate(None)), ErrorCode::AuthFailed);
+        assert_eq!(code(a.authenticate(Some("  "))), ErrorCode::AuthFailed);
+    }
+
+    #[test]
+    fn hs256_and_rs256_tokens_identify_tenant_application_and_user() {
+        let a = Authenticator::new(&config());
+        for token in [hs(&claims(60)), rs(&claims(60))] {
+            let id = a.authenticate(Some(&token)).unwrap();
+            assert_eq!(id.user_id.as_deref(), Some("alice"));
+            assert_eq!(id.application, "demo");
+            assert_eq!(id.tenant, "demo");
+        }
+    }
+
+    #[test]
+    fn tokens_are_checked_for_expiry_issuer_audience_signature_and_owner() {
+        let a = Authenticator::new(&config());
+        let expired = claims(-3600);
+        let mut wrong_iss = claims(60);
+        wrong_iss["iss"] = json!("https://evil");
+        let mut wrong_aud = claims(60);
+        wrong_aud["aud"] = json!("other");
+        let mut unknown_app = claims(60);
+        unknown_app["app"] = json!("nobody");
+        let mut no_exp = claims(60);
+        no_exp.as_object_mut().unwrap().remove("exp");
+        for c in [&expired, &wrong_iss, &wrong_aud, &unknown_app, &no_exp] {
+            assert_eq!(code(a.authenticate(Some(&hs(c)))), ErrorCode::AuthFailed, "{c}");
+        }
+        let forged = encode(&Header::new(Algorithm::HS256), &claims(60), &EncodingKey::from_secret(b"another-secret-entirely!").unwrap()).unwrap();
+        assert_eq!(code(a.authenticate(Some(&forged))), ErrorCode::AuthFailed);
+        let mut other_tenant = claims(60);
+        other_tenant["tenant"] = json!("acme");
+        assert_eq!(code(a.authenticate(Some(&hs(&other_tenant)))), ErrorCode::PermissionDenied);
+    }
+}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: Rust unit and integration tests (fake engines,
+# real sockets, real SQLite), then the end-to-end tests against the real
+# llama.cpp engine with Python clients the project did not write (the
+# official openai SDK). Installs what it needs first (cached; see
+# scripts/setup-deps.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE="$(bash scripts/setup-deps.sh)"
+export EDGEWAY_CACHE="$CACHE"
+
+echo "== cargo test" >&2
+cargo build --bins --tests
+cargo test --all-targets -- --test-threads=2
+
+echo "== end-to-end tests against llama-server + Gemma 3 270M" >&2
+export EDGEWAY_BIN="$PWD/target/debug/edgeway"
+"$CACHE/venv/bin/python" -m pytest -q tests/e2e "$@"

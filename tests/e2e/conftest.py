@@ -1,0 +1,146 @@
+"""End-to-end fixtures: a real llama-server with Gemma 3 270M and the real
+edgeway binary, each on a free port, started once per test session.
+
+The model is a base model: tests assert on the protocol (tokens arrive,
+usage, cancellation, error codes), never on the text.
+"""
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("EDGEWAY_CACHE", Path.home() / ".cache" / "edgeway"))
+LLAMA_BIN = CACHE / "bin" / "llama-server"
+MODEL = CACHE / "models" / "gemma-3-270m-q4_k_m.gguf"
+EDGEWAY_BIN = Path(os.environ.get("EDGEWAY_BIN", ROOT / "target" / "debug" / "edgeway"))
+
+DEMO_KEY = "sk-edgeway-demo"
+OPS_KEY = "sk-edgeway-ops"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited ({proc.returncode}); log:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout}s; log:\n{log.read_text()[-3000:]}")
+
+
+class Proc:
+    def __init__(self, args, env, log: Path):
+        self.log = log
+        self.f = open(log, "wb")
+        self.p = subprocess.Popen(args, env=env, stdout=self.f, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+        self.f.close()
+
+
+@pytest.fixture(scope="session")
+def workdir():
+    with tempfile.TemporaryDirectory(prefix="edgeway-e2e-") as d:
+        yield Path(d)
+
+
+@pytest.fixture(scope="session")
+def llama(workdir):
+    """URL of a llama-server with 2 slots and /slots enabled."""
+    assert LLAMA_BIN.exists(), f"{LLAMA_BIN} missing: run scripts/setup-deps.sh"
+    port = free_port()
+    log = workdir / "llama-server.log"
+    proc = Proc(
+        [str(LLAMA_BIN), "-m", str(MODEL), "--alias", "gemma-3-270m", "--host", "127.0.0.1",
+         "--port", str(port), "--parallel", "2", "--ctx-size", "4096", "--threads", "2",
+         "--slots", "--no-webui"],
+        dict(os.environ), log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", 180, proc.p, log)
+        yield url
+    finally:
+        proc.stop()
+
+
+class Edgeway:
+    def __init__(self, url: str, db: Path):
+        self.url = url
+        self.db = db
+
+    def task(self, task_id: str):
+        """(state, error_code, [states…]) of a task in the SQLite file."""
+        con = sqlite3.connect(self.db)
+        try:
+            row = con.execute("SELECT state, error_code FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+            states = [r[0] for r in con.execute(
+                "SELECT state FROM task_transitions WHERE task_id = ? ORDER BY seq", (task_id,))]
+            return (row[0] if row else None, row[1] if row else None, states)
+        finally:
+            con.close()
+
+    def wait_task_state(self, task_id: str, want: str, timeout: float = 10.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.task(task_id)
+            if st[0] == want or time.monotonic() > deadline:
+                return st
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def edgeway(llama, workdir):
+    """The edgeway binary with config/edgeway.toml, pointed at `llama`."""
+    assert EDGEWAY_BIN.exists(), f"{EDGEWAY_BIN} missing: cargo build"
+    port = free_port()
+    data = workdir / "data"
+    env = dict(os.environ)
+    env.update({
+        "EDGEWAY__HTTP__LISTEN": f"127.0.0.1:{port}",
+        "EDGEWAY__STORE__DATA_DIR": str(data),
+        "EDGEWAY__ENGINES__LLAMA_LOCAL__BASE_URL": llama,
+        "EDGEWAY__ENGINES__LLAMA_LOCAL__HEALTH_INTERVAL_MS": "500",
+        "EDGEWAY__LOG__FORMAT": "json",
+    })
+    log = workdir / "edgeway.log"
+    proc = Proc([str(EDGEWAY_BIN), "serve", "--config", "config/edgeway.toml"], env, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/ready", 60, proc.p, log)
+        yield Edgeway(url, data / "edgeway.db")
+    finally:
+        proc.stop()
+
+
+def slots(llama_url: str):
+    with urllib.request.urlopen(llama_url + "/slots", timeout=5) as r:
+        return json.load(r)
+
+
+def busy_slots(llama_url: str) -> int:
+    return sum(1 for s in slots(llama_url) if s.get("is_processing"))
