@@ -165,11 +165,7 @@ pub struct GatewayError {
 
 impl GatewayError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        GatewayError {
-            code,
-            message: message.into(),
-            retry_after_ms: None,
-        }
+        GatewayError { code, message: message.into(), retry_after_ms: None }
     }
 
     pub fn with_retry_after(mut self, ms: u64) -> Self {

@@ -19,6 +19,7 @@ use crate::error::GatewayError;
 use crate::scheduler::{self, Instance, SchedulerHandle, TaskStream};
 use crate::store::Store;
 use crate::task::{Identity, Ingress, TaskState};
+use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
 
 /// Everything an ingress needs. Shared behind an `Arc`.
@@ -27,6 +28,7 @@ pub struct Gateway {
     pub auth: Authenticator,
     pub scheduler: SchedulerHandle,
     pub store: Store,
+    pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
 }
@@ -42,13 +44,7 @@ impl Gateway {
         request_id_hint: Option<String>,
     ) -> Result<TaskStream, GatewayError> {
         let model = body.model.clone();
-        let req = match admission::admit(
-            &self.config,
-            identity.clone(),
-            body,
-            ingress,
-            request_id_hint,
-        ) {
+        let req = match admission::admit(&self.config, identity.clone(), body, ingress, request_id_hint) {
             Ok(r) => r,
             Err(e) => {
                 self.store.rejected(&identity, ingress, &model, &e);
@@ -58,15 +54,12 @@ impl Gateway {
         };
         self.store.new_task(&req);
         let id = req.task_id.clone();
-        self.store
-            .transition(&id, TaskState::Received, ingress.as_str(), None, "client");
-        self.store
-            .transition(&id, TaskState::Validating, "admitted", None, "gateway");
+        self.store.transition(&id, TaskState::Received, ingress.as_str(), None, "client");
+        self.store.transition(&id, TaskState::Validating, "admitted", None, "gateway");
         match self.scheduler.submit(req).await {
             Ok(s) => Ok(s),
             Err(e) => {
-                self.store
-                    .transition(&id, TaskState::Rejected, e.code.as_str(), None, "scheduler");
+                self.store.transition(&id, TaskState::Rejected, e.code.as_str(), None, "scheduler");
                 self.count_rejection(ingress, &e);
                 Err(e)
             }
@@ -75,10 +68,7 @@ impl Gateway {
 
     /// Counts a call refused before it became a task.
     pub fn count_rejection(&self, ingress: Ingress, e: &GatewayError) {
-        self.metrics
-            .requests
-            .with_label_values(&[ingress.as_str(), e.code.as_str()])
-            .inc();
+        self.metrics.requests.with_label_values(&[ingress.as_str(), e.code.as_str()]).inc();
     }
 }
 
@@ -97,10 +87,7 @@ impl RunningGateway {
     pub async fn shutdown(self, grace: Duration) {
         self.shutdown.cancel();
         self.tracker.close();
-        if tokio::time::timeout(grace, self.tracker.wait())
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(grace, self.tracker.wait()).await.is_err() {
             tracing::warn!("shutdown grace period over; some tasks did not drain");
         }
         self.gateway.store.flush().await;
@@ -117,19 +104,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     crate::tls::install_default_provider();
     let config = Arc::new(config);
     let metrics = Arc::new(Metrics::new());
-    let store = Store::open(
-        &config.store.db_path(),
-        &config.node_id,
-        config.store.store_prompts,
-        metrics.clone(),
-    )?;
+    let store = Store::open(&config.store.db_path(), &config.node_id, config.store.store_prompts, metrics.clone())?;
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
 
     let mut instances = Vec::new();
     for e in config.engines.values() {
-        let adapter =
-            engine::build(e).map_err(|err| anyhow::anyhow!("engine {}: {err}", e.name))?;
+        let adapter = engine::build(e).map_err(|err| anyhow::anyhow!("engine {}: {err}", e.name))?;
         metrics.running.with_label_values(&[&e.name]).set(0);
         instances.push(Instance {
             name: e.name.clone(),
@@ -141,18 +122,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     let probes: Vec<_> = instances
         .iter()
         .enumerate()
-        .map(|(i, inst)| {
-            (
-                i,
-                inst.engine.clone(),
-                config.engines[&inst.name].health_interval,
-            )
-        })
+        .map(|(i, inst)| (i, inst.engine.clone(), config.engines[&inst.name].health_interval))
         .collect();
+    let recorder = Recorder::new(store.clone());
     let scheduler = scheduler::start(
         config.clone(),
         instances,
-        store.clone(),
+        recorder.clone(),
         metrics.clone(),
         tracker.clone(),
         shutdown.clone(),
@@ -173,17 +149,11 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         config: config.clone(),
         scheduler,
         store,
+        recorder,
         metrics,
         started: Instant::now(),
     });
-    let (http_addr, admin_addr) =
-        crate::ingress::http::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
+    let (http_addr, admin_addr) = crate::ingress::http::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
     tracing::info!(%http_addr, admin = ?admin_addr, node = %config.node_id, "edgeway is listening");
-    Ok(RunningGateway {
-        http_addr,
-        admin_addr,
-        gateway,
-        shutdown,
-        tracker,
-    })
+    Ok(RunningGateway { http_addr, admin_addr, gateway, shutdown, tracker })
 }

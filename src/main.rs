@@ -52,10 +52,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .expect("tokio runtime");
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
             rt.block_on(serve(cfg))
         }
     }

@@ -26,13 +26,7 @@ pub enum Priority {
 }
 
 impl Priority {
-    pub const ALL: [Priority; 5] = [
-        Priority::P0,
-        Priority::P1,
-        Priority::P2,
-        Priority::P3,
-        Priority::P4,
-    ];
+    pub const ALL: [Priority; 5] = [Priority::P0, Priority::P1, Priority::P2, Priority::P3, Priority::P4];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -101,11 +95,7 @@ impl TaskState {
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
-            TaskState::Rejected
-                | TaskState::Succeeded
-                | TaskState::Failed
-                | TaskState::Cancelled
-                | TaskState::TimedOut
+            TaskState::Rejected | TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled | TaskState::TimedOut
         )
     }
 
@@ -121,10 +111,7 @@ impl TaskState {
             (Dispatching, Cancelled) | (Dispatching, TimedOut) => true,
             (Running, Streaming) | (Running, TimedOut) | (Running, Failed) => true,
             (Running, Cancelled) | (Running, Succeeded) => true,
-            (Streaming, Succeeded)
-            | (Streaming, Failed)
-            | (Streaming, Cancelled)
-            | (Streaming, TimedOut) => true,
+            (Streaming, Succeeded) | (Streaming, Failed) | (Streaming, Cancelled) | (Streaming, TimedOut) => true,
             _ => false,
         }
     }
@@ -179,11 +166,9 @@ impl ChatMessage {
     pub fn text_len(&self) -> usize {
         match &self.content {
             Value::String(s) => s.len(),
-            Value::Array(parts) => parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(Value::as_str))
-                .map(str::len)
-                .sum(),
+            Value::Array(parts) => {
+                parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).map(str::len).sum()
+            }
             _ => 0,
         }
     }
@@ -295,24 +280,14 @@ pub struct ResultMeta {
 /// `Error` ends the stream.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TaskEvent {
-    Accepted {
-        task_id: String,
-        queue_position: usize,
-    },
-    Delta {
-        text: String,
-    },
+    Accepted { task_id: String, queue_position: usize },
+    Delta { text: String },
     Done(Box<ResultMeta>),
-    Error {
-        error: GatewayError,
-        meta: Box<ResultMeta>,
-    },
+    Error { error: GatewayError, meta: Box<ResultMeta> },
 }
 
 pub fn unix_ms(t: SystemTime) -> i64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    t.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
 
 pub fn now_ms() -> i64 {
@@ -353,14 +328,8 @@ mod tests {
         ];
         for s in all {
             if s.is_terminal() {
-                assert!(
-                    all.iter().all(|n| !s.can_move_to(*n)),
-                    "{s:?} must be final"
-                );
-                assert!(
-                    all.iter().any(|p| p.can_move_to(s)),
-                    "{s:?} must be reachable"
-                );
+                assert!(all.iter().all(|n| !s.can_move_to(*n)), "{s:?} must be final");
+                assert!(all.iter().any(|p| p.can_move_to(s)), "{s:?} must be reachable");
             }
             assert_eq!(TaskState::parse(s.as_str()), Some(s));
         }

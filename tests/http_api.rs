@@ -26,10 +26,7 @@ async fn non_streaming_answer_has_openai_shape_and_edge_metadata() {
     let v: Value = resp.json().await.unwrap();
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["model"], "general-chat");
-    assert_eq!(
-        v["choices"][0]["message"]["content"],
-        "tok tok tok tok tok "
-    );
+    assert_eq!(v["choices"][0]["message"]["content"], "tok tok tok tok tok ");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(v["usage"]["completion_tokens"], 5);
     let edge = &v["edge"];
@@ -43,15 +40,7 @@ async fn non_streaming_answer_has_openai_shape_and_edge_metadata() {
     assert!(edge["timing"]["total_ms"].is_u64());
     assert_eq!(
         stored_states(&gw, &task_id).await,
-        [
-            "RECEIVED",
-            "VALIDATING",
-            "QUEUED",
-            "DISPATCHING",
-            "RUNNING",
-            "STREAMING",
-            "SUCCEEDED"
-        ]
+        ["RECEIVED", "VALIDATING", "QUEUED", "DISPATCHING", "RUNNING", "STREAMING", "SUCCEEDED"]
     );
     gw.stop().await;
 }
@@ -69,15 +58,9 @@ async fn streaming_answer_sends_chunks_usage_edge_and_done() {
     let (events, done) = read_sse(resp).await;
     assert!(done, "stream ends with [DONE]");
     assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
-    let text: String = events
-        .iter()
-        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
-        .collect();
+    let text: String = events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
     assert_eq!(text, "tok tok tok tok tok ");
-    let finish = events
-        .iter()
-        .find(|e| !e["choices"][0]["finish_reason"].is_null())
-        .unwrap();
+    let finish = events.iter().find(|e| !e["choices"][0]["finish_reason"].is_null()).unwrap();
     assert_eq!(finish["choices"][0]["finish_reason"], "stop");
     let last = events.last().unwrap();
     assert_eq!(last["choices"], json!([]));
@@ -95,18 +78,10 @@ async fn missing_or_wrong_credentials_get_auth_failed() {
     let v: Value = resp.json().await.unwrap();
     assert_eq!(error_code(&v), "AUTH_FAILED");
     assert_eq!(v["error"]["type"], "authentication_error");
-    let resp = client()
-        .post(format!("{}/v1/chat/completions", gw.base_url))
-        .json(&chat_body(false))
-        .send()
-        .await
-        .unwrap();
+    let resp =
+        client().post(format!("{}/v1/chat/completions", gw.base_url)).json(&chat_body(false)).send().await.unwrap();
     assert_eq!(resp.status(), 401);
-    assert_eq!(
-        fake.stats.requests.load(SeqCst),
-        0,
-        "nothing reached the engine"
-    );
+    assert_eq!(fake.stats.requests.load(SeqCst), 0, "nothing reached the engine");
     gw.stop().await;
 }
 
@@ -115,21 +90,12 @@ async fn bad_bodies_get_invalid_request_with_the_field() {
     let (fake, gw) = gateway_with(Knobs::default(), "").await;
     let c = client();
     let url = format!("{}/v1/chat/completions", gw.base_url);
-    let resp = c
-        .post(&url)
-        .bearer_auth(DEMO_KEY)
-        .body("{not json")
-        .send()
-        .await
-        .unwrap();
+    let resp = c.post(&url).bearer_auth(DEMO_KEY).body("{not json").send().await.unwrap();
     assert_eq!(resp.status(), 400);
     assert_eq!(error_code(&resp.json().await.unwrap()), "INVALID_REQUEST");
     for (body, needle) in [
         (json!({"model": "general-chat"}), "messages"),
-        (
-            json!({"model": "general-chat", "messages": "hi"}),
-            "messages",
-        ),
+        (json!({"model": "general-chat", "messages": "hi"}), "messages"),
         (json!({"model": "general-chat", "messages": []}), "messages"),
         (
             json!({"model": "general-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}),
@@ -143,25 +109,13 @@ async fn bad_bodies_get_invalid_request_with_the_field() {
             json!({"model": "general-chat", "messages": [{"role": "user", "content": "x"}], "timeouts": {"queue_ms": 0}}),
             "queue_ms",
         ),
-        (
-            json!({"model": "general-chat", "messages": [{"role": "wizard", "content": "x"}]}),
-            "role",
-        ),
+        (json!({"model": "general-chat", "messages": [{"role": "wizard", "content": "x"}]}), "role"),
     ] {
-        let resp = c
-            .post(&url)
-            .bearer_auth(DEMO_KEY)
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let resp = c.post(&url).bearer_auth(DEMO_KEY).json(&body).send().await.unwrap();
         assert_eq!(resp.status(), 400, "{body}");
         let v: Value = resp.json().await.unwrap();
         assert_eq!(error_code(&v), "INVALID_REQUEST", "{body}");
-        assert!(
-            v["error"]["message"].as_str().unwrap().contains(needle),
-            "{v}"
-        );
+        assert!(v["error"]["message"].as_str().unwrap().contains(needle), "{v}");
     }
     assert_eq!(fake.stats.requests.load(SeqCst), 0);
     gw.stop().await;
@@ -176,10 +130,7 @@ async fn unknown_model_is_refused_and_models_are_listed() {
     assert_eq!(resp.status(), 400);
     let v: Value = resp.json().await.unwrap();
     assert_eq!(error_code(&v), "INVALID_REQUEST");
-    assert!(v["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("unknown model"));
+    assert!(v["error"]["message"].as_str().unwrap().contains("unknown model"));
     let models: Value = client()
         .get(format!("{}/v1/models", gw.base_url))
         .bearer_auth(DEMO_KEY)
@@ -217,29 +168,15 @@ async fn hold_slot(gw: &TestGateway) -> reqwest::Response {
 
 #[tokio::test]
 async fn full_queue_is_refused_at_once_with_retry_after() {
-    let knobs = Knobs {
-        tokens: 1000,
-        token_delay: Duration::from_millis(50),
-        ..Knobs::default()
-    };
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(50), ..Knobs::default() };
     let (fake, gw) = gateway_with(knobs, "queue_capacity = 1").await;
     let _a = hold_slot(&gw).await;
     let _b = hold_slot(&gw).await;
-    assert!(
-        fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 2)
-            .await
-    );
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 2).await);
     let queued = tokio::spawn({
         let body = chat_body(false);
         let url = gw.base_url.clone();
-        async move {
-            client()
-                .post(format!("{url}/v1/chat/completions"))
-                .bearer_auth(DEMO_KEY)
-                .json(&body)
-                .send()
-                .await
-        }
+        async move { client().post(format!("{url}/v1/chat/completions")).bearer_auth(DEMO_KEY).json(&body).send().await }
     });
     // Wait until the third call is in the queue.
     for _ in 0..200 {
@@ -277,38 +214,22 @@ async fn timeout_code(knobs: Knobs, timeouts: Value, busy: bool, stream: bool) -
         let last = events.last().unwrap().clone();
         (error_code(&last).to_string(), last)
     } else {
-        assert_eq!(
-            resp.status(),
-            504,
-            "timeouts answer 504 (503 for the queue)"
-        );
+        assert_eq!(resp.status(), 504, "timeouts answer 504 (503 for the queue)");
         let v: Value = resp.json().await.unwrap();
         (error_code(&v).to_string(), v)
     };
     drop(holders);
-    assert!(
-        fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0)
-            .await,
-        "engine released"
-    );
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0).await, "engine released");
     let task_id = v["edge"]["task_id"].as_str().unwrap().to_string();
     let states = stored_states(&gw, &task_id).await;
-    assert_eq!(
-        states.last().map(String::as_str),
-        Some("TIMED_OUT"),
-        "{states:?}"
-    );
+    assert_eq!(states.last().map(String::as_str), Some("TIMED_OUT"), "{states:?}");
     gw.stop().await;
     (code, v)
 }
 
 #[tokio::test]
 async fn queue_timeout() {
-    let knobs = Knobs {
-        tokens: 1000,
-        token_delay: Duration::from_millis(50),
-        ..Knobs::default()
-    };
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(50), ..Knobs::default() };
     let fake_busy = true;
     let (fake, gw) = gateway_with(knobs, "").await;
     let _a = hold_slot(&gw).await;
@@ -320,10 +241,7 @@ async fn queue_timeout() {
     let v: Value = resp.json().await.unwrap();
     assert_eq!(error_code(&v), "QUEUE_TIMEOUT");
     assert_eq!(v["edge"]["status"], "TIMED_OUT");
-    assert!(
-        fake_busy && fake.stats.requests.load(SeqCst) == 2,
-        "the timed-out task never reached the engine"
-    );
+    assert!(fake_busy && fake.stats.requests.load(SeqCst) == 2, "the timed-out task never reached the engine");
     let states = stored_states(&gw, v["edge"]["task_id"].as_str().unwrap()).await;
     assert_eq!(states, ["RECEIVED", "VALIDATING", "QUEUED", "TIMED_OUT"]);
     gw.stop().await;
@@ -331,21 +249,14 @@ async fn queue_timeout() {
 
 #[tokio::test]
 async fn first_token_timeout() {
-    let knobs = Knobs {
-        first_token_delay: Duration::from_secs(5),
-        ..Knobs::default()
-    };
+    let knobs = Knobs { first_token_delay: Duration::from_secs(5), ..Knobs::default() };
     let (code, _) = timeout_code(knobs, json!({"first_token_ms": 150}), false, false).await;
     assert_eq!(code, "FIRST_TOKEN_TIMEOUT");
 }
 
 #[tokio::test]
 async fn idle_timeout_between_tokens() {
-    let knobs = Knobs {
-        tokens: 10,
-        token_delay: Duration::from_secs(3),
-        ..Knobs::default()
-    };
+    let knobs = Knobs { tokens: 10, token_delay: Duration::from_secs(3), ..Knobs::default() };
     let (code, v) = timeout_code(knobs, json!({"idle_ms": 150}), false, true).await;
     assert_eq!(code, "IDLE_TIMEOUT");
     assert_eq!(v["edge"]["status"], "TIMED_OUT");
@@ -353,33 +264,21 @@ async fn idle_timeout_between_tokens() {
 
 #[tokio::test]
 async fn inference_timeout() {
-    let knobs = Knobs {
-        tokens: 1000,
-        token_delay: Duration::from_millis(20),
-        ..Knobs::default()
-    };
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
     let (code, _) = timeout_code(knobs, json!({"inference_ms": 300}), false, true).await;
     assert_eq!(code, "INFERENCE_TIMEOUT");
 }
 
 #[tokio::test]
 async fn total_timeout() {
-    let knobs = Knobs {
-        tokens: 1000,
-        token_delay: Duration::from_millis(20),
-        ..Knobs::default()
-    };
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
     let (code, _) = timeout_code(knobs, json!({"total_ms": 300}), false, false).await;
     assert_eq!(code, "TOTAL_TIMEOUT");
 }
 
 #[tokio::test]
 async fn client_disconnect_mid_stream_cancels_the_task_and_the_engine() {
-    let knobs = Knobs {
-        tokens: 1000,
-        token_delay: Duration::from_millis(20),
-        ..Knobs::default()
-    };
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
     let (fake, gw) = gateway_with(knobs, "").await;
     let mut resp = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
     let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
@@ -390,9 +289,7 @@ async fn client_disconnect_mid_stream_cancels_the_task_and_the_engine() {
     assert_eq!(fake.active(), 1);
     drop(resp);
     assert!(
-        fake.wait_for(Duration::from_secs(5), |s| s.aborted.load(SeqCst) == 1
-            && s.active.load(SeqCst) == 0)
-            .await,
+        fake.wait_for(Duration::from_secs(5), |s| s.aborted.load(SeqCst) == 1 && s.active.load(SeqCst) == 0).await,
         "the engine saw the request go away"
     );
     // The driver records the end right after dropping the engine stream.
@@ -404,11 +301,7 @@ async fn client_disconnect_mid_stream_cancels_the_task_and_the_engine() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(
-        states.last().map(String::as_str),
-        Some("CANCELLED"),
-        "{states:?}"
-    );
+    assert_eq!(states.last().map(String::as_str), Some("CANCELLED"), "{states:?}");
     let rec = gw.gateway().store.get(&task_id).await.unwrap().unwrap();
     assert_eq!(rec.error_code.as_deref(), Some("REQUEST_CANCELLED"));
     assert_eq!(rec.transitions.last().unwrap().actor, "client");
@@ -417,40 +310,20 @@ async fn client_disconnect_mid_stream_cancels_the_task_and_the_engine() {
 
 #[tokio::test]
 async fn client_disconnect_while_waiting_for_a_non_streamed_answer_cancels() {
-    let knobs = Knobs {
-        tokens: 1000,
-        token_delay: Duration::from_millis(20),
-        ..Knobs::default()
-    };
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
     let (fake, gw) = gateway_with(knobs, "").await;
     let url = format!("{}/v1/chat/completions", gw.base_url);
-    let call = tokio::spawn(async move {
-        client()
-            .post(url)
-            .bearer_auth(DEMO_KEY)
-            .json(&chat_body(false))
-            .send()
-            .await
-    });
-    assert!(
-        fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 1)
-            .await
-    );
+    let call =
+        tokio::spawn(async move { client().post(url).bearer_auth(DEMO_KEY).json(&chat_body(false)).send().await });
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 1).await);
     call.abort();
-    assert!(
-        fake.wait_for(Duration::from_secs(5), |s| s.aborted.load(SeqCst) == 1)
-            .await,
-        "engine request aborted"
-    );
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.aborted.load(SeqCst) == 1).await, "engine request aborted");
     gw.stop().await;
 }
 
 #[tokio::test]
 async fn engine_errors_do_not_leak_engine_text() {
-    let knobs = Knobs {
-        fail_status: Some(500),
-        ..Knobs::default()
-    };
+    let knobs = Knobs { fail_status: Some(500), ..Knobs::default() };
     let (_fake, gw) = gateway_with(knobs, "").await;
     let resp = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
     assert_eq!(resp.status(), 500);
@@ -464,11 +337,7 @@ async fn engine_errors_do_not_leak_engine_text() {
 
 #[tokio::test]
 async fn mid_stream_engine_drop_ends_the_stream_with_an_error() {
-    let knobs = Knobs {
-        tokens: 10,
-        drop_after: Some(3),
-        ..Knobs::default()
-    };
+    let knobs = Knobs { tokens: 10, drop_after: Some(3), ..Knobs::default() };
     let (_fake, gw) = gateway_with(knobs, "").await;
     let (events, done) = read_sse(post_chat(&gw, DEMO_KEY, &chat_body(true)).await).await;
     assert!(!done);
@@ -493,29 +362,18 @@ async fn a_down_engine_makes_the_model_unavailable_until_it_recovers() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(code, "MODEL_UNAVAILABLE");
-    let ready = client()
-        .get(format!("{}/ready", gw.base_url))
-        .send()
-        .await
-        .unwrap();
+    let ready = client().get(format!("{}/ready", gw.base_url)).send().await.unwrap();
     assert_eq!(ready.status(), 503);
     fake.set(|k| k.healthy = true);
     gw.wait_ready().await;
-    assert_eq!(
-        post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(),
-        200
-    );
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200);
     gw.stop().await;
 }
 
 #[tokio::test]
 async fn higher_priority_waiting_work_runs_first() {
-    let fake = FakeEngine::start_with(Knobs {
-        tokens: 3,
-        token_delay: Duration::from_millis(100),
-        ..Knobs::default()
-    })
-    .await;
+    let fake =
+        FakeEngine::start_with(Knobs { tokens: 3, token_delay: Duration::from_millis(100), ..Knobs::default() }).await;
     let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
         t.replace("max_concurrency = 2", "max_concurrency = 1")
     })
@@ -527,16 +385,7 @@ async fn higher_priority_waiting_work_runs_first() {
         let mut body = chat_body(false);
         body["priority"] = json!(prio);
         tokio::spawn(async move {
-            let v: Value = client()
-                .post(url)
-                .bearer_auth(key)
-                .json(&body)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let v: Value = client().post(url).bearer_auth(key).json(&body).send().await.unwrap().json().await.unwrap();
             v
         })
     };
@@ -559,10 +408,7 @@ async fn higher_priority_waiting_work_runs_first() {
     let low_dispatch = low["edge"]["timing"]["queue_ms"].as_u64().unwrap();
     let high_dispatch = high["edge"]["timing"]["queue_ms"].as_u64().unwrap();
     // P0 arrived later but was dispatched first, so it waited less.
-    assert!(
-        high_dispatch < low_dispatch,
-        "P0 queue {high_dispatch} ms, P4 queue {low_dispatch} ms"
-    );
+    assert!(high_dispatch < low_dispatch, "P0 queue {high_dispatch} ms, P4 queue {low_dispatch} ms");
     gw.stop().await;
 }
 
@@ -570,35 +416,14 @@ async fn higher_priority_waiting_work_runs_first() {
 async fn operational_endpoints() {
     let (_fake, gw) = gateway_with(Knobs::default(), "").await;
     let c = client();
-    assert_eq!(
-        post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(),
-        200
-    );
-    let h: Value = c
-        .get(format!("{}/health", gw.base_url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200);
+    let h: Value = c.get(format!("{}/health", gw.base_url)).send().await.unwrap().json().await.unwrap();
     assert_eq!(h["status"], "ok");
-    let r = c
-        .get(format!("{}/ready", gw.base_url))
-        .send()
-        .await
-        .unwrap();
+    let r = c.get(format!("{}/ready", gw.base_url)).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let r: Value = r.json().await.unwrap();
     assert_eq!(r["ready"], true);
-    let m = c
-        .get(format!("{}/metrics", gw.base_url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = c.get(format!("{}/metrics", gw.base_url)).send().await.unwrap().text().await.unwrap();
     for needle in [
         "edgeway_requests_total{ingress=\"http\",outcome=\"ok\"} 1",
         "edgeway_tokens_total{direction=\"output\",model=\"general-chat\"} 5",
@@ -608,33 +433,19 @@ async fn operational_endpoints() {
     ] {
         assert!(m.contains(needle), "metrics lack {needle}:\n{m}");
     }
-    let nf = c
-        .get(format!("{}/v2/nothing", gw.base_url))
-        .send()
-        .await
-        .unwrap();
+    let nf = c.get(format!("{}/v2/nothing", gw.base_url)).send().await.unwrap();
     assert_eq!(nf.status(), 404);
     gw.stop().await;
 }
 
 #[tokio::test]
 async fn output_budget_is_capped_and_reported_as_degraded() {
-    let (fake, gw) = gateway_with(
-        Knobs {
-            tokens: 500,
-            ..Knobs::default()
-        },
-        "",
-    )
-    .await;
+    let (fake, gw) = gateway_with(Knobs { tokens: 500, ..Knobs::default() }, "").await;
     let mut body = chat_body(false);
     body["max_tokens"] = json!(100_000);
     let v: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
     assert_eq!(v["edge"]["degraded"], true);
-    assert!(v["edge"]["degrade_reason"]
-        .as_str()
-        .unwrap()
-        .contains("256"));
+    assert!(v["edge"]["degrade_reason"].as_str().unwrap().contains("256"));
     let sent = fake.stats.last_request.lock().unwrap().clone().unwrap();
     assert_eq!(sent["max_tokens"], 256);
     gw.stop().await;
@@ -645,15 +456,8 @@ async fn ollama_engines_serve_the_same_api() {
     let fake = FakeEngine::start().await;
     let gw = TestGateway::with_engine(&fake.url(), "ollama", "").await;
     gw.wait_ready().await;
-    let v: Value = post_chat(&gw, DEMO_KEY, &chat_body(false))
-        .await
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(
-        v["choices"][0]["message"]["content"],
-        "tok tok tok tok tok "
-    );
+    let v: Value = post_chat(&gw, DEMO_KEY, &chat_body(false)).await.json().await.unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "tok tok tok tok tok ");
     assert_eq!(v["edge"]["actual_model"], "fake/fake");
     let (events, done) = read_sse(post_chat(&gw, DEMO_KEY, &chat_body(true)).await).await;
     assert!(done);

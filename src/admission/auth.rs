@@ -40,21 +40,11 @@ impl Authenticator {
             by_name.insert(app.name.clone(), app);
         }
         let jwt = cfg.auth.jwt.as_ref().map(|j| JwtVerifier {
-            hs: j
-                .hs256_secret
-                .as_deref()
-                .and_then(|s| DecodingKey::from_secret(s).ok()),
-            rs: j
-                .rs256_public_key_pem
-                .as_deref()
-                .and_then(|p| DecodingKey::from_rsa_pem(p).ok()),
+            hs: j.hs256_secret.as_deref().and_then(|s| DecodingKey::from_secret(s).ok()),
+            rs: j.rs256_public_key_pem.as_deref().and_then(|p| DecodingKey::from_rsa_pem(p).ok()),
             cfg: j.clone(),
         });
-        Authenticator {
-            by_key,
-            by_name,
-            jwt,
-        }
+        Authenticator { by_key, by_name, jwt }
     }
 
     /// Identifies the caller from a bearer credential (API key or JWT).
@@ -62,11 +52,7 @@ impl Authenticator {
         let cred = credential
             .map(str::trim)
             .filter(|c| !c.is_empty())
-            .ok_or_else(|| {
-                auth_failed(
-                    "missing credentials: send an API key or JWT as 'Authorization: Bearer …'",
-                )
-            })?;
+            .ok_or_else(|| auth_failed("missing credentials: send an API key or JWT as 'Authorization: Bearer …'"))?;
         if let Some(app) = self.by_key.get(&crate::config::hash_api_key(cred)) {
             return Ok(identity(app, None));
         }
@@ -79,8 +65,7 @@ impl Authenticator {
     }
 
     fn verify_jwt(&self, j: &JwtVerifier, token: &str) -> Result<Identity, GatewayError> {
-        let header =
-            jsonwebtoken::decode_header(token).map_err(|_| auth_failed("malformed token"))?;
+        let header = jsonwebtoken::decode_header(token).map_err(|_| auth_failed("malformed token"))?;
         let key = match header.alg {
             Algorithm::HS256 => j.hs.as_ref(),
             Algorithm::RS256 => j.rs.as_ref(),
@@ -98,25 +83,19 @@ impl Authenticator {
             Some(aud) => v.set_audience(&[aud]),
             None => v.validate_aud = false,
         }
-        let data = jsonwebtoken::decode::<serde_json::Map<String, Value>>(token, key, &v).map_err(
-            |e| {
-                use jsonwebtoken::errors::ErrorKind;
-                match e.kind() {
-                    ErrorKind::ExpiredSignature => auth_failed("token expired"),
-                    ErrorKind::InvalidIssuer => auth_failed("token issuer not accepted"),
-                    ErrorKind::InvalidAudience => auth_failed("token audience not accepted"),
-                    _ => auth_failed("invalid token"),
-                }
-            },
-        )?;
+        let data = jsonwebtoken::decode::<serde_json::Map<String, Value>>(token, key, &v).map_err(|e| {
+            use jsonwebtoken::errors::ErrorKind;
+            match e.kind() {
+                ErrorKind::ExpiredSignature => auth_failed("token expired"),
+                ErrorKind::InvalidIssuer => auth_failed("token issuer not accepted"),
+                ErrorKind::InvalidAudience => auth_failed("token audience not accepted"),
+                _ => auth_failed("invalid token"),
+            }
+        })?;
         let claims = data.claims;
         let claim = |name: &str| claims.get(name).and_then(Value::as_str).map(str::to_string);
-        let app_name = claim(&j.cfg.application_claim)
-            .ok_or_else(|| auth_failed("token names no application"))?;
-        let app = self
-            .by_name
-            .get(&app_name)
-            .ok_or_else(|| auth_failed("token names an unknown application"))?;
+        let app_name = claim(&j.cfg.application_claim).ok_or_else(|| auth_failed("token names no application"))?;
+        let app = self.by_name.get(&app_name).ok_or_else(|| auth_failed("token names an unknown application"))?;
         if let Some(t) = claim(&j.cfg.tenant_claim) {
             if t != app.tenant {
                 return Err(GatewayError::new(
@@ -240,7 +219,12 @@ instances = ["e"]
         for c in [&expired, &wrong_iss, &wrong_aud, &unknown_app, &no_exp] {
             assert_eq!(code(a.authenticate(Some(&hs(c)))), ErrorCode::AuthFailed, "{c}");
         }
-        let forged = encode(&Header::new(Algorithm::HS256), &claims(60), &EncodingKey::from_secret(b"another-secret-entirely!").unwrap()).unwrap();
+        let forged = encode(
+            &Header::new(Algorithm::HS256),
+            &claims(60),
+            &EncodingKey::from_secret(b"another-secret-entirely!").unwrap(),
+        )
+        .unwrap();
         assert_eq!(code(a.authenticate(Some(&forged))), ErrorCode::AuthFailed);
         let mut other_tenant = claims(60);
         other_tenant["tenant"] = json!("acme");

@@ -9,9 +9,7 @@ use sha2::{Digest, Sha256};
 use crate::config::Config;
 use crate::context::{self, Fit};
 use crate::error::{ErrorCode, GatewayError};
-use crate::task::{
-    ChatMessage, Identity, Ingress, Priority, Routing, SamplingParams, TaskRequest, Timeouts,
-};
+use crate::task::{ChatMessage, Identity, Ingress, Priority, Routing, SamplingParams, TaskRequest, Timeouts};
 
 /// OpenAI chat fields plus the edge fields of DESIGN.md. Unknown OpenAI
 /// fields are accepted and ignored, except those edgeway cannot honour,
@@ -78,12 +76,7 @@ pub fn parse_body(bytes: &[u8]) -> Result<ChatRequestBody, GatewayError> {
 const MAX_ID_LEN: usize = 128;
 
 fn check_id(name: &str, v: &str) -> Result<(), GatewayError> {
-    if v.is_empty()
-        || v.len() > MAX_ID_LEN
-        || !v
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
-    {
+    if v.is_empty() || v.len() > MAX_ID_LEN || !v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c)) {
         return Err(GatewayError::invalid(format!(
             "'{name}' must be 1..{MAX_ID_LEN} characters of A-Z a-z 0-9 - _ . :"
         )));
@@ -101,51 +94,33 @@ pub fn admit(
 ) -> Result<TaskRequest, GatewayError> {
     for unsupported in ["tools", "functions", "tool_choice", "function_call"] {
         if body.extra.get(unsupported).is_some_and(|v| !v.is_null()) {
-            return Err(GatewayError::invalid(format!(
-                "'{unsupported}' is not supported by this gateway yet"
-            )));
+            return Err(GatewayError::invalid(format!("'{unsupported}' is not supported by this gateway yet")));
         }
     }
     if body.extra.get("logprobs").and_then(Value::as_bool) == Some(true) {
-        return Err(GatewayError::invalid(
-            "'logprobs' is not supported by this gateway yet",
-        ));
+        return Err(GatewayError::invalid("'logprobs' is not supported by this gateway yet"));
     }
     if body.n.is_some_and(|n| n != 1) {
         return Err(GatewayError::invalid("only n = 1 is supported"));
     }
     let model = cfg.models.get(&body.model).ok_or_else(|| {
-        GatewayError::invalid(format!(
-            "unknown model '{}'; GET /v1/models lists the models",
-            body.model
-        ))
+        GatewayError::invalid(format!("unknown model '{}'; GET /v1/models lists the models", body.model))
     })?;
     if body.messages.is_empty() {
         return Err(GatewayError::invalid("'messages' must not be empty"));
     }
     for (i, m) in body.messages.iter().enumerate() {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "user" | "assistant" | "developer" | "tool"
-        ) {
-            return Err(GatewayError::invalid(format!(
-                "messages[{i}].role {:?} is not a chat role",
-                m.role
-            )));
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
+            return Err(GatewayError::invalid(format!("messages[{i}].role {:?} is not a chat role", m.role)));
         }
-        if !(m.content.is_string()
-            || m.content.is_array()
-            || (m.content.is_null() && m.role == "assistant"))
-        {
-            return Err(GatewayError::invalid(format!(
-                "messages[{i}].content must be a string or content parts"
-            )));
+        if !(m.content.is_string() || m.content.is_array() || (m.content.is_null() && m.role == "assistant")) {
+            return Err(GatewayError::invalid(format!("messages[{i}].content must be a string or content parts")));
         }
     }
     let priority = match &body.priority {
-        Some(p) => Priority::parse(p).ok_or_else(|| {
-            GatewayError::invalid(format!("'priority' must be P0..P4, not {p:?}"))
-        })?,
+        Some(p) => {
+            Priority::parse(p).ok_or_else(|| GatewayError::invalid(format!("'priority' must be P0..P4, not {p:?}")))?
+        }
         None => identity.default_priority,
     };
     if !super::auth::may_use(&identity, priority) {
@@ -159,11 +134,7 @@ pub fn admit(
             ),
         ));
     }
-    let request_id = body
-        .request_id
-        .clone()
-        .or(request_id_hint)
-        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    let request_id = body.request_id.clone().or(request_id_hint).unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     check_id("request_id", &request_id)?;
     if let Some(k) = &body.idempotency_key {
         check_id("idempotency_key", k)?;
@@ -173,9 +144,7 @@ pub fn admit(
     }
     if let Some(p) = &body.params.temperature {
         if !(0.0..=2.0).contains(p) {
-            return Err(GatewayError::invalid(
-                "'temperature' must be between 0 and 2",
-            ));
+            return Err(GatewayError::invalid("'temperature' must be between 0 and 2"));
         }
     }
     if let Some(p) = &body.params.top_p {
@@ -184,58 +153,43 @@ pub fn admit(
         }
     }
 
-    let requested = body
-        .max_output_tokens
-        .or(body.max_completion_tokens)
-        .or(body.max_tokens);
+    let requested = body.max_output_tokens.or(body.max_completion_tokens).or(body.max_tokens);
     if requested == Some(0) {
-        return Err(GatewayError::invalid(
-            "'max_output_tokens' must be at least 1",
-        ));
+        return Err(GatewayError::invalid("'max_output_tokens' must be at least 1"));
     }
     let mut degrade_reason = None;
     let mut max_output_tokens = requested.unwrap_or(model.max_output_tokens);
     if max_output_tokens > model.max_output_tokens {
         max_output_tokens = model.max_output_tokens;
-        degrade_reason = Some(format!(
-            "output budget capped at the model's {} tokens",
-            model.max_output_tokens
-        ));
+        degrade_reason = Some(format!("output budget capped at the model's {} tokens", model.max_output_tokens));
     }
     let input_tokens_estimate = context::estimate_tokens(&body.messages);
-    match context::fit(
-        input_tokens_estimate,
-        max_output_tokens,
-        model.context_tokens,
-    ) {
+    match context::fit(input_tokens_estimate, max_output_tokens, model.context_tokens) {
         Fit::Fits => {}
         Fit::ReduceOutput(n) => {
             max_output_tokens = n;
-            degrade_reason = Some(format!(
-                "output budget reduced to {n} tokens to fit the context window"
-            ));
+            degrade_reason = Some(format!("output budget reduced to {n} tokens to fit the context window"));
         }
-        Fit::TooLarge => return Err(GatewayError::new(
-            ErrorCode::ContextTooLarge,
-            format!(
-                "the prompt is about {input_tokens_estimate} tokens; model '{}' takes at most {}",
-                model.name, model.context_tokens
-            ),
-        )),
+        Fit::TooLarge => {
+            return Err(GatewayError::new(
+                ErrorCode::ContextTooLarge,
+                format!(
+                    "the prompt is about {input_tokens_estimate} tokens; model '{}' takes at most {}",
+                    model.name, model.context_tokens
+                ),
+            ))
+        }
     }
 
     let t = body.timeouts.unwrap_or_default();
-    let pick =
-        |asked: Option<u64>, limit: Duration, name: &str| -> Result<Duration, GatewayError> {
-            match asked {
-                Some(0) => Err(GatewayError::invalid(format!(
-                    "'timeouts.{name}' must be greater than 0"
-                ))),
-                // The configured value is both the default and the ceiling.
-                Some(ms) => Ok(Duration::from_millis(ms).min(limit)),
-                None => Ok(limit),
-            }
-        };
+    let pick = |asked: Option<u64>, limit: Duration, name: &str| -> Result<Duration, GatewayError> {
+        match asked {
+            Some(0) => Err(GatewayError::invalid(format!("'timeouts.{name}' must be greater than 0"))),
+            // The configured value is both the default and the ceiling.
+            Some(ms) => Ok(Duration::from_millis(ms).min(limit)),
+            None => Ok(limit),
+        }
+    };
     let timeouts = Timeouts {
         queue: pick(t.queue_ms, cfg.timeouts.queue, "queue_ms")?,
         first_token: pick(t.first_token_ms, cfg.timeouts.first_token, "first_token_ms")?,
@@ -247,29 +201,17 @@ pub fn admit(
     if routing.local_only && model.instances.iter().all(|i| !cfg.engines[i].local) {
         return Err(GatewayError::new(
             ErrorCode::PolicyBlocked,
-            format!(
-                "model '{}' has no local instance and the request is local_only",
-                model.name
-            ),
+            format!("model '{}' has no local instance and the request is local_only", model.name),
         ));
     }
 
     let mut metadata = body.metadata.unwrap_or_default();
     let mut identity = identity;
     if identity.user_id.is_none() {
-        identity.user_id = metadata
-            .get("user_id")
-            .and_then(Value::as_str)
-            .map(str::to_string)
-            .or(body.user);
+        identity.user_id = metadata.get("user_id").and_then(Value::as_str).map(str::to_string).or(body.user);
     }
-    metadata.insert(
-        "application".into(),
-        Value::String(identity.application.clone()),
-    );
-    let prompt_sha256 = hex::encode(Sha256::digest(
-        serde_json::to_vec(&body.messages).unwrap_or_default(),
-    ));
+    metadata.insert("application".into(), Value::String(identity.application.clone()));
+    let prompt_sha256 = hex::encode(Sha256::digest(serde_json::to_vec(&body.messages).unwrap_or_default()));
 
     Ok(TaskRequest {
         task_id: crate::task::new_task_id(),

@@ -107,6 +107,11 @@ pub struct SchedulerConfig {
     pub queue_capacity: usize,
     /// How long a client is told to wait after `QUEUE_FULL`.
     pub busy_retry_after_ms: u64,
+    /// How long the events of an ended task stay available for re-attaching
+    /// clients (resumes, idempotent retries).
+    pub replay_retention: Duration,
+    /// Byte budget of those retained events, over all ended tasks.
+    pub replay_max_bytes: usize,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -213,22 +218,13 @@ impl Config {
         env: impl IntoIterator<Item = (String, String)>,
         base_dir: &Path,
     ) -> Result<Config, ConfigErrors> {
-        let one = |path: &str, message: String| {
-            ConfigErrors(vec![ConfigError {
-                path: path.into(),
-                message,
-            }])
-        };
-        let mut value: toml::Value =
-            toml::from_str(text).map_err(|e| one("", format!("invalid TOML: {e}")))?;
+        let one = |path: &str, message: String| ConfigErrors(vec![ConfigError { path: path.into(), message }]);
+        let mut value: toml::Value = toml::from_str(text).map_err(|e| one("", format!("invalid TOML: {e}")))?;
         let env: Vec<(String, String)> = env.into_iter().collect();
         raw::apply_env_overrides(&mut value, env.iter().cloned())?;
         let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
-            one(
-                if path == "." { "" } else { &path },
-                e.into_inner().to_string(),
-            )
+            one(if path == "." { "" } else { &path }, e.into_inner().to_string())
         })?;
         raw.validate(&env, base_dir)
     }
@@ -245,11 +241,7 @@ impl Config {
             out,
             "task store: {} (prompts {})",
             self.store.db_path().display(),
-            if self.store.store_prompts {
-                "stored"
-            } else {
-                "hashed only"
-            }
+            if self.store.store_prompts { "stored" } else { "hashed only" }
         );
         for (name, m) in &self.models {
             let _ = writeln!(
@@ -292,10 +284,7 @@ impl Config {
                     (false, true) => "RS256",
                     (false, false) => "no key",
                 },
-                j.issuer
-                    .as_deref()
-                    .map(|i| format!(", issuer {i}"))
-                    .unwrap_or_default()
+                j.issuer.as_deref().map(|i| format!(", issuer {i}")).unwrap_or_default()
             );
         }
         out

@@ -59,11 +59,7 @@ fn default_max_body() -> usize {
 
 impl Default for RawHttp {
     fn default() -> Self {
-        RawHttp {
-            listen: default_listen(),
-            admin_listen: None,
-            max_body_bytes: default_max_body(),
-        }
+        RawHttp { listen: default_listen(), admin_listen: None, max_body_bytes: default_max_body() }
     }
 }
 
@@ -82,10 +78,7 @@ fn default_data_dir() -> String {
 
 impl Default for RawStore {
     fn default() -> Self {
-        RawStore {
-            data_dir: default_data_dir(),
-            store_prompts: false,
-        }
+        RawStore { data_dir: default_data_dir(), store_prompts: false }
     }
 }
 
@@ -107,10 +100,7 @@ fn default_log_level() -> String {
 
 impl Default for RawLog {
     fn default() -> Self {
-        RawLog {
-            format: default_log_format(),
-            level: default_log_level(),
-        }
+        RawLog { format: default_log_format(), level: default_log_level() }
     }
 }
 
@@ -164,6 +154,17 @@ pub struct RawScheduler {
     pub queue_capacity: usize,
     #[serde(default = "d_busy_retry")]
     pub busy_retry_after_ms: u64,
+    #[serde(default = "d_replay_retention")]
+    pub replay_retention_ms: u64,
+    #[serde(default = "d_replay_bytes")]
+    pub replay_max_bytes: usize,
+}
+
+fn d_replay_retention() -> u64 {
+    300_000
+}
+fn d_replay_bytes() -> usize {
+    64 * 1024 * 1024
 }
 
 fn d_queue_cap() -> usize {
@@ -178,6 +179,8 @@ impl Default for RawScheduler {
         RawScheduler {
             queue_capacity: d_queue_cap(),
             busy_retry_after_ms: d_busy_retry(),
+            replay_retention_ms: d_replay_retention(),
+            replay_max_bytes: d_replay_bytes(),
         }
     }
 }
@@ -299,17 +302,13 @@ pub fn apply_env_overrides(
     env: impl Iterator<Item = (String, String)>,
 ) -> Result<(), ConfigErrors> {
     let mut errors = Vec::new();
-    let mut vars: Vec<(String, String)> = env
-        .filter(|(k, _)| k.starts_with("EDGEWAY__") && k.len() > "EDGEWAY__".len())
-        .collect();
+    let mut vars: Vec<(String, String)> =
+        env.filter(|(k, _)| k.starts_with("EDGEWAY__") && k.len() > "EDGEWAY__".len()).collect();
     vars.sort();
     for (key, raw_value) in vars {
         let segments: Vec<&str> = key["EDGEWAY__".len()..].split("__").collect();
         if segments.iter().any(|s| s.is_empty()) {
-            errors.push(ConfigError {
-                path: key.clone(),
-                message: "empty key segment".into(),
-            });
+            errors.push(ConfigError { path: key.clone(), message: "empty key segment".into() });
             continue;
         }
         let value = parse_env_value(&raw_value);
@@ -317,25 +316,17 @@ pub fn apply_env_overrides(
         let last = segments.len() - 1;
         for (i, seg) in segments.iter().enumerate() {
             let Some(table) = node.as_table_mut() else {
-                errors.push(ConfigError {
-                    path: key.clone(),
-                    message: "overrides a value that is not a table".into(),
-                });
+                errors.push(ConfigError { path: key.clone(), message: "overrides a value that is not a table".into() });
                 break;
             };
             let wanted = seg.to_ascii_lowercase();
-            let existing = table
-                .keys()
-                .find(|k| k.to_ascii_lowercase().replace('-', "_") == wanted)
-                .cloned();
+            let existing = table.keys().find(|k| k.to_ascii_lowercase().replace('-', "_") == wanted).cloned();
             let name = existing.unwrap_or(wanted);
             if i == last {
                 table.insert(name, value.clone());
                 break;
             }
-            node = table
-                .entry(name)
-                .or_insert_with(|| toml::Value::Table(Default::default()));
+            node = table.entry(name).or_insert_with(|| toml::Value::Table(Default::default()));
         }
     }
     if errors.is_empty() {
@@ -357,11 +348,7 @@ fn parse_env_value(s: &str) -> toml::Value {
 }
 
 impl RawConfig {
-    pub fn validate(
-        self,
-        env: &[(String, String)],
-        base_dir: &Path,
-    ) -> Result<Config, ConfigErrors> {
+    pub fn validate(self, env: &[(String, String)], base_dir: &Path) -> Result<Config, ConfigErrors> {
         let mut errs: Vec<ConfigError> = Vec::new();
         let mut err = |path: String, message: String| errs.push(ConfigError { path, message });
         let getenv = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
@@ -392,18 +379,12 @@ impl RawConfig {
             "text" => LogFormat::Text,
             "json" => LogFormat::Json,
             other => {
-                err(
-                    "log.format".into(),
-                    format!("must be \"text\" or \"json\", not {other:?}"),
-                );
+                err("log.format".into(), format!("must be \"text\" or \"json\", not {other:?}"));
                 LogFormat::Text
             }
         };
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
-            err(
-                "log.level".into(),
-                format!("{:?} is not a valid filter", self.log.level),
-            );
+            err("log.level".into(), format!("{:?} is not a valid filter", self.log.level));
         }
 
         let t = &self.timeouts;
@@ -426,10 +407,7 @@ impl RawConfig {
             total: Duration::from_millis(t.total_ms),
         };
         if self.scheduler.queue_capacity == 0 {
-            err(
-                "scheduler.queue_capacity".into(),
-                "must be at least 1".into(),
-            );
+            err("scheduler.queue_capacity".into(), "must be at least 1".into());
         }
 
         let jwt = match self.auth.jwt {
@@ -439,17 +417,11 @@ impl RawConfig {
                     Some(var) => match getenv(var) {
                         Some(v) if v.len() >= 16 => Some(v.into_bytes()),
                         Some(_) => {
-                            err(
-                                "auth.jwt.hs256_secret_env".into(),
-                                format!("${var} must hold at least 16 bytes"),
-                            );
+                            err("auth.jwt.hs256_secret_env".into(), format!("${var} must hold at least 16 bytes"));
                             None
                         }
                         None => {
-                            err(
-                                "auth.jwt.hs256_secret_env".into(),
-                                format!("environment variable {var} is not set"),
-                            );
+                            err("auth.jwt.hs256_secret_env".into(), format!("environment variable {var} is not set"));
                             None
                         }
                     },
@@ -480,10 +452,7 @@ impl RawConfig {
                     None => None,
                 };
                 if j.hs256_secret_env.is_none() && j.rs256_public_key_file.is_none() {
-                    err(
-                        "auth.jwt".into(),
-                        "needs hs256_secret_env or rs256_public_key_file".into(),
-                    );
+                    err("auth.jwt".into(), "needs hs256_secret_env or rs256_public_key_file".into());
                 }
                 Some(JwtConfig {
                     hs256_secret: hs,
@@ -511,7 +480,10 @@ impl RawConfig {
                     Ok(b) if b.len() == 32 => {
                         let arr: [u8; 32] = b.try_into().expect("32 bytes");
                         if let Some(other) = seen_keys.insert(arr, name.clone()) {
-                            err(format!("{p}.api_key_sha256[{i}]"), format!("the same key is also used by application {other}"));
+                            err(
+                                format!("{p}.api_key_sha256[{i}]"),
+                                format!("the same key is also used by application {other}"),
+                            );
                         }
                         keys.push(arr);
                     }
@@ -522,27 +494,17 @@ impl RawConfig {
                 }
             }
             let max_priority = Priority::parse(&a.max_priority).unwrap_or_else(|| {
-                err(
-                    format!("{p}.max_priority"),
-                    format!("must be P0..P4, not {:?}", a.max_priority),
-                );
+                err(format!("{p}.max_priority"), format!("must be P0..P4, not {:?}", a.max_priority));
                 Priority::P4
             });
             let default_priority = Priority::parse(&a.default_priority).unwrap_or_else(|| {
-                err(
-                    format!("{p}.default_priority"),
-                    format!("must be P0..P4, not {:?}", a.default_priority),
-                );
+                err(format!("{p}.default_priority"), format!("must be P0..P4, not {:?}", a.default_priority));
                 Priority::P4
             });
             if default_priority < max_priority {
                 err(
                     format!("{p}.default_priority"),
-                    format!(
-                        "{} is more urgent than max_priority {}",
-                        default_priority.as_str(),
-                        max_priority.as_str()
-                    ),
+                    format!("{} is more urgent than max_priority {}", default_priority.as_str(), max_priority.as_str()),
                 );
             }
             applications.insert(
@@ -565,19 +527,13 @@ impl RawConfig {
                 "openai" => EngineKind::OpenAi,
                 "ollama" => EngineKind::Ollama,
                 other => {
-                    err(
-                        format!("{p}.type"),
-                        format!("must be \"openai\" or \"ollama\", not {other:?}"),
-                    );
+                    err(format!("{p}.type"), format!("must be \"openai\" or \"ollama\", not {other:?}"));
                     EngineKind::OpenAi
                 }
             };
             match reqwest::Url::parse(&e.base_url) {
                 Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
-                _ => err(
-                    format!("{p}.base_url"),
-                    format!("{:?} is not an http(s) URL", e.base_url),
-                ),
+                _ => err(format!("{p}.base_url"), format!("{:?} is not an http(s) URL", e.base_url)),
             }
             if e.model.trim().is_empty() {
                 err(format!("{p}.model"), "must not be empty".into());
@@ -586,29 +542,20 @@ impl RawConfig {
                 err(format!("{p}.max_concurrency"), "must be at least 1".into());
             }
             if e.health_interval_ms < 50 {
-                err(
-                    format!("{p}.health_interval_ms"),
-                    "must be at least 50".into(),
-                );
+                err(format!("{p}.health_interval_ms"), "must be at least 50".into());
             }
             let api_key = match &e.api_key_env {
                 Some(var) => match getenv(var) {
                     Some(v) => Some(v),
                     None => {
-                        err(
-                            format!("{p}.api_key_env"),
-                            format!("environment variable {var} is not set"),
-                        );
+                        err(format!("{p}.api_key_env"), format!("environment variable {var} is not set"));
                         None
                     }
                 },
                 None => None,
             };
             if e.keep_alive.is_some() && kind != EngineKind::Ollama {
-                err(
-                    format!("{p}.keep_alive"),
-                    "only applies to type = \"ollama\"".into(),
-                );
+                err(format!("{p}.keep_alive"), "only applies to type = \"ollama\"".into());
             }
             let health_path = e.health_path.unwrap_or_else(|| match kind {
                 EngineKind::OpenAi => "/v1/models".into(),
@@ -640,27 +587,18 @@ impl RawConfig {
         for (name, m) in self.models {
             let p = format!("models.{name}");
             if m.instances.is_empty() {
-                err(
-                    format!("{p}.instances"),
-                    "must name at least one engine".into(),
-                );
+                err(format!("{p}.instances"), "must name at least one engine".into());
             }
             for (i, inst) in m.instances.iter().enumerate() {
                 if !engines.contains_key(inst) {
-                    err(
-                        format!("{p}.instances[{i}]"),
-                        format!("no engine named {inst:?} in [engines]"),
-                    );
+                    err(format!("{p}.instances[{i}]"), format!("no engine named {inst:?} in [engines]"));
                 }
             }
             if m.context_tokens < 16 {
                 err(format!("{p}.context_tokens"), "must be at least 16".into());
             }
             if m.max_output_tokens == 0 || m.max_output_tokens >= m.context_tokens {
-                err(
-                    format!("{p}.max_output_tokens"),
-                    "must be between 1 and context_tokens - 1".into(),
-                );
+                err(format!("{p}.max_output_tokens"), "must be between 1 and context_tokens - 1".into());
             }
             if m.queue_capacity == Some(0) {
                 err(format!("{p}.queue_capacity"), "must be at least 1".into());
@@ -681,10 +619,7 @@ impl RawConfig {
             err("models".into(), "define at least one logical model".into());
         }
         if applications.is_empty() && jwt.is_none() {
-            err(
-                "applications".into(),
-                "define at least one application or [auth.jwt]; nobody could call".into(),
-            );
+            err("applications".into(), "define at least one application or [auth.jwt]; nobody could call".into());
         }
 
         drop(err);
@@ -693,23 +628,18 @@ impl RawConfig {
         }
         Ok(Config {
             node_id: self.node_id,
-            http: HttpConfig {
-                listen,
-                admin_listen,
-                max_body_bytes: self.http.max_body_bytes,
-            },
+            http: HttpConfig { listen, admin_listen, max_body_bytes: self.http.max_body_bytes },
             store: StoreConfig {
                 data_dir: PathBuf::from(self.store.data_dir),
                 store_prompts: self.store.store_prompts,
             },
-            log: LogConfig {
-                format,
-                level: self.log.level,
-            },
+            log: LogConfig { format, level: self.log.level },
             timeouts,
             scheduler: SchedulerConfig {
                 queue_capacity: self.scheduler.queue_capacity,
                 busy_retry_after_ms: self.scheduler.busy_retry_after_ms,
+                replay_retention: Duration::from_millis(self.scheduler.replay_retention_ms),
+                replay_max_bytes: self.scheduler.replay_max_bytes,
             },
             auth: AuthConfig { jwt },
             applications,
@@ -720,8 +650,7 @@ impl RawConfig {
 }
 
 fn parse_addr(s: &str) -> Result<SocketAddr, String> {
-    s.parse::<SocketAddr>()
-        .map_err(|_| format!("{s:?} is not an address like 127.0.0.1:8080"))
+    s.parse::<SocketAddr>().map_err(|_| format!("{s:?} is not an address like 127.0.0.1:8080"))
 }
 
 fn resolve(base: &Path, f: &str) -> PathBuf {

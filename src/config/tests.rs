@@ -87,10 +87,7 @@ instances = ["missing"]
 
 #[test]
 fn api_keys_for_cloud_engines_come_from_the_environment() {
-    let text = MINIMAL.replace(
-        "model = \"gemma\"",
-        "model = \"gemma\"\napi_key_env = \"CLOUD_KEY\"",
-    );
+    let text = MINIMAL.replace("model = \"gemma\"", "model = \"gemma\"\napi_key_env = \"CLOUD_KEY\"");
     let e = parse(&text, &[]).unwrap_err();
     assert_eq!(e.0[0].path, "engines.llama.api_key_env");
     let c = parse(&text, &[("CLOUD_KEY", "sk-secret")]).unwrap();
@@ -107,10 +104,7 @@ fn example_configs_validate() {
             continue;
         }
         let text = std::fs::read_to_string(&path).unwrap();
-        let env = [
-            ("EDGEWAY_JWT_SECRET", "an-example-secret-of-32-bytes!!!"),
-            ("OPENAI_API_KEY", "sk-test"),
-        ];
+        let env = [("EDGEWAY_JWT_SECRET", "an-example-secret-of-32-bytes!!!"), ("OPENAI_API_KEY", "sk-test")];
         parse(&text, &env).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         n += 1;
     }

@@ -13,11 +13,7 @@ const TOKENS_PER_MESSAGE: u32 = 4;
 /// English text with BPE/SentencePiece vocabularies, rounded up, plus the
 /// template overhead. Engines report the real count in usage.
 pub fn estimate_tokens(messages: &[ChatMessage]) -> u32 {
-    messages
-        .iter()
-        .map(|m| TOKENS_PER_MESSAGE + ((m.text_len() as u64 * 2).div_ceil(7)) as u32)
-        .sum::<u32>()
-        + 2
+    messages.iter().map(|m| TOKENS_PER_MESSAGE + ((m.text_len() as u64 * 2).div_ceil(7)) as u32).sum::<u32>() + 2
 }
 
 /// How a request fits a context window.
@@ -48,11 +44,7 @@ mod tests {
         assert_eq!(fit(10, 20, 100), Fit::Fits);
         assert_eq!(fit(90, 20, 100), Fit::ReduceOutput(10));
         assert_eq!(fit(100, 1, 100), Fit::TooLarge);
-        let m = ChatMessage {
-            role: "user".into(),
-            content: "x".repeat(700).into(),
-            extra: Default::default(),
-        };
+        let m = ChatMessage { role: "user".into(), content: "x".repeat(700).into(), extra: Default::default() };
         assert_eq!(estimate_tokens(&[m]), 4 + 200 + 2);
     }
 }

@@ -57,10 +57,7 @@ pub async fn probe_loop(
                 tracing::warn!(engine = engine.name(), detail = %h.detail, "engine instance is down");
             }
             up = Some(now_up);
-            metrics
-                .engine_up
-                .with_label_values(&[engine.name()])
-                .set(i64::from(now_up));
+            metrics.engine_up.with_label_values(&[engine.name()]).set(i64::from(now_up));
             scheduler.set_instance_health(index, now_up, h.detail.clone());
         }
     }

@@ -9,10 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::wire::{decode_lines, LineDecoder};
-use super::{
-    truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineRequest,
-    EngineStream,
-};
+use super::{truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineRequest, EngineStream};
 use crate::config::{EngineConfig, EngineKind};
 use crate::task::ChatMessage;
 
@@ -41,9 +38,7 @@ impl OllamaEngine {
         if !r.status().is_success() {
             return Err(format!("HTTP {}", r.status().as_u16()));
         }
-        r.json::<Value>()
-            .await
-            .map_err(|e| format!("bad body: {e}"))
+        r.json::<Value>().await.map_err(|e| format!("bad body: {e}"))
     }
 
     /// Ollama names models `name:tag`; a bare name means `:latest`.
@@ -106,9 +101,7 @@ impl TryFrom<WireLine> for Vec<EngineChunk> {
                     output_tokens: l.eval_count.unwrap_or(0),
                 });
             }
-            out.push(EngineChunk::Finish(
-                l.done_reason.unwrap_or_else(|| "stop".into()),
-            ));
+            out.push(EngineChunk::Finish(l.done_reason.unwrap_or_else(|| "stop".into())));
         }
         Ok(out)
     }
@@ -118,11 +111,9 @@ impl TryFrom<WireLine> for Vec<EngineChunk> {
 fn content_text(m: &ChatMessage) -> String {
     match &m.content {
         Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join("\n"),
+        Value::Array(parts) => {
+            parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("\n")
+        }
         Value::Null => String::new(),
         other => other.to_string(),
     }
@@ -136,9 +127,8 @@ impl LineDecoder for NdjsonDecoder {
         if line.is_empty() {
             return Ok(false);
         }
-        let l: WireLine = serde_json::from_str(line).map_err(|e| {
-            EngineError::Protocol(format!("bad NDJSON line ({e}): {}", truncate(line, 120)))
-        })?;
+        let l: WireLine = serde_json::from_str(line)
+            .map_err(|e| EngineError::Protocol(format!("bad NDJSON line ({e}): {}", truncate(line, 120))))?;
         let done = l.done;
         out.extend(Vec::<EngineChunk>::try_from(l)?);
         Ok(done)
@@ -156,11 +146,7 @@ impl Engine for OllamaEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            streaming: self.cfg.stream,
-            reports_usage: true,
-            cancel_on_disconnect: true,
-        }
+        Capabilities { streaming: self.cfg.stream, reports_usage: true, cancel_on_disconnect: true }
     }
 
     async fn stream(&self, req: EngineRequest) -> Result<EngineStream, EngineError> {
@@ -177,11 +163,7 @@ impl Engine for OllamaEngine {
             messages: req
                 .messages
                 .iter()
-                .map(|m| WireMessage {
-                    role: &m.role,
-                    content: content_text(m),
-                    images: m.extra.get("images"),
-                })
+                .map(|m| WireMessage { role: &m.role, content: content_text(m), images: m.extra.get("images") })
                 .collect(),
             stream: self.cfg.stream,
             options,
@@ -197,10 +179,7 @@ impl Engine for OllamaEngine {
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().await.unwrap_or_default();
-            return Err(EngineError::Status {
-                status: status.as_u16(),
-                body: truncate(&text, 300),
-            });
+            return Err(EngineError::Status { status: status.as_u16(), body: truncate(&text, 300) });
         }
         // A non-streamed answer is one NDJSON line with `done: true`.
         Ok(decode_lines(resp.bytes_stream(), NdjsonDecoder))
@@ -209,24 +188,14 @@ impl Engine for OllamaEngine {
     async fn health(&self) -> EngineHealth {
         let tags = match self.get_json(&self.cfg.health_path).await {
             Ok(v) => v,
-            Err(detail) => {
-                return EngineHealth {
-                    up: false,
-                    detail,
-                    model_resident: None,
-                }
-            }
+            Err(detail) => return EngineHealth { up: false, detail, model_resident: None },
         };
         let names = |v: &Value| -> Vec<String> {
             v.get("models")
                 .and_then(Value::as_array)
                 .map(|a| {
                     a.iter()
-                        .filter_map(|m| {
-                            m.get("name")
-                                .or_else(|| m.get("model"))
-                                .and_then(Value::as_str)
-                        })
+                        .filter_map(|m| m.get("name").or_else(|| m.get("model")).and_then(Value::as_str))
                         .map(str::to_string)
                         .collect()
                 })
@@ -239,16 +208,8 @@ impl Engine for OllamaEngine {
                 model_resident: Some(false),
             };
         }
-        let resident = self
-            .get_json("/api/ps")
-            .await
-            .ok()
-            .map(|ps| names(&ps).iter().any(|n| self.same_model(n)));
-        EngineHealth {
-            up: true,
-            detail: "ok".into(),
-            model_resident: resident,
-        }
+        let resident = self.get_json("/api/ps").await.ok().map(|ps| names(&ps).iter().any(|n| self.same_model(n)));
+        EngineHealth { up: true, detail: "ok".into(), model_resident: resident }
     }
 }
 
@@ -260,12 +221,7 @@ mod tests {
     fn final_line_carries_usage_and_reason() {
         let mut d = NdjsonDecoder;
         let mut out = VecDeque::new();
-        assert!(!d
-            .line(
-                r#"{"message":{"role":"assistant","content":"Hel"},"done":false}"#,
-                &mut out
-            )
-            .unwrap());
+        assert!(!d.line(r#"{"message":{"role":"assistant","content":"Hel"},"done":false}"#, &mut out).unwrap());
         assert!(d
             .line(r#"{"message":{"role":"assistant","content":""},"done":true,"done_reason":"length","prompt_eval_count":7,"eval_count":3}"#, &mut out)
             .unwrap());
@@ -273,10 +229,7 @@ mod tests {
             out.into_iter().collect::<Vec<_>>(),
             vec![
                 EngineChunk::Delta("Hel".into()),
-                EngineChunk::Usage {
-                    input_tokens: 7,
-                    output_tokens: 3
-                },
+                EngineChunk::Usage { input_tokens: 7, output_tokens: 3 },
                 EngineChunk::Finish("length".into())
             ]
         );

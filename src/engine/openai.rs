@@ -10,10 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::wire::{decode_lines, LineDecoder};
-use super::{
-    truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineRequest,
-    EngineStream,
-};
+use super::{truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineRequest, EngineStream};
 use crate::config::{EngineConfig, EngineKind};
 use crate::task::{ChatMessage, SamplingParams};
 
@@ -90,11 +87,7 @@ impl TryFrom<WireChunk> for Vec<EngineChunk> {
 
     fn try_from(c: WireChunk) -> Result<Self, EngineError> {
         if let Some(err) = c.error {
-            let msg = err
-                .get("message")
-                .and_then(Value::as_str)
-                .map(str::to_string)
-                .unwrap_or_else(|| err.to_string());
+            let msg = err.get("message").and_then(Value::as_str).map(str::to_string).unwrap_or_else(|| err.to_string());
             return Err(EngineError::Remote(truncate(&msg, 300)));
         }
         let mut out = Vec::new();
@@ -108,10 +101,7 @@ impl TryFrom<WireChunk> for Vec<EngineChunk> {
             }
         }
         if let Some(u) = c.usage {
-            out.push(EngineChunk::Usage {
-                input_tokens: u.prompt_tokens,
-                output_tokens: u.completion_tokens,
-            });
+            out.push(EngineChunk::Usage { input_tokens: u.prompt_tokens, output_tokens: u.completion_tokens });
         }
         Ok(out)
     }
@@ -140,9 +130,8 @@ impl LineDecoder for SseDecoder {
         if data.is_empty() {
             return Ok(false);
         }
-        let chunk: WireChunk = serde_json::from_str(data).map_err(|e| {
-            EngineError::Protocol(format!("bad SSE chunk ({e}): {}", truncate(data, 120)))
-        })?;
+        let chunk: WireChunk = serde_json::from_str(data)
+            .map_err(|e| EngineError::Protocol(format!("bad SSE chunk ({e}): {}", truncate(data, 120))))?;
         for c in Vec::<EngineChunk>::try_from(chunk)? {
             match c {
                 EngineChunk::Finish(f) => self.finish = Some(f),
@@ -175,11 +164,7 @@ impl Engine for OpenAiEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            streaming: self.cfg.stream,
-            reports_usage: true,
-            cancel_on_disconnect: true,
-        }
+        Capabilities { streaming: self.cfg.stream, reports_usage: true, cancel_on_disconnect: true }
     }
 
     async fn stream(&self, req: EngineRequest) -> Result<EngineStream, EngineError> {
@@ -188,24 +173,15 @@ impl Engine for OpenAiEngine {
             model: &req.model,
             messages: &req.messages,
             stream,
-            stream_options: stream.then_some(StreamOptions {
-                include_usage: true,
-            }),
+            stream_options: stream.then_some(StreamOptions { include_usage: true }),
             max_tokens: req.max_output_tokens,
             params: &req.params,
         };
-        let resp = self
-            .post(&body)
-            .send()
-            .await
-            .map_err(|e| EngineError::Unreachable(e.without_url().to_string()))?;
+        let resp = self.post(&body).send().await.map_err(|e| EngineError::Unreachable(e.without_url().to_string()))?;
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().await.unwrap_or_default();
-            return Err(EngineError::Status {
-                status: status.as_u16(),
-                body: truncate(&text, 300),
-            });
+            return Err(EngineError::Status { status: status.as_u16(), body: truncate(&text, 300) });
         }
         if stream {
             return Ok(decode_lines(resp.bytes_stream(), SseDecoder::default()));
@@ -232,31 +208,17 @@ impl Engine for OpenAiEngine {
 
     async fn health(&self) -> EngineHealth {
         let url = format!("{}{}", self.cfg.base_url, self.cfg.health_path);
-        let mut rb = self.client.get(url).timeout(
-            self.cfg
-                .health_interval
-                .max(std::time::Duration::from_secs(1)),
-        );
+        let mut rb = self.client.get(url).timeout(self.cfg.health_interval.max(std::time::Duration::from_secs(1)));
         if let Some(key) = &self.cfg.api_key {
             rb = rb.bearer_auth(key);
         }
         match rb.send().await {
-            Ok(r) if r.status().is_success() => EngineHealth {
-                up: true,
-                detail: "ok".into(),
-                model_resident: None,
-            },
+            Ok(r) if r.status().is_success() => EngineHealth { up: true, detail: "ok".into(), model_resident: None },
             // llama-server answers 503 while it loads the model.
-            Ok(r) => EngineHealth {
-                up: false,
-                detail: format!("HTTP {}", r.status().as_u16()),
-                model_resident: None,
-            },
-            Err(e) => EngineHealth {
-                up: false,
-                detail: format!("unreachable: {}", e.without_url()),
-                model_resident: None,
-            },
+            Ok(r) => EngineHealth { up: false, detail: format!("HTTP {}", r.status().as_u16()), model_resident: None },
+            Err(e) => {
+                EngineHealth { up: false, detail: format!("unreachable: {}", e.without_url()), model_resident: None }
+            }
         }
     }
 }
@@ -290,10 +252,7 @@ mod tests {
             chunks,
             vec![
                 EngineChunk::Delta("Hi".into()),
-                EngineChunk::Usage {
-                    input_tokens: 5,
-                    output_tokens: 1
-                },
+                EngineChunk::Usage { input_tokens: 5, output_tokens: 1 },
                 EngineChunk::Finish("length".into())
             ]
         );
@@ -303,12 +262,7 @@ mod tests {
     fn error_objects_become_remote_errors() {
         let mut d = SseDecoder::default();
         let mut out = VecDeque::new();
-        let e = d
-            .line(
-                r#"data: {"error":{"message":"context overflow"}}"#,
-                &mut out,
-            )
-            .unwrap_err();
+        let e = d.line(r#"data: {"error":{"message":"context overflow"}}"#, &mut out).unwrap_err();
         assert!(matches!(e, EngineError::Remote(m) if m == "context overflow"));
     }
 }

@@ -111,9 +111,7 @@ where
                         }
                     }
                 }
-                Some(Err(e)) => {
-                    st.error = Some(EngineError::Protocol(format!("body read failed: {e}")))
-                }
+                Some(Err(e)) => st.error = Some(EngineError::Protocol(format!("body read failed: {e}"))),
                 None => {
                     let mut done = false;
                     if let Some(rest) = st.split.finish() {

@@ -23,15 +23,11 @@ impl InstanceView {
 /// down. Ties go to the earlier instance in the model's list, so the
 /// configuration order expresses preference.
 pub fn pick(candidates: &[usize], instances: &[InstanceView]) -> Option<usize> {
-    candidates
-        .iter()
-        .copied()
-        .filter(|&i| instances[i].has_free_slot())
-        .min_by(|&a, &b| {
-            let (ia, ib) = (&instances[a], &instances[b]);
-            // Compare running/max without floats: a.r * b.m vs b.r * a.m.
-            (ia.running * ib.max_concurrency).cmp(&(ib.running * ia.max_concurrency))
-        })
+    candidates.iter().copied().filter(|&i| instances[i].has_free_slot()).min_by(|&a, &b| {
+        let (ia, ib) = (&instances[a], &instances[b]);
+        // Compare running/max without floats: a.r * b.m vs b.r * a.m.
+        (ia.running * ib.max_concurrency).cmp(&(ib.running * ia.max_concurrency))
+    })
 }
 
 /// Whether any candidate is healthy (a task may wait for it).
@@ -44,11 +40,7 @@ mod tests {
     use super::*;
 
     fn v(up: bool, running: usize, max: usize) -> InstanceView {
-        InstanceView {
-            up,
-            running,
-            max_concurrency: max,
-        }
+        InstanceView { up, running, max_concurrency: max }
     }
 
     #[test]

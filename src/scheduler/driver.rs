@@ -9,6 +9,7 @@ use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::sleep_until;
 
+use super::events::TaskLog;
 use super::{terminal_state_for, CancelHandle, Cmd, Shared, SlotLease};
 use crate::engine::{EngineChunk, EngineError, EngineRequest};
 use crate::error::{ErrorCode, GatewayError};
@@ -18,9 +19,12 @@ pub(super) struct Driver {
     pub req: TaskRequest,
     pub shared: Arc<Shared>,
     pub tx: mpsc::UnboundedSender<Cmd>,
-    pub events: mpsc::Sender<TaskEvent>,
+    pub log: Arc<TaskLog>,
     pub cancel: CancelHandle,
     pub queue_position: usize,
+    /// Keep the answer text (for the store's data policy or idempotent
+    /// replays after a restart).
+    pub keep_text: bool,
 }
 
 /// How a run ended, before it is turned into a terminal state.
@@ -48,17 +52,13 @@ impl Driver {
     /// mid-way except at runtime shutdown, where the lease's `Drop` still
     /// frees the slot.
     pub async fn run(self, grant: oneshot::Receiver<SlotLease>) {
-        let store = self.shared.store.clone();
         let id = self.req.task_id.clone();
-        store.transition(&id, TaskState::Queued, "admitted", None, "scheduler");
-        let _ = self.events.try_send(TaskEvent::Accepted {
-            task_id: id.clone(),
-            queue_position: self.queue_position,
-        });
+        self.shared.recorder.transition(&self.req, TaskState::Queued, "admitted", None, "scheduler");
+        self.log.push(TaskEvent::Accepted { task_id: id.clone(), queue_position: self.queue_position });
         let mut p = Progress::default();
         let outcome = self.run_phases(grant, &mut p).await;
-        self.finish(outcome, p).await;
-        self.shared.live.lock().expect("live map").remove(&id);
+        self.finish(outcome, p);
+        self.shared.registry.ended(&id);
     }
 
     async fn run_phases(&self, grant: oneshot::Receiver<SlotLease>, p: &mut Progress) -> Outcome {
@@ -68,10 +68,7 @@ impl Driver {
         let queue_raw = tokio::time::Instant::now() + t.queue;
         let queue_deadline = queue_raw.min(total_deadline);
         let timeout_of = |code: ErrorCode, what: &str| Outcome {
-            error: Some((
-                GatewayError::new(code, format!("{what} exceeded")),
-                "gateway",
-            )),
+            error: Some((GatewayError::new(code, format!("{what} exceeded")), "gateway")),
             reason: format!("{} ({what})", code.as_str()),
         };
 
@@ -107,13 +104,9 @@ impl Driver {
         p.instance = Some(lease.instance_name.clone());
         p.actual_model = Some(format!("{}/{}", lease.instance_name, lease.engine_model));
         let labels = [r.logical_model.as_str(), r.priority.as_str()];
-        self.shared
-            .metrics
-            .queue_wait
-            .with_label_values(&labels)
-            .observe(r.received_at.elapsed().as_secs_f64());
-        self.shared.store.transition(
-            &r.task_id,
+        self.shared.metrics.queue_wait.with_label_values(&labels).observe(r.received_at.elapsed().as_secs_f64());
+        self.shared.recorder.transition(
+            r,
             TaskState::Dispatching,
             "slot granted",
             Some(&lease.instance_name),
@@ -153,13 +146,7 @@ impl Driver {
                 Err(e) => return self.engine_failed(&lease, e, false),
             },
         };
-        self.shared.store.transition(
-            &r.task_id,
-            TaskState::Running,
-            "engine accepted",
-            Some(&lease.instance_name),
-            "engine",
-        );
+        self.shared.recorder.transition(r, TaskState::Running, "engine accepted", Some(&lease.instance_name), "engine");
 
         // Phase 3: stream tokens until the engine finishes.
         let mut last_token = now_t;
@@ -190,8 +177,8 @@ impl Driver {
                             .first_token
                             .with_label_values(&labels)
                             .observe(r.received_at.elapsed().as_secs_f64());
-                        self.shared.store.transition(
-                            &r.task_id,
+                        self.shared.recorder.transition(
+                            r,
                             TaskState::Streaming,
                             "first token",
                             Some(&lease.instance_name),
@@ -199,23 +186,14 @@ impl Driver {
                         );
                     }
                     p.deltas += 1;
-                    if self.shared.store.stores_prompts() {
+                    if self.keep_text {
                         p.text.push_str(&text);
                     }
-                    let send = tokio::select! {
-                        biased;
-                        _ = self.cancel.token.cancelled() => Err(()),
-                        s = self.events.send(TaskEvent::Delta { text }) => s.map_err(|_| ()),
-                    };
-                    if send.is_err() {
-                        drop(stream);
-                        return self.cancelled();
-                    }
+                    self.log.push(TaskEvent::Delta { text });
                 }
-                Some(Ok(EngineChunk::Usage {
-                    input_tokens,
-                    output_tokens,
-                })) => p.usage = Some((input_tokens, output_tokens)),
+                Some(Ok(EngineChunk::Usage { input_tokens, output_tokens })) => {
+                    p.usage = Some((input_tokens, output_tokens))
+                }
                 Some(Ok(EngineChunk::Finish(reason))) => p.finish_reason = Some(reason),
                 Some(Err(e)) => {
                     drop(stream);
@@ -226,31 +204,17 @@ impl Driver {
         }
         drop(stream);
         drop(lease);
-        Outcome {
-            error: None,
-            reason: format!(
-                "finished ({})",
-                p.finish_reason.as_deref().unwrap_or("stop")
-            ),
-        }
+        Outcome { error: None, reason: format!("finished ({})", p.finish_reason.as_deref().unwrap_or("stop")) }
     }
 
     fn withdraw(&self) {
-        let _ = self.tx.send(Cmd::Withdraw {
-            task_id: self.req.task_id.clone(),
-            model: self.req.logical_model.clone(),
-        });
+        let _ =
+            self.tx.send(Cmd::Withdraw { task_id: self.req.task_id.clone(), model: self.req.logical_model.clone() });
     }
 
     fn cancelled(&self) -> Outcome {
         let (reason, actor) = self.cancel.reason();
-        Outcome {
-            error: Some((
-                GatewayError::new(ErrorCode::RequestCancelled, reason.clone()),
-                actor,
-            )),
-            reason,
-        }
+        Outcome { error: Some((GatewayError::new(ErrorCode::RequestCancelled, reason.clone()), actor)), reason }
     }
 
     fn engine_failed(&self, lease: &SlotLease, e: EngineError, mid_stream: bool) -> Outcome {
@@ -259,11 +223,7 @@ impl Driver {
             self.shared.recheck[lease.instance].notify_one();
         }
         let err = if e.is_unreachable() && !mid_stream {
-            GatewayError::new(
-                ErrorCode::ModelUnavailable,
-                "the model's engine is not reachable",
-            )
-            .with_retry_after(2000)
+            GatewayError::new(ErrorCode::ModelUnavailable, "the model's engine is not reachable").with_retry_after(2000)
         } else {
             GatewayError::internal(if mid_stream {
                 "the engine failed while generating"
@@ -271,17 +231,11 @@ impl Driver {
                 "the engine refused the request"
             })
         };
-        let reason = format!(
-            "engine error: {}",
-            crate::engine::truncate(&e.to_string(), 200)
-        );
-        Outcome {
-            error: Some((err, "engine")),
-            reason,
-        }
+        let reason = format!("engine error: {}", crate::engine::truncate(&e.to_string(), 200));
+        Outcome { error: Some((err, "engine")), reason }
     }
 
-    async fn finish(&self, outcome: Outcome, p: Progress) {
+    fn finish(&self, outcome: Outcome, p: Progress) {
         let r = &self.req;
         let state = match &outcome.error {
             None => TaskState::Succeeded,
@@ -291,21 +245,11 @@ impl Driver {
         let end = Instant::now();
         let ms = |from: Instant, to: Instant| to.saturating_duration_since(from).as_millis() as u64;
         let usage = match p.usage {
-            Some((i, o)) => Usage {
-                input_tokens: i,
-                output_tokens: o,
-                total_tokens: i + o,
-                estimated: false,
-            },
+            Some((i, o)) => Usage { input_tokens: i, output_tokens: o, total_tokens: i + o, estimated: false },
             None if p.dispatched_at.is_some() => {
                 // Engine did not report: count what we saw, and say so.
                 let i = r.input_tokens_estimate;
-                Usage {
-                    input_tokens: i,
-                    output_tokens: p.deltas,
-                    total_tokens: i + p.deltas,
-                    estimated: true,
-                }
+                Usage { input_tokens: i, output_tokens: p.deltas, total_tokens: i + p.deltas, estimated: true }
             }
             None => Usage::default(),
         };
@@ -325,64 +269,41 @@ impl Driver {
                 total_ms: ms(r.received_at, end),
             },
             finish_reason: match state {
-                TaskState::Succeeded => {
-                    Some(p.finish_reason.clone().unwrap_or_else(|| "stop".into()))
-                }
+                TaskState::Succeeded => Some(p.finish_reason.clone().unwrap_or_else(|| "stop".into())),
                 _ => None,
             },
             degraded: r.degrade_reason.is_some(),
             degrade_reason: r.degrade_reason.clone(),
         };
-        let store = &self.shared.store;
-        store.transition(
-            &r.task_id,
-            state,
+        let error_code = outcome.error.as_ref().map(|(e, _)| e.code.as_str());
+        self.shared.recorder.finished(
+            r,
+            &meta,
             &outcome.reason,
             p.instance.as_deref(),
             actor,
-        );
-        store.finish(
-            &meta,
-            outcome.error.as_ref().map(|(e, _)| e.code.as_str()),
-            Some(p.text),
+            error_code,
+            self.keep_text.then_some(p.text),
         );
 
         let m = &self.shared.metrics;
-        m.tasks_finished
-            .with_label_values(&[&r.logical_model, state.as_str()])
-            .inc();
+        m.tasks_finished.with_label_values(&[&r.logical_model, state.as_str()]).inc();
         m.task_duration
             .with_label_values(&[&r.logical_model, state.as_str()])
             .observe(r.received_at.elapsed().as_secs_f64());
-        m.tokens
-            .with_label_values(&[&r.logical_model, "input"])
-            .inc_by(u64::from(usage.input_tokens));
-        m.tokens
-            .with_label_values(&[&r.logical_model, "output"])
-            .inc_by(u64::from(usage.output_tokens));
+        m.tokens.with_label_values(&[&r.logical_model, "input"]).inc_by(u64::from(usage.input_tokens));
+        m.tokens.with_label_values(&[&r.logical_model, "output"]).inc_by(u64::from(usage.output_tokens));
         m.requests
             .with_label_values(&[
                 r.ingress.as_str(),
-                outcome
-                    .error
-                    .as_ref()
-                    .map(|(e, _)| e.code.as_str())
-                    .unwrap_or("ok"),
+                outcome.error.as_ref().map(|(e, _)| e.code.as_str()).unwrap_or("ok"),
             ])
             .inc();
 
         let event = match outcome.error {
             None => TaskEvent::Done(Box::new(meta)),
-            Some((error, _)) => TaskEvent::Error {
-                error,
-                meta: Box::new(meta),
-            },
+            Some((error, _)) => TaskEvent::Error { error, meta: Box::new(meta) },
         };
-        // The client may be gone (cancelled); then nobody needs the event.
-        if !self.cancel.is_cancelled() {
-            let _ = self.events.send(event).await;
-        } else {
-            let _ = self.events.try_send(event);
-        }
+        self.log.push(event);
     }
 }

@@ -17,10 +17,11 @@
 //! [`TaskStream`] cancels its task (unless it was detached).
 
 mod driver;
+pub mod events;
 pub mod queue;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio_util::sync::CancellationToken;
@@ -30,9 +31,10 @@ use crate::config::Config;
 use crate::engine::Engine;
 use crate::error::{ErrorCode, GatewayError};
 use crate::router::{self, InstanceView};
-use crate::store::Store;
 use crate::task::{TaskEvent, TaskRequest, TaskState};
+use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
+use events::{Registry, Subscription, TaskEntry, TaskLog};
 use queue::{ModelQueue, QueueEntry};
 
 /// An engine instance as the scheduler sees it.
@@ -57,9 +59,7 @@ pub struct SlotLease {
 impl Drop for SlotLease {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.tx.send(Cmd::Release {
-                instance: self.instance,
-            });
+            let _ = self.tx.send(Cmd::Release { instance: self.instance });
         }
     }
 }
@@ -73,10 +73,7 @@ pub struct CancelHandle {
 
 impl CancelHandle {
     fn new(token: CancellationToken) -> Self {
-        CancelHandle {
-            token,
-            reason: Default::default(),
-        }
+        CancelHandle { token, reason: Default::default() }
     }
 
     /// Cancels with a reason for the record and the actor that caused it.
@@ -90,28 +87,38 @@ impl CancelHandle {
     }
 
     fn reason(&self) -> (String, &'static str) {
-        self.reason
-            .get()
-            .cloned()
-            .unwrap_or_else(|| ("client went away".into(), "client"))
+        self.reason.get().cloned().unwrap_or_else(|| ("client went away".into(), "client"))
     }
 }
 
-/// What a client holds while its task lives: the events, in order, and the
-/// power to cancel by dropping.
+/// What a client holds while its task lives: the events, in order, and
+/// (for the submitter) the power to cancel by dropping.
 pub struct TaskStream {
     pub task_id: String,
     pub request_id: String,
     pub queue_position: usize,
-    pub events: mpsc::Receiver<TaskEvent>,
+    /// True when this stream joined a task that an earlier call started
+    /// (same idempotency key or request id).
+    pub joined: bool,
+    events: Subscription,
     cancel: CancelHandle,
-    detached: bool,
+    /// Dropping the stream cancels the task.
+    owner: bool,
 }
 
 impl TaskStream {
+    /// The next event with its sequence number; `None` after the terminal
+    /// event.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: no event is lost if the future is dropped.
+    pub async fn recv(&mut self) -> Option<(u64, TaskEvent)> {
+        self.events.recv().await
+    }
+
     /// Keeps the task running after this stream is dropped.
     pub fn detach(&mut self) {
-        self.detached = true;
+        self.owner = false;
     }
 
     pub fn cancel_handle(&self) -> CancelHandle {
@@ -121,33 +128,18 @@ impl TaskStream {
 
 impl Drop for TaskStream {
     fn drop(&mut self) {
-        if !self.detached {
+        if self.owner {
             self.cancel.cancel("client went away", "client");
         }
     }
 }
 
 enum Cmd {
-    Enqueue {
-        entry: QueueEntry,
-        model: String,
-        reply: oneshot::Sender<Result<usize, GatewayError>>,
-    },
-    Withdraw {
-        task_id: String,
-        model: String,
-    },
-    Release {
-        instance: usize,
-    },
-    Health {
-        instance: usize,
-        up: bool,
-        detail: String,
-    },
-    Snapshot {
-        reply: oneshot::Sender<Snapshot>,
-    },
+    Enqueue { entry: QueueEntry, model: String, reply: oneshot::Sender<Result<usize, GatewayError>> },
+    Withdraw { task_id: String, model: String },
+    Release { instance: usize },
+    Health { instance: usize, up: bool, detail: String },
+    Snapshot { reply: oneshot::Sender<Snapshot> },
 }
 
 /// A view of the scheduler for `/ready` and tests.
@@ -175,15 +167,15 @@ pub struct QueueSnapshot {
 
 struct Shared {
     config: Arc<Config>,
-    store: Store,
+    recorder: Recorder,
     metrics: Arc<Metrics>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
     /// Probes wait on these to re-check an instance at once (after an
     /// engine request failed to connect).
     recheck: Vec<Notify>,
-    /// Cancel handles of live tasks, by task id.
-    live: Mutex<HashMap<String, CancelHandle>>,
+    /// Live and recently ended tasks.
+    registry: Registry,
 }
 
 /// The way into the scheduler. Cheap to clone.
@@ -198,50 +190,35 @@ pub struct SchedulerHandle {
 pub fn start(
     config: Arc<Config>,
     instances: Vec<Instance>,
-    store: Store,
+    recorder: Recorder,
     metrics: Arc<Metrics>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
 ) -> SchedulerHandle {
     let (tx, rx) = mpsc::unbounded_channel();
-    let index: HashMap<&str, usize> = instances
-        .iter()
-        .enumerate()
-        .map(|(i, x)| (x.name.as_str(), i))
-        .collect();
+    let index: HashMap<&str, usize> = instances.iter().enumerate().map(|(i, x)| (x.name.as_str(), i)).collect();
     let queues: Vec<ModelQueue> = config
         .models
         .values()
         .map(|m| {
-            ModelQueue::new(
-                m.name.clone(),
-                m.queue_capacity,
-                m.instances.iter().map(|n| index[n.as_str()]).collect(),
-            )
+            ModelQueue::new(m.name.clone(), m.queue_capacity, m.instances.iter().map(|n| index[n.as_str()]).collect())
         })
         .collect();
     let shared = Arc::new(Shared {
         config: config.clone(),
-        store,
+        recorder,
         metrics: metrics.clone(),
         tracker: tracker.clone(),
         shutdown: shutdown.clone(),
         recheck: instances.iter().map(|_| Notify::new()).collect(),
-        live: Mutex::new(HashMap::new()),
+        registry: Registry::new(config.scheduler.replay_retention, config.scheduler.replay_max_bytes),
     });
     let actor = Actor {
         views: instances
             .iter()
-            .map(|i| InstanceView {
-                up: true,
-                running: 0,
-                max_concurrency: i.max_concurrency,
-            })
+            .map(|i| InstanceView { up: true, running: 0, max_concurrency: i.max_concurrency })
             .collect(),
-        details: instances
-            .iter()
-            .map(|_| "not checked yet".to_string())
-            .collect(),
+        details: instances.iter().map(|_| "not checked yet".to_string()).collect(),
         instances,
         queues,
         tx: tx.clone(),
@@ -259,67 +236,91 @@ impl SchedulerHandle {
     pub async fn submit(&self, req: TaskRequest) -> Result<TaskStream, GatewayError> {
         let (grant_tx, grant_rx) = oneshot::channel();
         let (reply_tx, reply_rx) = oneshot::channel();
-        let entry = QueueEntry {
-            task_id: req.task_id.clone(),
-            priority: req.priority,
-            seq: 0,
-            grant: grant_tx,
-        };
-        let closed = || {
-            GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down")
-                .with_retry_after(1000)
-        };
+        let entry = QueueEntry { task_id: req.task_id.clone(), priority: req.priority, seq: 0, grant: grant_tx };
+        let closed =
+            || GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000);
         self.tx
-            .send(Cmd::Enqueue {
-                entry,
-                model: req.logical_model.clone(),
-                reply: reply_tx,
-            })
+            .send(Cmd::Enqueue { entry, model: req.logical_model.clone(), reply: reply_tx })
             .map_err(|_| closed())?;
         let queue_position = reply_rx.await.map_err(|_| closed())??;
 
         let cancel = CancelHandle::new(self.shared.shutdown.child_token());
-        self.shared
-            .live
-            .lock()
-            .expect("live map")
-            .insert(req.task_id.clone(), cancel.clone());
-        let (ev_tx, ev_rx) = mpsc::channel(256);
+        let log = Arc::new(TaskLog::default());
+        let entry = Arc::new(TaskEntry {
+            task_id: req.task_id.clone(),
+            request_id: req.request_id.clone(),
+            tenant: req.identity.tenant.clone(),
+            application: req.identity.application.clone(),
+            idempotency_key: req.idempotency_key.clone(),
+            log: log.clone(),
+            cancel: cancel.clone(),
+        });
+        self.shared.registry.insert(entry);
         let stream = TaskStream {
             task_id: req.task_id.clone(),
             request_id: req.request_id.clone(),
             queue_position,
-            events: ev_rx,
+            joined: false,
+            events: log.subscribe(0),
             cancel: cancel.clone(),
-            detached: false,
+            owner: true,
         };
+        let keep_text = self.shared.recorder.store().stores_prompts();
         let d = driver::Driver {
             req,
             shared: self.shared.clone(),
             tx: self.tx.clone(),
-            events: ev_tx,
+            log,
             cancel,
             queue_position,
+            keep_text,
         };
         self.shared.tracker.spawn(d.run(grant_rx));
         Ok(stream)
     }
 
+    /// Attaches to a known task from event `from_seq` on, without owning it
+    /// (dropping the stream does not cancel the task).
+    pub fn attach(&self, task_id: &str, from_seq: u64) -> Option<TaskStream> {
+        let e = self.shared.registry.get(task_id)?;
+        Some(Self::join(&e, from_seq))
+    }
+
+    fn join(e: &TaskEntry, from_seq: u64) -> TaskStream {
+        TaskStream {
+            task_id: e.task_id.clone(),
+            request_id: e.request_id.clone(),
+            queue_position: 0,
+            joined: true,
+            events: e.log.subscribe(from_seq),
+            cancel: e.cancel.clone(),
+            owner: false,
+        }
+    }
+
+    /// A known task of this tenant and application by its request id.
+    pub fn find_by_request(&self, tenant: &str, app: &str, request_id: &str) -> Option<Arc<TaskEntry>> {
+        self.shared.registry.by_request(tenant, app, request_id)
+    }
+
+    /// A known task of this tenant and application by its idempotency key.
+    pub fn find_by_idempotency_key(&self, tenant: &str, app: &str, key: &str) -> Option<Arc<TaskEntry>> {
+        self.shared.registry.by_idempotency_key(tenant, app, key)
+    }
+
+    /// A known task (live or recently ended) by id.
+    pub fn get(&self, task_id: &str) -> Option<Arc<TaskEntry>> {
+        self.shared.registry.get(task_id)
+    }
+
     /// Cancels a live task by id. Returns false if it is not running here.
     pub fn cancel(&self, task_id: &str, reason: &str, actor: &'static str) -> bool {
-        let h = self
-            .shared
-            .live
-            .lock()
-            .expect("live map")
-            .get(task_id)
-            .cloned();
-        match h {
-            Some(h) => {
-                h.cancel(reason, actor);
+        match self.shared.registry.get(task_id) {
+            Some(e) if !e.log.is_ended() => {
+                e.cancel.cancel(reason, actor);
                 true
             }
-            None => false,
+            _ => false,
         }
     }
 
@@ -330,11 +331,7 @@ impl SchedulerHandle {
     }
 
     pub(crate) fn set_instance_health(&self, instance: usize, up: bool, detail: String) {
-        let _ = self.tx.send(Cmd::Health {
-            instance,
-            up,
-            detail,
-        });
+        let _ = self.tx.send(Cmd::Health { instance, up, detail });
     }
 
     /// Resolves when someone asks for an early health check of `instance`.
@@ -362,11 +359,7 @@ impl Actor {
                 c = rx.recv() => match c { Some(c) => c, None => break },
             };
             match cmd {
-                Cmd::Enqueue {
-                    mut entry,
-                    model,
-                    reply,
-                } => {
+                Cmd::Enqueue { mut entry, model, reply } => {
                     seq += 1;
                     entry.seq = seq;
                     let _ = reply.send(self.enqueue(entry, &model));
@@ -374,26 +367,16 @@ impl Actor {
                 Cmd::Withdraw { task_id, model } => {
                     if let Some(q) = self.queues.iter_mut().find(|q| q.name == model) {
                         if let Some(e) = q.remove(&task_id) {
-                            self.metrics
-                                .queue_depth
-                                .with_label_values(&[&model, e.priority.as_str()])
-                                .dec();
+                            self.metrics.queue_depth.with_label_values(&[&model, e.priority.as_str()]).dec();
                         }
                     }
                 }
                 Cmd::Release { instance } => {
                     let v = &mut self.views[instance];
                     v.running = v.running.saturating_sub(1);
-                    self.metrics
-                        .running
-                        .with_label_values(&[&self.instances[instance].name])
-                        .dec();
+                    self.metrics.running.with_label_values(&[&self.instances[instance].name]).dec();
                 }
-                Cmd::Health {
-                    instance,
-                    up,
-                    detail,
-                } => {
+                Cmd::Health { instance, up, detail } => {
                     self.views[instance].up = up;
                     self.details[instance] = detail;
                 }
@@ -426,10 +409,7 @@ impl Actor {
             .with_retry_after(self.busy_retry_after_ms));
         }
         let task_id = entry.task_id.clone();
-        self.metrics
-            .queue_depth
-            .with_label_values(&[model, entry.priority.as_str()])
-            .inc();
+        self.metrics.queue_depth.with_label_values(&[model, entry.priority.as_str()]).inc();
         self.queues[qi].push(entry);
         self.dispatch();
         Ok(self.queues[qi].position(&task_id).unwrap_or(0))
@@ -453,10 +433,7 @@ impl Actor {
             let Some((_, qi, inst)) = best else { return };
             let entry = self.queues[qi].pop().expect("peeked");
             let model = self.queues[qi].name.clone();
-            self.metrics
-                .queue_depth
-                .with_label_values(&[&model, entry.priority.as_str()])
-                .dec();
+            self.metrics.queue_depth.with_label_values(&[&model, entry.priority.as_str()]).dec();
             let i = &self.instances[inst];
             let lease = SlotLease {
                 instance: inst,
@@ -495,11 +472,7 @@ impl Actor {
             queues: self
                 .queues
                 .iter()
-                .map(|q| QueueSnapshot {
-                    model: q.name.clone(),
-                    waiting: q.len(),
-                    capacity: q.capacity,
-                })
+                .map(|q| QueueSnapshot { model: q.name.clone(), waiting: q.len(), capacity: q.capacity })
                 .collect(),
         }
     }

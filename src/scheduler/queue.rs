@@ -30,13 +30,7 @@ pub struct ModelQueue {
 
 impl ModelQueue {
     pub fn new(name: String, capacity: usize, instances: Vec<usize>) -> Self {
-        ModelQueue {
-            name,
-            capacity,
-            instances,
-            entries: BTreeMap::new(),
-            by_task: HashMap::new(),
-        }
+        ModelQueue { name, capacity, instances, entries: BTreeMap::new(), by_task: HashMap::new() }
     }
 
     pub fn len(&self) -> usize {
@@ -85,12 +79,7 @@ mod tests {
     use super::*;
 
     fn entry(id: &str, p: Priority, seq: u64) -> QueueEntry {
-        QueueEntry {
-            task_id: id.into(),
-            priority: p,
-            seq,
-            grant: oneshot::channel().0,
-        }
+        QueueEntry { task_id: id.into(), priority: p, seq, grant: oneshot::channel().0 }
     }
 
     #[test]

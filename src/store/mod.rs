@@ -22,15 +22,9 @@ use crate::telemetry::Metrics;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("cannot open task store {path}: {source}")]
-    Open {
-        path: PathBuf,
-        source: rusqlite::Error,
-    },
+    Open { path: PathBuf, source: rusqlite::Error },
     #[error("cannot create data directory {path}: {source}")]
-    Dir {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Dir { path: PathBuf, source: std::io::Error },
     #[error("task store is closed")]
     Closed,
     #[error("task store query failed: {0}")]
@@ -71,27 +65,12 @@ pub struct TaskRecord {
 }
 
 enum Op {
-    NewTask {
-        req: Box<TaskRequest>,
-        prompt_text: Option<String>,
-    },
-    Transition {
-        task_id: String,
-        t: Transition,
-    },
-    Finish {
-        meta: Box<ResultMeta>,
-        error_code: Option<String>,
-        result_text: Option<String>,
-    },
-    Rejected {
-        row: Box<RejectedCall>,
-    },
+    NewTask { req: Box<TaskRequest>, prompt_text: Option<String> },
+    Transition { task_id: String, t: Transition },
+    Finish { meta: Box<ResultMeta>, error_code: Option<String>, result_text: Option<String> },
+    Rejected { row: Box<RejectedCall> },
     Flush(oneshot::Sender<()>),
-    Get(
-        String,
-        oneshot::Sender<Result<Option<TaskRecord>, StoreError>>,
-    ),
+    Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
 }
 
 /// A call refused at admission, before it had a validated task.
@@ -154,45 +133,24 @@ CREATE TABLE IF NOT EXISTS task_transitions (
 
 impl Store {
     /// Opens (creating if needed) the database and starts the writer thread.
-    pub fn open(
-        path: &Path,
-        node_id: &str,
-        store_prompts: bool,
-        metrics: Arc<Metrics>,
-    ) -> Result<Store, StoreError> {
+    pub fn open(path: &Path, node_id: &str, store_prompts: bool, metrics: Arc<Metrics>) -> Result<Store, StoreError> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir {
-                path: dir.to_path_buf(),
-                source,
-            })?;
+            std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir { path: dir.to_path_buf(), source })?;
         }
-        let open_err = |source| StoreError::Open {
-            path: path.to_path_buf(),
-            source,
-        };
+        let open_err = |source| StoreError::Open { path: path.to_path_buf(), source };
         let conn = Connection::open(path).map_err(open_err)?;
-        conn.pragma_update(None, "journal_mode", "WAL")
-            .map_err(open_err)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(open_err)?;
         // NORMAL in WAL mode is durable against a process crash (kill -9);
         // only an OS crash can lose the last transactions.
-        conn.pragma_update(None, "synchronous", "NORMAL")
-            .map_err(open_err)?;
-        conn.pragma_update(None, "busy_timeout", 5000)
-            .map_err(open_err)?;
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
+        conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("edgeway-store".into())
             .spawn(move || writer_loop(conn, rx, metrics))
-            .map_err(|e| StoreError::Dir {
-                path: path.to_path_buf(),
-                source: e,
-            })?;
-        Ok(Store {
-            tx,
-            node_id: node_id.into(),
-            store_prompts,
-        })
+            .map_err(|e| StoreError::Dir { path: path.to_path_buf(), source: e })?;
+        Ok(Store { tx, node_id: node_id.into(), store_prompts })
     }
 
     pub fn node_id(&self) -> &str {
@@ -204,23 +162,11 @@ impl Store {
     }
 
     pub fn new_task(&self, req: &TaskRequest) {
-        let prompt_text = self
-            .store_prompts
-            .then(|| serde_json::to_string(&req.messages).unwrap_or_default());
-        let _ = self.tx.send(Op::NewTask {
-            req: Box::new(req.clone()),
-            prompt_text,
-        });
+        let prompt_text = self.store_prompts.then(|| serde_json::to_string(&req.messages).unwrap_or_default());
+        let _ = self.tx.send(Op::NewTask { req: Box::new(req.clone()), prompt_text });
     }
 
-    pub fn transition(
-        &self,
-        task_id: &str,
-        state: TaskState,
-        reason: &str,
-        instance: Option<&str>,
-        actor: &str,
-    ) {
+    pub fn transition(&self, task_id: &str, state: TaskState, reason: &str, instance: Option<&str>, actor: &str) {
         let t = Transition {
             state,
             at_ms: crate::task::now_ms(),
@@ -229,17 +175,15 @@ impl Store {
             instance: instance.map(str::to_string),
             actor: actor.to_string(),
         };
-        let _ = self.tx.send(Op::Transition {
-            task_id: task_id.to_string(),
-            t,
-        });
+        let _ = self.tx.send(Op::Transition { task_id: task_id.to_string(), t });
     }
 
     /// Records a call that admission refused, as a task that went
     /// RECEIVED → VALIDATING → REJECTED.
-    pub fn rejected(&self, who: &Identity, ingress: Ingress, model: &str, e: &GatewayError) {
+    pub fn rejected(&self, who: &Identity, ingress: Ingress, model: &str, e: &GatewayError) -> String {
+        let task_id = crate::task::new_task_id();
         let row = RejectedCall {
-            task_id: crate::task::new_task_id(),
+            task_id: task_id.clone(),
             tenant: who.tenant.clone(),
             application: who.application.clone(),
             user_id: who.user_id.clone(),
@@ -251,6 +195,7 @@ impl Store {
             node_id: self.node_id.to_string(),
         };
         let _ = self.tx.send(Op::Rejected { row: Box::new(row) });
+        task_id
     }
 
     /// Records the final metadata. `result_text` is dropped unless prompts
@@ -273,9 +218,7 @@ impl Store {
 
     pub async fn get(&self, task_id: &str) -> Result<Option<TaskRecord>, StoreError> {
         let (tx, rx) = oneshot::channel();
-        self.tx
-            .send(Op::Get(task_id.to_string(), tx))
-            .map_err(|_| StoreError::Closed)?;
+        self.tx.send(Op::Get(task_id.to_string(), tx)).map_err(|_| StoreError::Closed)?;
         rx.await.map_err(|_| StoreError::Closed)?
     }
 }
@@ -299,11 +242,7 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
                 match op {
                     Op::NewTask { req, prompt_text } => insert_task(&txn, &req, prompt_text)?,
                     Op::Transition { task_id, t } => insert_transition(&txn, &task_id, &t)?,
-                    Op::Finish {
-                        meta,
-                        error_code,
-                        result_text,
-                    } => finish_task(&txn, &meta, error_code, result_text)?,
+                    Op::Finish { meta, error_code, result_text } => finish_task(&txn, &meta, error_code, result_text)?,
                     Op::Rejected { row } => insert_rejected(&txn, &row)?,
                     Op::Flush(tx) => replies.push(Reply::Flush(tx)),
                     Op::Get(id, tx) => replies.push(Reply::Get(id, tx)),
@@ -330,17 +269,10 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
 
 enum Reply {
     Flush(oneshot::Sender<()>),
-    Get(
-        String,
-        oneshot::Sender<Result<Option<TaskRecord>, StoreError>>,
-    ),
+    Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
 }
 
-fn insert_task(
-    c: &Connection,
-    r: &TaskRequest,
-    prompt_text: Option<String>,
-) -> rusqlite::Result<()> {
+fn insert_task(c: &Connection, r: &TaskRequest, prompt_text: Option<String>) -> rusqlite::Result<()> {
     let now = crate::task::unix_ms(r.received_wall);
     c.execute(
         "INSERT OR IGNORE INTO tasks (task_id, request_id, tenant, application, user_id, ingress, logical_model, \
@@ -372,11 +304,7 @@ fn insert_rejected(c: &Connection, r: &RejectedCall) -> rusqlite::Result<()> {
          VALUES (?1, '', ?2, ?3, ?4, ?5, ?6, '', 'REJECTED', ?7, ?7, '', ?8)",
         params![r.task_id, r.tenant, r.application, r.user_id, r.ingress, r.model, r.at_ms, r.code],
     )?;
-    for (state, reason) in [
-        ("RECEIVED", r.ingress),
-        ("VALIDATING", ""),
-        ("REJECTED", r.message.as_str()),
-    ] {
+    for (state, reason) in [("RECEIVED", r.ingress), ("VALIDATING", ""), ("REJECTED", r.message.as_str())] {
         c.execute(
             "INSERT INTO task_transitions (task_id, seq, state, at_ms, reason, node_id, instance, actor) \
              VALUES (?1, (SELECT COALESCE(MAX(seq), -1) + 1 FROM task_transitions WHERE task_id = ?1), ?2, ?3, ?4, ?5, NULL, 'gateway')",

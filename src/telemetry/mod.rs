@@ -4,17 +4,18 @@
 //! Every label comes from a closed set (ingress, priority, error code,
 //! state, configured model and engine names), never from user input.
 
+pub mod lifecycle;
+
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::config::{LogConfig, LogFormat};
 
 /// Latency buckets in seconds, from 0.5 ms (gateway overhead) to 10 min.
 const LATENCY_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-    60.0, 120.0, 300.0, 600.0,
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    600.0,
 ];
 
 pub struct Metrics {
@@ -42,76 +43,36 @@ impl Metrics {
         let registry = Registry::new_custom(Some("edgeway".into()), None).expect("valid prefix");
         let counter = |name: &str, help: &str, labels: &[&str]| {
             let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
+            registry.register(Box::new(c.clone())).expect("unique metric");
             c
         };
         let gauge = |name: &str, help: &str, labels: &[&str]| {
             let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
             g
         };
         let hist = |name: &str, help: &str, labels: &[&str]| {
-            let h = HistogramVec::new(
-                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
-                labels,
-            )
-            .expect("valid metric");
-            registry
-                .register(Box::new(h.clone()))
-                .expect("unique metric");
+            let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()), labels)
+                .expect("valid metric");
+            registry.register(Box::new(h.clone())).expect("unique metric");
             h
         };
-        let store_errors =
-            IntGauge::new("store_errors", "Task store writes that failed").expect("valid metric");
-        registry
-            .register(Box::new(store_errors.clone()))
-            .expect("unique metric");
+        let store_errors = IntGauge::new("store_errors", "Task store writes that failed").expect("valid metric");
+        registry.register(Box::new(store_errors.clone())).expect("unique metric");
         Metrics {
-            requests: counter(
-                "requests_total",
-                "Calls received, by ingress and outcome",
-                &["ingress", "outcome"],
-            ),
+            requests: counter("requests_total", "Calls received, by ingress and outcome", &["ingress", "outcome"]),
             tasks_finished: counter(
                 "tasks_finished_total",
                 "Tasks ended, by model and final state",
                 &["model", "state"],
             ),
-            tokens: counter(
-                "tokens_total",
-                "Tokens processed, by model and direction",
-                &["model", "direction"],
-            ),
-            queue_wait: hist(
-                "queue_wait_seconds",
-                "Time from admission to dispatch",
-                &["model", "priority"],
-            ),
-            first_token: hist(
-                "first_token_seconds",
-                "Time from receipt to the first token",
-                &["model", "priority"],
-            ),
-            task_duration: hist(
-                "task_duration_seconds",
-                "Time from receipt to the end",
-                &["model", "state"],
-            ),
-            queue_depth: gauge(
-                "queue_depth",
-                "Tasks waiting for a slot",
-                &["model", "priority"],
-            ),
+            tokens: counter("tokens_total", "Tokens processed, by model and direction", &["model", "direction"]),
+            queue_wait: hist("queue_wait_seconds", "Time from admission to dispatch", &["model", "priority"]),
+            first_token: hist("first_token_seconds", "Time from receipt to the first token", &["model", "priority"]),
+            task_duration: hist("task_duration_seconds", "Time from receipt to the end", &["model", "state"]),
+            queue_depth: gauge("queue_depth", "Tasks waiting for a slot", &["model", "priority"]),
             running: gauge("running_tasks", "Tasks holding an engine slot", &["engine"]),
-            engine_up: gauge(
-                "engine_up",
-                "1 when the engine instance passes health checks",
-                &["engine"],
-            ),
+            engine_up: gauge("engine_up", "1 when the engine instance passes health checks", &["engine"]),
             store_errors,
             registry,
         }
@@ -119,9 +80,7 @@ impl Metrics {
 
     pub fn render(&self) -> String {
         let mut buf = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .expect("text encoding cannot fail");
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
         String::from_utf8(buf).expect("prometheus text is UTF-8")
     }
 }
@@ -139,11 +98,8 @@ pub fn init_logging(cfg: &LogConfig) {
     // rumqttd and hyper report vanished clients at ERROR/WARN; they are not
     // our errors.
     let base = std::env::var("RUST_LOG").unwrap_or_else(|_| cfg.level.clone());
-    let filter = EnvFilter::try_new(format!("{base},hyper=warn,h2=warn"))
-        .unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let filter = EnvFilter::try_new(format!("{base},hyper=warn,h2=warn")).unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = match cfg.format {
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
         LogFormat::Text => builder.try_init(),

@@ -86,10 +86,7 @@ impl FakeEngine {
 
     pub async fn start_with(knobs: Knobs) -> FakeEngine {
         let stats = Arc::new(Stats::default());
-        let shared = Arc::new(Shared {
-            knobs: Mutex::new(knobs),
-            stats: stats.clone(),
-        });
+        let shared = Arc::new(Shared { knobs: Mutex::new(knobs), stats: stats.clone() });
         let app = Router::new()
             .route("/v1/chat/completions", post(openai_chat))
             .route("/v1/models", get(openai_models))
@@ -98,23 +95,14 @@ impl FakeEngine {
             .route("/api/tags", get(ollama_tags))
             .route("/api/ps", get(ollama_tags))
             .with_state(shared.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind fake engine");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind fake engine");
         let addr = listener.local_addr().expect("local addr");
         let shutdown = CancellationToken::new();
         let sd = shutdown.clone();
         tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(sd.cancelled_owned())
-                .await;
+            let _ = axum::serve(listener, app).with_graceful_shutdown(sd.cancelled_owned()).await;
         });
-        FakeEngine {
-            addr,
-            stats,
-            shared,
-            shutdown,
-        }
+        FakeEngine { addr, stats, shared, shutdown }
     }
 
     pub fn url(&self) -> String {
@@ -162,10 +150,7 @@ impl Generation {
     fn start(stats: &Arc<Stats>) -> Generation {
         stats.active.fetch_add(1, Ordering::SeqCst);
         stats.changed.notify_waiters();
-        Generation {
-            stats: stats.clone(),
-            done: false,
-        }
+        Generation { stats: stats.clone(), done: false }
     }
 
     fn complete(&mut self) {
@@ -194,10 +179,7 @@ async fn begin(s: &Shared, body: &Value) -> Result<Knobs, Response> {
     }
     if let Some(code) = k.fail_status {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        return Err((
-            status,
-            Json(json!({"error": {"message": "fake engine failure: secret internal detail"}})),
-        )
+        return Err((status, Json(json!({"error": {"message": "fake engine failure: secret internal detail"}})))
             .into_response());
     }
     Ok(k)
@@ -208,10 +190,7 @@ fn token_count(k: &Knobs, max: Option<u64>) -> u32 {
 }
 
 fn prompt_tokens(body: &Value) -> u32 {
-    body["messages"]
-        .as_array()
-        .map(|m| m.len() as u32 * 4 + 3)
-        .unwrap_or(0)
+    body["messages"].as_array().map(|m| m.len() as u32 * 4 + 3).unwrap_or(0)
 }
 
 type Frame = Result<Bytes, std::io::Error>;
@@ -232,9 +211,7 @@ fn generate(
                 tokio::time::sleep(k.token_delay).await;
             }
             if k.drop_after == Some(i) {
-                let _ = tx
-                    .send(Err(std::io::Error::other("fake mid-stream drop")))
-                    .await;
+                let _ = tx.send(Err(std::io::Error::other("fake mid-stream drop"))).await;
                 return;
             }
             for b in frame(Some(i)) {
@@ -252,7 +229,16 @@ fn generate(
         g.complete();
         drop(g);
     });
-    Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+    // hyper discards body bytes it has buffered but not yet written when the
+    // body fails. One `Pending` before the failure makes it flush them, so
+    // the client really receives the tokens sent before a `drop_after`.
+    let frames = futures::StreamExt::then(tokio_stream::wrappers::ReceiverStream::new(rx), |f: Frame| async move {
+        if f.is_err() {
+            tokio::task::yield_now().await;
+        }
+        f
+    });
+    Body::from_stream(frames)
 }
 
 async fn openai_chat(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
@@ -272,15 +258,11 @@ async fn openai_chat(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> R
             "choices": [{"index": 0, "message": {"role": "assistant", "content": k.token_text.repeat(n as usize)}, "finish_reason": if n < k.tokens { "length" } else { "stop" }}],
         });
         if !k.omit_usage {
-            v["usage"] =
-                json!({"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n});
+            v["usage"] = json!({"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n});
         }
         return Json(v).into_response();
     }
-    let include_usage = body["stream_options"]["include_usage"]
-        .as_bool()
-        .unwrap_or(false)
-        && !k.omit_usage;
+    let include_usage = body["stream_options"]["include_usage"].as_bool().unwrap_or(false) && !k.omit_usage;
     let text = k.token_text.clone();
     let finish = if n < k.tokens { "length" } else { "stop" };
     let sse = |v: Value| Bytes::from(format!("data: {v}\n\n"));
@@ -334,9 +316,9 @@ async fn ollama_chat(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> R
         return Json(v).into_response();
     }
     let body = generate(k, n, s.stats.clone(), move |i| match i {
-        Some(_) => vec![line(
-            json!({"model": model, "message": {"role": "assistant", "content": text}, "done": false}),
-        )],
+        Some(_) => {
+            vec![line(json!({"model": model, "message": {"role": "assistant", "content": text}, "done": false}))]
+        }
         None => {
             let mut v = json!({"model": model, "message": {"role": "assistant", "content": ""}, "done": true, "done_reason": finish});
             if !omit_usage {
@@ -362,17 +344,9 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn openai_models(State(s): State<Arc<Shared>>) -> Response {
-    (
-        health_status(&s),
-        Json(json!({"object": "list", "data": [{"id": "fake", "object": "model"}]})),
-    )
-        .into_response()
+    (health_status(&s), Json(json!({"object": "list", "data": [{"id": "fake", "object": "model"}]}))).into_response()
 }
 
 async fn ollama_tags(State(s): State<Arc<Shared>>) -> Response {
-    (
-        health_status(&s),
-        Json(json!({"models": [{"name": "fake:latest", "model": "fake:latest"}]})),
-    )
-        .into_response()
+    (health_status(&s), Json(json!({"models": [{"name": "fake:latest", "model": "fake:latest"}]}))).into_response()
 }

@@ -20,19 +20,10 @@ pub const OPS_KEY: &str = "sk-edgeway-ops";
 /// engine `fake` of `kind` at `engine_url` serving model `general-chat`.
 /// `extra` is TOML appended inside `[models.general-chat]`: bare keys set
 /// that model's options, and later `[section]` headers add sections.
-pub fn config_toml(
-    engine_url: &str,
-    kind: &str,
-    data_dir: &std::path::Path,
-    extra: &str,
-) -> String {
+pub fn config_toml(engine_url: &str, kind: &str, data_dir: &std::path::Path, extra: &str) -> String {
     let demo = hex::encode(crate::config::hash_api_key(DEMO_KEY));
     let ops = hex::encode(crate::config::hash_api_key(OPS_KEY));
-    let model = if kind == "ollama" {
-        "fake"
-    } else {
-        "fake-model"
-    };
+    let model = if kind == "ollama" { "fake" } else { "fake-model" };
     format!(
         r#"
 node_id = "test-node"
@@ -97,12 +88,7 @@ impl TestGateway {
         let data_dir = config.store.data_dir.clone();
         let running = gateway::start(config).await.expect("gateway starts");
         let base_url = format!("http://{}", running.http_addr);
-        TestGateway {
-            running: Some(running),
-            base_url,
-            data_dir,
-            _tmp: None,
-        }
+        TestGateway { running: Some(running), base_url, data_dir, _tmp: None }
     }
 
     /// Starts with [`config_toml`] around a fake engine.

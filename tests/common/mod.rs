@@ -11,10 +11,7 @@ pub use edgeway::testing::{FakeEngine, Knobs, TestGateway, DEMO_KEY, OPS_KEY};
 
 pub fn client() -> reqwest::Client {
     edgeway::tls::install_default_provider();
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .unwrap()
+    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap()
 }
 
 pub fn chat_body(stream: bool) -> Value {
@@ -26,13 +23,7 @@ pub fn chat_body(stream: bool) -> Value {
 }
 
 pub async fn post_chat(gw: &TestGateway, key: &str, body: &Value) -> reqwest::Response {
-    client()
-        .post(format!("{}/v1/chat/completions", gw.base_url))
-        .bearer_auth(key)
-        .json(body)
-        .send()
-        .await
-        .unwrap()
+    client().post(format!("{}/v1/chat/completions", gw.base_url)).bearer_auth(key).json(body).send().await.unwrap()
 }
 
 /// Reads an SSE body to its end; returns the JSON of every `data:` line
@@ -64,13 +55,8 @@ pub async fn read_sse(resp: reqwest::Response) -> (Vec<Value>, bool) {
 pub async fn stored_states(gw: &TestGateway, task_id: &str) -> Vec<String> {
     gw.gateway().store.flush().await;
     let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
-    let mut stmt = conn
-        .prepare("SELECT state FROM task_transitions WHERE task_id = ?1 ORDER BY seq")
-        .unwrap();
-    stmt.query_map([task_id], |r| r.get::<_, String>(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
+    let mut stmt = conn.prepare("SELECT state FROM task_transitions WHERE task_id = ?1 ORDER BY seq").unwrap();
+    stmt.query_map([task_id], |r| r.get::<_, String>(0)).unwrap().map(Result::unwrap).collect()
 }
 
 pub fn error_code(v: &Value) -> &str {

@@ -22,11 +22,7 @@ use crate::task::{Ingress, ResultMeta, TaskEvent};
 pub fn bearer(h: &HeaderMap) -> Option<&str> {
     if let Some(v) = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
         let v = v.trim();
-        return Some(
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-                .unwrap_or(v),
-        );
+        return Some(v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).unwrap_or(v));
     }
     h.get("x-api-key").and_then(|v| v.to_str().ok())
 }
@@ -40,11 +36,7 @@ pub fn id_headers(h: &mut HeaderMap, request_id: &str, task_id: &str) {
     }
 }
 
-pub async fn chat_completions(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+pub async fn chat_completions(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Response {
     let identity = match gw.auth.authenticate(bearer(&headers)) {
         Ok(i) => i,
         Err(e) => {
@@ -60,15 +52,9 @@ pub async fn chat_completions(
         }
     };
     if req.idempotency_key.is_none() {
-        req.idempotency_key = headers
-            .get("idempotency-key")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        req.idempotency_key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_string);
     }
-    let hint = headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    let hint = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
     let stream = req.stream;
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let model = req.model.clone();
@@ -138,43 +124,24 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
             if st.finished {
                 return None;
             }
-            let Some(ev) = st.task.events.recv().await else {
+            let Some((_, ev)) = st.task.recv().await else {
                 // The driver always sends a final event; be safe anyway.
                 st.finished = true;
                 let e = GatewayError::internal("the task ended without a result");
-                return Some((
-                    Ok::<_, std::convert::Infallible>(sse(&json!({ "error": error_object(&e) }))),
-                    st,
-                ));
+                return Some((Ok::<_, std::convert::Infallible>(sse(&json!({ "error": error_object(&e) }))), st));
             };
             let out = match ev {
                 TaskEvent::Accepted { .. } => {
                     st.sent_role = true;
-                    sse(&chunk(
-                        &st.id,
-                        st.created,
-                        &st.model,
-                        json!({"role": "assistant", "content": ""}),
-                        None,
-                    ))
+                    sse(&chunk(&st.id, st.created, &st.model, json!({"role": "assistant", "content": ""}), None))
                 }
-                TaskEvent::Delta { text } => sse(&chunk(
-                    &st.id,
-                    st.created,
-                    &st.model,
-                    json!({ "content": text }),
-                    None,
-                )),
+                TaskEvent::Delta { text } => {
+                    sse(&chunk(&st.id, st.created, &st.model, json!({ "content": text }), None))
+                }
                 TaskEvent::Done(meta) => {
                     st.finished = true;
                     let edge = serde_json::to_value(&*meta).unwrap_or(Value::Null);
-                    let mut last = chunk(
-                        &st.id,
-                        st.created,
-                        &st.model,
-                        json!({}),
-                        meta.finish_reason.as_deref(),
-                    );
+                    let mut last = chunk(&st.id, st.created, &st.model, json!({}), meta.finish_reason.as_deref());
                     let mut out = Vec::with_capacity(512);
                     if st.include_usage {
                         out.extend_from_slice(&sse(&last));
@@ -200,10 +167,7 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
     });
     let mut resp = Response::new(Body::from_stream(body));
     let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     id_headers(h, &request_id, &task_id);
@@ -215,7 +179,7 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
 async fn whole_response(mut task: TaskStream, model: String) -> Response {
     let mut text = String::new();
     let created = crate::task::now_ms() / 1000;
-    while let Some(ev) = task.events.recv().await {
+    while let Some((_, ev)) = task.recv().await {
         match ev {
             TaskEvent::Accepted { .. } => {}
             TaskEvent::Delta { text: t } => text.push_str(&t),
@@ -242,8 +206,5 @@ async fn whole_response(mut task: TaskStream, model: String) -> Response {
             TaskEvent::Error { error, meta } => return error_response(&error, Some(&meta)),
         }
     }
-    error_response(
-        &GatewayError::new(ErrorCode::InternalError, "the task ended without a result"),
-        None,
-    )
+    error_response(&GatewayError::new(ErrorCode::InternalError, "the task ended without a result"), None)
 }

@@ -29,8 +29,7 @@ pub fn error_response(e: &GatewayError, meta: Option<&ResultMeta>) -> Response {
     if let Some(m) = meta {
         body["edge"] = serde_json::to_value(m).unwrap_or(Value::Null);
     }
-    let status =
-        StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let status = StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut resp = (status, Json(body)).into_response();
     let h = resp.headers_mut();
     if let Some(ms) = e.retry_after_ms {

@@ -69,10 +69,7 @@ pub async fn serve(
             let admin = admin_routes(gw.clone());
             let sd = shutdown.clone();
             tracker.spawn(async move {
-                if let Err(e) = axum::serve(l, admin)
-                    .with_graceful_shutdown(sd.cancelled_owned())
-                    .await
-                {
+                if let Err(e) = axum::serve(l, admin).with_graceful_shutdown(sd.cancelled_owned()).await {
                     tracing::error!(error = %e, "admin listener failed");
                 }
             });
@@ -84,10 +81,7 @@ pub async fn serve(
         }
     };
     tracker.spawn(async move {
-        if let Err(e) = axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await
-        {
+        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await {
             tracing::error!(error = %e, "HTTP listener failed");
         }
     });
@@ -133,23 +127,15 @@ async fn health() -> Response {
 /// instance. 503 otherwise, with the details.
 async fn ready(State(gw): State<AppState>) -> Response {
     let Some(snap) = gw.scheduler.snapshot().await else {
-        return error_response(
-            &GatewayError::new(ErrorCode::InternalError, "scheduler is not running"),
-            None,
-        );
+        return error_response(&GatewayError::new(ErrorCode::InternalError, "scheduler is not running"), None);
     };
-    let store_ok = tokio::time::timeout(std::time::Duration::from_secs(2), gw.store.flush())
-        .await
-        .is_ok();
+    let store_ok = tokio::time::timeout(std::time::Duration::from_secs(2), gw.store.flush()).await.is_ok();
     let models: Vec<_> = gw
         .config
         .models
         .values()
         .map(|m| {
-            let up = m
-                .instances
-                .iter()
-                .any(|i| snap.instances.iter().any(|s| &s.name == i && s.up));
+            let up = m.instances.iter().any(|i| snap.instances.iter().any(|s| &s.name == i && s.up));
             json!({ "model": m.name, "ready": up })
         })
         .collect();
@@ -161,21 +147,10 @@ async fn ready(State(gw): State<AppState>) -> Response {
         "instances": snap.instances,
         "queues": snap.queues,
     });
-    let status = if ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, Json(body)).into_response()
 }
 
 async fn metrics(State(gw): State<AppState>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        gw.metrics.render(),
-    )
-        .into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], gw.metrics.render()).into_response()
 }

@@ -1,0 +1,271 @@
+//! Per-task event logs and the registry of live and recently ended tasks.
+//!
+//! Every event a task emits is appended to its [`TaskLog`] with a contiguous
+//! sequence number from 0. Any number of [`Subscription`]s read a log from
+//! any sequence number, so a client can re-attach to a live stream (an
+//! idempotent retry, a device that reconnects, `Last-Event-ID`) and get what
+//! it missed, then the live tail. Logs of ended tasks are kept for a
+//! retention time and within a byte budget, then dropped.
+//!
+//! # Cancel safety
+//! [`Subscription::recv`] can be dropped at any point without losing an
+//! event: the position only advances when an event is returned.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use super::CancelHandle;
+use crate::task::TaskEvent;
+
+#[derive(Default)]
+struct LogInner {
+    events: Vec<TaskEvent>,
+    ended: bool,
+    bytes: usize,
+}
+
+/// The events of one task, in order.
+#[derive(Default)]
+pub struct TaskLog {
+    inner: Mutex<LogInner>,
+    notify: Notify,
+}
+
+fn event_bytes(e: &TaskEvent) -> usize {
+    64 + match e {
+        TaskEvent::Delta { text } => text.len(),
+        TaskEvent::Error { error, .. } => error.message.len() + 256,
+        _ => 256,
+    }
+}
+
+impl TaskLog {
+    /// Appends an event and returns its sequence number. `Done` and `Error`
+    /// end the log.
+    pub fn push(&self, e: TaskEvent) -> u64 {
+        let seq = {
+            let mut g = self.inner.lock().expect("task log");
+            debug_assert!(!g.ended, "event after the terminal event");
+            g.ended |= matches!(e, TaskEvent::Done(_) | TaskEvent::Error { .. });
+            g.bytes += event_bytes(&e);
+            g.events.push(e);
+            g.events.len() as u64 - 1
+        };
+        self.notify.notify_waiters();
+        seq
+    }
+
+    pub fn len(&self) -> u64 {
+        self.inner.lock().expect("task log").events.len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn is_ended(&self) -> bool {
+        self.inner.lock().expect("task log").ended
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.inner.lock().expect("task log").bytes
+    }
+
+    /// The last event, if the task has ended.
+    pub fn terminal(&self) -> Option<TaskEvent> {
+        let g = self.inner.lock().expect("task log");
+        if g.ended {
+            g.events.last().cloned()
+        } else {
+            None
+        }
+    }
+
+    pub fn subscribe(self: &Arc<Self>, from_seq: u64) -> Subscription {
+        Subscription { log: self.clone(), next: from_seq }
+    }
+}
+
+/// A reader of one task's log.
+pub struct Subscription {
+    log: Arc<TaskLog>,
+    next: u64,
+}
+
+impl Subscription {
+    /// The next event and its sequence number; `None` after the terminal
+    /// event has been returned.
+    pub async fn recv(&mut self) -> Option<(u64, TaskEvent)> {
+        loop {
+            let notified = self.log.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let g = self.log.inner.lock().expect("task log");
+                if let Some(e) = g.events.get(self.next as usize) {
+                    let seq = self.next;
+                    self.next += 1;
+                    return Some((seq, e.clone()));
+                }
+                if g.ended {
+                    return None;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// The sequence number the next `recv` returns.
+    pub fn position(&self) -> u64 {
+        self.next
+    }
+}
+
+/// A task the gateway knows about: running, or ended within the retention.
+pub struct TaskEntry {
+    pub task_id: String,
+    pub request_id: String,
+    pub tenant: String,
+    pub application: String,
+    pub idempotency_key: Option<String>,
+    pub log: Arc<TaskLog>,
+    pub cancel: CancelHandle,
+}
+
+/// Owner key of request ids and idempotency keys: unique per tenant and
+/// application.
+type OwnerKey = (String, String, String);
+
+#[derive(Default)]
+struct RegistryInner {
+    tasks: HashMap<String, Arc<TaskEntry>>,
+    by_request: HashMap<OwnerKey, String>,
+    by_idempotency: HashMap<OwnerKey, String>,
+    /// Ended tasks, oldest first, with when they ended.
+    ended: VecDeque<(Instant, String)>,
+    ended_bytes: usize,
+}
+
+/// Live and recently ended tasks, by id, request id and idempotency key.
+pub struct Registry {
+    inner: Mutex<RegistryInner>,
+    retention: Duration,
+    max_bytes: usize,
+}
+
+impl Registry {
+    pub fn new(retention: Duration, max_bytes: usize) -> Registry {
+        Registry { inner: Mutex::new(RegistryInner::default()), retention, max_bytes }
+    }
+
+    pub fn insert(&self, e: Arc<TaskEntry>) {
+        let mut g = self.inner.lock().expect("registry");
+        let owner = |k: &str| (e.tenant.clone(), e.application.clone(), k.to_string());
+        g.by_request.insert(owner(&e.request_id), e.task_id.clone());
+        if let Some(k) = &e.idempotency_key {
+            g.by_idempotency.insert(owner(k), e.task_id.clone());
+        }
+        g.tasks.insert(e.task_id.clone(), e);
+    }
+
+    pub fn get(&self, task_id: &str) -> Option<Arc<TaskEntry>> {
+        self.inner.lock().expect("registry").tasks.get(task_id).cloned()
+    }
+
+    pub fn by_request(&self, tenant: &str, app: &str, request_id: &str) -> Option<Arc<TaskEntry>> {
+        let g = self.inner.lock().expect("registry");
+        let id = g.by_request.get(&(tenant.into(), app.into(), request_id.into()))?;
+        g.tasks.get(id).cloned()
+    }
+
+    pub fn by_idempotency_key(&self, tenant: &str, app: &str, key: &str) -> Option<Arc<TaskEntry>> {
+        let g = self.inner.lock().expect("registry");
+        let id = g.by_idempotency.get(&(tenant.into(), app.into(), key.into()))?;
+        g.tasks.get(id).cloned()
+    }
+
+    /// Marks a task ended; it stays attachable for the retention time.
+    /// Also drops what is past retention or over the byte budget.
+    pub fn ended(&self, task_id: &str) {
+        let now = Instant::now();
+        let mut g = self.inner.lock().expect("registry");
+        if let Some(e) = g.tasks.get(task_id) {
+            let b = e.log.bytes();
+            g.ended_bytes += b;
+            g.ended.push_back((now, task_id.to_string()));
+        }
+        while let Some((at, id)) = g.ended.front().cloned() {
+            if now.duration_since(at) < self.retention && g.ended_bytes <= self.max_bytes {
+                break;
+            }
+            g.ended.pop_front();
+            if let Some(e) = g.tasks.remove(&id) {
+                g.ended_bytes = g.ended_bytes.saturating_sub(e.log.bytes());
+                let owner = |k: &str| (e.tenant.clone(), e.application.clone(), k.to_string());
+                if g.by_request.get(&owner(&e.request_id)) == Some(&id) {
+                    g.by_request.remove(&owner(&e.request_id));
+                }
+                if let Some(k) = &e.idempotency_key {
+                    if g.by_idempotency.get(&owner(k)) == Some(&id) {
+                        g.by_idempotency.remove(&owner(k));
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.lock().expect("registry").tasks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn late_subscribers_replay_then_follow_the_live_tail() {
+        let log = Arc::new(TaskLog::default());
+        log.push(TaskEvent::Delta { text: "a".into() });
+        let mut early = log.subscribe(0);
+        let mut late = log.subscribe(1);
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            while let Some((seq, e)) = early.recv().await {
+                got.push((seq, e));
+            }
+            got
+        });
+        log.push(TaskEvent::Delta { text: "b".into() });
+        assert_eq!(late.recv().await.unwrap(), (1, TaskEvent::Delta { text: "b".into() }));
+        log.push(TaskEvent::Error {
+            error: crate::error::GatewayError::internal("x"),
+            meta: Box::new(crate::task::ResultMeta {
+                request_id: String::new(),
+                task_id: String::new(),
+                session_id: None,
+                status: crate::task::TaskState::Failed,
+                logical_model: String::new(),
+                actual_model: None,
+                node_id: String::new(),
+                usage: Default::default(),
+                timing: Default::default(),
+                finish_reason: None,
+                degraded: false,
+                degrade_reason: None,
+            }),
+        });
+        let got = reader.await.unwrap();
+        assert_eq!(got.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [0, 1, 2]);
+        assert!(late.recv().await.is_some());
+        assert!(late.recv().await.is_none());
+        assert!(log.is_ended());
+    }
+}
