@@ -44,22 +44,43 @@ impl Gateway {
         request_id_hint: Option<String>,
     ) -> Result<TaskStream, GatewayError> {
         let model = body.model.clone();
+        let request_id = body.request_id.clone().or(request_id_hint.clone());
         let req = match admission::admit(&self.config, identity.clone(), body, ingress, request_id_hint) {
             Ok(r) => r,
             Err(e) => {
-                self.store.rejected(&identity, ingress, &model, &e);
+                self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
                 self.count_rejection(ingress, &e);
                 return Err(e);
             }
         };
-        self.store.new_task(&req);
-        let id = req.task_id.clone();
-        self.store.transition(&id, TaskState::Received, ingress.as_str(), None, "client");
-        self.store.transition(&id, TaskState::Validating, "admitted", None, "gateway");
+        // An idempotent repeat joins the task that is already known.
+        if let Some(key) = &req.idempotency_key {
+            let id = &req.identity;
+            if let Some(existing) = self.scheduler.find_by_idempotency_key(&id.tenant, &id.application, key) {
+                if existing.prompt_sha256 != req.prompt_sha256 {
+                    let e = GatewayError::invalid("this idempotency key was already used for a different request");
+                    self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
+                    self.count_rejection(ingress, &e);
+                    return Err(e);
+                }
+                if let Some(s) = self.scheduler.attach(&existing.task_id, 0) {
+                    return Ok(s);
+                }
+            }
+        }
+        self.recorder.received(&req);
+        self.recorder.transition(&req, TaskState::Validating, "admitted", None, "gateway");
+        let meta_req = req.clone();
         match self.scheduler.submit(req).await {
+            Ok(s) if s.joined => {
+                // Lost a race with an identical retry: this call is that task.
+                let why = format!("idempotent repeat of task {}", s.task_id);
+                self.recorder.transition(&meta_req, TaskState::Rejected, &why, None, "gateway");
+                Ok(s)
+            }
             Ok(s) => Ok(s),
             Err(e) => {
-                self.store.transition(&id, TaskState::Rejected, e.code.as_str(), None, "scheduler");
+                self.recorder.transition(&meta_req, TaskState::Rejected, e.code.as_str(), None, "scheduler");
                 self.count_rejection(ingress, &e);
                 Err(e)
             }

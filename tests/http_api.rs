@@ -464,3 +464,32 @@ async fn ollama_engines_serve_the_same_api() {
     assert_eq!(events.last().unwrap()["edge"]["usage"]["output_tokens"], 5);
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn an_idempotent_repeat_joins_the_first_task_and_never_runs_twice() {
+    let knobs = Knobs { tokens: 6, token_delay: Duration::from_millis(30), ..Knobs::default() };
+    let (fake, gw) = gateway_with(knobs, "").await;
+    let mut body = chat_body(false);
+    body["idempotency_key"] = json!("order-42");
+    let (a, b) = tokio::join!(post_chat(&gw, DEMO_KEY, &body), async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        post_chat(&gw, DEMO_KEY, &body).await
+    });
+    let (a, b): (Value, Value) = (a.json().await.unwrap(), b.json().await.unwrap());
+    assert_eq!(a["edge"]["task_id"], b["edge"]["task_id"]);
+    assert_eq!(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
+    // A repeat after the end gets the same result too.
+    let c: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    assert_eq!(c["edge"]["task_id"], a["edge"]["task_id"]);
+    assert_eq!(fake.stats.requests.load(SeqCst), 1, "one inference");
+    // The same key with another prompt is refused; another application's
+    // key space is its own.
+    body["messages"] = json!([{"role": "user", "content": "something else"}]);
+    let d = post_chat(&gw, DEMO_KEY, &body).await;
+    assert_eq!(d.status(), 400);
+    assert_eq!(error_code(&d.json().await.unwrap()), "INVALID_REQUEST");
+    let e: Value = post_chat(&gw, OPS_KEY, &body).await.json().await.unwrap();
+    assert_eq!(e["edge"]["status"], "SUCCEEDED");
+    assert_eq!(fake.stats.requests.load(SeqCst), 2);
+    gw.stop().await;
+}

@@ -4,4 +4,5 @@
 //! [`crate::task::TaskEvent`] stream back into its format. None of them
 //! calls an engine or touches a queue.
 
+pub mod events;
 pub mod http;

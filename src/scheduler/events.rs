@@ -131,6 +131,8 @@ pub struct TaskEntry {
     pub tenant: String,
     pub application: String,
     pub idempotency_key: Option<String>,
+    /// To tell a true retry from a different request reusing the key.
+    pub prompt_sha256: String,
     pub log: Arc<TaskLog>,
     pub cancel: CancelHandle,
 }
@@ -161,8 +163,47 @@ impl Registry {
         Registry { inner: Mutex::new(RegistryInner::default()), retention, max_bytes }
     }
 
+    /// Registers a new task, unless a known task of the same owner has the
+    /// same idempotency key: then that task is returned instead (checked and
+    /// inserted under one lock, so two racing retries start one task).
+    pub fn insert_or_get(&self, e: Arc<TaskEntry>) -> Result<(), Arc<TaskEntry>> {
+        let mut g = self.inner.lock().expect("registry");
+        if let Some(k) = &e.idempotency_key {
+            let key = (e.tenant.clone(), e.application.clone(), k.clone());
+            if let Some(existing) = g.by_idempotency.get(&key).and_then(|id| g.tasks.get(id)) {
+                return Err(existing.clone());
+            }
+        }
+        Self::insert_locked(&mut g, e);
+        Ok(())
+    }
+
+    /// Forgets a task that never started (refused by the scheduler).
+    pub fn remove(&self, task_id: &str) {
+        let mut g = self.inner.lock().expect("registry");
+        if let Some(e) = g.tasks.remove(task_id) {
+            Self::unindex(&mut g, &e);
+        }
+    }
+
+    fn unindex(g: &mut RegistryInner, e: &TaskEntry) {
+        let owner = |k: &str| (e.tenant.clone(), e.application.clone(), k.to_string());
+        if g.by_request.get(&owner(&e.request_id)) == Some(&e.task_id) {
+            g.by_request.remove(&owner(&e.request_id));
+        }
+        if let Some(k) = &e.idempotency_key {
+            if g.by_idempotency.get(&owner(k)) == Some(&e.task_id) {
+                g.by_idempotency.remove(&owner(k));
+            }
+        }
+    }
+
     pub fn insert(&self, e: Arc<TaskEntry>) {
         let mut g = self.inner.lock().expect("registry");
+        Self::insert_locked(&mut g, e);
+    }
+
+    fn insert_locked(g: &mut RegistryInner, e: Arc<TaskEntry>) {
         let owner = |k: &str| (e.tenant.clone(), e.application.clone(), k.to_string());
         g.by_request.insert(owner(&e.request_id), e.task_id.clone());
         if let Some(k) = &e.idempotency_key {
@@ -204,15 +245,7 @@ impl Registry {
             g.ended.pop_front();
             if let Some(e) = g.tasks.remove(&id) {
                 g.ended_bytes = g.ended_bytes.saturating_sub(e.log.bytes());
-                let owner = |k: &str| (e.tenant.clone(), e.application.clone(), k.to_string());
-                if g.by_request.get(&owner(&e.request_id)) == Some(&id) {
-                    g.by_request.remove(&owner(&e.request_id));
-                }
-                if let Some(k) = &e.idempotency_key {
-                    if g.by_idempotency.get(&owner(k)) == Some(&id) {
-                        g.by_idempotency.remove(&owner(k));
-                    }
-                }
+                Self::unindex(&mut g, &e);
             }
         }
     }

@@ -233,17 +233,11 @@ impl SchedulerHandle {
     /// Queues a validated task. Answers at once: `QUEUE_FULL` or
     /// `MODEL_UNAVAILABLE` when it cannot be queued, else a stream of its
     /// events (starting with `Accepted`).
+    ///
+    /// A task whose idempotency key (per tenant and application) is already
+    /// known is not started again: the stream joins the existing task from
+    /// its first event (`joined` is true).
     pub async fn submit(&self, req: TaskRequest) -> Result<TaskStream, GatewayError> {
-        let (grant_tx, grant_rx) = oneshot::channel();
-        let (reply_tx, reply_rx) = oneshot::channel();
-        let entry = QueueEntry { task_id: req.task_id.clone(), priority: req.priority, seq: 0, grant: grant_tx };
-        let closed =
-            || GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000);
-        self.tx
-            .send(Cmd::Enqueue { entry, model: req.logical_model.clone(), reply: reply_tx })
-            .map_err(|_| closed())?;
-        let queue_position = reply_rx.await.map_err(|_| closed())??;
-
         let cancel = CancelHandle::new(self.shared.shutdown.child_token());
         let log = Arc::new(TaskLog::default());
         let entry = Arc::new(TaskEntry {
@@ -252,10 +246,33 @@ impl SchedulerHandle {
             tenant: req.identity.tenant.clone(),
             application: req.identity.application.clone(),
             idempotency_key: req.idempotency_key.clone(),
+            prompt_sha256: req.prompt_sha256.clone(),
             log: log.clone(),
             cancel: cancel.clone(),
         });
-        self.shared.registry.insert(entry);
+        if let Err(existing) = self.shared.registry.insert_or_get(entry) {
+            if existing.prompt_sha256 != req.prompt_sha256 {
+                return Err(GatewayError::invalid("this idempotency key was already used for a different request"));
+            }
+            return Ok(Self::join(&existing, 0));
+        }
+
+        let (grant_tx, grant_rx) = oneshot::channel();
+        let (reply_tx, reply_rx) = oneshot::channel();
+        let entry = QueueEntry { task_id: req.task_id.clone(), priority: req.priority, seq: 0, grant: grant_tx };
+        let closed =
+            || GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000);
+        let queued = match self.tx.send(Cmd::Enqueue { entry, model: req.logical_model.clone(), reply: reply_tx }) {
+            Ok(()) => reply_rx.await.map_err(|_| closed()).and_then(|r| r),
+            Err(_) => Err(closed()),
+        };
+        let queue_position = match queued {
+            Ok(p) => p,
+            Err(e) => {
+                self.shared.registry.remove(&req.task_id);
+                return Err(e);
+            }
+        };
         let stream = TaskStream {
             task_id: req.task_id.clone(),
             request_id: req.request_id.clone(),

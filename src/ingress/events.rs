@@ -1,0 +1,47 @@
+//! The event JSON that the message ingresses (MQTT, NATS) send for a task,
+//! one object per [`TaskEvent`] with a contiguous `seq` from 0. The schemas
+//! live in `topics/`; keep them in step with this file.
+
+use serde_json::{json, Value};
+
+use crate::task::TaskEvent;
+
+/// `{"seq": n, "type": …, …}` for one event of `request_id`.
+pub fn event_json(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
+    match e {
+        TaskEvent::Accepted { task_id, queue_position } => json!({
+            "seq": seq, "type": "accepted", "request_id": request_id,
+            "task_id": task_id, "queue_position": queue_position,
+        }),
+        TaskEvent::Delta { text } => json!({ "seq": seq, "type": "delta", "request_id": request_id, "text": text }),
+        TaskEvent::Done(meta) => json!({
+            "seq": seq, "type": "done", "request_id": request_id,
+            "result": serde_json::to_value(&**meta).unwrap_or(Value::Null),
+        }),
+        TaskEvent::Error { error, meta } => {
+            let mut v = json!({
+                "seq": seq, "type": "error", "request_id": request_id,
+                "code": error.code.as_str(), "message": error.message,
+                "retryable": error.code.retryable(),
+                "result": serde_json::to_value(&**meta).unwrap_or(Value::Null),
+            });
+            if let Some(ms) = error.retry_after_ms {
+                v["retry_after_ms"] = ms.into();
+            }
+            v
+        }
+    }
+}
+
+/// An `error` event for a request that never became a task (bad input,
+/// refused at admission): it is the whole stream, so its `seq` is 0.
+pub fn rejection_json(request_id: Option<&str>, e: &crate::error::GatewayError) -> Value {
+    let mut v = json!({
+        "seq": 0, "type": "error", "request_id": request_id,
+        "code": e.code.as_str(), "message": e.message, "retryable": e.code.retryable(),
+    });
+    if let Some(ms) = e.retry_after_ms {
+        v["retry_after_ms"] = ms.into();
+    }
+    v
+}
