@@ -103,17 +103,29 @@ impl TaskState {
     /// (engine broke mid-stream) and `TimedOut` (idle, inference, total).
     pub fn can_move_to(self, next: TaskState) -> bool {
         use TaskState::*;
-        match (self, next) {
-            (Received, Validating) => true,
-            (Received, Rejected) | (Validating, Rejected) | (Validating, Queued) => true,
-            (Queued, Dispatching) | (Queued, TimedOut) | (Queued, Cancelled) => true,
-            (Dispatching, Running) | (Dispatching, Failed) => true,
-            (Dispatching, Cancelled) | (Dispatching, TimedOut) => true,
-            (Running, Streaming) | (Running, TimedOut) | (Running, Failed) => true,
-            (Running, Cancelled) | (Running, Succeeded) => true,
-            (Streaming, Succeeded) | (Streaming, Failed) | (Streaming, Cancelled) | (Streaming, TimedOut) => true,
-            _ => false,
-        }
+        matches!(
+            (self, next),
+            (Received, Validating)
+                | (Received, Rejected)
+                | (Validating, Rejected)
+                | (Validating, Queued)
+                | (Queued, Dispatching)
+                | (Queued, TimedOut)
+                | (Queued, Cancelled)
+                | (Dispatching, Running)
+                | (Dispatching, Failed)
+                | (Dispatching, Cancelled)
+                | (Dispatching, TimedOut)
+                | (Running, Streaming)
+                | (Running, TimedOut)
+                | (Running, Failed)
+                | (Running, Cancelled)
+                | (Running, Succeeded)
+                | (Streaming, Succeeded)
+                | (Streaming, Failed)
+                | (Streaming, Cancelled)
+                | (Streaming, TimedOut)
+        )
     }
 }
 

@@ -12,9 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgeway::config::{EngineConfig, EngineKind};
-use edgeway::engine::{
-    Capabilities, Engine, EngineChunk, EngineError, EngineRequest, EngineStream,
-};
+use edgeway::engine::{Capabilities, Engine, EngineChunk, EngineError, EngineRequest, EngineStream};
 use edgeway::task::{ChatMessage, SamplingParams};
 use edgeway::testing::{FakeEngine, Knobs};
 use futures::StreamExt;
@@ -68,12 +66,7 @@ impl Setup {
         Self::with_config(kind, stream, knobs, |_| {}).await
     }
 
-    async fn with_config(
-        kind: EngineKind,
-        stream: bool,
-        knobs: Knobs,
-        tweak: impl FnOnce(&mut EngineConfig),
-    ) -> Setup {
+    async fn with_config(kind: EngineKind, stream: bool, knobs: Knobs, tweak: impl FnOnce(&mut EngineConfig)) -> Setup {
         let fake = FakeEngine::start_with(knobs).await;
         let mut cfg = engine_config(kind, &fake.url(), stream);
         tweak(&mut cfg);
@@ -84,11 +77,7 @@ impl Setup {
     fn request(&self, max_output_tokens: u32) -> EngineRequest {
         EngineRequest {
             model: self.cfg.model.clone(),
-            messages: vec![ChatMessage {
-                role: "user".into(),
-                content: json!("Say something."),
-                extra: Map::new(),
-            }],
+            messages: vec![ChatMessage { role: "user".into(), content: json!("Say something."), extra: Map::new() }],
             params: SamplingParams::default(),
             max_output_tokens,
         }
@@ -103,13 +92,7 @@ impl Setup {
     }
 
     fn last_request(&self) -> Value {
-        self.fake
-            .stats
-            .last_request
-            .lock()
-            .expect("last_request lock")
-            .clone()
-            .expect("the fake received a request")
+        self.fake.stats.last_request.lock().expect("last_request lock").clone().expect("the fake received a request")
     }
 
     /// Waits until the fake has no generation in progress and has counted
@@ -117,9 +100,7 @@ impl Setup {
     async fn settles_at(&self, completed: u64, aborted: u64) -> bool {
         self.fake
             .wait_for(LIMIT, |s| {
-                s.completed.load(SeqCst) == completed
-                    && s.aborted.load(SeqCst) == aborted
-                    && s.active.load(SeqCst) == 0
+                s.completed.load(SeqCst) == completed && s.aborted.load(SeqCst) == aborted && s.active.load(SeqCst) == 0
             })
             .await
     }
@@ -133,9 +114,7 @@ fn knobs(f: impl FnOnce(&mut Knobs)) -> Knobs {
 
 /// Reads the stream to its end.
 async fn collect(stream: EngineStream) -> Vec<Result<EngineChunk, EngineError>> {
-    tokio::time::timeout(LIMIT, stream.collect::<Vec<_>>())
-        .await
-        .expect("stream ends")
+    tokio::time::timeout(LIMIT, stream.collect::<Vec<_>>()).await.expect("stream ends")
 }
 
 /// Splits a successful answer into its text, usage chunks and the rest, and
@@ -147,10 +126,8 @@ struct Answer {
 }
 
 fn answer(items: Vec<Result<EngineChunk, EngineError>>) -> Answer {
-    let chunks: Vec<EngineChunk> = items
-        .into_iter()
-        .map(|r| r.unwrap_or_else(|e| panic!("unexpected stream error: {e:?}")))
-        .collect();
+    let chunks: Vec<EngineChunk> =
+        items.into_iter().map(|r| r.unwrap_or_else(|e| panic!("unexpected stream error: {e:?}"))).collect();
     let Some(EngineChunk::Finish(finish)) = chunks.last().cloned() else {
         panic!("the last chunk must be Finish: {chunks:?}");
     };
@@ -164,21 +141,14 @@ fn answer(items: Vec<Result<EngineChunk, EngineError>>) -> Answer {
                 assert!(!t.is_empty(), "empty Delta: {chunks:?}");
                 text.push_str(t);
             }
-            EngineChunk::Usage {
-                input_tokens,
-                output_tokens,
-            } => {
+            EngineChunk::Usage { input_tokens, output_tokens } => {
                 seen_usage = true;
                 usage.push((*input_tokens, *output_tokens));
             }
             EngineChunk::Finish(_) => panic!("Finish before the end: {chunks:?}"),
         }
     }
-    Answer {
-        text,
-        usage,
-        finish,
-    }
+    Answer { text, usage, finish }
 }
 
 /// A normal answer: deltas that add up to the text, usage, then `stop`.
@@ -192,10 +162,7 @@ async fn answer_has_deltas_usage_and_finish(kind: EngineKind, stream: bool) {
     assert!(input > 0, "input tokens reported");
     assert_eq!(output, k.tokens);
     assert_eq!(a.finish, "stop");
-    assert!(
-        s.settles_at(1, 0).await,
-        "the fake saw one completed generation"
-    );
+    assert!(s.settles_at(1, 0).await, "the fake saw one completed generation");
 
     let req = s.last_request();
     assert_eq!(req["model"], s.cfg.model);
@@ -207,10 +174,7 @@ async fn answer_has_deltas_usage_and_finish(kind: EngineKind, stream: bool) {
 /// `max_output_tokens` below what the engine would generate: `length`, and
 /// the limit reaches the engine in its own protocol.
 async fn max_output_tokens_finishes_with_length(kind: EngineKind, stream: bool) {
-    let s = Setup::with_config(kind, stream, knobs(|k| k.tokens = 10), |c| {
-        c.keep_alive = Some("5m".into())
-    })
-    .await;
+    let s = Setup::with_config(kind, stream, knobs(|k| k.tokens = 10), |c| c.keep_alive = Some("5m".into())).await;
     let a = answer(collect(s.start(3).await).await);
     assert_eq!(a.text, "tok ".repeat(3));
     assert_eq!(a.usage.len(), 1, "one Usage chunk");
@@ -260,18 +224,12 @@ async fn http_error_is_status_error(kind: EngineKind) {
         for (code, unreachable) in [(500u16, false), (503, true)] {
             let s = Setup::new(kind, stream, knobs(|k| k.fail_status = Some(code))).await;
             let req = s.request(256);
-            let r = tokio::time::timeout(LIMIT, s.engine.stream(req))
-                .await
-                .expect("stream() resolves");
+            let r = tokio::time::timeout(LIMIT, s.engine.stream(req)).await.expect("stream() resolves");
             let e = match r {
                 Ok(_) => panic!("{}: HTTP {code} must fail stream()", mode(stream)),
                 Err(e) => e,
             };
-            assert!(
-                matches!(e, EngineError::Status { status, .. } if status == code),
-                "{}: {e:?}",
-                mode(stream)
-            );
+            assert!(matches!(e, EngineError::Status { status, .. } if status == code), "{}: {e:?}", mode(stream));
             assert_eq!(e.is_unreachable(), unreachable, "{}: {e:?}", mode(stream));
             assert_eq!(s.fake.stats.requests.load(SeqCst), 1);
         }
@@ -285,26 +243,16 @@ async fn closed_port_is_unreachable(kind: EngineKind) {
         let engine = edgeway::engine::build(&cfg).expect("adapter builds");
         let req = EngineRequest {
             model: cfg.model.clone(),
-            messages: vec![ChatMessage {
-                role: "user".into(),
-                content: json!("Hi"),
-                extra: Map::new(),
-            }],
+            messages: vec![ChatMessage { role: "user".into(), content: json!("Hi"), extra: Map::new() }],
             params: SamplingParams::default(),
             max_output_tokens: 16,
         };
-        let r = tokio::time::timeout(LIMIT, engine.stream(req))
-            .await
-            .expect("stream() resolves");
+        let r = tokio::time::timeout(LIMIT, engine.stream(req)).await.expect("stream() resolves");
         let e = match r {
             Ok(_) => panic!("{}: a closed port must fail stream()", mode(stream)),
             Err(e) => e,
         };
-        assert!(
-            matches!(e, EngineError::Unreachable(_)),
-            "{}: {e:?}",
-            mode(stream)
-        );
+        assert!(matches!(e, EngineError::Unreachable(_)), "{}: {e:?}", mode(stream));
         assert!(e.is_unreachable());
     }
 }
@@ -322,24 +270,13 @@ fn closed_port_url() -> String {
 async fn mid_stream_drop_errors_without_finish(kind: EngineKind) {
     let s = Setup::new(kind, STREAM, knobs(|k| k.drop_after = Some(2))).await;
     let items = collect(s.start(256).await).await;
-    let deltas: Vec<&EngineChunk> = items
-        .iter()
-        .filter_map(|r| r.as_ref().ok())
-        .filter(|c| matches!(c, EngineChunk::Delta(_)))
-        .collect();
+    let deltas: Vec<&EngineChunk> =
+        items.iter().filter_map(|r| r.as_ref().ok()).filter(|c| matches!(c, EngineChunk::Delta(_))).collect();
     assert_eq!(deltas.len(), 2, "{items:?}");
-    assert!(
-        !items
-            .iter()
-            .any(|r| matches!(r, Ok(EngineChunk::Finish(_)))),
-        "no Finish after a drop: {items:?}"
-    );
+    assert!(!items.iter().any(|r| matches!(r, Ok(EngineChunk::Finish(_)))), "no Finish after a drop: {items:?}");
     let last = items.last().expect("some items");
     assert!(
-        matches!(
-            last,
-            Err(EngineError::Truncated) | Err(EngineError::Protocol(_))
-        ),
+        matches!(last, Err(EngineError::Truncated) | Err(EngineError::Protocol(_))),
         "ends with Truncated or Protocol: {items:?}"
     );
     // The error is the stream's end, right after the deltas.
@@ -361,18 +298,13 @@ async fn dropping_stream_aborts_generation(kind: EngineKind) {
     .await;
     let mut stream = s.start(256).await;
     for _ in 0..2 {
-        let c = tokio::time::timeout(LIMIT, stream.next())
-            .await
-            .expect("a chunk arrives");
+        let c = tokio::time::timeout(LIMIT, stream.next()).await.expect("a chunk arrives");
         assert!(matches!(c, Some(Ok(EngineChunk::Delta(_)))), "{c:?}");
     }
     assert_eq!(s.fake.active(), 1);
     drop(stream);
     assert!(
-        s.fake
-            .wait_for(Duration::from_secs(5), |st| st.aborted.load(SeqCst) == 1
-                && st.active.load(SeqCst) == 0)
-            .await,
+        s.fake.wait_for(Duration::from_secs(5), |st| st.aborted.load(SeqCst) == 1 && st.active.load(SeqCst) == 0).await,
         "the fake saw the abort (aborted={}, active={})",
         s.fake.stats.aborted.load(SeqCst),
         s.fake.active()
@@ -395,19 +327,11 @@ async fn dropping_pending_whole_answer_aborts_generation(kind: EngineKind) {
     let engine = s.engine.clone();
     let req = s.request(256);
     let pending = tokio::spawn(async move { engine.stream(req).await.map(|_| ()) });
-    assert!(
-        s.fake
-            .wait_for(LIMIT, |st| st.active.load(SeqCst) == 1)
-            .await,
-        "the fake started generating"
-    );
+    assert!(s.fake.wait_for(LIMIT, |st| st.active.load(SeqCst) == 1).await, "the fake started generating");
     pending.abort();
     assert!(pending.await.expect_err("aborted").is_cancelled());
     assert!(
-        s.fake
-            .wait_for(Duration::from_secs(5), |st| st.aborted.load(SeqCst) == 1
-                && st.active.load(SeqCst) == 0)
-            .await,
+        s.fake.wait_for(Duration::from_secs(5), |st| st.aborted.load(SeqCst) == 1 && st.active.load(SeqCst) == 0).await,
         "the fake saw the abort (aborted={}, active={})",
         s.fake.stats.aborted.load(SeqCst),
         s.fake.active()
@@ -442,9 +366,7 @@ async fn health_follows_engine(kind: EngineKind) {
 async fn health_of_closed_port_is_down(kind: EngineKind) {
     let cfg = engine_config(kind, &closed_port_url(), STREAM);
     let engine = edgeway::engine::build(&cfg).expect("adapter builds");
-    let h = tokio::time::timeout(LIMIT, engine.health())
-        .await
-        .expect("health() resolves");
+    let h = tokio::time::timeout(LIMIT, engine.health()).await.expect("health() resolves");
     assert!(!h.up, "{h:?}");
     assert!(h.detail.contains("unreachable"), "{h:?}");
 }
@@ -456,11 +378,7 @@ async fn reports_kind_and_capabilities(kind: EngineKind) {
         assert_eq!(s.engine.name(), s.cfg.name);
         assert_eq!(
             s.engine.capabilities(),
-            Capabilities {
-                streaming: stream,
-                reports_usage: true,
-                cancel_on_disconnect: true,
-            },
+            Capabilities { streaming: stream, reports_usage: true, cancel_on_disconnect: true },
             "{}",
             mode(stream)
         );
@@ -527,10 +445,7 @@ conformance! {
 /// `/api/tags`) for the instance to be up.
 #[tokio::test]
 async fn ollama_health_needs_the_configured_model() {
-    let s = Setup::with_config(EngineKind::Ollama, STREAM, Knobs::default(), |c| {
-        c.model = "other-model".into()
-    })
-    .await;
+    let s = Setup::with_config(EngineKind::Ollama, STREAM, Knobs::default(), |c| c.model = "other-model".into()).await;
     let h = s.engine.health().await;
     assert!(!h.up, "{h:?}");
     assert!(h.detail.contains("other-model"), "{h:?}");
@@ -542,10 +457,7 @@ async fn ollama_health_needs_the_configured_model() {
 #[tokio::test]
 async fn ollama_health_matches_model_tags() {
     for (model, up) in [("fake", true), ("fake:latest", true), ("fake:7b", false)] {
-        let s = Setup::with_config(EngineKind::Ollama, STREAM, Knobs::default(), |c| {
-            c.model = model.into()
-        })
-        .await;
+        let s = Setup::with_config(EngineKind::Ollama, STREAM, Knobs::default(), |c| c.model = model.into()).await;
         let h = s.engine.health().await;
         assert_eq!(h.up, up, "{model}: {h:?}");
     }

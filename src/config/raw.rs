@@ -622,7 +622,6 @@ impl RawConfig {
             err("applications".into(), "define at least one application or [auth.jwt]; nobody could call".into());
         }
 
-        drop(err);
         if !errs.is_empty() {
             return Err(ConfigErrors(errs));
         }

@@ -120,7 +120,7 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
         finished: false,
     };
     let body = futures::stream::unfold(st, |mut st| async move {
-        loop {
+        {
             if st.finished {
                 return None;
             }
@@ -162,7 +162,7 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
                     sse(&json!({ "error": error_object(&error), "edge": edge }))
                 }
             };
-            return Some((Ok(out), st));
+            Some((Ok(out), st))
         }
     });
     let mut resp = Response::new(Body::from_stream(body));
