@@ -1,0 +1,614 @@
+//! The scheduling policy, as a plain state machine with no I/O and no clock
+//! of its own (time is passed in), so it can be simulated deterministically
+//! (see the property tests at the end).
+//!
+//! What it decides:
+//! - **Admission to the queue**: health, danger state, per-user request and
+//!   token rates, resource fit, the backpressure ladder and the queue caps
+//!   (global, per model, per application, per user), each with its own code.
+//! - **Dispatch order**: strict priority (P0 first) on the *effective*
+//!   priority (a waiting task gains one level every `aging` period, never
+//!   above P1), then weighted fair queueing between flows (tenant +
+//!   application) within a priority, then arrival.
+//! - **Slots**: `max_concurrency` per instance, of which
+//!   `reserved_realtime_slots` only P0/P1 tasks may take; per-model and
+//!   per-application/per-user running caps; a memory budget per instance.
+//!
+//! It does not own channels, timers or engines: the actor in `mod.rs` feeds
+//! it and carries out its grants.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::error::{ErrorCode, GatewayError};
+use crate::task::Priority;
+
+/// Limits of one application (all optional).
+#[derive(Debug, Clone)]
+pub struct AppPolicy {
+    /// Share of slots against other flows of the same priority.
+    pub weight: f64,
+    pub max_running: Option<usize>,
+    pub max_queued: Option<usize>,
+    pub user_max_running: Option<usize>,
+    pub user_max_queued: Option<usize>,
+    pub user_requests_per_minute: Option<u32>,
+    pub user_tokens_per_minute: Option<u64>,
+}
+
+impl Default for AppPolicy {
+    fn default() -> Self {
+        AppPolicy {
+            weight: 1.0,
+            max_running: None,
+            max_queued: None,
+            user_max_running: None,
+            user_max_queued: None,
+            user_requests_per_minute: None,
+            user_tokens_per_minute: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelPolicy {
+    pub name: String,
+    pub queue_capacity: usize,
+    pub max_running: Option<usize>,
+    pub instances: Vec<usize>,
+    /// KV-cache bytes per token of context, for memory estimates.
+    pub kv_bytes_per_token: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct InstancePolicy {
+    pub name: String,
+    pub max_concurrency: usize,
+    /// Slots only P0/P1 tasks may take.
+    pub reserved_realtime_slots: usize,
+    /// Memory the instance's tasks may use (KV cache), if limited.
+    pub memory_budget_bytes: Option<u64>,
+}
+
+/// Queue fill ratios at which each backpressure step starts.
+#[derive(Debug, Clone, Copy)]
+pub struct Backpressure {
+    /// Refuse new P4 work.
+    pub refuse_p4: f64,
+    /// Shorten the queue wait of new P3/P4 work to a quarter.
+    pub shorten_low_waits: f64,
+    /// Cap the output budget of new P2-P4 work.
+    pub cap_output: f64,
+    /// Refuse new P3 work too (batch and background are deferred).
+    pub refuse_p3: f64,
+    pub capped_output_tokens: u32,
+}
+
+impl Default for Backpressure {
+    fn default() -> Self {
+        Backpressure { refuse_p4: 0.5, shorten_low_waits: 0.65, cap_output: 0.8, refuse_p3: 0.9, capped_output_tokens: 128 }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct PolicyConfig {
+    pub models: Vec<ModelPolicy>,
+    pub instances: Vec<InstancePolicy>,
+    pub apps: HashMap<String, AppPolicy>,
+    pub tenant_weights: HashMap<String, f64>,
+    pub max_queued: Option<usize>,
+    pub max_running: Option<usize>,
+    pub aging: Option<Duration>,
+    pub backpressure: Backpressure,
+    pub busy_retry_after_ms: u64,
+}
+
+/// What the policy needs to know about a task.
+#[derive(Debug, Clone)]
+pub struct TaskInfo {
+    pub task_id: String,
+    pub model: usize,
+    pub priority: Priority,
+    pub tenant: String,
+    pub app: String,
+    pub user: String,
+    pub input_tokens: u32,
+    pub max_output_tokens: u32,
+}
+
+/// The terms on which a task was queued.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admission {
+    pub position: usize,
+    /// Lowered output budget (backpressure or memory), if any.
+    pub max_output_tokens: u32,
+    /// Shorter queue wait imposed by backpressure, as a fraction (0..1] of
+    /// the task's own queue limit.
+    pub queue_wait_factor: Option<f64>,
+    pub degrade_reason: Option<String>,
+}
+
+/// A slot given to a task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub task_id: String,
+    pub instance: usize,
+}
+
+#[derive(Debug)]
+struct Waiting {
+    info: TaskInfo,
+    seq: u64,
+    enqueued_at: Duration,
+    /// Virtual finish time of weighted fair queueing.
+    tag: f64,
+    mem_bytes: u64,
+}
+
+#[derive(Debug)]
+struct Running {
+    info: TaskInfo,
+    instance: usize,
+    mem_bytes: u64,
+    charged_output: u64,
+}
+
+#[derive(Debug, Default, Clone)]
+struct InstanceState {
+    up: bool,
+    running: usize,
+    running_realtime: usize,
+    mem_used: u64,
+}
+
+/// A token bucket refilled continuously: `rate_per_min` per minute, at most
+/// `rate_per_min` stored.
+#[derive(Debug, Clone)]
+struct Bucket {
+    tokens: f64,
+    at: Duration,
+}
+
+impl Bucket {
+    fn take(&mut self, now: Duration, rate_per_min: f64, n: f64) -> Result<(), u64> {
+        let elapsed = now.saturating_sub(self.at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * rate_per_min / 60.0).min(rate_per_min);
+        self.at = now;
+        if self.tokens >= n {
+            self.tokens -= n;
+            Ok(())
+        } else {
+            // Milliseconds until enough has refilled (n may exceed the
+            // bucket: then a full minute).
+            let missing = (n.min(rate_per_min) - self.tokens).max(0.0);
+            Err(((missing * 60_000.0 / rate_per_min).ceil() as u64).max(1))
+        }
+    }
+
+    fn refund(&mut self, rate_per_min: f64, n: f64) {
+        self.tokens = (self.tokens + n).min(rate_per_min);
+    }
+}
+
+#[derive(Default)]
+struct Counts {
+    queued: usize,
+    running: usize,
+}
+
+pub struct Policy {
+    cfg: PolicyConfig,
+    waiting: Vec<Vec<Waiting>>, // per model
+    running: HashMap<String, Running>,
+    instances: Vec<InstanceState>,
+    model_running: Vec<usize>,
+    app_counts: HashMap<String, Counts>,
+    user_counts: HashMap<(String, String), Counts>,
+    rpm: HashMap<(String, String), Bucket>,
+    tpm: HashMap<(String, String), Bucket>,
+    flow_finish: HashMap<(String, String), f64>,
+    vtime: f64,
+    seq: u64,
+    total_waiting: usize,
+    danger: Option<String>,
+}
+
+fn busy(code: ErrorCode, msg: String, retry_ms: u64) -> GatewayError {
+    GatewayError::new(code, msg).with_retry_after(retry_ms)
+}
+
+impl Policy {
+    pub fn new(cfg: PolicyConfig) -> Policy {
+        let n_models = cfg.models.len();
+        Policy {
+            waiting: (0..n_models).map(|_| Vec::new()).collect(),
+            running: HashMap::new(),
+            instances: cfg.instances.iter().map(|_| InstanceState { up: true, ..Default::default() }).collect(),
+            model_running: vec![0; n_models],
+            app_counts: HashMap::new(),
+            user_counts: HashMap::new(),
+            rpm: HashMap::new(),
+            tpm: HashMap::new(),
+            flow_finish: HashMap::new(),
+            vtime: 0.0,
+            seq: 0,
+            total_waiting: 0,
+            danger: None,
+            cfg,
+        }
+    }
+
+    pub fn config(&self) -> &PolicyConfig {
+        &self.cfg
+    }
+
+    pub fn set_instance_up(&mut self, instance: usize, up: bool) {
+        self.instances[instance].up = up;
+    }
+
+    pub fn instance_up(&self, instance: usize) -> bool {
+        self.instances[instance].up
+    }
+
+    /// A danger state (temperature, memory) stops admission of new work.
+    pub fn set_danger(&mut self, reason: Option<String>) {
+        self.danger = reason;
+    }
+
+    pub fn waiting(&self, model: usize) -> usize {
+        self.waiting[model].len()
+    }
+
+    pub fn total_waiting(&self) -> usize {
+        self.total_waiting
+    }
+
+    pub fn running_on(&self, instance: usize) -> usize {
+        self.instances[instance].running
+    }
+
+    pub fn is_waiting(&self, task_id: &str) -> bool {
+        self.waiting.iter().any(|q| q.iter().any(|w| w.info.task_id == task_id))
+    }
+
+    fn app(&self, app: &str) -> AppPolicy {
+        self.cfg.apps.get(app).cloned().unwrap_or_default()
+    }
+
+    /// The memory a task needs on an instance for its KV cache.
+    pub fn memory_estimate(&self, model: usize, input: u32, output: u32) -> u64 {
+        self.cfg.models[model].kv_bytes_per_token * u64::from(input + output)
+    }
+
+    /// The largest memory budget among the model's instances (None: no
+    /// limit anywhere).
+    fn best_budget(&self, model: usize) -> Option<u64> {
+        let mut best: Option<u64> = Some(0);
+        for &i in &self.cfg.models[model].instances {
+            match self.cfg.instances[i].memory_budget_bytes {
+                None => return None,
+                Some(b) => best = best.map(|x| x.max(b)),
+            }
+        }
+        best
+    }
+
+    /// How full the queues are: the fuller of the model's queue and the
+    /// global queue.
+    fn fill(&self, model: usize) -> f64 {
+        let m = self.waiting[model].len() as f64 / self.cfg.models[model].queue_capacity as f64;
+        let g = self.cfg.max_queued.map(|cap| self.total_waiting as f64 / cap as f64).unwrap_or(0.0);
+        m.max(g)
+    }
+
+    /// Decides whether a task may wait for a slot, and on what terms.
+    pub fn enqueue(&mut self, mut info: TaskInfo, now: Duration) -> Result<Admission, GatewayError> {
+        let retry = self.cfg.busy_retry_after_ms;
+        let m = info.model;
+        let model = &self.cfg.models[m];
+        if !model.instances.iter().any(|&i| self.instances[i].up) {
+            return Err(busy(
+                ErrorCode::ModelUnavailable,
+                format!("no instance of model '{}' is healthy", model.name),
+                retry.max(2000),
+            ));
+        }
+        if let Some(why) = &self.danger {
+            return Err(busy(ErrorCode::ResourceExhausted, format!("not admitting new work: {why}"), retry.max(5000)));
+        }
+        let app = self.app(&info.app);
+        let mut degrade = None;
+
+        // Resource fit: shrink the output budget to fit, or refuse.
+        if let Some(budget) = self.best_budget(m) {
+            let need = self.memory_estimate(m, info.input_tokens, info.max_output_tokens);
+            if need > budget {
+                let per = self.cfg.models[m].kv_bytes_per_token.max(1);
+                let fits = budget / per;
+                if fits <= u64::from(info.input_tokens) + 16 {
+                    return Err(GatewayError::new(
+                        ErrorCode::ResourceExhausted,
+                        format!("the request needs about {need} bytes of KV cache; the engine has {budget}"),
+                    ));
+                }
+                info.max_output_tokens = (fits - u64::from(info.input_tokens)) as u32;
+                degrade = Some(format!("output budget reduced to {} tokens to fit engine memory", info.max_output_tokens));
+            }
+        }
+
+        // Backpressure ladder.
+        let bp = self.cfg.backpressure;
+        let fill = self.fill(m);
+        let p = info.priority;
+        let capacity = self.cfg.models[m].queue_capacity;
+        let full = self.waiting[m].len() >= capacity
+            || self.cfg.max_queued.is_some_and(|cap| self.total_waiting >= cap);
+        // P0 may exceed a full queue by a tenth, so alarms still queue.
+        let p0_room = self.waiting[m].len() < capacity + capacity / 10 + 1
+            && self.cfg.max_queued.is_none_or(|cap| self.total_waiting < cap + cap / 10 + 1);
+        if (full && p != Priority::P0) || (p == Priority::P0 && !p0_room) {
+            return Err(busy(ErrorCode::QueueFull, format!("the queue of model '{}' is full", self.cfg.models[m].name), retry));
+        }
+        if (p == Priority::P4 && fill >= bp.refuse_p4) || (p == Priority::P3 && fill >= bp.refuse_p3) {
+            return Err(busy(
+                ErrorCode::QueueFull,
+                format!("under load: {} work is deferred, retry later", p.as_str()),
+                retry * 2,
+            ));
+        }
+        let mut queue_wait_factor = None;
+        if p >= Priority::P3 && fill >= bp.shorten_low_waits {
+            queue_wait_factor = Some(0.25);
+        }
+        if p >= Priority::P2 && fill >= bp.cap_output && info.max_output_tokens > bp.capped_output_tokens {
+            info.max_output_tokens = bp.capped_output_tokens;
+            degrade = Some(format!("output budget capped at {} tokens under load", bp.capped_output_tokens));
+        }
+
+        // Queue caps per application and user.
+        let user_key = (info.app.clone(), info.user.clone());
+        let app_c = self.app_counts.get(&info.app).map(|c| c.queued).unwrap_or(0);
+        let user_c = self.user_counts.get(&user_key).map(|c| c.queued).unwrap_or(0);
+        if app.max_queued.is_some_and(|cap| app_c >= cap) {
+            return Err(busy(ErrorCode::QueueFull, format!("application '{}' has too many waiting tasks", info.app), retry));
+        }
+        if app.user_max_queued.is_some_and(|cap| user_c >= cap) {
+            return Err(busy(ErrorCode::QueueFull, "this user has too many waiting tasks".into(), retry));
+        }
+
+        // Rates, charged last so a refused task costs nothing.
+        if let Some(rpm) = app.user_requests_per_minute {
+            let b = self.rpm.entry(user_key.clone()).or_insert(Bucket { tokens: f64::from(rpm), at: now });
+            if let Err(ms) = b.take(now, f64::from(rpm), 1.0) {
+                return Err(busy(ErrorCode::RateLimited, format!("more than {rpm} requests per minute"), ms));
+            }
+        }
+        let charged = u64::from(info.input_tokens) + u64::from(info.max_output_tokens);
+        if let Some(tpm) = app.user_tokens_per_minute {
+            let b = self.tpm.entry(user_key.clone()).or_insert(Bucket { tokens: tpm as f64, at: now });
+            if let Err(ms) = b.take(now, tpm as f64, charged as f64) {
+                if let (Some(rpm), Some(b)) = (app.user_requests_per_minute, self.rpm.get_mut(&user_key)) {
+                    b.refund(f64::from(rpm), 1.0);
+                }
+                return Err(busy(ErrorCode::QuotaExceeded, format!("more than {tpm} tokens per minute"), ms));
+            }
+        }
+
+        // Weighted fair queueing tag of the task's flow.
+        let weight = app.weight * self.cfg.tenant_weights.get(&info.tenant).copied().unwrap_or(1.0);
+        let cost = 1.0 + f64::from(info.input_tokens) / 2048.0;
+        let flow = (info.tenant.clone(), info.app.clone());
+        let start = self.flow_finish.get(&flow).copied().unwrap_or(0.0).max(self.vtime);
+        let tag = start + cost / weight.max(1e-6);
+        self.flow_finish.insert(flow, tag);
+
+        self.seq += 1;
+        let mem_bytes = self.memory_estimate(m, info.input_tokens, info.max_output_tokens);
+        self.app_counts.entry(info.app.clone()).or_default().queued += 1;
+        self.user_counts.entry(user_key).or_default().queued += 1;
+        let task_id = info.task_id.clone();
+        let max_output_tokens = info.max_output_tokens;
+        self.waiting[m].push(Waiting { info, seq: self.seq, enqueued_at: now, tag, mem_bytes });
+        self.total_waiting += 1;
+        let position = self.position(&task_id, now).unwrap_or(0);
+        Ok(Admission { position, max_output_tokens, queue_wait_factor, degrade_reason: degrade })
+    }
+
+    fn effective(&self, w: &Waiting, now: Duration) -> Priority {
+        let base = w.info.priority;
+        match self.cfg.aging {
+            Some(period) if base > Priority::P1 && !period.is_zero() => {
+                let levels = (now.saturating_sub(w.enqueued_at).as_nanos() / period.as_nanos()) as usize;
+                let idx = base.index().saturating_sub(levels).max(Priority::P1.index());
+                Priority::ALL[idx]
+            }
+            _ => base,
+        }
+    }
+
+    fn key(&self, w: &Waiting, now: Duration) -> (Priority, f64, u64) {
+        (self.effective(w, now), w.tag, w.seq)
+    }
+
+    /// How many tasks of the same model would be dispatched before it.
+    pub fn position(&self, task_id: &str, now: Duration) -> Option<usize> {
+        let q = self.waiting.iter().find(|q| q.iter().any(|w| w.info.task_id == task_id))?;
+        let me = q.iter().find(|w| w.info.task_id == task_id)?;
+        let k = self.key(me, now);
+        Some(q.iter().filter(|w| cmp_key(&self.key(w, now), &k).is_lt()).count())
+    }
+
+    /// Whether `w` may start on `instance` now.
+    fn eligible(&self, w: &Waiting, instance: usize) -> bool {
+        let inst = &self.instances[instance];
+        let ip = &self.cfg.instances[instance];
+        if !inst.up || inst.running >= ip.max_concurrency {
+            return false;
+        }
+        // P2-P4 leave the reserved slots free for alarms.
+        let realtime = w.info.priority <= Priority::P1;
+        if !realtime && inst.running >= ip.max_concurrency.saturating_sub(ip.reserved_realtime_slots) {
+            return false;
+        }
+        if let Some(b) = ip.memory_budget_bytes {
+            if inst.mem_used + w.mem_bytes > b {
+                return false;
+            }
+        }
+        let m = w.info.model;
+        if self.cfg.models[m].max_running.is_some_and(|cap| self.model_running[m] >= cap) {
+            return false;
+        }
+        if self.cfg.max_running.is_some_and(|cap| self.running.len() >= cap) {
+            return false;
+        }
+        let app = self.app(&w.info.app);
+        if app.max_running.is_some_and(|cap| self.app_counts.get(&w.info.app).map(|c| c.running).unwrap_or(0) >= cap) {
+            return false;
+        }
+        let uk = (w.info.app.clone(), w.info.user.clone());
+        if app.user_max_running.is_some_and(|cap| self.user_counts.get(&uk).map(|c| c.running).unwrap_or(0) >= cap) {
+            return false;
+        }
+        true
+    }
+
+    /// The next task to start and where, if any may start now.
+    pub fn next_grant(&mut self, now: Duration) -> Option<Grant> {
+        let mut best: Option<((Priority, f64, u64), usize, usize, usize)> = None; // key, model, idx, instance
+        for (m, q) in self.waiting.iter().enumerate() {
+            for (idx, w) in q.iter().enumerate() {
+                let k = self.key(w, now);
+                if best.as_ref().is_some_and(|(bk, ..)| cmp_key(bk, &k).is_le()) {
+                    continue;
+                }
+                // Least-loaded eligible instance of the task's model.
+                let inst = self.cfg.models[m]
+                    .instances
+                    .iter()
+                    .copied()
+                    .filter(|&i| self.eligible(w, i))
+                    .min_by(|&a, &b| {
+                        let (ra, rb) = (self.instances[a].running, self.instances[b].running);
+                        let (ma, mb) = (self.cfg.instances[a].max_concurrency, self.cfg.instances[b].max_concurrency);
+                        (ra * mb).cmp(&(rb * ma))
+                    });
+                if let Some(i) = inst {
+                    best = Some((k, m, idx, i));
+                }
+            }
+        }
+        let (_, m, idx, instance) = best?;
+        let w = self.waiting[m].swap_remove(idx);
+        self.total_waiting -= 1;
+        self.vtime = self.vtime.max(w.tag - 1e-9);
+        let uk = (w.info.app.clone(), w.info.user.clone());
+        if let Some(c) = self.app_counts.get_mut(&w.info.app) {
+            c.queued -= 1;
+            c.running += 1;
+        }
+        if let Some(c) = self.user_counts.get_mut(&uk) {
+            c.queued -= 1;
+            c.running += 1;
+        }
+        let inst = &mut self.instances[instance];
+        inst.running += 1;
+        if w.info.priority <= Priority::P1 {
+            inst.running_realtime += 1;
+        }
+        inst.mem_used += w.mem_bytes;
+        self.model_running[m] += 1;
+        let task_id = w.info.task_id.clone();
+        let charged_output = u64::from(w.info.max_output_tokens);
+        self.running.insert(task_id.clone(), Running { info: w.info, instance, mem_bytes: w.mem_bytes, charged_output });
+        Some(Grant { task_id, instance })
+    }
+
+    /// Takes a waiting task out (cancelled or timed out). Its rate charge
+    /// for output it will never produce is refunded.
+    pub fn withdraw(&mut self, task_id: &str) -> bool {
+        for q in &mut self.waiting {
+            if let Some(idx) = q.iter().position(|w| w.info.task_id == task_id) {
+                let w = q.swap_remove(idx);
+                self.total_waiting -= 1;
+                let uk = (w.info.app.clone(), w.info.user.clone());
+                if let Some(c) = self.app_counts.get_mut(&w.info.app) {
+                    c.queued -= 1;
+                }
+                if let Some(c) = self.user_counts.get_mut(&uk) {
+                    c.queued -= 1;
+                }
+                let app = self.app(&w.info.app);
+                if let (Some(tpm), Some(b)) = (app.user_tokens_per_minute, self.tpm.get_mut(&uk)) {
+                    b.refund(tpm as f64, f64::from(w.info.max_output_tokens));
+                }
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Frees the slot of a granted task; `output_tokens` is what it really
+    /// produced (the rest of its token-rate charge is refunded).
+    pub fn release(&mut self, task_id: &str, output_tokens: u64) -> Option<usize> {
+        let r = self.running.remove(task_id)?;
+        let inst = &mut self.instances[r.instance];
+        inst.running -= 1;
+        if r.info.priority <= Priority::P1 {
+            inst.running_realtime -= 1;
+        }
+        inst.mem_used -= r.mem_bytes;
+        self.model_running[r.info.model] -= 1;
+        let uk = (r.info.app.clone(), r.info.user.clone());
+        if let Some(c) = self.app_counts.get_mut(&r.info.app) {
+            c.running -= 1;
+        }
+        if let Some(c) = self.user_counts.get_mut(&uk) {
+            c.running -= 1;
+        }
+        let app = self.app(&r.info.app);
+        if let (Some(tpm), Some(b)) = (app.user_tokens_per_minute, self.tpm.get_mut(&uk)) {
+            b.refund(tpm as f64, r.charged_output.saturating_sub(output_tokens) as f64);
+        }
+        Some(r.instance)
+    }
+
+    /// Invariant checks for tests: counters agree with the task sets.
+    #[cfg(test)]
+    fn check(&self) {
+        for (i, inst) in self.instances.iter().enumerate() {
+            let here: Vec<&Running> = self.running.values().filter(|r| r.instance == i).collect();
+            assert_eq!(inst.running, here.len());
+            assert!(inst.running <= self.cfg.instances[i].max_concurrency, "slots exceeded");
+            let general = here.iter().filter(|r| r.info.priority > Priority::P1).count();
+            let ip = &self.cfg.instances[i];
+            assert!(general <= ip.max_concurrency - ip.reserved_realtime_slots, "reserved slot used by P2-P4");
+            if let Some(b) = ip.memory_budget_bytes {
+                assert!(inst.mem_used <= b, "memory budget exceeded");
+            }
+        }
+        for (m, q) in self.waiting.iter().enumerate() {
+            let cap = self.cfg.models[m].queue_capacity;
+            assert!(q.len() <= cap + cap / 10 + 1, "queue bound exceeded");
+            if let Some(c) = self.cfg.models[m].max_running {
+                assert!(self.model_running[m] <= c);
+            }
+        }
+        for (app, c) in &self.app_counts {
+            let a = self.app(app);
+            if let Some(cap) = a.max_running {
+                assert!(c.running <= cap, "app running cap exceeded");
+            }
+        }
+        if let Some(cap) = self.cfg.max_running {
+            assert!(self.running.len() <= cap);
+        }
+    }
+}
+
+fn cmp_key(a: &(Priority, f64, u64), b: &(Priority, f64, u64)) -> std::cmp::Ordering {
+    a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2))
+}
+
+#[cfg(test)]
+mod tests;

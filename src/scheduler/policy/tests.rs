@@ -1,0 +1,432 @@
+//! Unit and property tests of the policy on a simulated clock.
+
+use super::*;
+use proptest::prelude::*;
+
+fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
+    PolicyConfig {
+        models: vec![ModelPolicy {
+            name: "m".into(),
+            queue_capacity: capacity,
+            max_running: None,
+            instances: vec![0],
+            kv_bytes_per_token: 0,
+        }],
+        instances: vec![InstancePolicy {
+            name: "i".into(),
+            max_concurrency: slots,
+            reserved_realtime_slots: reserved,
+            memory_budget_bytes: None,
+        }],
+        apps: HashMap::new(),
+        tenant_weights: HashMap::new(),
+        max_queued: None,
+        max_running: None,
+        aging: None,
+        backpressure: Backpressure { refuse_p4: 2.0, shorten_low_waits: 2.0, cap_output: 2.0, refuse_p3: 2.0, capped_output_tokens: 64 },
+        busy_retry_after_ms: 1000,
+    }
+}
+
+fn task(id: &str, p: Priority, app: &str) -> TaskInfo {
+    TaskInfo {
+        task_id: id.into(),
+        model: 0,
+        priority: p,
+        tenant: "t".into(),
+        app: app.into(),
+        user: "u".into(),
+        input_tokens: 10,
+        max_output_tokens: 100,
+    }
+}
+
+const T0: Duration = Duration::ZERO;
+
+fn drain(p: &mut Policy, now: Duration) -> Vec<String> {
+    std::iter::from_fn(|| p.next_grant(now)).map(|g| g.task_id).collect()
+}
+
+#[test]
+fn priority_then_arrival() {
+    let mut p = Policy::new(cfg(1, 0, 10));
+    p.enqueue(task("blocker", Priority::P2, "a"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0), ["blocker"]);
+    for (id, prio) in [("p4", Priority::P4), ("p2a", Priority::P2), ("p0", Priority::P0), ("p2b", Priority::P2)] {
+        p.enqueue(task(id, prio, "a"), T0).unwrap();
+    }
+    assert_eq!(p.position("p0", T0), Some(0));
+    assert_eq!(p.position("p4", T0), Some(3));
+    let mut order = Vec::new();
+    let mut running = "blocker".to_string();
+    for _ in 0..4 {
+        p.release(&running, 0);
+        running = p.next_grant(T0).unwrap().task_id;
+        order.push(running.clone());
+    }
+    assert_eq!(order, ["p0", "p2a", "p2b", "p4"]);
+}
+
+#[test]
+fn reserved_slots_are_kept_for_p0_and_p1() {
+    let mut p = Policy::new(cfg(3, 1, 10));
+    for i in 0..3 {
+        p.enqueue(task(&format!("batch{i}"), Priority::P4, "a"), T0).unwrap();
+    }
+    assert_eq!(drain(&mut p, T0).len(), 2, "one slot stays free");
+    p.enqueue(task("alarm", Priority::P0, "a"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0), ["alarm"]);
+    p.check();
+}
+
+#[test]
+fn equal_weights_share_slots_equally_and_weights_shift_the_share() {
+    for (wa, wb, want_a) in [(1.0, 1.0, 50), (2.0, 1.0, 66)] {
+        let mut c = cfg(1, 0, 1000);
+        c.apps.insert("a".into(), AppPolicy { weight: wa, ..AppPolicy::default() });
+        c.apps.insert("b".into(), AppPolicy { weight: wb, ..AppPolicy::default() });
+        let mut p = Policy::new(c);
+        // a floods first, b arrives after: fairness must not be FIFO.
+        for i in 0..200 {
+            p.enqueue(task(&format!("a{i}"), Priority::P3, "a"), T0).unwrap();
+        }
+        for i in 0..200 {
+            p.enqueue(task(&format!("b{i}"), Priority::P3, "b"), T0).unwrap();
+        }
+        let mut a = 0;
+        for _ in 0..150 {
+            let g = p.next_grant(T0).unwrap();
+            if g.task_id.starts_with('a') {
+                a += 1;
+            }
+            p.release(&g.task_id, 0);
+        }
+        let share = a * 100 / 150;
+        assert!((want_a - 2..=want_a + 2).contains(&share), "a got {share}% with weights {wa}:{wb}");
+    }
+}
+
+#[test]
+fn aging_lifts_a_waiting_task_to_p1_but_not_p0() {
+    let mut c = cfg(1, 0, 100);
+    c.aging = Some(Duration::from_secs(10));
+    let mut p = Policy::new(c);
+    p.enqueue(task("blocker", Priority::P2, "a"), T0).unwrap();
+    drain(&mut p, T0);
+    p.enqueue(task("old", Priority::P4, "a"), T0).unwrap();
+    let t = Duration::from_secs(100);
+    p.enqueue(task("new-p2", Priority::P2, "a"), t).unwrap();
+    p.enqueue(task("new-p0", Priority::P0, "a"), t).unwrap();
+    p.release("blocker", 0);
+    assert_eq!(drain(&mut p, t), ["new-p0"], "P0 still first");
+    p.release("new-p0", 0);
+    assert_eq!(drain(&mut p, t), ["old"], "aged to P1, ahead of P2");
+}
+
+#[test]
+fn rates_answer_with_their_own_codes_and_retry_times() {
+    let mut c = cfg(10, 0, 100);
+    c.apps.insert(
+        "a".into(),
+        AppPolicy { user_requests_per_minute: Some(2), user_tokens_per_minute: Some(500), ..AppPolicy::default() },
+    );
+    let mut p = Policy::new(c);
+    p.enqueue(task("1", Priority::P2, "a"), T0).unwrap();
+    p.enqueue(task("2", Priority::P2, "a"), T0).unwrap();
+    let e = p.enqueue(task("3", Priority::P2, "a"), T0).unwrap_err();
+    assert_eq!(e.code, ErrorCode::RateLimited);
+    assert_eq!(e.retry_after_ms, Some(30_000));
+    // After 30 s one request is allowed again, but 220 tokens are spent of
+    // 500 (+250 refilled): 5 tokens too few for a 110-token request? No:
+    // 500 - 220 + 250 = 530 ≥ 110.
+    p.enqueue(task("4", Priority::P2, "a"), Duration::from_secs(30)).unwrap();
+    let mut big = task("5", Priority::P2, "a");
+    big.max_output_tokens = 2000;
+    let t = Duration::from_secs(90);
+    let e = p.enqueue(big, t).unwrap_err();
+    assert_eq!(e.code, ErrorCode::QuotaExceeded);
+    assert!(e.retry_after_ms.unwrap() > 0);
+    // Other users have their own budget.
+    let mut other = task("6", Priority::P2, "a");
+    other.user = "v".into();
+    p.enqueue(other, t).unwrap();
+}
+
+#[test]
+fn queue_caps_per_application_and_user() {
+    let mut c = cfg(1, 0, 100);
+    c.apps.insert("a".into(), AppPolicy { max_queued: Some(2), user_max_queued: Some(1), ..AppPolicy::default() });
+    let mut p = Policy::new(c);
+    p.enqueue(task("run", Priority::P2, "a"), T0).unwrap();
+    drain(&mut p, T0);
+    p.enqueue(task("q1", Priority::P2, "a"), T0).unwrap();
+    assert_eq!(p.enqueue(task("q2", Priority::P2, "a"), T0).unwrap_err().code, ErrorCode::QueueFull);
+    let mut v = task("q3", Priority::P2, "a");
+    v.user = "v".into();
+    p.enqueue(v, T0).unwrap();
+    let mut w = task("q4", Priority::P2, "a");
+    w.user = "w".into();
+    assert_eq!(p.enqueue(w, T0).unwrap_err().code, ErrorCode::QueueFull, "application cap");
+}
+
+#[test]
+fn backpressure_ladder() {
+    let mut c = cfg(1, 0, 20);
+    c.backpressure = Backpressure::default();
+    let mut p = Policy::new(c);
+    p.enqueue(task("run", Priority::P2, "a"), T0).unwrap();
+    drain(&mut p, T0);
+    let mut n = 0;
+    let mut add = |p: &mut Policy, prio| {
+        n += 1;
+        p.enqueue(task(&format!("t{n}"), prio, "a"), T0)
+    };
+    for _ in 0..10 {
+        add(&mut p, Priority::P2).unwrap();
+    }
+    // 50 % full: P4 refused, P3 still taken.
+    assert_eq!(add(&mut p, Priority::P4).unwrap_err().code, ErrorCode::QueueFull);
+    assert!(add(&mut p, Priority::P3).unwrap().queue_wait_factor.is_none());
+    for _ in 0..2 {
+        add(&mut p, Priority::P2).unwrap();
+    }
+    // 65 %: low-priority waits shortened.
+    assert_eq!(add(&mut p, Priority::P3).unwrap().queue_wait_factor, Some(0.25));
+    for _ in 0..2 {
+        add(&mut p, Priority::P2).unwrap();
+    }
+    // 80 %: output capped (degraded).
+    let a = add(&mut p, Priority::P2).unwrap();
+    assert_eq!(a.max_output_tokens, 100, "under the cap already");
+    let mut big = task("big", Priority::P2, "a");
+    big.max_output_tokens = 1000;
+    let a = p.enqueue(big, T0).unwrap();
+    assert_eq!(a.max_output_tokens, 128);
+    assert!(a.degrade_reason.is_some());
+    // 90 %: P3 deferred too; P1 still queues.
+    assert_eq!(add(&mut p, Priority::P3).unwrap_err().code, ErrorCode::QueueFull);
+    add(&mut p, Priority::P1).unwrap();
+    add(&mut p, Priority::P1).unwrap();
+    // Full: busy for all but P0, which gets a tenth more room.
+    assert_eq!(add(&mut p, Priority::P1).unwrap_err().code, ErrorCode::QueueFull);
+    add(&mut p, Priority::P0).unwrap();
+    p.check();
+}
+
+#[test]
+fn memory_budget_shrinks_or_refuses_and_limits_concurrency() {
+    let mut c = cfg(4, 0, 100);
+    c.models[0].kv_bytes_per_token = 1000;
+    c.instances[0].memory_budget_bytes = Some(300_000);
+    let mut p = Policy::new(c);
+    let mut huge = task("huge", Priority::P2, "a");
+    huge.input_tokens = 400;
+    assert_eq!(p.enqueue(huge, T0).unwrap_err().code, ErrorCode::ResourceExhausted);
+    let mut long = task("long", Priority::P2, "a");
+    long.max_output_tokens = 1000;
+    let a = p.enqueue(long, T0).unwrap();
+    assert_eq!(a.max_output_tokens, 290);
+    assert!(a.degrade_reason.unwrap().contains("memory"));
+    for i in 0..3 {
+        p.enqueue(task(&format!("s{i}"), Priority::P2, "a"), T0).unwrap();
+    }
+    // long takes 300 kB: nothing else fits until it ends.
+    assert_eq!(drain(&mut p, T0), ["long"]);
+    p.release("long", 10);
+    assert_eq!(drain(&mut p, T0).len(), 2, "110 kB each: two fit in 300 kB");
+    p.check();
+}
+
+#[test]
+fn unhealthy_models_and_danger_refuse_at_once() {
+    let mut p = Policy::new(cfg(1, 0, 10));
+    p.set_instance_up(0, false);
+    assert_eq!(p.enqueue(task("a", Priority::P2, "a"), T0).unwrap_err().code, ErrorCode::ModelUnavailable);
+    p.set_instance_up(0, true);
+    p.set_danger(Some("GPU at 95 °C".into()));
+    let e = p.enqueue(task("b", Priority::P0, "a"), T0).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ResourceExhausted);
+    assert!(e.message.contains("95"));
+}
+
+// --- Property tests on a deterministic simulation -------------------------
+
+#[derive(Debug, Clone)]
+enum Op {
+    Enqueue { prio: u8, app: u8, user: u8, input: u32 },
+    Advance(u16),
+    Release(u8),
+    Withdraw(u8),
+    Health(bool),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..5, 0u8..3, 0u8..3, 0u32..4000).prop_map(|(prio, app, user, input)| Op::Enqueue { prio, app, user, input }),
+        2 => (1u16..5000).prop_map(Op::Advance),
+        3 => any::<u8>().prop_map(Op::Release),
+        1 => any::<u8>().prop_map(Op::Withdraw),
+        1 => any::<bool>().prop_map(Op::Health),
+    ]
+}
+
+fn sim_config() -> PolicyConfig {
+    let mut c = cfg(3, 1, 12);
+    c.models.push(ModelPolicy {
+        name: "m2".into(),
+        queue_capacity: 6,
+        max_running: Some(1),
+        instances: vec![0, 1],
+        kv_bytes_per_token: 10,
+    });
+    c.instances.push(InstancePolicy {
+        name: "j".into(),
+        max_concurrency: 2,
+        reserved_realtime_slots: 0,
+        memory_budget_bytes: Some(100_000),
+    });
+    c.apps.insert("a0".into(), AppPolicy { weight: 2.0, max_running: Some(2), ..AppPolicy::default() });
+    c.apps.insert("a1".into(), AppPolicy { user_max_running: Some(1), user_max_queued: Some(4), ..AppPolicy::default() });
+    c.max_queued = Some(15);
+    c.aging = Some(Duration::from_secs(2));
+    c.backpressure = Backpressure::default();
+    c
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Caps are never exceeded, reserved slots only go to P0/P1, every grant
+    /// is the most urgent eligible task, and every accepted task ends exactly
+    /// once (granted then released, or withdrawn).
+    #[test]
+    fn invariants_hold_under_any_sequence(ops in proptest::collection::vec(op(), 1..200)) {
+        let mut p = Policy::new(sim_config());
+        let mut now = Duration::ZERO;
+        let mut n = 0u32;
+        let mut accepted: HashMap<String, u8> = HashMap::new(); // 0 waiting, 1 running, 2 ended
+        for op in ops {
+            match op {
+                Op::Enqueue { prio, app, user, input } => {
+                    n += 1;
+                    let id = format!("t{n}");
+                    let info = TaskInfo {
+                        task_id: id.clone(),
+                        model: (n % 2) as usize,
+                        priority: Priority::ALL[prio as usize],
+                        tenant: "t".into(),
+                        app: format!("a{app}"),
+                        user: format!("u{user}"),
+                        input_tokens: input,
+                        max_output_tokens: 500,
+                    };
+                    if p.enqueue(info, now).is_ok() {
+                        accepted.insert(id, 0);
+                    }
+                }
+                Op::Advance(ms) => now += Duration::from_millis(u64::from(ms)),
+                Op::Release(k) => {
+                    let running: Vec<String> = {
+                        let mut v: Vec<_> = accepted.iter().filter(|(_, s)| **s == 1).map(|(id, _)| id.clone()).collect();
+                        v.sort();
+                        v
+                    };
+                    if !running.is_empty() {
+                        let id = &running[k as usize % running.len()];
+                        prop_assert!(p.release(id, 10).is_some());
+                        accepted.insert(id.clone(), 2);
+                    }
+                }
+                Op::Withdraw(k) => {
+                    let mut waiting: Vec<_> = accepted.iter().filter(|(_, s)| **s == 0).map(|(id, _)| id.clone()).collect();
+                    waiting.sort();
+                    if !waiting.is_empty() {
+                        let id = &waiting[k as usize % waiting.len()];
+                        prop_assert!(p.withdraw(id));
+                        accepted.insert(id.clone(), 2);
+                    }
+                }
+                Op::Health(up) => p.set_instance_up(1, up),
+            }
+            // Grant what can start, checking each grant is the most urgent
+            // eligible waiting task.
+            loop {
+                let eligible: HashMap<String, Priority> = p
+                    .waiting
+                    .iter()
+                    .flatten()
+                    .filter(|w| p.cfg.models[w.info.model].instances.iter().any(|&i| p.eligible(w, i)))
+                    .map(|w| (w.info.task_id.clone(), p.effective(w, now)))
+                    .collect();
+                let best_before = eligible.values().min().copied();
+                let Some(g) = p.next_grant(now) else {
+                    prop_assert!(best_before.is_none(), "an eligible task was left waiting");
+                    break;
+                };
+                prop_assert_eq!(eligible.get(&g.task_id).copied(), best_before, "a less urgent task went first");
+                prop_assert_eq!(accepted.get(&g.task_id).copied(), Some(0), "granted twice or never accepted");
+                accepted.insert(g.task_id.clone(), 1);
+                p.check();
+            }
+            p.check();
+        }
+        // Drain: everything accepted ends exactly once.
+        p.set_instance_up(1, true);
+        for _ in 0..10_000 {
+            let running: Vec<String> = accepted.iter().filter(|(_, s)| **s == 1).map(|(id, _)| id.clone()).collect();
+            for id in running {
+                p.release(&id, 0);
+                accepted.insert(id, 2);
+            }
+            now += Duration::from_secs(1);
+            while let Some(g) = p.next_grant(now) {
+                prop_assert_eq!(accepted.get(&g.task_id).copied(), Some(0));
+                accepted.insert(g.task_id, 1);
+            }
+            if accepted.values().all(|s| *s == 2) {
+                break;
+            }
+        }
+        prop_assert!(accepted.values().all(|s| *s == 2), "some task never ended");
+        prop_assert_eq!(p.total_waiting(), 0);
+    }
+
+    /// With aging, a P4 task is not starved by a steady stream of P2 work:
+    /// it starts within three aging periods plus one task's run time.
+    #[test]
+    fn aging_prevents_starvation(arrivals_per_tick in 1usize..4, run_ticks in 1u64..4) {
+        let mut c = cfg(1, 0, 1000);
+        c.aging = Some(Duration::from_secs(10));
+        let mut p = Policy::new(c);
+        let tick = Duration::from_secs(1);
+        let mut now = Duration::ZERO;
+        p.enqueue(task("batch", Priority::P4, "batch"), now).unwrap();
+        let mut running: Option<(String, Duration)> = None;
+        let mut n = 0;
+        let mut started = None;
+        for _ in 0..200 {
+            for _ in 0..arrivals_per_tick {
+                n += 1;
+                p.enqueue(task(&format!("i{n}"), Priority::P2, "interactive"), now).unwrap();
+            }
+            if let Some((id, until)) = running.clone() {
+                if now >= until {
+                    p.release(&id, 0);
+                    running = None;
+                }
+            }
+            if running.is_none() {
+                if let Some(g) = p.next_grant(now) {
+                    if g.task_id == "batch" {
+                        started = Some(now);
+                        break;
+                    }
+                    running = Some((g.task_id, now + tick * run_ticks as u32));
+                }
+            }
+            now += tick;
+        }
+        let started = started.expect("P4 task starved");
+        prop_assert!(started <= Duration::from_secs(30 + run_ticks + 1), "started at {started:?}");
+    }
+}
