@@ -1,1 +1,813 @@
-fn main() {}
+//! What edgeway adds, measured against the same engine without it.
+//!
+//! Overhead mode (default): an in-process fake engine with zero delays and
+//! the release `edgeway` binary in its own process in front of it. An
+//! open-loop load generator sends requests on a fixed schedule (latency is
+//! measured from each request's scheduled send time, so a slow server cannot
+//! slow the load down) straight to the fake and through edgeway, for
+//! non-streaming answers (whole response) and streaming answers (time to the
+//! first chunk with content). Reports p50/p90/p99/max, the difference
+//! (added latency) and edgeway's CPU and memory.
+//!
+//! Cancel mode (`--cancel`): a real llama-server and edgeway in front of it.
+//! A raw TCP client starts a streaming answer, reads a few tokens, closes
+//! the socket and polls `GET /slots` until the engine's slot is idle again;
+//! once straight to llama-server, once through edgeway.
+//!
+//! ```text
+//! cargo bench --bench overhead -- --rates 500,2000 --seconds 10
+//! cargo bench --bench overhead -- --cancel --iterations 20
+//! ```
+//!
+//! Results are printed as Markdown and written to `bench/results/`.
+
+use std::fmt::Write as _;
+use std::io::{Read as _, Seek as _, SeekFrom};
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context as _, Result};
+use bytes::Bytes;
+use clap::Parser;
+use edgeway::testing::{config_toml, FakeEngine, Knobs, TempDir, DEMO_KEY};
+use futures::StreamExt;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::time::MissedTickBehavior;
+
+#[derive(Parser, Debug)]
+#[command(about = "edgeway overhead and cancel-latency benchmark")]
+struct Args {
+    /// Request rates (requests/s) of the open-loop load, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "500,2000")]
+    rates: Vec<u32>,
+    /// Measured seconds per phase.
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Warm-up seconds per phase (same rate, not recorded).
+    #[arg(long, default_value_t = 2)]
+    warmup: u64,
+    /// Tokens per answer from the fake engine.
+    #[arg(long, default_value_t = 8)]
+    tokens: u32,
+    /// Measure cancel latency against llama-server instead of overhead.
+    #[arg(long)]
+    cancel: bool,
+    /// Cancel-mode iterations (each: once direct, once through edgeway).
+    #[arg(long, default_value_t = 20)]
+    iterations: usize,
+    /// Content tokens to read before disconnecting, in cancel mode.
+    #[arg(long, default_value_t = 3)]
+    tokens_before_cancel: usize,
+    /// The edgeway binary (default: <target dir>/release/edgeway, built first).
+    #[arg(long)]
+    edgeway_bin: Option<PathBuf>,
+    /// Do not run `cargo build --release --bin edgeway` first.
+    #[arg(long)]
+    no_build: bool,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    edgeway::tls::install_default_provider();
+    let bin = edgeway_binary(&args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut report = String::new();
+    writeln!(report, "# edgeway overhead benchmark\n")?;
+    writeln!(report, "{}\n", machine_line())?;
+    let mut json_out = json!({ "machine": machine_line() });
+    if args.cancel {
+        rt.block_on(cancel_mode(&args, &bin, &mut report, &mut json_out))?;
+    } else {
+        rt.block_on(overhead_mode(&args, &bin, &mut report, &mut json_out))?;
+    }
+    println!("\n{report}");
+    let path = write_results(&args, &report, &json_out)?;
+    println!("results written to {}", path.display());
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Overhead mode
+
+/// One request shape sent by the load generator.
+struct Target {
+    url: String,
+    auth: Option<String>,
+    body: Bytes,
+    stream: bool,
+}
+
+/// Latencies (µs) of the successful requests of one phase, and errors.
+struct PhaseResult {
+    name: String,
+    sent: usize,
+    lat_us: Vec<u64>,
+    errors: Vec<String>,
+    wall: Duration,
+    /// Cores used by edgeway / by this process / by the whole machine.
+    edgeway_cores: Option<f64>,
+    bench_cores: f64,
+    machine_cores: f64,
+    rss_kb: Option<u64>,
+}
+
+async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mut Value) -> Result<()> {
+    let fake = FakeEngine::start_with(Knobs { tokens: args.tokens, ..Knobs::default() }).await;
+    let tmp = TempDir::new("edgeway-bench");
+    let port = free_port()?;
+    let extra = "queue_capacity = 100000\n\n[log]\nlevel = \"warn\"\n";
+    let text = config_toml(&fake.url(), "openai", &tmp.0, extra)
+        .replace("max_concurrency = 2", "max_concurrency = 512")
+        .replace("listen = \"127.0.0.1:0\"", &format!("listen = \"127.0.0.1:{port}\""));
+    let cfg_path = tmp.0.join("edgeway.toml");
+    std::fs::write(&cfg_path, text)?;
+    let gw_url = format!("http://127.0.0.1:{port}");
+    let mut cmd = Command::new(bin);
+    cmd.arg("serve").arg("--config").arg(&cfg_path);
+    let gw = Proc::spawn("edgeway", cmd, &tmp.0.join("edgeway.log"))?;
+    wait_http_ok(&format!("{gw_url}/ready"), Duration::from_secs(30), &gw).await?;
+    eprintln!("edgeway (pid {}) ready at {gw_url}", gw.pid());
+
+    let client = reqwest::Client::builder()
+        .http1_only()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(10_000)
+        .pool_idle_timeout(Duration::from_secs(90))
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    let body = |model: &str, stream: bool| {
+        Bytes::from(
+            json!({
+                "model": model,
+                "messages": [{"role": "user", "content": "Say hello"}],
+                "stream": stream,
+                "max_tokens": args.tokens,
+            })
+            .to_string(),
+        )
+    };
+    let target = |via: bool, stream: bool| {
+        Arc::new(Target {
+            url: if via {
+                format!("{gw_url}/v1/chat/completions")
+            } else {
+                format!("{}/v1/chat/completions", fake.url())
+            },
+            auth: via.then(|| DEMO_KEY.to_string()),
+            body: body(if via { "general-chat" } else { "fake-model" }, stream),
+            stream,
+        })
+    };
+
+    writeln!(
+        report,
+        "Overhead: fake engine ({} tokens, zero delays) in the bench process; \
+         release edgeway in its own process; open-loop load, {} s measured \
+         after {} s warm-up per phase. Latency in ms from the scheduled send \
+         time; streaming = time to first content chunk.\n",
+        args.tokens, args.seconds, args.warmup
+    )?;
+    writeln!(
+        report,
+        "| rate (req/s) | phase | ok | errors | p50 | p90 | p99 | max | edgeway CPU (cores) | bench CPU (cores) | machine CPU (cores) | edgeway RSS (MiB) |"
+    )?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    let mut all = Vec::new();
+    for &rate in &args.rates {
+        let phases = [
+            ("non-stream direct", false, false),
+            ("non-stream via edgeway", true, false),
+            ("TTFT direct", false, true),
+            ("TTFT via edgeway", true, true),
+        ];
+        let mut results = Vec::new();
+        for (name, via, stream) in phases {
+            let t = target(via, stream);
+            let pid = via.then(|| gw.pid());
+            eprintln!("rate {rate}/s: {name} …");
+            let _ = run_phase(&client, &t, rate, secs(args.warmup), None, name).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let r = run_phase(&client, &t, rate, secs(args.seconds), pid, name).await;
+            gw.check_alive()?;
+            writeln!(report, "{}", phase_row(rate, &r))?;
+            results.push(r);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        all.push((rate, results));
+    }
+    let hwm = proc_status_kb(gw.pid(), "VmHWM");
+    writeln!(
+        report,
+        "\nAdded latency (via edgeway minus direct, ms), edgeway peak RSS over the whole run: {}\n",
+        hwm.map(|k| format!("{:.1} MiB", k as f64 / 1024.0)).unwrap_or_else(|| "n/a".into())
+    )?;
+    writeln!(
+        report,
+        "| rate (req/s) | measure | direct p50 | via p50 | added p50 | direct p99 | via p99 | added p99 |"
+    )?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|")?;
+    let mut jrates = Vec::new();
+    for (rate, results) in &all {
+        for (label, d, v) in [("non-stream", &results[0], &results[1]), ("TTFT", &results[2], &results[3])] {
+            let (d50, v50) = (pct(&d.lat_us, 0.50), pct(&v.lat_us, 0.50));
+            let (d99, v99) = (pct(&d.lat_us, 0.99), pct(&v.lat_us, 0.99));
+            writeln!(
+                report,
+                "| {rate} | {label} | {} | {} | {} | {} | {} | {} |",
+                ms(d50),
+                ms(v50),
+                ms_signed(v50 as i64 - d50 as i64),
+                ms(d99),
+                ms(v99),
+                ms_signed(v99 as i64 - d99 as i64),
+            )?;
+        }
+        jrates.push(json!({
+            "rate": rate,
+            "phases": results.iter().map(phase_json).collect::<Vec<_>>(),
+        }));
+    }
+    json_out["overhead"] = json!({
+        "seconds": args.seconds, "warmup": args.warmup, "tokens": args.tokens,
+        "edgeway_vm_hwm_kb": hwm, "rates": jrates,
+    });
+    drop(gw);
+    drop(fake);
+    Ok(())
+}
+
+async fn run_phase(
+    client: &reqwest::Client,
+    target: &Arc<Target>,
+    rate: u32,
+    dur: Duration,
+    pid: Option<u32>,
+    name: &str,
+) -> PhaseResult {
+    let n = (rate as f64 * dur.as_secs_f64()).round() as usize;
+    let period = Duration::from_secs_f64(1.0 / rate as f64);
+    let gw_before = pid.and_then(cpu_ticks);
+    let self_before = cpu_ticks(std::process::id()).unwrap_or(0);
+    let machine_before = machine_busy_ticks();
+    let start = Instant::now();
+    let mut iv = tokio::time::interval(period);
+    iv.set_missed_tick_behavior(MissedTickBehavior::Burst);
+    let mut handles = Vec::with_capacity(n);
+    for _ in 0..n {
+        let scheduled = iv.tick().await.into_std();
+        handles.push(tokio::spawn(one_request(client.clone(), target.clone(), scheduled)));
+    }
+    let mut lat_us = Vec::with_capacity(n);
+    let mut errors = Vec::new();
+    for h in handles {
+        match h.await {
+            Ok(Ok(d)) => lat_us.push(d.as_micros() as u64),
+            Ok(Err(e)) => errors.push(e),
+            Err(e) => errors.push(format!("task: {e}")),
+        }
+    }
+    let wall = start.elapsed();
+    let ticks = |after: Option<u64>, before: Option<u64>| match (after, before) {
+        (Some(a), Some(b)) => Some(a.saturating_sub(b) as f64 / clk_tck() / wall.as_secs_f64()),
+        _ => None,
+    };
+    let edgeway_cores = ticks(pid.and_then(cpu_ticks), gw_before);
+    let bench_cores = ticks(cpu_ticks(std::process::id()), Some(self_before)).unwrap_or(0.0);
+    let machine_cores = ticks(machine_busy_ticks(), machine_before).unwrap_or(0.0);
+    lat_us.sort_unstable();
+    PhaseResult {
+        name: name.to_string(),
+        sent: n,
+        lat_us,
+        errors,
+        wall,
+        edgeway_cores,
+        bench_cores,
+        machine_cores,
+        rss_kb: pid.and_then(|p| proc_status_kb(p, "VmRSS")),
+    }
+}
+
+/// Sends one request at (or as soon as possible after) `scheduled`; returns
+/// the latency from `scheduled` to the whole answer (non-streaming) or to
+/// the first chunk with content (streaming).
+async fn one_request(client: reqwest::Client, t: Arc<Target>, scheduled: Instant) -> Result<Duration, String> {
+    let mut rb = client.post(&t.url).header(reqwest::header::CONTENT_TYPE, "application/json").body(t.body.clone());
+    if let Some(k) = &t.auth {
+        rb = rb.bearer_auth(k);
+    }
+    let resp = rb.send().await.map_err(|e| err_kind(&e))?;
+    let status = resp.status();
+    if status != reqwest::StatusCode::OK {
+        let _ = resp.bytes().await;
+        return Err(format!("HTTP {}", status.as_u16()));
+    }
+    if !t.stream {
+        resp.bytes().await.map_err(|e| err_kind(&e))?;
+        return Ok(scheduled.elapsed());
+    }
+    let mut ttft = None;
+    let mut buf = Vec::new();
+    let mut body = resp.bytes_stream();
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|e| err_kind(&e))?;
+        if ttft.is_some() {
+            continue; // drain to the end so the connection is reused
+        }
+        buf.extend_from_slice(&chunk);
+        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=nl).collect();
+            if sse_content(&line).is_some_and(|c| !c.is_empty()) {
+                ttft = Some(scheduled.elapsed());
+                buf.clear();
+                break;
+            }
+        }
+    }
+    ttft.ok_or_else(|| "stream without content".to_string())
+}
+
+fn err_kind(e: &reqwest::Error) -> String {
+    if e.is_timeout() {
+        "timeout".into()
+    } else if e.is_connect() {
+        "connect".into()
+    } else if e.is_body() || e.is_decode() {
+        "body".into()
+    } else {
+        "request".into()
+    }
+}
+
+/// The delta content of an SSE `data:` line, if it has one.
+fn sse_content(line: &[u8]) -> Option<String> {
+    let s = std::str::from_utf8(line).ok()?.trim();
+    let data = s.strip_prefix("data:")?.trim();
+    if data == "[DONE]" {
+        return None;
+    }
+    let v: Value = serde_json::from_str(data).ok()?;
+    v["choices"][0]["delta"]["content"].as_str().map(str::to_string)
+}
+
+fn phase_row(rate: u32, r: &PhaseResult) -> String {
+    let l = &r.lat_us;
+    format!(
+        "| {rate} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {} |",
+        r.name,
+        l.len(),
+        error_summary(&r.errors),
+        ms(pct(l, 0.50)),
+        ms(pct(l, 0.90)),
+        ms(pct(l, 0.99)),
+        ms(l.last().copied().unwrap_or(0)),
+        r.edgeway_cores.map(|c| format!("{c:.2}")).unwrap_or_else(|| "–".into()),
+        r.bench_cores,
+        r.machine_cores,
+        r.rss_kb.map(|k| format!("{:.1}", k as f64 / 1024.0)).unwrap_or_else(|| "–".into()),
+    )
+}
+
+fn phase_json(r: &PhaseResult) -> Value {
+    let l = &r.lat_us;
+    json!({
+        "phase": r.name, "sent": r.sent, "ok": l.len(), "errors": r.errors.len(),
+        "error_kinds": error_summary(&r.errors), "wall_s": r.wall.as_secs_f64(),
+        "p50_us": pct(l, 0.50), "p90_us": pct(l, 0.90), "p99_us": pct(l, 0.99),
+        "max_us": l.last().copied().unwrap_or(0),
+        "edgeway_cores": r.edgeway_cores, "bench_cores": r.bench_cores,
+        "machine_cores": r.machine_cores, "edgeway_rss_kb": r.rss_kb,
+    })
+}
+
+fn error_summary(errors: &[String]) -> String {
+    if errors.is_empty() {
+        return "0".into();
+    }
+    let mut kinds: std::collections::BTreeMap<&str, usize> = Default::default();
+    for e in errors {
+        *kinds.entry(e.as_str()).or_default() += 1;
+    }
+    let detail: Vec<String> = kinds.iter().map(|(k, n)| format!("{n}× {k}")).collect();
+    format!("{} ({})", errors.len(), detail.join(", "))
+}
+
+// ---------------------------------------------------------------------------
+// Cancel mode
+
+async fn cancel_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mut Value) -> Result<()> {
+    let cache = std::env::var_os("EDGEWAY_CACHE").map(PathBuf::from).unwrap_or_else(|| home().join(".cache/edgeway"));
+    let server = cache.join("bin/llama-server");
+    let model = cache.join("models/gemma-3-270m-q4_k_m.gguf");
+    for p in [&server, &model] {
+        if !p.exists() {
+            bail!("{} is missing: run scripts/setup-deps.sh (or set EDGEWAY_CACHE)", p.display());
+        }
+    }
+    let tmp = TempDir::new("edgeway-bench-cancel");
+    let llama_port = free_port()?;
+    let mut cmd = Command::new(&server);
+    cmd.arg("-m").arg(&model);
+    cmd.args(["--alias", "gemma-3-270m", "--host", "127.0.0.1", "--port"]);
+    cmd.arg(llama_port.to_string());
+    cmd.args(["--parallel", "2", "--ctx-size", "8192", "--threads", "2"]);
+    cmd.args(["--slots", "--no-webui"]);
+    let llama = Proc::spawn("llama-server", cmd, &tmp.0.join("llama.log"))?;
+    let llama_url = format!("http://127.0.0.1:{llama_port}");
+    wait_http_ok(&format!("{llama_url}/health"), Duration::from_secs(180), &llama).await?;
+    eprintln!("llama-server (pid {}) ready at {llama_url}", llama.pid());
+
+    let gw_port = free_port()?;
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut cmd = Command::new(bin);
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(manifest.join("config/edgeway.toml"))
+        .env("EDGEWAY__HTTP__LISTEN", format!("127.0.0.1:{gw_port}"))
+        .env("EDGEWAY__STORE__DATA_DIR", tmp.0.join("data"))
+        .env("EDGEWAY__ENGINES__LLAMA_LOCAL__BASE_URL", &llama_url)
+        .env("EDGEWAY__LOG__LEVEL", "warn");
+    let gw = Proc::spawn("edgeway", cmd, &tmp.0.join("edgeway.log"))?;
+    let gw_url = format!("http://127.0.0.1:{gw_port}");
+    wait_http_ok(&format!("{gw_url}/ready"), Duration::from_secs(30), &gw).await?;
+    eprintln!("edgeway (pid {}) ready at {gw_url}", gw.pid());
+
+    let client = reqwest::Client::builder().http1_only().tcp_nodelay(true).timeout(Duration::from_secs(10)).build()?;
+    let slots_url = format!("{llama_url}/slots");
+    let body = |model: &str| {
+        json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "Tell me a long story about a dragon who learns to sail."}],
+            "stream": true,
+            "max_tokens": 500,
+        })
+        .to_string()
+    };
+    let direct =
+        RawTarget { addr: SocketAddr::from(([127, 0, 0, 1], llama_port)), auth: None, body: body("gemma-3-270m") };
+    let via = RawTarget {
+        addr: SocketAddr::from(([127, 0, 0, 1], gw_port)),
+        auth: Some(DEMO_KEY.to_string()),
+        body: body("general-chat"),
+    };
+    // One unrecorded round each: loads the prompt cache, opens edgeway's
+    // engine connection pool.
+    for t in [&direct, &via] {
+        wait_slots_idle(&client, &slots_url, Duration::from_secs(60)).await?;
+        cancel_once(t, args.tokens_before_cancel, &client, &slots_url).await?;
+    }
+    let (mut d_ms, mut v_ms) = (Vec::new(), Vec::new());
+    for i in 0..args.iterations {
+        for (t, out, label) in [(&direct, &mut d_ms, "direct"), (&via, &mut v_ms, "edgeway")] {
+            wait_slots_idle(&client, &slots_url, Duration::from_secs(60)).await?;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let d = cancel_once(t, args.tokens_before_cancel, &client, &slots_url).await?;
+            eprintln!("iteration {}: {label} close → idle {:.1} ms", i + 1, d.as_secs_f64() * 1e3);
+            out.push(d.as_micros() as u64);
+        }
+        gw.check_alive()?;
+        llama.check_alive()?;
+    }
+    let (raw_d, raw_v) = (d_ms.clone(), v_ms.clone());
+    d_ms.sort_unstable();
+    v_ms.sort_unstable();
+    writeln!(
+        report,
+        "Cancel latency: client closes its TCP connection after {} content tokens of a \
+         streaming answer; time until llama-server's `GET /slots` shows no slot \
+         processing (polled every 2 ms). {} iterations, direct and via edgeway \
+         alternating. ms.\n",
+        args.tokens_before_cancel, args.iterations
+    )?;
+    writeln!(report, "| client | n | p50 | p90 | p99 | max | mean |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|")?;
+    for (label, l) in [("straight to llama-server", &d_ms), ("through edgeway", &v_ms)] {
+        writeln!(
+            report,
+            "| {label} | {} | {} | {} | {} | {} | {} |",
+            l.len(),
+            ms(pct(l, 0.50)),
+            ms(pct(l, 0.90)),
+            ms(pct(l, 0.99)),
+            ms(l.last().copied().unwrap_or(0)),
+            ms(mean(l)),
+        )?;
+    }
+    writeln!(
+        report,
+        "\nAdded by edgeway: p50 {} ms, p99 {} ms, mean {} ms",
+        ms_signed(pct(&v_ms, 0.50) as i64 - pct(&d_ms, 0.50) as i64),
+        ms_signed(pct(&v_ms, 0.99) as i64 - pct(&d_ms, 0.99) as i64),
+        ms_signed(mean(&v_ms) as i64 - mean(&d_ms) as i64),
+    )?;
+    json_out["cancel"] = json!({
+        "iterations": args.iterations,
+        "tokens_before_cancel": args.tokens_before_cancel,
+        "direct_us": raw_d, "via_edgeway_us": raw_v,
+    });
+    drop(gw);
+    drop(llama);
+    Ok(())
+}
+
+struct RawTarget {
+    addr: SocketAddr,
+    auth: Option<String>,
+    body: String,
+}
+
+/// Starts a streaming answer on a fresh TCP connection, reads until
+/// `tokens` content deltas arrived, closes the socket and returns how long
+/// the engine took to show every slot idle.
+async fn cancel_once(t: &RawTarget, tokens: usize, client: &reqwest::Client, slots_url: &str) -> Result<Duration> {
+    let mut sock = tokio::net::TcpStream::connect(t.addr).await?;
+    sock.set_nodelay(true)?;
+    let mut req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+         Accept: text/event-stream\r\nContent-Length: {}\r\n",
+        t.addr,
+        t.body.len()
+    );
+    if let Some(k) = &t.auth {
+        write!(req, "Authorization: Bearer {k}\r\n")?;
+    }
+    req.push_str("\r\n");
+    req.push_str(&t.body);
+    sock.write_all(req.as_bytes()).await?;
+
+    // The body is chunked; SSE events are written one per chunk by both
+    // servers, so `data:` lines arrive whole between chunk-size lines.
+    let mut acc: Vec<u8> = Vec::new();
+    let mut seen = 0;
+    let mut checked_status = false;
+    let mut buf = [0u8; 8192];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while seen < tokens {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let n = tokio::time::timeout(left, sock.read(&mut buf)).await.context("no tokens within 60 s")??;
+        if n == 0 {
+            bail!("connection closed before {tokens} tokens: {}", String::from_utf8_lossy(&acc));
+        }
+        acc.extend_from_slice(&buf[..n]);
+        if !checked_status {
+            let Some(end) = acc.windows(2).position(|w| w == b"\r\n") else {
+                continue;
+            };
+            let line = String::from_utf8_lossy(&acc[..end]).to_string();
+            if !line.contains(" 200 ") {
+                bail!("{}: {line}", t.addr);
+            }
+            checked_status = true;
+        }
+        while let Some(nl) = acc.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = acc.drain(..=nl).collect();
+            if sse_content(&line).is_some_and(|c| !c.is_empty()) {
+                seen += 1;
+            }
+        }
+    }
+    let closed = Instant::now();
+    drop(sock);
+    let limit = closed + Duration::from_secs(30);
+    loop {
+        if !any_slot_processing(client, slots_url).await? {
+            return Ok(closed.elapsed());
+        }
+        if Instant::now() > limit {
+            bail!("slot still processing 30 s after the client closed");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+async fn any_slot_processing(client: &reqwest::Client, url: &str) -> Result<bool> {
+    let v: Value = client.get(url).send().await?.json().await?;
+    let slots = v.as_array().context("GET /slots is not an array")?;
+    Ok(slots.iter().any(|s| s["is_processing"].as_bool() == Some(true)))
+}
+
+async fn wait_slots_idle(client: &reqwest::Client, url: &str, limit: Duration) -> Result<()> {
+    let deadline = Instant::now() + limit;
+    while any_slot_processing(client, url).await? {
+        if Instant::now() > deadline {
+            bail!("llama-server slots still busy after {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Processes, /proc, helpers
+
+/// A child process killed when dropped, its output in a log file.
+struct Proc {
+    name: &'static str,
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn spawn(name: &'static str, mut cmd: Command, log: &Path) -> Result<Proc> {
+        let out = std::fs::File::create(log)?;
+        cmd.env_remove("RUST_LOG").stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out);
+        let child = cmd.spawn().with_context(|| format!("cannot start {name} ({:?})", cmd.get_program()))?;
+        Ok(Proc { name, child, log: log.to_path_buf() })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn check_alive(&self) -> Result<()> {
+        if !std::path::Path::new(&format!("/proc/{}", self.pid())).exists() || proc_state(self.pid()) == Some('Z') {
+            bail!("{} exited; log:\n{}", self.name, tail(&self.log, 4000));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn wait_http_ok(url: &str, limit: Duration, p: &Proc) -> Result<()> {
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?;
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Ok(r) = client.get(url).send().await {
+            if r.status() == reqwest::StatusCode::OK {
+                return Ok(());
+            }
+        }
+        p.check_alive()?;
+        if Instant::now() > deadline {
+            bail!("{url} not ready after {limit:?}; {} log:\n{}", p.name, tail(&p.log, 4000));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn tail(path: &Path, n: u64) -> String {
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(n)));
+    let mut s = String::new();
+    let _ = f.read_to_string(&mut s);
+    s
+}
+
+/// Builds edgeway in release (unless `--no-build`) and returns its path.
+fn edgeway_binary(args: &Args) -> Result<PathBuf> {
+    if let Some(b) = &args.edgeway_bin {
+        return Ok(b.clone());
+    }
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| manifest.join("target"));
+    let bin = target.join("release/edgeway");
+    if !args.no_build {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        eprintln!("cargo build --release --bin edgeway …");
+        let ok = Command::new(cargo)
+            .args(["build", "--release", "--bin", "edgeway"])
+            .current_dir(manifest)
+            .status()
+            .context("cannot run cargo")?
+            .success();
+        if !ok {
+            bail!("cargo build --release --bin edgeway failed");
+        }
+    }
+    if !bin.exists() {
+        bail!("{} not found", bin.display());
+    }
+    Ok(bin)
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn home() -> PathBuf {
+    std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/root"))
+}
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+/// Fields after the command name in /proc/<pid>/stat (field 3 first).
+fn proc_stat_fields(pid: u32) -> Option<Vec<String>> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &s[s.rfind(')')? + 1..];
+    Some(rest.split_whitespace().map(str::to_string).collect())
+}
+
+/// utime + stime of a process, in clock ticks.
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let f = proc_stat_fields(pid)?;
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+fn proc_state(pid: u32) -> Option<char> {
+    proc_stat_fields(pid)?.first()?.chars().next()
+}
+
+/// Busy clock ticks of the whole machine (all CPUs), from /proc/stat.
+fn machine_busy_ticks() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = s.lines().next()?.strip_prefix("cpu ")?;
+    let v: Vec<u64> = cpu.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal (guest is in user)
+    let total: u64 = v.iter().take(8).sum();
+    Some(total - v.get(3)? - v.get(4)?)
+}
+
+fn proc_status_kb(pid: u32, field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = s.lines().find(|l| l.starts_with(&format!("{field}:")))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn clk_tck() -> f64 {
+    static TCK: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TCK.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(100.0)
+    })
+}
+
+fn machine_line() -> String {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load: Vec<&str> = load.split_whitespace().take(3).collect();
+    format!(
+        "Machine: {cores} cores ({cpu}); load average at start {}. Load generator, \
+         engine and edgeway share these cores.",
+        load.join(" ")
+    )
+}
+
+/// Percentile `q` of sorted values (nearest rank); 0 when empty.
+fn pct(sorted: &[u64], q: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn mean(v: &[u64]) -> u64 {
+    if v.is_empty() {
+        0
+    } else {
+        v.iter().sum::<u64>() / v.len() as u64
+    }
+}
+
+fn ms(us: u64) -> String {
+    format!("{:.3}", us as f64 / 1000.0)
+}
+
+fn ms_signed(us: i64) -> String {
+    format!("{:+.3}", us as f64 / 1000.0)
+}
+
+fn write_results(args: &Args, report: &str, json_out: &Value) -> Result<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/results");
+    std::fs::create_dir_all(&dir)?;
+    let ts = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    let stem = format!("{}-{ts}", if args.cancel { "cancel" } else { "overhead" });
+    let mut j = json_out.clone();
+    j["command_args"] = json!(std::env::args().skip(1).collect::<Vec<_>>());
+    std::fs::write(dir.join(format!("{stem}.json")), serde_json::to_string_pretty(&j)?)?;
+    let md = dir.join(format!("{stem}.md"));
+    std::fs::write(&md, report)?;
+    Ok(md)
+}

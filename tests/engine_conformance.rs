@@ -51,6 +51,8 @@ fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig
         stream,
         keep_alive: None,
         local: true,
+        reserved_realtime_slots: 0,
+        memory_budget_bytes: None,
     }
 }
 

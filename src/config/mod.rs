@@ -6,6 +6,8 @@
 //! Owns: the file format and its validation. Does not own: what the values
 //! mean at run time (each component reads its own typed section).
 
+pub mod mqtt;
+mod nats;
 mod raw;
 
 use std::collections::BTreeMap;
@@ -18,6 +20,8 @@ use sha2::{Digest, Sha256};
 
 use crate::task::{Priority, Timeouts};
 
+pub use mqtt::{DeviceConfig, MqttConfig, MqttTlsConfig};
+pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
 pub use raw::RawConfig;
 
 /// One problem in a configuration, with the key path it is about.
@@ -64,6 +68,14 @@ pub struct Config {
     pub applications: BTreeMap<String, ApplicationConfig>,
     pub engines: BTreeMap<String, EngineConfig>,
     pub models: BTreeMap<String, ModelConfig>,
+    /// Fair-share weight of each tenant (default 1).
+    pub tenant_weights: std::collections::HashMap<String, f64>,
+    /// The internal service bus; `None` when `[nats]` is not configured.
+    pub nats: Option<NatsConfig>,
+    /// The embedded MQTT broker and device ingress; `None` without `[mqtt]`.
+    pub mqtt: Option<MqttConfig>,
+    /// Devices that may connect over MQTT, by id (= MQTT client id).
+    pub devices: BTreeMap<String, DeviceConfig>,
 }
 
 #[derive(Debug, Clone)]
@@ -112,6 +124,12 @@ pub struct SchedulerConfig {
     pub replay_retention: Duration,
     /// Byte budget of those retained events, over all ended tasks.
     pub replay_max_bytes: usize,
+    pub max_queued: Option<usize>,
+    pub max_running: Option<usize>,
+    /// A waiting task gains one level per period (never above P1).
+    pub priority_aging: Option<Duration>,
+    pub overload_max_output_tokens: u32,
+    pub idempotency_ttl: Duration,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -141,6 +159,7 @@ pub struct ApplicationConfig {
     pub max_priority: Priority,
     pub default_priority: Priority,
     pub admin: bool,
+    pub limits: crate::scheduler::policy::AppPolicy,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,6 +198,8 @@ pub struct EngineConfig {
     pub keep_alive: Option<String>,
     /// Whether the engine runs on this machine (`routing.local_only`).
     pub local: bool,
+    pub reserved_realtime_slots: usize,
+    pub memory_budget_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -190,6 +211,8 @@ pub struct ModelConfig {
     pub max_output_tokens: u32,
     pub queue_capacity: usize,
     pub description: Option<String>,
+    pub max_running: Option<usize>,
+    pub kv_bytes_per_token: u64,
 }
 
 pub fn hash_api_key(key: &str) -> [u8; 32] {

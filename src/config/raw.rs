@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::*;
+use crate::scheduler::policy::AppPolicy;
 use crate::task::{Priority, Timeouts};
 
 #[derive(Debug, Deserialize)]
@@ -31,9 +32,15 @@ pub struct RawConfig {
     #[serde(default)]
     pub applications: BTreeMap<String, RawApplication>,
     #[serde(default)]
+    pub tenants: BTreeMap<String, RawTenant>,
+    #[serde(default)]
     pub engines: BTreeMap<String, RawEngine>,
     #[serde(default)]
     pub models: BTreeMap<String, RawModel>,
+    pub nats: Option<super::nats::RawNats>,
+    pub mqtt: Option<super::mqtt::RawMqtt>,
+    #[serde(default)]
+    pub devices: BTreeMap<String, super::mqtt::RawDevice>,
 }
 
 fn default_node_id() -> String {
@@ -158,6 +165,42 @@ pub struct RawScheduler {
     pub replay_retention_ms: u64,
     #[serde(default = "d_replay_bytes")]
     pub replay_max_bytes: usize,
+    /// Cap on waiting tasks over all models.
+    pub max_queued: Option<usize>,
+    /// Cap on running tasks over all engines.
+    pub max_running: Option<usize>,
+    /// A waiting task gains one priority level per this many seconds (never
+    /// above P1); 0 turns aging off.
+    #[serde(default = "d_aging")]
+    pub priority_aging_seconds: f64,
+    /// Output budget of P2-P4 work when queues are 80 % full.
+    #[serde(default = "d_overload_tokens")]
+    pub overload_max_output_tokens: u32,
+    /// How long an idempotency key (and the answer it returns) is kept.
+    #[serde(default = "d_idem_ttl")]
+    pub idempotency_ttl_seconds: u64,
+}
+
+fn d_idem_ttl() -> u64 {
+    86_400
+}
+
+fn d_aging() -> f64 {
+    30.0
+}
+fn d_overload_tokens() -> u32 {
+    128
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTenant {
+    #[serde(default = "d_weight")]
+    pub weight: f64,
+}
+
+fn d_weight() -> f64 {
+    1.0
 }
 
 fn d_replay_retention() -> u64 {
@@ -181,6 +224,11 @@ impl Default for RawScheduler {
             busy_retry_after_ms: d_busy_retry(),
             replay_retention_ms: d_replay_retention(),
             replay_max_bytes: d_replay_bytes(),
+            max_queued: None,
+            max_running: None,
+            priority_aging_seconds: d_aging(),
+            overload_max_output_tokens: d_overload_tokens(),
+            idempotency_ttl_seconds: d_idem_ttl(),
         }
     }
 }
@@ -229,6 +277,15 @@ pub struct RawApplication {
     pub default_priority: String,
     #[serde(default)]
     pub admin: bool,
+    /// Share of slots against other applications at the same priority.
+    #[serde(default = "d_weight")]
+    pub weight: f64,
+    pub max_running: Option<usize>,
+    pub max_queued: Option<usize>,
+    pub user_max_running: Option<usize>,
+    pub user_max_queued: Option<usize>,
+    pub user_requests_per_minute: Option<u32>,
+    pub user_tokens_per_minute: Option<u64>,
 }
 
 fn d_max_prio() -> String {
@@ -258,6 +315,12 @@ pub struct RawEngine {
     pub keep_alive: Option<String>,
     #[serde(default = "d_true")]
     pub local: bool,
+    /// Slots held back for P0/P1 work.
+    #[serde(default)]
+    pub reserved_realtime_slots: usize,
+    /// Memory the engine has for its tasks' KV cache, when there is no GPU
+    /// to ask (or to cap what edgeway may use of it).
+    pub memory_budget_mb: Option<u64>,
 }
 
 fn d_concurrency() -> usize {
@@ -283,6 +346,10 @@ pub struct RawModel {
     pub max_output_tokens: u32,
     pub queue_capacity: Option<usize>,
     pub description: Option<String>,
+    pub max_running: Option<usize>,
+    /// KV-cache bytes per token of context (for memory admission).
+    #[serde(default)]
+    pub kv_bytes_per_token: u64,
 }
 
 fn d_context() -> u32 {
@@ -406,6 +473,14 @@ impl RawConfig {
             idle: Duration::from_millis(t.idle_ms),
             total: Duration::from_millis(t.total_ms),
         };
+        if !(self.scheduler.priority_aging_seconds >= 0.0 && self.scheduler.priority_aging_seconds.is_finite()) {
+            err("scheduler.priority_aging_seconds".into(), "must be 0 (off) or a positive number".into());
+        }
+        for (name, t) in &self.tenants {
+            if !(t.weight > 0.0 && t.weight.is_finite()) {
+                err(format!("tenants.{name}.weight"), "must be a positive number".into());
+            }
+        }
         if self.scheduler.queue_capacity == 0 {
             err("scheduler.queue_capacity".into(), "must be at least 1".into());
         }
@@ -507,6 +582,9 @@ impl RawConfig {
                     format!("{} is more urgent than max_priority {}", default_priority.as_str(), max_priority.as_str()),
                 );
             }
+            if !(a.weight > 0.0 && a.weight.is_finite()) {
+                err(format!("{p}.weight"), "must be a positive number".into());
+            }
             applications.insert(
                 name.clone(),
                 ApplicationConfig {
@@ -516,6 +594,15 @@ impl RawConfig {
                     max_priority,
                     default_priority,
                     admin: a.admin,
+                    limits: AppPolicy {
+                        weight: a.weight,
+                        max_running: a.max_running,
+                        max_queued: a.max_queued,
+                        user_max_running: a.user_max_running,
+                        user_max_queued: a.user_max_queued,
+                        user_requests_per_minute: a.user_requests_per_minute,
+                        user_tokens_per_minute: a.user_tokens_per_minute,
+                    },
                 },
             );
         }
@@ -540,6 +627,9 @@ impl RawConfig {
             }
             if e.max_concurrency == 0 {
                 err(format!("{p}.max_concurrency"), "must be at least 1".into());
+            }
+            if e.max_concurrency > 0 && e.reserved_realtime_slots >= e.max_concurrency {
+                err(format!("{p}.reserved_realtime_slots"), "must be less than max_concurrency".into());
             }
             if e.health_interval_ms < 50 {
                 err(format!("{p}.health_interval_ms"), "must be at least 50".into());
@@ -579,6 +669,8 @@ impl RawConfig {
                     stream: e.stream,
                     keep_alive: e.keep_alive,
                     local: e.local,
+                    reserved_realtime_slots: e.reserved_realtime_slots,
+                    memory_budget_bytes: e.memory_budget_mb.map(|mb| mb * 1024 * 1024),
                 },
             );
         }
@@ -612,6 +704,8 @@ impl RawConfig {
                     max_output_tokens: m.max_output_tokens,
                     queue_capacity: m.queue_capacity.unwrap_or(self.scheduler.queue_capacity),
                     description: m.description,
+                    max_running: m.max_running,
+                    kv_bytes_per_token: m.kv_bytes_per_token,
                 },
             );
         }
@@ -621,6 +715,9 @@ impl RawConfig {
         if applications.is_empty() && jwt.is_none() {
             err("applications".into(), "define at least one application or [auth.jwt]; nobody could call".into());
         }
+        let nats = self.nats.map(|n| super::nats::validate(n, env, base_dir, &self.node_id, &mut err));
+        let mqtt = self.mqtt.map(|m| super::mqtt::validate(m, base_dir, &mut err));
+        let devices = super::mqtt::validate_devices(self.devices, &applications, &mut err);
 
         if !errs.is_empty() {
             return Err(ConfigErrors(errs));
@@ -639,11 +736,21 @@ impl RawConfig {
                 busy_retry_after_ms: self.scheduler.busy_retry_after_ms,
                 replay_retention: Duration::from_millis(self.scheduler.replay_retention_ms),
                 replay_max_bytes: self.scheduler.replay_max_bytes,
+                max_queued: self.scheduler.max_queued,
+                max_running: self.scheduler.max_running,
+                priority_aging: (self.scheduler.priority_aging_seconds > 0.0)
+                    .then(|| Duration::from_secs_f64(self.scheduler.priority_aging_seconds)),
+                overload_max_output_tokens: self.scheduler.overload_max_output_tokens,
+                idempotency_ttl: Duration::from_secs(self.scheduler.idempotency_ttl_seconds),
             },
+            tenant_weights: self.tenants.iter().map(|(k, t)| (k.clone(), t.weight)).collect(),
             auth: AuthConfig { jwt },
             applications,
             engines,
             models,
+            nats,
+            mqtt,
+            devices,
         })
     }
 }

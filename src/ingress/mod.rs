@@ -6,3 +6,5 @@
 
 pub mod events;
 pub mod http;
+pub mod mqtt;
+pub mod nats;

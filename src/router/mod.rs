@@ -19,11 +19,11 @@ impl InstanceView {
 }
 
 /// Picks the least-loaded healthy instance with a free slot among
-/// `candidates` (indices into `instances`), or `None` if all are busy or
-/// down. Ties go to the earlier instance in the model's list, so the
+/// `candidates` (indices into `instances`) that `eligible` accepts, or
+/// `None`. Ties go to the earlier instance in the model's list, so the
 /// configuration order expresses preference.
-pub fn pick(candidates: &[usize], instances: &[InstanceView]) -> Option<usize> {
-    candidates.iter().copied().filter(|&i| instances[i].has_free_slot()).min_by(|&a, &b| {
+pub fn pick(candidates: &[usize], instances: &[InstanceView], eligible: impl Fn(usize) -> bool) -> Option<usize> {
+    candidates.iter().copied().filter(|&i| instances[i].has_free_slot() && eligible(i)).min_by(|&a, &b| {
         let (ia, ib) = (&instances[a], &instances[b]);
         // Compare running/max without floats: a.r * b.m vs b.r * a.m.
         (ia.running * ib.max_concurrency).cmp(&(ib.running * ia.max_concurrency))
@@ -46,9 +46,10 @@ mod tests {
     #[test]
     fn least_loaded_healthy_instance_wins() {
         let inst = [v(true, 1, 2), v(true, 0, 2), v(false, 0, 4), v(true, 2, 2)];
-        assert_eq!(pick(&[0, 1, 2, 3], &inst), Some(1));
-        assert_eq!(pick(&[0, 3], &inst), Some(0));
-        assert_eq!(pick(&[2, 3], &inst), None);
+        assert_eq!(pick(&[0, 1, 2, 3], &inst, |_| true), Some(1));
+        assert_eq!(pick(&[0, 1, 2, 3], &inst, |i| i != 1), Some(0));
+        assert_eq!(pick(&[0, 3], &inst, |_| true), Some(0));
+        assert_eq!(pick(&[2, 3], &inst, |_| true), None);
         assert!(!any_up(&[2], &inst));
     }
 }

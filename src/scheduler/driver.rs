@@ -25,6 +25,8 @@ pub(super) struct Driver {
     /// Keep the answer text (for the store's data policy or idempotent
     /// replays after a restart).
     pub keep_text: bool,
+    /// The reason recorded with QUEUED.
+    pub queued_reason: &'static str,
 }
 
 /// How a run ended, before it is turned into a terminal state.
@@ -53,7 +55,7 @@ impl Driver {
     /// frees the slot.
     pub async fn run(self, grant: oneshot::Receiver<SlotLease>) {
         let id = self.req.task_id.clone();
-        self.shared.recorder.transition(&self.req, TaskState::Queued, "admitted", None, "scheduler");
+        self.shared.recorder.transition(&self.req, TaskState::Queued, self.queued_reason, None, "scheduler");
         self.log.push(TaskEvent::Accepted { task_id: id.clone(), queue_position: self.queue_position });
         let mut p = Progress::default();
         let outcome = self.run_phases(grant, &mut p).await;
@@ -73,7 +75,7 @@ impl Driver {
         };
 
         // Phase 1: wait in the queue for a slot.
-        let lease = tokio::select! {
+        let mut lease = tokio::select! {
             biased;
             _ = self.cancel.token.cancelled() => {
                 self.withdraw();
@@ -112,6 +114,9 @@ impl Driver {
             Some(&lease.instance_name),
             "scheduler",
         );
+        if r.idempotency_key.is_some() {
+            self.shared.recorder.store().started(&r.task_id);
+        }
         let now_t = tokio::time::Instant::from_std(now);
         let inference_raw = now_t + t.inference;
         let first_token_raw = now_t + t.first_token;
@@ -186,13 +191,15 @@ impl Driver {
                         );
                     }
                     p.deltas += 1;
+                    lease.output_tokens += 1;
                     if self.keep_text {
                         p.text.push_str(&text);
                     }
                     self.log.push(TaskEvent::Delta { text });
                 }
                 Some(Ok(EngineChunk::Usage { input_tokens, output_tokens })) => {
-                    p.usage = Some((input_tokens, output_tokens))
+                    p.usage = Some((input_tokens, output_tokens));
+                    lease.output_tokens = u64::from(output_tokens);
                 }
                 Some(Ok(EngineChunk::Finish(reason))) => p.finish_reason = Some(reason),
                 Some(Err(e)) => {
@@ -208,8 +215,7 @@ impl Driver {
     }
 
     fn withdraw(&self) {
-        let _ =
-            self.tx.send(Cmd::Withdraw { task_id: self.req.task_id.clone(), model: self.req.logical_model.clone() });
+        let _ = self.tx.send(Cmd::Withdraw { task_id: self.req.task_id.clone() });
     }
 
     fn cancelled(&self) -> Outcome {

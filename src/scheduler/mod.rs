@@ -18,7 +18,7 @@
 
 mod driver;
 pub mod events;
-pub mod queue;
+pub mod policy;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -30,12 +30,11 @@ use tokio_util::task::TaskTracker;
 use crate::config::Config;
 use crate::engine::Engine;
 use crate::error::{ErrorCode, GatewayError};
-use crate::router::{self, InstanceView};
-use crate::task::{TaskEvent, TaskRequest, TaskState};
+use crate::task::{Priority, TaskEvent, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
 use events::{Registry, Subscription, TaskEntry, TaskLog};
-use queue::{ModelQueue, QueueEntry};
+use policy::{Admission, Backpressure, InstancePolicy, ModelPolicy, Policy, PolicyConfig, TaskInfo};
 
 /// An engine instance as the scheduler sees it.
 pub struct Instance {
@@ -48,10 +47,13 @@ pub struct Instance {
 
 /// Permission to run one task on one instance. Dropping it frees the slot.
 pub struct SlotLease {
+    pub task_id: String,
     pub instance: usize,
     pub instance_name: String,
     pub engine: Arc<dyn Engine>,
     pub engine_model: String,
+    /// Output tokens the task produced (refunds its token-rate charge).
+    pub output_tokens: u64,
     tx: mpsc::UnboundedSender<Cmd>,
     armed: bool,
 }
@@ -59,7 +61,9 @@ pub struct SlotLease {
 impl Drop for SlotLease {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.tx.send(Cmd::Release { instance: self.instance });
+            let _ = self
+                .tx
+                .send(Cmd::Release { task_id: std::mem::take(&mut self.task_id), output_tokens: self.output_tokens });
         }
     }
 }
@@ -135,11 +139,31 @@ impl Drop for TaskStream {
 }
 
 enum Cmd {
-    Enqueue { entry: QueueEntry, model: String, reply: oneshot::Sender<Result<usize, GatewayError>> },
-    Withdraw { task_id: String, model: String },
-    Release { instance: usize },
-    Health { instance: usize, up: bool, detail: String },
-    Snapshot { reply: oneshot::Sender<Snapshot> },
+    Enqueue {
+        info: TaskInfo,
+        /// The logical model's name (`info.model` is resolved from it).
+        model: String,
+        grant: oneshot::Sender<SlotLease>,
+        reply: oneshot::Sender<Result<Admission, GatewayError>>,
+    },
+    Withdraw {
+        task_id: String,
+    },
+    Release {
+        task_id: String,
+        output_tokens: u64,
+    },
+    Health {
+        instance: usize,
+        up: bool,
+        detail: String,
+    },
+    Danger {
+        reason: Option<String>,
+    },
+    Snapshot {
+        reply: oneshot::Sender<Snapshot>,
+    },
 }
 
 /// A view of the scheduler for `/ready` and tests.
@@ -197,13 +221,43 @@ pub fn start(
 ) -> SchedulerHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     let index: HashMap<&str, usize> = instances.iter().enumerate().map(|(i, x)| (x.name.as_str(), i)).collect();
-    let queues: Vec<ModelQueue> = config
+    let models: Vec<ModelPolicy> = config
         .models
         .values()
-        .map(|m| {
-            ModelQueue::new(m.name.clone(), m.queue_capacity, m.instances.iter().map(|n| index[n.as_str()]).collect())
+        .map(|m| ModelPolicy {
+            name: m.name.clone(),
+            queue_capacity: m.queue_capacity,
+            max_running: m.max_running,
+            instances: m.instances.iter().map(|n| index[n.as_str()]).collect(),
+            kv_bytes_per_token: m.kv_bytes_per_token,
         })
         .collect();
+    let policy = Policy::new(PolicyConfig {
+        instances: instances
+            .iter()
+            .map(|i| {
+                let e = &config.engines[&i.name];
+                InstancePolicy {
+                    name: i.name.clone(),
+                    max_concurrency: i.max_concurrency,
+                    reserved_realtime_slots: e.reserved_realtime_slots,
+                    memory_budget_bytes: e.memory_budget_bytes,
+                    local: e.local,
+                }
+            })
+            .collect(),
+        apps: config.applications.values().map(|a| (a.name.clone(), a.limits.clone())).collect(),
+        tenant_weights: config.tenant_weights.clone(),
+        max_queued: config.scheduler.max_queued,
+        max_running: config.scheduler.max_running,
+        aging: config.scheduler.priority_aging,
+        backpressure: Backpressure {
+            capped_output_tokens: config.scheduler.overload_max_output_tokens,
+            ..Backpressure::default()
+        },
+        busy_retry_after_ms: config.scheduler.busy_retry_after_ms,
+        models,
+    });
     let shared = Arc::new(Shared {
         config: config.clone(),
         recorder,
@@ -214,16 +268,14 @@ pub fn start(
         registry: Registry::new(config.scheduler.replay_retention, config.scheduler.replay_max_bytes),
     });
     let actor = Actor {
-        views: instances
-            .iter()
-            .map(|i| InstanceView { up: true, running: 0, max_concurrency: i.max_concurrency })
-            .collect(),
+        model_index: config.models.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect(),
         details: instances.iter().map(|_| "not checked yet".to_string()).collect(),
         instances,
-        queues,
+        policy,
+        grants: HashMap::new(),
         tx: tx.clone(),
         metrics,
-        busy_retry_after_ms: config.scheduler.busy_retry_after_ms,
+        epoch: std::time::Instant::now(),
     };
     tracker.spawn(actor.run(rx, shutdown));
     SchedulerHandle { tx, shared }
@@ -238,6 +290,36 @@ impl SchedulerHandle {
     /// known is not started again: the stream joins the existing task from
     /// its first event (`joined` is true).
     pub async fn submit(&self, req: TaskRequest) -> Result<TaskStream, GatewayError> {
+        self.submit_with(req, "admitted").await
+    }
+
+    /// Queues a task again that was waiting when the gateway stopped (see
+    /// `gateway::recover`). Nobody holds its stream until a client attaches.
+    pub async fn resubmit(&self, req: TaskRequest) -> Result<(), GatewayError> {
+        let mut s = self.submit_with(req, "re-queued after a gateway restart").await?;
+        s.detach();
+        Ok(())
+    }
+
+    /// A stream that replays a finished task's outcome (from the store,
+    /// after its live events are gone).
+    pub fn replay(&self, task_id: &str, request_id: &str, events: Vec<TaskEvent>) -> TaskStream {
+        let log = Arc::new(TaskLog::default());
+        for e in events {
+            log.push(e);
+        }
+        TaskStream {
+            task_id: task_id.to_string(),
+            request_id: request_id.to_string(),
+            queue_position: 0,
+            joined: true,
+            events: log.subscribe(0),
+            cancel: CancelHandle::default(),
+            owner: false,
+        }
+    }
+
+    async fn submit_with(&self, req: TaskRequest, queued_reason: &'static str) -> Result<TaskStream, GatewayError> {
         let cancel = CancelHandle::new(self.shared.shutdown.child_token());
         let log = Arc::new(TaskLog::default());
         let entry = Arc::new(TaskEntry {
@@ -259,20 +341,40 @@ impl SchedulerHandle {
 
         let (grant_tx, grant_rx) = oneshot::channel();
         let (reply_tx, reply_rx) = oneshot::channel();
-        let entry = QueueEntry { task_id: req.task_id.clone(), priority: req.priority, seq: 0, grant: grant_tx };
+        let info = TaskInfo {
+            task_id: req.task_id.clone(),
+            model: usize::MAX, // resolved by the actor from the name below
+            priority: req.priority,
+            tenant: req.identity.tenant.clone(),
+            app: req.identity.application.clone(),
+            user: req.identity.user_id.clone().unwrap_or_default(),
+            input_tokens: req.input_tokens_estimate,
+            max_output_tokens: req.max_output_tokens,
+            local_only: req.routing.local_only,
+        };
         let closed =
             || GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000);
-        let queued = match self.tx.send(Cmd::Enqueue { entry, model: req.logical_model.clone(), reply: reply_tx }) {
+        let cmd = Cmd::Enqueue { info, model: req.logical_model.clone(), grant: grant_tx, reply: reply_tx };
+        let queued = match self.tx.send(cmd) {
             Ok(()) => reply_rx.await.map_err(|_| closed()).and_then(|r| r),
             Err(_) => Err(closed()),
         };
-        let queue_position = match queued {
-            Ok(p) => p,
+        let admission = match queued {
+            Ok(a) => a,
             Err(e) => {
                 self.shared.registry.remove(&req.task_id);
                 return Err(e);
             }
         };
+        let queue_position = admission.position;
+        let mut req = req;
+        req.max_output_tokens = admission.max_output_tokens;
+        if let Some(why) = admission.degrade_reason {
+            req.degrade_reason = Some(why);
+        }
+        if let Some(f) = admission.queue_wait_factor {
+            req.timeouts.queue = req.timeouts.queue.mul_f64(f);
+        }
         let stream = TaskStream {
             task_id: req.task_id.clone(),
             request_id: req.request_id.clone(),
@@ -282,7 +384,7 @@ impl SchedulerHandle {
             cancel: cancel.clone(),
             owner: true,
         };
-        let keep_text = self.shared.recorder.store().stores_prompts();
+        let keep_text = self.shared.recorder.store().stores_prompts() || req.idempotency_key.is_some();
         let d = driver::Driver {
             req,
             shared: self.shared.clone(),
@@ -291,6 +393,7 @@ impl SchedulerHandle {
             cancel,
             queue_position,
             keep_text,
+            queued_reason,
         };
         self.shared.tracker.spawn(d.run(grant_rx));
         Ok(stream)
@@ -347,6 +450,12 @@ impl SchedulerHandle {
         rx.await.ok()
     }
 
+    /// Enters (`Some(reason)`) or leaves (`None`) a danger state in which
+    /// no new work is admitted.
+    pub fn set_danger(&self, reason: Option<String>) {
+        let _ = self.tx.send(Cmd::Danger { reason });
+    }
+
     pub(crate) fn set_instance_health(&self, instance: usize, up: bool, detail: String) {
         let _ = self.tx.send(Cmd::Health { instance, up, detail });
     }
@@ -359,137 +468,139 @@ impl SchedulerHandle {
 
 struct Actor {
     instances: Vec<Instance>,
-    views: Vec<InstanceView>,
     details: Vec<String>,
-    queues: Vec<ModelQueue>,
+    policy: Policy,
+    model_index: HashMap<String, usize>,
+    /// Waiting tasks' grant channels, with their model and priority labels.
+    grants: HashMap<String, (oneshot::Sender<SlotLease>, usize, Priority)>,
     tx: mpsc::UnboundedSender<Cmd>,
     metrics: Arc<Metrics>,
-    busy_retry_after_ms: u64,
+    /// The policy's clock starts here.
+    epoch: std::time::Instant,
 }
 
 impl Actor {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Cmd>, shutdown: CancellationToken) {
-        let mut seq: u64 = 0;
         loop {
             let cmd = tokio::select! {
                 _ = shutdown.cancelled() => break,
                 c = rx.recv() => match c { Some(c) => c, None => break },
             };
-            match cmd {
-                Cmd::Enqueue { mut entry, model, reply } => {
-                    seq += 1;
-                    entry.seq = seq;
-                    let _ = reply.send(self.enqueue(entry, &model));
-                }
-                Cmd::Withdraw { task_id, model } => {
-                    if let Some(q) = self.queues.iter_mut().find(|q| q.name == model) {
-                        if let Some(e) = q.remove(&task_id) {
-                            self.metrics.queue_depth.with_label_values(&[&model, e.priority.as_str()]).dec();
-                        }
-                    }
-                }
-                Cmd::Release { instance } => {
-                    let v = &mut self.views[instance];
-                    v.running = v.running.saturating_sub(1);
-                    self.metrics.running.with_label_values(&[&self.instances[instance].name]).dec();
-                }
-                Cmd::Health { instance, up, detail } => {
-                    self.views[instance].up = up;
-                    self.details[instance] = detail;
-                }
-                Cmd::Snapshot { reply } => {
-                    let _ = reply.send(self.snapshot());
-                }
+            self.handle(cmd);
+            // Drain what else is pending before dispatching once.
+            while let Ok(cmd) = rx.try_recv() {
+                self.handle(cmd);
             }
             self.dispatch();
         }
-        // Queued drivers see their grant sender dropped and end their tasks.
+        // Waiting drivers see their grant sender dropped and end their tasks.
     }
 
-    fn enqueue(&mut self, entry: QueueEntry, model: &str) -> Result<usize, GatewayError> {
-        let Some(qi) = self.queues.iter().position(|q| q.name == model) else {
-            return Err(GatewayError::invalid(format!("unknown model '{model}'")));
-        };
-        let q = &self.queues[qi];
-        if !router::any_up(&q.instances, &self.views) {
-            return Err(GatewayError::new(
-                ErrorCode::ModelUnavailable,
-                format!("no instance of model '{model}' is healthy"),
-            )
-            .with_retry_after(self.busy_retry_after_ms.max(2000)));
-        }
-        if q.is_full() {
-            return Err(GatewayError::new(
-                ErrorCode::QueueFull,
-                format!("the queue of model '{model}' is full ({} waiting)", q.len()),
-            )
-            .with_retry_after(self.busy_retry_after_ms));
-        }
-        let task_id = entry.task_id.clone();
-        self.metrics.queue_depth.with_label_values(&[model, entry.priority.as_str()]).inc();
-        self.queues[qi].push(entry);
-        self.dispatch();
-        Ok(self.queues[qi].position(&task_id).unwrap_or(0))
+    fn now(&self) -> std::time::Duration {
+        self.epoch.elapsed()
     }
 
-    /// Grants free slots to the most urgent waiting tasks until no slot or
-    /// no task is left.
-    fn dispatch(&mut self) {
-        loop {
-            // The most urgent head among queues that have a free instance.
-            let mut best: Option<(queue::QueueKey, usize, usize)> = None;
-            for (qi, q) in self.queues.iter().enumerate() {
-                let Some(key) = q.peek_key() else { continue };
-                if best.is_some_and(|(b, _, _)| b <= key) {
-                    continue;
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Enqueue { mut info, model, grant, reply } => {
+                let Some(&m) = self.model_index.get(&model) else {
+                    let _ = reply.send(Err(GatewayError::invalid(format!("unknown model '{model}'"))));
+                    return;
+                };
+                info.model = m;
+                let (task_id, priority) = (info.task_id.clone(), info.priority);
+                let now = self.now();
+                let result = self.policy.enqueue(info, now);
+                if result.is_ok() {
+                    self.metrics.queue_depth.with_label_values(&[&model, priority.as_str()]).inc();
+                    self.grants.insert(task_id, (grant, m, priority));
                 }
-                if let Some(inst) = router::pick(&q.instances, &self.views) {
-                    best = Some((key, qi, inst));
+                let _ = reply.send(result);
+            }
+            Cmd::Withdraw { task_id } => {
+                if self.policy.withdraw(&task_id) {
+                    if let Some((_, m, p)) = self.grants.remove(&task_id) {
+                        self.dec_depth(m, p);
+                    }
                 }
             }
-            let Some((_, qi, inst)) = best else { return };
-            let entry = self.queues[qi].pop().expect("peeked");
-            let model = self.queues[qi].name.clone();
-            self.metrics.queue_depth.with_label_values(&[&model, entry.priority.as_str()]).dec();
-            let i = &self.instances[inst];
+            Cmd::Release { task_id, output_tokens } => {
+                if let Some(i) = self.policy.release(&task_id, output_tokens) {
+                    self.metrics.running.with_label_values(&[&self.instances[i].name]).dec();
+                }
+            }
+            Cmd::Health { instance, up, detail } => {
+                self.policy.set_instance_up(instance, up);
+                self.details[instance] = detail;
+            }
+            Cmd::Danger { reason } => self.policy.set_danger(reason),
+            Cmd::Snapshot { reply } => {
+                let _ = reply.send(self.snapshot());
+            }
+        }
+    }
+
+    fn dec_depth(&self, m: usize, p: Priority) {
+        let name = &self.policy.config().models[m].name;
+        self.metrics.queue_depth.with_label_values(&[name, p.as_str()]).dec();
+    }
+
+    /// Grants free slots to the tasks the policy picks until none can start.
+    fn dispatch(&mut self) {
+        let now = self.now();
+        while let Some(g) = self.policy.next_grant(now) {
+            let Some((grant, m, p)) = self.grants.remove(&g.task_id) else {
+                // Cannot happen: every waiting task has a grant channel.
+                self.policy.release(&g.task_id, 0);
+                continue;
+            };
+            self.dec_depth(m, p);
+            let i = &self.instances[g.instance];
             let lease = SlotLease {
-                instance: inst,
+                task_id: g.task_id.clone(),
+                instance: g.instance,
                 instance_name: i.name.clone(),
                 engine: i.engine.clone(),
                 engine_model: i.engine_model.clone(),
+                output_tokens: 0,
                 tx: self.tx.clone(),
                 armed: true,
             };
-            match entry.grant.send(lease) {
-                Ok(()) => {
-                    self.views[inst].running += 1;
-                    self.metrics.running.with_label_values(&[&i.name]).inc();
-                }
+            match grant.send(lease) {
+                Ok(()) => self.metrics.running.with_label_values(&[&i.name]).inc(),
                 // The driver is gone (cancelled or timed out meanwhile).
-                Err(mut lease) => lease.armed = false,
+                Err(mut lease) => {
+                    lease.armed = false;
+                    self.policy.release(&g.task_id, 0);
+                }
             }
         }
     }
 
     fn snapshot(&self) -> Snapshot {
+        let cfg = self.policy.config();
         Snapshot {
             instances: self
                 .instances
                 .iter()
-                .zip(&self.views)
-                .zip(&self.details)
-                .map(|((i, v), d)| InstanceSnapshot {
-                    name: i.name.clone(),
-                    up: v.up,
-                    detail: d.clone(),
-                    running: v.running,
-                    max_concurrency: v.max_concurrency,
+                .enumerate()
+                .map(|(i, inst)| InstanceSnapshot {
+                    name: inst.name.clone(),
+                    up: self.policy.instance_up(i),
+                    detail: self.details[i].clone(),
+                    running: self.policy.running_on(i),
+                    max_concurrency: inst.max_concurrency,
                 })
                 .collect(),
-            queues: self
-                .queues
+            queues: cfg
+                .models
                 .iter()
-                .map(|q| QueueSnapshot { model: q.name.clone(), waiting: q.len(), capacity: q.capacity })
+                .enumerate()
+                .map(|(m, q)| QueueSnapshot {
+                    model: q.name.clone(),
+                    waiting: self.policy.waiting(m),
+                    capacity: q.queue_capacity,
+                })
                 .collect(),
         }
     }

@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::error::{ErrorCode, GatewayError};
+use crate::router::{self, InstanceView};
 use crate::task::Priority;
 
 /// Limits of one application (all optional).
@@ -68,6 +69,8 @@ pub struct InstancePolicy {
     pub reserved_realtime_slots: usize,
     /// Memory the instance's tasks may use (KV cache), if limited.
     pub memory_budget_bytes: Option<u64>,
+    /// Runs on this machine (for `routing.local_only`).
+    pub local: bool,
 }
 
 /// Queue fill ratios at which each backpressure step starts.
@@ -86,7 +89,13 @@ pub struct Backpressure {
 
 impl Default for Backpressure {
     fn default() -> Self {
-        Backpressure { refuse_p4: 0.5, shorten_low_waits: 0.65, cap_output: 0.8, refuse_p3: 0.9, capped_output_tokens: 128 }
+        Backpressure {
+            refuse_p4: 0.5,
+            shorten_low_waits: 0.65,
+            cap_output: 0.8,
+            refuse_p3: 0.9,
+            capped_output_tokens: 128,
+        }
     }
 }
 
@@ -114,6 +123,8 @@ pub struct TaskInfo {
     pub user: String,
     pub input_tokens: u32,
     pub max_output_tokens: u32,
+    /// Only instances with `local` may run it.
+    pub local_only: bool,
 }
 
 /// The terms on which a task was queued.
@@ -332,7 +343,8 @@ impl Policy {
                     ));
                 }
                 info.max_output_tokens = (fits - u64::from(info.input_tokens)) as u32;
-                degrade = Some(format!("output budget reduced to {} tokens to fit engine memory", info.max_output_tokens));
+                degrade =
+                    Some(format!("output budget reduced to {} tokens to fit engine memory", info.max_output_tokens));
             }
         }
 
@@ -341,13 +353,17 @@ impl Policy {
         let fill = self.fill(m);
         let p = info.priority;
         let capacity = self.cfg.models[m].queue_capacity;
-        let full = self.waiting[m].len() >= capacity
-            || self.cfg.max_queued.is_some_and(|cap| self.total_waiting >= cap);
+        let full =
+            self.waiting[m].len() >= capacity || self.cfg.max_queued.is_some_and(|cap| self.total_waiting >= cap);
         // P0 may exceed a full queue by a tenth, so alarms still queue.
         let p0_room = self.waiting[m].len() < capacity + capacity / 10 + 1
             && self.cfg.max_queued.is_none_or(|cap| self.total_waiting < cap + cap / 10 + 1);
         if (full && p != Priority::P0) || (p == Priority::P0 && !p0_room) {
-            return Err(busy(ErrorCode::QueueFull, format!("the queue of model '{}' is full", self.cfg.models[m].name), retry));
+            return Err(busy(
+                ErrorCode::QueueFull,
+                format!("the queue of model '{}' is full", self.cfg.models[m].name),
+                retry,
+            ));
         }
         if (p == Priority::P4 && fill >= bp.refuse_p4) || (p == Priority::P3 && fill >= bp.refuse_p3) {
             return Err(busy(
@@ -370,7 +386,11 @@ impl Policy {
         let app_c = self.app_counts.get(&info.app).map(|c| c.queued).unwrap_or(0);
         let user_c = self.user_counts.get(&user_key).map(|c| c.queued).unwrap_or(0);
         if app.max_queued.is_some_and(|cap| app_c >= cap) {
-            return Err(busy(ErrorCode::QueueFull, format!("application '{}' has too many waiting tasks", info.app), retry));
+            return Err(busy(
+                ErrorCode::QueueFull,
+                format!("application '{}' has too many waiting tasks", info.app),
+                retry,
+            ));
         }
         if app.user_max_queued.is_some_and(|cap| user_c >= cap) {
             return Err(busy(ErrorCode::QueueFull, "this user has too many waiting tasks".into(), retry));
@@ -426,7 +446,7 @@ impl Policy {
         }
     }
 
-    fn key(&self, w: &Waiting, now: Duration) -> (Priority, f64, u64) {
+    fn key(&self, w: &Waiting, now: Duration) -> Key {
         (self.effective(w, now), w.tag, w.seq)
     }
 
@@ -442,7 +462,7 @@ impl Policy {
     fn eligible(&self, w: &Waiting, instance: usize) -> bool {
         let inst = &self.instances[instance];
         let ip = &self.cfg.instances[instance];
-        if !inst.up || inst.running >= ip.max_concurrency {
+        if !inst.up || inst.running >= ip.max_concurrency || (w.info.local_only && !ip.local) {
             return false;
         }
         // P2-P4 leave the reserved slots free for alarms.
@@ -475,7 +495,8 @@ impl Policy {
 
     /// The next task to start and where, if any may start now.
     pub fn next_grant(&mut self, now: Duration) -> Option<Grant> {
-        let mut best: Option<((Priority, f64, u64), usize, usize, usize)> = None; // key, model, idx, instance
+        // (key, model, index in its queue, instance)
+        let mut best: Option<(Key, usize, usize, usize)> = None;
         for (m, q) in self.waiting.iter().enumerate() {
             for (idx, w) in q.iter().enumerate() {
                 let k = self.key(w, now);
@@ -483,16 +504,17 @@ impl Policy {
                     continue;
                 }
                 // Least-loaded eligible instance of the task's model.
-                let inst = self.cfg.models[m]
+                let views: Vec<InstanceView> = self
                     .instances
                     .iter()
-                    .copied()
-                    .filter(|&i| self.eligible(w, i))
-                    .min_by(|&a, &b| {
-                        let (ra, rb) = (self.instances[a].running, self.instances[b].running);
-                        let (ma, mb) = (self.cfg.instances[a].max_concurrency, self.cfg.instances[b].max_concurrency);
-                        (ra * mb).cmp(&(rb * ma))
-                    });
+                    .zip(&self.cfg.instances)
+                    .map(|(st, ip)| InstanceView {
+                        up: st.up,
+                        running: st.running,
+                        max_concurrency: ip.max_concurrency,
+                    })
+                    .collect();
+                let inst = router::pick(&self.cfg.models[m].instances, &views, |i| self.eligible(w, i));
                 if let Some(i) = inst {
                     best = Some((k, m, idx, i));
                 }
@@ -520,7 +542,8 @@ impl Policy {
         self.model_running[m] += 1;
         let task_id = w.info.task_id.clone();
         let charged_output = u64::from(w.info.max_output_tokens);
-        self.running.insert(task_id.clone(), Running { info: w.info, instance, mem_bytes: w.mem_bytes, charged_output });
+        self.running
+            .insert(task_id.clone(), Running { info: w.info, instance, mem_bytes: w.mem_bytes, charged_output });
         Some(Grant { task_id, instance })
     }
 
@@ -606,7 +629,10 @@ impl Policy {
     }
 }
 
-fn cmp_key(a: &(Priority, f64, u64), b: &(Priority, f64, u64)) -> std::cmp::Ordering {
+/// Dispatch order: effective priority, fair-queueing tag, arrival.
+type Key = (Priority, f64, u64);
+
+fn cmp_key(a: &Key, b: &Key) -> std::cmp::Ordering {
     a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2))
 }
 

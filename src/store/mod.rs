@@ -8,6 +8,8 @@
 //! Does not own: the decisions recorded (scheduler) or prompt policy (the
 //! caller decides whether text is passed in at all).
 
+pub mod durable;
+
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -65,12 +67,44 @@ pub struct TaskRecord {
 }
 
 enum Op {
-    NewTask { req: Box<TaskRequest>, prompt_text: Option<String> },
-    Transition { task_id: String, t: Transition },
-    Finish { meta: Box<ResultMeta>, error_code: Option<String>, result_text: Option<String> },
-    Rejected { row: Box<RejectedCall> },
+    NewTask {
+        req: Box<TaskRequest>,
+        prompt_text: Option<String>,
+    },
+    Transition {
+        task_id: String,
+        t: Transition,
+    },
+    Finish {
+        meta: Box<ResultMeta>,
+        error_code: Option<String>,
+        result_text: Option<String>,
+        /// The answer kept with the task's idempotency key, if it has one.
+        idempotent_text: Option<String>,
+    },
+    Rejected {
+        row: Box<RejectedCall>,
+    },
+    Remember {
+        req: Box<durable::StoredRequest>,
+        ttl_ms: i64,
+    },
+    Started(String),
+    Forget {
+        tenant: String,
+        app: String,
+        key: String,
+        task_id: String,
+    },
+    Unfinished(oneshot::Sender<Vec<durable::Unfinished>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
+    Lookup {
+        tenant: String,
+        app: String,
+        key: String,
+        reply: oneshot::Sender<Option<durable::IdempotentRecord>>,
+    },
 }
 
 /// A call refused at admission, before it had a validated task.
@@ -145,6 +179,11 @@ impl Store {
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
         conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
+        conn.execute_batch(durable::SCHEMA).map_err(open_err)?;
+        let expired = durable::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
+        if expired > 0 {
+            tracing::info!(expired, "dropped expired idempotency keys");
+        }
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("edgeway-store".into())
@@ -200,11 +239,15 @@ impl Store {
 
     /// Records the final metadata. `result_text` is dropped unless prompts
     /// are stored.
-    pub fn finish(&self, meta: &ResultMeta, error_code: Option<&str>, result_text: Option<String>) {
+    /// With `idempotent`, the text is also kept with the task's idempotency
+    /// key (for the key's lifetime), whatever the prompt policy.
+    pub fn finish(&self, meta: &ResultMeta, error_code: Option<&str>, result_text: Option<String>, idempotent: bool) {
+        let idempotent_text = if idempotent { result_text.clone() } else { None };
         let _ = self.tx.send(Op::Finish {
             meta: Box::new(meta.clone()),
             error_code: error_code.map(str::to_string),
             result_text: result_text.filter(|_| self.store_prompts),
+            idempotent_text,
         });
     }
 
@@ -214,6 +257,40 @@ impl Store {
         if self.tx.send(Op::Flush(tx)).is_ok() {
             let _ = rx.await;
         }
+    }
+
+    /// Records an idempotency key and the request needed to queue the task
+    /// again after a restart (until it starts).
+    pub fn remember(&self, req: durable::StoredRequest, ttl_ms: i64) {
+        let _ = self.tx.send(Op::Remember { req: Box::new(req), ttl_ms });
+    }
+
+    /// The task has started on an engine: it will not be re-queued.
+    pub fn started(&self, task_id: &str) {
+        let _ = self.tx.send(Op::Started(task_id.to_string()));
+    }
+
+    /// Forgets a key whose task was refused, so a retry may start afresh.
+    pub fn forget_key(&self, tenant: &str, app: &str, key: &str, task_id: &str) {
+        let op = Op::Forget { tenant: tenant.into(), app: app.into(), key: key.into(), task_id: task_id.into() };
+        let _ = self.tx.send(op);
+    }
+
+    /// Tasks that were not terminal when the gateway last stopped.
+    pub async fn unfinished(&self) -> Vec<durable::Unfinished> {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Op::Unfinished(tx)).is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    /// A live idempotency key of this tenant and application.
+    pub async fn lookup_idempotency(&self, tenant: &str, app: &str, key: &str) -> Option<durable::IdempotentRecord> {
+        let (reply, rx) = oneshot::channel();
+        let op = Op::Lookup { tenant: tenant.into(), app: app.into(), key: key.into(), reply };
+        self.tx.send(op).ok()?;
+        rx.await.ok().flatten()
     }
 
     pub async fn get(&self, task_id: &str) -> Result<Option<TaskRecord>, StoreError> {
@@ -239,20 +316,50 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
         let res = (|| -> rusqlite::Result<()> {
             let txn = conn.transaction()?;
             for op in batch {
-                match op {
-                    Op::NewTask { req, prompt_text } => insert_task(&txn, &req, prompt_text)?,
-                    Op::Transition { task_id, t } => insert_transition(&txn, &task_id, &t)?,
-                    Op::Finish { meta, error_code, result_text } => finish_task(&txn, &meta, error_code, result_text)?,
-                    Op::Rejected { row } => insert_rejected(&txn, &row)?,
-                    Op::Flush(tx) => replies.push(Reply::Flush(tx)),
-                    Op::Get(id, tx) => replies.push(Reply::Get(id, tx)),
+                // One bad write must not roll back the others of the batch.
+                let r = match op {
+                    Op::NewTask { req, prompt_text } => insert_task(&txn, &req, prompt_text),
+                    Op::Transition { task_id, t } => insert_transition(&txn, &task_id, &t),
+                    Op::Finish { meta, error_code, result_text, idempotent_text } => {
+                        finish_task(&txn, &meta, error_code, result_text).and_then(|_| {
+                            durable::started(&txn, &meta.task_id)?;
+                            match idempotent_text {
+                                Some(t) => durable::keep_result(&txn, &meta.task_id, &t),
+                                None => Ok(()),
+                            }
+                        })
+                    }
+                    Op::Rejected { row } => insert_rejected(&txn, &row),
+                    Op::Remember { req, ttl_ms } => durable::remember_key(&txn, &req, ttl_ms, crate::task::now_ms()),
+                    Op::Started(id) => durable::started(&txn, &id),
+                    Op::Forget { tenant, app, key, task_id } => durable::forget(&txn, &tenant, &app, &key, &task_id),
+                    Op::Unfinished(tx) => {
+                        replies.push(Reply::Unfinished(tx));
+                        Ok(())
+                    }
+                    Op::Flush(tx) => {
+                        replies.push(Reply::Flush(tx));
+                        Ok(())
+                    }
+                    Op::Get(id, tx) => {
+                        replies.push(Reply::Get(id, tx));
+                        Ok(())
+                    }
+                    Op::Lookup { tenant, app, key, reply } => {
+                        replies.push(Reply::Lookup(tenant, app, key, reply));
+                        Ok(())
+                    }
+                };
+                if let Err(e) = r {
+                    metrics.store_errors.inc();
+                    tracing::error!(error = %e, "task store write failed");
                 }
             }
             txn.commit()
         })();
         if let Err(e) = res {
             metrics.store_errors.inc();
-            tracing::error!(error = %e, "task store write failed");
+            tracing::error!(error = %e, "task store commit failed");
         }
         for r in replies {
             match r {
@@ -262,12 +369,27 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
                 Reply::Get(id, tx) => {
                     let _ = tx.send(read_task(&conn, &id));
                 }
+                Reply::Unfinished(tx) => {
+                    let _ = tx.send(durable::unfinished(&conn).unwrap_or_else(|e| {
+                        tracing::error!(error = %e, "reading unfinished tasks failed");
+                        Vec::new()
+                    }));
+                }
+                Reply::Lookup(tenant, app, key, tx) => {
+                    let r = durable::lookup(&conn, &tenant, &app, &key, crate::task::now_ms());
+                    let _ = tx.send(r.unwrap_or_else(|e| {
+                        tracing::error!(error = %e, "idempotency lookup failed");
+                        None
+                    }));
+                }
             }
         }
     }
 }
 
 enum Reply {
+    Unfinished(oneshot::Sender<Vec<durable::Unfinished>>),
+    Lookup(String, String, String, oneshot::Sender<Option<durable::IdempotentRecord>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
 }

@@ -93,7 +93,7 @@ impl Recorder {
         result_text: Option<String>,
     ) {
         self.store.transition(&req.task_id, meta.status, reason, instance, actor);
-        self.store.finish(meta, error_code, result_text);
+        self.store.finish(meta, error_code, result_text, req.idempotency_key.is_some());
         self.publish(req, meta.status, reason, instance, actor, error_code, Some(meta));
     }
 

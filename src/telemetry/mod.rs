@@ -36,6 +36,19 @@ pub struct Metrics {
     pub engine_up: IntGaugeVec,
     /// Store writes that could not be made (the task itself went on).
     pub store_errors: IntGauge,
+    /// 1 while the NATS bus is connected (0 when off or down).
+    pub nats_connected: IntGauge,
+    /// NATS connection events (`connected`, `disconnected`, `lame_duck`,
+    /// `slow_consumer`, `server_error`, `client_error`).
+    pub nats_connection_events: IntCounterVec,
+    /// Lifecycle events published on `{prefix}.events.…`.
+    pub nats_events_published: IntCounterVec,
+    /// Lifecycle events lost, by reason (`lagged`, `queue_full`,
+    /// `publish_error`, `shutdown`).
+    pub nats_events_dropped: IntCounterVec,
+    /// NATS reply streams whose caller was gone (task cancelled), by how it
+    /// was noticed (`no_responders`, `bus_unavailable`).
+    pub nats_callers_lost: IntCounterVec,
 }
 
 impl Metrics {
@@ -74,6 +87,31 @@ impl Metrics {
             running: gauge("running_tasks", "Tasks holding an engine slot", &["engine"]),
             engine_up: gauge("engine_up", "1 when the engine instance passes health checks", &["engine"]),
             store_errors,
+            nats_connected: {
+                let g = IntGauge::new("nats_connected", "1 while the NATS bus is connected").expect("valid metric");
+                registry.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            nats_connection_events: counter(
+                "nats_connection_events_total",
+                "NATS connection events, by event",
+                &["event"],
+            ),
+            nats_events_published: counter(
+                "nats_events_published_total",
+                "Lifecycle events published on NATS, by state",
+                &["state"],
+            ),
+            nats_events_dropped: counter(
+                "nats_events_dropped_total",
+                "Lifecycle events not published on NATS, by reason",
+                &["reason"],
+            ),
+            nats_callers_lost: counter(
+                "nats_callers_lost_total",
+                "NATS reply streams cancelled because the caller was gone, by reason",
+                &["reason"],
+            ),
             registry,
         }
     }

@@ -99,6 +99,12 @@ impl FakeEngine {
         let addr = listener.local_addr().expect("local addr");
         let shutdown = CancellationToken::new();
         let sd = shutdown.clone();
+        // Like llama-server (cpp-httplib built with CPPHTTPLIB_TCP_NODELAY),
+        // vLLM (uvicorn) and Ollama (Go): small SSE writes go out at once
+        // instead of waiting for the client's delayed ACK (Nagle, ~40 ms).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).with_graceful_shutdown(sd.cancelled_owned()).await;
         });

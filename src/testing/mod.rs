@@ -3,6 +3,7 @@
 //! behaviour.
 
 pub mod fake_engine;
+pub mod nats_server;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -11,12 +12,13 @@ use crate::config::Config;
 use crate::gateway::{self, RunningGateway};
 
 pub use fake_engine::{FakeEngine, Knobs};
+pub use nats_server::NatsServer;
 
 /// API keys of the test configs (the same as the example config's).
 pub const DEMO_KEY: &str = "sk-edgeway-demo";
 pub const OPS_KEY: &str = "sk-edgeway-ops";
 
-/// A minimal config: applications `demo` (P1–P4) and `ops` (P0–P4), one
+/// A minimal config: applications `demo` (P1–P4) and `ops` (P0–P4, admin), one
 /// engine `fake` of `kind` at `engine_url` serving model `general-chat`.
 /// `extra` is TOML appended inside `[models.general-chat]`: bare keys set
 /// that model's options, and later `[section]` headers add sections.
@@ -41,6 +43,7 @@ tenant = "demo"
 api_key_sha256 = ["{ops}"]
 max_priority = "P0"
 default_priority = "P1"
+admin = true
 [engines.fake]
 type = "{kind}"
 base_url = "{engine_url}"

@@ -1,6 +1,6 @@
 //! Helpers shared by the integration tests: an HTTP client, SSE parsing and
 //! reading the task store file.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::time::Duration;
 

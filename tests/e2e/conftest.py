@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("EDGEWAY_CACHE", Path.home() / ".cache" / "edgeway"))
 LLAMA_BIN = CACHE / "bin" / "llama-server"
 MODEL = CACHE / "models" / "gemma-3-270m-q4_k_m.gguf"
+NATS_BIN = CACHE / "bin" / "nats-server"
 EDGEWAY_BIN = Path(os.environ.get("EDGEWAY_BIN", ROOT / "target" / "debug" / "edgeway"))
 
 DEMO_KEY = "sk-edgeway-demo"
@@ -70,6 +71,24 @@ def workdir():
 
 
 @pytest.fixture(scope="session")
+def nats(workdir):
+    """URL of a nats-server (with JetStream) on a free port; edgeway uses it."""
+    assert NATS_BIN.exists(), f"{NATS_BIN} missing: run scripts/setup-deps.sh"
+    port = free_port()
+    log = workdir / "nats-server.log"
+    proc = Proc([str(NATS_BIN), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(workdir / "jetstream")],
+                dict(os.environ), log)
+    try:
+        deadline = time.monotonic() + 20
+        while b"Server is ready" not in log.read_bytes():
+            assert proc.p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
 def llama(workdir):
     """URL of a llama-server with 2 slots and /slots enabled."""
     assert LLAMA_BIN.exists(), f"{LLAMA_BIN} missing: run scripts/setup-deps.sh"
@@ -114,25 +133,30 @@ class Edgeway:
 
 
 @pytest.fixture(scope="session")
-def edgeway(llama, workdir):
+def edgeway(llama, nats, workdir):
     """The edgeway binary with config/edgeway.toml, pointed at `llama`."""
     assert EDGEWAY_BIN.exists(), f"{EDGEWAY_BIN} missing: cargo build"
     port = free_port()
+    mqtt_port = free_port()
     data = workdir / "data"
     env = dict(os.environ)
     env.update({
         "EDGEWAY__HTTP__LISTEN": f"127.0.0.1:{port}",
+        "EDGEWAY__MQTT__LISTEN": f"127.0.0.1:{mqtt_port}",
         "EDGEWAY__STORE__DATA_DIR": str(data),
         "EDGEWAY__ENGINES__LLAMA_LOCAL__BASE_URL": llama,
         "EDGEWAY__ENGINES__LLAMA_LOCAL__HEALTH_INTERVAL_MS": "500",
         "EDGEWAY__LOG__FORMAT": "json",
+        "EDGEWAY__NATS__URL": nats,
     })
     log = workdir / "edgeway.log"
     proc = Proc([str(EDGEWAY_BIN), "serve", "--config", "config/edgeway.toml"], env, log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/ready", 60, proc.p, log)
-        yield Edgeway(url, data / "edgeway.db")
+        e = Edgeway(url, data / "edgeway.db")
+        e.mqtt_port = mqtt_port  # the embedded MQTT broker (tests/e2e/test_mqtt*.py)
+        yield e
     finally:
         proc.stop()
 

@@ -7,6 +7,7 @@
 
 mod chat;
 mod errors;
+mod tasks;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,6 +34,9 @@ fn business_routes(state: AppState) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(list_models))
+        .route("/v1/tasks", post(tasks::create))
+        .route("/v1/tasks/{id}", get(tasks::get).delete(tasks::cancel))
+        .route("/v1/tasks/{id}/events", get(tasks::events))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -146,6 +150,8 @@ async fn ready(State(gw): State<AppState>) -> Response {
         "models": models,
         "instances": snap.instances,
         "queues": snap.queues,
+        // Reported, but readiness does not depend on the bus.
+        "nats": gw.nats.to_json(),
     });
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, Json(body)).into_response()

@@ -17,13 +17,20 @@ fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
             max_concurrency: slots,
             reserved_realtime_slots: reserved,
             memory_budget_bytes: None,
+            local: true,
         }],
         apps: HashMap::new(),
         tenant_weights: HashMap::new(),
         max_queued: None,
         max_running: None,
         aging: None,
-        backpressure: Backpressure { refuse_p4: 2.0, shorten_low_waits: 2.0, cap_output: 2.0, refuse_p3: 2.0, capped_output_tokens: 64 },
+        backpressure: Backpressure {
+            refuse_p4: 2.0,
+            shorten_low_waits: 2.0,
+            cap_output: 2.0,
+            refuse_p3: 2.0,
+            capped_output_tokens: 64,
+        },
         busy_retry_after_ms: 1000,
     }
 }
@@ -38,6 +45,7 @@ fn task(id: &str, p: Priority, app: &str) -> TaskInfo {
         user: "u".into(),
         input_tokens: 10,
         max_output_tokens: 100,
+        local_only: false,
     }
 }
 
@@ -284,9 +292,11 @@ fn sim_config() -> PolicyConfig {
         max_concurrency: 2,
         reserved_realtime_slots: 0,
         memory_budget_bytes: Some(100_000),
+        local: true,
     });
     c.apps.insert("a0".into(), AppPolicy { weight: 2.0, max_running: Some(2), ..AppPolicy::default() });
-    c.apps.insert("a1".into(), AppPolicy { user_max_running: Some(1), user_max_queued: Some(4), ..AppPolicy::default() });
+    c.apps
+        .insert("a1".into(), AppPolicy { user_max_running: Some(1), user_max_queued: Some(4), ..AppPolicy::default() });
     c.max_queued = Some(15);
     c.aging = Some(Duration::from_secs(2));
     c.backpressure = Backpressure::default();
@@ -319,6 +329,7 @@ proptest! {
                         user: format!("u{user}"),
                         input_tokens: input,
                         max_output_tokens: 500,
+                        local_only: false,
                     };
                     if p.enqueue(info, now).is_ok() {
                         accepted.insert(id, 0);

@@ -1,0 +1,340 @@
+//! What the NATS ingress and the lifecycle publisher cost.
+//!
+//! Everything runs in this process on a multi-threaded runtime: a real
+//! `nats-server` (child process, free port), the fake engine with zero
+//! delays, and a gateway (`TestGateway`) with `[nats]` on.
+//!
+//! 1. Time to first delta, one request at a time (closed loop), requests
+//!    interleaved: straight to the fake engine over HTTP (its time to the
+//!    first content chunk), through edgeway over HTTP/SSE, and through
+//!    edgeway over NATS (publish on `ai.v1.chat` → first `delta` message on
+//!    the caller's inbox). p50/p90/p99/max and the difference to direct.
+//! 2. Lifecycle events of real tasks: `--workers` concurrent callers submit
+//!    tasks straight into the gateway (no ingress in between) for
+//!    `--seconds`; every task publishes 7 transitions. Reports tasks/s,
+//!    events published/s, events a NATS subscriber received/s, drops.
+//! 3. The publisher alone: synthetic transitions of one task fed into the
+//!    recorder as fast as the publisher keeps up (the producer waits when
+//!    more than 2048 are in flight, so nothing is dropped), for `--seconds`.
+//!
+//! ```text
+//! cargo bench --bench nats -- --requests 2000 --seconds 5
+//! ```
+//!
+//! Results are printed as Markdown and written to `bench/results/`.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context as _, Result};
+use async_nats::HeaderMap;
+use clap::Parser;
+use edgeway::admission::request::parse_body;
+use edgeway::ingress::nats::BusState;
+use edgeway::task::{Ingress, TaskState};
+use edgeway::testing::{FakeEngine, Knobs, NatsServer, TestGateway, DEMO_KEY};
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+#[derive(Parser, Debug)]
+#[command(about = "edgeway NATS benchmark: request → first delta, lifecycle event rate")]
+struct Args {
+    /// Measured requests per path in the time-to-first-delta phase.
+    #[arg(long, default_value_t = 2000)]
+    requests: usize,
+    /// Unrecorded requests per path first.
+    #[arg(long, default_value_t = 200)]
+    warmup: usize,
+    /// Tokens per answer from the fake engine.
+    #[arg(long, default_value_t = 8)]
+    tokens: u32,
+    /// Seconds of each event-rate phase.
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
+    /// Concurrent task submitters in the event-rate phase.
+    #[arg(long, default_value_t = 32)]
+    workers: usize,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    edgeway::tls::install_default_provider();
+    if NatsServer::binary().is_none() {
+        bail!("nats-server not found: run scripts/setup-deps.sh");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let (report, json_out) = rt.block_on(run(&args))?;
+    println!("\n{report}");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/results");
+    std::fs::create_dir_all(&dir)?;
+    let stem = format!("nats-{}", SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs());
+    std::fs::write(dir.join(format!("{stem}.json")), serde_json::to_string_pretty(&json_out)?)?;
+    std::fs::write(dir.join(format!("{stem}.md")), &report)?;
+    println!("results written to {}", dir.join(format!("{stem}.md")).display());
+    Ok(())
+}
+
+async fn run(args: &Args) -> Result<(String, Value)> {
+    let nats = NatsServer::start(false).await;
+    let fake = FakeEngine::start_with(Knobs { tokens: args.tokens, ..Knobs::default() }).await;
+    let extra = format!(
+        "queue_capacity = 100000\n[log]\nlevel = \"warn\"\n[nats]\nurl = \"{}\"\nevents_queue_capacity = 65536\n",
+        nats.url()
+    );
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", &extra, |t| {
+        t.replace("max_concurrency = 2", "max_concurrency = 1024")
+    })
+    .await;
+    gw.wait_ready().await;
+    gw.gateway().nats.wait_for(BusState::Connected).await;
+    let client = async_nats::connect(nats.url()).await?;
+
+    let mut report = String::new();
+    writeln!(report, "# edgeway NATS benchmark\n")?;
+    writeln!(report, "{}\n", machine_line())?;
+    let mut out = json!({ "machine": machine_line(), "args": format!("{args:?}") });
+
+    // 1. Time to first delta.
+    let http = reqwest::Client::builder().http1_only().tcp_nodelay(true).build()?;
+    let direct_body = json!({"model": "fake-model", "stream": true, "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Say hello"}]})
+    .to_string();
+    let gw_body = json!({"model": "general-chat", "stream": true, "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Say hello"}]})
+    .to_string();
+    let mut auth = HeaderMap::new();
+    auth.insert("Authorization", format!("Bearer {DEMO_KEY}").as_str());
+    let (mut direct, mut via_http, mut via_nats) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..args.warmup + args.requests {
+        let d = sse_first_content(&http, &format!("{}/v1/chat/completions", fake.url()), None, &direct_body).await?;
+        let h = sse_first_content(&http, &format!("{}/v1/chat/completions", gw.base_url), Some(DEMO_KEY), &gw_body)
+            .await?;
+        let n = nats_first_delta(&client, &auth, &gw_body).await?;
+        if i >= args.warmup {
+            direct.push(d);
+            via_http.push(h);
+            via_nats.push(n);
+        }
+    }
+    writeln!(
+        report,
+        "## Time to first delta ({} requests per path, one at a time, {} tokens)\n",
+        args.requests, args.tokens
+    )?;
+    writeln!(report, "| path | p50 µs | p90 µs | p99 µs | max µs | p50 added | p99 added |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|")?;
+    for v in [&mut direct, &mut via_http, &mut via_nats] {
+        v.sort_unstable();
+    }
+    let row = |name: &str, v: &[u64], base: &[u64]| {
+        format!(
+            "| {name} | {} | {} | {} | {} | {} | {} |",
+            pct(v, 0.5),
+            pct(v, 0.9),
+            pct(v, 0.99),
+            v.last().copied().unwrap_or(0),
+            pct(v, 0.5) as i64 - pct(base, 0.5) as i64,
+            pct(v, 0.99) as i64 - pct(base, 0.99) as i64,
+        )
+    };
+    writeln!(report, "{}", row("fake engine, direct (HTTP/SSE)", &direct, &direct))?;
+    writeln!(report, "{}", row("edgeway HTTP/SSE", &via_http, &direct))?;
+    writeln!(report, "{}", row("edgeway NATS (`ai.v1.chat`)", &via_nats, &direct))?;
+    for (k, v) in [("direct", &direct), ("edgeway_http", &via_http), ("edgeway_nats", &via_nats)] {
+        out["first_delta_us"][k] = json!({"p50": pct(v, 0.5), "p90": pct(v, 0.9), "p99": pct(v, 0.99),
+            "max": v.last().copied().unwrap_or(0)});
+    }
+
+    // 2. Lifecycle events of real tasks.
+    let m = gw.gateway().metrics.clone();
+    let published = || m.nats_events_published.collect()[0].get_metric().iter().map(|x| x.get_counter().value()).sum::<f64>() as u64;
+    let dropped = || m.nats_events_dropped.collect()[0].get_metric().iter().map(|x| x.get_counter().value()).sum::<f64>() as u64;
+    let received = Arc::new(AtomicU64::new(0));
+    let listener = async_nats::connect(nats.url()).await?;
+    let mut sub = listener.subscribe("ai.v1.events.>").await?;
+    listener.flush().await?;
+    let r = received.clone();
+    tokio::spawn(async move {
+        while sub.next().await.is_some() {
+            r.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let (p0, d0, r0) = (published(), dropped(), received.load(Ordering::Relaxed));
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks = Arc::new(AtomicU64::new(0));
+    let t0 = Instant::now();
+    let mut workers = Vec::new();
+    let body = json!({"model": "general-chat", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+        .to_string();
+    for _ in 0..args.workers {
+        let (gw, stop, tasks, body) = (gw.gateway().clone(), stop.clone(), tasks.clone(), body.clone());
+        workers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let who = gw.auth.authenticate(Some(DEMO_KEY)).expect("demo key");
+                let req = parse_body(body.as_bytes()).expect("body");
+                if let Ok(mut s) = gw.submit(who, req, Ingress::Nats, None).await {
+                    while s.recv().await.is_some() {}
+                    tasks.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(args.seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await?;
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let (p1, d1) = (published(), dropped());
+    settle(&received).await;
+    let got = received.load(Ordering::Relaxed) - r0;
+    let n_tasks = tasks.load(Ordering::Relaxed);
+    writeln!(report, "\n## Lifecycle events of real tasks ({} submitters, {} s)\n", args.workers, args.seconds)?;
+    writeln!(report, "| tasks/s | events published/s | events received by a subscriber/s | dropped |")?;
+    writeln!(report, "|---|---|---|---|")?;
+    writeln!(
+        report,
+        "| {:.0} | {:.0} | {:.0} | {} |",
+        n_tasks as f64 / elapsed,
+        (p1 - p0) as f64 / elapsed,
+        got as f64 / elapsed,
+        d1 - d0
+    )?;
+    out["tasks"] = json!({"tasks_per_s": n_tasks as f64 / elapsed, "published_per_s": (p1 - p0) as f64 / elapsed,
+        "received_per_s": got as f64 / elapsed, "dropped": d1 - d0});
+
+    // 3. The publisher alone.
+    let who = gw.gateway().auth.authenticate(Some(DEMO_KEY)).expect("demo key");
+    let req = edgeway::admission::admit(
+        &gw.gateway().config,
+        who,
+        parse_body(body.as_bytes()).expect("body"),
+        Ingress::Nats,
+        None,
+    )
+    .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let recorder = gw.gateway().recorder.clone();
+    let (p0, d0, r0) = (published(), dropped(), received.load(Ordering::Relaxed));
+    let t0 = Instant::now();
+    let mut produced = 0u64;
+    while t0.elapsed() < Duration::from_secs(args.seconds) {
+        for _ in 0..256 {
+            recorder.transition(&req, TaskState::Running, "bench", None, "bench");
+        }
+        produced += 256;
+        while produced - (published() - p0) - (dropped() - d0) > 2048 {
+            tokio::task::yield_now().await;
+        }
+    }
+    while published() - p0 + dropped() - d0 < produced && t0.elapsed() < Duration::from_secs(args.seconds + 10) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let (p1, d1) = (published(), dropped());
+    settle(&received).await;
+    let got = received.load(Ordering::Relaxed) - r0;
+    writeln!(report, "\n## The lifecycle publisher alone ({} s, synthetic transitions)\n", args.seconds)?;
+    writeln!(report, "| events produced | published/s | received by a subscriber/s | dropped |")?;
+    writeln!(report, "|---|---|---|---|")?;
+    writeln!(
+        report,
+        "| {produced} | {:.0} | {:.0} | {} |",
+        (p1 - p0) as f64 / elapsed,
+        got as f64 / elapsed,
+        d1 - d0
+    )?;
+    out["publisher"] = json!({"produced": produced, "published_per_s": (p1 - p0) as f64 / elapsed,
+        "received_per_s": got as f64 / elapsed, "dropped": d1 - d0});
+    gw.stop().await;
+    Ok((report, out))
+}
+
+/// Waits until the subscriber's count stops growing.
+async fn settle(received: &AtomicU64) {
+    let mut last = u64::MAX;
+    while received.load(Ordering::Relaxed) != last {
+        last = received.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Microseconds from sending a streamed chat request until the first SSE
+/// chunk with content; the rest of the stream is read and dropped.
+async fn sse_first_content(http: &reqwest::Client, url: &str, key: Option<&str>, body: &str) -> Result<u64> {
+    let t0 = Instant::now();
+    let mut req = http.post(url).header("content-type", "application/json").body(body.to_string());
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    let resp = req.send().await?;
+    if !resp.status().is_success() {
+        bail!("{url}: {}", resp.status());
+    }
+    let mut stream = resp.bytes_stream();
+    let mut first = None;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk?;
+        if first.is_none() && memchr(&chunk, b"\"content\":\"tok") {
+            first = Some(t0.elapsed().as_micros() as u64);
+        }
+    }
+    first.context("no content chunk")
+}
+
+fn memchr(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Microseconds from publishing on `ai.v1.chat` until the first `delta`
+/// message on the caller's inbox; the rest of the stream is read and dropped.
+async fn nats_first_delta(client: &async_nats::Client, auth: &HeaderMap, body: &str) -> Result<u64> {
+    let inbox = client.new_inbox();
+    let mut sub = client.subscribe(inbox.clone()).await?;
+    let t0 = Instant::now();
+    client.publish_with_reply_and_headers("ai.v1.chat", inbox, auth.clone(), body.to_string().into()).await?;
+    let mut first = None;
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(10), sub.next()).await?.context("inbox closed")?;
+        let kind = m.headers.as_ref().and_then(|h| h.get("Edgeway-Event")).map(|v| v.as_str().to_string());
+        match kind.as_deref() {
+            Some("delta") if first.is_none() => first = Some(t0.elapsed().as_micros() as u64),
+            Some("done") => break,
+            Some("error") => bail!("error event: {}", String::from_utf8_lossy(&m.payload)),
+            None => bail!("not an edgeway event: {:?}", m.status),
+            _ => {}
+        }
+    }
+    first.context("no delta")
+}
+
+fn machine_line() -> String {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load: Vec<&str> = load.split_whitespace().take(3).collect();
+    format!(
+        "Machine: {cores} cores ({cpu}); load average at start {}. nats-server, fake engine, edgeway and the \
+         load generator share these cores.",
+        load.join(" ")
+    )
+}
+
+/// Percentile `q` of sorted values (nearest rank); 0 when empty.
+fn pct(sorted: &[u64], q: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}

@@ -1,0 +1,2 @@
+//! devices-sim: simulates many devices on bad links against edgeway.
+fn main() {}

@@ -1,0 +1,151 @@
+//! The embedded rumqttd broker: its router (a thread of its own) and
+//! listeners (tasks on edgeway's runtime, stopped by the shutdown token),
+//! configured from `[mqtt]`.
+//!
+//! rumqttd's router has no topic ACL and quirks that shape the settings
+//! (see DESIGN.md): `RouterConfig::default()` is unusable, a publish that
+//! matches no filter disconnects its publisher, and a subscriber that lags
+//! further than its filter's in-memory log silently skips ahead. So:
+//! - two filters are created at start (`d/#`, `s/#`) that match every topic
+//!   a device or edgeway can publish, so no publish ever matches nothing;
+//! - each filter keeps about `filter_log_bytes` in memory; the filter that
+//!   carries requests to edgeway gets a larger log;
+//! - every listener uses [`DeviceProtocol`], which authenticates and
+//!   isolates devices.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::task::Poll;
+
+use rumqttd::local::{LinkBuilder, LinkRx, LinkTx};
+use rumqttd::{ConnectionSettings, LinkType, Router, RouterConfig, Server, ServerSettings, TlsConfig};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::protocol::{DeviceProtocol, ProtocolShared};
+use super::topics::{DEVICE_MOUNT, SHARED_MOUNT};
+use crate::config::MqttConfig;
+
+/// Where the broker listens.
+#[derive(Debug, Clone, Copy)]
+pub struct MqttAddrs {
+    pub mqtt: SocketAddr,
+    pub tls: Option<SocketAddr>,
+    pub ws: Option<SocketAddr>,
+}
+
+/// Makes local links to the router (edgeway's own connections).
+pub type LinkFactory = Box<dyn Fn(&str) -> anyhow::Result<(LinkTx, LinkRx)> + Send + Sync>;
+
+/// Local links of edgeway itself, on top of the device connections.
+const LOCAL_LINKS: usize = 8;
+
+fn router_config(cfg: &MqttConfig, gateway_filter: &str) -> RouterConfig {
+    // A filter keeps `count` segments of `size` bytes.
+    let count = 4;
+    let size = (cfg.filter_log_bytes / count).max(1024);
+    let mut custom = HashMap::new();
+    // Requests from every device share one filter: give it room for bursts.
+    custom.insert(
+        gateway_filter.to_string(),
+        rumqttd::SegmentConfig { max_segment_size: (cfg.max_packet_bytes * 4).max(size), max_segment_count: 16 },
+    );
+    RouterConfig {
+        max_connections: cfg.max_connections + LOCAL_LINKS,
+        max_outgoing_packet_count: 200,
+        max_segment_size: size,
+        max_segment_count: count,
+        custom_segment: Some(custom),
+        initialized_filters: Some(vec![format!("{DEVICE_MOUNT}#"), format!("{SHARED_MOUNT}#")]),
+        shared_subscriptions_strategy: Default::default(),
+    }
+}
+
+fn server_settings(name: &str, listen: SocketAddr, cfg: &MqttConfig, tls: Option<TlsConfig>) -> ServerSettings {
+    ServerSettings {
+        name: name.to_string(),
+        listen,
+        tls,
+        next_connection_delay_ms: 0,
+        connections: ConnectionSettings {
+            connection_timeout_ms: cfg.connect_timeout.as_millis().min(u16::MAX as u128) as u16,
+            max_payload_size: cfg.max_packet_bytes,
+            max_inflight_count: cfg.max_inflight,
+            // Authentication happens in DeviceProtocol, which can answer
+            // a refusal with a CONNACK.
+            auth: None,
+            external_auth: None,
+            dynamic_filters: false,
+        },
+    }
+}
+
+/// A concrete address for `addr` (port 0 picks a free port now; rumqttd
+/// binds by address and cannot report the port it got).
+fn concrete(addr: SocketAddr) -> std::io::Result<SocketAddr> {
+    if addr.port() != 0 {
+        return Ok(addr);
+    }
+    let l = std::net::TcpListener::bind(addr)?;
+    l.local_addr()
+}
+
+/// Starts the router and the listeners. Returns once every listener is
+/// bound.
+pub async fn start(
+    cfg: &MqttConfig,
+    shared: Arc<ProtocolShared>,
+    gateway_filter: &str,
+    tracker: &TaskTracker,
+    shutdown: CancellationToken,
+) -> anyhow::Result<(MqttAddrs, LinkFactory)> {
+    let router = Router::new(0, router_config(cfg, gateway_filter));
+    let router_tx = router.spawn();
+    let protocol = DeviceProtocol::new(shared);
+
+    let mut listeners = vec![("mqtt", cfg.listen, None, LinkType::Remote)];
+    if let Some(t) = &cfg.tls {
+        let tls = TlsConfig::Rustls {
+            capath: None,
+            certpath: t.cert_file.display().to_string(),
+            keypath: t.key_file.display().to_string(),
+        };
+        listeners.push(("mqtt-tls", t.listen, Some(tls), LinkType::Remote));
+    }
+    if let Some(ws) = cfg.ws_listen {
+        listeners.push(("mqtt-ws", ws, None, LinkType::Websocket));
+    }
+    let mut bound = Vec::new();
+    for (name, listen, tls, link_type) in listeners {
+        let listen = concrete(listen).map_err(|e| anyhow::anyhow!("mqtt listener {name} on {listen}: {e}"))?;
+        let mut server = Server::new(server_settings(name, listen, cfg, tls), router_tx.clone(), protocol.clone());
+        let mut accept = Box::pin(async move { server.start(link_type).await });
+        // The first poll binds the listener (or fails): after it, clients
+        // can connect.
+        if let Poll::Ready(r) = futures::poll!(accept.as_mut()) {
+            let e = r.err().map(|e| e.to_string()).unwrap_or_else(|| "stopped".into());
+            anyhow::bail!("mqtt listener {name} on {listen}: {e}");
+        }
+        let sd = shutdown.clone();
+        tracker.spawn(async move {
+            tokio::select! {
+                _ = sd.cancelled() => {}
+                r = accept => if let Err(e) = r {
+                    tracing::error!(listener = name, error = %e, "MQTT listener failed");
+                },
+            }
+        });
+        bound.push(listen);
+    }
+    let addrs = MqttAddrs {
+        mqtt: bound[0],
+        tls: cfg.tls.as_ref().map(|_| bound[1]),
+        ws: cfg.ws_listen.map(|_| *bound.last().expect("ws bound")),
+    };
+    let factory: LinkFactory = Box::new(move |id: &str| {
+        let (tx, rx, _ack) = LinkBuilder::new(id, router_tx.clone()).build().map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok((tx, rx))
+    });
+    Ok((addrs, factory))
+}

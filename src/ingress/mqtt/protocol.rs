@@ -1,0 +1,317 @@
+//! [`DeviceProtocol`]: the codec every device connection goes through. It
+//! wraps rumqttd's MQTT 3.1.1 and 5 codecs (rumqttd clones it once per
+//! connection, and its `read_mut` sees every packet before the router
+//! does), which is where edgeway enforces what rumqttd lacks:
+//!
+//! - **One port, both versions**: the protocol level of CONNECT picks the
+//!   codec.
+//! - **Authentication with a CONNACK**: the device id, user name and
+//!   password (or JWT) are checked here. A refused CONNECT is replaced by a
+//!   harmless placeholder (unique id, no will, clean session) so that
+//!   rumqttd answers it, and its CONNACK is rewritten to the refusal code
+//!   (rumqttd's own auth hook would close the socket without a CONNACK, and
+//!   a device could not tell bad credentials from a bad network).
+//! - **Isolation by construction**: every topic, filter and will topic of
+//!   the device is mounted under `d/{device}/` (see [`super::topics`]), and
+//!   unmounted on the way out. A device subscribing to `#` only ever
+//!   matches its own subtree.
+//! - **Presence**: authenticated connections report when they start and,
+//!   when the codec is dropped with the connection, when they end.
+//! - rumqttd quirks: `keep_alive = 0` (refused by rumqttd) becomes the
+//!   longest keep-alive; broker-side topic aliases (rumqttd assigns them per
+//!   filter, not per topic) are never enabled; MQTT 5 properties never
+//!   reach a 3.1.1 codec; the MQTT 5 message expiry of a request is carried
+//!   to edgeway as an absolute time instead of letting the router drop the
+//!   message silently.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::{Buf, BytesMut};
+use rumqttd::protocol::v4::V4;
+use rumqttd::protocol::v5::V5;
+use rumqttd::protocol::{ConnAckProperties, Connect, ConnectReturnCode, Error, Packet, Protocol, PublishProperties};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::auth::{DeviceDirectory, Refusal};
+use super::requests::Sessions;
+use super::topics::{mount_filter, mount_topic, unmount, Topics};
+use crate::task::Identity;
+
+/// User property that carries a request's MQTT 5 message expiry to edgeway
+/// as unix milliseconds.
+pub const EXPIRES_AT_PROPERTY: &str = "edgeway-expires-at-ms";
+
+/// A device connection starting or ending.
+#[derive(Debug, Clone)]
+pub enum Presence {
+    Connected { device: String, conn: u64, identity: Identity },
+    Disconnected { device: String, conn: u64 },
+}
+
+/// What all connections share.
+pub struct ProtocolShared {
+    pub directory: DeviceDirectory,
+    pub topics: Topics,
+    /// Updated at once (before the router sees the connection), then the
+    /// event is sent on `presence`.
+    pub sessions: Arc<Sessions>,
+    pub presence: UnboundedSender<Presence>,
+    next_conn: AtomicU64,
+}
+
+impl ProtocolShared {
+    pub fn new(
+        directory: DeviceDirectory,
+        topics: Topics,
+        sessions: Arc<Sessions>,
+        presence: UnboundedSender<Presence>,
+    ) -> Self {
+        ProtocolShared { directory, topics, sessions, presence, next_conn: AtomicU64::new(1) }
+    }
+
+    fn report(&self, p: Presence) {
+        self.sessions.apply(&p);
+        let _ = self.presence.send(p);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Version {
+    Unknown,
+    V4,
+    V5,
+}
+
+/// The codec of one device connection (the prototype given to rumqttd's
+/// `Server` is never used for a connection itself).
+pub struct DeviceProtocol {
+    shared: Arc<ProtocolShared>,
+    version: Version,
+    /// The authenticated device and this connection's number.
+    device: Option<(String, u64)>,
+    refused: Option<Refusal>,
+    /// Device-view request topic, for the expiry rewrite.
+    request_topic: String,
+}
+
+impl DeviceProtocol {
+    pub fn new(shared: Arc<ProtocolShared>) -> Self {
+        DeviceProtocol { shared, version: Version::Unknown, device: None, refused: None, request_topic: String::new() }
+    }
+}
+
+impl Clone for DeviceProtocol {
+    /// A fresh connection state: rumqttd clones the prototype per
+    /// connection.
+    fn clone(&self) -> Self {
+        DeviceProtocol::new(self.shared.clone())
+    }
+}
+
+impl Drop for DeviceProtocol {
+    fn drop(&mut self) {
+        if let Some((device, conn)) = self.device.take() {
+            self.shared.report(Presence::Disconnected { device, conn });
+        }
+    }
+}
+
+/// The protocol level of a framed CONNECT at the start of `stream`.
+fn connect_level(stream: &BytesMut, max_size: usize) -> Result<(usize, u8, bool), Error> {
+    let fh = rumqttd::protocol::v4::check(stream.iter(), max_size)?;
+    if stream[0] >> 4 != 1 {
+        // The first packet must be CONNECT.
+        return Err(Error::IncorrectPacketFormat);
+    }
+    let body = &stream[fh.fixed_header_len..fh.frame_length()];
+    if body.len() < 2 {
+        return Err(Error::MalformedPacket);
+    }
+    let name_len = u16::from_be_bytes([body[0], body[1]]) as usize;
+    let level = *body.get(2 + name_len).ok_or(Error::MalformedPacket)?;
+    let is_mqtt = &body[2..2 + name_len] == b"MQTT";
+    Ok((fh.frame_length(), level, is_mqtt))
+}
+
+impl DeviceProtocol {
+    fn placeholder_connect(&mut self, why: Refusal) -> Packet {
+        self.refused = Some(why);
+        let n = self.shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        // '@' is not a device id character: no collision with a device.
+        let connect = Connect { keep_alive: 1, client_id: format!("@refused-{n}"), clean_session: true };
+        Packet::Connect(connect, None, None, None, None)
+    }
+
+    fn mounted_device(&self) -> Result<&str, Error> {
+        self.device.as_ref().map(|(d, _)| d.as_str()).ok_or(Error::InvalidProtocol)
+    }
+
+    /// Device → router.
+    fn inbound(&mut self, packet: Packet) -> Result<Packet, Error> {
+        match packet {
+            Packet::Connect(mut connect, props, will, will_props, login) => {
+                let (user, password) = match &login {
+                    Some(l) => (Some(l.username.as_str()), l.password.as_str()),
+                    None => (None, ""),
+                };
+                let (device, identity) = match self.shared.directory.authenticate(&connect.client_id, user, password) {
+                    Ok((device, id)) => (device.to_string(), id),
+                    Err(why) => {
+                        tracing::info!(client_id = %connect.client_id, reason = why.reason(), "MQTT CONNECT refused");
+                        return Ok(self.placeholder_connect(why));
+                    }
+                };
+                let conn = self.shared.next_conn.fetch_add(1, Ordering::Relaxed);
+                self.request_topic = format!("{}req", self.shared.topics.device_space(&device));
+                let will = will.map(|mut w| {
+                    w.topic = mount_topic(&device, &String::from_utf8_lossy(&w.topic)).into();
+                    w
+                });
+                let props = props.map(|mut p| {
+                    p.topic_alias_max = None;
+                    p
+                });
+                if connect.keep_alive == 0 {
+                    connect.keep_alive = u16::MAX;
+                }
+                self.shared.report(Presence::Connected { device: device.clone(), conn, identity });
+                self.device = Some((device, conn));
+                Ok(Packet::Connect(connect, props, will, will_props, login))
+            }
+            Packet::Publish(mut publish, mut props) => {
+                let device = self.mounted_device()?.to_string();
+                if !publish.topic.is_empty() {
+                    let topic = std::str::from_utf8(&publish.topic).map_err(|_| Error::TopicNotUtf8)?;
+                    if topic.contains(['+', '#']) {
+                        return Err(Error::MalformedPacket);
+                    }
+                    if topic == self.request_topic {
+                        if let Some(p) = props.as_mut() {
+                            expiry_to_property(p);
+                        }
+                    }
+                    publish.topic = mount_topic(&device, topic).into();
+                }
+                Ok(Packet::Publish(publish, props))
+            }
+            Packet::Subscribe(mut sub, props) => {
+                let device = self.mounted_device()?;
+                let shared = self.shared.topics.shared_prefix();
+                for f in &mut sub.filters {
+                    f.path = mount_filter(device, &shared, &f.path);
+                }
+                Ok(Packet::Subscribe(sub, props))
+            }
+            Packet::Unsubscribe(mut unsub, props) => {
+                let device = self.mounted_device()?;
+                let shared = self.shared.topics.shared_prefix();
+                for f in &mut unsub.filters {
+                    *f = mount_filter(device, &shared, f);
+                }
+                Ok(Packet::Unsubscribe(unsub, props))
+            }
+            other => {
+                self.mounted_device()?;
+                Ok(other)
+            }
+        }
+    }
+
+    /// Router → device.
+    fn outbound(&self, packet: Packet) -> Result<Packet, Error> {
+        let v5 = self.version == Version::V5;
+        Ok(match packet {
+            Packet::ConnAck(mut ack, props) => match self.refused {
+                Some(why) => {
+                    ack.session_present = false;
+                    ack.code = match (why, v5) {
+                        (Refusal::ClientIdNotValid, _) => ConnectReturnCode::ClientIdentifierNotValid,
+                        (Refusal::BadCredentials, _) => ConnectReturnCode::BadUserNamePassword,
+                        (Refusal::ProtocolVersion, false) => ConnectReturnCode::RefusedProtocolVersion,
+                        (Refusal::ProtocolVersion, true) => ConnectReturnCode::UnsupportedProtocolVersion,
+                    };
+                    let props = v5.then(|| ConnAckProperties {
+                        reason_string: Some(why.reason().to_string()),
+                        ..Default::default()
+                    });
+                    Packet::ConnAck(ack, props)
+                }
+                None => Packet::ConnAck(ack, if v5 { props } else { None }),
+            },
+            Packet::Publish(mut publish, props) => {
+                let device = self.mounted_device()?;
+                let internal = std::str::from_utf8(&publish.topic).map_err(|_| Error::TopicNotUtf8)?;
+                // The mounting rules make this impossible; fail closed.
+                let topic = unmount(device, internal).ok_or(Error::InvalidProtocol)?.to_string();
+                publish.topic = topic.into();
+                let props = if v5 {
+                    props.map(|mut p| {
+                        p.topic_alias = None;
+                        p
+                    })
+                } else {
+                    None
+                };
+                Packet::Publish(publish, props)
+            }
+            other if v5 => other,
+            Packet::PubAck(p, _) => Packet::PubAck(p, None),
+            Packet::SubAck(p, _) => Packet::SubAck(p, None),
+            Packet::UnsubAck(p, _) => Packet::UnsubAck(p, None),
+            Packet::PubRec(p, _) => Packet::PubRec(p, None),
+            Packet::PubRel(p, _) => Packet::PubRel(p, None),
+            Packet::PubComp(p, _) => Packet::PubComp(p, None),
+            Packet::Disconnect(p, _) => Packet::Disconnect(p, None),
+            other => other,
+        })
+    }
+}
+
+/// Replaces a relative MQTT 5 message expiry by an absolute one in a user
+/// property, so that edgeway, not the router, decides what happens to a
+/// stale request.
+fn expiry_to_property(p: &mut PublishProperties) {
+    if let Some(secs) = p.message_expiry_interval.take() {
+        p.user_properties.retain(|(k, _)| k != EXPIRES_AT_PROPERTY);
+        let at = crate::task::now_ms() + i64::from(secs) * 1000;
+        p.user_properties.push((EXPIRES_AT_PROPERTY.to_string(), at.to_string()));
+    }
+}
+
+impl Protocol for DeviceProtocol {
+    fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error> {
+        if self.refused.is_some() {
+            // Nothing after a refused CONNECT: the connection ends.
+            return Err(Error::InvalidProtocol);
+        }
+        if self.version == Version::Unknown {
+            let (frame, level, is_mqtt) = connect_level(stream, max_size)?;
+            match (is_mqtt, level) {
+                (true, 4) => self.version = Version::V4,
+                (true, 5) => self.version = Version::V5,
+                _ => {
+                    // MQTT 3.1 ("MQIsdp") and unknown levels: a 3.1.1 refusal.
+                    stream.advance(frame);
+                    self.version = Version::V4;
+                    return Ok(self.placeholder_connect(Refusal::ProtocolVersion));
+                }
+            }
+        }
+        let packet = match self.version {
+            Version::V4 => V4.read_mut(stream, max_size)?,
+            Version::V5 => V5.read_mut(stream, max_size)?,
+            Version::Unknown => unreachable!("set above"),
+        };
+        self.inbound(packet)
+    }
+
+    fn write(&self, packet: Packet, write: &mut BytesMut) -> Result<usize, Error> {
+        let packet = self.outbound(packet)?;
+        match self.version {
+            Version::V4 => V4.write(packet, write),
+            Version::V5 => V5.write(packet, write),
+            Version::Unknown => Err(Error::InvalidProtocol),
+        }
+    }
+}

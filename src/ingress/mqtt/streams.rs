@@ -1,0 +1,377 @@
+//! MQTT response streams: what a device receives for one request.
+//!
+//! A *pump* reads the task's events ([`TaskStream`]), coalesces deltas for
+//! weak links (at most one delta message per `coalesce` period or
+//! `max_chunk_bytes` of text; the first delta goes out at once) and appends
+//! each rendered message to the stream's own log, numbered by its own
+//! contiguous `seq` from 0. The MQTT `seq` therefore counts messages, not
+//! task events: several task deltas merged into one message take one
+//! number, and `resume`'s `from_seq` refers to these numbers.
+//!
+//! A *sender* publishes the log from some `seq` on to the device's response
+//! topic and follows the live tail. There is at most one sender per stream:
+//! a resume replaces it. Logs are kept after the end of the task for
+//! `replay_retention`, within a per-stream and a total byte budget, so a
+//! device that reconnects can resume.
+//!
+//! # Cancel safety
+//! Pumps and senders are spawned tasks. A sender stopped mid-way (replaced
+//! by a resume) loses nothing: the log is untouched and the replacement
+//! starts where the device asked.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rumqttd::protocol::PublishProperties;
+use tokio::sync::Notify;
+use tokio::time::sleep_until;
+use tokio_util::sync::CancellationToken;
+
+use super::Publisher;
+use crate::error::GatewayError;
+use crate::ingress::events::event_json;
+use crate::scheduler::{CancelHandle, TaskStream};
+use crate::task::TaskEvent;
+
+/// What happens to a running task when its device drops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnDisconnect {
+    /// Keep running for the grace period (the device may resume), then
+    /// cancel.
+    Continue,
+    Cancel,
+}
+
+/// Per-request delta coalescing.
+#[derive(Debug, Clone, Copy)]
+pub struct Coalesce {
+    pub period: Duration,
+    pub max_bytes: usize,
+}
+
+#[derive(Default)]
+struct Log {
+    msgs: VecDeque<Bytes>,
+    /// `seq` of `msgs[0]`.
+    first: u64,
+    bytes: usize,
+    /// `seq` of the terminal message, once there is one.
+    terminal: Option<u64>,
+}
+
+impl Log {
+    fn next_seq(&self) -> u64 {
+        self.first + self.msgs.len() as u64
+    }
+}
+
+/// Where a sender publishes: the router topic and MQTT 5 properties
+/// (correlation data) of every message.
+#[derive(Clone)]
+pub struct Destination {
+    pub topic: String,
+    pub correlation: Option<Bytes>,
+}
+
+struct SenderSlot {
+    stop: CancellationToken,
+    /// The device's connection epoch when the sender started.
+    epoch: u64,
+    /// Set by the sender when it has published the terminal message.
+    done: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// One request's response stream.
+pub struct MqttStream {
+    pub device: String,
+    pub request_id: String,
+    pub task_id: String,
+    pub on_disconnect: OnDisconnect,
+    pub cancel: CancelHandle,
+    pub destination: Mutex<Destination>,
+    log: Mutex<Log>,
+    notify: Notify,
+    sender: Mutex<Option<SenderSlot>>,
+    max_bytes: usize,
+}
+
+impl MqttStream {
+    pub fn is_ended(&self) -> bool {
+        self.log.lock().expect("stream log").terminal.is_some()
+    }
+
+    /// The oldest kept `seq` and the next `seq` to be produced.
+    pub fn range(&self) -> (u64, u64, Option<u64>) {
+        let g = self.log.lock().expect("stream log");
+        (g.first, g.next_seq(), g.terminal)
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.log.lock().expect("stream log").bytes
+    }
+
+    fn push(&self, msg: Bytes, terminal: bool) {
+        {
+            let mut g = self.log.lock().expect("stream log");
+            if terminal {
+                g.terminal = Some(g.next_seq());
+            }
+            g.bytes += msg.len();
+            g.msgs.push_back(msg);
+            // The per-stream budget: the oldest messages go first; the
+            // newest always stays.
+            while g.bytes > self.max_bytes && g.msgs.len() > 1 {
+                let m = g.msgs.pop_front().expect("non-empty");
+                g.bytes -= m.len();
+                g.first += 1;
+            }
+        }
+        self.notify.notify_waiters();
+    }
+
+    /// Whether a sender is publishing (not stopped, not finished) and since
+    /// which device epoch.
+    pub fn active_sender_epoch(&self) -> Option<u64> {
+        let g = self.sender.lock().expect("sender");
+        g.as_ref()
+            .filter(|s| !s.stop.is_cancelled() && !s.done.load(std::sync::atomic::Ordering::SeqCst))
+            .map(|s| s.epoch)
+    }
+
+    fn stop_sender(&self) {
+        if let Some(s) = self.sender.lock().expect("sender").take() {
+            s.stop.cancel();
+        }
+    }
+}
+
+/// The streams of all devices, by (device, request id).
+pub struct Streams {
+    inner: Mutex<Registry>,
+    pub retention: Duration,
+    pub max_bytes: usize,
+    pub stream_max_bytes: usize,
+}
+
+#[derive(Default)]
+struct Registry {
+    by_key: HashMap<(String, String), Arc<MqttStream>>,
+    /// Ended streams, oldest first.
+    ended: VecDeque<(Instant, (String, String))>,
+    ended_bytes: usize,
+}
+
+impl Streams {
+    pub fn new(retention: Duration, max_bytes: usize, stream_max_bytes: usize) -> Streams {
+        Streams { inner: Mutex::new(Registry::default()), retention, max_bytes, stream_max_bytes }
+    }
+
+    pub fn get(&self, device: &str, request_id: &str) -> Option<Arc<MqttStream>> {
+        self.inner.lock().expect("streams").by_key.get(&(device.to_string(), request_id.to_string())).cloned()
+    }
+
+    /// A new stream for a task (replacing an ended one with the same key).
+    pub fn insert(
+        &self,
+        device: &str,
+        request_id: &str,
+        task: &TaskStream,
+        on_disconnect: OnDisconnect,
+        destination: Destination,
+    ) -> Arc<MqttStream> {
+        let s = Arc::new(MqttStream {
+            device: device.to_string(),
+            request_id: request_id.to_string(),
+            task_id: task.task_id.clone(),
+            on_disconnect,
+            cancel: task.cancel_handle(),
+            destination: Mutex::new(destination),
+            log: Mutex::new(Log::default()),
+            notify: Notify::new(),
+            sender: Mutex::new(None),
+            max_bytes: self.stream_max_bytes,
+        });
+        let mut g = self.inner.lock().expect("streams");
+        if let Some(old) = g.by_key.insert((device.to_string(), request_id.to_string()), s.clone()) {
+            old.stop_sender();
+        }
+        s
+    }
+
+    /// Live (not ended) streams of a device.
+    pub fn live_of(&self, device: &str) -> Vec<Arc<MqttStream>> {
+        let g = self.inner.lock().expect("streams");
+        g.by_key.values().filter(|s| s.device == device && !s.is_ended()).cloned().collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.lock().expect("streams").by_key.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn ended(&self, s: &MqttStream) {
+        let mut g = self.inner.lock().expect("streams");
+        g.ended_bytes += s.bytes();
+        g.ended.push_back((Instant::now(), (s.device.clone(), s.request_id.clone())));
+        drop(g);
+        self.sweep();
+    }
+
+    /// Drops ended streams past the retention or over the byte budget.
+    pub fn sweep(&self) {
+        let now = Instant::now();
+        let mut g = self.inner.lock().expect("streams");
+        while let Some((at, key)) = g.ended.front().cloned() {
+            if now.duration_since(at) < self.retention && g.ended_bytes <= self.max_bytes {
+                break;
+            }
+            g.ended.pop_front();
+            let still_ours = g.by_key.get(&key).is_some_and(|s| s.is_ended());
+            if let Some(s) = g.by_key.get(&key).cloned() {
+                g.ended_bytes = g.ended_bytes.saturating_sub(s.bytes());
+                if still_ours {
+                    g.by_key.remove(&key);
+                    s.stop_sender();
+                }
+            }
+        }
+    }
+}
+
+/// Reads the task's events into the stream's log until the terminal event.
+pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: TaskStream, coalesce: Coalesce) {
+    task.detach();
+    let rid = stream.request_id.clone();
+    let mut seq: u64 = 0;
+    let mut pending = String::new();
+    let mut last_flush: Option<tokio::time::Instant> = None;
+    let render = |seq: u64, e: &TaskEvent| Bytes::from(event_json(seq, &rid, e).to_string());
+    let flush = |pending: &mut String, seq: &mut u64, last: &mut Option<tokio::time::Instant>| {
+        if !pending.is_empty() {
+            let e = TaskEvent::Delta { text: std::mem::take(pending) };
+            stream.push(render(*seq, &e), false);
+            *seq += 1;
+            *last = Some(tokio::time::Instant::now());
+        }
+    };
+    loop {
+        let deadline = match (&last_flush, pending.is_empty()) {
+            (Some(l), false) => Some(*l + coalesce.period),
+            (None, false) => Some(tokio::time::Instant::now()),
+            _ => None,
+        };
+        let ev = match deadline {
+            Some(d) => tokio::select! {
+                e = task.recv() => e,
+                _ = sleep_until(d) => {
+                    flush(&mut pending, &mut seq, &mut last_flush);
+                    continue;
+                }
+            },
+            None => task.recv().await,
+        };
+        match ev {
+            Some((_, TaskEvent::Delta { text })) => {
+                pending.push_str(&text);
+                let due = last_flush.is_none_or(|l| l.elapsed() >= coalesce.period);
+                if pending.len() >= coalesce.max_bytes || due {
+                    flush(&mut pending, &mut seq, &mut last_flush);
+                }
+            }
+            Some((_, e @ TaskEvent::Accepted { .. })) => {
+                flush(&mut pending, &mut seq, &mut last_flush);
+                stream.push(render(seq, &e), false);
+                seq += 1;
+            }
+            Some((_, e)) => {
+                flush(&mut pending, &mut seq, &mut last_flush);
+                stream.push(render(seq, &e), true);
+                break;
+            }
+            None => {
+                // Drivers always end with Done or Error; never leave a
+                // device without a terminal message anyway.
+                flush(&mut pending, &mut seq, &mut last_flush);
+                let error = GatewayError::internal("the task ended without a result");
+                let v = crate::ingress::events::rejection_json(Some(&rid), &error);
+                let mut v = v;
+                v["seq"] = seq.into();
+                stream.push(Bytes::from(v.to_string()), true);
+                break;
+            }
+        }
+    }
+    streams.ended(&stream);
+}
+
+/// Starts (or restarts) the stream's sender from `from_seq`, replacing the
+/// current one.
+pub fn start_sender(
+    stream: &Arc<MqttStream>,
+    from_seq: u64,
+    epoch: u64,
+    out: Arc<Publisher>,
+    tracker: &tokio_util::task::TaskTracker,
+    shutdown: &CancellationToken,
+) {
+    let stop = shutdown.child_token();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let mut g = stream.sender.lock().expect("sender");
+        if let Some(old) = g.replace(SenderSlot { stop: stop.clone(), epoch, done: done.clone() }) {
+            old.stop.cancel();
+        }
+    }
+    tracker.spawn(send_loop(stream.clone(), from_seq, out, stop, done));
+}
+
+async fn send_loop(
+    stream: Arc<MqttStream>,
+    mut next: u64,
+    out: Arc<Publisher>,
+    stop: CancellationToken,
+    done: Arc<std::sync::atomic::AtomicBool>,
+) {
+    loop {
+        let notified = stream.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let (batch, terminal) = {
+            let g = stream.log.lock().expect("stream log");
+            // Trimmed by the per-stream budget: the device sees the gap.
+            next = next.max(g.first);
+            let start = (next - g.first) as usize;
+            (g.msgs.iter().skip(start).cloned().collect::<Vec<_>>(), g.terminal)
+        };
+        if stop.is_cancelled() {
+            return;
+        }
+        if !batch.is_empty() {
+            let dest = stream.destination.lock().expect("destination").clone();
+            let props = dest.correlation.as_ref().map(|c| PublishProperties {
+                correlation_data: Some(c.clone()),
+                content_type: Some("application/json".into()),
+                ..Default::default()
+            });
+            for msg in batch {
+                if out.publish(&dest.topic, msg, props.clone(), false).is_err() {
+                    return;
+                }
+                next += 1;
+            }
+        }
+        if terminal.is_some_and(|t| next > t) {
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+            return;
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = notified => {}
+        }
+    }
+}

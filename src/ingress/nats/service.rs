@@ -1,0 +1,437 @@
+//! The `edgeway` NATS micro service: `{prefix}.chat` (streamed
+//! request/reply) and `{prefix}.cancel`, found by `$SRV.PING/INFO/STATS`.
+//!
+//! A chat request is the shared request JSON with the caller's credential
+//! in a header (`Authorization: Bearer …` or `X-Api-Key`). Its events (the
+//! JSON of [`crate::ingress::events`], contiguous `seq` from 0, one
+//! terminal `done`/`error`) are published in order to the request's reply
+//! subject; each message names its event type in the `Edgeway-Event`
+//! header.
+//!
+//! # Caller liveness
+//! Every non-terminal message is published with a reply subject of
+//! edgeway's own (`{inbox}.{n}`). When the caller has stopped listening (it
+//! unsubscribed from its inbox or its connection closed), the NATS server
+//! answers such a message at once with a `503 no responders` status, and
+//! the task is cancelled: the engine is freed at the next event. While a
+//! task produces no event (queued, long prompt processing) an empty
+//! `Edgeway-Event: keepalive` message is sent every `keepalive_ms` to the
+//! same effect. A stream that cannot publish for `caller_timeout_ms` (the
+//! bus is down) is cancelled too.
+//!
+//! # Cancel safety
+//! A reply stream owns its [`TaskStream`]: if the relay task ends for any
+//! reason (caller gone, shutdown, panic) the stream is dropped and the task
+//! is cancelled, so no engine keeps generating for nobody.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::service::{Request, ServiceExt};
+use async_nats::{HeaderMap, StatusCode, Subject};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::admission::request::parse_body;
+use crate::config::NatsConfig;
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::ingress::events::{event_json, rejection_json};
+use crate::scheduler::TaskStream;
+use crate::task::{Ingress, TaskEvent};
+
+/// The header that names the event type of each message on a reply stream.
+pub const EVENT_HEADER: &str = "Edgeway-Event";
+
+/// Reply streams in flight, by the token of their probe reply subject: a
+/// `no responders` answer to `{inbox}.{token}` cancels that stream.
+#[derive(Default)]
+struct Streams {
+    next: AtomicU64,
+    gone: Mutex<HashMap<u64, CancellationToken>>,
+}
+
+impl Streams {
+    fn register(self: &Arc<Self>) -> (u64, CancellationToken, StreamGuard) {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let token = CancellationToken::new();
+        self.gone.lock().expect("streams").insert(n, token.clone());
+        (n, token, StreamGuard { streams: self.clone(), n })
+    }
+
+    fn caller_gone(&self, n: u64) {
+        if let Some(t) = self.gone.lock().expect("streams").get(&n) {
+            t.cancel();
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.gone.lock().expect("streams").len()
+    }
+}
+
+/// Removes a stream from [`Streams`] when its relay ends, however it ends.
+struct StreamGuard {
+    streams: Arc<Streams>,
+    n: u64,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.streams.gone.lock().expect("streams").remove(&self.n);
+    }
+}
+
+/// What every handler needs.
+struct Ctx {
+    gw: Arc<Gateway>,
+    cfg: NatsConfig,
+    client: async_nats::Client,
+    /// `{inbox}`: probe replies come back on `{inbox}.{n}`.
+    probe_inbox: String,
+    streams: Arc<Streams>,
+    shutdown: CancellationToken,
+}
+
+/// Registers the service and serves its endpoints until `shutdown`. The
+/// subscriptions are made even while the bus is down; the client sends them
+/// when it connects and again after every reconnect.
+pub async fn run(
+    client: async_nats::Client,
+    cfg: NatsConfig,
+    gw: Arc<Gateway>,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+) {
+    let metadata = HashMap::from([
+        ("node_id".to_string(), gw.config.node_id.clone()),
+        ("prefix".to_string(), cfg.prefix.clone()),
+        ("events".to_string(), if cfg.events { cfg.subject("events.>") } else { String::new() }),
+    ]);
+    let service = client
+        .service_builder()
+        .description("edgeway edge AI gateway: streamed chat completions, cancel")
+        .metadata(metadata)
+        .queue_group(&cfg.queue_group)
+        .start("edgeway", env!("CARGO_PKG_VERSION"))
+        .await;
+    let service = match service {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot register the NATS service");
+            return;
+        }
+    };
+    let endpoint = |name: &str, what: &str| {
+        service
+            .endpoint_builder()
+            .name(name)
+            .metadata(HashMap::from([("description".to_string(), what.to_string())]))
+            .add(cfg.subject(name))
+    };
+    let chat = endpoint("chat", "request JSON in; accepted, delta…, done|error events to the reply subject").await;
+    let cancel = endpoint("cancel", "{\"request_id\": …} cancels that task of the caller's application").await;
+    let probe_inbox = client.new_inbox();
+    let probes = client.subscribe(format!("{probe_inbox}.*")).await;
+    let (mut chat, mut cancel, mut probes) = match (chat, cancel, probes) {
+        (Ok(c), Ok(x), Ok(p)) => (c, x, p),
+        (c, x, p) => {
+            let e = [c.err().map(|e| e.to_string()), x.err().map(|e| e.to_string()), p.err().map(|e| e.to_string())];
+            tracing::error!(error = ?e, "cannot subscribe the NATS endpoints");
+            return;
+        }
+    };
+    tracing::info!(chat = %cfg.subject("chat"), cancel = %cfg.subject("cancel"), "NATS service registered");
+    let ctx = Arc::new(Ctx {
+        gw,
+        cfg: cfg.clone(),
+        client: client.clone(),
+        probe_inbox,
+        streams: Arc::default(),
+        shutdown: shutdown.clone(),
+    });
+    if let Some(js) = cfg.jetstream.clone() {
+        tracker.spawn(super::events::keep_stream(
+            client.clone(),
+            cfg.clone(),
+            js,
+            ctx.gw.nats.clone(),
+            shutdown.clone(),
+        ));
+    }
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            Some(req) = chat.next() => {
+                tracker.spawn(handle_chat(ctx.clone(), req));
+            }
+            Some(req) = cancel.next() => {
+                tracker.spawn(handle_cancel(ctx.clone(), req));
+            }
+            Some(msg) = probes.next() => {
+                if msg.status == Some(StatusCode::NO_RESPONDERS) {
+                    if let Some(n) = msg.subject.rsplit('.').next().and_then(|n| n.parse().ok()) {
+                        ctx.streams.caller_gone(n);
+                    }
+                }
+            }
+            else => break,
+        }
+    }
+    // Let the reply streams send their last events (their tasks are being
+    // cancelled by the shutdown), then push everything out.
+    let bounded = Duration::from_secs(2);
+    let _ = tokio::time::timeout(bounded, async {
+        while ctx.streams.len() > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let _ = tokio::time::timeout(bounded, service.stop()).await;
+    let _ = tokio::time::timeout(bounded, client.flush()).await;
+}
+
+/// The caller's credential: `Authorization: Bearer …` (or a bare value) or
+/// `X-Api-Key`, header names compared without case.
+pub fn credential(headers: Option<&HeaderMap>) -> Option<String> {
+    let headers = headers?;
+    let mut api_key = None;
+    for (name, values) in headers.iter() {
+        let Some(v) = values.first().map(|v| v.as_str().trim()) else { continue };
+        let name: &str = name.as_ref();
+        if name.eq_ignore_ascii_case("authorization") {
+            let v = v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).unwrap_or(v);
+            return Some(v.trim().to_string());
+        }
+        if name.eq_ignore_ascii_case("x-api-key") {
+            api_key = Some(v.to_string());
+        }
+    }
+    api_key
+}
+
+fn headers_for(event: &str) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert(EVENT_HEADER, event);
+    h
+}
+
+/// Headers of a terminal error: the micro-service convention
+/// (`Nats-Service-Error`, `Nats-Service-Error-Code`), so generic NATS
+/// service clients see a failed call.
+fn error_headers(e: &GatewayError) -> HeaderMap {
+    let mut h = headers_for("error");
+    let text: String = format!("{}: {}", e.code.as_str(), e.message).chars().filter(|c| !c.is_control()).collect();
+    h.insert(async_nats::service::NATS_SERVICE_ERROR, text.as_str());
+    h.insert(async_nats::service::NATS_SERVICE_ERROR_CODE, e.code.http_status().to_string().as_str());
+    h
+}
+
+fn to_bytes(v: &Value) -> Bytes {
+    Bytes::from(serde_json::to_vec(v).expect("JSON values serialize"))
+}
+
+/// Answers a request that never became a task with its one `error` event.
+async fn reject(req: &Request, request_id: Option<&str>, e: &GatewayError) {
+    if req.message.reply.is_some() {
+        let body = to_bytes(&rejection_json(request_id, e));
+        let _ = req.respond_with_headers(Ok(body), error_headers(e)).await;
+    }
+}
+
+async fn handle_chat(ctx: Arc<Ctx>, req: Request) {
+    let gw = &ctx.gw;
+    let Some(reply) = req.message.reply.clone() else {
+        // Nobody to stream to: refuse rather than run a task for nobody.
+        let e = GatewayError::invalid("a chat request needs a reply subject (use request/reply)");
+        gw.count_rejection(Ingress::Nats, &e);
+        tracing::debug!(subject = %req.message.subject, "NATS chat request without reply subject ignored");
+        return;
+    };
+    let identity = match gw.auth.authenticate(credential(req.message.headers.as_ref()).as_deref()) {
+        Ok(i) => i,
+        Err(e) => {
+            gw.count_rejection(Ingress::Nats, &e);
+            return reject(&req, None, &e).await;
+        }
+    };
+    let body = match parse_body(&req.message.payload) {
+        Ok(b) => b,
+        Err(e) => {
+            gw.count_rejection(Ingress::Nats, &e);
+            return reject(&req, None, &e).await;
+        }
+    };
+    let request_id = body.request_id.clone();
+    let stream = match gw.submit(identity, body, Ingress::Nats, None).await {
+        Ok(s) => s,
+        Err(e) => return reject(&req, request_id.as_deref(), &e).await,
+    };
+    relay(&ctx, req, reply, stream).await;
+}
+
+/// Why a reply stream stopped before its terminal event.
+enum Lost {
+    NoResponders,
+    BusUnavailable,
+}
+
+/// Streams the task's events to `reply` until the terminal event (sent as
+/// the service response) or until the caller is gone.
+async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) {
+    let (n, gone, _guard) = ctx.streams.register();
+    let probe_reply = format!("{}.{n}", ctx.probe_inbox);
+    let cfg = &ctx.cfg;
+    let mut last_sent = Instant::now();
+    let mut shutting_down = false;
+    let lost = loop {
+        tokio::select! {
+            biased;
+            _ = gone.cancelled() => break Some(Lost::NoResponders),
+            _ = ctx.shutdown.cancelled(), if !shutting_down => {
+                // The scheduler cancels every task on shutdown; keep relaying
+                // so the caller gets its terminal event.
+                shutting_down = true;
+                stream.cancel_handle().cancel("the gateway is shutting down", "gateway");
+            }
+            ev = stream.recv() => {
+                let Some((seq, ev)) = ev else { break None };
+                let body = to_bytes(&event_json(seq, &stream.request_id, &ev));
+                match &ev {
+                    TaskEvent::Done(_) => {
+                        let _ = req.respond_with_headers(Ok(body), headers_for("done")).await;
+                        break None;
+                    }
+                    TaskEvent::Error { error, .. } => {
+                        let _ = req.respond_with_headers(Ok(body), error_headers(error)).await;
+                        break None;
+                    }
+                    TaskEvent::Accepted { .. } | TaskEvent::Delta { .. } => {
+                        let kind = if matches!(ev, TaskEvent::Accepted { .. }) { "accepted" } else { "delta" };
+                        let publish = ctx.client.publish_with_reply_and_headers(
+                            reply.clone(),
+                            probe_reply.clone(),
+                            headers_for(kind),
+                            body,
+                        );
+                        if !matches!(tokio::time::timeout(cfg.caller_timeout, publish).await, Ok(Ok(()))) {
+                            break Some(Lost::BusUnavailable);
+                        }
+                        last_sent = Instant::now();
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(last_sent + cfg.keepalive) => {
+                if ctx.gw.nats.unavailable_for().is_some_and(|d| d >= cfg.caller_timeout) {
+                    break Some(Lost::BusUnavailable);
+                }
+                // Queued on the client while the bus is down; the check
+                // above ends the stream if that lasts.
+                let publish = ctx.client.publish_with_reply_and_headers(
+                    reply.clone(),
+                    probe_reply.clone(),
+                    headers_for("keepalive"),
+                    Bytes::new(),
+                );
+                if !matches!(tokio::time::timeout(cfg.caller_timeout, publish).await, Ok(Ok(()))) {
+                    break Some(Lost::BusUnavailable);
+                }
+                last_sent = Instant::now();
+            }
+        }
+    };
+    if let Some(lost) = lost {
+        let (label, why) = match lost {
+            Lost::NoResponders => ("no_responders", "NATS caller stopped listening (no responders)"),
+            Lost::BusUnavailable => ("bus_unavailable", "NATS bus unavailable to the reply stream"),
+        };
+        ctx.gw.metrics.nats_callers_lost.with_label_values(&[label]).inc();
+        tracing::info!(task_id = %stream.task_id, reason = why, "cancelling a NATS task whose caller is gone");
+        stream.cancel_handle().cancel(why, "client");
+    }
+}
+
+#[derive(Deserialize)]
+struct CancelBody {
+    request_id: String,
+}
+
+/// `{prefix}.cancel`: cancels a task of the caller's own application by its
+/// request id, wherever the task came from. Answers (when the message has
+/// a reply subject) `{"request_id", "task_id", "cancelled", "status"}`
+/// (`status` is the final state of a task that had already ended), or an
+/// `error` event.
+async fn handle_cancel(ctx: Arc<Ctx>, req: Request) {
+    let gw = &ctx.gw;
+    let identity = match gw.auth.authenticate(credential(req.message.headers.as_ref()).as_deref()) {
+        Ok(i) => i,
+        Err(e) => return reject(&req, None, &e).await,
+    };
+    let body: CancelBody = match serde_json::from_slice(&req.message.payload) {
+        Ok(b) => b,
+        Err(e) => {
+            let e = GatewayError::invalid(format!("a cancel message is {{\"request_id\": \"…\"}}: {e}"));
+            return reject(&req, None, &e).await;
+        }
+    };
+    let rid = body.request_id;
+    let Some(task) = gw.scheduler.find_by_request(&identity.tenant, &identity.application, &rid) else {
+        let e = GatewayError::invalid(format!("no known task with request_id '{rid}' for this application"));
+        return reject(&req, Some(&rid), &e).await;
+    };
+    let cancelled = gw.scheduler.cancel(&task.task_id, "cancelled over NATS", "client");
+    let status = task.log.terminal().map(|e| match e {
+        TaskEvent::Done(m) | TaskEvent::Error { meta: m, .. } => m.status.as_str(),
+        _ => "",
+    });
+    tracing::info!(task_id = %task.task_id, request_id = %rid, cancelled, "NATS cancel");
+    if req.message.reply.is_some() {
+        let answer = json!({
+            "request_id": rid, "task_id": task.task_id, "cancelled": cancelled,
+            "status": status,
+        });
+        let _ = req.respond_with_headers(Ok(to_bytes(&answer)), headers_for("cancel")).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_come_from_authorization_or_x_api_key() {
+        let mut h = HeaderMap::new();
+        h.insert("X-Api-Key", "k1");
+        assert_eq!(credential(Some(&h)).as_deref(), Some("k1"));
+        h.insert("authorization", "Bearer tok.en.x");
+        assert_eq!(credential(Some(&h)).as_deref(), Some("tok.en.x"));
+        assert_eq!(credential(None), None);
+    }
+
+    #[test]
+    fn error_headers_follow_the_micro_convention_without_control_characters() {
+        let e = GatewayError::new(crate::error::ErrorCode::QueueFull, "full\r\nreally");
+        let h = error_headers(&e);
+        assert_eq!(h.get(EVENT_HEADER).unwrap().as_str(), "error");
+        assert_eq!(h.get(async_nats::service::NATS_SERVICE_ERROR).unwrap().as_str(), "QUEUE_FULL: fullreally");
+        assert_eq!(h.get(async_nats::service::NATS_SERVICE_ERROR_CODE).unwrap().as_str(), "503");
+    }
+
+    #[test]
+    fn a_stream_leaves_the_registry_when_its_relay_ends() {
+        let s = Arc::new(Streams::default());
+        let (n, gone, guard) = s.register();
+        s.caller_gone(n);
+        assert!(gone.is_cancelled());
+        assert_eq!(s.len(), 1);
+        drop(guard);
+        assert_eq!(s.len(), 0);
+    }
+}

@@ -1,0 +1,459 @@
+//! Devices over MQTT against the fake engine: a whole gateway with its
+//! embedded broker on a free port, devices as real MQTT 3.1.1 and 5
+//! clients (rumqttc) on real sockets. Every message edgeway sends is
+//! validated against `topics/schemas`.
+
+mod mqtt_support;
+
+use std::sync::atomic::Ordering::SeqCst;
+use std::time::Duration;
+
+use bytes::Bytes;
+use mqtt_support::*;
+use rumqttc::v5::mqttbytes::v5::PublishProperties;
+use serde_json::json;
+
+fn slow(tokens: u32, delay_ms: u64) -> Knobs {
+    Knobs { tokens, token_delay: Duration::from_millis(delay_ms), ..Knobs::default() }
+}
+
+#[tokio::test]
+async fn requests_stream_to_the_response_topic_on_mqtt_3_and_5() {
+    let (fake, gw, addr) = start(Knobs::default(), "coalesce_ms = 0").await;
+    for (v, creds) in [(V::V4, D1), (V::V5, D2)] {
+        let mut d = device(addr, v, creds).await;
+        d.subscribe(&d.topic("res/#")).await;
+        let rid = format!("r-{v:?}");
+        d.publish(&d.topic("req"), request(&rid).to_string()).await;
+        let events = d.stream(&d.topic(&format!("res/{rid}"))).await;
+        assert_eq!(events[0]["type"], "accepted");
+        assert!(events[0]["task_id"].is_string());
+        assert_eq!(check_stream(&events), "tok tok tok tok tok ");
+        let done = events.last().unwrap();
+        assert_eq!(done["type"], "done", "{done}");
+        assert_eq!(done["result"]["status"], "SUCCEEDED");
+        assert_eq!(done["result"]["request_id"], rid.as_str());
+        assert_eq!(done["result"]["usage"]["output_tokens"], 5);
+    }
+    assert_eq!(fake.stats.requests.load(SeqCst), 2);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn mqtt_5_response_topic_and_correlation_data_are_honoured() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("answers/#")).await;
+    let props = PublishProperties {
+        response_topic: Some(d.topic("answers/7")),
+        correlation_data: Some(Bytes::from_static(b"corr-7")),
+        ..Default::default()
+    };
+    d.publish_v5(&d.topic("req"), request("r-corr").to_string(), props).await;
+    let mut events = Vec::new();
+    loop {
+        let m = d.msg().await;
+        assert_eq!(m.topic, d.topic("answers/7"));
+        assert_eq!(m.correlation.as_deref(), Some(&b"corr-7"[..]));
+        let v = m.json();
+        let end = v["type"] == "done";
+        events.push(v);
+        if end {
+            break;
+        }
+    }
+    assert_eq!(check_stream(&events), "tok tok tok tok tok ");
+
+    // A response topic outside the device's namespace is not used.
+    d.subscribe(&d.topic("res/#")).await;
+    let props = PublishProperties { response_topic: Some("ai/v1/demo-device-2/res/x".into()), ..Default::default() };
+    d.publish_v5(&d.topic("req"), request("r-outside").to_string(), props).await;
+    let events = d.stream(&d.topic("res/r-outside")).await;
+    assert_eq!(events.last().unwrap()["type"], "done");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn wrong_credentials_spoofed_ids_and_unknown_devices_are_refused_at_connect() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    for v in [V::V4, V::V5] {
+        let bad = [
+            ("demo-device-1", "demo-device-1", "wrong"),
+            // Someone else's password, own id.
+            ("demo-device-2", "demo-device-2", "demo-pass-1"),
+            // Another device's credentials under a spoofed client id.
+            ("demo-device-2", "demo-device-1", "demo-pass-1"),
+            ("intruder", "intruder", "demo-pass-1"),
+        ];
+        for (id, user, pass) in bad {
+            let e = connect(addr, v, id, user, pass).await.err().unwrap_or_else(|| panic!("{id}/{user} connected"));
+            assert!(e.contains("BadUserNamePassword"), "{v:?} {id}/{user}: {e}");
+        }
+        let e = connect(addr, v, "bad/id", "bad/id", "x").await.err().expect("refused");
+        assert!(e.contains("ClientId") || e.contains("Identifier"), "{v:?}: {e}");
+    }
+    // The real devices still connect (refusals did not take their ids).
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("after-refusals").to_string()).await;
+    let events = d.stream(&d.topic("res/after-refusals")).await;
+    assert_eq!(events.last().unwrap()["type"], "done");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_hostile_device_receives_nothing_of_others_and_starts_nothing_in_their_name() {
+    let (fake, gw, addr) = start(slow(20, 20), "coalesce_ms = 0").await;
+    let mut victim = device(addr, V::V5, D1).await;
+    victim.subscribe(&victim.topic("#")).await;
+    let mut hostile = device(addr, V::V5, D2).await;
+    let filters = [
+        "#",
+        "+/#",
+        "ai/#",
+        "ai/v1/+/res/#",
+        "ai/v1/demo-device-1/#",
+        "ai/v1/demo-device-1/res/victim-1",
+        "$share/g/ai/v1/demo-device-1/#",
+        "+/+/+/+/+",
+        "d/#",
+        "d/demo-device-1/#",
+    ];
+    for f in filters {
+        hostile.subscribe(f).await;
+    }
+
+    victim.publish(&victim.topic("req"), request("victim-1").to_string()).await;
+    // The victim's own request shows up on its `#` too; its stream follows.
+    let first = victim.msg().await;
+    assert_eq!(first.topic, victim.topic("req"));
+    let accepted = victim.msg().await.json();
+    assert_eq!(accepted["type"], "accepted");
+
+    // The hostile device acts in the victim's name: a request, a cancel of
+    // the running task, a resume; and tries its own resume of the victim's
+    // request id.
+    let own = [
+        request("hostile-1").to_string(),
+        json!({"request_id": "victim-1"}).to_string(),
+        json!({"request_id": "victim-1", "from_seq": 0}).to_string(),
+    ];
+    hostile.publish("ai/v1/demo-device-1/req", own[0].clone()).await;
+    hostile.publish("ai/v1/demo-device-1/cancel", own[1].clone()).await;
+    hostile.publish("ai/v1/demo-device-1/resume", own[2].clone()).await;
+    hostile.subscribe(&hostile.topic("res/#")).await;
+    hostile.publish(&hostile.topic("resume"), json!({"request_id": "victim-1", "from_seq": 0}).to_string()).await;
+
+    // The victim's task is not cancelled and the victim gets exactly its
+    // own stream.
+    let mut rest = Vec::new();
+    loop {
+        let m = victim.msg().await;
+        assert_eq!(m.topic, victim.topic("res/victim-1"), "{}", String::from_utf8_lossy(&m.payload));
+        let v = m.json();
+        let end = v["type"] == "done" || v["type"] == "error";
+        rest.push(v);
+        if end {
+            break;
+        }
+    }
+    let mut all = vec![accepted];
+    all.extend(rest);
+    assert_eq!(check_stream(&all).len(), 20 * 4);
+    assert_eq!(all.last().unwrap()["type"], "done");
+
+    // A probe published by the hostile device into its own subtree matches
+    // each of its filters; anything leaked would sit before it in the same
+    // filter logs. What it got: its own probe copies, the answer to its
+    // own resume and its own publishes (which stay in its private subtree,
+    // whatever topic it named), nothing else.
+    let leaked =
+        |m: &Msg| !m.topic.starts_with("ai/v1/demo-device-2/") && !own.iter().any(|o| m.payload == o.as_bytes());
+    hostile.publish(&hostile.topic("res/probe"), "probe").await;
+    let mut probes = 0;
+    let mut own_answer = false;
+    while probes < 4 || !own_answer {
+        let m = hostile.msg().await;
+        assert!(!leaked(&m), "leaked to the hostile device: {m:?}");
+        if m.payload == "probe" {
+            probes += 1;
+        } else if m.topic.starts_with("ai/v1/demo-device-2/res/") {
+            let v = m.json();
+            assert_eq!(v["type"], "error", "{v}");
+            assert_eq!(v["code"], "INVALID_REQUEST");
+            own_answer = true;
+        }
+    }
+    for m in hostile.drain() {
+        assert!(!leaked(&m), "leaked to the hostile device: {m:?}");
+    }
+    // Only the victim's request ran.
+    assert_eq!(fake.stats.requests.load(SeqCst), 1);
+    assert_eq!(fake.stats.aborted.load(SeqCst), 0);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn cancel_stops_the_engine_and_ends_the_stream_with_request_cancelled() {
+    let (fake, gw, addr) = start(slow(1000, 20), "coalesce_ms = 0").await;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("to-cancel").to_string()).await;
+    let mut events = vec![d.msg().await.json(), d.msg().await.json()];
+    assert_eq!(events[1]["type"], "delta");
+    d.publish(&d.topic("cancel"), json!({"request_id": "to-cancel"}).to_string()).await;
+    events.extend(d.stream(&d.topic("res/to-cancel")).await);
+    check_stream(&events);
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "error");
+    assert_eq!(last["code"], "REQUEST_CANCELLED");
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 0).await);
+    assert_eq!(fake.stats.aborted.load(SeqCst), 1);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_repeated_request_id_never_starts_a_second_inference() {
+    let (fake, gw, addr) = start(slow(10, 10), "coalesce_ms = 0").await;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("same").to_string()).await;
+    let first = d.stream(&d.topic("res/same")).await;
+    let text = check_stream(&first);
+
+    // The device reconnects and retries: it gets the finished stream again.
+    d.disconnect().await;
+    drop(d);
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("same").to_string()).await;
+    let again = d.stream(&d.topic("res/same")).await;
+    assert_eq!(check_stream(&again), text);
+    assert_eq!(again, first, "the same messages, the same seqs");
+
+    // Two devices may use the same request id: two tasks.
+    let mut d2 = device(addr, V::V4, D2).await;
+    d2.subscribe(&d2.topic("res/#")).await;
+    d2.publish(&d2.topic("req"), request("same").to_string()).await;
+    let other = d2.stream(&d2.topic("res/same")).await;
+    assert_ne!(other[0]["task_id"], first[0]["task_id"]);
+
+    // The same id with a different prompt is refused.
+    let mut changed = request("same");
+    changed["messages"][0]["content"] = json!("something else");
+    d.publish(&d.topic("req"), changed.to_string()).await;
+    let refused = d.stream(&d.topic("res/same")).await;
+    assert_eq!(refused[0]["code"], "INVALID_REQUEST", "{refused:?}");
+    assert_eq!(fake.stats.requests.load(SeqCst), 2);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_device_resumes_after_a_dropped_connection_and_misses_nothing() {
+    let (fake, gw, addr) = start(slow(40, 25), "coalesce_ms = 0").await;
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("long").to_string()).await;
+    let mut got = Vec::new();
+    while got.len() < 5 {
+        got.push(d.msg().await.json());
+    }
+    // The network drops (no DISCONNECT); the task goes on meanwhile.
+    d.kill();
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.requests.load(SeqCst) == 1).await);
+
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let from = got.len() as u64;
+    d.publish(&d.topic("resume"), json!({"request_id": "long", "from_seq": from}).to_string()).await;
+    got.extend(d.stream(&d.topic("res/long")).await);
+    // Anything that arrived before the drop is not sent twice; seq is
+    // contiguous across the reconnect.
+    assert_eq!(check_stream(&got).len(), 40 * 4);
+    assert_eq!(got.last().unwrap()["type"], "done");
+    assert_eq!(fake.stats.requests.load(SeqCst), 1);
+
+    // After the end, a resume from any kept seq replays the rest.
+    d.publish(&d.topic("resume"), json!({"request_id": "long", "from_seq": 3}).to_string()).await;
+    let tail = d.stream(&d.topic("res/long")).await;
+    assert_eq!(tail, got[3..].to_vec());
+
+    // Resumes that cannot be served get an explicit error.
+    d.publish(&d.topic("resume"), json!({"request_id": "never-sent", "from_seq": 0}).to_string()).await;
+    let e = d.stream(&d.topic("res/never-sent")).await;
+    assert_eq!((e.len(), &e[0]["code"]), (1, &json!("INVALID_REQUEST")));
+    let beyond = got.len() as u64 + 5;
+    d.publish(&d.topic("resume"), json!({"request_id": "long", "from_seq": beyond}).to_string()).await;
+    let e = d.stream(&d.topic("res/long")).await;
+    assert_eq!(e[0]["seq"], beyond);
+    assert_eq!(e[0]["code"], "INVALID_REQUEST");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn on_disconnect_cancel_stops_the_task_when_the_device_drops() {
+    let (fake, gw, addr) = start(slow(1000, 20), "coalesce_ms = 0").await;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut req = request("drop-cancel");
+    req["on_disconnect"] = json!("cancel");
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let _accepted = d.msg().await;
+    let _delta = d.msg().await;
+    d.kill();
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.aborted.load(SeqCst) == 1).await);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn on_disconnect_continue_keeps_the_task_for_the_grace_period_only() {
+    let (fake, gw, addr) = start(slow(1000, 20), "coalesce_ms = 0\ndisconnect_grace_ms = 300").await;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("drop-continue").to_string()).await;
+    let _accepted = d.msg().await;
+    let _delta = d.msg().await;
+    d.kill();
+    // Nobody comes back: after the grace period the engine is stopped.
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.aborted.load(SeqCst) == 1).await);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn expired_requests_are_answered_and_never_run() {
+    let (fake, gw, addr) = start(slow(200, 20), "").await;
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut stale = request("stale");
+    stale["expires_at"] = json!(edgeway::task::now_ms() - 1000);
+    d.publish(&d.topic("req"), stale.to_string()).await;
+    let e = d.stream(&d.topic("res/stale")).await;
+    assert_eq!(e.len(), 1);
+    assert_eq!(e[0]["code"], "QUEUE_TIMEOUT");
+
+    // Both engine slots busy: a request with a 1 s MQTT 5 message expiry
+    // waits in the queue, expires there and never reaches the engine.
+    for rid in ["busy-1", "busy-2"] {
+        d.publish(&d.topic("req"), request(rid).to_string()).await;
+    }
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 2).await);
+    let props = PublishProperties { message_expiry_interval: Some(1), ..Default::default() };
+    d.publish_v5(&d.topic("req"), request("expiring").to_string(), props).await;
+    let mut last = None;
+    while last.is_none() {
+        let m = d.msg().await;
+        if m.topic == d.topic("res/expiring") {
+            let v = m.json();
+            if v["type"] == "error" {
+                last = Some(v);
+            }
+        }
+    }
+    assert_eq!(last.unwrap()["code"], "QUEUE_TIMEOUT");
+    assert_eq!(fake.stats.requests.load(SeqCst), 2, "the expired request never ran");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn malformed_and_oversized_payloads_get_invalid_request_and_harm_no_one() {
+    let (fake, gw, addr) = start(slow(30, 10), "coalesce_ms = 0\nmax_request_bytes = 2048").await;
+    let mut other = device(addr, V::V4, D2).await;
+    other.subscribe(&other.topic("res/#")).await;
+    other.publish(&other.topic("req"), request("innocent").to_string()).await;
+    let _ = other.msg().await;
+
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), r#"{"request_id": "broken-1", "messages": [ oops"#).await;
+    let e = d.stream(&d.topic("res/broken-1")).await;
+    assert_eq!(e[0]["code"], "INVALID_REQUEST");
+    let mut bad_field = request("bad-field");
+    bad_field["messages"] = json!("not a list");
+    d.publish(&d.topic("req"), bad_field.to_string()).await;
+    let e = d.stream(&d.topic("res/bad-field")).await;
+    assert!(e[0]["message"].as_str().unwrap().contains("messages"), "{e:?}");
+    let mut big = request("too-big");
+    big["messages"][0]["content"] = json!("x".repeat(4096));
+    d.publish(&d.topic("req"), big.to_string()).await;
+    let e = d.stream(&d.topic("res/too-big")).await;
+    assert_eq!((e.len(), &e[0]["code"]), (1, &json!("INVALID_REQUEST")));
+    let mut no_id = request("x");
+    no_id.as_object_mut().unwrap().remove("request_id");
+    d.publish(&d.topic("req"), no_id.to_string()).await;
+    d.publish(&d.topic("req"), b"\xff\xfe not even text".to_vec()).await;
+    // The device is still connected and served.
+    d.publish(&d.topic("req"), request("fine").to_string()).await;
+    let e = d.stream(&d.topic("res/fine")).await;
+    assert_eq!(e.last().unwrap()["type"], "done");
+
+    let mut rest = other.stream(&other.topic("res/innocent")).await;
+    assert_eq!(rest.pop().unwrap()["type"], "done");
+    assert_eq!(fake.stats.requests.load(SeqCst), 2);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn deltas_are_coalesced_per_request_with_contiguous_seq() {
+    let (_fake, gw, addr) = start(slow(60, 5), "coalesce_ms = 100\nmax_chunk_bytes = 4096").await;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("coalesced").to_string()).await;
+    let coalesced = d.stream(&d.topic("res/coalesced")).await;
+    let text = check_stream(&coalesced);
+    assert_eq!(text, "tok ".repeat(60));
+    let n = coalesced.iter().filter(|e| e["type"] == "delta").count();
+
+    // Per request: one message per token.
+    let mut req = request("per-token");
+    req["coalesce_ms"] = json!(0);
+    req["max_chunk_bytes"] = json!(1);
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let each = d.stream(&d.topic("res/per-token")).await;
+    assert_eq!(check_stream(&each), text);
+    assert_eq!(each.iter().filter(|e| e["type"] == "delta").count(), 60);
+    assert!(n < 60, "{n} delta messages for 60 tokens");
+
+    // Per request: by size.
+    let mut req = request("by-size");
+    req["coalesce_ms"] = json!(60000);
+    req["max_chunk_bytes"] = json!(40);
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let sized = d.stream(&d.topic("res/by-size")).await;
+    assert_eq!(check_stream(&sized), text);
+    for e in sized.iter().filter(|e| e["type"] == "delta").skip(1) {
+        let len = e["text"].as_str().unwrap().len();
+        assert!(len >= 40 || e == sized.iter().rev().find(|e| e["type"] == "delta").unwrap(), "{len}");
+    }
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn the_model_catalogue_is_retained_and_read_only() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe("ai/v1/shared/models").await;
+    let m = d.msg().await;
+    assert_eq!(m.topic, "ai/v1/shared/models");
+    assert_eq!(m.json()["models"][0]["id"], "general-chat");
+    // A device cannot overwrite it: its publish stays in its own subtree.
+    d.publish("ai/v1/shared/models", "{\"models\": []}").await;
+    let mut d2 = device(addr, V::V4, D2).await;
+    d2.subscribe("ai/v1/shared/models").await;
+    assert_eq!(d2.msg().await.json()["models"][0]["id"], "general-chat");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_device_may_keep_several_connections_under_instance_names() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut sub = connect(addr, V::V4, "demo-device-1:sub", D1.0, D1.1).await.expect("instance connects");
+    sub.subscribe("ai/v1/demo-device-1/res/#").await;
+    let publisher = connect(addr, V::V5, "demo-device-1:pub", D1.0, D1.1).await.expect("instance connects");
+    publisher.publish("ai/v1/demo-device-1/req", request("two-conns").to_string()).await;
+    let events = sub.stream("ai/v1/demo-device-1/res/two-conns").await;
+    assert_eq!(events.last().unwrap()["type"], "done");
+    // Another device's credentials do not open an instance of this one.
+    let e = connect(addr, V::V4, "demo-device-1:x", D2.0, D2.1).await.err().expect("refused");
+    assert!(e.contains("BadUserNamePassword"), "{e}");
+    gw.stop().await;
+}

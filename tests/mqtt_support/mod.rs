@@ -1,0 +1,387 @@
+//! Helpers for the MQTT tests: a gateway with the broker on a free port, a
+//! fake engine, devices as real rumqttc clients (MQTT 3.1.1 and 5) on real
+//! sockets, and validation of every message edgeway sends against the JSON
+//! Schemas in `topics/schemas`.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+pub use edgeway::testing::{FakeEngine, Knobs, TestGateway};
+
+pub const D1: (&str, &str) = ("demo-device-1", "demo-pass-1");
+pub const D2: (&str, &str) = ("demo-device-2", "demo-pass-2");
+
+/// `[mqtt]` and the demo devices, as extra TOML for [`TestGateway`].
+pub fn mqtt_toml(mqtt_extra: &str) -> String {
+    let hash = |p: &str| hex::encode(edgeway::config::hash_api_key(p));
+    format!(
+        r#"
+[mqtt]
+listen = "127.0.0.1:0"
+{mqtt_extra}
+[devices.demo-device-1]
+tenant = "demo"
+application = "demo"
+password_sha256 = "{}"
+[devices.demo-device-2]
+tenant = "demo"
+application = "demo"
+password_sha256 = "{}"
+"#,
+        hash(D1.1),
+        hash(D2.1)
+    )
+}
+
+pub async fn start(knobs: Knobs, mqtt_extra: &str) -> (FakeEngine, TestGateway, SocketAddr) {
+    let fake = FakeEngine::start_with(knobs).await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &mqtt_toml(mqtt_extra)).await;
+    gw.wait_ready().await;
+    let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
+    (fake, gw, addr)
+}
+
+/// A message a device received.
+#[derive(Debug, Clone)]
+pub struct Msg {
+    pub topic: String,
+    pub payload: Bytes,
+    pub correlation: Option<Bytes>,
+}
+
+impl Msg {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.payload).unwrap_or_else(|e| panic!("not JSON on {}: {e}", self.topic))
+    }
+}
+
+#[derive(Debug)]
+pub enum Ev {
+    Msg(Msg),
+    SubAck,
+    PubAck,
+    Closed(String),
+}
+
+enum Client {
+    V4(rumqttc::AsyncClient),
+    V5(rumqttc::v5::AsyncClient),
+}
+
+/// A device: a real MQTT client whose event loop runs in a task.
+pub struct Device {
+    pub id: String,
+    client: Client,
+    rx: mpsc::UnboundedReceiver<Ev>,
+    task: tokio::task::JoinHandle<()>,
+    /// Messages taken out of order while waiting for something else.
+    pending: Vec<Ev>,
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// MQTT protocol version of a test client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum V {
+    V4,
+    V5,
+}
+
+/// Connects; `Err` holds the refusal (the CONNACK code or the error).
+pub async fn connect(addr: SocketAddr, v: V, id: &str, user: &str, pass: &str) -> Result<Device, String> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (ok_tx, ok_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
+    let host = addr.ip().to_string();
+    let (client, task) = match v {
+        V::V4 => {
+            let mut o = rumqttc::MqttOptions::new(id, host, addr.port());
+            o.set_credentials(user, pass).set_keep_alive(Duration::from_secs(30)).set_max_packet_size(1 << 21, 1 << 21);
+            let (c, mut el) = rumqttc::AsyncClient::new(o, 64);
+            let task = tokio::spawn(async move {
+                let mut ok = Some(ok_tx);
+                loop {
+                    match el.poll().await {
+                        Ok(rumqttc::Event::Incoming(p)) => match p {
+                            rumqttc::Packet::ConnAck(_) => {
+                                if let Some(o) = ok.take() {
+                                    let _ = o.send(Ok(()));
+                                }
+                            }
+                            rumqttc::Packet::Publish(p) => {
+                                let _ = tx.send(Ev::Msg(Msg { topic: p.topic, payload: p.payload, correlation: None }));
+                            }
+                            rumqttc::Packet::SubAck(_) => {
+                                let _ = tx.send(Ev::SubAck);
+                            }
+                            rumqttc::Packet::PubAck(_) => {
+                                let _ = tx.send(Ev::PubAck);
+                            }
+                            _ => {}
+                        },
+                        Ok(_) => {}
+                        Err(e) => {
+                            let msg = match &e {
+                                rumqttc::ConnectionError::ConnectionRefused(code) => format!("refused: {code:?}"),
+                                e => e.to_string(),
+                            };
+                            if let Some(o) = ok.take() {
+                                let _ = o.send(Err(msg.clone()));
+                            }
+                            let _ = tx.send(Ev::Closed(msg));
+                            return;
+                        }
+                    }
+                }
+            });
+            (Client::V4(c), task)
+        }
+        V::V5 => {
+            let mut o = rumqttc::v5::MqttOptions::new(id, host, addr.port());
+            o.set_credentials(user, pass).set_keep_alive(Duration::from_secs(30)).set_max_packet_size(Some(1 << 21));
+            let (c, mut el) = rumqttc::v5::AsyncClient::new(o, 64);
+            let task = tokio::spawn(async move {
+                use rumqttc::v5::mqttbytes::v5::Packet;
+                let mut ok = Some(ok_tx);
+                loop {
+                    match el.poll().await {
+                        Ok(rumqttc::v5::Event::Incoming(p)) => match p {
+                            Packet::ConnAck(_) => {
+                                if let Some(o) = ok.take() {
+                                    let _ = o.send(Ok(()));
+                                }
+                            }
+                            Packet::Publish(p) => {
+                                let correlation = p.properties.as_ref().and_then(|p| p.correlation_data.clone());
+                                let topic = String::from_utf8_lossy(&p.topic).into_owned();
+                                let _ = tx.send(Ev::Msg(Msg { topic, payload: p.payload, correlation }));
+                            }
+                            Packet::SubAck(_) => {
+                                let _ = tx.send(Ev::SubAck);
+                            }
+                            Packet::PubAck(_) => {
+                                let _ = tx.send(Ev::PubAck);
+                            }
+                            _ => {}
+                        },
+                        Ok(_) => {}
+                        Err(e) => {
+                            let msg = match &e {
+                                rumqttc::v5::ConnectionError::ConnectionRefused(code) => format!("refused: {code:?}"),
+                                e => e.to_string(),
+                            };
+                            if let Some(o) = ok.take() {
+                                let _ = o.send(Err(msg.clone()));
+                            }
+                            let _ = tx.send(Ev::Closed(msg));
+                            return;
+                        }
+                    }
+                }
+            });
+            (Client::V5(c), task)
+        }
+    };
+    let r = tokio::time::timeout(Duration::from_secs(10), ok_rx)
+        .await
+        .map_err(|_| "no CONNACK".to_string())?
+        .map_err(|_| "event loop ended".to_string())?;
+    let dev = Device { id: id.to_string(), client, rx, task, pending: Vec::new() };
+    r.map(|_| dev)
+}
+
+/// Connects a demo device with its own credentials.
+pub async fn device(addr: SocketAddr, v: V, creds: (&str, &str)) -> Device {
+    connect(addr, v, creds.0, creds.0, creds.1).await.expect("demo device connects")
+}
+
+const WAIT: Duration = Duration::from_secs(20);
+
+impl Device {
+    pub fn topic(&self, rest: &str) -> String {
+        format!("ai/v1/{}/{rest}", self.id)
+    }
+
+    /// Subscribes (QoS 1) and waits for the SUBACK.
+    pub async fn subscribe(&mut self, filter: &str) {
+        match &self.client {
+            Client::V4(c) => c.subscribe(filter, rumqttc::QoS::AtLeastOnce).await.unwrap(),
+            Client::V5(c) => c.subscribe(filter, rumqttc::v5::mqttbytes::QoS::AtLeastOnce).await.unwrap(),
+        }
+        self.wait_for(|e| matches!(e, Ev::SubAck)).await;
+    }
+
+    pub async fn publish(&self, topic: &str, payload: impl Into<Vec<u8>>) {
+        let payload: Vec<u8> = payload.into();
+        match &self.client {
+            Client::V4(c) => c.publish(topic, rumqttc::QoS::AtLeastOnce, false, payload).await.unwrap(),
+            Client::V5(c) => c.publish(topic, rumqttc::v5::mqttbytes::QoS::AtLeastOnce, false, payload).await.unwrap(),
+        }
+    }
+
+    /// MQTT 5 only: publish with properties.
+    pub async fn publish_v5(
+        &self,
+        topic: &str,
+        payload: impl Into<Vec<u8>>,
+        props: rumqttc::v5::mqttbytes::v5::PublishProperties,
+    ) {
+        let Client::V5(c) = &self.client else { panic!("not an MQTT 5 client") };
+        let payload: Vec<u8> = payload.into();
+        c.publish_with_properties(topic, rumqttc::v5::mqttbytes::QoS::AtLeastOnce, false, payload, props)
+            .await
+            .unwrap();
+    }
+
+    pub async fn disconnect(&self) {
+        match &self.client {
+            Client::V4(c) => {
+                let _ = c.disconnect().await;
+            }
+            Client::V5(c) => {
+                let _ = c.disconnect().await;
+            }
+        }
+    }
+
+    /// Drops the connection without DISCONNECT (a network failure, as far
+    /// as the broker can tell).
+    pub fn kill(self) {
+        self.task.abort();
+    }
+
+    async fn next_ev(&mut self) -> Ev {
+        if !self.pending.is_empty() {
+            return self.pending.remove(0);
+        }
+        tokio::time::timeout(WAIT, self.rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{}: nothing arrived within {WAIT:?}", self.id))
+            .unwrap_or_else(|| panic!("{}: event loop ended", self.id))
+    }
+
+    async fn wait_for(&mut self, want: impl Fn(&Ev) -> bool) -> Ev {
+        let mut skipped = Vec::new();
+        loop {
+            let e = self.next_ev().await;
+            if want(&e) {
+                skipped.append(&mut self.pending);
+                self.pending = skipped;
+                return e;
+            }
+            if let Ev::Closed(why) = &e {
+                panic!("{}: connection closed: {why}", self.id);
+            }
+            if matches!(e, Ev::Msg(_)) {
+                skipped.push(e);
+            }
+        }
+    }
+
+    /// The next message (validated against the schemas when it is an
+    /// event).
+    pub async fn msg(&mut self) -> Msg {
+        match self.wait_for(|e| matches!(e, Ev::Msg(_))).await {
+            Ev::Msg(m) => {
+                validate_message(&m);
+                m
+            }
+            _ => unreachable!(),
+        }
+    }
+
+    /// Messages until (and with) the first terminal event on `topic`.
+    pub async fn stream(&mut self, topic: &str) -> Vec<Value> {
+        let mut out = Vec::new();
+        loop {
+            let m = self.msg().await;
+            assert_eq!(m.topic, topic, "message on an unexpected topic: {}", String::from_utf8_lossy(&m.payload));
+            let v = m.json();
+            let end = matches!(v["type"].as_str(), Some("done" | "error"));
+            out.push(v);
+            if end {
+                return out;
+            }
+        }
+    }
+
+    /// Whatever messages have arrived by now, without waiting.
+    pub fn drain(&mut self) -> Vec<Msg> {
+        let mut out: Vec<Msg> = std::mem::take(&mut self.pending)
+            .into_iter()
+            .filter_map(|e| if let Ev::Msg(m) = e { Some(m) } else { None })
+            .collect();
+        while let Ok(e) = self.rx.try_recv() {
+            if let Ev::Msg(m) = e {
+                out.push(m);
+            }
+        }
+        out
+    }
+}
+
+/// The shared request JSON.
+pub fn request(rid: &str) -> Value {
+    serde_json::json!({
+        "model": "general-chat",
+        "request_id": rid,
+        "messages": [{"role": "user", "content": "Say hello"}],
+    })
+}
+
+/// Asserts the stream's `seq`s are 0..n, that exactly the last message is
+/// terminal, and returns the concatenated delta text.
+pub fn check_stream(events: &[Value]) -> String {
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e["seq"], i as u64, "seq must be contiguous: {events:#?}");
+        let terminal = matches!(e["type"].as_str(), Some("done" | "error"));
+        assert_eq!(terminal, i + 1 == events.len(), "exactly one terminal event, last: {events:#?}");
+    }
+    events.iter().filter(|e| e["type"] == "delta").map(|e| e["text"].as_str().unwrap()).collect()
+}
+
+fn schemas() -> &'static HashMap<String, jsonschema::Validator> {
+    static S: OnceLock<HashMap<String, jsonschema::Validator>> = OnceLock::new();
+    S.get_or_init(|| {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("topics/schemas");
+        let mut m = HashMap::new();
+        for e in std::fs::read_dir(&dir).expect("topics/schemas") {
+            let p = e.unwrap().path();
+            let name = p.file_stem().unwrap().to_string_lossy().into_owned();
+            let v: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+            let validator = jsonschema::validator_for(&v).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            m.insert(name, validator);
+        }
+        m
+    })
+}
+
+/// Validates `v` against `topics/schemas/{name}.json`.
+pub fn validate(name: &str, v: &Value) {
+    let s = schemas().get(name).unwrap_or_else(|| panic!("no schema {name}"));
+    let errors: Vec<String> = s.iter_errors(v).map(|e| format!("{} at {}", e, e.instance_path())).collect();
+    assert!(errors.is_empty(), "{name} schema violated by {v}:\n{}", errors.join("\n"));
+}
+
+/// Every message edgeway sends to a device is checked against its schema.
+pub fn validate_message(m: &Msg) {
+    let Ok(v) = serde_json::from_slice::<Value>(&m.payload) else { return };
+    if m.topic.ends_with("/shared/models") {
+        return validate("models", &v);
+    }
+    if let Some(t) = v["type"].as_str() {
+        if ["accepted", "queued", "delta", "done", "error"].contains(&t) {
+            validate(&format!("event-{t}"), &v);
+        }
+    }
+}

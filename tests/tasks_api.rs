@@ -1,0 +1,156 @@
+//! The task API: submit and walk away, look up, cancel, follow events with
+//! resume, ownership.
+
+mod common;
+
+use std::sync::atomic::Ordering::SeqCst;
+use std::time::Duration;
+
+use common::*;
+use futures::StreamExt;
+use serde_json::Value;
+
+async fn setup(knobs: Knobs) -> (FakeEngine, TestGateway) {
+    let fake = FakeEngine::start_with(knobs).await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    gw.wait_ready().await;
+    (fake, gw)
+}
+
+async fn create(gw: &TestGateway, key: &str, body: &Value) -> reqwest::Response {
+    client().post(format!("{}/v1/tasks", gw.base_url)).bearer_auth(key).json(body).send().await.unwrap()
+}
+
+async fn get(gw: &TestGateway, key: &str, id: &str) -> reqwest::Response {
+    client().get(format!("{}/v1/tasks/{id}", gw.base_url)).bearer_auth(key).send().await.unwrap()
+}
+
+async fn wait_status(gw: &TestGateway, id: &str, want: &str) -> Value {
+    for _ in 0..300 {
+        let v: Value = get(gw, DEMO_KEY, id).await.json().await.unwrap();
+        if v["status"] == want {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("task {id} never reached {want}");
+}
+
+/// Reads SSE frames `(id, event, data)` until `n` frames or the end.
+async fn sse_frames(resp: reqwest::Response, n: usize) -> Vec<(u64, String, Value)> {
+    let mut out = Vec::new();
+    let mut buf = String::new();
+    let mut body = resp.bytes_stream();
+    while out.len() < n {
+        let Some(chunk) = body.next().await else { break };
+        buf.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        while let Some(pos) = buf.find("\n\n") {
+            let frame: String = buf.drain(..pos + 2).collect();
+            let (mut id, mut ev, mut data) = (0, String::new(), Value::Null);
+            for line in frame.lines() {
+                if let Some(v) = line.strip_prefix("id: ") {
+                    id = v.parse().unwrap();
+                } else if let Some(v) = line.strip_prefix("event: ") {
+                    ev = v.to_string();
+                } else if let Some(v) = line.strip_prefix("data: ") {
+                    data = serde_json::from_str(v).unwrap();
+                }
+            }
+            out.push((id, ev, data));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_submitted_task_runs_without_a_connection_and_can_be_looked_up() {
+    let (_fake, gw) = setup(Knobs::default()).await;
+    let resp = create(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(resp.status(), 202);
+    let v: Value = resp.json().await.unwrap();
+    let id = v["task_id"].as_str().unwrap().to_string();
+    assert_eq!(v["links"]["events"], format!("/v1/tasks/{id}/events"));
+    let t = wait_status(&gw, &id, "SUCCEEDED").await;
+    assert_eq!(t["edge"]["usage"]["output_tokens"], 5);
+    let states: Vec<&str> = t["transitions"].as_array().unwrap().iter().map(|t| t["state"].as_str().unwrap()).collect();
+    assert_eq!(states, ["RECEIVED", "VALIDATING", "QUEUED", "DISPATCHING", "RUNNING", "STREAMING", "SUCCEEDED"]);
+    assert!(t["transitions"][0]["at_ms"].is_i64());
+    assert_eq!(t["result_text"], Value::Null, "the default data policy stores no text");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn only_the_owner_sees_or_cancels_a_task() {
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let (fake, gw) = setup(knobs).await;
+    // `demo` submits; `ops` is an admin of the same tenant; a third key is
+    // unknown.
+    let v: Value = create(&gw, DEMO_KEY, &chat_body(false)).await.json().await.unwrap();
+    let id = v["task_id"].as_str().unwrap().to_string();
+    assert_eq!(get(&gw, "sk-wrong", &id).await.status(), 401);
+    assert_eq!(get(&gw, OPS_KEY, &id).await.status(), 200, "admin of the tenant");
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 1).await);
+    let del = client().delete(format!("{}/v1/tasks/{id}", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
+    assert_eq!(del.status(), 202);
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.aborted.load(SeqCst) == 1).await, "engine stopped");
+    let t = wait_status(&gw, &id, "CANCELLED").await;
+    assert_eq!(t["error_code"], "REQUEST_CANCELLED");
+    let again = client().delete(format!("{}/v1/tasks/{id}", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
+    assert_eq!(again.status(), 409, "already ended");
+    assert_eq!(get(&gw, DEMO_KEY, "no-such-task").await.status(), 404);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn cancelling_a_queued_task_never_reaches_the_engine() {
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let (fake, gw) = setup(knobs).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let v: Value = create(&gw, DEMO_KEY, &chat_body(false)).await.json().await.unwrap();
+        ids.push(v["task_id"].as_str().unwrap().to_string());
+    }
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 2).await);
+    let del =
+        client().delete(format!("{}/v1/tasks/{}", gw.base_url, ids[2])).bearer_auth(DEMO_KEY).send().await.unwrap();
+    assert_eq!(del.status(), 202);
+    let t = wait_status(&gw, &ids[2], "CANCELLED").await;
+    let states: Vec<&str> = t["transitions"].as_array().unwrap().iter().map(|t| t["state"].as_str().unwrap()).collect();
+    assert_eq!(states, ["RECEIVED", "VALIDATING", "QUEUED", "CANCELLED"]);
+    assert_eq!(fake.stats.requests.load(SeqCst), 2);
+    for id in &ids[..2] {
+        client().delete(format!("{}/v1/tasks/{id}", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
+    }
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn events_resume_from_last_event_id() {
+    let knobs = Knobs { tokens: 8, token_delay: Duration::from_millis(30), ..Knobs::default() };
+    let (_fake, gw) = setup(knobs).await;
+    let v: Value = create(&gw, DEMO_KEY, &chat_body(false)).await.json().await.unwrap();
+    let id = v["task_id"].as_str().unwrap().to_string();
+    let url = format!("{}/v1/tasks/{id}/events", gw.base_url);
+    // Read three events, then drop the connection (the task goes on).
+    let first = sse_frames(client().get(&url).bearer_auth(DEMO_KEY).send().await.unwrap(), 3).await;
+    assert_eq!(first.iter().map(|f| f.0).collect::<Vec<_>>(), [0, 1, 2]);
+    assert_eq!(first[0].1, "accepted");
+    assert_eq!(first[1].1, "delta");
+    let rest = sse_frames(
+        client().get(&url).bearer_auth(DEMO_KEY).header("Last-Event-ID", "2").send().await.unwrap(),
+        usize::MAX,
+    )
+    .await;
+    let seqs: Vec<u64> = rest.iter().map(|f| f.0).collect();
+    assert_eq!(seqs, (3..=9).collect::<Vec<_>>(), "contiguous after 2, through the end");
+    let last = rest.last().unwrap();
+    assert_eq!(last.1, "done");
+    assert_eq!(last.2["result"]["status"], "SUCCEEDED");
+    assert_eq!(last.2["result"]["usage"]["output_tokens"], 8);
+    // Another application cannot follow it.
+    let denied = client().get(&url).bearer_auth("sk-wrong").send().await.unwrap();
+    assert_eq!(denied.status(), 401);
+    let bad = client().get(&url).bearer_auth(DEMO_KEY).header("Last-Event-ID", "x").send().await.unwrap();
+    assert_eq!(bad.status(), 400);
+    gw.stop().await;
+}
