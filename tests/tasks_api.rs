@@ -154,3 +154,30 @@ async fn events_resume_from_last_event_id() {
     assert_eq!(bad.status(), 400);
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn a_p0_task_overtakes_a_p4_backlog_when_a_slot_frees() {
+    let knobs = Knobs { tokens: 10, token_delay: Duration::from_millis(30), ..Knobs::default() };
+    let (_fake, gw) = setup(knobs).await;
+    let mut p4 = chat_body(false);
+    p4["priority"] = serde_json::json!("P4");
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        let v: Value = create(&gw, DEMO_KEY, &p4).await.json().await.unwrap();
+        ids.push(v["task_id"].as_str().unwrap().to_string());
+    }
+    let mut p0 = chat_body(false);
+    p0["priority"] = serde_json::json!("P0");
+    let v: Value = create(&gw, OPS_KEY, &p0).await.json().await.unwrap();
+    let alarm = v["task_id"].as_str().unwrap().to_string();
+    let mut t = Value::Null;
+    for _ in 0..300 {
+        t = get(&gw, OPS_KEY, &alarm).await.json().await.unwrap();
+        if t["status"] == "SUCCEEDED" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(t["status"], "SUCCEEDED", "{t}");
+    gw.stop().await;
+}
