@@ -37,6 +37,7 @@ use edgeway::ingress::nats::BusState;
 use edgeway::task::{Ingress, TaskState};
 use edgeway::testing::{FakeEngine, Knobs, NatsServer, TestGateway, DEMO_KEY};
 use futures::StreamExt;
+use prometheus::core::Collector as _;
 use serde_json::{json, Value};
 
 #[derive(Parser, Debug)]
@@ -113,8 +114,8 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     let (mut direct, mut via_http, mut via_nats) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..args.warmup + args.requests {
         let d = sse_first_content(&http, &format!("{}/v1/chat/completions", fake.url()), None, &direct_body).await?;
-        let h = sse_first_content(&http, &format!("{}/v1/chat/completions", gw.base_url), Some(DEMO_KEY), &gw_body)
-            .await?;
+        let h =
+            sse_first_content(&http, &format!("{}/v1/chat/completions", gw.base_url), Some(DEMO_KEY), &gw_body).await?;
         let n = nats_first_delta(&client, &auth, &gw_body).await?;
         if i >= args.warmup {
             direct.push(d);
@@ -153,8 +154,13 @@ async fn run(args: &Args) -> Result<(String, Value)> {
 
     // 2. Lifecycle events of real tasks.
     let m = gw.gateway().metrics.clone();
-    let published = || m.nats_events_published.collect()[0].get_metric().iter().map(|x| x.get_counter().value()).sum::<f64>() as u64;
-    let dropped = || m.nats_events_dropped.collect()[0].get_metric().iter().map(|x| x.get_counter().value()).sum::<f64>() as u64;
+    let published = || {
+        m.nats_events_published.collect()[0].get_metric().iter().map(|x| x.get_counter().get_value()).sum::<f64>()
+            as u64
+    };
+    let dropped = || {
+        m.nats_events_dropped.collect()[0].get_metric().iter().map(|x| x.get_counter().get_value()).sum::<f64>() as u64
+    };
     let received = Arc::new(AtomicU64::new(0));
     let listener = async_nats::connect(nats.url()).await?;
     let mut sub = listener.subscribe("ai.v1.events.>").await?;
@@ -170,8 +176,8 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     let tasks = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
     let mut workers = Vec::new();
-    let body = json!({"model": "general-chat", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
-        .to_string();
+    let body =
+        json!({"model": "general-chat", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}).to_string();
     for _ in 0..args.workers {
         let (gw, stop, tasks, body) = (gw.gateway().clone(), stop.clone(), tasks.clone(), body.clone());
         workers.push(tokio::spawn(async move {
@@ -242,13 +248,7 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     writeln!(report, "\n## The lifecycle publisher alone ({} s, synthetic transitions)\n", args.seconds)?;
     writeln!(report, "| events produced | published/s | received by a subscriber/s | dropped |")?;
     writeln!(report, "|---|---|---|---|")?;
-    writeln!(
-        report,
-        "| {produced} | {:.0} | {:.0} | {} |",
-        (p1 - p0) as f64 / elapsed,
-        got as f64 / elapsed,
-        d1 - d0
-    )?;
+    writeln!(report, "| {produced} | {:.0} | {:.0} | {} |", (p1 - p0) as f64 / elapsed, got as f64 / elapsed, d1 - d0)?;
     out["publisher"] = json!({"produced": produced, "published_per_s": (p1 - p0) as f64 / elapsed,
         "received_per_s": got as f64 / elapsed, "dropped": d1 - d0});
     gw.stop().await;
@@ -318,7 +318,10 @@ fn machine_line() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
-            s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string())
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
         })
         .unwrap_or_else(|| "unknown CPU".into());
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();

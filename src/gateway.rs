@@ -349,6 +349,12 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         started: Instant::now(),
         nats: crate::ingress::nats::NatsStatus::new(config.nats.is_some()),
     });
+    tracker.spawn(crate::admission::resources::watch(
+        config.resources.clone(),
+        gateway.scheduler.clone(),
+        gateway.metrics.clone(),
+        shutdown.child_token(),
+    ));
     gateway.recover().await;
     let (http_addr, admin_addr) = crate::ingress::http::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
     let mqtt = crate::ingress::mqtt::serve(gateway.clone(), &tracker, shutdown.clone()).await?;

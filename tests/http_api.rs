@@ -493,3 +493,94 @@ async fn an_idempotent_repeat_joins_the_first_task_and_never_runs_twice() {
     assert_eq!(fake.stats.requests.load(SeqCst), 2);
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn an_engine_that_keeps_running_a_cancelled_request_is_taken_out_of_dispatch() {
+    let knobs =
+        Knobs { tokens: 40, token_delay: Duration::from_millis(25), ignore_disconnect: true, ..Knobs::default() };
+    let (fake, gw) = gateway_with(knobs, "[resources]\ncancel_grace_period_ms = 100\ngpu = false").await;
+    let mut resp = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
+    resp.chunk().await.unwrap();
+    resp.chunk().await.unwrap();
+    drop(resp);
+    // After the grace period the engine still runs it: out of dispatch.
+    let mut down = false;
+    for _ in 0..200 {
+        let s = gw.gateway().scheduler.snapshot().await.unwrap();
+        if !s.instances[0].up {
+            assert!(s.instances[0].detail.contains("after a cancel"), "{}", s.instances[0].detail);
+            down = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(down, "instance stayed in dispatch");
+    assert_eq!(
+        error_code(&post_chat(&gw, DEMO_KEY, &chat_body(false)).await.json().await.unwrap()),
+        "MODEL_UNAVAILABLE"
+    );
+    // Once the engine has finished it, the instance is back.
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0).await);
+    gw.wait_ready().await;
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_danger_state_stops_admission_and_cancels_low_priority_work() {
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let (fake, gw) = gateway_with(knobs, "").await;
+    let mut low = chat_body(true);
+    low["priority"] = json!("P3");
+    let mut resp = post_chat(&gw, DEMO_KEY, &low).await;
+    resp.chunk().await.unwrap();
+    let sched = &gw.gateway().scheduler;
+    // What the GPU watch does on a reading over the limits.
+    sched.set_danger(Some("GPU 0 at 95 °C (limit 90 °C)".into()));
+    let n = sched.cancel_where(|e| e.priority >= edgeway::task::Priority::P3, "danger state: GPU 0 at 95 °C");
+    assert_eq!(n, 1);
+    let (events, _) = read_sse(resp).await;
+    assert_eq!(error_code(events.last().unwrap()), "REQUEST_CANCELLED");
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0).await);
+    let r = post_chat(&gw, OPS_KEY, &chat_body(false)).await;
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(error_code(&v), "RESOURCE_EXHAUSTED");
+    assert!(v["error"]["message"].as_str().unwrap().contains("95 °C"));
+    sched.set_danger(None);
+    assert_eq!(post_chat(&gw, OPS_KEY, &chat_body(false)).await.status(), 200);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn per_user_rates_answer_rate_limited_and_quota_exceeded() {
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        t.replace(
+            "default_priority = \"P2\"",
+            "default_priority = \"P2\"\nuser_requests_per_minute = 2\nuser_tokens_per_minute = 1500",
+        )
+    })
+    .await;
+    gw.wait_ready().await;
+    let mut body = chat_body(false);
+    body["metadata"] = json!({"user_id": "alice"});
+    body["max_tokens"] = json!(10);
+    for _ in 0..2 {
+        assert_eq!(post_chat(&gw, DEMO_KEY, &body).await.status(), 200);
+    }
+    let r = post_chat(&gw, DEMO_KEY, &body).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "30");
+    assert_eq!(error_code(&r.json().await.unwrap()), "RATE_LIMITED");
+    // Bob has his own budget, but not enough tokens for a huge answer.
+    body["metadata"] = json!({"user_id": "bob"});
+    body["max_tokens"] = json!(250);
+    assert_eq!(post_chat(&gw, DEMO_KEY, &body).await.status(), 200);
+    let big = json!({"model": "general-chat", "metadata": {"user_id": "bob"}, "max_tokens": 250,
+        "messages": [{"role": "user", "content": "x".repeat(6000)}]});
+    let r = post_chat(&gw, DEMO_KEY, &big).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(error_code(&r.json().await.unwrap()), "QUOTA_EXCEEDED");
+    gw.stop().await;
+}

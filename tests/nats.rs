@@ -526,3 +526,18 @@ fn the_commented_nats_block_of_the_example_config_is_valid() {
     assert_eq!(nats.auth, edgeway::config::NatsAuth::Token(edgeway::config::Secret::new("t0ken")));
     assert_eq!(nats.jetstream.expect("jetstream").stream, "EDGEWAY_EVENTS");
 }
+
+#[tokio::test]
+async fn a_stream_is_cancelled_when_the_bus_stays_away() {
+    let (fake, mut nats, gw) = setup(slow(), "caller_timeout_ms = 300\nkeepalive_ms = 100\n").await;
+    let client = connect(&nats).await;
+    let mut call = Call::start(&client, auth(DEMO_KEY), &chat("bus-goes")).await;
+    let task_id = call.next().await.v["task_id"].as_str().unwrap().to_string();
+    assert_eq!(call.next().await.kind, "delta");
+    nats.stop().await;
+    assert!(cancelled_by_client(&terminal_of(&gw, &task_id).await));
+    assert!(fake.wait_for(LIMIT, |s| s.aborted.load(SeqCst) == 1).await, "the engine was freed");
+    let metrics = gw.gateway().metrics.render();
+    assert!(metrics.contains("edgeway_nats_callers_lost_total{reason=\"bus_unavailable\"} 1"), "{metrics}");
+    gw.stop().await;
+}

@@ -7,6 +7,7 @@
 
 pub mod auth;
 pub mod request;
+pub mod resources;
 
 pub use auth::Authenticator;
 pub use request::{admit, ChatRequestBody};

@@ -70,6 +70,10 @@ pub struct Config {
     pub models: BTreeMap<String, ModelConfig>,
     /// Fair-share weight of each tenant (default 1).
     pub tenant_weights: std::collections::HashMap<String, f64>,
+    pub resources: crate::admission::resources::ResourceConfig,
+    /// A cancelled request may keep an engine busy this long before the
+    /// instance is taken out of dispatch.
+    pub cancel_grace: Duration,
     /// The internal service bus; `None` when `[nats]` is not configured.
     pub nats: Option<NatsConfig>,
     /// The embedded MQTT broker and device ingress; `None` without `[mqtt]`.

@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::*;
+use crate::admission::resources::ResourceConfig;
 use crate::scheduler::policy::AppPolicy;
 use crate::task::{Priority, Timeouts};
 
@@ -33,6 +34,8 @@ pub struct RawConfig {
     pub applications: BTreeMap<String, RawApplication>,
     #[serde(default)]
     pub tenants: BTreeMap<String, RawTenant>,
+    #[serde(default)]
+    pub resources: RawResources,
     #[serde(default)]
     pub engines: BTreeMap<String, RawEngine>,
     #[serde(default)]
@@ -190,6 +193,56 @@ fn d_aging() -> f64 {
 }
 fn d_overload_tokens() -> u32 {
     128
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawResources {
+    /// Watch NVIDIA GPUs through NVML (a machine without one just logs it).
+    #[serde(default = "d_true")]
+    pub gpu: bool,
+    #[serde(default = "d_res_poll")]
+    pub poll_interval_ms: u64,
+    #[serde(default = "d_danger_temp")]
+    pub danger_gpu_temperature_c: u32,
+    #[serde(default = "d_danger_mem")]
+    pub danger_gpu_memory_percent: f64,
+    /// On entering danger, cancel tasks of this priority and below.
+    #[serde(default = "d_danger_cancel")]
+    pub cancel_from_priority: String,
+    /// How long a cancelled request may keep an engine slot busy before the
+    /// instance is taken out of dispatch.
+    #[serde(default = "d_cancel_grace")]
+    pub cancel_grace_period_ms: u64,
+}
+
+fn d_res_poll() -> u64 {
+    1000
+}
+fn d_danger_temp() -> u32 {
+    90
+}
+fn d_danger_mem() -> f64 {
+    98.0
+}
+fn d_danger_cancel() -> String {
+    "P3".into()
+}
+fn d_cancel_grace() -> u64 {
+    3000
+}
+
+impl Default for RawResources {
+    fn default() -> Self {
+        RawResources {
+            gpu: true,
+            poll_interval_ms: d_res_poll(),
+            danger_gpu_temperature_c: d_danger_temp(),
+            danger_gpu_memory_percent: d_danger_mem(),
+            cancel_from_priority: d_danger_cancel(),
+            cancel_grace_period_ms: d_cancel_grace(),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -476,6 +529,12 @@ impl RawConfig {
         if !(self.scheduler.priority_aging_seconds >= 0.0 && self.scheduler.priority_aging_seconds.is_finite()) {
             err("scheduler.priority_aging_seconds".into(), "must be 0 (off) or a positive number".into());
         }
+        if Priority::parse(&self.resources.cancel_from_priority).is_none() {
+            err("resources.cancel_from_priority".into(), "must be P0..P4".into());
+        }
+        if !(0.0..=100.0).contains(&self.resources.danger_gpu_memory_percent) {
+            err("resources.danger_gpu_memory_percent".into(), "must be between 0 and 100".into());
+        }
         for (name, t) in &self.tenants {
             if !(t.weight > 0.0 && t.weight.is_finite()) {
                 err(format!("tenants.{name}.weight"), "must be a positive number".into());
@@ -744,6 +803,14 @@ impl RawConfig {
                 idempotency_ttl: Duration::from_secs(self.scheduler.idempotency_ttl_seconds),
             },
             tenant_weights: self.tenants.iter().map(|(k, t)| (k.clone(), t.weight)).collect(),
+            resources: ResourceConfig {
+                gpu: self.resources.gpu,
+                poll_interval: Duration::from_millis(self.resources.poll_interval_ms.max(100)),
+                danger_gpu_temperature_c: self.resources.danger_gpu_temperature_c,
+                danger_gpu_memory_percent: self.resources.danger_gpu_memory_percent,
+                cancel_from_priority: Priority::parse(&self.resources.cancel_from_priority).unwrap_or(Priority::P3),
+            },
+            cancel_grace: Duration::from_millis(self.resources.cancel_grace_period_ms),
             auth: AuthConfig { jwt },
             applications,
             engines,

@@ -42,6 +42,11 @@ pub async fn probe_loop(
             _ = cancel.cancelled() => return,
             h = engine.health() => h,
         };
+        if h.up {
+            if let Some(busy) = engine.busy_slots().await {
+                scheduler.report_busy(index, busy);
+            }
+        }
         let now_up = if h.up {
             failures = 0;
             true

@@ -105,6 +105,11 @@ pub trait Engine: Send + Sync + 'static {
     /// request (HTTP headers received); chunks follow on the stream.
     async fn stream(&self, req: EngineRequest) -> Result<EngineStream, EngineError>;
     async fn health(&self) -> EngineHealth;
+    /// Generations the engine itself says it is running, where it tells
+    /// (llama.cpp's `/slots`); `None` otherwise.
+    async fn busy_slots(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Builds the adapter for one configured engine instance.

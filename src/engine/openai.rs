@@ -206,6 +206,16 @@ impl Engine for OpenAiEngine {
             .boxed())
     }
 
+    async fn busy_slots(&self) -> Option<usize> {
+        let url = format!("{}/slots", self.cfg.base_url);
+        let r = self.client.get(url).timeout(std::time::Duration::from_secs(2)).send().await.ok()?;
+        if !r.status().is_success() {
+            return None;
+        }
+        let v: Value = r.json().await.ok()?;
+        Some(v.as_array()?.iter().filter(|s| s.get("is_processing").and_then(Value::as_bool) == Some(true)).count())
+    }
+
     async fn health(&self) -> EngineHealth {
         let url = format!("{}{}", self.cfg.base_url, self.cfg.health_path);
         let mut rb = self.client.get(url).timeout(self.cfg.health_interval.max(std::time::Duration::from_secs(1)));

@@ -11,7 +11,7 @@ use tokio::time::sleep_until;
 
 use super::events::TaskLog;
 use super::{terminal_state_for, CancelHandle, Cmd, Shared, SlotLease};
-use crate::engine::{EngineChunk, EngineError, EngineRequest};
+use crate::engine::{Engine, EngineChunk, EngineError, EngineRequest};
 use crate::error::{ErrorCode, GatewayError};
 use crate::task::{ResultMeta, TaskEvent, TaskRequest, TaskState, Timing, Usage};
 
@@ -46,6 +46,8 @@ struct Progress {
     deltas: u32,
     finish_reason: Option<String>,
     text: String,
+    /// The engine the task ran on, for the post-cancel grace check.
+    engine: Option<(usize, Arc<dyn Engine>)>,
 }
 
 impl Driver {
@@ -59,6 +61,21 @@ impl Driver {
         self.log.push(TaskEvent::Accepted { task_id: id.clone(), queue_position: self.queue_position });
         let mut p = Progress::default();
         let outcome = self.run_phases(grant, &mut p).await;
+        let stopped_early =
+            outcome.error.as_ref().is_some_and(|(e, _)| e.code == ErrorCode::RequestCancelled || e.code.is_timeout());
+        if let (true, Some((instance, engine))) = (stopped_early, p.engine.take()) {
+            // The engine should stop within the grace period; if it says it
+            // still runs more than edgeway gave it, the instance is taken
+            // out of dispatch until it does.
+            let grace = self.shared.config.cancel_grace;
+            let tx = self.tx.clone();
+            self.shared.tracker.spawn(async move {
+                tokio::time::sleep(grace).await;
+                if let Some(busy) = engine.busy_slots().await {
+                    let _ = tx.send(Cmd::GraceCheck { instance, busy });
+                }
+            });
+        }
         self.finish(outcome, p);
         self.shared.registry.ended(&id);
     }
@@ -104,6 +121,7 @@ impl Driver {
         let now = Instant::now();
         p.dispatched_at = Some(now);
         p.instance = Some(lease.instance_name.clone());
+        p.engine = Some((lease.instance, lease.engine.clone()));
         p.actual_model = Some(format!("{}/{}", lease.instance_name, lease.engine_model));
         let labels = [r.logical_model.as_str(), r.priority.as_str()];
         self.shared.metrics.queue_wait.with_label_values(&labels).observe(r.received_at.elapsed().as_secs_f64());

@@ -133,6 +133,7 @@ pub struct TaskEntry {
     pub idempotency_key: Option<String>,
     /// To tell a true retry from a different request reusing the key.
     pub prompt_sha256: String,
+    pub priority: crate::task::Priority,
     pub log: Arc<TaskLog>,
     pub cancel: CancelHandle,
 }
@@ -252,6 +253,12 @@ impl Registry {
 
     pub fn len(&self) -> usize {
         self.inner.lock().expect("registry").tasks.len()
+    }
+
+    /// Live (not ended) tasks that `pred` selects.
+    pub fn live_where(&self, pred: impl Fn(&TaskEntry) -> bool) -> Vec<Arc<TaskEntry>> {
+        let g = self.inner.lock().expect("registry");
+        g.tasks.values().filter(|e| !e.log.is_ended() && pred(e)).cloned().collect()
     }
 
     pub fn is_empty(&self) -> bool {

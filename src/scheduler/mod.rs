@@ -161,6 +161,16 @@ enum Cmd {
     Danger {
         reason: Option<String>,
     },
+    /// What the engine says it runs (from the probe).
+    Busy {
+        instance: usize,
+        busy: usize,
+    },
+    /// A cancelled request's grace period is over: is the engine still busy?
+    GraceCheck {
+        instance: usize,
+        busy: usize,
+    },
     Snapshot {
         reply: oneshot::Sender<Snapshot>,
     },
@@ -270,6 +280,8 @@ pub fn start(
     let actor = Actor {
         model_index: config.models.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect(),
         details: instances.iter().map(|_| "not checked yet".to_string()).collect(),
+        health_up: vec![true; instances.len()],
+        draining: vec![false; instances.len()],
         instances,
         policy,
         grants: HashMap::new(),
@@ -329,6 +341,7 @@ impl SchedulerHandle {
             application: req.identity.application.clone(),
             idempotency_key: req.idempotency_key.clone(),
             prompt_sha256: req.prompt_sha256.clone(),
+            priority: req.priority,
             log: log.clone(),
             cancel: cancel.clone(),
         });
@@ -433,6 +446,16 @@ impl SchedulerHandle {
         self.shared.registry.get(task_id)
     }
 
+    /// Cancels every live task that `pred` selects (danger state, admin
+    /// action); returns how many.
+    pub fn cancel_where(&self, pred: impl Fn(&TaskEntry) -> bool, reason: &str) -> usize {
+        let hit = self.shared.registry.live_where(pred);
+        for e in &hit {
+            e.cancel.cancel(reason, "gateway");
+        }
+        hit.len()
+    }
+
     /// Cancels a live task by id. Returns false if it is not running here.
     pub fn cancel(&self, task_id: &str, reason: &str, actor: &'static str) -> bool {
         match self.shared.registry.get(task_id) {
@@ -456,6 +479,10 @@ impl SchedulerHandle {
         let _ = self.tx.send(Cmd::Danger { reason });
     }
 
+    pub(crate) fn report_busy(&self, instance: usize, busy: usize) {
+        let _ = self.tx.send(Cmd::Busy { instance, busy });
+    }
+
     pub(crate) fn set_instance_health(&self, instance: usize, up: bool, detail: String) {
         let _ = self.tx.send(Cmd::Health { instance, up, detail });
     }
@@ -469,6 +496,10 @@ impl SchedulerHandle {
 struct Actor {
     instances: Vec<Instance>,
     details: Vec<String>,
+    /// Last verdict of the health probe, per instance.
+    health_up: Vec<bool>,
+    /// Instances out of dispatch because a cancelled request kept running.
+    draining: Vec<bool>,
     policy: Policy,
     model_index: HashMap<String, usize>,
     /// Waiting tasks' grant channels, with their model and priority labels.
@@ -530,8 +561,30 @@ impl Actor {
                 }
             }
             Cmd::Health { instance, up, detail } => {
-                self.policy.set_instance_up(instance, up);
-                self.details[instance] = detail;
+                self.health_up[instance] = up;
+                self.policy.set_instance_up(instance, up && !self.draining[instance]);
+                if !self.draining[instance] {
+                    self.details[instance] = detail;
+                }
+            }
+            Cmd::GraceCheck { instance, busy } => {
+                let ours = self.policy.running_on(instance);
+                if busy > ours && !self.draining[instance] {
+                    let name = &self.instances[instance].name;
+                    tracing::warn!(engine = %name, busy, ours, "engine did not stop a cancelled request within the grace period; out of dispatch until it does");
+                    self.draining[instance] = true;
+                    self.details[instance] =
+                        format!("still running {busy} generation(s) for {ours} task(s) after a cancel");
+                    self.policy.set_instance_up(instance, false);
+                }
+            }
+            Cmd::Busy { instance, busy } => {
+                if self.draining[instance] && busy <= self.policy.running_on(instance) {
+                    tracing::info!(engine = %self.instances[instance].name, "engine stopped the cancelled work; back in dispatch");
+                    self.draining[instance] = false;
+                    self.details[instance] = "ok".into();
+                    self.policy.set_instance_up(instance, self.health_up[instance]);
+                }
             }
             Cmd::Danger { reason } => self.policy.set_danger(reason),
             Cmd::Snapshot { reply } => {

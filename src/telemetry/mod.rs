@@ -34,6 +34,9 @@ pub struct Metrics {
     /// Tasks holding an engine slot, by engine instance.
     pub running: IntGaugeVec,
     pub engine_up: IntGaugeVec,
+    /// Per GPU index (from NVML, when present).
+    pub gpu_temperature: IntGaugeVec,
+    pub gpu_memory_used: IntGaugeVec,
     /// Store writes that could not be made (the task itself went on).
     pub store_errors: IntGauge,
     /// 1 while the NATS bus is connected (0 when off or down).
@@ -86,6 +89,8 @@ impl Metrics {
             queue_depth: gauge("queue_depth", "Tasks waiting for a slot", &["model", "priority"]),
             running: gauge("running_tasks", "Tasks holding an engine slot", &["engine"]),
             engine_up: gauge("engine_up", "1 when the engine instance passes health checks", &["engine"]),
+            gpu_temperature: gauge("gpu_temperature_celsius", "GPU temperature (NVML)", &["gpu"]),
+            gpu_memory_used: gauge("gpu_memory_used_bytes", "GPU memory in use (NVML)", &["gpu"]),
             store_errors,
             nats_connected: {
                 let g = IntGauge::new("nats_connected", "1 while the NATS bus is connected").expect("valid metric");

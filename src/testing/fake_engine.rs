@@ -36,6 +36,9 @@ pub struct Knobs {
     pub omit_usage: bool,
     /// What health endpoints answer.
     pub healthy: bool,
+    /// Keep generating after the client went away (an engine that does
+    /// not notice disconnects).
+    pub ignore_disconnect: bool,
 }
 
 impl Default for Knobs {
@@ -50,6 +53,7 @@ impl Default for Knobs {
             drop_after: None,
             omit_usage: false,
             healthy: true,
+            ignore_disconnect: false,
         }
     }
 }
@@ -91,6 +95,7 @@ impl FakeEngine {
             .route("/v1/chat/completions", post(openai_chat))
             .route("/v1/models", get(openai_models))
             .route("/health", get(health))
+            .route("/slots", get(slots))
             .route("/api/chat", post(ollama_chat))
             .route("/api/tags", get(ollama_tags))
             .route("/api/ps", get(ollama_tags))
@@ -221,8 +226,9 @@ fn generate(
                 return;
             }
             for b in frame(Some(i)) {
-                // A failed send means the client is gone: stop generating.
-                if tx.send(Ok(b)).await.is_err() {
+                // A failed send means the client is gone: stop generating
+                // (unless told to behave like an engine that does not).
+                if tx.send(Ok(b)).await.is_err() && !k.ignore_disconnect {
                     return;
                 }
             }
@@ -343,6 +349,13 @@ fn health_status(s: &Shared) -> StatusCode {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     }
+}
+
+/// llama.cpp-style `/slots`: one entry per generation in progress.
+async fn slots(State(s): State<Arc<Shared>>) -> Response {
+    let n = s.stats.active.load(Ordering::SeqCst).max(0);
+    let v: Vec<Value> = (0..n).map(|i| json!({"id": i, "is_processing": true})).collect();
+    Json(v).into_response()
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {

@@ -240,7 +240,13 @@ async fn connect(cfg: &NatsConfig, status: &NatsStatus, metrics: &Arc<Metrics>) 
         }
     };
     tracing::info!(url = %cfg.redacted_url(), name = %cfg.name, "connecting to the NATS bus");
-    Ok(opts.connect(cfg.url.as_str()).await?)
+    let servers = cfg
+        .url
+        .split(',')
+        .filter(|u| !u.trim().is_empty())
+        .map(|u| u.trim().parse::<async_nats::ServerAddr>())
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(opts.connect(servers).await?)
 }
 
 /// A subject token made from a tenant name: characters NATS gives meaning

@@ -314,6 +314,9 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
                         break None;
                     }
                     TaskEvent::Accepted { .. } | TaskEvent::Delta { .. } => {
+                        if ctx.gw.nats.unavailable_for().is_some_and(|d| d >= cfg.caller_timeout) {
+                            break Some(Lost::BusUnavailable);
+                        }
                         let kind = if matches!(ev, TaskEvent::Accepted { .. }) { "accepted" } else { "delta" };
                         let publish = ctx.client.publish_with_reply_and_headers(
                             reply.clone(),
