@@ -148,7 +148,7 @@ mod tests {
     #[test]
     fn danger_zone_thresholds() {
         let ok = GpuReading { index: 0, temperature_c: 70, memory_used: 50, memory_total: 100 };
-        assert_eq!(danger(&[ok.clone()], &cfg()), None);
+        assert_eq!(danger(std::slice::from_ref(&ok), &cfg()), None);
         let hot = GpuReading { temperature_c: 91, ..ok.clone() };
         assert!(danger(&[ok.clone(), hot], &cfg()).unwrap().contains("91 °C"));
         let full = GpuReading { memory_used: 98, ..ok };
