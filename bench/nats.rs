@@ -197,8 +197,8 @@ async fn run(args: &Args) -> Result<(String, Value)> {
         w.await?;
     }
     let elapsed = t0.elapsed().as_secs_f64();
-    let (p1, d1) = (published(), dropped());
     settle(&received).await;
+    let (p1, d1) = (published(), dropped());
     let got = received.load(Ordering::Relaxed) - r0;
     let n_tasks = tasks.load(Ordering::Relaxed);
     writeln!(report, "\n## Lifecycle events of real tasks ({} submitters, {} s)\n", args.workers, args.seconds)?;

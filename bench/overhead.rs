@@ -68,6 +68,9 @@ struct Args {
     /// Do not run `cargo build --release --bin edgeway` first.
     #[arg(long)]
     no_build: bool,
+    /// Print p50/p99/max per second of each phase (always in the JSON).
+    #[arg(long)]
+    timeline: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -111,6 +114,8 @@ struct PhaseResult {
     lat_us: Vec<u64>,
     errors: Vec<String>,
     wall: Duration,
+    /// Per second of scheduled send time: (requests, p50, p99, max) in µs.
+    timeline: Vec<(usize, u64, u64, u64)>,
     /// Cores used by edgeway / by this process / by the whole machine.
     edgeway_cores: Option<f64>,
     bench_cores: f64,
@@ -195,6 +200,11 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
             let _ = run_phase(&client, &t, rate, secs(args.warmup), None, name).await;
             tokio::time::sleep(Duration::from_millis(500)).await;
             let r = run_phase(&client, &t, rate, secs(args.seconds), pid, name).await;
+            if args.timeline {
+                for (i, (n, p50, p99, max)) in r.timeline.iter().enumerate() {
+                    eprintln!("  second {i}: {n} ok, p50 {} p99 {} max {} ms", ms(*p50), ms(*p99), ms(*max));
+                }
+            }
             gw.check_alive()?;
             writeln!(report, "{}", phase_row(rate, &r))?;
             results.push(r);
@@ -262,13 +272,21 @@ async fn run_phase(
     let mut handles = Vec::with_capacity(n);
     for _ in 0..n {
         let scheduled = iv.tick().await.into_std();
-        handles.push(tokio::spawn(one_request(client.clone(), target.clone(), scheduled)));
+        let second = scheduled.saturating_duration_since(start).as_secs() as usize;
+        handles.push((second, tokio::spawn(one_request(client.clone(), target.clone(), scheduled))));
     }
     let mut lat_us = Vec::with_capacity(n);
     let mut errors = Vec::new();
-    for h in handles {
+    let mut per_second: Vec<Vec<u64>> = vec![Vec::new(); dur.as_secs() as usize + 1];
+    for (second, h) in handles {
         match h.await {
-            Ok(Ok(d)) => lat_us.push(d.as_micros() as u64),
+            Ok(Ok(d)) => {
+                let us = d.as_micros() as u64;
+                lat_us.push(us);
+                if let Some(b) = per_second.get_mut(second) {
+                    b.push(us);
+                }
+            }
             Ok(Err(e)) => errors.push(e),
             Err(e) => errors.push(format!("task: {e}")),
         }
@@ -282,12 +300,21 @@ async fn run_phase(
     let bench_cores = ticks(cpu_ticks(std::process::id()), Some(self_before)).unwrap_or(0.0);
     let machine_cores = ticks(machine_busy_ticks(), machine_before).unwrap_or(0.0);
     lat_us.sort_unstable();
+    let timeline = per_second
+        .into_iter()
+        .filter(|b| !b.is_empty())
+        .map(|mut b| {
+            b.sort_unstable();
+            (b.len(), pct(&b, 0.50), pct(&b, 0.99), b[b.len() - 1])
+        })
+        .collect();
     PhaseResult {
         name: name.to_string(),
         sent: n,
         lat_us,
         errors,
         wall,
+        timeline,
         edgeway_cores,
         bench_cores,
         machine_cores,
@@ -384,6 +411,9 @@ fn phase_json(r: &PhaseResult) -> Value {
         "max_us": l.last().copied().unwrap_or(0),
         "edgeway_cores": r.edgeway_cores, "bench_cores": r.bench_cores,
         "machine_cores": r.machine_cores, "edgeway_rss_kb": r.rss_kb,
+        "timeline_per_second": r.timeline.iter()
+            .map(|(n, p50, p99, max)| json!({"n": n, "p50_us": p50, "p99_us": p99, "max_us": max}))
+            .collect::<Vec<_>>(),
     })
 }
 

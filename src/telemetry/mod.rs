@@ -141,7 +141,11 @@ pub fn init_logging(cfg: &LogConfig) {
     // rumqttd and hyper report vanished clients at ERROR/WARN; they are not
     // our errors.
     let base = std::env::var("RUST_LOG").unwrap_or_else(|_| cfg.level.clone());
-    let filter = EnvFilter::try_new(format!("{base},hyper=warn,h2=warn")).unwrap_or_else(|_| EnvFilter::new("info"));
+    // rumqttd logs every dropped device connection at ERROR: off unless
+    // RUST_LOG names it.
+    let rumqttd = if base.contains("rumqttd") { "" } else { ",rumqttd=off" };
+    let filter =
+        EnvFilter::try_new(format!("{base},hyper=warn,h2=warn{rumqttd}")).unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = match cfg.format {
         LogFormat::Json => builder.json().flatten_event(true).try_init(),

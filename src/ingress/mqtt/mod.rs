@@ -41,8 +41,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use broker::MqttAddrs;
-use protocol::{Presence, ProtocolShared};
-use requests::{DeviceIngress, Sessions};
+use protocol::ProtocolShared;
+use requests::{Change, DeviceIngress, Sessions};
 use streams::Streams;
 use topics::Topics;
 
@@ -222,7 +222,7 @@ async fn link_loop(ingress: Arc<DeviceIngress>, mut rx: LinkRx, shutdown: Cancel
 /// Applies device connects and disconnects, and expires old streams.
 async fn presence_loop(
     ingress: Arc<DeviceIngress>,
-    mut rx: mpsc::UnboundedReceiver<Presence>,
+    mut rx: mpsc::UnboundedReceiver<Change>,
     shutdown: CancellationToken,
 ) {
     let mut sweep = tokio::time::interval(Duration::from_secs(1));

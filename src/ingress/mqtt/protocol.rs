@@ -34,7 +34,7 @@ use rumqttd::protocol::{ConnAckProperties, Connect, ConnectReturnCode, Error, Pa
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::auth::{DeviceDirectory, Refusal};
-use super::requests::Sessions;
+use super::requests::{Change, Sessions};
 use super::topics::{mount_filter, mount_topic, unmount, Topics};
 use crate::task::Identity;
 
@@ -45,7 +45,7 @@ pub const EXPIRES_AT_PROPERTY: &str = "edgeway-expires-at-ms";
 /// A device connection starting or ending.
 #[derive(Debug, Clone)]
 pub enum Presence {
-    Connected { device: String, conn: u64, identity: Identity },
+    Connected { device: String, client_id: String, conn: u64, identity: Identity },
     Disconnected { device: String, conn: u64 },
 }
 
@@ -56,7 +56,7 @@ pub struct ProtocolShared {
     /// Updated at once (before the router sees the connection), then the
     /// event is sent on `presence`.
     pub sessions: Arc<Sessions>,
-    pub presence: UnboundedSender<Presence>,
+    pub presence: UnboundedSender<Change>,
     next_conn: AtomicU64,
 }
 
@@ -65,14 +65,14 @@ impl ProtocolShared {
         directory: DeviceDirectory,
         topics: Topics,
         sessions: Arc<Sessions>,
-        presence: UnboundedSender<Presence>,
+        presence: UnboundedSender<Change>,
     ) -> Self {
         ProtocolShared { directory, topics, sessions, presence, next_conn: AtomicU64::new(1) }
     }
 
     fn report(&self, p: Presence) {
-        self.sessions.apply(&p);
-        let _ = self.presence.send(p);
+        let change = self.sessions.apply(&p);
+        let _ = self.presence.send(change);
     }
 }
 
@@ -175,7 +175,8 @@ impl DeviceProtocol {
                 if connect.keep_alive == 0 {
                     connect.keep_alive = u16::MAX;
                 }
-                self.shared.report(Presence::Connected { device: device.clone(), conn, identity });
+                let client_id = connect.client_id.clone();
+                self.shared.report(Presence::Connected { device: device.clone(), client_id, conn, identity });
                 self.device = Some((device, conn));
                 Ok(Packet::Connect(connect, props, will, will_props, login))
             }

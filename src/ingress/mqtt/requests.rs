@@ -31,11 +31,30 @@ use crate::task::{Identity, Ingress};
 /// A device as the ingress knows it: who it is and whether it is online.
 struct Device {
     identity: Identity,
-    /// Connections that are open now (a takeover briefly has two).
-    live: Vec<u64>,
-    /// Counts connects: a disconnect timer only acts if no connect came
-    /// after it.
+    /// Connections that are open now, with their client ids (a device may
+    /// have several instances; a takeover briefly has two of one id).
+    live: Vec<(u64, String)>,
+    /// Counts connects. Senders and disconnect timers remember the epoch
+    /// they started in, so a late event never stops what a newer
+    /// connection started.
     epoch: u64,
+}
+
+/// What a connect or disconnect changed, for the ingress.
+#[derive(Debug, Clone)]
+pub enum Change {
+    /// A client id connected while its previous connection was still open
+    /// (the device reconnected before the broker noticed the old one died).
+    Takeover {
+        device: String,
+        epoch: u64,
+    },
+    /// The device's last connection ended.
+    Offline {
+        device: String,
+        epoch: u64,
+    },
+    Other,
 }
 
 /// Devices seen since start. Updated by the codec at CONNECT (before the
@@ -46,24 +65,37 @@ pub struct Sessions {
 }
 
 impl Sessions {
-    pub fn apply(&self, p: &Presence) {
+    pub fn apply(&self, p: &Presence) -> Change {
         let mut g = self.devices.lock().expect("sessions");
         match p {
-            Presence::Connected { device, conn, identity } => {
+            Presence::Connected { device, client_id, conn, identity } => {
                 let d = g.entry(device.clone()).or_insert_with(|| Device {
                     identity: identity.clone(),
                     live: Vec::new(),
                     epoch: 0,
                 });
                 d.identity = identity.clone();
-                d.live.push(*conn);
+                let takeover = d.live.iter().any(|(_, c)| c == client_id);
+                d.live.push((*conn, client_id.clone()));
                 d.epoch += 1;
-            }
-            Presence::Disconnected { device, conn } => {
-                if let Some(d) = g.get_mut(device) {
-                    d.live.retain(|c| c != conn);
+                if takeover {
+                    Change::Takeover { device: device.clone(), epoch: d.epoch }
+                } else {
+                    Change::Other
                 }
             }
+            Presence::Disconnected { device, conn } => match g.get_mut(device) {
+                Some(d) => {
+                    let before = d.live.len();
+                    d.live.retain(|(c, _)| c != conn);
+                    if before > 0 && d.live.is_empty() {
+                        Change::Offline { device: device.clone(), epoch: d.epoch }
+                    } else {
+                        Change::Other
+                    }
+                }
+                None => Change::Other,
+            },
         }
     }
 
@@ -348,6 +380,7 @@ impl DeviceIngress {
     /// A device has no connection left (as of `epoch`): its running tasks
     /// follow their `on_disconnect` policy.
     pub fn device_dropped(&self, device: &str, epoch: u64) {
+        self.streams.stop_senders(device, epoch);
         for s in self.streams.live_of(device) {
             match s.on_disconnect {
                 OnDisconnect::Cancel => s.cancel.cancel("device disconnected (on_disconnect = cancel)", "client"),
@@ -372,12 +405,15 @@ impl DeviceIngress {
         }
     }
 
-    pub fn on_presence(&self, p: &Presence) {
-        if let Presence::Disconnected { device, .. } = p {
-            let (online, epoch) = self.sessions.state(device);
-            if !online {
-                self.device_dropped(device, epoch);
-            }
+    /// A reconnect or a drop ends what the device was being sent: messages
+    /// in flight on the old connection are lost, and the device resumes
+    /// from the `seq` it has (so it never gets a message twice). A drop
+    /// also applies the tasks' `on_disconnect` policy.
+    pub fn on_presence(&self, c: &Change) {
+        match c {
+            Change::Takeover { device, epoch } => self.streams.stop_senders(device, epoch - 1),
+            Change::Offline { device, epoch } => self.device_dropped(device, *epoch),
+            Change::Other => {}
         }
         self.metrics.connected.set(self.sessions.online_count() as i64);
     }

@@ -200,6 +200,19 @@ impl Streams {
         s
     }
 
+    /// Stops the senders of a device that started in `epoch` or before.
+    pub fn stop_senders(&self, device: &str, epoch: u64) {
+        let g = self.inner.lock().expect("streams");
+        for s in g.by_key.values().filter(|s| s.device == device) {
+            let mut slot = s.sender.lock().expect("sender");
+            if slot.as_ref().is_some_and(|x| x.epoch <= epoch) {
+                if let Some(x) = slot.take() {
+                    x.stop.cancel();
+                }
+            }
+        }
+    }
+
     /// Live (not ended) streams of a device.
     pub fn live_of(&self, device: &str) -> Vec<Arc<MqttStream>> {
         let g = self.inner.lock().expect("streams");
@@ -359,7 +372,8 @@ async fn send_loop(
                 ..Default::default()
             });
             for msg in batch {
-                if out.publish(&dest.topic, msg, props.clone(), false).is_err() {
+                // Checked per message: a replaced sender stops at once.
+                if stop.is_cancelled() || out.publish(&dest.topic, msg, props.clone(), false).is_err() {
                     return;
                 }
                 next += 1;
