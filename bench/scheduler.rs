@@ -78,12 +78,12 @@ async fn start(bin: &Path, fake: &FakeEngine, reserved: usize, model_extra: &str
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
+    let e = Edgeway { child, base: format!("http://127.0.0.1:{port}"), _dir: dir };
     let c = reqwest::Client::new();
     for _ in 0..400 {
-        if let Ok(r) = c.get(format!("{base}/ready")).send().await {
+        if let Ok(r) = c.get(format!("{}/ready", e.base)).send().await {
             if r.status() == 200 {
-                return Edgeway { child, base, _dir: dir };
+                return e;
             }
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
