@@ -112,6 +112,10 @@ struct PhaseResult {
     name: String,
     sent: usize,
     lat_us: Vec<u64>,
+    /// How late each request started after its scheduled time (µs, sorted):
+    /// the load generator's own timer and scheduling delay, part of every
+    /// latency.
+    lag_us: Vec<u64>,
     errors: Vec<String>,
     wall: Duration,
     /// Per second of scheduled send time: (requests, p50, p99, max) in µs.
@@ -181,9 +185,9 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
     )?;
     writeln!(
         report,
-        "| rate (req/s) | phase | ok | errors | p50 | p90 | p99 | max | edgeway CPU (cores) | bench CPU (cores) | machine CPU (cores) | edgeway RSS (MiB) |"
+        "| rate (req/s) | phase | ok | errors | p50 | p90 | p99 | max | send lag p50 / p99 | edgeway CPU (cores) | bench CPU (cores) | other CPU (cores) | edgeway RSS (MiB) |"
     )?;
-    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     let mut all = Vec::new();
     for &rate in &args.rates {
         let phases = [
@@ -276,11 +280,13 @@ async fn run_phase(
         handles.push((second, tokio::spawn(one_request(client.clone(), target.clone(), scheduled))));
     }
     let mut lat_us = Vec::with_capacity(n);
+    let mut lag_us = Vec::with_capacity(n);
     let mut errors = Vec::new();
     let mut per_second: Vec<Vec<u64>> = vec![Vec::new(); dur.as_secs() as usize + 1];
     for (second, h) in handles {
         match h.await {
-            Ok(Ok(d)) => {
+            Ok(Ok((lag, d))) => {
+                lag_us.push(lag.as_micros() as u64);
                 let us = d.as_micros() as u64;
                 lat_us.push(us);
                 if let Some(b) = per_second.get_mut(second) {
@@ -300,6 +306,7 @@ async fn run_phase(
     let bench_cores = ticks(cpu_ticks(std::process::id()), Some(self_before)).unwrap_or(0.0);
     let machine_cores = ticks(machine_busy_ticks(), machine_before).unwrap_or(0.0);
     lat_us.sort_unstable();
+    lag_us.sort_unstable();
     let timeline = per_second
         .into_iter()
         .filter(|b| !b.is_empty())
@@ -312,6 +319,7 @@ async fn run_phase(
         name: name.to_string(),
         sent: n,
         lat_us,
+        lag_us,
         errors,
         wall,
         timeline,
@@ -324,8 +332,13 @@ async fn run_phase(
 
 /// Sends one request at (or as soon as possible after) `scheduled`; returns
 /// the latency from `scheduled` to the whole answer (non-streaming) or to
-/// the first chunk with content (streaming).
-async fn one_request(client: reqwest::Client, t: Arc<Target>, scheduled: Instant) -> Result<Duration, String> {
+/// the first chunk with content (streaming), with how late it started.
+async fn one_request(
+    client: reqwest::Client,
+    t: Arc<Target>,
+    scheduled: Instant,
+) -> Result<(Duration, Duration), String> {
+    let lag = scheduled.elapsed();
     let mut rb = client.post(&t.url).header(reqwest::header::CONTENT_TYPE, "application/json").body(t.body.clone());
     if let Some(k) = &t.auth {
         rb = rb.bearer_auth(k);
@@ -338,7 +351,7 @@ async fn one_request(client: reqwest::Client, t: Arc<Target>, scheduled: Instant
     }
     if !t.stream {
         resp.bytes().await.map_err(|e| err_kind(&e))?;
-        return Ok(scheduled.elapsed());
+        return Ok((lag, scheduled.elapsed()));
     }
     let mut ttft = None;
     let mut buf = Vec::new();
@@ -358,7 +371,7 @@ async fn one_request(client: reqwest::Client, t: Arc<Target>, scheduled: Instant
             }
         }
     }
-    ttft.ok_or_else(|| "stream without content".to_string())
+    ttft.map(|d| (lag, d)).ok_or_else(|| "stream without content".to_string())
 }
 
 fn err_kind(e: &reqwest::Error) -> String {
@@ -386,8 +399,11 @@ fn sse_content(line: &[u8]) -> Option<String> {
 
 fn phase_row(rate: u32, r: &PhaseResult) -> String {
     let l = &r.lat_us;
+    // Everything else on the machine: other programs, the kernel's share
+    // not charged to either process.
+    let others = (r.machine_cores - r.bench_cores - r.edgeway_cores.unwrap_or(0.0)).max(0.0);
     format!(
-        "| {rate} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {} |",
+        "| {rate} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {:.2} | {:.2} | {} |",
         r.name,
         l.len(),
         error_summary(&r.errors),
@@ -395,9 +411,11 @@ fn phase_row(rate: u32, r: &PhaseResult) -> String {
         ms(pct(l, 0.90)),
         ms(pct(l, 0.99)),
         ms(l.last().copied().unwrap_or(0)),
+        ms(pct(&r.lag_us, 0.50)),
+        ms(pct(&r.lag_us, 0.99)),
         r.edgeway_cores.map(|c| format!("{c:.2}")).unwrap_or_else(|| "–".into()),
         r.bench_cores,
-        r.machine_cores,
+        others,
         r.rss_kb.map(|k| format!("{:.1}", k as f64 / 1024.0)).unwrap_or_else(|| "–".into()),
     )
 }
@@ -409,6 +427,7 @@ fn phase_json(r: &PhaseResult) -> Value {
         "error_kinds": error_summary(&r.errors), "wall_s": r.wall.as_secs_f64(),
         "p50_us": pct(l, 0.50), "p90_us": pct(l, 0.90), "p99_us": pct(l, 0.99),
         "max_us": l.last().copied().unwrap_or(0),
+        "send_lag_p50_us": pct(&r.lag_us, 0.50), "send_lag_p99_us": pct(&r.lag_us, 0.99),
         "edgeway_cores": r.edgeway_cores, "bench_cores": r.bench_cores,
         "machine_cores": r.machine_cores, "edgeway_rss_kb": r.rss_kb,
         "timeline_per_second": r.timeline.iter()

@@ -216,6 +216,7 @@ impl Gateway {
                 max_priority: app.max_priority,
                 default_priority: app.default_priority,
                 is_admin: app.admin,
+                credential: None,
             },
             ingress,
             logical_model: model.name.clone(),

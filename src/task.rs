@@ -161,6 +161,8 @@ pub struct Identity {
     /// Used when the request names no priority.
     pub default_priority: Priority,
     pub is_admin: bool,
+    /// SHA-256 of the API key used, so revoking the key can stop its tasks.
+    pub credential: Option<[u8; 32]>,
 }
 
 /// One chat message. `content` is kept as JSON (string or content parts) so

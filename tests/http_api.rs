@@ -584,3 +584,33 @@ async fn per_user_rates_answer_rate_limited_and_quota_exceeded() {
     assert_eq!(error_code(&r.json().await.unwrap()), "QUOTA_EXCEEDED");
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn revoking_a_key_refuses_it_and_cancels_its_tasks() {
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let (fake, gw) = gateway_with(knobs, "").await;
+    let mut resp = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
+    resp.chunk().await.unwrap();
+    let url = format!("{}/admin/keys/revoke", gw.base_url);
+    let denied = client().post(&url).bearer_auth(DEMO_KEY).json(&json!({"api_key": OPS_KEY})).send().await.unwrap();
+    assert_eq!(denied.status(), 403, "only admins revoke");
+    let r: Value = client()
+        .post(&url)
+        .bearer_auth(OPS_KEY)
+        .json(&json!({"api_key": DEMO_KEY}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["cancelled_tasks"], 1);
+    let (events, _) = read_sse(resp).await;
+    let last = events.last().unwrap();
+    assert_eq!(error_code(last), "REQUEST_CANCELLED");
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0).await, "engine stopped");
+    let again = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(again.status(), 401);
+    assert!(again.text().await.unwrap().contains("revoked"));
+    gw.stop().await;
+}

@@ -392,6 +392,7 @@ async fn device(
             Ok(_) => {}
             Err(_) => {
                 // The link dropped: rumqttc reconnects on the next poll.
+                permit.take();
                 subscribed = false;
                 tokio::time::sleep(Duration::from_millis(rng.random_range(50..250))).await;
             }

@@ -16,6 +16,8 @@ pub struct Authenticator {
     by_key: HashMap<[u8; 32], Arc<ApplicationConfig>>,
     by_name: HashMap<String, Arc<ApplicationConfig>>,
     jwt: Option<JwtVerifier>,
+    /// Keys revoked at run time (`POST /admin/keys/revoke`), until restart.
+    revoked: std::sync::RwLock<std::collections::HashSet<[u8; 32]>>,
 }
 
 struct JwtVerifier {
@@ -44,7 +46,7 @@ impl Authenticator {
             rs: j.rs256_public_key_pem.as_deref().and_then(|p| DecodingKey::from_rsa_pem(p).ok()),
             cfg: j.clone(),
         });
-        Authenticator { by_key, by_name, jwt }
+        Authenticator { by_key, by_name, jwt, revoked: Default::default() }
     }
 
     /// Identifies the caller from a bearer credential (API key or JWT).
@@ -53,8 +55,12 @@ impl Authenticator {
             .map(str::trim)
             .filter(|c| !c.is_empty())
             .ok_or_else(|| auth_failed("missing credentials: send an API key or JWT as 'Authorization: Bearer …'"))?;
-        if let Some(app) = self.by_key.get(&crate::config::hash_api_key(cred)) {
-            return Ok(identity(app, None));
+        let digest = crate::config::hash_api_key(cred);
+        if self.revoked.read().expect("revoked keys").contains(&digest) {
+            return Err(auth_failed("this API key has been revoked"));
+        }
+        if let Some(app) = self.by_key.get(&digest) {
+            return Ok(identity(app, None, Some(digest)));
         }
         if cred.matches('.').count() == 2 {
             if let Some(j) = &self.jwt {
@@ -104,11 +110,11 @@ impl Authenticator {
                 ));
             }
         }
-        Ok(identity(app, claim("sub")))
+        Ok(identity(app, claim("sub"), None))
     }
 }
 
-fn identity(app: &ApplicationConfig, user: Option<String>) -> Identity {
+fn identity(app: &ApplicationConfig, user: Option<String>, credential: Option<[u8; 32]>) -> Identity {
     Identity {
         tenant: app.tenant.clone(),
         application: app.name.clone(),
@@ -116,6 +122,20 @@ fn identity(app: &ApplicationConfig, user: Option<String>) -> Identity {
         max_priority: app.max_priority,
         default_priority: app.default_priority,
         is_admin: app.admin,
+        credential,
+    }
+}
+
+impl Authenticator {
+    /// Refuses the key from now on. Returns whether it was a known key.
+    pub fn revoke(&self, digest: [u8; 32]) -> bool {
+        self.revoked.write().expect("revoked keys").insert(digest);
+        self.by_key.contains_key(&digest)
+    }
+
+    /// The application a key digest belongs to.
+    pub fn key_owner(&self, digest: &[u8; 32]) -> Option<(String, String)> {
+        self.by_key.get(digest).map(|a| (a.tenant.clone(), a.name.clone()))
     }
 }
 

@@ -134,6 +134,8 @@ pub struct TaskEntry {
     /// To tell a true retry from a different request reusing the key.
     pub prompt_sha256: String,
     pub priority: crate::task::Priority,
+    /// Digest of the API key that submitted it.
+    pub credential: Option<[u8; 32]>,
     pub log: Arc<TaskLog>,
     pub cancel: CancelHandle,
 }

@@ -342,6 +342,7 @@ impl SchedulerHandle {
             idempotency_key: req.idempotency_key.clone(),
             prompt_sha256: req.prompt_sha256.clone(),
             priority: req.priority,
+            credential: req.identity.credential,
             log: log.clone(),
             cancel: cancel.clone(),
         });

@@ -48,6 +48,7 @@ fn admin_routes(state: AppState) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
+        .route("/admin/keys/revoke", post(revoke_key))
         .with_state(state)
 }
 
@@ -155,6 +156,40 @@ async fn ready(State(gw): State<AppState>) -> Response {
     });
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, Json(body)).into_response()
+}
+
+/// `POST /admin/keys/revoke` `{"api_key_sha256": "<hex>"}` or
+/// `{"api_key": "<key>"}`: refuses the key from now on (until restart; take
+/// it out of the config to make that permanent) and cancels every task it
+/// submitted. Admin applications only, within their tenant.
+async fn revoke_key(State(gw): State<AppState>, headers: axum::http::HeaderMap, body: axum::body::Bytes) -> Response {
+    let who = match gw.auth.authenticate(chat::bearer(&headers)) {
+        Ok(w) if w.is_admin => w,
+        Ok(_) => {
+            return error_response(&GatewayError::new(ErrorCode::PermissionDenied, "admin applications only"), None)
+        }
+        Err(e) => return error_response(&e, None),
+    };
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let digest = match (v["api_key_sha256"].as_str(), v["api_key"].as_str()) {
+        (Some(h), _) => match hex::decode(h.trim_start_matches("sha256:"))
+            .ok()
+            .and_then(|b| <[u8; 32]>::try_from(b).ok())
+        {
+            Some(d) => d,
+            None => return error_response(&GatewayError::invalid("'api_key_sha256' must be 64 hex characters"), None),
+        },
+        (None, Some(k)) => crate::config::hash_api_key(k),
+        _ => return error_response(&GatewayError::invalid("send 'api_key_sha256' or 'api_key'"), None),
+    };
+    match gw.auth.key_owner(&digest) {
+        Some((tenant, _)) if tenant == who.tenant => {}
+        _ => return error_response(&GatewayError::invalid("no such key in this tenant"), None),
+    }
+    gw.auth.revoke(digest);
+    let cancelled = gw.scheduler.cancel_where(|e| e.credential == Some(digest), "the API key was revoked");
+    tracing::warn!(by = %who.application, cancelled, "API key revoked");
+    Json(json!({ "revoked": true, "cancelled_tasks": cancelled })).into_response()
 }
 
 async fn metrics(State(gw): State<AppState>) -> Response {

@@ -93,6 +93,7 @@ impl DeviceDirectory {
                         max_priority: d.max_priority,
                         default_priority: d.default_priority,
                         is_admin: false,
+                        credential: None,
                     });
                 }
             }
