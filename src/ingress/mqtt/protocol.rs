@@ -23,9 +23,18 @@
 //!   reach a 3.1.1 codec; the MQTT 5 message expiry of a request is carried
 //!   to edgeway as an absolute time instead of letting the router drop the
 //!   message silently.
+//! - rumqttd's listener keeps a per-client-id map for will handling; a
+//!   connection that fails between CONNECT and the first read (its CONNACK
+//!   could not be written: the peer vanished) leaves a dead entry behind,
+//!   and the next connection with that client id panics on it and poisons
+//!   the map for every later connection. So the client id rumqttd sees is
+//!   the device's own until that happens once; from then on that client id
+//!   connects under a fresh alias (`{id}~{n}`). Refused connections use a
+//!   small pool of placeholder ids the same way.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytes::{Buf, BytesMut};
 use rumqttd::protocol::v4::V4;
@@ -58,6 +67,10 @@ pub struct ProtocolShared {
     pub sessions: Arc<Sessions>,
     pub presence: UnboundedSender<Change>,
     next_conn: AtomicU64,
+    /// Client ids whose rumqttd-side id is spoiled, and how many times.
+    spoiled: Mutex<HashMap<String, u32>>,
+    /// Placeholder ids for refused connections: next one and spoiled ones.
+    placeholders: Mutex<(u64, HashSet<u64>)>,
 }
 
 impl ProtocolShared {
@@ -67,7 +80,34 @@ impl ProtocolShared {
         sessions: Arc<Sessions>,
         presence: UnboundedSender<Change>,
     ) -> Self {
-        ProtocolShared { directory, topics, sessions, presence, next_conn: AtomicU64::new(1) }
+        ProtocolShared {
+            directory,
+            topics,
+            sessions,
+            presence,
+            next_conn: AtomicU64::new(1),
+            spoiled: Mutex::default(),
+            placeholders: Mutex::default(),
+        }
+    }
+
+    /// The id rumqttd sees for a client id.
+    fn broker_id(&self, client_id: &str) -> String {
+        match self.spoiled.lock().expect("spoiled").get(client_id) {
+            None => client_id.to_string(),
+            Some(n) => format!("{client_id}~{n}"),
+        }
+    }
+
+    fn placeholder(&self) -> u64 {
+        let mut g = self.placeholders.lock().expect("placeholders");
+        loop {
+            g.0 += 1;
+            let k = g.0 % PLACEHOLDERS;
+            if !g.1.contains(&k) {
+                return k;
+            }
+        }
     }
 
     fn report(&self, p: Presence) {
@@ -93,11 +133,28 @@ pub struct DeviceProtocol {
     refused: Option<Refusal>,
     /// Device-view request topic, for the expiry rewrite.
     request_topic: String,
+    /// The client id as sent and, for refusals, the placeholder used.
+    client_id: Option<String>,
+    placeholder: Option<u64>,
+    /// CONNECT was handed to rumqttd, and rumqttd read again after it (so
+    /// the connection got past its CONNACK).
+    connect_returned: bool,
+    established: bool,
 }
 
 impl DeviceProtocol {
     pub fn new(shared: Arc<ProtocolShared>) -> Self {
-        DeviceProtocol { shared, version: Version::Unknown, device: None, refused: None, request_topic: String::new() }
+        DeviceProtocol {
+            shared,
+            version: Version::Unknown,
+            device: None,
+            refused: None,
+            request_topic: String::new(),
+            client_id: None,
+            placeholder: None,
+            connect_returned: false,
+            established: false,
+        }
     }
 }
 
@@ -111,11 +168,24 @@ impl Clone for DeviceProtocol {
 
 impl Drop for DeviceProtocol {
     fn drop(&mut self) {
+        if self.connect_returned && !self.established {
+            // Ended between CONNECT and its first read: rumqttd's id is
+            // spoiled (see the module docs).
+            if let Some(k) = self.placeholder {
+                self.shared.placeholders.lock().expect("placeholders").1.insert(k);
+            } else if let Some(id) = self.client_id.take() {
+                *self.shared.spoiled.lock().expect("spoiled").entry(id).or_insert(0) += 1;
+            }
+        }
         if let Some((device, conn)) = self.device.take() {
             self.shared.report(Presence::Disconnected { device, conn });
         }
     }
 }
+
+/// Placeholder ids for refused connections (rumqttd keeps a little state
+/// per id ever used, so they are reused).
+const PLACEHOLDERS: u64 = 256;
 
 /// The protocol level of a framed CONNECT at the start of `stream`.
 fn connect_level(stream: &BytesMut, max_size: usize) -> Result<(usize, u8, bool), Error> {
@@ -137,9 +207,10 @@ fn connect_level(stream: &BytesMut, max_size: usize) -> Result<(usize, u8, bool)
 impl DeviceProtocol {
     fn placeholder_connect(&mut self, why: Refusal) -> Packet {
         self.refused = Some(why);
-        let n = self.shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        let k = self.shared.placeholder();
+        self.placeholder = Some(k);
         // '@' is not a device id character: no collision with a device.
-        let connect = Connect { keep_alive: 1, client_id: format!("@refused-{n}"), clean_session: true };
+        let connect = Connect { keep_alive: 1, client_id: format!("@refused-{k}"), clean_session: true };
         Packet::Connect(connect, None, None, None, None)
     }
 
@@ -176,6 +247,8 @@ impl DeviceProtocol {
                     connect.keep_alive = u16::MAX;
                 }
                 let client_id = connect.client_id.clone();
+                connect.client_id = self.shared.broker_id(&client_id);
+                self.client_id = Some(client_id.clone());
                 self.shared.report(Presence::Connected { device: device.clone(), client_id, conn, identity });
                 self.device = Some((device, conn));
                 Ok(Packet::Connect(connect, props, will, will_props, login))
@@ -282,6 +355,7 @@ fn expiry_to_property(p: &mut PublishProperties) {
 
 impl Protocol for DeviceProtocol {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error> {
+        self.established |= self.connect_returned;
         if self.refused.is_some() {
             // Nothing after a refused CONNECT: the connection ends.
             return Err(Error::InvalidProtocol);
@@ -295,6 +369,7 @@ impl Protocol for DeviceProtocol {
                     // MQTT 3.1 ("MQIsdp") and unknown levels: a 3.1.1 refusal.
                     stream.advance(frame);
                     self.version = Version::V4;
+                    self.connect_returned = true;
                     return Ok(self.placeholder_connect(Refusal::ProtocolVersion));
                 }
             }
@@ -304,7 +379,10 @@ impl Protocol for DeviceProtocol {
             Version::V5 => V5.read_mut(stream, max_size)?,
             Version::Unknown => unreachable!("set above"),
         };
-        self.inbound(packet)
+        let is_connect = matches!(packet, Packet::Connect(..));
+        let packet = self.inbound(packet)?;
+        self.connect_returned |= is_connect;
+        Ok(packet)
     }
 
     fn write(&self, packet: Packet, write: &mut BytesMut) -> Result<usize, Error> {
