@@ -16,6 +16,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -73,6 +74,7 @@ pub async fn serve(
             let admin_addr = l.local_addr()?;
             let admin = admin_routes(gw.clone());
             let sd = shutdown.clone();
+            let l = l.tap_io(no_delay);
             tracker.spawn(async move {
                 if let Err(e) = axum::serve(l, admin).with_graceful_shutdown(sd.cancelled_owned()).await {
                     tracing::error!(error = %e, "admin listener failed");
@@ -85,12 +87,21 @@ pub async fn serve(
             None
         }
     };
+    // Tokens are small writes: without TCP_NODELAY, Nagle's algorithm and
+    // delayed ACKs hold them back for up to 40 ms.
+    let listener = listener.tap_io(no_delay);
     tracker.spawn(async move {
         if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await {
             tracing::error!(error = %e, "HTTP listener failed");
         }
     });
     Ok((addr, admin_addr))
+}
+
+fn no_delay(tcp: &mut tokio::net::TcpStream) {
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+    }
 }
 
 async fn not_found() -> Response {
