@@ -482,7 +482,13 @@ async fn cancel_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mu
         .env("EDGEWAY__HTTP__LISTEN", format!("127.0.0.1:{gw_port}"))
         .env("EDGEWAY__STORE__DATA_DIR", tmp.0.join("data"))
         .env("EDGEWAY__ENGINES__LLAMA_LOCAL__BASE_URL", &llama_url)
-        .env("EDGEWAY__LOG__LEVEL", "warn");
+        .env("EDGEWAY__LOG__LEVEL", "warn")
+        // edgeway takes an engine out of dispatch when, a grace period after
+        // it cancelled a request, the engine runs more generations than
+        // edgeway gave it. Here the direct client's runs are such
+        // generations (edgeway expects to own the engine), so keep that
+        // check out of the way; it does not touch the cancel path itself.
+        .env("EDGEWAY__RESOURCES__CANCEL_GRACE_PERIOD_MS", "3600000");
     let gw = Proc::spawn("edgeway", cmd, &tmp.0.join("edgeway.log"))?;
     let gw_url = format!("http://127.0.0.1:{gw_port}");
     wait_http_ok(&format!("{gw_url}/ready"), Duration::from_secs(30), &gw).await?;
@@ -513,18 +519,41 @@ async fn cancel_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mu
         cancel_once(t, args.tokens_before_cancel, &client, &slots_url).await?;
     }
     let (mut d_ms, mut v_ms) = (Vec::new(), Vec::new());
+    // Iterations where both clients got a figure: (direct, via) in µs.
+    let mut pairs: Vec<(u64, u64)> = Vec::new();
+    let (mut d_err, mut v_err) = (Vec::new(), Vec::new());
     for i in 0..args.iterations {
-        for (t, out, label) in [(&direct, &mut d_ms, "direct"), (&via, &mut v_ms, "edgeway")] {
+        let mut pair = [None, None];
+        for (k, (t, label)) in [(&direct, "direct"), (&via, "edgeway")].into_iter().enumerate() {
             wait_slots_idle(&client, &slots_url, Duration::from_secs(60)).await?;
             tokio::time::sleep(Duration::from_millis(300)).await;
-            let d = cancel_once(t, args.tokens_before_cancel, &client, &slots_url).await?;
-            eprintln!("iteration {}: {label} close → idle {:.1} ms", i + 1, d.as_secs_f64() * 1e3);
-            out.push(d.as_micros() as u64);
+            match cancel_once(t, args.tokens_before_cancel, &client, &slots_url).await {
+                Ok(d) => {
+                    eprintln!("iteration {}: {label} close → idle {:.1} ms", i + 1, d.as_secs_f64() * 1e3);
+                    pair[k] = Some(d.as_micros() as u64);
+                }
+                Err(e) => {
+                    let e = format!("{e:#}");
+                    eprintln!("iteration {}: {label} failed: {e}", i + 1);
+                    if k == 0 { &mut d_err } else { &mut v_err }.push(e);
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            }
+        }
+        d_ms.extend(pair[0]);
+        v_ms.extend(pair[1]);
+        if let [Some(d), Some(v)] = pair {
+            pairs.push((d, v));
+        }
+        if d_err.len() + v_err.len() > args.iterations / 2 + 1 {
+            bail!("too many failed iterations: direct {d_err:?}, edgeway {v_err:?}");
         }
         gw.check_alive()?;
         llama.check_alive()?;
     }
     let (raw_d, raw_v) = (d_ms.clone(), v_ms.clone());
+    let mut diffs: Vec<i64> = pairs.iter().map(|&(d, v)| v as i64 - d as i64).collect();
+    diffs.sort_unstable();
     d_ms.sort_unstable();
     v_ms.sort_unstable();
     writeln!(
@@ -535,13 +564,14 @@ async fn cancel_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mu
          alternating. ms.\n",
         args.tokens_before_cancel, args.iterations
     )?;
-    writeln!(report, "| client | n | p50 | p90 | p99 | max | mean |")?;
-    writeln!(report, "|---|---|---|---|---|---|---|")?;
-    for (label, l) in [("straight to llama-server", &d_ms), ("through edgeway", &v_ms)] {
+    writeln!(report, "| client | n | failed | p50 | p90 | p99 | max | mean |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|")?;
+    for (label, l, errs) in [("straight to llama-server", &d_ms, &d_err), ("through edgeway", &v_ms, &v_err)] {
         writeln!(
             report,
-            "| {label} | {} | {} | {} | {} | {} | {} |",
+            "| {label} | {} | {} | {} | {} | {} | {} | {} |",
             l.len(),
+            error_summary(errs),
             ms(pct(l, 0.50)),
             ms(pct(l, 0.90)),
             ms(pct(l, 0.99)),
@@ -556,10 +586,24 @@ async fn cancel_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mu
         ms_signed(pct(&v_ms, 0.99) as i64 - pct(&d_ms, 0.99) as i64),
         ms_signed(mean(&v_ms) as i64 - mean(&d_ms) as i64),
     )?;
+    if !diffs.is_empty() {
+        writeln!(
+            report,
+            "Per iteration (edgeway minus the direct run just before it, {} pairs): median {} ms, min {} ms, max {} ms",
+            diffs.len(),
+            ms_signed(diffs[(diffs.len() - 1) / 2]),
+            ms_signed(diffs[0]),
+            ms_signed(diffs[diffs.len() - 1]),
+        )?;
+    }
+    for e in d_err.iter().chain(&v_err) {
+        writeln!(report, "\nFailed iteration: `{}`", e.replace('\n', " ").replace('\r', ""))?;
+    }
     json_out["cancel"] = json!({
         "iterations": args.iterations,
         "tokens_before_cancel": args.tokens_before_cancel,
-        "direct_us": raw_d, "via_edgeway_us": raw_v,
+        "direct_us": raw_d, "via_edgeway_us": raw_v, "pairs_us": pairs,
+        "direct_errors": d_err, "via_edgeway_errors": v_err,
     });
     drop(gw);
     drop(llama);
@@ -611,7 +655,11 @@ async fn cancel_once(t: &RawTarget, tokens: usize, client: &reqwest::Client, slo
             };
             let line = String::from_utf8_lossy(&acc[..end]).to_string();
             if !line.contains(" 200 ") {
-                bail!("{}: {line}", t.addr);
+                // Read what else arrives quickly, to show the error body.
+                let _ = tokio::time::timeout(Duration::from_millis(200), sock.read_to_end(&mut acc)).await;
+                let text = String::from_utf8_lossy(&acc).to_string();
+                let body = text.split("\r\n\r\n").nth(1).unwrap_or("").trim();
+                bail!("{line}: {}", body.chars().take(300).collect::<String>());
             }
             checked_status = true;
         }

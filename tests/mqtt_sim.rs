@@ -38,6 +38,11 @@ async fn devices_on_lossy_links_get_every_event_exactly_once() {
         seed: 7,
         ..SimConfig::default()
     };
+    let mut cfg = cfg;
+    if std::env::var_os("SIM_CLEAN").is_some() {
+        cfg.link = LinkProfile::default();
+        cfg.devices.truncate(1);
+    }
     let s = devices_sim::run(cfg).await.expect("simulation runs");
     println!("{}", s.render());
     assert_eq!(s.requests, 32);
@@ -47,5 +52,50 @@ async fn devices_on_lossy_links_get_every_event_exactly_once() {
     assert!(s.connection_drops_injected > 0, "the links really dropped: {s:#?}");
     assert!(s.reconnects > 0);
     assert!(fake.stats.requests.load(std::sync::atomic::Ordering::SeqCst) <= 32, "no request ran twice");
+    gw.stop().await;
+}
+
+/// The MQTT figures of BENCHMARKS.md (run with `--ignored --nocapture`):
+/// request → first delta against a fake engine that answers at once, and
+/// messages and bytes per response with and without coalescing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: prints figures"]
+async fn bench_first_delta_and_coalescing() {
+    let n = 10;
+    let devices: Vec<(String, String)> = (1..=n).map(|i| (format!("sim-{i}"), format!("sim-pass-{i}"))).collect();
+    let sections: String = devices
+        .iter()
+        .map(|(id, pw)| devices_sim::device_config(id, pw, "demo", "demo"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let knobs = Knobs { tokens: 64, token_delay: Duration::from_millis(5), ..Knobs::default() };
+    let (_fake, gw, addr) = start(knobs, &format!("max_connections = 100\n{sections}")).await;
+    println!("| coalescing | responses | messages per response | wire bytes per response | wire bytes per output byte | first delta p50 | p99 |");
+    println!("|---|---|---|---|---|---|---|");
+    for (label, coalesce_ms, chunk) in
+        [("off (one message per token)", 0, 1), ("50 ms / 512 B", 50, 512), ("100 ms / 512 B (default)", 100, 512)]
+    {
+        let cfg = SimConfig {
+            broker: addr,
+            devices: devices.clone(),
+            requests_per_device: 10,
+            max_tokens: 64,
+            coalesce_ms: Some(coalesce_ms),
+            max_chunk_bytes: Some(chunk),
+            connect_concurrency: n,
+            ..SimConfig::default()
+        };
+        let s = devices_sim::run(cfg).await.expect("simulation runs");
+        assert!(s.ok(), "{s:#?}");
+        println!(
+            "| {label} | {} | {:.1} | {:.0} | {:.1} | {:.1} ms | {:.1} ms |",
+            s.requests,
+            s.messages as f64 / s.requests as f64,
+            s.wire_bytes as f64 / s.requests as f64,
+            s.wire_bytes_per_output_byte,
+            s.ttfd_p50_ms,
+            s.ttfd_p99_ms
+        );
+    }
     gw.stop().await;
 }

@@ -233,6 +233,24 @@ async fn device(
         .set_clean_session(true)
         .set_max_packet_size(1 << 21, 1 << 21);
     let (client, mut el) = AsyncClient::new(opts, 256);
+    // The event loop runs on its own: `EventLoop::poll` must not be
+    // dropped half-way (a connect in progress would be abandoned).
+    let (ev_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let backoff_seed = cfg.seed ^ index as u64;
+    let el_task = tokio::spawn(async move {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(backoff_seed);
+        loop {
+            let e = el.poll().await;
+            let failed = e.is_err();
+            if ev_tx.send(e).is_err() {
+                return;
+            }
+            if failed {
+                // The link dropped: rumqttc reconnects on the next poll.
+                tokio::time::sleep(Duration::from_millis(rng.random_range(50..250))).await;
+            }
+        }
+    });
     let res_filter = format!("{}/{id}/res/#", cfg.prefix);
     let req_topic = format!("{}/{id}/req", cfg.prefix);
     let cancel_topic = format!("{}/{id}/cancel", cfg.prefix);
@@ -284,9 +302,14 @@ async fn device(
             deadline = tokio::time::Instant::now() + cfg.request_timeout;
             current = Some(r);
         }
-        let wake = if current.is_none() { next_request_at.max(tokio::time::Instant::now()) } else { deadline };
+        let wake = match (&current, subscribed) {
+            (Some(_), _) => deadline,
+            (None, true) => next_request_at.max(tokio::time::Instant::now()),
+            // Waiting for the (re)connection.
+            (None, false) => tokio::time::Instant::now() + cfg.request_timeout,
+        };
         let ev = tokio::select! {
-            e = el.poll() => e,
+            e = events.recv() => match e { Some(e) => e, None => break },
             _ = tokio::time::sleep_until(wake) => {
                 if let Some(r) = current.take() {
                     if tokio::time::Instant::now() >= deadline && r.terminal.is_none() {
@@ -328,6 +351,9 @@ async fn device(
             }
             Ok(Event::Incoming(Packet::Publish(p))) => {
                 let Ok(v) = serde_json::from_slice::<Value>(&p.payload) else { continue };
+                if std::env::var_os("DEVICES_SIM_DUMP").is_some() && index == 0 {
+                    eprintln!("{id}: {v}");
+                }
                 local.s.messages += 1;
                 let Some(r) = current.as_mut() else {
                     local.s.duplicates += 1;
@@ -390,17 +416,19 @@ async fn device(
                 }
             }
             Ok(_) => {}
-            Err(_) => {
-                // The link dropped: rumqttc reconnects on the next poll.
+            Err(e) => {
+                if std::env::var_os("DEVICES_SIM_DEBUG").is_some() {
+                    eprintln!("{id}: connection error: {e}");
+                }
                 permit.take();
                 subscribed = false;
-                tokio::time::sleep(Duration::from_millis(rng.random_range(50..250))).await;
             }
         }
     }
     let _ = client.try_disconnect();
     // Let the DISCONNECT out.
-    let _ = tokio::time::timeout(Duration::from_millis(200), el.poll()).await;
+    let _ = tokio::time::timeout(Duration::from_millis(200), events.recv()).await;
+    el_task.abort();
     let mut t = tally.lock().expect("tally");
     let s = &mut t.s;
     let l = &local.s;
