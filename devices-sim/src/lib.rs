@@ -53,6 +53,10 @@ pub struct SimConfig {
     pub seed: u64,
     /// The topic prefix of edgeway (`ai/v1`).
     pub prefix: String,
+    /// Part of every request id (`{device}-{run}-{k}`), so that runs
+    /// against the same gateway do not repeat ids (a repeated id is an
+    /// idempotent retry: edgeway replays the earlier answer).
+    pub run: String,
 }
 
 impl Default for SimConfig {
@@ -74,6 +78,10 @@ impl Default for SimConfig {
             keep_alive: Duration::from_secs(5),
             seed: 1,
             prefix: "ai/v1".into(),
+            run: format!(
+                "{:x}",
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros())
+            ),
         }
     }
 }
@@ -266,7 +274,7 @@ async fn device(
     let mut deadline = tokio::time::Instant::now() + cfg.request_timeout;
 
     let new_req = |k: usize, rng: &mut rand::rngs::StdRng| -> Req {
-        let rid = format!("{id}-{k}");
+        let rid = format!("{id}-{}-{k}", cfg.run);
         let mut body = json!({
             "model": cfg.model, "request_id": rid, "max_tokens": cfg.max_tokens,
             "messages": [{"role": "user", "content": cfg.prompt}],
@@ -351,9 +359,6 @@ async fn device(
             }
             Ok(Event::Incoming(Packet::Publish(p))) => {
                 let Ok(v) = serde_json::from_slice::<Value>(&p.payload) else { continue };
-                if std::env::var_os("DEVICES_SIM_DUMP").is_some() && index == 0 {
-                    eprintln!("{id}: {v}");
-                }
                 local.s.messages += 1;
                 let Some(r) = current.as_mut() else {
                     local.s.duplicates += 1;

@@ -111,9 +111,6 @@ impl FakeEngine {
             let _ = tcp.set_nodelay(true);
         });
         tokio::spawn(async move {
-            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
-                let _ = tcp.set_nodelay(true);
-            });
             let _ = axum::serve(listener, app).with_graceful_shutdown(sd.cancelled_owned()).await;
         });
         FakeEngine { addr, stats, shared, shutdown }
