@@ -521,6 +521,10 @@ async fn cancel_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mu
     let (mut d_ms, mut v_ms) = (Vec::new(), Vec::new());
     // Iterations where both clients got a figure: (direct, via) in µs.
     let mut pairs: Vec<(u64, u64)> = Vec::new();
+    let pids = [llama.pid(), gw.pid(), std::process::id()];
+    let ticks_before = pids.map(cpu_ticks);
+    let machine_before = machine_busy_ticks();
+    let started = Instant::now();
     let (mut d_err, mut v_err) = (Vec::new(), Vec::new());
     for i in 0..args.iterations {
         let mut pair = [None, None];
@@ -551,6 +555,13 @@ async fn cancel_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mu
         gw.check_alive()?;
         llama.check_alive()?;
     }
+    let secs_run = started.elapsed().as_secs_f64();
+    let cores = |after: Option<u64>, before: Option<u64>| match (after, before) {
+        (Some(a), Some(b)) => a.saturating_sub(b) as f64 / clk_tck() / secs_run,
+        _ => 0.0,
+    };
+    let [llama_c, gw_c, bench_c] = [0, 1, 2].map(|i| cores(cpu_ticks(pids[i]), ticks_before[i]));
+    let other_c = (cores(machine_busy_ticks(), machine_before) - llama_c - gw_c - bench_c).max(0.0);
     let (raw_d, raw_v) = (d_ms.clone(), v_ms.clone());
     let mut diffs: Vec<i64> = pairs.iter().map(|&(d, v)| v as i64 - d as i64).collect();
     diffs.sort_unstable();
@@ -561,8 +572,9 @@ async fn cancel_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mu
         "Cancel latency: client closes its TCP connection after {} content tokens of a \
          streaming answer; time until llama-server's `GET /slots` shows no slot \
          processing (polled every 2 ms). {} iterations, direct and via edgeway \
-         alternating. ms.\n",
-        args.tokens_before_cancel, args.iterations
+         alternating. ms. Average CPU over the {:.0} s of iterations: llama-server {:.2} \
+         cores, edgeway {:.2}, bench {:.2}, everything else {:.2}.\n",
+        args.tokens_before_cancel, args.iterations, secs_run, llama_c, gw_c, bench_c, other_c
     )?;
     writeln!(report, "| client | n | failed | p50 | p90 | p99 | max | mean |")?;
     writeln!(report, "|---|---|---|---|---|---|---|---|")?;
@@ -604,6 +616,7 @@ async fn cancel_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mu
         "tokens_before_cancel": args.tokens_before_cancel,
         "direct_us": raw_d, "via_edgeway_us": raw_v, "pairs_us": pairs,
         "direct_errors": d_err, "via_edgeway_errors": v_err,
+        "cores": {"llama_server": llama_c, "edgeway": gw_c, "bench": bench_c, "other": other_c},
     });
     drop(gw);
     drop(llama);

@@ -49,37 +49,31 @@ impl Gateway {
     ) -> Result<TaskStream, GatewayError> {
         let model = body.model.clone();
         let request_id = body.request_id.clone().or(request_id_hint.clone());
-        let req = match admission::admit(&self.config, identity.clone(), body, ingress, request_id_hint) {
-            Ok(r) => r,
-            Err(e) => {
-                self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
-                self.count_rejection(ingress, &e);
-                return Err(e);
-            }
+        let refuse = |e: GatewayError| {
+            self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
+            self.count_rejection(ingress, &e);
+            e
         };
-        // An idempotent repeat joins the task that is already known.
+        let req = admission::admit(&self.config, identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
+        // An idempotent repeat joins the task that is already known: live
+        // here, or (after a restart, or once its events are no longer
+        // retained) from the store.
         if let Some(key) = &req.idempotency_key {
             let id = &req.identity;
+            let reused =
+                || refuse(GatewayError::invalid("this idempotency key was already used for a different request"));
             if let Some(existing) = self.scheduler.find_by_idempotency_key(&id.tenant, &id.application, key) {
                 if existing.prompt_sha256 != req.prompt_sha256 {
-                    let e = GatewayError::invalid("this idempotency key was already used for a different request");
-                    self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
-                    self.count_rejection(ingress, &e);
-                    return Err(e);
+                    return Err(reused());
                 }
                 if let Some(s) = self.scheduler.attach(&existing.task_id, 0) {
                     return Ok(s);
                 }
             }
-            // Not live here: a key from before a restart, or whose events
-            // are no longer retained, answers with the stored outcome.
             if let Some(rec) = self.store.lookup_idempotency(&id.tenant, &id.application, key).await {
                 if rec.state != TaskState::Rejected {
                     if rec.prompt_sha256 != req.prompt_sha256 {
-                        let e = GatewayError::invalid("this idempotency key was already used for a different request");
-                        self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
-                        self.count_rejection(ingress, &e);
-                        return Err(e);
+                        return Err(reused());
                     }
                     if let Some(s) = self.scheduler.attach(&rec.task_id, 0) {
                         return Ok(s);
@@ -122,20 +116,9 @@ impl Gateway {
         if let Some(t) = rec.result_text.filter(|t| !t.is_empty()) {
             events.push(TaskEvent::Delta { text: t });
         }
-        let meta = rec.result.unwrap_or_else(|| ResultMeta {
-            request_id: rec.request_id.clone(),
-            task_id: rec.task_id.clone(),
-            session_id: None,
-            status: rec.state,
-            logical_model: String::new(),
-            actual_model: None,
-            node_id: self.config.node_id.clone(),
-            usage: Default::default(),
-            timing: Default::default(),
-            finish_reason: None,
-            degraded: false,
-            degrade_reason: None,
-        });
+        let meta = rec
+            .result
+            .unwrap_or_else(|| ResultMeta::bare(&rec.request_id, &rec.task_id, rec.state, "", &self.config.node_id));
         let code =
             rec.error_code.as_deref().and_then(|c| serde_json::from_value(serde_json::Value::String(c.into())).ok());
         match (rec.state, code) {
@@ -173,20 +156,9 @@ impl Gateway {
             failed += 1;
             let reason = format!("gateway restarted while the task was {}", u.state.as_str());
             self.store.transition(&u.task_id, TaskState::Failed, &reason, None, "gateway");
-            let meta = ResultMeta {
-                request_id: u.request_id.clone(),
-                task_id: u.task_id.clone(),
-                session_id: u.session_id.clone(),
-                status: TaskState::Failed,
-                logical_model: u.logical_model.clone(),
-                actual_model: None,
-                node_id: self.config.node_id.clone(),
-                usage: Default::default(),
-                timing: Default::default(),
-                finish_reason: None,
-                degraded: false,
-                degrade_reason: None,
-            };
+            let mut meta =
+                ResultMeta::bare(&u.request_id, &u.task_id, TaskState::Failed, &u.logical_model, &self.config.node_id);
+            meta.session_id = u.session_id.clone();
             self.store.finish(&meta, Some(ErrorCode::InternalError.as_str()), None, false);
         }
         if requeued + failed > 0 {

@@ -290,6 +290,27 @@ pub struct ResultMeta {
     pub degrade_reason: Option<String>,
 }
 
+impl ResultMeta {
+    /// Metadata of a task that ran nowhere (or of which only the outcome
+    /// is known): no usage, no timing, not degraded.
+    pub fn bare(request_id: &str, task_id: &str, status: TaskState, logical_model: &str, node_id: &str) -> ResultMeta {
+        ResultMeta {
+            request_id: request_id.to_string(),
+            task_id: task_id.to_string(),
+            session_id: None,
+            status,
+            logical_model: logical_model.to_string(),
+            actual_model: None,
+            node_id: node_id.to_string(),
+            usage: Usage::default(),
+            timing: Timing::default(),
+            finish_reason: None,
+            degraded: false,
+            degrade_reason: None,
+        }
+    }
+}
+
 /// What the client of a task receives, in order. Exactly one of `Done` and
 /// `Error` ends the stream.
 #[derive(Debug, Clone, PartialEq)]

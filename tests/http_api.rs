@@ -352,7 +352,7 @@ async fn a_down_engine_makes_the_model_unavailable_until_it_recovers() {
     let (fake, gw) = gateway_with(Knobs::default(), "").await;
     fake.set(|k| k.healthy = false);
     let mut code = String::new();
-    for _ in 0..100 {
+    for _ in 0..400 {
         let resp = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
         if resp.status() == 503 {
             let v: Value = resp.json().await.unwrap();

@@ -289,20 +289,7 @@ mod tests {
         assert_eq!(late.recv().await.unwrap(), (1, TaskEvent::Delta { text: "b".into() }));
         log.push(TaskEvent::Error {
             error: crate::error::GatewayError::internal("x"),
-            meta: Box::new(crate::task::ResultMeta {
-                request_id: String::new(),
-                task_id: String::new(),
-                session_id: None,
-                status: crate::task::TaskState::Failed,
-                logical_model: String::new(),
-                actual_model: None,
-                node_id: String::new(),
-                usage: Default::default(),
-                timing: Default::default(),
-                finish_reason: None,
-                degraded: false,
-                degrade_reason: None,
-            }),
+            meta: Box::new(crate::task::ResultMeta::bare("", "", crate::task::TaskState::Failed, "", "")),
         });
         let got = reader.await.unwrap();
         assert_eq!(got.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [0, 1, 2]);

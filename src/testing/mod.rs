@@ -127,7 +127,7 @@ impl TestGateway {
     /// Waits until every engine instance has passed its first health check.
     pub async fn wait_ready(&self) {
         let gw = self.gateway();
-        for _ in 0..200 {
+        for _ in 0..800 {
             if let Some(s) = gw.scheduler.snapshot().await {
                 if s.instances.iter().all(|i| i.up && i.detail == "ok") {
                     return;

@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 
 use super::errors::{error_object, error_response};
 use crate::admission::request::parse_body;
+use crate::admission::ChatRequestBody;
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::Gateway;
 use crate::scheduler::TaskStream;
@@ -36,25 +37,32 @@ pub fn id_headers(h: &mut HeaderMap, request_id: &str, task_id: &str) {
     }
 }
 
-pub async fn chat_completions(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Response {
-    let identity = match gw.auth.authenticate(bearer(&headers)) {
-        Ok(i) => i,
-        Err(e) => {
-            gw.count_rejection(Ingress::Http, &e);
-            return error_response(&e, None);
-        }
+/// The caller, the request body and the `x-request-id` hint of a chat
+/// call (`POST /v1/chat/completions` or `POST /v1/tasks`); the
+/// `Idempotency-Key` header fills in a missing `idempotency_key`.
+pub fn read_call(
+    gw: &Gateway,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<(crate::task::Identity, ChatRequestBody, Option<String>), Box<Response>> {
+    let refuse = |e: GatewayError| {
+        gw.count_rejection(Ingress::Http, &e);
+        Box::new(error_response(&e, None))
     };
-    let mut req = match parse_body(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            gw.count_rejection(Ingress::Http, &e);
-            return error_response(&e, None);
-        }
-    };
+    let identity = gw.auth.authenticate(bearer(headers)).map_err(refuse)?;
+    let mut req = parse_body(body).map_err(refuse)?;
     if req.idempotency_key.is_none() {
         req.idempotency_key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_string);
     }
     let hint = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+    Ok((identity, req, hint))
+}
+
+pub async fn chat_completions(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Response {
+    let (identity, req, hint) = match read_call(&gw, &headers, &body) {
+        Ok(c) => c,
+        Err(resp) => return *resp,
+    };
     let stream = req.stream;
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let model = req.model.clone();

@@ -12,9 +12,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::chat::{bearer, id_headers};
+use super::chat::{bearer, id_headers, read_call};
 use super::errors::error_response;
-use crate::admission::request::parse_body;
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::Gateway;
 use crate::ingress::events::event_json;
@@ -33,21 +32,10 @@ fn owns(who: &Identity, tenant: &str, app: &str) -> bool {
 /// `POST /v1/tasks`: the chat body; answers 202 at once and the task runs
 /// whether or not anyone listens.
 pub async fn create(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Response {
-    let identity = match gw.auth.authenticate(bearer(&headers)) {
-        Ok(i) => i,
-        Err(e) => return error_response(&e, None),
+    let (identity, req, hint) = match read_call(&gw, &headers, &body) {
+        Ok(c) => c,
+        Err(resp) => return *resp,
     };
-    let mut req = match parse_body(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            gw.count_rejection(Ingress::Http, &e);
-            return error_response(&e, None);
-        }
-    };
-    if req.idempotency_key.is_none() {
-        req.idempotency_key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_string);
-    }
-    let hint = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
     let mut task = match gw.submit(identity, req, Ingress::Http, hint).await {
         Ok(t) => t,
         Err(e) => return error_response(&e, None),
