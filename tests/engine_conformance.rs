@@ -53,6 +53,7 @@ fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig
         local: true,
         reserved_realtime_slots: 0,
         memory_budget_bytes: None,
+        exclusive: true,
     }
 }
 

@@ -204,6 +204,8 @@ pub struct EngineConfig {
     pub local: bool,
     pub reserved_realtime_slots: usize,
     pub memory_budget_bytes: Option<u64>,
+    /// No other client uses the engine (enables the cancel grace check).
+    pub exclusive: bool,
 }
 
 #[derive(Debug, Clone)]

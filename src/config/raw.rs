@@ -371,6 +371,11 @@ pub struct RawEngine {
     /// Slots held back for P0/P1 work.
     #[serde(default)]
     pub reserved_realtime_slots: usize,
+    /// Only edgeway sends work to this engine. Then an engine that reports
+    /// more busy slots than edgeway runs after a cancel's grace period is
+    /// taken out of dispatch; set false when other clients share it.
+    #[serde(default = "d_true")]
+    pub exclusive: bool,
     /// Memory the engine has for its tasks' KV cache, when there is no GPU
     /// to ask (or to cap what edgeway may use of it).
     pub memory_budget_mb: Option<u64>,
@@ -729,6 +734,7 @@ impl RawConfig {
                     keep_alive: e.keep_alive,
                     local: e.local,
                     reserved_realtime_slots: e.reserved_realtime_slots,
+                    exclusive: e.exclusive,
                     memory_budget_bytes: e.memory_budget_mb.map(|mb| mb * 1024 * 1024),
                 },
             );

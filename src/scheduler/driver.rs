@@ -63,7 +63,9 @@ impl Driver {
         let outcome = self.run_phases(grant, &mut p).await;
         let stopped_early =
             outcome.error.as_ref().is_some_and(|(e, _)| e.code == ErrorCode::RequestCancelled || e.code.is_timeout());
-        if let (true, Some((instance, engine))) = (stopped_early, p.engine.take()) {
+        let exclusive =
+            p.instance.as_ref().and_then(|n| self.shared.config.engines.get(n)).is_some_and(|e| e.exclusive);
+        if let (true, true, Some((instance, engine))) = (stopped_early, exclusive, p.engine.take()) {
             // The engine should stop within the grace period; if it says it
             // still runs more than edgeway gave it, the instance is taken
             // out of dispatch until it does.

@@ -34,13 +34,23 @@ pub struct TaskLog {
     notify: Notify,
 }
 
+/// Heap bytes an event holds (the enum, its strings, boxed metadata).
 fn event_bytes(e: &TaskEvent) -> usize {
-    64 + match e {
-        TaskEvent::Delta { text } => text.len(),
-        TaskEvent::Error { error, .. } => error.message.len() + 256,
-        _ => 256,
-    }
+    std::mem::size_of::<TaskEvent>()
+        + match e {
+            TaskEvent::Accepted { task_id, .. } => task_id.capacity(),
+            TaskEvent::Delta { text } => text.capacity(),
+            TaskEvent::Done(_) => RESULT_META_BYTES,
+            TaskEvent::Error { error, .. } => error.message.capacity() + RESULT_META_BYTES,
+        }
 }
+
+/// A boxed `ResultMeta` with its strings, roughly.
+const RESULT_META_BYTES: usize = 640;
+
+/// What a registry entry costs beyond its events: the entry, its ids, the
+/// index maps' keys and the log's bookkeeping.
+const ENTRY_OVERHEAD_BYTES: usize = 1024;
 
 impl TaskLog {
     /// Appends an event and returns its sequence number. `Done` and `Error`
@@ -237,7 +247,7 @@ impl Registry {
         let now = Instant::now();
         let mut g = self.inner.lock().expect("registry");
         if let Some(e) = g.tasks.get(task_id) {
-            let b = e.log.bytes();
+            let b = e.log.bytes() + ENTRY_OVERHEAD_BYTES;
             g.ended_bytes += b;
             g.ended.push_back((now, task_id.to_string()));
         }
@@ -247,7 +257,7 @@ impl Registry {
             }
             g.ended.pop_front();
             if let Some(e) = g.tasks.remove(&id) {
-                g.ended_bytes = g.ended_bytes.saturating_sub(e.log.bytes());
+                g.ended_bytes = g.ended_bytes.saturating_sub(e.log.bytes() + ENTRY_OVERHEAD_BYTES);
                 Self::unindex(&mut g, &e);
             }
         }

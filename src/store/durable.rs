@@ -6,6 +6,7 @@
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
 
+use super::exec;
 use crate::task::{ChatMessage, ResultMeta, Routing, SamplingParams, TaskState};
 
 pub const SCHEMA: &str = r#"
@@ -79,16 +80,18 @@ pub struct Unfinished {
 pub fn remember_key(c: &Connection, r: &StoredRequest, ttl_ms: i64, now: i64) -> rusqlite::Result<()> {
     let Some(key) = &r.idempotency_key else { return Ok(()) };
     // An expired key may be reused.
-    c.execute(
+    exec(
+        c,
         "DELETE FROM idempotency WHERE tenant = ?1 AND application = ?2 AND key = ?3 AND expires_at_ms <= ?4",
         params![r.tenant, r.application, key, now],
     )?;
-    c.execute(
+    exec(c, 
         "INSERT OR IGNORE INTO idempotency (tenant, application, key, task_id, prompt_sha256, created_at_ms, expires_at_ms) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         params![r.tenant, r.application, key, r.task_id, r.prompt_sha256, now, now + ttl_ms],
     )?;
-    c.execute(
+    exec(
+        c,
         "INSERT OR REPLACE INTO pending_requests (task_id, request_json) VALUES (?1, ?2)",
         params![r.task_id, serde_json::to_string(r).unwrap_or_default()],
     )?;
@@ -97,21 +100,22 @@ pub fn remember_key(c: &Connection, r: &StoredRequest, ttl_ms: i64, now: i64) ->
 
 /// The task started (or ended): it can no longer be re-queued.
 pub fn started(c: &Connection, task_id: &str) -> rusqlite::Result<()> {
-    c.execute("DELETE FROM pending_requests WHERE task_id = ?1", params![task_id])?;
+    exec(c, "DELETE FROM pending_requests WHERE task_id = ?1", params![task_id])?;
     Ok(())
 }
 
 pub fn forget(c: &Connection, tenant: &str, app: &str, key: &str, task_id: &str) -> rusqlite::Result<()> {
-    c.execute(
+    exec(
+        c,
         "DELETE FROM idempotency WHERE tenant = ?1 AND application = ?2 AND key = ?3 AND task_id = ?4",
         params![tenant, app, key, task_id],
     )?;
-    c.execute("DELETE FROM pending_requests WHERE task_id = ?1", params![task_id])?;
+    exec(c, "DELETE FROM pending_requests WHERE task_id = ?1", params![task_id])?;
     Ok(())
 }
 
 pub fn keep_result(c: &Connection, task_id: &str, text: &str) -> rusqlite::Result<()> {
-    c.execute("UPDATE idempotency SET result_text = ?2 WHERE task_id = ?1", params![task_id, text])?;
+    exec(c, "UPDATE idempotency SET result_text = ?2 WHERE task_id = ?1", params![task_id, text])?;
     Ok(())
 }
 
@@ -170,5 +174,5 @@ pub fn unfinished(c: &Connection) -> rusqlite::Result<Vec<Unfinished>> {
 
 /// Drops expired keys (and their kept answers).
 pub fn expire(c: &Connection, now: i64) -> rusqlite::Result<usize> {
-    c.execute("DELETE FROM idempotency WHERE expires_at_ms <= ?1", params![now])
+    exec(c, "DELETE FROM idempotency WHERE expires_at_ms <= ?1", params![now])
 }

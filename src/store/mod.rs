@@ -173,6 +173,7 @@ impl Store {
         }
         let open_err = |source| StoreError::Open { path: path.to_path_buf(), source };
         let conn = Connection::open(path).map_err(open_err)?;
+        conn.set_prepared_statement_cache_capacity(64);
         conn.pragma_update(None, "journal_mode", "WAL").map_err(open_err)?;
         // NORMAL in WAL mode is durable against a process crash (kill -9);
         // only an OS crash can lose the last transactions.
@@ -300,6 +301,12 @@ impl Store {
     }
 }
 
+/// Runs a write through the connection's statement cache, so the SQL of
+/// the few statements the store uses is parsed once, not on every write.
+pub(crate) fn exec(c: &Connection, sql: &str, params: impl rusqlite::Params) -> rusqlite::Result<usize> {
+    c.prepare_cached(sql)?.execute(params)
+}
+
 /// Writes up to this many operations in one transaction.
 const BATCH: usize = 512;
 
@@ -396,7 +403,8 @@ enum Reply {
 
 fn insert_task(c: &Connection, r: &TaskRequest, prompt_text: Option<String>) -> rusqlite::Result<()> {
     let now = crate::task::unix_ms(r.received_wall);
-    c.execute(
+    exec(
+        c,
         "INSERT OR IGNORE INTO tasks (task_id, request_id, tenant, application, user_id, ingress, logical_model, \
          priority, state, created_at_ms, updated_at_ms, prompt_sha256, prompt_text, session_id, idempotency_key) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'RECEIVED', ?9, ?9, ?10, ?11, ?12, ?13)",
@@ -420,14 +428,15 @@ fn insert_task(c: &Connection, r: &TaskRequest, prompt_text: Option<String>) -> 
 }
 
 fn insert_rejected(c: &Connection, r: &RejectedCall) -> rusqlite::Result<()> {
-    c.execute(
+    exec(
+        c,
         "INSERT INTO tasks (task_id, request_id, tenant, application, user_id, ingress, logical_model, priority, \
          state, created_at_ms, updated_at_ms, prompt_sha256, error_code) \
          VALUES (?1, '', ?2, ?3, ?4, ?5, ?6, '', 'REJECTED', ?7, ?7, '', ?8)",
         params![r.task_id, r.tenant, r.application, r.user_id, r.ingress, r.model, r.at_ms, r.code],
     )?;
     for (state, reason) in [("RECEIVED", r.ingress), ("VALIDATING", ""), ("REJECTED", r.message.as_str())] {
-        c.execute(
+        exec(c, 
             "INSERT INTO task_transitions (task_id, seq, state, at_ms, reason, node_id, instance, actor) \
              VALUES (?1, (SELECT COALESCE(MAX(seq), -1) + 1 FROM task_transitions WHERE task_id = ?1), ?2, ?3, ?4, ?5, NULL, 'gateway')",
             params![r.task_id, state, r.at_ms, reason, r.node_id],
@@ -437,12 +446,13 @@ fn insert_rejected(c: &Connection, r: &RejectedCall) -> rusqlite::Result<()> {
 }
 
 fn insert_transition(c: &Connection, task_id: &str, t: &Transition) -> rusqlite::Result<()> {
-    c.execute(
+    exec(c, 
         "INSERT INTO task_transitions (task_id, seq, state, at_ms, reason, node_id, instance, actor) \
          VALUES (?1, (SELECT COALESCE(MAX(seq), -1) + 1 FROM task_transitions WHERE task_id = ?1), ?2, ?3, ?4, ?5, ?6, ?7)",
         params![task_id, t.state.as_str(), t.at_ms, t.reason, t.node_id, t.instance, t.actor],
     )?;
-    c.execute(
+    exec(
+        c,
         "UPDATE tasks SET state = ?2, updated_at_ms = ?3 WHERE task_id = ?1",
         params![task_id, t.state.as_str(), t.at_ms],
     )?;
@@ -456,7 +466,8 @@ fn finish_task(
     result_text: Option<String>,
 ) -> rusqlite::Result<()> {
     let json = serde_json::to_string(m).unwrap_or_default();
-    c.execute(
+    exec(
+        c,
         "UPDATE tasks SET state = ?2, error_code = ?3, result_json = ?4, result_text = ?5, updated_at_ms = ?6 \
          WHERE task_id = ?1",
         params![m.task_id, m.status.as_str(), error_code, json, result_text, crate::task::now_ms()],
