@@ -85,7 +85,7 @@ pub fn remember_key(c: &Connection, r: &StoredRequest, ttl_ms: i64, now: i64) ->
         "DELETE FROM idempotency WHERE tenant = ?1 AND application = ?2 AND key = ?3 AND expires_at_ms <= ?4",
         params![r.tenant, r.application, key, now],
     )?;
-    exec(c, 
+    exec(c,
         "INSERT OR IGNORE INTO idempotency (tenant, application, key, task_id, prompt_sha256, created_at_ms, expires_at_ms) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         params![r.tenant, r.application, key, r.task_id, r.prompt_sha256, now, now + ttl_ms],

@@ -436,7 +436,7 @@ fn insert_rejected(c: &Connection, r: &RejectedCall) -> rusqlite::Result<()> {
         params![r.task_id, r.tenant, r.application, r.user_id, r.ingress, r.model, r.at_ms, r.code],
     )?;
     for (state, reason) in [("RECEIVED", r.ingress), ("VALIDATING", ""), ("REJECTED", r.message.as_str())] {
-        exec(c, 
+        exec(c,
             "INSERT INTO task_transitions (task_id, seq, state, at_ms, reason, node_id, instance, actor) \
              VALUES (?1, (SELECT COALESCE(MAX(seq), -1) + 1 FROM task_transitions WHERE task_id = ?1), ?2, ?3, ?4, ?5, NULL, 'gateway')",
             params![r.task_id, state, r.at_ms, reason, r.node_id],
@@ -446,7 +446,7 @@ fn insert_rejected(c: &Connection, r: &RejectedCall) -> rusqlite::Result<()> {
 }
 
 fn insert_transition(c: &Connection, task_id: &str, t: &Transition) -> rusqlite::Result<()> {
-    exec(c, 
+    exec(c,
         "INSERT INTO task_transitions (task_id, seq, state, at_ms, reason, node_id, instance, actor) \
          VALUES (?1, (SELECT COALESCE(MAX(seq), -1) + 1 FROM task_transitions WHERE task_id = ?1), ?2, ?3, ?4, ?5, ?6, ?7)",
         params![task_id, t.state.as_str(), t.at_ms, t.reason, t.node_id, t.instance, t.actor],
