@@ -219,6 +219,9 @@ pub struct ModelConfig {
     pub description: Option<String>,
     pub max_running: Option<usize>,
     pub kv_bytes_per_token: u64,
+    pub weights_bytes: u64,
+    /// Safety margin on KV estimates, as a fraction.
+    pub memory_margin: f64,
 }
 
 pub fn hash_api_key(key: &str) -> [u8; 32] {

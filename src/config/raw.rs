@@ -184,6 +184,10 @@ pub struct RawScheduler {
     pub idempotency_ttl_seconds: u64,
 }
 
+fn d_margin() -> f64 {
+    10.0
+}
+
 fn d_idem_ttl() -> u64 {
     86_400
 }
@@ -408,6 +412,13 @@ pub struct RawModel {
     /// KV-cache bytes per token of context (for memory admission).
     #[serde(default)]
     pub kv_bytes_per_token: u64,
+    /// Size of the model's weights, counted on an instance until it is
+    /// loaded there.
+    #[serde(default)]
+    pub weights_mb: u64,
+    /// Safety margin added to KV estimates.
+    #[serde(default = "d_margin")]
+    pub memory_margin_percent: f64,
 }
 
 fn d_context() -> u32 {
@@ -771,6 +782,8 @@ impl RawConfig {
                     description: m.description,
                     max_running: m.max_running,
                     kv_bytes_per_token: m.kv_bytes_per_token,
+                    weights_bytes: m.weights_mb * 1024 * 1024,
+                    memory_margin: m.memory_margin_percent / 100.0,
                 },
             );
         }

@@ -240,6 +240,8 @@ pub fn start(
             max_running: m.max_running,
             instances: m.instances.iter().map(|n| index[n.as_str()]).collect(),
             kv_bytes_per_token: m.kv_bytes_per_token,
+            weights_bytes: m.weights_bytes,
+            memory_margin: m.memory_margin,
         })
         .collect();
     let policy = Policy::new(PolicyConfig {

@@ -59,6 +59,11 @@ pub struct ModelPolicy {
     pub instances: Vec<usize>,
     /// KV-cache bytes per token of context, for memory estimates.
     pub kv_bytes_per_token: u64,
+    /// Model weights, counted on an instance until the model is resident
+    /// there (its first task loads it; it then stays).
+    pub weights_bytes: u64,
+    /// Safety margin on KV estimates, as a fraction (0.1 = 10 %).
+    pub memory_margin: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -169,7 +174,10 @@ struct InstanceState {
     up: bool,
     running: usize,
     running_realtime: usize,
+    /// KV estimates of running tasks plus the weights of resident models.
     mem_used: u64,
+    /// Models loaded on this instance (by edgeway's own dispatches).
+    resident: std::collections::HashSet<usize>,
 }
 
 /// A token bucket refilled continuously: `rate_per_min` per minute, at most
@@ -288,7 +296,18 @@ impl Policy {
 
     /// The memory a task needs on an instance for its KV cache.
     pub fn memory_estimate(&self, model: usize, input: u32, output: u32) -> u64 {
-        self.cfg.models[model].kv_bytes_per_token * u64::from(input + output)
+        let m = &self.cfg.models[model];
+        let kv = m.kv_bytes_per_token * u64::from(input + output);
+        kv + (kv as f64 * m.memory_margin).round() as u64
+    }
+
+    /// Weights still to load for `model` on `instance`.
+    fn weights_to_load(&self, model: usize, instance: usize) -> u64 {
+        if self.instances[instance].resident.contains(&model) {
+            0
+        } else {
+            self.cfg.models[model].weights_bytes
+        }
     }
 
     /// The largest memory budget among the model's instances (None: no
@@ -332,10 +351,12 @@ impl Policy {
 
         // Resource fit: shrink the output budget to fit, or refuse.
         if let Some(budget) = self.best_budget(m) {
-            let need = self.memory_estimate(m, info.input_tokens, info.max_output_tokens);
+            let need =
+                self.memory_estimate(m, info.input_tokens, info.max_output_tokens) + self.cfg.models[m].weights_bytes;
             if need > budget {
-                let per = self.cfg.models[m].kv_bytes_per_token.max(1);
-                let fits = budget / per;
+                let mp = &self.cfg.models[m];
+                let per = ((mp.kv_bytes_per_token.max(1) as f64) * (1.0 + mp.memory_margin)).ceil() as u64;
+                let fits = budget.saturating_sub(mp.weights_bytes) / per;
                 if fits <= u64::from(info.input_tokens) + 16 {
                     return Err(GatewayError::new(
                         ErrorCode::ResourceExhausted,
@@ -471,7 +492,7 @@ impl Policy {
             return false;
         }
         if let Some(b) = ip.memory_budget_bytes {
-            if inst.mem_used + w.mem_bytes > b {
+            if inst.mem_used + w.mem_bytes + self.weights_to_load(w.info.model, instance) > b {
                 return false;
             }
         }
@@ -538,7 +559,10 @@ impl Policy {
         if w.info.priority <= Priority::P1 {
             inst.running_realtime += 1;
         }
-        inst.mem_used += w.mem_bytes;
+        let weights = self.weights_to_load(m, instance);
+        let inst = &mut self.instances[instance];
+        inst.mem_used += w.mem_bytes + weights;
+        inst.resident.insert(m);
         self.model_running[m] += 1;
         let task_id = w.info.task_id.clone();
         let charged_output = u64::from(w.info.max_output_tokens);

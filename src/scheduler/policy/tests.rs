@@ -11,6 +11,8 @@ fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
             max_running: None,
             instances: vec![0],
             kv_bytes_per_token: 0,
+            weights_bytes: 0,
+            memory_margin: 0.0,
         }],
         instances: vec![InstancePolicy {
             name: "i".into(),
@@ -286,6 +288,8 @@ fn sim_config() -> PolicyConfig {
         max_running: Some(1),
         instances: vec![0, 1],
         kv_bytes_per_token: 10,
+        weights_bytes: 20_000,
+        memory_margin: 0.1,
     });
     c.instances.push(InstancePolicy {
         name: "j".into(),
@@ -440,4 +444,23 @@ proptest! {
         let started = started.expect("P4 task starved");
         prop_assert!(started <= Duration::from_secs(30 + run_ticks + 1), "started at {started:?}");
     }
+}
+
+#[test]
+fn weights_count_until_resident_and_estimates_carry_a_margin() {
+    let mut c = cfg(4, 0, 100);
+    c.models[0].kv_bytes_per_token = 1000;
+    c.models[0].weights_bytes = 100_000;
+    c.models[0].memory_margin = 0.1;
+    c.instances[0].memory_budget_bytes = Some(400_000);
+    let mut p = Policy::new(c);
+    // 110 tokens x 1000 B x 1.1 = 121 kB each; the first also loads 100 kB.
+    assert_eq!(p.memory_estimate(0, 10, 100), 121_000);
+    for i in 0..3 {
+        p.enqueue(task(&format!("t{i}"), Priority::P2, "a"), T0).unwrap();
+    }
+    assert_eq!(drain(&mut p, T0).len(), 2, "100 kB weights + 2 x 121 kB fit in 400 kB, a third does not");
+    p.release("t0", 10);
+    assert_eq!(drain(&mut p, T0), ["t2"], "the weights stay loaded; the freed KV share is reused");
+    p.check();
 }
