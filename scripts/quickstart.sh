@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs edgeway for real: installs what it needs (first time only: building
-# llama.cpp takes 10-15 minutes on 2 cores), starts llama-server with Gemma 3
+# llama.cpp takes about 20 minutes on 2 cores), starts llama-server with Gemma 3
 # 270M on 127.0.0.1:8081, then edgeway with config/edgeway.toml on
 # 127.0.0.1:8080. Ctrl-C stops both.
 set -euo pipefail

@@ -518,6 +518,13 @@ impl Policy {
     pub fn next_grant(&mut self, now: Duration) -> Option<Grant> {
         // (key, model, index in its queue, instance)
         let mut best: Option<(Key, usize, usize, usize)> = None;
+        // Slot views do not change while we look: build them once.
+        let views: Vec<InstanceView> = self
+            .instances
+            .iter()
+            .zip(&self.cfg.instances)
+            .map(|(st, ip)| InstanceView { up: st.up, running: st.running, max_concurrency: ip.max_concurrency })
+            .collect();
         for (m, q) in self.waiting.iter().enumerate() {
             for (idx, w) in q.iter().enumerate() {
                 let k = self.key(w, now);
@@ -525,16 +532,6 @@ impl Policy {
                     continue;
                 }
                 // Least-loaded eligible instance of the task's model.
-                let views: Vec<InstanceView> = self
-                    .instances
-                    .iter()
-                    .zip(&self.cfg.instances)
-                    .map(|(st, ip)| InstanceView {
-                        up: st.up,
-                        running: st.running,
-                        max_concurrency: ip.max_concurrency,
-                    })
-                    .collect();
                 let inst = router::pick(&self.cfg.models[m].instances, &views, |i| self.eligible(w, i));
                 if let Some(i) = inst {
                     best = Some((k, m, idx, i));

@@ -68,7 +68,7 @@ pub struct TaskRecord {
 
 enum Op {
     NewTask {
-        req: Box<TaskRequest>,
+        row: Box<NewTaskRow>,
         prompt_text: Option<String>,
     },
     Transition {
@@ -203,7 +203,22 @@ impl Store {
 
     pub fn new_task(&self, req: &TaskRequest) {
         let prompt_text = self.store_prompts.then(|| serde_json::to_string(&req.messages).unwrap_or_default());
-        let _ = self.tx.send(Op::NewTask { req: Box::new(req.clone()), prompt_text });
+        // Only the columns: the prompt itself is not copied unless stored.
+        let row = NewTaskRow {
+            task_id: req.task_id.clone(),
+            request_id: req.request_id.clone(),
+            tenant: req.identity.tenant.clone(),
+            application: req.identity.application.clone(),
+            user_id: req.identity.user_id.clone(),
+            ingress: req.ingress.as_str(),
+            logical_model: req.logical_model.clone(),
+            priority: req.priority.as_str(),
+            created_at_ms: crate::task::unix_ms(req.received_wall),
+            prompt_sha256: req.prompt_sha256.clone(),
+            session_id: req.session_id.clone(),
+            idempotency_key: req.idempotency_key.clone(),
+        };
+        let _ = self.tx.send(Op::NewTask { row: Box::new(row), prompt_text });
     }
 
     pub fn transition(&self, task_id: &str, state: TaskState, reason: &str, instance: Option<&str>, actor: &str) {
@@ -325,7 +340,7 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
             for op in batch {
                 // One bad write must not roll back the others of the batch.
                 let r = match op {
-                    Op::NewTask { req, prompt_text } => insert_task(&txn, &req, prompt_text),
+                    Op::NewTask { row, prompt_text } => insert_task(&txn, &row, prompt_text),
                     Op::Transition { task_id, t } => insert_transition(&txn, &task_id, &t),
                     Op::Finish { meta, error_code, result_text, idempotent_text } => {
                         finish_task(&txn, &meta, error_code, result_text).and_then(|_| {
@@ -401,8 +416,24 @@ enum Reply {
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
 }
 
-fn insert_task(c: &Connection, r: &TaskRequest, prompt_text: Option<String>) -> rusqlite::Result<()> {
-    let now = crate::task::unix_ms(r.received_wall);
+/// The columns of a new task row.
+struct NewTaskRow {
+    task_id: String,
+    request_id: String,
+    tenant: String,
+    application: String,
+    user_id: Option<String>,
+    ingress: &'static str,
+    logical_model: String,
+    priority: &'static str,
+    created_at_ms: i64,
+    prompt_sha256: String,
+    session_id: Option<String>,
+    idempotency_key: Option<String>,
+}
+
+fn insert_task(c: &Connection, r: &NewTaskRow, prompt_text: Option<String>) -> rusqlite::Result<()> {
+    let now = r.created_at_ms;
     exec(
         c,
         "INSERT OR IGNORE INTO tasks (task_id, request_id, tenant, application, user_id, ingress, logical_model, \
@@ -411,12 +442,12 @@ fn insert_task(c: &Connection, r: &TaskRequest, prompt_text: Option<String>) -> 
         params![
             r.task_id,
             r.request_id,
-            r.identity.tenant,
-            r.identity.application,
-            r.identity.user_id,
-            r.ingress.as_str(),
+            r.tenant,
+            r.application,
+            r.user_id,
+            r.ingress,
             r.logical_model,
-            r.priority.as_str(),
+            r.priority,
             now,
             r.prompt_sha256,
             prompt_text,
