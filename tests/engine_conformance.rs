@@ -268,6 +268,59 @@ fn closed_port_url() -> String {
     format!("http://127.0.0.1:{port}")
 }
 
+/// The engine closes a connection after reading a request, without an
+/// answer (as when it closes a kept-alive connection just as it is reused):
+/// the adapter sends the request once more on a fresh connection, and the
+/// answer arrives. A second broken connection is an error.
+async fn connection_closed_before_answer_is_retried_once(kind: EngineKind) {
+    for (broken, succeeds) in [(1usize, true), (2, false)] {
+        let s = Setup::new(kind, STREAM, Knobs::default()).await;
+        let proxy = breaking_proxy(&s.fake.url(), broken).await;
+        let engine = edgeway::engine::build(&engine_config(kind, &proxy, STREAM)).expect("adapter builds");
+        let r = tokio::time::timeout(LIMIT, engine.stream(s.request(16))).await.expect("stream() resolves");
+        match r {
+            Ok(stream) if succeeds => {
+                let a = answer(collect(stream).await);
+                assert!(!a.finish.is_empty() && !a.text.is_empty(), "{}: {:?}", a.finish, a.text);
+                assert_eq!(s.fake.stats.requests.load(SeqCst), 1, "the engine ran it once");
+            }
+            Err(e) if !succeeds => {
+                assert!(matches!(e, EngineError::Unreachable(ref m) if m.contains("closed")), "{e:?}");
+                assert_eq!(s.fake.stats.requests.load(SeqCst), 0);
+            }
+            other => panic!("{broken} broken connection(s): {:?}", other.map(|_| "a stream")),
+        }
+    }
+}
+
+/// A TCP proxy to `target` whose first `broken` connections read a request
+/// and close without answering; later ones are forwarded.
+async fn breaking_proxy(target: &str, broken: usize) -> String {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let target = target.trim_start_matches("http://").to_string();
+    tokio::spawn(async move {
+        let mut n = 0;
+        while let Ok((mut c, _)) = listener.accept().await {
+            n += 1;
+            if n <= broken {
+                let mut buf = vec![0u8; 64 * 1024];
+                let _ = c.read(&mut buf).await;
+                drop(c);
+                continue;
+            }
+            let target = target.clone();
+            tokio::spawn(async move {
+                if let Ok(mut up) = tokio::net::TcpStream::connect(&target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut c, &mut up).await;
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
 /// The engine connection breaks after two tokens: the deltas that arrived,
 /// then an error, never a `Finish`.
 async fn mid_stream_drop_errors_without_finish(kind: EngineKind) {
@@ -429,6 +482,9 @@ conformance! {
         => openai_http_error_is_status_error, ollama_http_error_is_status_error;
     closed_port_is_unreachable()
         => openai_closed_port_is_unreachable, ollama_closed_port_is_unreachable;
+    connection_closed_before_answer_is_retried_once()
+        => openai_connection_closed_before_answer_is_retried_once,
+           ollama_connection_closed_before_answer_is_retried_once;
     mid_stream_drop_errors_without_finish()
         => openai_mid_stream_drop_errors_without_finish,
            ollama_mid_stream_drop_errors_without_finish;

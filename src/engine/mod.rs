@@ -132,6 +132,41 @@ fn http_client(connect_timeout: Duration) -> Result<reqwest::Client, EngineError
         .map_err(|e| EngineError::Unreachable(format!("cannot build HTTP client: {e}")))
 }
 
+/// Sends a generation request. A request that failed on a connection that
+/// was already open (the engine closed a kept-alive connection just as it
+/// was reused: hyper reports "connection closed before message completed")
+/// is sent once more on a fresh one; a refused or timed-out connect is not.
+/// The engine drops the first attempt when it sees the connection closed,
+/// as it does for any disconnect, so nothing runs twice.
+pub(crate) async fn send(rb: reqwest::RequestBuilder) -> Result<reqwest::Response, EngineError> {
+    let again = rb.try_clone();
+    match rb.send().await {
+        Ok(r) => Ok(r),
+        Err(e) if !e.is_connect() && !e.is_timeout() && e.is_request() => {
+            let first = unreachable(e);
+            let Some(again) = again else { return Err(first) };
+            tracing::debug!(error = %first, "engine connection broke before the answer; sending once more");
+            again.send().await.map_err(unreachable)
+        }
+        Err(e) => Err(unreachable(e)),
+    }
+}
+
+/// reqwest's own message ("error sending request") with its causes, without
+/// the URL.
+fn unreachable(e: reqwest::Error) -> EngineError {
+    use std::error::Error as _;
+    let e = e.without_url();
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    EngineError::Unreachable(s)
+}
+
 pub(crate) fn truncate(s: &str, n: usize) -> String {
     if s.len() <= n {
         return s.to_string();

@@ -169,13 +169,7 @@ impl Engine for OllamaEngine {
             options,
             keep_alive: self.cfg.keep_alive.as_deref(),
         };
-        let resp = self
-            .client
-            .post(self.url("/api/chat"))
-            .json(&body)
-            .send()
-            .await
-            .map_err(|e| EngineError::Unreachable(e.without_url().to_string()))?;
+        let resp = super::send(self.client.post(self.url("/api/chat")).json(&body)).await?;
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().await.unwrap_or_default();

@@ -177,7 +177,7 @@ impl Engine for OpenAiEngine {
             max_tokens: req.max_output_tokens,
             params: &req.params,
         };
-        let resp = self.post(&body).send().await.map_err(|e| EngineError::Unreachable(e.without_url().to_string()))?;
+        let resp = super::send(self.post(&body)).await?;
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().await.unwrap_or_default();
