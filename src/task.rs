@@ -315,10 +315,23 @@ impl ResultMeta {
 /// `Error` ends the stream.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TaskEvent {
-    Accepted { task_id: String, queue_position: usize },
-    Delta { text: String },
+    Accepted {
+        task_id: String,
+        queue_position: usize,
+    },
+    /// The task still waits; `position` tasks of its model are ahead of it
+    /// (sent when it changed, at most once per `scheduler.queue_update_ms`).
+    Queued {
+        position: usize,
+    },
+    Delta {
+        text: String,
+    },
     Done(Box<ResultMeta>),
-    Error { error: GatewayError, meta: Box<ResultMeta> },
+    Error {
+        error: GatewayError,
+        meta: Box<ResultMeta>,
+    },
 }
 
 pub fn unix_ms(t: SystemTime) -> i64 {

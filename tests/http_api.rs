@@ -370,6 +370,38 @@ async fn a_down_engine_makes_the_model_unavailable_until_it_recovers() {
 }
 
 #[tokio::test]
+async fn waiting_work_ends_model_unavailable_when_the_last_instance_goes_down() {
+    let fake =
+        FakeEngine::start_with(Knobs { tokens: 100, token_delay: Duration::from_millis(50), ..Knobs::default() }).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        t.replace("max_concurrency = 2", "max_concurrency = 1")
+    })
+    .await;
+    gw.wait_ready().await;
+    let _blocker = hold_slot(&gw).await;
+    let waiting = tokio::spawn({
+        let url = format!("{}/v1/chat/completions", gw.base_url);
+        async move {
+            let r = client().post(url).bearer_auth(DEMO_KEY).json(&chat_body(false)).send().await.unwrap();
+            (r.status(), r.json::<Value>().await.unwrap())
+        }
+    });
+    for _ in 0..200 {
+        if gw.gateway().scheduler.snapshot().await.unwrap().queues[0].waiting == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    fake.set(|k| k.healthy = false);
+    // Well before its 30 s queue timeout.
+    let (status, v) = tokio::time::timeout(Duration::from_secs(10), waiting).await.expect("answered").unwrap();
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(error_code(&v), "MODEL_UNAVAILABLE");
+    assert_eq!(fake.stats.requests.load(SeqCst), 1, "only the blocker reached the engine");
+    gw.stop().await;
+}
+
+#[tokio::test]
 async fn higher_priority_waiting_work_runs_first() {
     let fake =
         FakeEngine::start_with(Knobs { tokens: 3, token_delay: Duration::from_millis(100), ..Knobs::default() }).await;
@@ -408,6 +440,38 @@ async fn higher_priority_waiting_work_runs_first() {
     let high_dispatch = high["edge"]["timing"]["queue_ms"].as_u64().unwrap();
     // P0 arrived later but was dispatched first, so it waited less.
     assert!(high_dispatch < low_dispatch, "P0 queue {high_dispatch} ms, P4 queue {low_dispatch} ms");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_streamed_answer_that_waits_shows_its_queue_position_in_sse_comments() {
+    let fake =
+        FakeEngine::start_with(Knobs { tokens: 10, token_delay: Duration::from_millis(50), ..Knobs::default() }).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "[scheduler]\nqueue_update_ms = 20", |t| {
+        t.replace("max_concurrency = 2", "max_concurrency = 1")
+    })
+    .await;
+    gw.wait_ready().await;
+    let blocker = hold_slot(&gw).await;
+    let mut low = chat_body(true);
+    low["priority"] = json!("P4");
+    let low = post_chat(&gw, DEMO_KEY, &low).await;
+    // An alarm arrives: the P4 request is no longer next.
+    let mut high = chat_body(false);
+    high["priority"] = json!("P0");
+    let high = tokio::spawn({
+        let url = format!("{}/v1/chat/completions", gw.base_url);
+        async move { client().post(url).bearer_auth(OPS_KEY).json(&high).send().await.unwrap().status() }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(blocker);
+    let raw = low.text().await.unwrap();
+    assert!(raw.contains("\n\n: queued position 1\n\n"), "{raw}");
+    // The comment changes nothing for an SSE reader.
+    let frames: Vec<&str> = raw.split("\n\n").filter(|f| f.starts_with("data: ")).collect();
+    assert_eq!(frames.last(), Some(&"data: [DONE]"));
+    assert!(frames.iter().filter(|f| f.contains("\"content\":\"tok \"")).count() == 10, "{raw}");
+    assert_eq!(high.await.unwrap(), 200);
     gw.stop().await;
 }
 
@@ -496,7 +560,7 @@ async fn an_idempotent_repeat_joins_the_first_task_and_never_runs_twice() {
 #[tokio::test]
 async fn an_engine_that_keeps_running_a_cancelled_request_is_taken_out_of_dispatch() {
     let knobs =
-        Knobs { tokens: 40, token_delay: Duration::from_millis(25), ignore_disconnect: true, ..Knobs::default() };
+        Knobs { tokens: 80, token_delay: Duration::from_millis(25), ignore_disconnect: true, ..Knobs::default() };
     let (fake, gw) = gateway_with(knobs, "[resources]\ncancel_grace_period_ms = 100\ngpu = false").await;
     let mut resp = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
     resp.chunk().await.unwrap();
@@ -514,14 +578,16 @@ async fn an_engine_that_keeps_running_a_cancelled_request_is_taken_out_of_dispat
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(down, "instance stayed in dispatch");
-    assert_eq!(
-        error_code(&post_chat(&gw, DEMO_KEY, &chat_body(false)).await.json().await.unwrap()),
-        "MODEL_UNAVAILABLE"
-    );
-    // Once the engine has finished it, the instance is back.
-    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0).await);
-    gw.wait_ready().await;
-    assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200);
+    // New work queues meanwhile (the instance is healthy, only busy) and is
+    // sent once the engine has finished the cancelled request.
+    let body = chat_body(false);
+    let (resp, meanwhile) = tokio::join!(post_chat(&gw, DEMO_KEY, &body), async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        (fake.stats.active.load(SeqCst), fake.stats.requests.load(SeqCst))
+    });
+    assert_eq!(meanwhile, (1, 1), "(running, received) while the engine still runs the cancelled request");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(fake.stats.requests.load(SeqCst), 2);
     gw.stop().await;
 }
 

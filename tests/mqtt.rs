@@ -393,6 +393,50 @@ async fn malformed_and_oversized_payloads_get_invalid_request_and_harm_no_one() 
 }
 
 #[tokio::test]
+async fn waiting_requests_are_told_their_queue_position_as_it_changes() {
+    // Two slots, 30 ms per token; updates every 50 ms. q0 ends after 3
+    // tokens, q1 after 20: q2 takes q0's slot and q3 is next for a while.
+    let (fake, gw, addr) = start(slow(20, 30), "coalesce_ms = 0\n[scheduler]\nqueue_update_ms = 50").await;
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let ids = ["q0", "q1", "q2", "q3"];
+    for rid in ids {
+        let mut r = request(rid);
+        if rid == "q0" {
+            r["max_tokens"] = json!(3);
+        }
+        d.publish(&d.topic("req"), r.to_string()).await;
+    }
+    let mut streams: std::collections::HashMap<String, Vec<serde_json::Value>> = Default::default();
+    while streams.values().filter(|s| s.last().is_some_and(|e| e["type"] == "done")).count() < ids.len() {
+        let m = d.msg().await;
+        let rid = m.topic.rsplit('/').next().unwrap().to_string();
+        streams.entry(rid).or_default().push(m.json());
+    }
+    for rid in ids {
+        check_stream(&streams[rid]);
+    }
+    let told = |rid: &str| -> Vec<u64> {
+        let s = &streams[rid];
+        let first = s[0]["queue_position"].as_u64().unwrap();
+        std::iter::once(first)
+            .chain(s.iter().filter(|e| e["type"] == "queued").map(|e| e["position"].as_u64().unwrap()))
+            .collect()
+    };
+    // The first two ran at once; q3 waited behind q2 and was told when it
+    // became next. Nothing is queued once deltas flow.
+    assert_eq!(told("q2"), [0], "{:#?}", streams["q2"]);
+    assert_eq!(told("q3"), [1, 0], "{:#?}", streams["q3"]);
+    for rid in ids {
+        let s = &streams[rid];
+        let first_delta = s.iter().position(|e| e["type"] == "delta").unwrap();
+        assert!(s[first_delta..].iter().all(|e| e["type"] != "queued"), "{s:#?}");
+    }
+    assert_eq!(fake.stats.requests.load(SeqCst), 4);
+    gw.stop().await;
+}
+
+#[tokio::test]
 async fn deltas_are_coalesced_per_request_with_contiguous_seq() {
     let (_fake, gw, addr) = start(slow(60, 5), "coalesce_ms = 100\nmax_chunk_bytes = 4096").await;
     let mut d = device(addr, V::V4, D1).await;

@@ -123,6 +123,8 @@ pub struct SchedulerConfig {
     pub queue_capacity: usize,
     /// How long a client is told to wait after `QUEUE_FULL`.
     pub busy_retry_after_ms: u64,
+    /// Period of `queued` position updates to waiting tasks; `None` = off.
+    pub queue_updates: Option<Duration>,
     /// How long the events of an ended task stay available for re-attaching
     /// clients (resumes, idempotent retries).
     pub replay_retention: Duration,

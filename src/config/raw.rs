@@ -164,6 +164,10 @@ pub struct RawScheduler {
     pub queue_capacity: usize,
     #[serde(default = "d_busy_retry")]
     pub busy_retry_after_ms: u64,
+    /// How often waiting tasks are told their new queue position (`queued`
+    /// events, only when it changed); 0 = never.
+    #[serde(default = "d_queue_updates")]
+    pub queue_update_ms: u64,
     #[serde(default = "d_replay_retention")]
     pub replay_retention_ms: u64,
     #[serde(default = "d_replay_bytes")]
@@ -274,11 +278,16 @@ fn d_busy_retry() -> u64 {
     1_000
 }
 
+fn d_queue_updates() -> u64 {
+    1_000
+}
+
 impl Default for RawScheduler {
     fn default() -> Self {
         RawScheduler {
             queue_capacity: d_queue_cap(),
             busy_retry_after_ms: d_busy_retry(),
+            queue_update_ms: d_queue_updates(),
             replay_retention_ms: d_replay_retention(),
             replay_max_bytes: d_replay_bytes(),
             max_queued: None,
@@ -812,6 +821,8 @@ impl RawConfig {
             scheduler: SchedulerConfig {
                 queue_capacity: self.scheduler.queue_capacity,
                 busy_retry_after_ms: self.scheduler.busy_retry_after_ms,
+                queue_updates: (self.scheduler.queue_update_ms > 0)
+                    .then(|| Duration::from_millis(self.scheduler.queue_update_ms)),
                 replay_retention: Duration::from_millis(self.scheduler.replay_retention_ms),
                 replay_max_bytes: self.scheduler.replay_max_bytes,
                 max_queued: self.scheduler.max_queued,

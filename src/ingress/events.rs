@@ -13,6 +13,9 @@ pub fn event_json(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
             "seq": seq, "type": "accepted", "request_id": request_id,
             "task_id": task_id, "queue_position": queue_position,
         }),
+        TaskEvent::Queued { position } => json!({
+            "seq": seq, "type": "queued", "request_id": request_id, "position": position,
+        }),
         TaskEvent::Delta { text } => json!({ "seq": seq, "type": "delta", "request_id": request_id, "text": text }),
         TaskEvent::Done(meta) => json!({
             "seq": seq, "type": "done", "request_id": request_id,

@@ -10,7 +10,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::sleep_until;
 
 use super::events::TaskLog;
-use super::{terminal_state_for, CancelHandle, Cmd, Shared, SlotLease};
+use super::{terminal_state_for, CancelHandle, Cmd, Shared, SlotGrant, SlotLease};
 use crate::engine::{Engine, EngineChunk, EngineError, EngineRequest};
 use crate::error::{ErrorCode, GatewayError};
 use crate::task::{ResultMeta, TaskEvent, TaskRequest, TaskState, Timing, Usage};
@@ -51,14 +51,14 @@ struct Progress {
 }
 
 impl Driver {
+    /// Runs the task to its end; `accept` has run before.
+    ///
     /// # Cancel safety
     /// Spawned and owned by the scheduler's tracker; it is never dropped
     /// mid-way except at runtime shutdown, where the lease's `Drop` still
     /// frees the slot.
-    pub async fn run(self, grant: oneshot::Receiver<SlotLease>) {
+    pub async fn run(self, grant: oneshot::Receiver<SlotGrant>) {
         let id = self.req.task_id.clone();
-        self.shared.recorder.transition(&self.req, TaskState::Queued, self.queued_reason, None, "scheduler");
-        self.log.push(TaskEvent::Accepted { task_id: id.clone(), queue_position: self.queue_position });
         let mut p = Progress::default();
         let outcome = self.run_phases(grant, &mut p).await;
         let stopped_early =
@@ -82,7 +82,15 @@ impl Driver {
         self.shared.registry.ended(&id);
     }
 
-    async fn run_phases(&self, grant: oneshot::Receiver<SlotLease>, p: &mut Progress) -> Outcome {
+    /// Records the task as queued and emits `Accepted`. Called by `submit`
+    /// before it answers, so whoever the caller tells about the task (an
+    /// HTTP 202, an MQTT `accepted`) finds it `QUEUED` at least.
+    pub fn accept(&self) {
+        self.shared.recorder.transition(&self.req, TaskState::Queued, self.queued_reason, None, "scheduler");
+        self.log.push(TaskEvent::Accepted { task_id: self.req.task_id.clone(), queue_position: self.queue_position });
+    }
+
+    async fn run_phases(&self, grant: oneshot::Receiver<SlotGrant>, p: &mut Progress) -> Outcome {
         let r = &self.req;
         let t = r.timeouts;
         let total_deadline = tokio::time::Instant::from_std(r.received_at + t.total);
@@ -101,7 +109,12 @@ impl Driver {
                 return self.cancelled();
             }
             g = grant => match g {
-                Ok(lease) => lease,
+                Ok(Ok(lease)) => lease,
+                // Withdrawn by the scheduler (no healthy instance left).
+                Ok(Err(e)) => {
+                    let reason = e.message.clone();
+                    return Outcome { error: Some((e, "scheduler")), reason };
+                }
                 Err(_) => {
                     return Outcome {
                         error: Some((GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000), "gateway")),

@@ -39,6 +39,7 @@ fn event_bytes(e: &TaskEvent) -> usize {
     std::mem::size_of::<TaskEvent>()
         + match e {
             TaskEvent::Accepted { task_id, .. } => task_id.capacity(),
+            TaskEvent::Queued { .. } => 0,
             TaskEvent::Delta { text } => text.capacity(),
             TaskEvent::Done(_) => RESULT_META_BYTES,
             TaskEvent::Error { error, .. } => error.message.capacity() + RESULT_META_BYTES,

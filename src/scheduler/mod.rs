@@ -138,13 +138,19 @@ impl Drop for TaskStream {
     }
 }
 
+/// What a waiting task's driver receives: a slot, or the reason it will
+/// never get one.
+type SlotGrant = Result<SlotLease, GatewayError>;
+
 enum Cmd {
     Enqueue {
         info: TaskInfo,
         /// The logical model's name (`info.model` is resolved from it).
         model: String,
-        grant: oneshot::Sender<SlotLease>,
+        grant: oneshot::Sender<SlotGrant>,
         reply: oneshot::Sender<Result<Admission, GatewayError>>,
+        /// Where its `queued` position updates go.
+        log: Arc<TaskLog>,
     },
     Withdraw {
         task_id: String,
@@ -282,11 +288,11 @@ pub fn start(
     let actor = Actor {
         model_index: config.models.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect(),
         details: instances.iter().map(|_| "not checked yet".to_string()).collect(),
-        health_up: vec![true; instances.len()],
         draining: vec![false; instances.len()],
         instances,
         policy,
         grants: HashMap::new(),
+        queue_updates: config.scheduler.queue_updates,
         tx: tx.clone(),
         metrics,
         epoch: std::time::Instant::now(),
@@ -370,7 +376,8 @@ impl SchedulerHandle {
         };
         let closed =
             || GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000);
-        let cmd = Cmd::Enqueue { info, model: req.logical_model.clone(), grant: grant_tx, reply: reply_tx };
+        let cmd =
+            Cmd::Enqueue { info, model: req.logical_model.clone(), grant: grant_tx, reply: reply_tx, log: log.clone() };
         let queued = match self.tx.send(cmd) {
             Ok(()) => reply_rx.await.map_err(|_| closed()).and_then(|r| r),
             Err(_) => Err(closed()),
@@ -411,6 +418,7 @@ impl SchedulerHandle {
             keep_text,
             queued_reason,
         };
+        d.accept();
         self.shared.tracker.spawn(d.run(grant_rx));
         Ok(stream)
     }
@@ -496,17 +504,28 @@ impl SchedulerHandle {
     }
 }
 
+/// A task waiting for a slot, as the actor knows it.
+struct Waiter {
+    grant: oneshot::Sender<SlotGrant>,
+    /// Model index and priority: the queue-depth metric's labels.
+    model: usize,
+    priority: Priority,
+    log: Arc<TaskLog>,
+    /// The position the task was last told.
+    position: usize,
+}
+
 struct Actor {
     instances: Vec<Instance>,
     details: Vec<String>,
-    /// Last verdict of the health probe, per instance.
-    health_up: Vec<bool>,
     /// Instances out of dispatch because a cancelled request kept running.
     draining: Vec<bool>,
     policy: Policy,
     model_index: HashMap<String, usize>,
-    /// Waiting tasks' grant channels, with their model and priority labels.
-    grants: HashMap<String, (oneshot::Sender<SlotLease>, usize, Priority)>,
+    /// Waiting tasks, by id.
+    grants: HashMap<String, Waiter>,
+    /// Period of `queued` position updates.
+    queue_updates: Option<std::time::Duration>,
     tx: mpsc::UnboundedSender<Cmd>,
     metrics: Arc<Metrics>,
     /// The policy's clock starts here.
@@ -515,10 +534,17 @@ struct Actor {
 
 impl Actor {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Cmd>, shutdown: CancellationToken) {
+        let period = self.queue_updates.unwrap_or(std::time::Duration::from_secs(3600));
+        let mut updates = tokio::time::interval(period);
+        updates.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let cmd = tokio::select! {
                 _ = shutdown.cancelled() => break,
                 c = rx.recv() => match c { Some(c) => c, None => break },
+                _ = updates.tick(), if self.queue_updates.is_some() => {
+                    self.send_positions();
+                    continue;
+                }
             };
             self.handle(cmd);
             // Drain what else is pending before dispatching once.
@@ -536,7 +562,7 @@ impl Actor {
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Enqueue { mut info, model, grant, reply } => {
+            Cmd::Enqueue { mut info, model, grant, reply, log } => {
                 let Some(&m) = self.model_index.get(&model) else {
                     let _ = reply.send(Err(GatewayError::invalid(format!("unknown model '{model}'"))));
                     return;
@@ -545,16 +571,16 @@ impl Actor {
                 let (task_id, priority) = (info.task_id.clone(), info.priority);
                 let now = self.now();
                 let result = self.policy.enqueue(info, now);
-                if result.is_ok() {
+                if let Ok(a) = &result {
                     self.metrics.queue_depth.with_label_values(&[&model, priority.as_str()]).inc();
-                    self.grants.insert(task_id, (grant, m, priority));
+                    self.grants.insert(task_id, Waiter { grant, model: m, priority, log, position: a.position });
                 }
                 let _ = reply.send(result);
             }
             Cmd::Withdraw { task_id } => {
                 if self.policy.withdraw(&task_id) {
-                    if let Some((_, m, p)) = self.grants.remove(&task_id) {
-                        self.dec_depth(m, p);
+                    if let Some(w) = self.grants.remove(&task_id) {
+                        self.dec_depth(w.model, w.priority);
                     }
                 }
             }
@@ -564,10 +590,12 @@ impl Actor {
                 }
             }
             Cmd::Health { instance, up, detail } => {
-                self.health_up[instance] = up;
-                self.policy.set_instance_up(instance, up && !self.draining[instance]);
+                self.policy.set_instance_up(instance, up);
                 if !self.draining[instance] {
                     self.details[instance] = detail;
+                }
+                if !up {
+                    self.fail_stranded();
                 }
             }
             Cmd::GraceCheck { instance, busy } => {
@@ -578,7 +606,7 @@ impl Actor {
                     self.draining[instance] = true;
                     self.details[instance] =
                         format!("still running {busy} generation(s) for {ours} task(s) after a cancel");
-                    self.policy.set_instance_up(instance, false);
+                    self.policy.set_instance_paused(instance, true);
                 }
             }
             Cmd::Busy { instance, busy } => {
@@ -586,7 +614,7 @@ impl Actor {
                     tracing::info!(engine = %self.instances[instance].name, "engine stopped the cancelled work; back in dispatch");
                     self.draining[instance] = false;
                     self.details[instance] = "ok".into();
-                    self.policy.set_instance_up(instance, self.health_up[instance]);
+                    self.policy.set_instance_paused(instance, false);
                 }
             }
             Cmd::Danger { reason } => self.policy.set_danger(reason),
@@ -601,16 +629,54 @@ impl Actor {
         self.metrics.queue_depth.with_label_values(&[name, p.as_str()]).dec();
     }
 
+    /// Ends the waiting tasks of models that have no healthy instance left
+    /// with `MODEL_UNAVAILABLE`, as new requests for them are answered,
+    /// rather than leaving them to wait for their queue timeout.
+    fn fail_stranded(&mut self) {
+        let stranded: Vec<String> =
+            self.grants.iter().filter(|(_, w)| !self.policy.model_up(w.model)).map(|(id, _)| id.clone()).collect();
+        for id in stranded {
+            self.policy.withdraw(&id);
+            if let Some(w) = self.grants.remove(&id) {
+                self.dec_depth(w.model, w.priority);
+                let name = &self.policy.config().models[w.model].name;
+                let e = GatewayError::new(
+                    ErrorCode::ModelUnavailable,
+                    format!("no instance of model '{name}' is healthy any more"),
+                )
+                .with_retry_after(self.policy.config().busy_retry_after_ms.max(2000));
+                let _ = w.grant.send(Err(e));
+            }
+        }
+    }
+
+    /// Tells each waiting task whose position changed since it was last
+    /// told (at admission or by an earlier update) where it stands now.
+    fn send_positions(&mut self) {
+        if self.grants.is_empty() {
+            return;
+        }
+        let now = self.now();
+        for (id, position) in self.policy.positions(now) {
+            if let Some(w) = self.grants.get_mut(id) {
+                if w.position != position {
+                    w.position = position;
+                    w.log.push(TaskEvent::Queued { position });
+                }
+            }
+        }
+    }
+
     /// Grants free slots to the tasks the policy picks until none can start.
     fn dispatch(&mut self) {
         let now = self.now();
         while let Some(g) = self.policy.next_grant(now) {
-            let Some((grant, m, p)) = self.grants.remove(&g.task_id) else {
+            let Some(Waiter { grant, model, priority, .. }) = self.grants.remove(&g.task_id) else {
                 // Cannot happen: every waiting task has a grant channel.
                 self.policy.release(&g.task_id, 0);
                 continue;
             };
-            self.dec_depth(m, p);
+            self.dec_depth(model, priority);
             let i = &self.instances[g.instance];
             let lease = SlotLease {
                 task_id: g.task_id.clone(),
@@ -622,11 +688,13 @@ impl Actor {
                 tx: self.tx.clone(),
                 armed: true,
             };
-            match grant.send(lease) {
+            match grant.send(Ok(lease)) {
                 Ok(()) => self.metrics.running.with_label_values(&[&i.name]).inc(),
                 // The driver is gone (cancelled or timed out meanwhile).
-                Err(mut lease) => {
-                    lease.armed = false;
+                Err(lease) => {
+                    if let Ok(mut lease) = lease {
+                        lease.armed = false;
+                    }
                     self.policy.release(&g.task_id, 0);
                 }
             }
@@ -642,7 +710,7 @@ impl Actor {
                 .enumerate()
                 .map(|(i, inst)| InstanceSnapshot {
                     name: inst.name.clone(),
-                    up: self.policy.instance_up(i),
+                    up: self.policy.instance_dispatchable(i),
                     detail: self.details[i].clone(),
                     running: self.policy.running_on(i),
                     max_concurrency: inst.max_concurrency,

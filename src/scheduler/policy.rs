@@ -171,7 +171,12 @@ struct Running {
 
 #[derive(Debug, Default, Clone)]
 struct InstanceState {
+    /// The health probe's verdict: a model with no instance up refuses new
+    /// work at once.
     up: bool,
+    /// Out of dispatch for now (an engine still running cancelled work);
+    /// new work still queues for it.
+    paused: bool,
     running: usize,
     running_realtime: usize,
     /// KV estimates of running tasks plus the weights of resident models.
@@ -265,8 +270,20 @@ impl Policy {
         self.instances[instance].up = up;
     }
 
-    pub fn instance_up(&self, instance: usize) -> bool {
-        self.instances[instance].up
+    pub fn set_instance_paused(&mut self, instance: usize, paused: bool) {
+        self.instances[instance].paused = paused;
+    }
+
+    /// Whether any instance of `model` is up (paused ones count: they come
+    /// back by themselves).
+    pub fn model_up(&self, model: usize) -> bool {
+        self.cfg.models[model].instances.iter().any(|&i| self.instances[i].up)
+    }
+
+    /// Whether the instance may be given tasks now: up and not paused.
+    pub fn instance_dispatchable(&self, instance: usize) -> bool {
+        let i = &self.instances[instance];
+        i.up && !i.paused
     }
 
     /// A danger state (temperature, memory) stops admission of new work.
@@ -336,7 +353,7 @@ impl Policy {
         let retry = self.cfg.busy_retry_after_ms;
         let m = info.model;
         let model = &self.cfg.models[m];
-        if !model.instances.iter().any(|&i| self.instances[i].up) {
+        if !self.model_up(m) {
             return Err(busy(
                 ErrorCode::ModelUnavailable,
                 format!("no instance of model '{}' is healthy", model.name),
@@ -479,11 +496,24 @@ impl Policy {
         Some(q.iter().filter(|w| cmp_key(&self.key(w, now), &k).is_lt()).count())
     }
 
+    /// The position of every waiting task (as `position` gives it), model by
+    /// model, in one pass: O(n log n) per queue.
+    pub fn positions(&self, now: Duration) -> Vec<(&str, usize)> {
+        let mut out = Vec::with_capacity(self.total_waiting);
+        for q in &self.waiting {
+            let mut keyed: Vec<(Key, &str)> = q.iter().map(|w| (self.key(w, now), w.info.task_id.as_str())).collect();
+            // Keys are unique (they end with the arrival number).
+            keyed.sort_by(|a, b| cmp_key(&a.0, &b.0));
+            out.extend(keyed.into_iter().enumerate().map(|(i, (_, id))| (id, i)));
+        }
+        out
+    }
+
     /// Whether `w` may start on `instance` now.
     fn eligible(&self, w: &Waiting, instance: usize) -> bool {
         let inst = &self.instances[instance];
         let ip = &self.cfg.instances[instance];
-        if !inst.up || inst.running >= ip.max_concurrency || (w.info.local_only && !ip.local) {
+        if !inst.up || inst.paused || inst.running >= ip.max_concurrency || (w.info.local_only && !ip.local) {
             return false;
         }
         // P2-P4 leave the reserved slots free for alarms.
@@ -523,7 +553,11 @@ impl Policy {
             .instances
             .iter()
             .zip(&self.cfg.instances)
-            .map(|(st, ip)| InstanceView { up: st.up, running: st.running, max_concurrency: ip.max_concurrency })
+            .map(|(st, ip)| InstanceView {
+                up: st.up && !st.paused,
+                running: st.running,
+                max_concurrency: ip.max_concurrency,
+            })
             .collect();
         for (m, q) in self.waiting.iter().enumerate() {
             for (idx, w) in q.iter().enumerate() {

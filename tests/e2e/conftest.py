@@ -64,10 +64,40 @@ class Proc:
         self.f.close()
 
 
+_WORKDIR = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report ends with the warnings and errors the edgeway
+    processes logged, so a CI failure can be understood from its output."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when != "call" or not rep.failed or not _WORKDIR:
+        return
+    lines = []
+    for log in sorted(_WORKDIR[0].glob("edgeway*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if '"WARN"' in line or '"ERROR"' in line:
+                lines.append(f"{log.name}: {line[:600]}")
+    if lines:
+        rep.sections.append(("edgeway warnings and errors (last 40)", "\n".join(lines[-40:])))
+
+
 @pytest.fixture(scope="session")
 def workdir():
-    with tempfile.TemporaryDirectory(prefix="edgeway-e2e-") as d:
+    """Scratch space for the session's servers and their logs; kept (and
+    printed at the end) when EDGEWAY_E2E_KEEP is set, for post-mortems."""
+    if os.environ.get("EDGEWAY_E2E_KEEP"):
+        d = tempfile.mkdtemp(prefix="edgeway-e2e-")
+        print(f"\ne2e work directory (kept): {d}")
+        _WORKDIR.append(Path(d))
         yield Path(d)
+        return
+    with tempfile.TemporaryDirectory(prefix="edgeway-e2e-") as d:
+        _WORKDIR.append(Path(d))
+        yield Path(d)
+        _WORKDIR.clear()
 
 
 @pytest.fixture(scope="session")

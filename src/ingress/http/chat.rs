@@ -143,6 +143,9 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
                     st.sent_role = true;
                     sse(&chunk(&st.id, st.created, &st.model, json!({"role": "assistant", "content": ""}), None))
                 }
+                // An SSE comment: OpenAI clients skip it; it shows the wait
+                // and keeps idle-closing proxies from dropping the stream.
+                TaskEvent::Queued { position } => Bytes::from(format!(": queued position {position}\n\n")),
                 TaskEvent::Delta { text } => {
                     sse(&chunk(&st.id, st.created, &st.model, json!({ "content": text }), None))
                 }
@@ -189,7 +192,7 @@ async fn whole_response(mut task: TaskStream, model: String) -> Response {
     let created = crate::task::now_ms() / 1000;
     while let Some((_, ev)) = task.recv().await {
         match ev {
-            TaskEvent::Accepted { .. } => {}
+            TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } => {}
             TaskEvent::Delta { text: t } => text.push_str(&t),
             TaskEvent::Done(meta) => {
                 let body = json!({

@@ -313,11 +313,15 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
                         let _ = req.respond_with_headers(Ok(body), error_headers(error)).await;
                         break None;
                     }
-                    TaskEvent::Accepted { .. } | TaskEvent::Delta { .. } => {
+                    TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::Delta { .. } => {
                         if ctx.gw.nats.unavailable_for().is_some_and(|d| d >= cfg.caller_timeout) {
                             break Some(Lost::BusUnavailable);
                         }
-                        let kind = if matches!(ev, TaskEvent::Accepted { .. }) { "accepted" } else { "delta" };
+                        let kind = match ev {
+                            TaskEvent::Accepted { .. } => "accepted",
+                            TaskEvent::Queued { .. } => "queued",
+                            _ => "delta",
+                        };
                         let publish = ctx.client.publish_with_reply_and_headers(
                             reply.clone(),
                             probe_reply.clone(),

@@ -67,6 +67,9 @@ fn priority_then_arrival() {
     }
     assert_eq!(p.position("p0", T0), Some(0));
     assert_eq!(p.position("p4", T0), Some(3));
+    let mut all = p.positions(T0);
+    all.sort();
+    assert_eq!(all, [("p0", 0), ("p2a", 1), ("p2b", 2), ("p4", 3)]);
     let mut order = Vec::new();
     let mut running = "blocker".to_string();
     for _ in 0..4 {
@@ -257,6 +260,17 @@ fn unhealthy_models_and_danger_refuse_at_once() {
     let e = p.enqueue(task("b", Priority::P0, "a"), T0).unwrap_err();
     assert_eq!(e.code, ErrorCode::ResourceExhausted);
     assert!(e.message.contains("95"));
+}
+
+#[test]
+fn a_paused_instance_queues_new_work_but_dispatches_none() {
+    let mut p = Policy::new(cfg(1, 0, 10));
+    p.set_instance_paused(0, true);
+    p.enqueue(task("a", Priority::P0, "a"), T0).unwrap();
+    assert!(drain(&mut p, T0).is_empty());
+    p.set_instance_paused(0, false);
+    assert_eq!(drain(&mut p, T0), ["a"]);
+    p.check();
 }
 
 // --- Property tests on a deterministic simulation -------------------------
