@@ -436,6 +436,34 @@ async fn waiting_requests_are_told_their_queue_position_as_it_changes() {
     gw.stop().await;
 }
 
+/// rumqttd does not set TCP_NODELAY on the connections it accepts; edgeway
+/// sets it on the listener, which Linux copies to accepted sockets. Looks at
+/// the broker's side of a device connection (the gateway runs in this
+/// process).
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn device_connections_are_accepted_with_tcp_nodelay() {
+    use std::os::fd::BorrowedFd;
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut accepted = Vec::new();
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        let Some(fd) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        if !std::fs::read_link(entry.path()).is_ok_and(|t| t.to_string_lossy().starts_with("socket:")) {
+            continue;
+        }
+        // SAFETY: the descriptor is only borrowed to read socket options.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        let s = socket2::SockRef::from(&fd);
+        if s.local_addr().ok().and_then(|a| a.as_socket()) == Some(addr) && !s.is_listener().unwrap_or(true) {
+            accepted.push(s.tcp_nodelay().unwrap());
+        }
+    }
+    assert_eq!(accepted, [true], "the broker's end of the one device connection");
+    gw.stop().await;
+}
+
 #[tokio::test]
 async fn deltas_are_coalesced_per_request_with_contiguous_seq() {
     let (_fake, gw, addr) = start(slow(60, 5), "coalesce_ms = 100\nmax_chunk_bytes = 4096").await;

@@ -91,6 +91,46 @@ fn concrete(addr: SocketAddr) -> std::io::Result<SocketAddr> {
     l.local_addr()
 }
 
+/// Sets TCP_NODELAY on rumqttd's listening socket for `addr`.
+///
+/// rumqttd does not set it on the connections it accepts, so a small
+/// publish (an `accepted`, a first delta) written while an earlier one is
+/// unacknowledged waits for the device's delayed ACK (~40 ms on Linux).
+/// rumqttd binds and accepts inside `Server::start` with no hook, but
+/// Linux copies TCP_NODELAY from a listening socket to every socket it
+/// accepts: so edgeway finds the listener among its own file descriptors
+/// (a listening TCP socket bound to exactly `addr`) and sets it there.
+/// Returns whether it did.
+#[cfg(target_os = "linux")]
+fn nodelay_on_listener(addr: SocketAddr) -> bool {
+    use std::os::fd::BorrowedFd;
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return false };
+    for entry in dir.flatten() {
+        let Some(fd) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        if !std::fs::read_link(entry.path()).is_ok_and(|t| t.to_string_lossy().starts_with("socket:")) {
+            continue;
+        }
+        // SAFETY: only socket options are read and set through the borrow;
+        // the descriptor is never closed here. Should another thread close
+        // it meanwhile and the number be reused, the calls fail or look at
+        // another socket, which the checks below then skip.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        let s = socket2::SockRef::from(&fd);
+        let ours = s.is_listener().unwrap_or(false)
+            && s.r#type().is_ok_and(|t| t == socket2::Type::STREAM)
+            && s.local_addr().ok().and_then(|a| a.as_socket()) == Some(addr);
+        if ours {
+            return s.set_tcp_nodelay(true).is_ok();
+        }
+    }
+    false
+}
+
+#[cfg(not(target_os = "linux"))]
+fn nodelay_on_listener(_addr: SocketAddr) -> bool {
+    false
+}
+
 /// Starts the router and the listeners. Returns once every listener is
 /// bound.
 pub async fn start(
@@ -126,6 +166,12 @@ pub async fn start(
         if let Poll::Ready(r) = futures::poll!(accept.as_mut()) {
             let e = r.err().map(|e| e.to_string()).unwrap_or_else(|| "stopped".into());
             anyhow::bail!("mqtt listener {name} on {listen}: {e}");
+        }
+        if !nodelay_on_listener(listen) {
+            tracing::warn!(
+                listener = name,
+                "could not set TCP_NODELAY on the MQTT listener: small messages may wait for delayed ACKs"
+            );
         }
         let sd = shutdown.clone();
         tracker.spawn(async move {
