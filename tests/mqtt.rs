@@ -464,6 +464,54 @@ async fn device_connections_are_accepted_with_tcp_nodelay() {
     gw.stop().await;
 }
 
+/// A device that sends DISCONNECT and connects again at once, over and
+/// over, always gets its SUBACK and its messages (rumqttd alone loses the
+/// new connection's subscriptions now and then: see `protocol.rs`).
+#[tokio::test]
+async fn immediate_reconnects_after_disconnect_keep_their_subscriptions() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    for v in [V::V4, V::V5] {
+        for i in 0..40 {
+            let mut d = device(addr, v, D1).await;
+            d.subscribe(&d.topic("echo/#")).await;
+            d.publish(&d.topic(&format!("echo/{i}")), "ping").await;
+            let m = d.msg().await;
+            assert_eq!(m.topic, d.topic(&format!("echo/{i}")), "{v:?} round {i}");
+            d.disconnect().await;
+        }
+    }
+    gw.stop().await;
+}
+
+/// Wills stay inside the device's subtree and follow MQTT: published when
+/// a connection dies, not after a clean DISCONNECT, and seen by the
+/// device's other connections only.
+#[tokio::test]
+async fn wills_are_published_on_a_dead_connection_only_and_only_to_the_device() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut watch = connect(addr, V::V5, "demo-device-1:watch", D1.0, D1.1).await.unwrap();
+    watch.subscribe("ai/v1/demo-device-1/status/#").await;
+    let mut other = device(addr, V::V4, D2).await;
+    other.subscribe("#").await;
+    for (v, name) in [(V::V4, "v4"), (V::V5, "v5")] {
+        let topic = format!("ai/v1/demo-device-1/status/{name}");
+        // A clean DISCONNECT: no will.
+        let d = connect_with_will(addr, v, D1.0, D1.0, D1.1, Some((&topic, "clean"))).await.unwrap();
+        d.disconnect().await;
+        // A dead connection: the will.
+        let d = connect_with_will(addr, v, D1.0, D1.0, D1.1, Some((&topic, "gone"))).await.unwrap();
+        d.kill();
+        let m = watch.msg().await;
+        assert_eq!((m.topic.as_str(), &m.payload[..]), (topic.as_str(), &b"gone"[..]), "{v:?}");
+    }
+    // Nothing else arrived for the watcher, and nothing for another device.
+    watch.publish("ai/v1/demo-device-1/status/end", "end").await;
+    assert_eq!(watch.msg().await.topic, "ai/v1/demo-device-1/status/end");
+    other.publish("ai/v1/demo-device-2/probe", "p").await;
+    assert_eq!(other.msg().await.topic, "ai/v1/demo-device-2/probe");
+    gw.stop().await;
+}
+
 #[tokio::test]
 async fn deltas_are_coalesced_per_request_with_contiguous_seq() {
     let (_fake, gw, addr) = start(slow(60, 5), "coalesce_ms = 100\nmax_chunk_bytes = 4096").await;

@@ -100,6 +100,18 @@ pub enum V {
 
 /// Connects; `Err` holds the refusal (the CONNACK code or the error).
 pub async fn connect(addr: SocketAddr, v: V, id: &str, user: &str, pass: &str) -> Result<Device, String> {
+    connect_with_will(addr, v, id, user, pass, None).await
+}
+
+/// [`connect`] with a will: `(topic, payload)`, QoS 1, not retained.
+pub async fn connect_with_will(
+    addr: SocketAddr,
+    v: V,
+    id: &str,
+    user: &str,
+    pass: &str,
+    will: Option<(&str, &str)>,
+) -> Result<Device, String> {
     let (tx, rx) = mpsc::unbounded_channel();
     let (ok_tx, ok_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
     let host = addr.ip().to_string();
@@ -107,6 +119,9 @@ pub async fn connect(addr: SocketAddr, v: V, id: &str, user: &str, pass: &str) -
         V::V4 => {
             let mut o = rumqttc::MqttOptions::new(id, host, addr.port());
             o.set_credentials(user, pass).set_keep_alive(Duration::from_secs(30)).set_max_packet_size(1 << 21, 1 << 21);
+            if let Some((t, p)) = will {
+                o.set_last_will(rumqttc::LastWill::new(t, p, rumqttc::QoS::AtLeastOnce, false));
+            }
             let (c, mut el) = rumqttc::AsyncClient::new(o, 64);
             let task = tokio::spawn(async move {
                 let mut ok = Some(ok_tx);
@@ -149,6 +164,10 @@ pub async fn connect(addr: SocketAddr, v: V, id: &str, user: &str, pass: &str) -
         V::V5 => {
             let mut o = rumqttc::v5::MqttOptions::new(id, host, addr.port());
             o.set_credentials(user, pass).set_keep_alive(Duration::from_secs(30)).set_max_packet_size(Some(1 << 21));
+            if let Some((t, p)) = will {
+                let qos = rumqttc::v5::mqttbytes::QoS::AtLeastOnce;
+                o.set_last_will(rumqttc::v5::mqttbytes::v5::LastWill::new(t, p, qos, false, None));
+            }
             let (c, mut el) = rumqttc::v5::AsyncClient::new(o, 64);
             let task = tokio::spawn(async move {
                 use rumqttc::v5::mqttbytes::v5::Packet;

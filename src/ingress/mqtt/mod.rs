@@ -156,13 +156,16 @@ pub async fn serve(
     let topics = Topics::new(&cfg.topic_prefix);
     let sessions = Arc::new(Sessions::default());
     let (presence_tx, presence_rx) = mpsc::unbounded_channel();
+    let (wills_tx, wills_rx) = mpsc::unbounded_channel();
     let shared = Arc::new(ProtocolShared::new(
         auth::DeviceDirectory::new(&gw.config),
         topics.clone(),
         sessions.clone(),
         presence_tx,
+        wills_tx,
     ));
-    let (addrs, links) = broker::start(&cfg, shared, &topics.gateway_filter(), tracker, shutdown.clone()).await?;
+    let (addrs, links) =
+        broker::start(&cfg, shared.clone(), &topics.gateway_filter(), tracker, shutdown.clone()).await?;
     // '@' is not a device id character: no device can take this link over.
     let (mut tx, rx) = links("@edgeway").map_err(|e| e.context("mqtt: edgeway's link to the broker"))?;
     tx.subscribe(topics.gateway_filter()).map_err(|e| anyhow::anyhow!("mqtt: subscribe: {e}"))?;
@@ -182,6 +185,7 @@ pub async fn serve(
         tracker: tracker.clone(),
         shutdown: shutdown.clone(),
     });
+    tracker.spawn(will_loop(shared, ingress.out.clone(), wills_rx, tracker.clone(), shutdown.clone()));
     tracker.spawn(link_loop(ingress.clone(), rx, shutdown.clone()));
     tracker.spawn(presence_loop(ingress, presence_rx, shutdown));
     tracing::info!(mqtt = %addrs.mqtt, tls = ?addrs.tls, ws = ?addrs.ws, "MQTT broker is listening");
@@ -220,6 +224,36 @@ async fn link_loop(ingress: Arc<DeviceIngress>, mut rx: LinkRx, shutdown: Cancel
 }
 
 /// Applies device connects and disconnects, and expires old streams.
+/// Publishes the wills of connections that ended without a clean
+/// DISCONNECT (see `protocol`), each after its delay unless its client id
+/// connected again meanwhile. Wills reach subscribers at QoS 0.
+async fn will_loop(
+    shared: Arc<ProtocolShared>,
+    out: Arc<Publisher>,
+    mut rx: mpsc::UnboundedReceiver<protocol::PendingWill>,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let w = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            w = rx.recv() => match w { Some(w) => w, None => return },
+        };
+        let (shared, out, shutdown) = (shared.clone(), out.clone(), shutdown.clone());
+        tracker.spawn(async move {
+            let publish = tokio::select! {
+                _ = shutdown.cancelled() => false,
+                _ = w.cancel.cancelled() => false,
+                _ = tokio::time::sleep(w.delay) => true,
+            };
+            shared.will_done(&w);
+            if publish && out.publish(&w.topic, w.payload.clone(), w.props.clone(), w.retain).is_err() {
+                tracing::warn!(client_id = %w.client_id, "MQTT: could not publish a will (router gone)");
+            }
+        });
+    }
+}
+
 async fn presence_loop(
     ingress: Arc<DeviceIngress>,
     mut rx: mpsc::UnboundedReceiver<Change>,

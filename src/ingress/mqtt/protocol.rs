@@ -23,6 +23,23 @@
 //!   reach a 3.1.1 codec; the MQTT 5 message expiry of a request is carried
 //!   to edgeway as an absolute time instead of letting the router drop the
 //!   message silently.
+//! - **Reconnects and wills**: rumqttd's router numbers connections by
+//!   reusable slots, and a link that ends by itself reports "closed" for
+//!   its slot afterwards. When the same client id reconnects at once, the
+//!   router has already dropped the old connection (on its DISCONNECT, or
+//!   as a duplicate id) and given the slot to the new one, so the late
+//!   report removes the *new* connection: its subscriptions vanish and its
+//!   SUBSCRIBE gets no SUBACK (about 1 immediate reconnect in 20 here). So
+//!   (a) a connection whose client id still has an open connection gets a
+//!   broker id of its own (`{id}~c{n}`: no duplicate, no slot handover; the
+//!   old one ends on its own or by keep-alive), and (b) DISCONNECT never
+//!   reaches the router: the codec ends the link (one removal). Wills are
+//!   therefore kept here, not in the router: taken out of CONNECT, dropped
+//!   on a clean DISCONNECT (kept with MQTT 5's reason 0x04), and handed to
+//!   edgeway to publish (QoS 0, in the device's subtree) when the
+//!   connection ends any other way, after the MQTT 5 will delay unless the
+//!   client id connects again first. A reconnect under its own broker id
+//!   starts a fresh broker session (edgeway's streams resume by `seq`).
 //! - rumqttd's listener keeps a per-client-id map for will handling; a
 //!   connection that fails between CONNECT and the first read (its CONNACK
 //!   could not be written: the peer vanished) leaves a dead entry behind,
@@ -39,8 +56,12 @@ use std::sync::{Arc, Mutex};
 use bytes::{Buf, BytesMut};
 use rumqttd::protocol::v4::V4;
 use rumqttd::protocol::v5::V5;
-use rumqttd::protocol::{ConnAckProperties, Connect, ConnectReturnCode, Error, Packet, Protocol, PublishProperties};
+use rumqttd::protocol::{
+    ConnAckProperties, Connect, ConnectReturnCode, DisconnectReasonCode, Error, LastWill, LastWillProperties, Packet,
+    Protocol, PublishProperties,
+};
 use tokio::sync::mpsc::UnboundedSender;
+use tokio_util::sync::CancellationToken;
 
 use super::auth::{DeviceDirectory, Refusal};
 use super::requests::{Change, Sessions};
@@ -58,6 +79,23 @@ pub enum Presence {
     Disconnected { device: String, conn: u64 },
 }
 
+/// A will to publish for a connection that ended without a clean
+/// DISCONNECT: its topic is already mounted in the device's subtree.
+#[derive(Debug)]
+pub struct PendingWill {
+    pub client_id: String,
+    /// Tells this will from a later one of the same client id.
+    pub generation: u64,
+    pub topic: String,
+    pub payload: bytes::Bytes,
+    pub retain: bool,
+    pub props: Option<PublishProperties>,
+    pub delay: std::time::Duration,
+    /// Cancelled when the same client id connects again before the delay
+    /// is over.
+    pub cancel: CancellationToken,
+}
+
 /// What all connections share.
 pub struct ProtocolShared {
     pub directory: DeviceDirectory,
@@ -66,9 +104,15 @@ pub struct ProtocolShared {
     /// event is sent on `presence`.
     pub sessions: Arc<Sessions>,
     pub presence: UnboundedSender<Change>,
+    /// Wills of connections that ended without a clean DISCONNECT.
+    wills: UnboundedSender<PendingWill>,
+    /// Wills not yet published, by client id, with their generation.
+    pending_wills: Mutex<HashMap<String, (u64, CancellationToken)>>,
     next_conn: AtomicU64,
     /// Client ids whose rumqttd-side id is spoiled, and how many times.
     spoiled: Mutex<HashMap<String, u32>>,
+    /// Open connections per client id (authenticated, codec not dropped).
+    open: Mutex<HashMap<String, usize>>,
     /// Placeholder ids for refused connections: next one and spoiled ones.
     placeholders: Mutex<(u64, HashSet<u64>)>,
 }
@@ -79,23 +123,50 @@ impl ProtocolShared {
         topics: Topics,
         sessions: Arc<Sessions>,
         presence: UnboundedSender<Change>,
+        wills: UnboundedSender<PendingWill>,
     ) -> Self {
         ProtocolShared {
             directory,
             topics,
             sessions,
             presence,
+            wills,
+            pending_wills: Mutex::default(),
             next_conn: AtomicU64::new(1),
             spoiled: Mutex::default(),
+            open: Mutex::default(),
             placeholders: Mutex::default(),
         }
     }
 
-    /// The id rumqttd sees for a client id.
-    fn broker_id(&self, client_id: &str) -> String {
+    /// The id rumqttd sees for connection `conn` of a client id, which is
+    /// now counted as open.
+    ///
+    /// While an earlier connection of the client id is still open (the
+    /// device reconnected before that one ended), the new one gets an id of
+    /// its own: rumqttd would otherwise drop the old connection from its
+    /// router at once, free its slot for the new one, and then take the old
+    /// link's own late "disconnected" report for the new connection.
+    fn broker_id(&self, client_id: &str, conn: u64) -> String {
+        let mut open = self.open.lock().expect("open");
+        let n = open.entry(client_id.to_string()).or_insert(0);
+        *n += 1;
+        if *n > 1 {
+            return format!("{client_id}~c{conn}");
+        }
         match self.spoiled.lock().expect("spoiled").get(client_id) {
             None => client_id.to_string(),
             Some(n) => format!("{client_id}~{n}"),
+        }
+    }
+
+    fn closed(&self, client_id: &str) {
+        let mut open = self.open.lock().expect("open");
+        if let Some(n) = open.get_mut(client_id) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(client_id);
+            }
         }
     }
 
@@ -130,6 +201,11 @@ pub struct DeviceProtocol {
     version: Version,
     /// The authenticated device and this connection's number.
     device: Option<(String, u64)>,
+    /// The broker knows this connection under an id of its own (see
+    /// `ProtocolShared::broker_id`).
+    own_broker_id: bool,
+    /// The connection's will (topic mounted), until a clean DISCONNECT.
+    will: Option<(LastWill, Option<LastWillProperties>)>,
     refused: Option<Refusal>,
     /// Device-view request topic, for the expiry rewrite.
     request_topic: String,
@@ -148,6 +224,8 @@ impl DeviceProtocol {
             shared,
             version: Version::Unknown,
             device: None,
+            own_broker_id: false,
+            will: None,
             refused: None,
             request_topic: String::new(),
             client_id: None,
@@ -173,12 +251,67 @@ impl Drop for DeviceProtocol {
             // spoiled (see the module docs).
             if let Some(k) = self.placeholder {
                 self.shared.placeholders.lock().expect("placeholders").1.insert(k);
-            } else if let Some(id) = self.client_id.take() {
-                *self.shared.spoiled.lock().expect("spoiled").entry(id).or_insert(0) += 1;
+            } else if let (Some(id), false) = (&self.client_id, self.own_broker_id) {
+                // (An id of its own is never used again anyway.)
+                *self.shared.spoiled.lock().expect("spoiled").entry(id.clone()).or_insert(0) += 1;
             }
         }
         if let Some((device, conn)) = self.device.take() {
+            if let Some(client_id) = &self.client_id {
+                self.shared.closed(client_id);
+                if let Some((will, props)) = self.will.take() {
+                    self.shared.arm_will(client_id, &device, will, props);
+                }
+            }
             self.shared.report(Presence::Disconnected { device, conn });
+        }
+    }
+}
+
+impl ProtocolShared {
+    fn arm_will(&self, client_id: &str, device: &str, will: LastWill, props: Option<LastWillProperties>) {
+        let cancel = CancellationToken::new();
+        let generation = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let old = self.pending_wills.lock().expect("wills").insert(client_id.to_string(), (generation, cancel.clone()));
+        if let Some((_, old)) = old {
+            old.cancel();
+        }
+        let delay = std::time::Duration::from_secs(props.as_ref().and_then(|p| p.delay_interval).unwrap_or(0).into());
+        let props = props.map(|p| PublishProperties {
+            payload_format_indicator: p.payload_format_indicator,
+            message_expiry_interval: p.message_expiry_interval,
+            content_type: p.content_type,
+            response_topic: p.response_topic.map(|t| mount_topic(device, &t)),
+            correlation_data: p.correlation_data,
+            user_properties: p.user_properties,
+            ..Default::default()
+        });
+        let _ = self.wills.send(PendingWill {
+            client_id: client_id.to_string(),
+            generation,
+            topic: String::from_utf8_lossy(&will.topic).into_owned(),
+            payload: will.message,
+            retain: will.retain,
+            props,
+            delay,
+            cancel,
+        });
+    }
+
+    /// A client id connected: a delayed will of its last connection is not
+    /// published.
+    fn cancel_will(&self, client_id: &str) {
+        if let Some((_, t)) = self.pending_wills.lock().expect("wills").remove(client_id) {
+            t.cancel();
+        }
+    }
+
+    /// A will was published or cancelled: forget it, unless a newer one of
+    /// the same client id took its place.
+    pub fn will_done(&self, w: &PendingWill) {
+        let mut g = self.pending_wills.lock().expect("wills");
+        if g.get(&w.client_id).is_some_and(|(gen, _)| *gen == w.generation) {
+            g.remove(&w.client_id);
         }
     }
 }
@@ -235,9 +368,10 @@ impl DeviceProtocol {
                 };
                 let conn = self.shared.next_conn.fetch_add(1, Ordering::Relaxed);
                 self.request_topic = format!("{}req", self.shared.topics.device_space(&device));
-                let will = will.map(|mut w| {
+                // edgeway keeps the will (see the module docs).
+                self.will = will.map(|mut w| {
                     w.topic = mount_topic(&device, &String::from_utf8_lossy(&w.topic)).into();
-                    w
+                    (w, will_props)
                 });
                 let props = props.map(|mut p| {
                     p.topic_alias_max = None;
@@ -247,11 +381,22 @@ impl DeviceProtocol {
                     connect.keep_alive = u16::MAX;
                 }
                 let client_id = connect.client_id.clone();
-                connect.client_id = self.shared.broker_id(&client_id);
+                self.shared.cancel_will(&client_id);
+                connect.client_id = self.shared.broker_id(&client_id, conn);
+                self.own_broker_id = connect.client_id.ends_with(&format!("~c{conn}"));
                 self.client_id = Some(client_id.clone());
                 self.shared.report(Presence::Connected { device: device.clone(), client_id, conn, identity });
                 self.device = Some((device, conn));
-                Ok(Packet::Connect(connect, props, will, will_props, login))
+                Ok(Packet::Connect(connect, props, None, None, login))
+            }
+            Packet::Disconnect(d, _) => {
+                self.mounted_device()?;
+                if d.reason_code != DisconnectReasonCode::DisconnectWithWillMessage {
+                    self.will = None;
+                }
+                // Ends the link here: the router then removes the
+                // connection once, when the link reports it closed.
+                Err(Error::InvalidProtocol)
             }
             Packet::Publish(mut publish, mut props) => {
                 let device = self.mounted_device()?.to_string();
