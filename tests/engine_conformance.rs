@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgeway::config::{EngineConfig, EngineKind};
-use edgeway::engine::{Capabilities, Engine, EngineChunk, EngineError, EngineRequest, EngineStream};
+use edgeway::engine::{Capabilities, Engine, EngineChunk, EngineError, EngineLoad, EngineRequest, EngineStream};
 use edgeway::task::{ChatMessage, SamplingParams};
 use edgeway::testing::{FakeEngine, Knobs};
 use futures::StreamExt;
@@ -441,6 +441,24 @@ async fn reports_kind_and_capabilities(kind: EngineKind) {
     }
 }
 
+/// `load()` passes on what the engine reports about itself where the wire
+/// protocol has it (the OpenAI-compatible family: llama.cpp's `/slots`,
+/// vLLM's and llama.cpp's `/metrics`), and reports nothing where it does
+/// not (Ollama's load is not read; its residency comes with `health()`).
+async fn load_reports_what_the_engine_tells(kind: EngineKind) {
+    let s = Setup::new(kind, STREAM, knobs(|k| k.metrics = Some(edgeway::testing::vllm_metrics(0.42)))).await;
+    let load = s.engine.load().await;
+    match kind {
+        EngineKind::OpenAi => {
+            assert_eq!(load.kv_cache_usage, Some(0.42), "{load:?}");
+            assert_eq!(load.busy_slots, Some(0), "{load:?}");
+        }
+        EngineKind::Ollama => assert_eq!(load, EngineLoad::default()),
+    }
+    // Probes are not generations.
+    assert_eq!(s.fake.stats.requests.load(SeqCst), 0);
+}
+
 /// Instantiates each generic test once per adapter, under the names given.
 macro_rules! conformance {
     ($($test:ident($($arg:expr),*) => $openai:ident, $ollama:ident;)*) => {
@@ -498,6 +516,39 @@ conformance! {
         => openai_health_of_closed_port_is_down, ollama_health_of_closed_port_is_down;
     reports_kind_and_capabilities()
         => openai_reports_kind_and_capabilities, ollama_reports_kind_and_capabilities;
+    load_reports_what_the_engine_tells()
+        => openai_load_reports_what_the_engine_tells, ollama_load_reports_nothing_it_cannot_read;
+}
+
+/// OpenAI-compatible only: an engine without `/metrics` (404) is not asked
+/// at every probe for ever; a missing reading is `None`, never an error.
+#[tokio::test]
+async fn openai_load_stops_asking_an_engine_without_metrics() {
+    let s = Setup::new(EngineKind::OpenAi, STREAM, Knobs::default()).await;
+    for _ in 0..6 {
+        assert_eq!(s.engine.load().await.kv_cache_usage, None);
+    }
+    let asked = s.fake.stats.metrics_requests.load(SeqCst);
+    assert!((1..6).contains(&asked), "asked {asked} times in 6 probes");
+    // A page without a KV gauge (newer llama.cpp builds) is a miss too.
+    let s =
+        Setup::new(EngineKind::OpenAi, STREAM, knobs(|k| k.metrics = Some("llamacpp:requests_processing 0\n".into())))
+            .await;
+    for _ in 0..6 {
+        assert_eq!(s.engine.load().await.kv_cache_usage, None);
+    }
+    assert!(s.fake.stats.metrics_requests.load(SeqCst) < 6);
+}
+
+/// Ollama only: `/api/ps` says whether the model is in memory.
+#[tokio::test]
+async fn ollama_health_reports_an_unloaded_model() {
+    let s = Setup::new(EngineKind::Ollama, STREAM, knobs(|k| k.resident = false)).await;
+    let h = s.engine.health().await;
+    assert!(h.up, "installed but not loaded is still up: {h:?}");
+    assert_eq!(h.model_resident, Some(false));
+    s.fake.set(|k| k.resident = true);
+    assert_eq!(s.engine.health().await.model_resident, Some(true));
 }
 
 /// Ollama only: the configured model must be installed (listed by

@@ -591,6 +591,57 @@ async fn an_engine_that_keeps_running_a_cancelled_request_is_taken_out_of_dispat
     gw.stop().await;
 }
 
+/// Polls the scheduler until `cond` holds on its snapshot (probes run every
+/// 100 ms in the test config); panics after 5 s.
+async fn until_snapshot(gw: &TestGateway, what: &str, cond: impl Fn(&edgeway::scheduler::Snapshot) -> bool) {
+    for _ in 0..500 {
+        if cond(&gw.gateway().scheduler.snapshot().await.unwrap()) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never saw: {what}");
+}
+
+#[tokio::test]
+async fn new_work_waits_while_the_engine_reports_a_full_kv_cache() {
+    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let (fake, gw) = gateway_with(knobs, "").await;
+    // One task of ours runs (for about 20 s), leaving a slot free.
+    let mut first = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
+    first.chunk().await.unwrap();
+    fake.set(|k| k.metrics = Some(edgeway::testing::vllm_metrics(0.99)));
+    until_snapshot(&gw, "the engine's KV cache at its high-water mark", |s| s.instances[0].kv_cache_full).await;
+    let m = client().get(format!("{}/metrics", gw.base_url)).send().await.unwrap().text().await.unwrap();
+    let gauge = "edgeway_engine_kv_cache_usage_ratio{engine=\"fake\"} 0.99";
+    assert!(m.contains(gauge), "metrics lack {gauge}:\n{m}");
+    let ready: Value = client().get(format!("{}/ready", gw.base_url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(ready["instances"][0]["kv_cache_usage"], 0.99);
+
+    let mut body = chat_body(false);
+    body["max_tokens"] = json!(2);
+    let (resp, ()) = tokio::join!(post_chat(&gw, DEMO_KEY, &body), async {
+        // The second task queues although a slot is free…
+        until_snapshot(&gw, "the second task waiting", |s| s.queues[0].waiting == 1).await;
+        // …and stays there over several probes while the reading holds.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(fake.stats.requests.load(SeqCst), 1, "sent to an engine that reports a full KV cache");
+        assert_eq!(gw.gateway().scheduler.snapshot().await.unwrap().queues[0].waiting, 1);
+        fake.set(|k| k.metrics = Some(edgeway::testing::vllm_metrics(0.2)));
+    });
+    assert_eq!(resp.status(), 200);
+    assert_eq!(fake.stats.requests.load(SeqCst), 2);
+    // It went because the cache had room again, not because ours ended.
+    assert_eq!(fake.active(), 1, "the first task still runs");
+    drop(first);
+    // An engine that stops reporting (no /metrics: 404) sets no limit.
+    fake.set(|k| k.metrics = None);
+    until_snapshot(&gw, "no KV reading", |s| s.instances[0].kv_cache_usage.is_none()).await;
+    let m = client().get(format!("{}/metrics", gw.base_url)).send().await.unwrap().text().await.unwrap();
+    assert!(!m.contains("edgeway_engine_kv_cache_usage_ratio{"), "a stale gauge stays:\n{m}");
+    gw.stop().await;
+}
+
 #[tokio::test]
 async fn a_danger_state_stops_admission_and_cancels_low_priority_work() {
     let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };

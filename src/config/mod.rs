@@ -74,6 +74,9 @@ pub struct Config {
     /// A cancelled request may keep an engine busy this long before the
     /// instance is taken out of dispatch.
     pub cancel_grace: Duration,
+    /// Engine-reported KV-cache usage (0..=1) at which an instance that
+    /// runs any task gets no new one.
+    pub kv_cache_high_water: f64,
     /// The internal service bus; `None` when `[nats]` is not configured.
     pub nats: Option<NatsConfig>,
     /// The embedded MQTT broker and device ingress; `None` without `[mqtt]`.

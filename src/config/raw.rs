@@ -222,6 +222,10 @@ pub struct RawResources {
     /// instance is taken out of dispatch.
     #[serde(default = "d_cancel_grace")]
     pub cancel_grace_period_ms: u64,
+    /// KV-cache usage (a fraction, as vLLM and llama.cpp report it) at
+    /// which an engine instance gets no new task while it runs any.
+    #[serde(default = "d_kv_high_water")]
+    pub kv_cache_high_water: f64,
 }
 
 fn d_res_poll() -> u64 {
@@ -239,6 +243,9 @@ fn d_danger_cancel() -> String {
 fn d_cancel_grace() -> u64 {
     3000
 }
+fn d_kv_high_water() -> f64 {
+    0.95
+}
 
 impl Default for RawResources {
     fn default() -> Self {
@@ -249,6 +256,7 @@ impl Default for RawResources {
             danger_gpu_memory_percent: d_danger_mem(),
             cancel_from_priority: d_danger_cancel(),
             cancel_grace_period_ms: d_cancel_grace(),
+            kv_cache_high_water: d_kv_high_water(),
         }
     }
 }
@@ -560,6 +568,10 @@ impl RawConfig {
         if !(0.0..=100.0).contains(&self.resources.danger_gpu_memory_percent) {
             err("resources.danger_gpu_memory_percent".into(), "must be between 0 and 100".into());
         }
+        let hw = self.resources.kv_cache_high_water;
+        if !(hw > 0.0 && hw <= 1.0) {
+            err("resources.kv_cache_high_water".into(), "must be a fraction above 0 and at most 1".into());
+        }
         for (name, t) in &self.tenants {
             if !(t.weight > 0.0 && t.weight.is_finite()) {
                 err(format!("tenants.{name}.weight"), "must be a positive number".into());
@@ -841,6 +853,7 @@ impl RawConfig {
                 cancel_from_priority: Priority::parse(&self.resources.cancel_from_priority).unwrap_or(Priority::P3),
             },
             cancel_grace: Duration::from_millis(self.resources.cancel_grace_period_ms),
+            kv_cache_high_water: self.resources.kv_cache_high_water,
             auth: AuthConfig { jwt },
             applications,
             engines,

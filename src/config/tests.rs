@@ -26,6 +26,17 @@ fn minimal_config_gets_defaults() {
     assert_eq!(c.store.data_dir, PathBuf::from("data"));
     assert_eq!(c.models["general-chat"].queue_capacity, 256);
     assert_eq!(c.applications["demo"].max_priority, Priority::P1);
+    assert_eq!(c.kv_cache_high_water, 0.95);
+}
+
+#[test]
+fn kv_cache_high_water_is_a_fraction() {
+    for bad in ["0", "-0.5", "1.5", "nan"] {
+        let e = parse(&format!("{MINIMAL}\n[resources]\nkv_cache_high_water = {bad}\n"), &[]).unwrap_err();
+        assert_eq!(e.0[0].path, "resources.kv_cache_high_water", "{bad}: {e}");
+    }
+    let c = parse(&format!("{MINIMAL}\n[resources]\nkv_cache_high_water = 1\n"), &[]).unwrap();
+    assert_eq!(c.kv_cache_high_water, 1.0);
 }
 
 #[test]

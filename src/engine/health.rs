@@ -1,6 +1,8 @@
 //! Health checking of engine instances: a probe loop per instance that
 //! reports up/down transitions to the scheduler, which takes a down instance
-//! out of dispatch until it is up again.
+//! out of dispatch until it is up again, and passes on what a healthy
+//! engine says about itself (busy slots, KV-cache usage, whether its model
+//! is in memory) at every probe.
 
 use std::sync::Arc;
 
@@ -43,9 +45,15 @@ pub async fn probe_loop(
             h = engine.health() => h,
         };
         if h.up {
-            if let Some(busy) = engine.busy_slots().await {
-                scheduler.report_busy(index, busy);
-            }
+            let load = tokio::select! {
+                _ = cancel.cancelled() => return,
+                l = engine.load() => l,
+            };
+            scheduler.report_engine_state(index, load, h.model_resident);
+            show_kv_cache_usage(&metrics, engine.name(), load.kv_cache_usage);
+        } else {
+            // A down engine's last reading is stale.
+            show_kv_cache_usage(&metrics, engine.name(), None);
         }
         let now_up = if h.up {
             failures = 0;
@@ -64,6 +72,17 @@ pub async fn probe_loop(
             up = Some(now_up);
             metrics.engine_up.with_label_values(&[engine.name()]).set(i64::from(now_up));
             scheduler.set_instance_health(index, now_up, h.detail.clone());
+        }
+    }
+}
+
+/// Sets the instance's KV-cache gauge, or removes it while there is no
+/// reading (a stale value would look like a live one).
+fn show_kv_cache_usage(metrics: &Metrics, engine: &str, usage: Option<f64>) {
+    match usage {
+        Some(u) => metrics.engine_kv_cache_usage.with_label_values(&[engine]).set(u),
+        None => {
+            let _ = metrics.engine_kv_cache_usage.remove_label_values(&[engine]);
         }
     }
 }

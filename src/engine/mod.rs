@@ -13,6 +13,7 @@
 //! client is gone and stop generating. There is no separate cancel call.
 
 pub mod health;
+mod metrics;
 pub mod ollama;
 pub mod openai;
 mod wire;
@@ -82,8 +83,22 @@ pub struct EngineHealth {
     pub up: bool,
     /// Short, for logs and `/ready` (not for clients of tasks).
     pub detail: String,
-    /// Whether the model is loaded in memory, where the engine tells.
+    /// Whether the model is loaded in memory, where the engine tells
+    /// (Ollama's `/api/ps`). The scheduler's memory admission follows it.
     pub model_resident: Option<bool>,
+}
+
+/// What an engine says about its own load, where it tells. Every field is
+/// `None` when the engine does not report it (or the reading failed): a
+/// missing reading never blocks dispatch.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineLoad {
+    /// Generations the engine runs, for edgeway and any other client
+    /// (llama.cpp's `/slots`).
+    pub busy_slots: Option<usize>,
+    /// Fraction of the engine's KV cache in use, 0..=1 (vLLM's and
+    /// llama.cpp's Prometheus `/metrics`).
+    pub kv_cache_usage: Option<f64>,
 }
 
 /// What an adapter can do, for the router and `/v1/models`.
@@ -105,10 +120,11 @@ pub trait Engine: Send + Sync + 'static {
     /// request (HTTP headers received); chunks follow on the stream.
     async fn stream(&self, req: EngineRequest) -> Result<EngineStream, EngineError>;
     async fn health(&self) -> EngineHealth;
-    /// Generations the engine itself says it is running, where it tells
-    /// (llama.cpp's `/slots`); `None` otherwise.
-    async fn busy_slots(&self) -> Option<usize> {
-        None
+    /// The engine's own view of its load (busy slots, KV-cache usage),
+    /// where it tells. Cheap and bounded by a short timeout: the health
+    /// probe calls it after every successful probe.
+    async fn load(&self) -> EngineLoad {
+        EngineLoad::default()
     }
 }
 

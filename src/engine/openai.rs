@@ -1,29 +1,82 @@
 //! Adapter for OpenAI-compatible servers: llama.cpp's `llama-server`, vLLM,
 //! SGLang and cloud APIs. Streams with `stream_options.include_usage` so the
 //! engine reports token usage on its last chunk.
+//!
+//! Load comes from the engine's own endpoints where it has them: busy slots
+//! from llama.cpp's `/slots`, KV-cache usage from the Prometheus `/metrics`
+//! of vLLM and llama.cpp. An engine without them (a 4xx, or no gauge) is
+//! asked again only after a growing pause.
 
 use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::metrics::{self, Backoff};
 use super::wire::{decode_lines, LineDecoder};
-use super::{truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineRequest, EngineStream};
+use super::{
+    truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineLoad, EngineRequest, EngineStream,
+};
 use crate::config::{EngineConfig, EngineKind};
 use crate::task::{ChatMessage, SamplingParams};
+
+/// Limit of one `/slots` or `/metrics` request: a probe must not hang on
+/// an engine that is slow to report.
+const LOAD_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub struct OpenAiEngine {
     cfg: EngineConfig,
     client: reqwest::Client,
     url: String,
+    slots: Mutex<Backoff>,
+    metrics: Mutex<Backoff>,
 }
 
 impl OpenAiEngine {
     pub fn new(cfg: EngineConfig, client: reqwest::Client) -> Self {
         let url = format!("{}/v1/chat/completions", cfg.base_url);
-        OpenAiEngine { cfg, client, url }
+        OpenAiEngine { cfg, client, url, slots: Mutex::default(), metrics: Mutex::default() }
+    }
+
+    /// GETs an optional load endpoint (`/slots`, `/metrics`) and reads it
+    /// with `read`. `None` when it is paused after misses, fails, or has
+    /// nothing to read; a 4xx answer or nothing readable counts as a miss.
+    async fn read_optional<T>(
+        &self,
+        path: &str,
+        gate: &Mutex<Backoff>,
+        read: impl FnOnce(String) -> Option<T>,
+    ) -> Option<T> {
+        if !gate.lock().expect("backoff").ready(Instant::now()) {
+            return None;
+        }
+        let mut rb = self.client.get(format!("{}{path}", self.cfg.base_url)).timeout(LOAD_TIMEOUT);
+        if let Some(key) = &self.cfg.api_key {
+            rb = rb.bearer_auth(key);
+        }
+        // Unreachable or timed out: says nothing about the endpoint.
+        let r = rb.send().await.ok()?;
+        let status = r.status();
+        // llama-server answers 501 for /slots and /metrics unless started
+        // with --slots / --metrics; others answer 404.
+        if status.is_client_error() || status == reqwest::StatusCode::NOT_IMPLEMENTED {
+            gate.lock().expect("backoff").miss(Instant::now());
+            return None;
+        }
+        if !status.is_success() {
+            return None;
+        }
+        let value = r.text().await.ok().and_then(read);
+        let mut gate = gate.lock().expect("backoff");
+        match value {
+            Some(_) => gate.hit(),
+            None => gate.miss(Instant::now()),
+        }
+        value
     }
 
     fn post(&self, body: &WireRequest<'_>) -> reqwest::RequestBuilder {
@@ -206,14 +259,14 @@ impl Engine for OpenAiEngine {
             .boxed())
     }
 
-    async fn busy_slots(&self) -> Option<usize> {
-        let url = format!("{}/slots", self.cfg.base_url);
-        let r = self.client.get(url).timeout(std::time::Duration::from_secs(2)).send().await.ok()?;
-        if !r.status().is_success() {
-            return None;
-        }
-        let v: Value = r.json().await.ok()?;
-        Some(v.as_array()?.iter().filter(|s| s.get("is_processing").and_then(Value::as_bool) == Some(true)).count())
+    async fn load(&self) -> EngineLoad {
+        let slots = self.read_optional("/slots", &self.slots, |body| {
+            let v: Value = serde_json::from_str(&body).ok()?;
+            Some(v.as_array()?.iter().filter(|s| s.get("is_processing").and_then(Value::as_bool) == Some(true)).count())
+        });
+        let kv = self.read_optional("/metrics", &self.metrics, |body| metrics::kv_cache_usage(&body));
+        let (busy_slots, kv_cache_usage) = tokio::join!(slots, kv);
+        EngineLoad { busy_slots, kv_cache_usage }
     }
 
     async fn health(&self) -> EngineHealth {

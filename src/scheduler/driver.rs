@@ -73,7 +73,7 @@ impl Driver {
             let tx = self.tx.clone();
             self.shared.tracker.spawn(async move {
                 tokio::time::sleep(grace).await;
-                if let Some(busy) = engine.busy_slots().await {
+                if let Some(busy) = engine.load().await.busy_slots {
                     let _ = tx.send(Cmd::GraceCheck { instance, busy });
                 }
             });

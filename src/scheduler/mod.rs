@@ -7,8 +7,9 @@
 //! the engine request under the layered timeouts and reports the events.
 //!
 //! Owns: the per-model bounded queues (priority, then arrival), the slots of
-//! every engine instance (`max_concurrency`), instance health as reported
-//! by the probes, and the life of each task from QUEUED to its end. Does not
+//! every engine instance (`max_concurrency`), instance health and engine
+//! self-reports (busy slots, KV-cache usage, model residency) as the probes
+//! pass them on, and the life of each task from QUEUED to its end. Does not
 //! own: validation and identity (admission) or wire formats (ingress).
 //!
 //! # Cancel safety
@@ -28,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineLoad};
 use crate::error::{ErrorCode, GatewayError};
 use crate::task::{Priority, TaskEvent, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::Recorder;
@@ -167,10 +168,11 @@ enum Cmd {
     Danger {
         reason: Option<String>,
     },
-    /// What the engine says it runs (from the probe).
-    Busy {
+    /// What a healthy engine says about itself (from the probe).
+    EngineState {
         instance: usize,
-        busy: usize,
+        load: EngineLoad,
+        model_resident: Option<bool>,
     },
     /// A cancelled request's grace period is over: is the engine still busy?
     GraceCheck {
@@ -196,6 +198,11 @@ pub struct InstanceSnapshot {
     pub detail: String,
     pub running: usize,
     pub max_concurrency: usize,
+    /// KV-cache usage (0..=1) the engine last reported, if it reports one.
+    pub kv_cache_usage: Option<f64>,
+    /// Whether that usage is at the high-water mark: new work then waits
+    /// while the instance runs any of ours.
+    pub kv_cache_full: bool,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -274,6 +281,7 @@ pub fn start(
             ..Backpressure::default()
         },
         busy_retry_after_ms: config.scheduler.busy_retry_after_ms,
+        kv_cache_high_water: config.kv_cache_high_water,
         models,
     });
     let shared = Arc::new(Shared {
@@ -490,8 +498,10 @@ impl SchedulerHandle {
         let _ = self.tx.send(Cmd::Danger { reason });
     }
 
-    pub(crate) fn report_busy(&self, instance: usize, busy: usize) {
-        let _ = self.tx.send(Cmd::Busy { instance, busy });
+    /// Passes on what a healthy engine reported at a probe: its load and,
+    /// where it tells, whether its model is in memory.
+    pub(crate) fn report_engine_state(&self, instance: usize, load: EngineLoad, model_resident: Option<bool>) {
+        let _ = self.tx.send(Cmd::EngineState { instance, load, model_resident });
     }
 
     pub(crate) fn set_instance_health(&self, instance: usize, up: bool, detail: String) {
@@ -609,12 +619,29 @@ impl Actor {
                     self.policy.set_instance_paused(instance, true);
                 }
             }
-            Cmd::Busy { instance, busy } => {
-                if self.draining[instance] && busy <= self.policy.running_on(instance) {
-                    tracing::info!(engine = %self.instances[instance].name, "engine stopped the cancelled work; back in dispatch");
-                    self.draining[instance] = false;
-                    self.details[instance] = "ok".into();
-                    self.policy.set_instance_paused(instance, false);
+            Cmd::EngineState { instance, load, model_resident } => {
+                let name = &self.instances[instance].name;
+                if let Some(busy) = load.busy_slots {
+                    if self.draining[instance] && busy <= self.policy.running_on(instance) {
+                        tracing::info!(engine = %name, "engine stopped the cancelled work; back in dispatch");
+                        self.draining[instance] = false;
+                        self.details[instance] = "ok".into();
+                        self.policy.set_instance_paused(instance, false);
+                    }
+                }
+                let was_full = self.policy.kv_cache_full(instance);
+                self.policy.set_kv_cache_usage(instance, load.kv_cache_usage);
+                match (was_full, self.policy.kv_cache_full(instance)) {
+                    (false, true) => {
+                        tracing::info!(engine = %name, usage = ?load.kv_cache_usage, "engine KV cache at its high-water mark; new work waits")
+                    }
+                    (true, false) => {
+                        tracing::info!(engine = %name, usage = ?load.kv_cache_usage, "engine KV cache has room again")
+                    }
+                    _ => {}
+                }
+                if let Some(resident) = model_resident {
+                    self.policy.set_engine_resident(instance, resident);
                 }
             }
             Cmd::Danger { reason } => self.policy.set_danger(reason),
@@ -714,6 +741,8 @@ impl Actor {
                     detail: self.details[i].clone(),
                     running: self.policy.running_on(i),
                     max_concurrency: inst.max_concurrency,
+                    kv_cache_usage: self.policy.kv_cache_usage(i),
+                    kv_cache_full: self.policy.kv_cache_full(i),
                 })
                 .collect(),
             queues: cfg

@@ -13,6 +13,11 @@
 //! - **Slots**: `max_concurrency` per instance, of which
 //!   `reserved_realtime_slots` only P0/P1 tasks may take; per-model and
 //!   per-application/per-user running caps; a memory budget per instance.
+//! - **What engines report** (passed in by the actor from the probes): an
+//!   instance whose engine says its KV cache is at `kv_cache_high_water`
+//!   gets no new task while it runs any of ours (see
+//!   [`Policy::kv_cache_full`]), and the engine's word on whether its model
+//!   is loaded overrides what edgeway's own dispatches suggest.
 //!
 //! It does not own channels, timers or engines: the actor in `mod.rs` feeds
 //! it and carries out its grants.
@@ -59,8 +64,9 @@ pub struct ModelPolicy {
     pub instances: Vec<usize>,
     /// KV-cache bytes per token of context, for memory estimates.
     pub kv_bytes_per_token: u64,
-    /// Model weights, counted on an instance until the model is resident
-    /// there (its first task loads it; it then stays).
+    /// Model weights: counted once on an instance while the model is
+    /// resident there (its first task loads it, or the engine reports it
+    /// loaded; it stays until the engine reports it unloaded).
     pub weights_bytes: u64,
     /// Safety margin on KV estimates, as a fraction (0.1 = 10 %).
     pub memory_margin: f64,
@@ -115,6 +121,9 @@ pub struct PolicyConfig {
     pub aging: Option<Duration>,
     pub backpressure: Backpressure,
     pub busy_retry_after_ms: u64,
+    /// Reported KV-cache usage (0..=1] at which an instance that runs any
+    /// of our tasks gets no new one.
+    pub kv_cache_high_water: f64,
 }
 
 /// What the policy needs to know about a task.
@@ -179,10 +188,17 @@ struct InstanceState {
     paused: bool,
     running: usize,
     running_realtime: usize,
-    /// KV estimates of running tasks plus the weights of resident models.
+    /// KV estimates of running tasks plus `resident_weights`.
     mem_used: u64,
-    /// Models loaded on this instance (by edgeway's own dispatches).
-    resident: std::collections::HashSet<usize>,
+    /// Weights counted for the instance's model while it is loaded: set by
+    /// our first dispatch there or by the engine reporting it loaded;
+    /// cleared when the engine reports it unloaded. An instance serves one
+    /// engine model, whichever logical models name it, so it is counted
+    /// once.
+    resident_weights: Option<u64>,
+    /// KV-cache usage (0..=1) the engine last reported; `None` when it
+    /// reports none.
+    kv_cache_usage: Option<f64>,
 }
 
 /// A token bucket refilled continuously: `rate_per_min` per minute, at most
@@ -286,6 +302,56 @@ impl Policy {
         i.up && !i.paused
     }
 
+    /// The engine's latest KV-cache usage reading (`None`: it gave none).
+    pub fn set_kv_cache_usage(&mut self, instance: usize, usage: Option<f64>) {
+        self.instances[instance].kv_cache_usage = usage;
+    }
+
+    pub fn kv_cache_usage(&self, instance: usize) -> Option<f64> {
+        self.instances[instance].kv_cache_usage
+    }
+
+    /// Whether the engine reports its KV cache at or over the high-water
+    /// mark. Such an instance gets no new task while it runs any of ours,
+    /// whatever the priority: the engine would only queue or preempt it
+    /// there, and a waiting P0 is still the first to go once there is room.
+    /// With none of ours running it may get one, so a stale reading, or an
+    /// engine filled by other clients, cannot hold work back for ever.
+    pub fn kv_cache_full(&self, instance: usize) -> bool {
+        self.instances[instance].kv_cache_usage.is_some_and(|u| u >= self.cfg.kv_cache_high_water)
+    }
+
+    /// What the engine says about its model being in memory. Loaded: its
+    /// weights are counted (once) and no task adds them again. Unloaded
+    /// (Ollama evicted it after `keep_alive`): they are no longer counted,
+    /// and the next task adds them again, unless some of our tasks still
+    /// run there (then it is loading or in use whatever a racing report
+    /// says).
+    pub fn set_engine_resident(&mut self, instance: usize, resident: bool) {
+        // Logical models naming one instance may disagree on its weights:
+        // count the largest.
+        let weights = self
+            .cfg
+            .models
+            .iter()
+            .filter(|m| m.instances.contains(&instance))
+            .map(|m| m.weights_bytes)
+            .max()
+            .unwrap_or(0);
+        let inst = &mut self.instances[instance];
+        match (resident, inst.resident_weights) {
+            (true, None) => {
+                inst.resident_weights = Some(weights);
+                inst.mem_used += weights;
+            }
+            (false, Some(counted)) if inst.running == 0 => {
+                inst.resident_weights = None;
+                inst.mem_used -= counted;
+            }
+            _ => {}
+        }
+    }
+
     /// A danger state (temperature, memory) stops admission of new work.
     pub fn set_danger(&mut self, reason: Option<String>) {
         self.danger = reason;
@@ -320,7 +386,7 @@ impl Policy {
 
     /// Weights still to load for `model` on `instance`.
     fn weights_to_load(&self, model: usize, instance: usize) -> u64 {
-        if self.instances[instance].resident.contains(&model) {
+        if self.instances[instance].resident_weights.is_some() {
             0
         } else {
             self.cfg.models[model].weights_bytes
@@ -526,6 +592,9 @@ impl Policy {
                 return false;
             }
         }
+        if inst.running > 0 && self.kv_cache_full(instance) {
+            return false;
+        }
         let m = w.info.model;
         if self.cfg.models[m].max_running.is_some_and(|cap| self.model_running[m] >= cap) {
             return false;
@@ -593,7 +662,10 @@ impl Policy {
         let weights = self.weights_to_load(m, instance);
         let inst = &mut self.instances[instance];
         inst.mem_used += w.mem_bytes + weights;
-        inst.resident.insert(m);
+        inst.resident_weights.get_or_insert(weights);
+        if let Some(b) = self.cfg.instances[instance].memory_budget_bytes {
+            debug_assert!(inst.mem_used <= b, "a grant took an instance over its memory budget");
+        }
         self.model_running[m] += 1;
         let task_id = w.info.task_id.clone();
         let charged_output = u64::from(w.info.max_output_tokens);
@@ -661,8 +733,12 @@ impl Policy {
             let general = here.iter().filter(|r| r.info.priority > Priority::P1).count();
             let ip = &self.cfg.instances[i];
             assert!(general <= ip.max_concurrency - ip.reserved_realtime_slots, "reserved slot used by P2-P4");
+            let kv: u64 = here.iter().map(|r| r.mem_bytes).sum();
+            assert_eq!(inst.mem_used, kv + inst.resident_weights.unwrap_or(0), "memory accounting");
             if let Some(b) = ip.memory_budget_bytes {
-                assert!(inst.mem_used <= b, "memory budget exceeded");
+                // Only weights the engine loaded by itself, while none of
+                // ours ran, may exceed it (a model bigger than the budget).
+                assert!(inst.mem_used <= b || inst.running == 0, "memory budget exceeded");
             }
         }
         for (m, q) in self.waiting.iter().enumerate() {

@@ -7,7 +7,7 @@
 pub mod lifecycle;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::config::{LogConfig, LogFormat};
@@ -34,6 +34,9 @@ pub struct Metrics {
     /// Tasks holding an engine slot, by engine instance.
     pub running: IntGaugeVec,
     pub engine_up: IntGaugeVec,
+    /// KV-cache usage (0..=1) that an engine instance reports itself, by
+    /// instance; absent while it reports none.
+    pub engine_kv_cache_usage: GaugeVec,
     /// Per GPU index (from NVML, when present).
     pub gpu_temperature: IntGaugeVec,
     pub gpu_memory_used: IntGaugeVec,
@@ -89,6 +92,15 @@ impl Metrics {
             queue_depth: gauge("queue_depth", "Tasks waiting for a slot", &["model", "priority"]),
             running: gauge("running_tasks", "Tasks holding an engine slot", &["engine"]),
             engine_up: gauge("engine_up", "1 when the engine instance passes health checks", &["engine"]),
+            engine_kv_cache_usage: {
+                let g = GaugeVec::new(
+                    Opts::new("engine_kv_cache_usage_ratio", "KV-cache usage the engine instance reports (0..1)"),
+                    &["engine"],
+                )
+                .expect("valid metric");
+                registry.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
             gpu_temperature: gauge("gpu_temperature_celsius", "GPU temperature (NVML)", &["gpu"]),
             gpu_memory_used: gauge("gpu_memory_used_bytes", "GPU memory in use (NVML)", &["gpu"]),
             store_errors,

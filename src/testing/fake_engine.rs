@@ -2,6 +2,9 @@
 //! (OpenAI-compatible SSE and Ollama NDJSON), with knobs for latency,
 //! failures and mid-stream drops, and counters that show whether a client
 //! really went away (what llama.cpp's `/slots` shows for the real engine).
+//! It reports its own state like the real engines: a Prometheus `/metrics`
+//! page (vLLM's KV-cache gauge, see [`vllm_metrics`]) and Ollama's
+//! `/api/ps` (models in memory).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -39,6 +42,11 @@ pub struct Knobs {
     /// Keep generating after the client went away (an engine that does
     /// not notice disconnects).
     pub ignore_disconnect: bool,
+    /// The `/metrics` page (Prometheus text); `None` answers 404, like an
+    /// engine without one.
+    pub metrics: Option<String>,
+    /// Whether Ollama's `/api/ps` lists the model as loaded.
+    pub resident: bool,
 }
 
 impl Default for Knobs {
@@ -54,6 +62,8 @@ impl Default for Knobs {
             omit_usage: false,
             healthy: true,
             ignore_disconnect: false,
+            metrics: None,
+            resident: true,
         }
     }
 }
@@ -68,6 +78,8 @@ pub struct Stats {
     /// Generations whose client went away before the end.
     pub aborted: AtomicU64,
     pub last_request: Mutex<Option<Value>>,
+    /// Requests for `/metrics`.
+    pub metrics_requests: AtomicU64,
     changed: Notify,
 }
 
@@ -98,7 +110,8 @@ impl FakeEngine {
             .route("/slots", get(slots))
             .route("/api/chat", post(ollama_chat))
             .route("/api/tags", get(ollama_tags))
-            .route("/api/ps", get(ollama_tags))
+            .route("/api/ps", get(ollama_ps))
+            .route("/metrics", get(metrics))
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind fake engine");
         let addr = listener.local_addr().expect("local addr");
@@ -364,6 +377,33 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
 
 async fn openai_models(State(s): State<Arc<Shared>>) -> Response {
     (health_status(&s), Json(json!({"object": "list", "data": [{"id": "fake", "object": "model"}]}))).into_response()
+}
+
+/// A vLLM-style `/metrics` page reporting `usage` (0..=1) of the KV cache,
+/// with the neighbours a real page has.
+pub fn vllm_metrics(usage: f64) -> String {
+    format!(
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+         # TYPE vllm:num_requests_running gauge\n\
+         vllm:num_requests_running{{engine=\"0\",model_name=\"fake-model\"}} 1.0\n\
+         # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"fake-model\"}} {usage}\n"
+    )
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    s.stats.metrics_requests.fetch_add(1, Ordering::SeqCst);
+    match s.knobs.lock().expect("knobs").metrics.clone() {
+        Some(page) => ([("content-type", "text/plain; version=0.0.4")], page).into_response(),
+        None => (StatusCode::NOT_FOUND, "404 page not found").into_response(),
+    }
+}
+
+async fn ollama_ps(State(s): State<Arc<Shared>>) -> Response {
+    let resident = s.knobs.lock().expect("knobs").resident;
+    let models = if resident { json!([{"name": "fake:latest", "model": "fake:latest"}]) } else { json!([]) };
+    (health_status(&s), Json(json!({ "models": models }))).into_response()
 }
 
 async fn ollama_tags(State(s): State<Arc<Shared>>) -> Response {

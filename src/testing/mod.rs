@@ -11,7 +11,7 @@ use std::time::Duration;
 use crate::config::Config;
 use crate::gateway::{self, RunningGateway};
 
-pub use fake_engine::{FakeEngine, Knobs};
+pub use fake_engine::{vllm_metrics, FakeEngine, Knobs};
 pub use nats_server::NatsServer;
 
 /// API keys of the test configs (the same as the example config's).

@@ -34,6 +34,7 @@ fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
             capped_output_tokens: 64,
         },
         busy_retry_after_ms: 1000,
+        kv_cache_high_water: 0.95,
     }
 }
 
@@ -273,15 +274,126 @@ fn a_paused_instance_queues_new_work_but_dispatches_none() {
     p.check();
 }
 
+#[test]
+fn a_full_kv_cache_holds_new_work_while_ours_runs_there() {
+    let mut p = Policy::new(cfg(4, 0, 10));
+    p.enqueue(task("first", Priority::P2, "a"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0), ["first"]);
+    p.set_kv_cache_usage(0, Some(0.95));
+    assert!(p.kv_cache_full(0), "the high-water mark itself is full");
+    // Free slots, but the engine says its KV cache is full: even P0 waits.
+    p.enqueue(task("alarm", Priority::P0, "a"), T0).unwrap();
+    p.enqueue(task("chat", Priority::P2, "a"), T0).unwrap();
+    assert!(drain(&mut p, T0).is_empty());
+    assert_eq!(p.waiting(0), 2);
+    p.set_kv_cache_usage(0, Some(0.9499));
+    assert!(!p.kv_cache_full(0));
+    assert_eq!(drain(&mut p, T0), ["alarm", "chat"], "room again: in priority order");
+    p.check();
+}
+
+#[test]
+fn a_full_kv_cache_never_blocks_an_instance_that_runs_none_of_ours() {
+    let mut p = Policy::new(cfg(4, 0, 10));
+    // Other clients filled the engine, or the reading is stale: one task
+    // still goes, so the queue cannot wait for ever on a reading.
+    p.set_kv_cache_usage(0, Some(1.0));
+    for id in ["a", "b"] {
+        p.enqueue(task(id, Priority::P2, "a"), T0).unwrap();
+    }
+    assert_eq!(drain(&mut p, T0), ["a"]);
+    p.release("a", 10);
+    assert_eq!(drain(&mut p, T0), ["b"]);
+    p.enqueue(task("c", Priority::P2, "a"), T0).unwrap();
+    assert!(drain(&mut p, T0).is_empty());
+    // No reading at all (an engine without /metrics): no limit.
+    p.set_kv_cache_usage(0, None);
+    assert_eq!(drain(&mut p, T0), ["c"]);
+    p.check();
+}
+
+/// One model on one instance: 121 kB of KV per task (10 + 100 tokens x
+/// 1000 B x 1.1), weights of `weights` bytes, a budget of `budget` bytes.
+fn memory_cfg(weights: u64, budget: u64) -> PolicyConfig {
+    let mut c = cfg(4, 0, 100);
+    c.models[0].kv_bytes_per_token = 1000;
+    c.models[0].weights_bytes = weights;
+    c.models[0].memory_margin = 0.1;
+    c.instances[0].memory_budget_bytes = Some(budget);
+    c
+}
+
+#[test]
+fn an_engine_reported_resident_model_adds_no_weights_to_a_task() {
+    let mut p = Policy::new(memory_cfg(300_000, 500_000));
+    p.set_engine_resident(0, true);
+    assert_eq!(p.instances[0].mem_used, 300_000, "the loaded weights are counted");
+    p.set_engine_resident(0, true);
+    assert_eq!(p.instances[0].mem_used, 300_000, "once");
+    p.enqueue(task("t0", Priority::P2, "a"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0), ["t0"]);
+    assert_eq!(p.instances[0].mem_used, 421_000, "the task adds its KV share only");
+    p.check();
+}
+
+#[test]
+fn a_model_the_engine_unloaded_counts_its_weights_again() {
+    let mut p = Policy::new(memory_cfg(300_000, 500_000));
+    p.enqueue(task("t0", Priority::P2, "a"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0), ["t0"]);
+    assert_eq!(p.instances[0].mem_used, 421_000);
+    // A report racing our own dispatch: a model in use stays counted.
+    p.set_engine_resident(0, false);
+    assert_eq!(p.instances[0].mem_used, 421_000);
+    p.release("t0", 10);
+    assert_eq!(p.instances[0].mem_used, 300_000, "the weights stay while it is loaded");
+    // Ollama evicted it (keep_alive ran out): the next task loads it again.
+    p.set_engine_resident(0, false);
+    assert_eq!(p.instances[0].mem_used, 0);
+    p.enqueue(task("t1", Priority::P2, "a"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0), ["t1"]);
+    assert_eq!(p.instances[0].mem_used, 421_000);
+    p.check();
+}
+
+#[test]
+fn logical_models_on_one_instance_count_its_weights_once() {
+    let mut c = memory_cfg(300_000, 600_000);
+    let mut m2 = c.models[0].clone();
+    m2.name = "m2".into();
+    c.models.push(m2);
+    let mut p = Policy::new(c);
+    p.enqueue(task("m-task", Priority::P2, "a"), T0).unwrap();
+    let mut other = task("m2-task", Priority::P2, "a");
+    other.model = 1;
+    p.enqueue(other, T0).unwrap();
+    // 300 kB + 2 x 121 kB fit in 600 kB; weights counted twice would not.
+    assert_eq!(drain(&mut p, T0).len(), 2);
+    assert_eq!(p.instances[0].mem_used, 542_000);
+    p.check();
+}
+
 // --- Property tests on a deterministic simulation -------------------------
 
 #[derive(Debug, Clone)]
 enum Op {
-    Enqueue { prio: u8, app: u8, user: u8, input: u32 },
+    Enqueue {
+        prio: u8,
+        app: u8,
+        user: u8,
+        input: u32,
+    },
     Advance(u16),
     Release(u8),
     Withdraw(u8),
     Health(bool),
+    /// What instance `instance % 2`'s engine reports: KV usage in percent
+    /// (`None`: no reading) and residency.
+    Report {
+        instance: u8,
+        kv_percent: Option<u8>,
+        resident: Option<bool>,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -291,6 +403,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => any::<u8>().prop_map(Op::Release),
         1 => any::<u8>().prop_map(Op::Withdraw),
         1 => any::<bool>().prop_map(Op::Health),
+        2 => (any::<u8>(), proptest::option::of(0u8..=100), proptest::option::of(any::<bool>()))
+            .prop_map(|(instance, kv_percent, resident)| Op::Report { instance, kv_percent, resident }),
     ]
 }
 
@@ -318,6 +432,7 @@ fn sim_config() -> PolicyConfig {
     c.max_queued = Some(15);
     c.aging = Some(Duration::from_secs(2));
     c.backpressure = Backpressure::default();
+    c.kv_cache_high_water = 0.9;
     c
 }
 
@@ -325,8 +440,10 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Caps are never exceeded, reserved slots only go to P0/P1, every grant
-    /// is the most urgent eligible task, and every accepted task ends exactly
-    /// once (granted then released, or withdrawn).
+    /// is the most urgent eligible task, an instance whose engine reports a
+    /// full KV cache only gets a task when it runs none of ours, and every
+    /// accepted task ends exactly once (granted then released, or
+    /// withdrawn), even if the last KV reading stays full.
     #[test]
     fn invariants_hold_under_any_sequence(ops in proptest::collection::vec(op(), 1..200)) {
         let mut p = Policy::new(sim_config());
@@ -376,6 +493,13 @@ proptest! {
                     }
                 }
                 Op::Health(up) => p.set_instance_up(1, up),
+                Op::Report { instance, kv_percent, resident } => {
+                    let i = usize::from(instance % 2);
+                    p.set_kv_cache_usage(i, kv_percent.map(|k| f64::from(k) / 100.0));
+                    if let Some(r) = resident {
+                        p.set_engine_resident(i, r);
+                    }
+                }
             }
             // Grant what can start, checking each grant is the most urgent
             // eligible waiting task.
@@ -394,6 +518,9 @@ proptest! {
                 };
                 prop_assert_eq!(eligible.get(&g.task_id).copied(), best_before, "a less urgent task went first");
                 prop_assert_eq!(accepted.get(&g.task_id).copied(), Some(0), "granted twice or never accepted");
+                if p.kv_cache_full(g.instance) {
+                    prop_assert_eq!(p.running_on(g.instance), 1, "sent to a full KV cache that already ran ours");
+                }
                 accepted.insert(g.task_id.clone(), 1);
                 p.check();
             }
