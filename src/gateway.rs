@@ -312,8 +312,14 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         ));
     }
 
+    let auth = Authenticator::new(&config);
+    for hex_digest in store.revoked_keys().await {
+        if let Some(d) = hex::decode(&hex_digest).ok().and_then(|b| <[u8; 32]>::try_from(b).ok()) {
+            auth.revoke(d);
+        }
+    }
     let gateway = Arc::new(Gateway {
-        auth: Authenticator::new(&config),
+        auth,
         config: config.clone(),
         scheduler,
         store,

@@ -43,6 +43,41 @@ async fn an_idempotent_repeat_after_a_restart_returns_the_original_result() {
     gw.stop().await;
 }
 
+#[tokio::test]
+async fn a_revoked_key_stays_revoked_after_a_restart_until_reinstated() {
+    let fake = FakeEngine::start().await;
+    let dir = TempDir::new("edgeway-revoke");
+    let text = config_toml(&fake.url(), "openai", &dir.0, "");
+    let load = || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let admin = |gw: &TestGateway, what: &str| {
+        let url = format!("{}/admin/keys/{what}", gw.base_url);
+        async move { client().post(url).bearer_auth(OPS_KEY).json(&json!({"api_key": DEMO_KEY})).send().await.unwrap() }
+    };
+
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    assert_eq!(admin(&gw, "revoke").await.status(), 200);
+    // An admin cannot lock itself out.
+    let url = format!("{}/admin/keys/revoke", gw.base_url);
+    let own = client().post(url).bearer_auth(OPS_KEY).json(&json!({"api_key": OPS_KEY})).send().await.unwrap();
+    assert_eq!(own.status(), 400);
+    gw.stop().await;
+
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let r = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(r.status(), 401, "still revoked after the restart");
+    let v: Value = admin(&gw, "reinstate").await.json().await.unwrap();
+    assert_eq!(v["was_revoked"], true);
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200);
+    gw.stop().await;
+
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200, "reinstated for good");
+    gw.stop().await;
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }

@@ -16,7 +16,8 @@ pub struct Authenticator {
     by_key: HashMap<[u8; 32], Arc<ApplicationConfig>>,
     by_name: HashMap<String, Arc<ApplicationConfig>>,
     jwt: Option<JwtVerifier>,
-    /// Keys revoked at run time (`POST /admin/keys/revoke`), until restart.
+    /// Keys revoked at run time (`POST /admin/keys/revoke`; kept in the
+    /// store and loaded again at start).
     revoked: std::sync::RwLock<std::collections::HashSet<[u8; 32]>>,
 }
 
@@ -131,6 +132,11 @@ impl Authenticator {
     pub fn revoke(&self, digest: [u8; 32]) -> bool {
         self.revoked.write().expect("revoked keys").insert(digest);
         self.by_key.contains_key(&digest)
+    }
+
+    /// Accepts a revoked key again. Returns whether it was revoked.
+    pub fn reinstate(&self, digest: &[u8; 32]) -> bool {
+        self.revoked.write().expect("revoked keys").remove(digest)
     }
 
     /// The application a key digest belongs to.

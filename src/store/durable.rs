@@ -27,7 +27,35 @@ CREATE TABLE IF NOT EXISTS pending_requests (
     task_id       TEXT PRIMARY KEY,
     request_json  TEXT NOT NULL
 );
+-- API keys revoked at run time (POST /admin/keys/revoke): refused across
+-- restarts until reinstated.
+CREATE TABLE IF NOT EXISTS revoked_keys (
+    key_sha256     TEXT PRIMARY KEY,
+    revoked_at_ms  INTEGER NOT NULL,
+    revoked_by     TEXT NOT NULL
+);
 "#;
+
+/// Records (or, with `revoked` false, removes) a key revocation.
+pub fn set_revoked(c: &Connection, key_sha256: &str, by: &str, revoked: bool, now: i64) -> rusqlite::Result<()> {
+    if revoked {
+        exec(
+            c,
+            "INSERT OR REPLACE INTO revoked_keys (key_sha256, revoked_at_ms, revoked_by) VALUES (?1, ?2, ?3)",
+            params![key_sha256, now, by],
+        )?;
+    } else {
+        exec(c, "DELETE FROM revoked_keys WHERE key_sha256 = ?1", params![key_sha256])?;
+    }
+    Ok(())
+}
+
+/// Digests (hex) of every revoked key.
+pub fn revoked_keys(c: &Connection) -> rusqlite::Result<Vec<String>> {
+    let mut st = c.prepare_cached("SELECT key_sha256 FROM revoked_keys")?;
+    let rows = st.query_map([], |r| r.get::<_, String>(0))?;
+    rows.collect()
+}
 
 /// Enough of a task's request to queue it again after a restart.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -97,6 +97,12 @@ enum Op {
         task_id: String,
     },
     Unfinished(oneshot::Sender<Vec<durable::Unfinished>>),
+    SetRevoked {
+        key_sha256: String,
+        by: String,
+        revoked: bool,
+    },
+    RevokedKeys(oneshot::Sender<Vec<String>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
     Lookup {
@@ -292,6 +298,24 @@ impl Store {
         let _ = self.tx.send(op);
     }
 
+    /// Records that an API key (its SHA-256, hex) is revoked, or no longer.
+    /// Resolves once it is written.
+    pub async fn set_revoked(&self, key_sha256: &str, by: &str, revoked: bool) {
+        let op = Op::SetRevoked { key_sha256: key_sha256.into(), by: by.into(), revoked };
+        if self.tx.send(op).is_ok() {
+            self.flush().await;
+        }
+    }
+
+    /// Digests (hex) of the API keys revoked at run time.
+    pub async fn revoked_keys(&self) -> Vec<String> {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Op::RevokedKeys(tx)).is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
     /// Tasks that were not terminal when the gateway last stopped.
     pub async fn unfinished(&self) -> Vec<durable::Unfinished> {
         let (tx, rx) = oneshot::channel();
@@ -359,6 +383,13 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
                         replies.push(Reply::Unfinished(tx));
                         Ok(())
                     }
+                    Op::SetRevoked { key_sha256, by, revoked } => {
+                        durable::set_revoked(&txn, &key_sha256, &by, revoked, crate::task::now_ms())
+                    }
+                    Op::RevokedKeys(tx) => {
+                        replies.push(Reply::RevokedKeys(tx));
+                        Ok(())
+                    }
                     Op::Flush(tx) => {
                         replies.push(Reply::Flush(tx));
                         Ok(())
@@ -391,6 +422,12 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
                 Reply::Get(id, tx) => {
                     let _ = tx.send(read_task(&conn, &id));
                 }
+                Reply::RevokedKeys(tx) => {
+                    let _ = tx.send(durable::revoked_keys(&conn).unwrap_or_else(|e| {
+                        tracing::error!(error = %e, "reading revoked keys failed");
+                        Vec::new()
+                    }));
+                }
                 Reply::Unfinished(tx) => {
                     let _ = tx.send(durable::unfinished(&conn).unwrap_or_else(|e| {
                         tracing::error!(error = %e, "reading unfinished tasks failed");
@@ -411,6 +448,7 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
 
 enum Reply {
     Unfinished(oneshot::Sender<Vec<durable::Unfinished>>),
+    RevokedKeys(oneshot::Sender<Vec<String>>),
     Lookup(String, String, String, oneshot::Sender<Option<durable::IdempotentRecord>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),

@@ -50,6 +50,7 @@ fn admin_routes(state: AppState) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/admin/keys/revoke", post(revoke_key))
+        .route("/admin/keys/reinstate", post(reinstate_key))
         .with_state(state)
 }
 
@@ -170,37 +171,76 @@ async fn ready(State(gw): State<AppState>) -> Response {
 }
 
 /// `POST /admin/keys/revoke` `{"api_key_sha256": "<hex>"}` or
-/// `{"api_key": "<key>"}`: refuses the key from now on (until restart; take
-/// it out of the config to make that permanent) and cancels every task it
-/// submitted. Admin applications only, within their tenant.
+/// `{"api_key": "<key>"}`: refuses the key from now on, also after a
+/// restart (recorded in the store), and cancels every task it submitted.
+/// Admin applications only, within their tenant.
 async fn revoke_key(State(gw): State<AppState>, headers: axum::http::HeaderMap, body: axum::body::Bytes) -> Response {
-    let who = match gw.auth.authenticate(chat::bearer(&headers)) {
-        Ok(w) if w.is_admin => w,
-        Ok(_) => {
-            return error_response(&GatewayError::new(ErrorCode::PermissionDenied, "admin applications only"), None)
-        }
-        Err(e) => return error_response(&e, None),
+    let (who, digest) = match admin_key_request(&gw, &headers, &body) {
+        Ok(x) => x,
+        Err(resp) => return *resp,
     };
-    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-    let digest = match (v["api_key_sha256"].as_str(), v["api_key"].as_str()) {
-        (Some(h), _) => match hex::decode(h.trim_start_matches("sha256:"))
-            .ok()
-            .and_then(|b| <[u8; 32]>::try_from(b).ok())
-        {
-            Some(d) => d,
-            None => return error_response(&GatewayError::invalid("'api_key_sha256' must be 64 hex characters"), None),
-        },
-        (None, Some(k)) => crate::config::hash_api_key(k),
-        _ => return error_response(&GatewayError::invalid("send 'api_key_sha256' or 'api_key'"), None),
-    };
-    match gw.auth.key_owner(&digest) {
-        Some((tenant, _)) if tenant == who.tenant => {}
-        _ => return error_response(&GatewayError::invalid("no such key in this tenant"), None),
-    }
     gw.auth.revoke(digest);
+    gw.store.set_revoked(&hex::encode(digest), &who.application, true).await;
     let cancelled = gw.scheduler.cancel_where(|e| e.credential == Some(digest), "the API key was revoked");
     tracing::warn!(by = %who.application, cancelled, "API key revoked");
     Json(json!({ "revoked": true, "cancelled_tasks": cancelled })).into_response()
+}
+
+/// `POST /admin/keys/reinstate`, same body: accepts a revoked key again.
+async fn reinstate_key(
+    State(gw): State<AppState>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let (who, digest) = match admin_key_request(&gw, &headers, &body) {
+        Ok(x) => x,
+        Err(resp) => return *resp,
+    };
+    let was = gw.auth.reinstate(&digest);
+    gw.store.set_revoked(&hex::encode(digest), &who.application, false).await;
+    tracing::warn!(by = %who.application, was_revoked = was, "API key reinstated");
+    Json(json!({ "revoked": false, "was_revoked": was })).into_response()
+}
+
+/// The admin caller and the key digest of a revoke/reinstate request.
+fn admin_key_request(
+    gw: &AppState,
+    headers: &axum::http::HeaderMap,
+    body: &[u8],
+) -> Result<(crate::task::Identity, [u8; 32]), Box<Response>> {
+    let who = match gw.auth.authenticate(chat::bearer(headers)) {
+        Ok(w) if w.is_admin => w,
+        Ok(_) => {
+            let e = GatewayError::new(ErrorCode::PermissionDenied, "admin applications only");
+            return Err(Box::new(error_response(&e, None)));
+        }
+        Err(e) => return Err(Box::new(error_response(&e, None))),
+    };
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    let digest = match (v["api_key_sha256"].as_str(), v["api_key"].as_str()) {
+        (Some(h), _) => {
+            match hex::decode(h.trim_start_matches("sha256:")).ok().and_then(|b| <[u8; 32]>::try_from(b).ok()) {
+                Some(d) => d,
+                None => {
+                    let e = GatewayError::invalid("'api_key_sha256' must be 64 hex characters");
+                    return Err(Box::new(error_response(&e, None)));
+                }
+            }
+        }
+        (None, Some(k)) => crate::config::hash_api_key(k),
+        _ => return Err(Box::new(error_response(&GatewayError::invalid("send 'api_key_sha256' or 'api_key'"), None))),
+    };
+    if who.credential == Some(digest) {
+        // An admin locked out by its own hand could not undo it.
+        return Err(Box::new(error_response(
+            &GatewayError::invalid("the key of this request cannot be revoked by itself"),
+            None,
+        )));
+    }
+    match gw.auth.key_owner(&digest) {
+        Some((tenant, _)) if tenant == who.tenant => Ok((who, digest)),
+        _ => Err(Box::new(error_response(&GatewayError::invalid("no such key in this tenant"), None))),
+    }
 }
 
 async fn metrics(State(gw): State<AppState>) -> Response {
