@@ -23,11 +23,12 @@
 //!
 //! Results are printed as Markdown and written to `bench/results/`.
 
+mod common;
+
 use std::fmt::Write as _;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use async_nats::HeaderMap;
@@ -43,15 +44,8 @@ use serde_json::{json, Value};
 #[derive(Parser, Debug)]
 #[command(about = "edgeway NATS benchmark: request → first delta, lifecycle event rate")]
 struct Args {
-    /// Measured requests per path in the time-to-first-delta phase.
-    #[arg(long, default_value_t = 2000)]
-    requests: usize,
-    /// Unrecorded requests per path first.
-    #[arg(long, default_value_t = 200)]
-    warmup: usize,
-    /// Tokens per answer from the fake engine.
-    #[arg(long, default_value_t = 8)]
-    tokens: u32,
+    #[command(flatten)]
+    first: common::FirstDeltaArgs,
     /// Seconds of each event-rate phase.
     #[arg(long, default_value_t = 5)]
     seconds: u64,
@@ -63,6 +57,9 @@ struct Args {
     bench: bool,
 }
 
+/// Who shares the machine's cores, for the machine line.
+const SHARES: &str = "nats-server, fake engine, edgeway and the load generator share these cores.";
+
 fn main() -> Result<()> {
     let args = Args::parse();
     edgeway::tls::install_default_provider();
@@ -71,19 +68,13 @@ fn main() -> Result<()> {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let (report, json_out) = rt.block_on(run(&args))?;
-    println!("\n{report}");
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/results");
-    std::fs::create_dir_all(&dir)?;
-    let stem = format!("nats-{}", SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs());
-    std::fs::write(dir.join(format!("{stem}.json")), serde_json::to_string_pretty(&json_out)?)?;
-    std::fs::write(dir.join(format!("{stem}.md")), &report)?;
-    println!("results written to {}", dir.join(format!("{stem}.md")).display());
+    common::save_results("nats", &report, &json_out)?;
     Ok(())
 }
 
 async fn run(args: &Args) -> Result<(String, Value)> {
     let nats = NatsServer::start(false).await;
-    let fake = FakeEngine::start_with(Knobs { tokens: args.tokens, ..Knobs::default() }).await;
+    let fake = FakeEngine::start_with(Knobs { tokens: args.first.tokens, ..Knobs::default() }).await;
     let extra = format!(
         "queue_capacity = 100000\n[log]\nlevel = \"warn\"\n[nats]\nurl = \"{}\"\nevents_queue_capacity = 65536\n",
         nats.url()
@@ -96,28 +87,23 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     gw.gateway().nats.wait_for(BusState::Connected).await;
     let client = async_nats::connect(nats.url()).await?;
 
-    let mut report = String::new();
-    writeln!(report, "# edgeway NATS benchmark\n")?;
-    writeln!(report, "{}\n", machine_line())?;
-    let mut out = json!({ "machine": machine_line(), "args": format!("{args:?}") });
+    let (mut report, mut out) = common::report_start("edgeway NATS benchmark", SHARES, args);
 
     // 1. Time to first delta.
     let http = reqwest::Client::builder().http1_only().tcp_nodelay(true).build()?;
-    let direct_body = json!({"model": "fake-model", "stream": true, "max_tokens": 64,
-        "messages": [{"role": "user", "content": "Say hello"}]})
-    .to_string();
-    let gw_body = json!({"model": "general-chat", "stream": true, "max_tokens": 64,
-        "messages": [{"role": "user", "content": "Say hello"}]})
-    .to_string();
+    let direct_body = common::chat_request("fake-model").to_string();
+    let gw_body = common::chat_request("general-chat").to_string();
     let mut auth = HeaderMap::new();
     auth.insert("Authorization", format!("Bearer {DEMO_KEY}").as_str());
     let (mut direct, mut via_http, mut via_nats) = (Vec::new(), Vec::new(), Vec::new());
-    for i in 0..args.warmup + args.requests {
-        let d = sse_first_content(&http, &format!("{}/v1/chat/completions", fake.url()), None, &direct_body).await?;
+    for i in 0..args.first.warmup + args.first.requests {
+        let d = common::sse_first_content(&http, &format!("{}/v1/chat/completions", fake.url()), None, &direct_body)
+            .await?;
         let h =
-            sse_first_content(&http, &format!("{}/v1/chat/completions", gw.base_url), Some(DEMO_KEY), &gw_body).await?;
+            common::sse_first_content(&http, &format!("{}/v1/chat/completions", gw.base_url), Some(DEMO_KEY), &gw_body)
+                .await?;
         let n = nats_first_delta(&client, &auth, &gw_body).await?;
-        if i >= args.warmup {
+        if i >= args.first.warmup {
             direct.push(d);
             via_http.push(h);
             via_nats.push(n);
@@ -126,30 +112,17 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     writeln!(
         report,
         "## Time to first delta ({} requests per path, one at a time, {} tokens)\n",
-        args.requests, args.tokens
+        args.first.requests, args.first.tokens
     )?;
-    writeln!(report, "| path | p50 µs | p90 µs | p99 µs | max µs | p50 added | p99 added |")?;
-    writeln!(report, "|---|---|---|---|---|---|---|")?;
+    writeln!(report, "{}", common::LATENCY_HEADER)?;
     for v in [&mut direct, &mut via_http, &mut via_nats] {
         v.sort_unstable();
     }
-    let row = |name: &str, v: &[u64], base: &[u64]| {
-        format!(
-            "| {name} | {} | {} | {} | {} | {} | {} |",
-            pct(v, 0.5),
-            pct(v, 0.9),
-            pct(v, 0.99),
-            v.last().copied().unwrap_or(0),
-            pct(v, 0.5) as i64 - pct(base, 0.5) as i64,
-            pct(v, 0.99) as i64 - pct(base, 0.99) as i64,
-        )
-    };
-    writeln!(report, "{}", row("fake engine, direct (HTTP/SSE)", &direct, &direct))?;
-    writeln!(report, "{}", row("edgeway HTTP/SSE", &via_http, &direct))?;
-    writeln!(report, "{}", row("edgeway NATS (`ai.v1.chat`)", &via_nats, &direct))?;
+    writeln!(report, "{}", common::latency_row("fake engine, direct (HTTP/SSE)", &direct, &direct))?;
+    writeln!(report, "{}", common::latency_row("edgeway HTTP/SSE", &via_http, &direct))?;
+    writeln!(report, "{}", common::latency_row("edgeway NATS (`ai.v1.chat`)", &via_nats, &direct))?;
     for (k, v) in [("direct", &direct), ("edgeway_http", &via_http), ("edgeway_nats", &via_nats)] {
-        out["first_delta_us"][k] = json!({"p50": pct(v, 0.5), "p90": pct(v, 0.9), "p99": pct(v, 0.99),
-            "max": v.last().copied().unwrap_or(0)});
+        out["first_delta_us"][k] = common::latency_json(v);
     }
 
     // 2. Lifecycle events of real tasks.
@@ -264,33 +237,6 @@ async fn settle(received: &AtomicU64) {
     }
 }
 
-/// Microseconds from sending a streamed chat request until the first SSE
-/// chunk with content; the rest of the stream is read and dropped.
-async fn sse_first_content(http: &reqwest::Client, url: &str, key: Option<&str>, body: &str) -> Result<u64> {
-    let t0 = Instant::now();
-    let mut req = http.post(url).header("content-type", "application/json").body(body.to_string());
-    if let Some(k) = key {
-        req = req.bearer_auth(k);
-    }
-    let resp = req.send().await?;
-    if !resp.status().is_success() {
-        bail!("{url}: {}", resp.status());
-    }
-    let mut stream = resp.bytes_stream();
-    let mut first = None;
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk?;
-        if first.is_none() && memchr(&chunk, b"\"content\":\"tok") {
-            first = Some(t0.elapsed().as_micros() as u64);
-        }
-    }
-    first.context("no content chunk")
-}
-
-fn memchr(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
-}
-
 /// Microseconds from publishing on `ai.v1.chat` until the first `delta`
 /// message on the caller's inbox; the rest of the stream is read and dropped.
 async fn nats_first_delta(client: &async_nats::Client, auth: &HeaderMap, body: &str) -> Result<u64> {
@@ -311,33 +257,4 @@ async fn nats_first_delta(client: &async_nats::Client, auth: &HeaderMap, body: &
         }
     }
     first.context("no delta")
-}
-
-fn machine_line() -> String {
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let load: Vec<&str> = load.split_whitespace().take(3).collect();
-    format!(
-        "Machine: {cores} cores ({cpu}); load average at start {}. nats-server, fake engine, edgeway and the \
-         load generator share these cores.",
-        load.join(" ")
-    )
-}
-
-/// Percentile `q` of sorted values (nearest rank); 0 when empty.
-fn pct(sorted: &[u64], q: f64) -> u64 {
-    if sorted.is_empty() {
-        return 0;
-    }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }

@@ -21,17 +21,20 @@
 //!
 //! Results are printed as Markdown and written to `bench/results/`.
 
+mod common;
+
 use std::fmt::Write as _;
 use std::io::{Read as _, Seek as _, SeekFrom};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use bytes::Bytes;
 use clap::Parser;
+use common::pct;
 use edgeway::testing::{config_toml, FakeEngine, Knobs, TempDir, DEMO_KEY};
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -83,16 +86,16 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut report = String::new();
     writeln!(report, "# edgeway overhead benchmark\n")?;
-    writeln!(report, "{}\n", machine_line())?;
-    let mut json_out = json!({ "machine": machine_line() });
+    let machine = common::machine_line("Load generator, engine and edgeway share these cores.");
+    writeln!(report, "{machine}\n")?;
+    let mut json_out = json!({ "machine": machine });
     if args.cancel {
         rt.block_on(cancel_mode(&args, &bin, &mut report, &mut json_out))?;
     } else {
         rt.block_on(overhead_mode(&args, &bin, &mut report, &mut json_out))?;
     }
-    println!("\n{report}");
-    let path = write_results(&args, &report, &json_out)?;
-    println!("results written to {}", path.display());
+    json_out["command_args"] = json!(std::env::args().skip(1).collect::<Vec<_>>());
+    common::save_results(if args.cancel { "cancel" } else { "overhead" }, &report, &json_out)?;
     Ok(())
 }
 
@@ -864,35 +867,6 @@ fn clk_tck() -> f64 {
     })
 }
 
-fn machine_line() -> String {
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let load: Vec<&str> = load.split_whitespace().take(3).collect();
-    format!(
-        "Machine: {cores} cores ({cpu}); load average at start {}. Load generator, \
-         engine and edgeway share these cores.",
-        load.join(" ")
-    )
-}
-
-/// Percentile `q` of sorted values (nearest rank); 0 when empty.
-fn pct(sorted: &[u64], q: f64) -> u64 {
-    if sorted.is_empty() {
-        return 0;
-    }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
 fn mean(v: &[u64]) -> u64 {
     if v.is_empty() {
         0
@@ -907,17 +881,4 @@ fn ms(us: u64) -> String {
 
 fn ms_signed(us: i64) -> String {
     format!("{:+.3}", us as f64 / 1000.0)
-}
-
-fn write_results(args: &Args, report: &str, json_out: &Value) -> Result<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/results");
-    std::fs::create_dir_all(&dir)?;
-    let ts = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
-    let stem = format!("{}-{ts}", if args.cancel { "cancel" } else { "overhead" });
-    let mut j = json_out.clone();
-    j["command_args"] = json!(std::env::args().skip(1).collect::<Vec<_>>());
-    std::fs::write(dir.join(format!("{stem}.json")), serde_json::to_string_pretty(&j)?)?;
-    let md = dir.join(format!("{stem}.md"));
-    std::fs::write(&md, report)?;
-    Ok(md)
 }
