@@ -154,25 +154,24 @@ pub fn lookup(
     key: &str,
     now: i64,
 ) -> rusqlite::Result<Option<IdempotentRecord>> {
-    c.query_row(
+    c.prepare_cached(
         "SELECT i.task_id, t.request_id, i.prompt_sha256, t.state, t.error_code, t.result_json, i.result_text \
          FROM idempotency i JOIN tasks t ON t.task_id = i.task_id \
          WHERE i.tenant = ?1 AND i.application = ?2 AND i.key = ?3 AND i.expires_at_ms > ?4",
-        params![tenant, app, key, now],
-        |row| {
-            let state: String = row.get(3)?;
-            let result: Option<String> = row.get(5)?;
-            Ok(IdempotentRecord {
-                task_id: row.get(0)?,
-                request_id: row.get(1)?,
-                prompt_sha256: row.get(2)?,
-                state: TaskState::parse(&state).unwrap_or(TaskState::Failed),
-                error_code: row.get(4)?,
-                result: result.and_then(|j| serde_json::from_str(&j).ok()),
-                result_text: row.get(6)?,
-            })
-        },
-    )
+    )?
+    .query_row(params![tenant, app, key, now], |row| {
+        let state: String = row.get(3)?;
+        let result: Option<String> = row.get(5)?;
+        Ok(IdempotentRecord {
+            task_id: row.get(0)?,
+            request_id: row.get(1)?,
+            prompt_sha256: row.get(2)?,
+            state: TaskState::parse(&state).unwrap_or(TaskState::Failed),
+            error_code: row.get(4)?,
+            result: result.and_then(|j| serde_json::from_str(&j).ok()),
+            result_text: row.get(6)?,
+        })
+    })
     .optional()
 }
 

@@ -105,12 +105,11 @@ enum Op {
     RevokedKeys(oneshot::Sender<Vec<String>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
-    Lookup {
-        tenant: String,
-        app: String,
-        key: String,
-        reply: oneshot::Sender<Option<durable::IdempotentRecord>>,
-    },
+}
+
+/// What the reader thread answers.
+enum ReadOp {
+    Lookup { tenant: String, app: String, key: String, reply: oneshot::Sender<Option<durable::IdempotentRecord>> },
 }
 
 /// A call refused at admission, before it had a validated task.
@@ -131,6 +130,9 @@ struct RejectedCall {
 #[derive(Clone)]
 pub struct Store {
     tx: mpsc::Sender<Op>,
+    /// The reader thread: lookups on the request path that must not wait
+    /// behind the writer's batches and WAL checkpoints.
+    reads: mpsc::Sender<ReadOp>,
     node_id: Arc<str>,
     store_prompts: bool,
 }
@@ -191,12 +193,26 @@ impl Store {
         if expired > 0 {
             tracing::info!(expired, "dropped expired idempotency keys");
         }
+        // WAL lets a second connection read committed data while the writer
+        // writes or checkpoints.
+        let reader = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(open_err)?;
+        reader.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         let (tx, rx) = mpsc::channel();
+        let spawn_err = |e| StoreError::Dir { path: path.to_path_buf(), source: e };
         std::thread::Builder::new()
             .name("edgeway-store".into())
             .spawn(move || writer_loop(conn, rx, metrics))
-            .map_err(|e| StoreError::Dir { path: path.to_path_buf(), source: e })?;
-        Ok(Store { tx, node_id: node_id.into(), store_prompts })
+            .map_err(spawn_err)?;
+        let (reads, read_rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("edgeway-store-read".into())
+            .spawn(move || reader_loop(reader, read_rx))
+            .map_err(spawn_err)?;
+        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts })
     }
 
     pub fn node_id(&self) -> &str {
@@ -328,8 +344,8 @@ impl Store {
     /// A live idempotency key of this tenant and application.
     pub async fn lookup_idempotency(&self, tenant: &str, app: &str, key: &str) -> Option<durable::IdempotentRecord> {
         let (reply, rx) = oneshot::channel();
-        let op = Op::Lookup { tenant: tenant.into(), app: app.into(), key: key.into(), reply };
-        self.tx.send(op).ok()?;
+        let op = ReadOp::Lookup { tenant: tenant.into(), app: app.into(), key: key.into(), reply };
+        self.reads.send(op).ok()?;
         rx.await.ok().flatten()
     }
 
@@ -348,6 +364,23 @@ pub(crate) fn exec(c: &Connection, sql: &str, params: impl rusqlite::Params) -> 
 
 /// Writes up to this many operations in one transaction.
 const BATCH: usize = 512;
+
+/// Answers lookups from committed data (a key written moments ago may not
+/// be visible yet: its task is then still in the live registry, which is
+/// asked first).
+fn reader_loop(conn: Connection, rx: mpsc::Receiver<ReadOp>) {
+    while let Ok(op) = rx.recv() {
+        match op {
+            ReadOp::Lookup { tenant, app, key, reply } => {
+                let r = durable::lookup(&conn, &tenant, &app, &key, crate::task::now_ms());
+                let _ = reply.send(r.unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "idempotency lookup failed");
+                    None
+                }));
+            }
+        }
+    }
+}
 
 fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metrics>) {
     while let Ok(first) = rx.recv() {
@@ -398,10 +431,6 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
                         replies.push(Reply::Get(id, tx));
                         Ok(())
                     }
-                    Op::Lookup { tenant, app, key, reply } => {
-                        replies.push(Reply::Lookup(tenant, app, key, reply));
-                        Ok(())
-                    }
                 };
                 if let Err(e) = r {
                     metrics.store_errors.inc();
@@ -434,13 +463,6 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
                         Vec::new()
                     }));
                 }
-                Reply::Lookup(tenant, app, key, tx) => {
-                    let r = durable::lookup(&conn, &tenant, &app, &key, crate::task::now_ms());
-                    let _ = tx.send(r.unwrap_or_else(|e| {
-                        tracing::error!(error = %e, "idempotency lookup failed");
-                        None
-                    }));
-                }
             }
         }
     }
@@ -449,7 +471,6 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
 enum Reply {
     Unfinished(oneshot::Sender<Vec<durable::Unfinished>>),
     RevokedKeys(oneshot::Sender<Vec<String>>),
-    Lookup(String, String, String, oneshot::Sender<Option<durable::IdempotentRecord>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
 }
