@@ -483,6 +483,71 @@ async fn immediate_reconnects_after_disconnect_keep_their_subscriptions() {
     gw.stop().await;
 }
 
+/// MQTT-4.7.2-1: filters starting with a wildcard do not match topics
+/// starting with `$`; filters starting with `$` do.
+#[tokio::test]
+async fn wildcards_do_not_match_dollar_topics() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe("#").await;
+    d.subscribe("+/+").await;
+    d.publish("$TopicA/B", "dollar").await;
+    d.publish("plain/B", "plain").await;
+    // One copy per matching filter (`#` and `+/+`), none of the `$` topic.
+    for _ in 0..2 {
+        let m = d.msg().await;
+        assert_eq!((m.topic.as_str(), &m.payload[..]), ("plain/B", &b"plain"[..]), "only the plain topic");
+    }
+    d.subscribe("$TopicA/#").await;
+    d.publish("$TopicA/B", "dollar").await;
+    let m = d.msg().await;
+    assert_eq!(m.topic, "$TopicA/B");
+    gw.stop().await;
+}
+
+/// MQTT-3.1.0-2: a second CONNECT on a connection closes it, and the device
+/// is not left counted as connected.
+#[tokio::test]
+async fn a_second_connect_closes_the_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let connect = {
+        let mut body = Vec::new();
+        body.extend_from_slice(&[0, 4, b'M', b'Q', b'T', b'T', 4, 0xC2, 0, 60]);
+        for s in [D1.0, D1.0, D1.1] {
+            body.extend_from_slice(&(s.len() as u16).to_be_bytes());
+            body.extend_from_slice(s.as_bytes());
+        }
+        let mut p = vec![0x10, body.len() as u8];
+        p.extend_from_slice(&body);
+        p
+    };
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(&connect).await.unwrap();
+    let mut ack = [0u8; 4];
+    s.read_exact(&mut ack).await.unwrap();
+    assert_eq!(ack, [0x20, 2, 0, 0], "CONNACK accepted");
+    s.write_all(&connect).await.unwrap();
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await.expect("closed in time");
+    assert!(n.is_ok(), "{n:?}");
+    let connected = || {
+        let text = gw.gateway().metrics.render();
+        text.lines().find(|l| l.starts_with("edgeway_mqtt_devices_connected ")).map(|l| l.to_string())
+    };
+    for _ in 0..100 {
+        if connected().as_deref() == Some("edgeway_mqtt_devices_connected 0") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(connected().as_deref(), Some("edgeway_mqtt_devices_connected 0"));
+    // And the client id connects normally again.
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("x")).await;
+    gw.stop().await;
+}
+
 /// Wills stay inside the device's subtree and follow MQTT: published when
 /// a connection dies, not after a clean DISCONNECT, and seen by the
 /// device's other connections only.

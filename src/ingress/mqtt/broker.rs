@@ -6,7 +6,7 @@
 //! (see DESIGN.md): `RouterConfig::default()` is unusable, a publish that
 //! matches no filter disconnects its publisher, and a subscriber that lags
 //! further than its filter's in-memory log silently skips ahead. So:
-//! - two filters are created at start (`d/#`, `s/#`) that match every topic
+//! - filters are created at start (`d/#`, `s/#`, `x/#`) that match every topic
 //!   a device or edgeway can publish, so no publish ever matches nothing;
 //! - each filter keeps about `filter_log_bytes` in memory; the filter that
 //!   carries requests to edgeway gets a larger log;
@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::protocol::{DeviceProtocol, ProtocolShared};
-use super::topics::{DEVICE_MOUNT, SHARED_MOUNT};
+use super::topics::{DEVICE_MOUNT, DOLLAR_MOUNT, SHARED_MOUNT};
 use crate::config::MqttConfig;
 
 /// Where the broker listens.
@@ -57,7 +57,11 @@ fn router_config(cfg: &MqttConfig, gateway_filter: &str) -> RouterConfig {
         max_segment_size: size,
         max_segment_count: count,
         custom_segment: Some(custom),
-        initialized_filters: Some(vec![format!("{DEVICE_MOUNT}#"), format!("{SHARED_MOUNT}#")]),
+        initialized_filters: Some(vec![
+            format!("{DEVICE_MOUNT}#"),
+            format!("{SHARED_MOUNT}#"),
+            format!("{DOLLAR_MOUNT}#"),
+        ]),
         shared_subscriptions_strategy: Default::default(),
     }
 }

@@ -30,16 +30,23 @@
 //!   as a duplicate id) and given the slot to the new one, so the late
 //!   report removes the *new* connection: its subscriptions vanish and its
 //!   SUBSCRIBE gets no SUBACK (about 1 immediate reconnect in 20 here). So
-//!   (a) a connection whose client id still has an open connection gets a
-//!   broker id of its own (`{id}~c{n}`: no duplicate, no slot handover; the
-//!   old one ends on its own or by keep-alive), and (b) DISCONNECT never
-//!   reaches the router: the codec ends the link (one removal). Wills are
+//!   (a) DISCONNECT never reaches the router: the codec ends the link (one
+//!   removal), and (b) a connection whose client id still has an *ending*
+//!   connection (its codec ended the link; rumqttd has yet to take its
+//!   report) gets a broker id of its own (`{id}~c{n}`: no duplicate, no
+//!   slot handover). A reconnect while the old connection is alive is a
+//!   plain MQTT takeover (same id: the old connection is closed, the
+//!   session continues). A second CONNECT on a connection closes it. Wills are
 //!   therefore kept here, not in the router: taken out of CONNECT, dropped
 //!   on a clean DISCONNECT (kept with MQTT 5's reason 0x04), and handed to
 //!   edgeway to publish (QoS 0, in the device's subtree) when the
 //!   connection ends any other way, after the MQTT 5 will delay unless the
-//!   client id connects again first. A reconnect under its own broker id
-//!   starts a fresh broker session (edgeway's streams resume by `seq`).
+//!   client id connects again first, or at once when the session ends with
+//!   the connection (MQTT 5 Session Expiry 0, and 3.1.1). A reconnect under
+//!   its own broker id starts a fresh broker session (edgeway's streams
+//!   resume by `seq`). What remains: a client that closes its socket
+//!   without DISCONNECT and is back before rumqttd has noticed can still
+//!   meet the slot race (the codec never sees the socket close).
 //! - rumqttd's listener keeps a per-client-id map for will handling; a
 //!   connection that fails between CONNECT and the first read (its CONNACK
 //!   could not be written: the peer vanished) leaves a dead entry behind,
@@ -111,8 +118,10 @@ pub struct ProtocolShared {
     next_conn: AtomicU64,
     /// Client ids whose rumqttd-side id is spoiled, and how many times.
     spoiled: Mutex<HashMap<String, u32>>,
-    /// Open connections per client id (authenticated, codec not dropped).
-    open: Mutex<HashMap<String, usize>>,
+    /// Open connections per client id (authenticated, codec not dropped):
+    /// connection number → whether it is ending (its codec has ended the
+    /// link; rumqttd is about to report it closed).
+    open: Mutex<HashMap<String, HashMap<u64, bool>>>,
     /// Placeholder ids for refused connections: next one and spoiled ones.
     placeholders: Mutex<(u64, HashSet<u64>)>,
 }
@@ -142,16 +151,19 @@ impl ProtocolShared {
     /// The id rumqttd sees for connection `conn` of a client id, which is
     /// now counted as open.
     ///
-    /// While an earlier connection of the client id is still open (the
-    /// device reconnected before that one ended), the new one gets an id of
-    /// its own: rumqttd would otherwise drop the old connection from its
-    /// router at once, free its slot for the new one, and then take the old
-    /// link's own late "disconnected" report for the new connection.
+    /// A reconnect while the old connection is alive is a normal MQTT
+    /// session takeover: same id, rumqttd drops the old connection and the
+    /// new one gets its session. But while an old connection is *ending*
+    /// (its codec ended the link, e.g. on DISCONNECT, and rumqttd has yet
+    /// to process its "closed" report), the new one gets an id of its own:
+    /// rumqttd would otherwise drop the old connection at once, give its
+    /// slot to the new one, and then apply the late report to the new one.
     fn broker_id(&self, client_id: &str, conn: u64) -> String {
         let mut open = self.open.lock().expect("open");
-        let n = open.entry(client_id.to_string()).or_insert(0);
-        *n += 1;
-        if *n > 1 {
+        let conns = open.entry(client_id.to_string()).or_default();
+        let ending = conns.values().any(|&e| e);
+        conns.insert(conn, false);
+        if ending {
             return format!("{client_id}~c{conn}");
         }
         match self.spoiled.lock().expect("spoiled").get(client_id) {
@@ -160,11 +172,18 @@ impl ProtocolShared {
         }
     }
 
-    fn closed(&self, client_id: &str) {
+    /// The codec of `conn` ended its link.
+    fn ending(&self, client_id: &str, conn: u64) {
+        if let Some(e) = self.open.lock().expect("open").get_mut(client_id).and_then(|c| c.get_mut(&conn)) {
+            *e = true;
+        }
+    }
+
+    fn closed(&self, client_id: &str, conn: u64) {
         let mut open = self.open.lock().expect("open");
-        if let Some(n) = open.get_mut(client_id) {
-            *n -= 1;
-            if *n == 0 {
+        if let Some(conns) = open.get_mut(client_id) {
+            conns.remove(&conn);
+            if conns.is_empty() {
                 open.remove(client_id);
             }
         }
@@ -204,6 +223,9 @@ pub struct DeviceProtocol {
     /// The broker knows this connection under an id of its own (see
     /// `ProtocolShared::broker_id`).
     own_broker_id: bool,
+    /// MQTT 5 Session Expiry Interval from CONNECT, seconds (0: the session
+    /// ends with the connection).
+    session_expiry: u32,
     /// The connection's will (topic mounted), until a clean DISCONNECT.
     will: Option<(LastWill, Option<LastWillProperties>)>,
     refused: Option<Refusal>,
@@ -225,6 +247,7 @@ impl DeviceProtocol {
             version: Version::Unknown,
             device: None,
             own_broker_id: false,
+            session_expiry: 0,
             will: None,
             refused: None,
             request_topic: String::new(),
@@ -258,9 +281,9 @@ impl Drop for DeviceProtocol {
         }
         if let Some((device, conn)) = self.device.take() {
             if let Some(client_id) = &self.client_id {
-                self.shared.closed(client_id);
+                self.shared.closed(client_id, conn);
                 if let Some((will, props)) = self.will.take() {
-                    self.shared.arm_will(client_id, &device, will, props);
+                    self.shared.arm_will(client_id, &device, will, props, self.session_expiry);
                 }
             }
             self.shared.report(Presence::Disconnected { device, conn });
@@ -269,14 +292,25 @@ impl Drop for DeviceProtocol {
 }
 
 impl ProtocolShared {
-    fn arm_will(&self, client_id: &str, device: &str, will: LastWill, props: Option<LastWillProperties>) {
+    /// `session_expiry`: the MQTT 5 Session Expiry Interval of the
+    /// connection (0 for 3.1.1): the will goes at the end of the delay or of
+    /// the session, whichever comes first.
+    fn arm_will(
+        &self,
+        client_id: &str,
+        device: &str,
+        will: LastWill,
+        props: Option<LastWillProperties>,
+        session_expiry: u32,
+    ) {
         let cancel = CancellationToken::new();
         let generation = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let old = self.pending_wills.lock().expect("wills").insert(client_id.to_string(), (generation, cancel.clone()));
         if let Some((_, old)) = old {
             old.cancel();
         }
-        let delay = std::time::Duration::from_secs(props.as_ref().and_then(|p| p.delay_interval).unwrap_or(0).into());
+        let delay = props.as_ref().and_then(|p| p.delay_interval).unwrap_or(0).min(session_expiry);
+        let delay = std::time::Duration::from_secs(delay.into());
         let props = props.map(|p| PublishProperties {
             payload_format_indicator: p.payload_format_indicator,
             message_expiry_interval: p.message_expiry_interval,
@@ -347,6 +381,15 @@ impl DeviceProtocol {
         Packet::Connect(connect, None, None, None, None)
     }
 
+    /// Ends the link (rumqttd closes the connection on a codec error), and
+    /// says so for `ProtocolShared::broker_id`.
+    fn end_link(&mut self) -> Result<Packet, Error> {
+        if let (Some((_, conn)), Some(client_id)) = (&self.device, &self.client_id) {
+            self.shared.ending(client_id, *conn);
+        }
+        Err(Error::InvalidProtocol)
+    }
+
     fn mounted_device(&self) -> Result<&str, Error> {
         self.device.as_ref().map(|(d, _)| d.as_str()).ok_or(Error::InvalidProtocol)
     }
@@ -354,6 +397,11 @@ impl DeviceProtocol {
     /// Device → router.
     fn inbound(&mut self, packet: Packet) -> Result<Packet, Error> {
         match packet {
+            Packet::Connect(..) if self.device.is_some() => {
+                // A second CONNECT is a protocol violation: the server closes
+                // the connection (MQTT-3.1.0-2).
+                self.end_link()
+            }
             Packet::Connect(mut connect, props, will, will_props, login) => {
                 let (user, password) = match &login {
                     Some(l) => (Some(l.username.as_str()), l.password.as_str()),
@@ -373,6 +421,7 @@ impl DeviceProtocol {
                     w.topic = mount_topic(&device, &String::from_utf8_lossy(&w.topic)).into();
                     (w, will_props)
                 });
+                self.session_expiry = props.as_ref().and_then(|p| p.session_expiry_interval).unwrap_or(0);
                 let props = props.map(|mut p| {
                     p.topic_alias_max = None;
                     p
@@ -396,7 +445,7 @@ impl DeviceProtocol {
                 }
                 // Ends the link here: the router then removes the
                 // connection once, when the link reports it closed.
-                Err(Error::InvalidProtocol)
+                self.end_link()
             }
             Packet::Publish(mut publish, mut props) => {
                 let device = self.mounted_device()?.to_string();
@@ -520,12 +569,27 @@ impl Protocol for DeviceProtocol {
             }
         }
         let packet = match self.version {
-            Version::V4 => V4.read_mut(stream, max_size)?,
-            Version::V5 => V5.read_mut(stream, max_size)?,
+            Version::V4 => V4.read_mut(stream, max_size),
+            Version::V5 => V5.read_mut(stream, max_size),
             Version::Unknown => unreachable!("set above"),
         };
+        let packet = match packet {
+            Ok(p) => p,
+            // Not a whole packet yet: rumqttd reads more.
+            Err(e @ Error::InsufficientBytes(_)) => return Err(e),
+            Err(e) => {
+                let _ = self.end_link();
+                return Err(e);
+            }
+        };
         let is_connect = matches!(packet, Packet::Connect(..));
-        let packet = self.inbound(packet)?;
+        let packet = match self.inbound(packet) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = self.end_link();
+                return Err(e);
+            }
+        };
         self.connect_returned |= is_connect;
         Ok(packet)
     }

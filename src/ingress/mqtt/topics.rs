@@ -6,12 +6,17 @@
 //! the way out ([`super::protocol`]). A device can therefore only ever
 //! match topics of its own subtree, whatever wildcards it uses. The
 //! read-only shared topics (`{prefix}/shared/…`, e.g. the model catalogue)
-//! live under `s/`; only edgeway publishes there.
+//! live under `s/`; only edgeway publishes there. A device's topics that
+//! start with `$` are mounted under `x/{device}/` instead, so that, as MQTT
+//! requires, filters starting with a wildcard never match them.
 
 /// Router-side prefix of every device's private subtree: `d/{device}/`.
 pub const DEVICE_MOUNT: &str = "d/";
 /// Router-side prefix of the read-only shared topics.
 pub const SHARED_MOUNT: &str = "s/";
+/// Router-side prefix of a device's topics that start with `$`:
+/// `x/{device}/$…`.
+pub const DOLLAR_MOUNT: &str = "x/";
 
 /// What a device publishes to edgeway, by the last topic level.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,10 +112,12 @@ impl Topics {
     }
 }
 
-/// `d/{device}/{topic}`.
+/// `d/{device}/{topic}` (`x/{device}/{topic}` for a topic starting with
+/// `$`).
 pub fn mount_topic(device: &str, topic: &str) -> String {
-    let mut s = String::with_capacity(DEVICE_MOUNT.len() + device.len() + 1 + topic.len());
-    s.push_str(DEVICE_MOUNT);
+    let mount = if topic.starts_with('$') { DOLLAR_MOUNT } else { DEVICE_MOUNT };
+    let mut s = String::with_capacity(mount.len() + device.len() + 1 + topic.len());
+    s.push_str(mount);
     s.push_str(device);
     s.push('/');
     s.push_str(topic);
@@ -136,7 +143,7 @@ pub fn mount_filter(device: &str, shared_prefix: &str, filter: &str) -> String {
 /// topic is neither in its subtree nor shared (which the mounting rules
 /// make impossible).
 pub fn unmount<'a>(device: &str, internal: &'a str) -> Option<&'a str> {
-    if let Some(rest) = internal.strip_prefix(DEVICE_MOUNT) {
+    if let Some(rest) = internal.strip_prefix(DEVICE_MOUNT).or_else(|| internal.strip_prefix(DOLLAR_MOUNT)) {
         let rest = rest.strip_prefix(device)?;
         return rest.strip_prefix('/');
     }
@@ -154,7 +161,11 @@ mod tests {
         assert_eq!(mount_filter("dev1", sp, "ai/v1/+/res/#"), "d/dev1/ai/v1/+/res/#");
         assert_eq!(mount_filter("dev1", sp, "ai/v1/dev2/res/x"), "d/dev1/ai/v1/dev2/res/x");
         assert_eq!(mount_filter("dev1", sp, "$share/g/ai/v1/dev2/#"), "d/dev1/ai/v1/dev2/#");
-        assert_eq!(mount_filter("dev1", sp, "$SYS/#"), "d/dev1/$SYS/#");
+        // `$` topics apart: `#` and `+/…` must not match them.
+        assert_eq!(mount_filter("dev1", sp, "$SYS/#"), "x/dev1/$SYS/#");
+        assert_eq!(mount_topic("dev1", "$TopicA/B"), "x/dev1/$TopicA/B");
+        assert_eq!(unmount("dev1", "x/dev1/$TopicA/B"), Some("$TopicA/B"));
+        assert_eq!(unmount("dev1", "x/dev2/$TopicA/B"), None);
         assert_eq!(mount_filter("dev1", sp, "ai/v1/shared/models"), "s/ai/v1/shared/models");
         assert_eq!(mount_filter("dev1", sp, "ai/v1/shared/#"), "s/ai/v1/shared/#");
         assert_eq!(mount_filter("dev1", sp, "ai/v1/shared"), "s/ai/v1/shared");
