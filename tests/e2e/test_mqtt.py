@@ -259,6 +259,26 @@ def test_paho_immediate_reconnects_keep_their_subscriptions(edgeway, v5):
             d.close()
 
 
+def test_abrupt_close_and_immediate_reconnect_always_gets_a_connack(edgeway):
+    """A device whose socket closes without DISCONNECT and that connects
+    again at once, 100 times: every CONNECT is answered. (rumqttd alone
+    applied the old link's late "closed" report to the new connection about
+    1 time in 20: no CONNACK.)"""
+    import socket
+    import struct
+
+    def connect_packet():
+        body = b"\x00\x04MQTT\x04\xc2\x00\x3c"
+        for s in (D1[0], D1[0], D1[1]):
+            body += struct.pack(">H", len(s)) + s.encode()
+        return bytes([0x10, len(body)]) + body
+
+    for i in range(100):
+        with socket.create_connection(("127.0.0.1", edgeway.mqtt_port), timeout=5) as s:
+            s.sendall(connect_packet())
+            assert s.recv(4) == b"\x20\x02\x00\x00", f"no CONNACK in round {i}"
+
+
 def test_paho_hostile_device_sees_nothing_of_another_device(edgeway):
     hostile = Device(edgeway.mqtt_port, D2, client_id="demo-device-2:spy")
     victim = Device(edgeway.mqtt_port, D1, client_id="demo-device-1:paho")

@@ -158,11 +158,29 @@ impl ProtocolShared {
     /// to process its "closed" report), the new one gets an id of its own:
     /// rumqttd would otherwise drop the old connection at once, give its
     /// slot to the new one, and then apply the late report to the new one.
+    ///
+    /// The codec cannot see an old connection whose socket was simply
+    /// closed (rumqttd reads EOF below it) until rumqttd drops it, right
+    /// after sending its "closed" report. So while another connection of
+    /// the client id is open, this waits a little (up to
+    /// `TAKEOVER_WAIT`) for it to go: a closed one is gone within a
+    /// millisecond or two, and its report is then ahead of this CONNECT in
+    /// the router's queue; one still open after the wait is alive (a
+    /// half-open link) and taken over.
     fn broker_id(&self, client_id: &str, conn: u64) -> String {
-        let mut open = self.open.lock().expect("open");
-        let conns = open.entry(client_id.to_string()).or_default();
-        let ending = conns.values().any(|&e| e);
-        conns.insert(conn, false);
+        let started = std::time::Instant::now();
+        let ending = loop {
+            let mut open = self.open.lock().expect("open");
+            let conns = open.entry(client_id.to_string()).or_default();
+            let others = conns.len();
+            let ending = conns.values().any(|&e| e);
+            if others == 0 || ending || started.elapsed() >= TAKEOVER_WAIT || !can_block() {
+                conns.insert(conn, false);
+                break ending;
+            }
+            drop(open);
+            tokio::task::block_in_place(|| std::thread::sleep(std::time::Duration::from_millis(1)));
+        };
         if ending {
             return format!("{client_id}~c{conn}");
         }
@@ -348,6 +366,17 @@ impl ProtocolShared {
             g.remove(&w.client_id);
         }
     }
+}
+
+/// How long a CONNECT waits for an open connection of its client id to go
+/// (see `ProtocolShared::broker_id`).
+const TAKEOVER_WAIT: std::time::Duration = std::time::Duration::from_millis(25);
+
+/// Whether this thread may block briefly: a worker of a multi-threaded
+/// runtime (`block_in_place` hands its other tasks to other workers).
+fn can_block() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
 /// Placeholder ids for refused connections (rumqttd keeps a little state
