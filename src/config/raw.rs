@@ -426,9 +426,10 @@ pub struct RawModel {
     pub queue_capacity: Option<usize>,
     pub description: Option<String>,
     pub max_running: Option<usize>,
-    /// KV-cache bytes per token of context (for memory admission).
-    #[serde(default)]
-    pub kv_bytes_per_token: u64,
+    /// KV-cache bytes per token of context (for memory admission); or
+    /// give `architecture` and edgeway computes it.
+    pub kv_bytes_per_token: Option<u64>,
+    pub architecture: Option<RawArchitecture>,
     /// Size of the model's weights, counted on an instance until it is
     /// loaded there.
     #[serde(default)]
@@ -436,6 +437,23 @@ pub struct RawModel {
     /// Safety margin added to KV estimates.
     #[serde(default = "d_margin")]
     pub memory_margin_percent: f64,
+}
+
+/// The numbers that fix a model's KV-cache size per token: K and V for
+/// each layer, `kv_heads` × `head_dim` values each, `bytes_per_value` bytes
+/// per value (2 for f16, 1 for q8_0 roughly).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawArchitecture {
+    pub layers: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    #[serde(default = "d_bytes_per_value")]
+    pub bytes_per_value: f64,
+}
+
+fn d_bytes_per_value() -> f64 {
+    2.0
 }
 
 fn d_context() -> u32 {
@@ -792,6 +810,29 @@ impl RawConfig {
             if m.queue_capacity == Some(0) {
                 err(format!("{p}.queue_capacity"), "must be at least 1".into());
             }
+            let kv_bytes_per_token = match (m.kv_bytes_per_token, &m.architecture) {
+                (Some(_), Some(_)) => {
+                    err(format!("{p}.architecture"), "give kv_bytes_per_token or architecture, not both".into());
+                    0
+                }
+                (Some(n), None) => n,
+                (None, Some(a)) => {
+                    let valid = a.layers > 0
+                        && a.kv_heads > 0
+                        && a.head_dim > 0
+                        && a.bytes_per_value.is_finite()
+                        && a.bytes_per_value > 0.0;
+                    if !valid {
+                        err(
+                            format!("{p}.architecture"),
+                            "layers, kv_heads, head_dim and bytes_per_value must be positive".into(),
+                        );
+                    }
+                    // K and V per layer.
+                    (2.0 * (a.layers * a.kv_heads * a.head_dim) as f64 * a.bytes_per_value).ceil() as u64
+                }
+                (None, None) => 0,
+            };
             models.insert(
                 name.clone(),
                 ModelConfig {
@@ -802,7 +843,7 @@ impl RawConfig {
                     queue_capacity: m.queue_capacity.unwrap_or(self.scheduler.queue_capacity),
                     description: m.description,
                     max_running: m.max_running,
-                    kv_bytes_per_token: m.kv_bytes_per_token,
+                    kv_bytes_per_token,
                     weights_bytes: m.weights_mb * 1024 * 1024,
                     memory_margin: m.memory_margin_percent / 100.0,
                 },

@@ -121,3 +121,17 @@ fn example_configs_validate() {
     }
     assert!(n >= 1, "no example configs found in {}", dir.display());
 }
+
+#[test]
+fn kv_bytes_per_token_comes_from_the_architecture() {
+    let arch = "architecture = { layers = 18, kv_heads = 1, head_dim = 256 }\n";
+    let c = parse(&format!("{MINIMAL}{arch}"), &[]).unwrap();
+    assert_eq!(c.models["general-chat"].kv_bytes_per_token, 18432, "Gemma 3 270M at f16");
+    let q8 = "architecture = { layers = 32, kv_heads = 8, head_dim = 128, bytes_per_value = 1 }\n";
+    assert_eq!(parse(&format!("{MINIMAL}{q8}"), &[]).unwrap().models["general-chat"].kv_bytes_per_token, 65536);
+    let both = format!("{MINIMAL}kv_bytes_per_token = 1\n{arch}");
+    assert_eq!(parse(&both, &[]).unwrap_err().0[0].path, "models.general-chat.architecture");
+    let zero = format!("{MINIMAL}architecture = {{ layers = 0, kv_heads = 1, head_dim = 1 }}\n");
+    assert_eq!(parse(&zero, &[]).unwrap_err().0[0].path, "models.general-chat.architecture");
+    assert_eq!(parse(MINIMAL, &[]).unwrap().models["general-chat"].kv_bytes_per_token, 0, "no memory admission");
+}
