@@ -370,7 +370,7 @@ impl ProtocolShared {
 
 /// How long a CONNECT waits for an open connection of its client id to go
 /// (see `ProtocolShared::broker_id`).
-const TAKEOVER_WAIT: std::time::Duration = std::time::Duration::from_millis(25);
+const TAKEOVER_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Whether this thread may block briefly: a worker of a multi-threaded
 /// runtime (`block_in_place` hands its other tasks to other workers).
