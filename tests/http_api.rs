@@ -16,6 +16,28 @@ async fn gateway_with(knobs: Knobs, extra: &str) -> (FakeEngine, TestGateway) {
     (fake, gw)
 }
 
+/// A gateway whose engine has one slot, so a second call waits.
+async fn one_slot_gateway(knobs: Knobs, extra: &str) -> (FakeEngine, TestGateway) {
+    let fake = FakeEngine::start_with(knobs).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", extra, |t| {
+        t.replace("max_concurrency = 2", "max_concurrency = 1")
+    })
+    .await;
+    gw.wait_ready().await;
+    (fake, gw)
+}
+
+/// Waits until the scheduler's snapshot satisfies `cond`.
+async fn until_snapshot(gw: &TestGateway, what: &str, cond: impl Fn(&edgeway::scheduler::Snapshot) -> bool) {
+    for _ in 0..500 {
+        if cond(&gw.gateway().scheduler.snapshot().await.unwrap()) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never saw: {what}");
+}
+
 #[tokio::test]
 async fn non_streaming_answer_has_openai_shape_and_edge_metadata() {
     let (_fake, gw) = gateway_with(Knobs::default(), "").await;
@@ -168,7 +190,7 @@ async fn hold_slot(gw: &TestGateway) -> reqwest::Response {
 
 #[tokio::test]
 async fn full_queue_is_refused_at_once_with_retry_after() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(50), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 50);
     let (fake, gw) = gateway_with(knobs, "queue_capacity = 1").await;
     let _a = hold_slot(&gw).await;
     let _b = hold_slot(&gw).await;
@@ -178,14 +200,7 @@ async fn full_queue_is_refused_at_once_with_retry_after() {
         let url = gw.base_url.clone();
         async move { client().post(format!("{url}/v1/chat/completions")).bearer_auth(DEMO_KEY).json(&body).send().await }
     });
-    // Wait until the third call is in the queue.
-    for _ in 0..200 {
-        let s = gw.gateway().scheduler.snapshot().await.unwrap();
-        if s.queues[0].waiting == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_snapshot(&gw, "the third call queued", |s| s.queues[0].waiting == 1).await;
     let resp = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
     assert_eq!(resp.status(), 503);
     assert_eq!(resp.headers()["retry-after"], "1");
@@ -229,7 +244,7 @@ async fn timeout_code(knobs: Knobs, timeouts: Value, busy: bool, stream: bool) -
 
 #[tokio::test]
 async fn queue_timeout() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(50), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 50);
     let (fake, gw) = gateway_with(knobs, "").await;
     let _a = hold_slot(&gw).await;
     let _b = hold_slot(&gw).await;
@@ -263,21 +278,21 @@ async fn idle_timeout_between_tokens() {
 
 #[tokio::test]
 async fn inference_timeout() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 20);
     let (code, _) = timeout_code(knobs, json!({"inference_ms": 300}), false, true).await;
     assert_eq!(code, "INFERENCE_TIMEOUT");
 }
 
 #[tokio::test]
 async fn total_timeout() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 20);
     let (code, _) = timeout_code(knobs, json!({"total_ms": 300}), false, false).await;
     assert_eq!(code, "TOTAL_TIMEOUT");
 }
 
 #[tokio::test]
 async fn client_disconnect_mid_stream_cancels_the_task_and_the_engine() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 20);
     let (fake, gw) = gateway_with(knobs, "").await;
     let mut resp = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
     let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
@@ -309,7 +324,7 @@ async fn client_disconnect_mid_stream_cancels_the_task_and_the_engine() {
 
 #[tokio::test]
 async fn client_disconnect_while_waiting_for_a_non_streamed_answer_cancels() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 20);
     let (fake, gw) = gateway_with(knobs, "").await;
     let url = format!("{}/v1/chat/completions", gw.base_url);
     let call =
@@ -371,13 +386,7 @@ async fn a_down_engine_makes_the_model_unavailable_until_it_recovers() {
 
 #[tokio::test]
 async fn waiting_work_ends_model_unavailable_when_the_last_instance_goes_down() {
-    let fake =
-        FakeEngine::start_with(Knobs { tokens: 100, token_delay: Duration::from_millis(50), ..Knobs::default() }).await;
-    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
-        t.replace("max_concurrency = 2", "max_concurrency = 1")
-    })
-    .await;
-    gw.wait_ready().await;
+    let (fake, gw) = one_slot_gateway(Knobs::slow(100, 50), "").await;
     let _blocker = hold_slot(&gw).await;
     let waiting = tokio::spawn({
         let url = format!("{}/v1/chat/completions", gw.base_url);
@@ -386,12 +395,7 @@ async fn waiting_work_ends_model_unavailable_when_the_last_instance_goes_down() 
             (r.status(), r.json::<Value>().await.unwrap())
         }
     });
-    for _ in 0..200 {
-        if gw.gateway().scheduler.snapshot().await.unwrap().queues[0].waiting == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_snapshot(&gw, "1 waiting", |s| s.queues[0].waiting == 1).await;
     fake.set(|k| k.healthy = false);
     // Well before its 30 s queue timeout.
     let (status, v) = tokio::time::timeout(Duration::from_secs(10), waiting).await.expect("answered").unwrap();
@@ -403,13 +407,7 @@ async fn waiting_work_ends_model_unavailable_when_the_last_instance_goes_down() 
 
 #[tokio::test]
 async fn higher_priority_waiting_work_runs_first() {
-    let fake =
-        FakeEngine::start_with(Knobs { tokens: 3, token_delay: Duration::from_millis(100), ..Knobs::default() }).await;
-    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
-        t.replace("max_concurrency = 2", "max_concurrency = 1")
-    })
-    .await;
-    gw.wait_ready().await;
+    let (_fake, gw) = one_slot_gateway(Knobs::slow(3, 100), "").await;
     let blocker = hold_slot(&gw).await;
     let send = |key: &'static str, prio: &'static str| {
         let url = format!("{}/v1/chat/completions", gw.base_url);
@@ -421,19 +419,9 @@ async fn higher_priority_waiting_work_runs_first() {
         })
     };
     let low = send(DEMO_KEY, "P4");
-    for _ in 0..200 {
-        if gw.gateway().scheduler.snapshot().await.unwrap().queues[0].waiting == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_snapshot(&gw, "1 waiting", |s| s.queues[0].waiting == 1).await;
     let high = send(OPS_KEY, "P0");
-    for _ in 0..200 {
-        if gw.gateway().scheduler.snapshot().await.unwrap().queues[0].waiting == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_snapshot(&gw, "2 waiting", |s| s.queues[0].waiting == 2).await;
     drop(blocker);
     let (low, high) = (low.await.unwrap(), high.await.unwrap());
     let low_dispatch = low["edge"]["timing"]["queue_ms"].as_u64().unwrap();
@@ -445,13 +433,7 @@ async fn higher_priority_waiting_work_runs_first() {
 
 #[tokio::test]
 async fn a_streamed_answer_that_waits_shows_its_queue_position_in_sse_comments() {
-    let fake =
-        FakeEngine::start_with(Knobs { tokens: 10, token_delay: Duration::from_millis(50), ..Knobs::default() }).await;
-    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "[scheduler]\nqueue_update_ms = 20", |t| {
-        t.replace("max_concurrency = 2", "max_concurrency = 1")
-    })
-    .await;
-    gw.wait_ready().await;
+    let (_fake, gw) = one_slot_gateway(Knobs::slow(10, 50), "[scheduler]\nqueue_update_ms = 20").await;
     let blocker = hold_slot(&gw).await;
     let mut low = chat_body(true);
     low["priority"] = json!("P4");
@@ -530,7 +512,7 @@ async fn ollama_engines_serve_the_same_api() {
 
 #[tokio::test]
 async fn an_idempotent_repeat_joins_the_first_task_and_never_runs_twice() {
-    let knobs = Knobs { tokens: 6, token_delay: Duration::from_millis(30), ..Knobs::default() };
+    let knobs = Knobs::slow(6, 30);
     let (fake, gw) = gateway_with(knobs, "").await;
     let mut body = chat_body(false);
     body["idempotency_key"] = json!("order-42");
@@ -593,19 +575,9 @@ async fn an_engine_that_keeps_running_a_cancelled_request_is_taken_out_of_dispat
 
 /// Polls the scheduler until `cond` holds on its snapshot (probes run every
 /// 100 ms in the test config); panics after 5 s.
-async fn until_snapshot(gw: &TestGateway, what: &str, cond: impl Fn(&edgeway::scheduler::Snapshot) -> bool) {
-    for _ in 0..500 {
-        if cond(&gw.gateway().scheduler.snapshot().await.unwrap()) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("never saw: {what}");
-}
-
 #[tokio::test]
 async fn new_work_waits_while_the_engine_reports_a_full_kv_cache() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 20);
     let (fake, gw) = gateway_with(knobs, "").await;
     // One task of ours runs (for about 20 s), leaving a slot free.
     let mut first = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
@@ -644,7 +616,7 @@ async fn new_work_waits_while_the_engine_reports_a_full_kv_cache() {
 
 #[tokio::test]
 async fn a_danger_state_stops_admission_and_cancels_low_priority_work() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 20);
     let (fake, gw) = gateway_with(knobs, "").await;
     let mut low = chat_body(true);
     low["priority"] = json!("P3");
@@ -703,7 +675,7 @@ async fn per_user_rates_answer_rate_limited_and_quota_exceeded() {
 
 #[tokio::test]
 async fn revoking_a_key_refuses_it_and_cancels_its_tasks() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 20);
     let (fake, gw) = gateway_with(knobs, "").await;
     let mut resp = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
     resp.chunk().await.unwrap();

@@ -13,10 +13,6 @@ use mqtt_support::*;
 use rumqttc::v5::mqttbytes::v5::PublishProperties;
 use serde_json::json;
 
-fn slow(tokens: u32, delay_ms: u64) -> Knobs {
-    Knobs { tokens, token_delay: Duration::from_millis(delay_ms), ..Knobs::default() }
-}
-
 #[tokio::test]
 async fn requests_stream_to_the_response_topic_on_mqtt_3_and_5() {
     let (fake, gw, addr) = start(Knobs::default(), "coalesce_ms = 0").await;
@@ -103,7 +99,7 @@ async fn wrong_credentials_spoofed_ids_and_unknown_devices_are_refused_at_connec
 
 #[tokio::test]
 async fn a_hostile_device_receives_nothing_of_others_and_starts_nothing_in_their_name() {
-    let (fake, gw, addr) = start(slow(20, 20), "coalesce_ms = 0").await;
+    let (fake, gw, addr) = start(Knobs::slow(20, 20), "coalesce_ms = 0").await;
     let mut victim = device(addr, V::V5, D1).await;
     victim.subscribe(&victim.topic("#")).await;
     let mut hostile = device(addr, V::V5, D2).await;
@@ -195,7 +191,7 @@ async fn a_hostile_device_receives_nothing_of_others_and_starts_nothing_in_their
 
 #[tokio::test]
 async fn cancel_stops_the_engine_and_ends_the_stream_with_request_cancelled() {
-    let (fake, gw, addr) = start(slow(1000, 20), "coalesce_ms = 0").await;
+    let (fake, gw, addr) = start(Knobs::slow(1000, 20), "coalesce_ms = 0").await;
     let mut d = device(addr, V::V4, D1).await;
     d.subscribe(&d.topic("res/#")).await;
     d.publish(&d.topic("req"), request("to-cancel").to_string()).await;
@@ -214,7 +210,7 @@ async fn cancel_stops_the_engine_and_ends_the_stream_with_request_cancelled() {
 
 #[tokio::test]
 async fn a_repeated_request_id_never_starts_a_second_inference() {
-    let (fake, gw, addr) = start(slow(10, 10), "coalesce_ms = 0").await;
+    let (fake, gw, addr) = start(Knobs::slow(10, 10), "coalesce_ms = 0").await;
     let mut d = device(addr, V::V4, D1).await;
     d.subscribe(&d.topic("res/#")).await;
     d.publish(&d.topic("req"), request("same").to_string()).await;
@@ -250,7 +246,7 @@ async fn a_repeated_request_id_never_starts_a_second_inference() {
 
 #[tokio::test]
 async fn a_device_resumes_after_a_dropped_connection_and_misses_nothing() {
-    let (fake, gw, addr) = start(slow(40, 25), "coalesce_ms = 0").await;
+    let (fake, gw, addr) = start(Knobs::slow(40, 25), "coalesce_ms = 0").await;
     let mut d = device(addr, V::V5, D1).await;
     d.subscribe(&d.topic("res/#")).await;
     d.publish(&d.topic("req"), request("long").to_string()).await;
@@ -292,7 +288,7 @@ async fn a_device_resumes_after_a_dropped_connection_and_misses_nothing() {
 
 #[tokio::test]
 async fn on_disconnect_cancel_stops_the_task_when_the_device_drops() {
-    let (fake, gw, addr) = start(slow(1000, 20), "coalesce_ms = 0").await;
+    let (fake, gw, addr) = start(Knobs::slow(1000, 20), "coalesce_ms = 0").await;
     let mut d = device(addr, V::V4, D1).await;
     d.subscribe(&d.topic("res/#")).await;
     let mut req = request("drop-cancel");
@@ -307,7 +303,7 @@ async fn on_disconnect_cancel_stops_the_task_when_the_device_drops() {
 
 #[tokio::test]
 async fn on_disconnect_continue_keeps_the_task_for_the_grace_period_only() {
-    let (fake, gw, addr) = start(slow(1000, 20), "coalesce_ms = 0\ndisconnect_grace_ms = 300").await;
+    let (fake, gw, addr) = start(Knobs::slow(1000, 20), "coalesce_ms = 0\ndisconnect_grace_ms = 300").await;
     let mut d = device(addr, V::V4, D1).await;
     d.subscribe(&d.topic("res/#")).await;
     d.publish(&d.topic("req"), request("drop-continue").to_string()).await;
@@ -321,7 +317,7 @@ async fn on_disconnect_continue_keeps_the_task_for_the_grace_period_only() {
 
 #[tokio::test]
 async fn expired_requests_are_answered_and_never_run() {
-    let (fake, gw, addr) = start(slow(200, 20), "").await;
+    let (fake, gw, addr) = start(Knobs::slow(200, 20), "").await;
     let mut d = device(addr, V::V5, D1).await;
     d.subscribe(&d.topic("res/#")).await;
     let mut stale = request("stale");
@@ -356,7 +352,7 @@ async fn expired_requests_are_answered_and_never_run() {
 
 #[tokio::test]
 async fn malformed_and_oversized_payloads_get_invalid_request_and_harm_no_one() {
-    let (fake, gw, addr) = start(slow(30, 10), "coalesce_ms = 0\nmax_request_bytes = 2048").await;
+    let (fake, gw, addr) = start(Knobs::slow(30, 10), "coalesce_ms = 0\nmax_request_bytes = 2048").await;
     let mut other = device(addr, V::V4, D2).await;
     other.subscribe(&other.topic("res/#")).await;
     other.publish(&other.topic("req"), request("innocent").to_string()).await;
@@ -396,7 +392,7 @@ async fn malformed_and_oversized_payloads_get_invalid_request_and_harm_no_one() 
 async fn waiting_requests_are_told_their_queue_position_as_it_changes() {
     // Two slots, 30 ms per token; updates every 50 ms. q0 ends after 3
     // tokens, q1 after 20: q2 takes q0's slot and q3 is next for a while.
-    let (fake, gw, addr) = start(slow(20, 30), "coalesce_ms = 0\n[scheduler]\nqueue_update_ms = 50").await;
+    let (fake, gw, addr) = start(Knobs::slow(20, 30), "coalesce_ms = 0\n[scheduler]\nqueue_update_ms = 50").await;
     let mut d = device(addr, V::V5, D1).await;
     d.subscribe(&d.topic("res/#")).await;
     let ids = ["q0", "q1", "q2", "q3"];
@@ -579,7 +575,7 @@ async fn wills_are_published_on_a_dead_connection_only_and_only_to_the_device() 
 
 #[tokio::test]
 async fn deltas_are_coalesced_per_request_with_contiguous_seq() {
-    let (_fake, gw, addr) = start(slow(60, 5), "coalesce_ms = 100\nmax_chunk_bytes = 4096").await;
+    let (_fake, gw, addr) = start(Knobs::slow(60, 5), "coalesce_ms = 100\nmax_chunk_bytes = 4096").await;
     let mut d = device(addr, V::V4, D1).await;
     d.subscribe(&d.topic("res/#")).await;
     d.publish(&d.topic("req"), request("coalesced").to_string()).await;

@@ -18,7 +18,7 @@ async fn devices_on_lossy_links_get_every_event_exactly_once() {
         .map(|(id, pw)| devices_sim::device_config(id, pw, "demo", "demo"))
         .collect::<Vec<_>>()
         .join("\n");
-    let knobs = Knobs { tokens: 30, token_delay: Duration::from_millis(15), ..Knobs::default() };
+    let knobs = Knobs::slow(30, 15);
     let (fake, gw, addr) = start(knobs, &format!("coalesce_ms = 40\n{sections}")).await;
     let cfg = SimConfig {
         broker: addr,
@@ -70,7 +70,7 @@ async fn bench_first_delta_and_coalescing() {
         .map(|(id, pw)| devices_sim::device_config(id, pw, "demo", "demo"))
         .collect::<Vec<_>>()
         .join("\n");
-    let knobs = Knobs { tokens: 64, token_delay: Duration::from_millis(5), ..Knobs::default() };
+    let knobs = Knobs::slow(64, 5);
     let (_fake, gw, addr) = start(knobs, &format!("max_connections = 100\n{sections}")).await;
     println!("| coalescing | responses | messages per response | wire bytes per response | wire bytes per output byte | first delta p50 | p99 |");
     println!("|---|---|---|---|---|---|---|");

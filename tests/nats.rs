@@ -244,7 +244,7 @@ async fn service_discovery_finds_the_service_its_endpoints_and_stats() {
 }
 
 fn slow() -> Knobs {
-    Knobs { tokens: 100_000, token_delay: Duration::from_millis(20), ..Knobs::default() }
+    Knobs::slow(100_000, 20)
 }
 
 async fn cancel(client: &async_nats::Client, key: &str, request_id: &str) -> Value {

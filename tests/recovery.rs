@@ -12,12 +12,18 @@ use edgeway::config::Config;
 use edgeway::testing::{config_toml, TempDir};
 use serde_json::{json, Value};
 
+/// A data directory and the config of gateways that use it in turn around
+/// `fake` (each call gives a fresh `Config` for the next start).
+fn restartable(fake: &FakeEngine) -> (TempDir, impl Fn() -> Config) {
+    let dir = TempDir::new("edgeway-restart");
+    let text = config_toml(&fake.url(), "openai", &dir.0, "");
+    (dir, move || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap())
+}
+
 #[tokio::test]
 async fn an_idempotent_repeat_after_a_restart_returns_the_original_result() {
     let fake = FakeEngine::start().await;
-    let dir = TempDir::new("edgeway-restart");
-    let text = config_toml(&fake.url(), "openai", &dir.0, "");
-    let load = || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let (_dir, load) = restartable(&fake);
     let mut body = chat_body(false);
     body["idempotency_key"] = json!("invoice-7");
 
@@ -46,9 +52,7 @@ async fn an_idempotent_repeat_after_a_restart_returns_the_original_result() {
 #[tokio::test]
 async fn a_revoked_key_stays_revoked_after_a_restart_until_reinstated() {
     let fake = FakeEngine::start().await;
-    let dir = TempDir::new("edgeway-revoke");
-    let text = config_toml(&fake.url(), "openai", &dir.0, "");
-    let load = || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let (_dir, load) = restartable(&fake);
     let admin = |gw: &TestGateway, what: &str| {
         let url = format!("{}/admin/keys/{what}", gw.base_url);
         async move { client().post(url).bearer_auth(OPS_KEY).json(&json!({"api_key": DEMO_KEY})).send().await.unwrap() }
@@ -122,9 +126,7 @@ async fn task_status(base: &str, id: &str) -> Value {
 
 #[tokio::test]
 async fn after_kill_9_no_task_stays_unfinished() {
-    let fake =
-        FakeEngine::start_with(Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() })
-            .await;
+    let fake = FakeEngine::start_with(Knobs::slow(1000, 20)).await;
     let dir = TempDir::new("edgeway-kill9");
     let port = free_port();
     let text = config_toml(&fake.url(), "openai", &dir.0, "")

@@ -81,7 +81,7 @@ async fn a_submitted_task_runs_without_a_connection_and_can_be_looked_up() {
 
 #[tokio::test]
 async fn only_the_owner_sees_or_cancels_a_task() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 20);
     let (fake, gw) = setup(knobs).await;
     // `demo` submits; `ops` is an admin of the same tenant; a third key is
     // unknown.
@@ -103,7 +103,7 @@ async fn only_the_owner_sees_or_cancels_a_task() {
 
 #[tokio::test]
 async fn cancelling_a_queued_task_never_reaches_the_engine() {
-    let knobs = Knobs { tokens: 1000, token_delay: Duration::from_millis(20), ..Knobs::default() };
+    let knobs = Knobs::slow(1000, 20);
     let (fake, gw) = setup(knobs).await;
     let mut ids = Vec::new();
     for _ in 0..3 {
@@ -126,7 +126,7 @@ async fn cancelling_a_queued_task_never_reaches_the_engine() {
 
 #[tokio::test]
 async fn events_resume_from_last_event_id() {
-    let knobs = Knobs { tokens: 8, token_delay: Duration::from_millis(30), ..Knobs::default() };
+    let knobs = Knobs::slow(8, 30);
     let (_fake, gw) = setup(knobs).await;
     let v: Value = create(&gw, DEMO_KEY, &chat_body(false)).await.json().await.unwrap();
     let id = v["task_id"].as_str().unwrap().to_string();
@@ -157,7 +157,7 @@ async fn events_resume_from_last_event_id() {
 
 #[tokio::test]
 async fn a_p0_task_overtakes_a_p4_backlog_when_a_slot_frees() {
-    let knobs = Knobs { tokens: 10, token_delay: Duration::from_millis(30), ..Knobs::default() };
+    let knobs = Knobs::slow(10, 30);
     let (_fake, gw) = setup(knobs).await;
     let mut p4 = chat_body(false);
     p4["priority"] = serde_json::json!("P4");

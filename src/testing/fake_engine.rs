@@ -49,6 +49,13 @@ pub struct Knobs {
     pub resident: bool,
 }
 
+impl Knobs {
+    /// `tokens` per answer, one every `delay_ms` milliseconds.
+    pub fn slow(tokens: u32, delay_ms: u64) -> Knobs {
+        Knobs { tokens, token_delay: Duration::from_millis(delay_ms), ..Knobs::default() }
+    }
+}
+
 impl Default for Knobs {
     fn default() -> Self {
         Knobs {
