@@ -810,6 +810,9 @@ impl RawConfig {
             if m.queue_capacity == Some(0) {
                 err(format!("{p}.queue_capacity"), "must be at least 1".into());
             }
+            if !(m.memory_margin_percent.is_finite() && m.memory_margin_percent >= 0.0) {
+                err(format!("{p}.memory_margin_percent"), "must be a number of percent, 0 or more".into());
+            }
             let kv_bytes_per_token = match (m.kv_bytes_per_token, &m.architecture) {
                 (Some(_), Some(_)) => {
                     err(format!("{p}.architecture"), "give kv_bytes_per_token or architecture, not both".into());

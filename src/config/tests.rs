@@ -135,3 +135,12 @@ fn kv_bytes_per_token_comes_from_the_architecture() {
     assert_eq!(parse(&zero, &[]).unwrap_err().0[0].path, "models.general-chat.architecture");
     assert_eq!(parse(MINIMAL, &[]).unwrap().models["general-chat"].kv_bytes_per_token, 0, "no memory admission");
 }
+
+#[test]
+fn memory_margin_is_a_positive_percentage() {
+    for bad in ["-100", "-1", "nan", "inf"] {
+        let e = parse(&format!("{MINIMAL}memory_margin_percent = {bad}\n"), &[]).unwrap_err();
+        assert_eq!(e.0[0].path, "models.general-chat.memory_margin_percent", "{bad}: {e}");
+    }
+    assert!(parse(&format!("{MINIMAL}memory_margin_percent = 0\n"), &[]).is_ok());
+}

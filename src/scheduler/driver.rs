@@ -21,7 +21,6 @@ pub(super) struct Driver {
     pub tx: mpsc::UnboundedSender<Cmd>,
     pub log: Arc<TaskLog>,
     pub cancel: CancelHandle,
-    pub queue_position: usize,
     /// Keep the answer text (for the store's data policy or idempotent
     /// replays after a restart).
     pub keep_text: bool,
@@ -82,12 +81,12 @@ impl Driver {
         self.shared.registry.ended(&id);
     }
 
-    /// Records the task as queued and emits `Accepted`. Called by `submit`
-    /// before it answers, so whoever the caller tells about the task (an
-    /// HTTP 202, an MQTT `accepted`) finds it `QUEUED` at least.
+    /// Records the task as queued (the actor has put `Accepted` first in its
+    /// log). Called by `submit` before it answers, so whoever the caller
+    /// tells about the task (an HTTP 202, an MQTT `accepted`) finds it
+    /// `QUEUED` at least.
     pub fn accept(&self) {
         self.shared.recorder.transition(&self.req, TaskState::Queued, self.queued_reason, None, "scheduler");
-        self.log.push(TaskEvent::Accepted { task_id: self.req.task_id.clone(), queue_position: self.queue_position });
     }
 
     async fn run_phases(&self, grant: oneshot::Receiver<SlotGrant>, p: &mut Progress) -> Outcome {

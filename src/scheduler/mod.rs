@@ -296,7 +296,6 @@ pub fn start(
     let actor = Actor {
         model_index: config.models.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect(),
         details: instances.iter().map(|_| "not checked yet".to_string()).collect(),
-        draining: vec![false; instances.len()],
         instances,
         policy,
         grants: HashMap::new(),
@@ -422,7 +421,6 @@ impl SchedulerHandle {
             tx: self.tx.clone(),
             log,
             cancel,
-            queue_position,
             keep_text,
             queued_reason,
         };
@@ -528,8 +526,6 @@ struct Waiter {
 struct Actor {
     instances: Vec<Instance>,
     details: Vec<String>,
-    /// Instances out of dispatch because a cancelled request kept running.
-    draining: Vec<bool>,
     policy: Policy,
     model_index: HashMap<String, usize>,
     /// Waiting tasks, by id.
@@ -582,6 +578,8 @@ impl Actor {
                 let now = self.now();
                 let result = self.policy.enqueue(info, now);
                 if let Ok(a) = &result {
+                    // First in the log, before any `queued` update can be.
+                    log.push(TaskEvent::Accepted { task_id: task_id.clone(), queue_position: a.position });
                     self.metrics.queue_depth.with_label_values(&[&model, priority.as_str()]).inc();
                     self.grants.insert(task_id, Waiter { grant, model: m, priority, log, position: a.position });
                 }
@@ -601,7 +599,7 @@ impl Actor {
             }
             Cmd::Health { instance, up, detail } => {
                 self.policy.set_instance_up(instance, up);
-                if !self.draining[instance] {
+                if !self.policy.instance_paused(instance) {
                     self.details[instance] = detail;
                 }
                 if !up {
@@ -610,10 +608,9 @@ impl Actor {
             }
             Cmd::GraceCheck { instance, busy } => {
                 let ours = self.policy.running_on(instance);
-                if busy > ours && !self.draining[instance] {
+                if busy > ours && !self.policy.instance_paused(instance) {
                     let name = &self.instances[instance].name;
                     tracing::warn!(engine = %name, busy, ours, "engine did not stop a cancelled request within the grace period; out of dispatch until it does");
-                    self.draining[instance] = true;
                     self.details[instance] =
                         format!("still running {busy} generation(s) for {ours} task(s) after a cancel");
                     self.policy.set_instance_paused(instance, true);
@@ -622,9 +619,8 @@ impl Actor {
             Cmd::EngineState { instance, load, model_resident } => {
                 let name = &self.instances[instance].name;
                 if let Some(busy) = load.busy_slots {
-                    if self.draining[instance] && busy <= self.policy.running_on(instance) {
+                    if self.policy.instance_paused(instance) && busy <= self.policy.running_on(instance) {
                         tracing::info!(engine = %name, "engine stopped the cancelled work; back in dispatch");
-                        self.draining[instance] = false;
                         self.details[instance] = "ok".into();
                         self.policy.set_instance_paused(instance, false);
                     }

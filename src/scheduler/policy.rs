@@ -296,6 +296,10 @@ impl Policy {
         self.cfg.models[model].instances.iter().any(|&i| self.instances[i].up)
     }
 
+    pub fn instance_paused(&self, instance: usize) -> bool {
+        self.instances[instance].paused
+    }
+
     /// Whether the instance may be given tasks now: up and not paused.
     pub fn instance_dispatchable(&self, instance: usize) -> bool {
         let i = &self.instances[instance];
