@@ -445,7 +445,9 @@ async fn a_streamed_answer_that_waits_shows_its_queue_position_in_sse_comments()
         let url = format!("{}/v1/chat/completions", gw.base_url);
         async move { client().post(url).bearer_auth(OPS_KEY).json(&high).send().await.unwrap().status() }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    until_snapshot(&gw, "the P4 and the P0 request queued", |s| s.queues[0].waiting == 2).await;
+    // …and a position update has been sent (every 20 ms here).
+    tokio::time::sleep(Duration::from_millis(100)).await;
     drop(blocker);
     let raw = low.text().await.unwrap();
     assert!(raw.contains("\n\n: queued position 1\n\n"), "{raw}");
@@ -573,8 +575,6 @@ async fn an_engine_that_keeps_running_a_cancelled_request_is_taken_out_of_dispat
     gw.stop().await;
 }
 
-/// Polls the scheduler until `cond` holds on its snapshot (probes run every
-/// 100 ms in the test config); panics after 5 s.
 #[tokio::test]
 async fn new_work_waits_while_the_engine_reports_a_full_kv_cache() {
     let knobs = Knobs::slow(1000, 20);

@@ -462,8 +462,10 @@ async fn device_connections_are_accepted_with_tcp_nodelay() {
 
 /// A device that sends DISCONNECT and connects again at once, over and
 /// over, always gets its SUBACK and its messages (rumqttd alone loses the
-/// new connection's subscriptions now and then: see `protocol.rs`).
-#[tokio::test]
+/// new connection's subscriptions now and then: see `protocol.rs`). A
+/// multi-threaded runtime, as in the binary, so the CONNECT's wait for the
+/// closing connection runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn immediate_reconnects_after_disconnect_keep_their_subscriptions() {
     let (_fake, gw, addr) = start(Knobs::default(), "").await;
     for v in [V::V4, V::V5] {
@@ -473,7 +475,7 @@ async fn immediate_reconnects_after_disconnect_keep_their_subscriptions() {
             d.publish(&d.topic(&format!("echo/{i}")), "ping").await;
             let m = d.msg().await;
             assert_eq!(m.topic, d.topic(&format!("echo/{i}")), "{v:?} round {i}");
-            d.disconnect().await;
+            d.disconnect_and_wait().await;
         }
     }
     gw.stop().await;
@@ -556,11 +558,14 @@ async fn wills_are_published_on_a_dead_connection_only_and_only_to_the_device() 
     other.subscribe("#").await;
     for (v, name) in [(V::V4, "v4"), (V::V5, "v5")] {
         let topic = format!("ai/v1/demo-device-1/status/{name}");
-        // A clean DISCONNECT: no will.
-        let d = connect_with_will(addr, v, D1.0, D1.0, D1.1, Some((&topic, "clean"))).await.unwrap();
-        d.disconnect().await;
-        // A dead connection: the will.
-        let d = connect_with_will(addr, v, D1.0, D1.0, D1.1, Some((&topic, "gone"))).await.unwrap();
+        // A clean DISCONNECT, done before the next connection: no will
+        // (had one been kept, it would arrive before the next one's).
+        let mut d = connect_with_will(addr, v, D1.0, D1.0, D1.1, Some((&topic, "clean"))).await.unwrap();
+        d.disconnect_and_wait().await;
+        // A dead connection (another client id: no reconnect cancels
+        // anything): the will.
+        let dead = "demo-device-1:dead";
+        let d = connect_with_will(addr, v, dead, D1.0, D1.1, Some((&topic, "gone"))).await.unwrap();
         d.kill();
         let m = watch.msg().await;
         assert_eq!((m.topic.as_str(), &m.payload[..]), (topic.as_str(), &b"gone"[..]), "{v:?}");

@@ -273,6 +273,17 @@ impl Device {
         }
     }
 
+    /// Sends DISCONNECT and waits until the broker has closed the
+    /// connection.
+    pub async fn disconnect_and_wait(&mut self) {
+        self.disconnect().await;
+        loop {
+            if let Ev::Closed(_) = self.next_ev().await {
+                return;
+            }
+        }
+    }
+
     /// Drops the connection without DISCONNECT (a network failure, as far
     /// as the broker can tell).
     pub fn kill(self) {

@@ -223,7 +223,6 @@ async fn link_loop(ingress: Arc<DeviceIngress>, mut rx: LinkRx, shutdown: Cancel
     }
 }
 
-/// Applies device connects and disconnects, and expires old streams.
 /// Publishes the wills of connections that ended without a clean
 /// DISCONNECT (see `protocol`), each after its delay unless its client id
 /// connected again meanwhile. Wills reach subscribers at QoS 0.
@@ -254,6 +253,7 @@ async fn will_loop(
     }
 }
 
+/// Applies device connects and disconnects, and expires old streams.
 async fn presence_loop(
     ingress: Arc<DeviceIngress>,
     mut rx: mpsc::UnboundedReceiver<Change>,

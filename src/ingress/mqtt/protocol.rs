@@ -207,15 +207,19 @@ impl ProtocolShared {
         }
     }
 
+    /// A placeholder id not spoiled yet: one of the reused pool, or a fresh
+    /// one past it when the whole pool is spoiled.
     fn placeholder(&self) -> u64 {
         let mut g = self.placeholders.lock().expect("placeholders");
-        loop {
+        for _ in 0..PLACEHOLDERS {
             g.0 += 1;
             let k = g.0 % PLACEHOLDERS;
             if !g.1.contains(&k) {
                 return k;
             }
         }
+        g.0 += 1;
+        PLACEHOLDERS + g.0
     }
 
     fn report(&self, p: Presence) {
@@ -301,7 +305,7 @@ impl Drop for DeviceProtocol {
             if let Some(client_id) = &self.client_id {
                 self.shared.closed(client_id, conn);
                 if let Some((will, props)) = self.will.take() {
-                    self.shared.arm_will(client_id, &device, will, props, self.session_expiry);
+                    self.shared.arm_will(client_id, will, props, self.session_expiry);
                 }
             }
             self.shared.report(Presence::Disconnected { device, conn });
@@ -313,14 +317,7 @@ impl ProtocolShared {
     /// `session_expiry`: the MQTT 5 Session Expiry Interval of the
     /// connection (0 for 3.1.1): the will goes at the end of the delay or of
     /// the session, whichever comes first.
-    fn arm_will(
-        &self,
-        client_id: &str,
-        device: &str,
-        will: LastWill,
-        props: Option<LastWillProperties>,
-        session_expiry: u32,
-    ) {
+    fn arm_will(&self, client_id: &str, will: LastWill, props: Option<LastWillProperties>, session_expiry: u32) {
         let cancel = CancellationToken::new();
         let generation = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let old = self.pending_wills.lock().expect("wills").insert(client_id.to_string(), (generation, cancel.clone()));
@@ -333,7 +330,9 @@ impl ProtocolShared {
             payload_format_indicator: p.payload_format_indicator,
             message_expiry_interval: p.message_expiry_interval,
             content_type: p.content_type,
-            response_topic: p.response_topic.map(|t| mount_topic(device, &t)),
+            // As the device sent it, like a PUBLISH's (only topic names
+            // are mounted).
+            response_topic: p.response_topic,
             correlation_data: p.correlation_data,
             user_properties: p.user_properties,
             ..Default::default()

@@ -412,7 +412,11 @@ impl DeviceIngress {
     pub fn on_presence(&self, c: &Change) {
         match c {
             Change::Takeover { device, epoch } => self.streams.stop_senders(device, epoch - 1),
-            Change::Offline { device, epoch } => self.device_dropped(device, *epoch),
+            // Only if the device has not come back since the event was made.
+            Change::Offline { device, epoch } if self.sessions.state(device) == (false, *epoch) => {
+                self.device_dropped(device, *epoch)
+            }
+            Change::Offline { .. } => {}
             Change::Other => {}
         }
         self.metrics.connected.set(self.sessions.online_count() as i64);
