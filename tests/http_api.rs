@@ -679,6 +679,9 @@ async fn revoking_a_key_refuses_it_and_cancels_its_tasks() {
     let (fake, gw) = gateway_with(knobs, "").await;
     let mut resp = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
     resp.chunk().await.unwrap();
+    // Another key's task, which must go on.
+    let mut other = post_chat(&gw, OPS_KEY, &chat_body(true)).await;
+    other.chunk().await.unwrap();
     let url = format!("{}/admin/keys/revoke", gw.base_url);
     let denied = client().post(&url).bearer_auth(DEMO_KEY).json(&json!({"api_key": OPS_KEY})).send().await.unwrap();
     assert_eq!(denied.status(), 403, "only admins revoke");
@@ -696,9 +699,14 @@ async fn revoking_a_key_refuses_it_and_cancels_its_tasks() {
     let (events, _) = read_sse(resp).await;
     let last = events.last().unwrap();
     assert_eq!(error_code(last), "REQUEST_CANCELLED");
-    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0).await, "engine stopped");
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 1).await, "engine stopped it");
     let again = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
     assert_eq!(again.status(), 401);
     assert!(again.text().await.unwrap().contains("revoked"));
+    // The other key's stream still flows.
+    for _ in 0..3 {
+        let chunk = other.chunk().await.unwrap().expect("the ops task still streams");
+        assert!(!String::from_utf8_lossy(&chunk).contains("\"error\""));
+    }
     gw.stop().await;
 }
