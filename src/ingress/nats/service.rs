@@ -287,7 +287,9 @@ enum Lost {
 /// the service response) or until the caller is gone.
 async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) {
     let (n, gone, _guard) = ctx.streams.register();
-    let probe_reply = format!("{}.{n}", ctx.probe_inbox);
+    // A Subject: cloning it per message shares its bytes (a String would
+    // be copied for every delta).
+    let probe_reply = Subject::from(format!("{}.{n}", ctx.probe_inbox));
     let cfg = &ctx.cfg;
     let mut last_sent = Instant::now();
     let mut shutting_down = false;
