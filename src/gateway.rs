@@ -14,10 +14,10 @@ use tokio_util::task::TaskTracker;
 
 use crate::admission::{self, Authenticator, ChatRequestBody};
 use crate::config::Config;
-use crate::engine;
 use crate::error::ErrorCode;
 use crate::error::GatewayError;
-use crate::scheduler::{self, Instance, SchedulerHandle, TaskStream};
+use crate::router::Router;
+use crate::scheduler::{self, SchedulerHandle, TaskStream};
 use crate::store::durable::{IdempotentRecord, StoredRequest};
 use crate::store::Store;
 use crate::task::{Identity, Ingress, Priority, ResultMeta, TaskEvent, TaskRequest, TaskState};
@@ -276,41 +276,10 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
 
-    let mut instances = Vec::new();
-    for e in config.engines.values() {
-        let adapter = engine::build(e).map_err(|err| anyhow::anyhow!("engine {}: {err}", e.name))?;
-        metrics.running.with_label_values(&[&e.name]).set(0);
-        instances.push(Instance {
-            name: e.name.clone(),
-            engine: adapter,
-            engine_model: e.model.clone(),
-            max_concurrency: e.max_concurrency,
-        });
-    }
-    let probes: Vec<_> = instances
-        .iter()
-        .enumerate()
-        .map(|(i, inst)| (i, inst.engine.clone(), config.engines[&inst.name].health_interval))
-        .collect();
+    let router = Arc::new(Router::from_config(&config)?);
     let recorder = Recorder::new(store.clone());
-    let scheduler = scheduler::start(
-        config.clone(),
-        instances,
-        recorder.clone(),
-        metrics.clone(),
-        tracker.clone(),
-        shutdown.clone(),
-    );
-    for (i, engine, interval) in probes {
-        tracker.spawn(engine::health::probe_loop(
-            i,
-            engine,
-            interval,
-            scheduler.clone(),
-            metrics.clone(),
-            shutdown.child_token(),
-        ));
-    }
+    let scheduler =
+        scheduler::start(config.clone(), router, recorder.clone(), metrics.clone(), tracker.clone(), shutdown.clone());
 
     let auth = Authenticator::new(&config);
     for hex_digest in store.revoked_keys().await {

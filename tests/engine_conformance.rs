@@ -13,6 +13,8 @@ use std::time::Duration;
 
 use edgeway::config::{EngineConfig, EngineKind};
 use edgeway::engine::{Capabilities, Engine, EngineChunk, EngineError, EngineLoad, EngineRequest, EngineStream};
+use edgeway::error::ErrorCode;
+use edgeway::router::{Instance, Router};
 use edgeway::task::{ChatMessage, SamplingParams};
 use edgeway::testing::{FakeEngine, Knobs};
 use futures::StreamExt;
@@ -88,7 +90,7 @@ impl Setup {
 
     async fn start(&self, max_output_tokens: u32) -> EngineStream {
         let req = self.request(max_output_tokens);
-        tokio::time::timeout(LIMIT, self.engine.stream(req))
+        tokio::time::timeout(LIMIT, self.engine.stream(&req))
             .await
             .expect("stream() resolves")
             .unwrap_or_else(|e| panic!("stream() failed: {e:?}"))
@@ -227,7 +229,7 @@ async fn http_error_is_status_error(kind: EngineKind) {
         for (code, unreachable) in [(500u16, false), (503, true)] {
             let s = Setup::new(kind, stream, knobs(|k| k.fail_status = Some(code))).await;
             let req = s.request(256);
-            let r = tokio::time::timeout(LIMIT, s.engine.stream(req)).await.expect("stream() resolves");
+            let r = tokio::time::timeout(LIMIT, s.engine.stream(&req)).await.expect("stream() resolves");
             let e = match r {
                 Ok(_) => panic!("{}: HTTP {code} must fail stream()", mode(stream)),
                 Err(e) => e,
@@ -250,7 +252,7 @@ async fn closed_port_is_unreachable(kind: EngineKind) {
             params: SamplingParams::default(),
             max_output_tokens: 16,
         };
-        let r = tokio::time::timeout(LIMIT, engine.stream(req)).await.expect("stream() resolves");
+        let r = tokio::time::timeout(LIMIT, engine.stream(&req)).await.expect("stream() resolves");
         let e = match r {
             Ok(_) => panic!("{}: a closed port must fail stream()", mode(stream)),
             Err(e) => e,
@@ -270,14 +272,40 @@ fn closed_port_url() -> String {
 
 /// The engine closes a connection after reading a request, without an
 /// answer (as when it closes a kept-alive connection just as it is reused):
-/// the adapter sends the request once more on a fresh connection, and the
-/// answer arrives. A second broken connection is an error.
-async fn connection_closed_before_answer_is_retried_once(kind: EngineKind) {
+/// the adapter sends once and says so with `ConnectionLost` (the engine saw
+/// no request), so that the router may send it again.
+async fn connection_closed_before_answer_is_connection_lost(kind: EngineKind) {
+    let s = Setup::new(kind, STREAM, Knobs::default()).await;
+    let proxy = breaking_proxy(&s.fake.url(), 1).await;
+    let engine = edgeway::engine::build(&engine_config(kind, &proxy, STREAM)).expect("adapter builds");
+    let r = tokio::time::timeout(LIMIT, engine.stream(&s.request(16))).await.expect("stream() resolves");
+    match r {
+        Err(e) => {
+            assert!(matches!(e, EngineError::ConnectionLost(ref m) if m.contains("closed")), "{e:?}");
+            assert!(e.is_unreachable());
+        }
+        Ok(_) => panic!("a broken connection must fail stream()"),
+    }
+    assert_eq!(s.fake.stats.requests.load(SeqCst), 0);
+}
+
+/// Through the router: one connection broken before the answer is sent once
+/// more and the answer arrives (the engine ran it once); a second broken
+/// connection is `MODEL_UNAVAILABLE` for the client.
+async fn router_resends_once_when_connection_closed_before_answer(kind: EngineKind) {
     for (broken, succeeds) in [(1usize, true), (2, false)] {
         let s = Setup::new(kind, STREAM, Knobs::default()).await;
         let proxy = breaking_proxy(&s.fake.url(), broken).await;
-        let engine = edgeway::engine::build(&engine_config(kind, &proxy, STREAM)).expect("adapter builds");
-        let r = tokio::time::timeout(LIMIT, engine.stream(s.request(16))).await.expect("stream() resolves");
+        let cfg = engine_config(kind, &proxy, STREAM);
+        let router = Router::new(vec![Instance {
+            name: cfg.name.clone(),
+            engine: edgeway::engine::build(&cfg).expect("adapter builds"),
+            engine_model: cfg.model.clone(),
+            max_concurrency: cfg.max_concurrency,
+            exclusive: cfg.exclusive,
+            health_interval: cfg.health_interval,
+        }]);
+        let r = tokio::time::timeout(LIMIT, router.open(0, &s.request(16))).await.expect("open() resolves");
         match r {
             Ok(stream) if succeeds => {
                 let a = answer(collect(stream).await);
@@ -285,7 +313,8 @@ async fn connection_closed_before_answer_is_retried_once(kind: EngineKind) {
                 assert_eq!(s.fake.stats.requests.load(SeqCst), 1, "the engine ran it once");
             }
             Err(e) if !succeeds => {
-                assert!(matches!(e, EngineError::Unreachable(ref m) if m.contains("closed")), "{e:?}");
+                assert_eq!(e.error.code, ErrorCode::ModelUnavailable, "{e:?}");
+                assert!(e.reason.contains("closed"), "{e:?}");
                 assert_eq!(s.fake.stats.requests.load(SeqCst), 0);
             }
             other => panic!("{broken} broken connection(s): {:?}", other.map(|_| "a stream")),
@@ -382,7 +411,7 @@ async fn dropping_pending_whole_answer_aborts_generation(kind: EngineKind) {
     .await;
     let engine = s.engine.clone();
     let req = s.request(256);
-    let pending = tokio::spawn(async move { engine.stream(req).await.map(|_| ()) });
+    let pending = tokio::spawn(async move { engine.stream(&req).await.map(|_| ()) });
     assert!(s.fake.wait_for(LIMIT, |st| st.active.load(SeqCst) == 1).await, "the fake started generating");
     pending.abort();
     assert!(pending.await.expect_err("aborted").is_cancelled());
@@ -500,9 +529,12 @@ conformance! {
         => openai_http_error_is_status_error, ollama_http_error_is_status_error;
     closed_port_is_unreachable()
         => openai_closed_port_is_unreachable, ollama_closed_port_is_unreachable;
-    connection_closed_before_answer_is_retried_once()
-        => openai_connection_closed_before_answer_is_retried_once,
-           ollama_connection_closed_before_answer_is_retried_once;
+    connection_closed_before_answer_is_connection_lost()
+        => openai_connection_closed_before_answer_is_connection_lost,
+           ollama_connection_closed_before_answer_is_connection_lost;
+    router_resends_once_when_connection_closed_before_answer()
+        => openai_router_resends_once_when_connection_closed_before_answer,
+           ollama_router_resends_once_when_connection_closed_before_answer;
     mid_stream_drop_errors_without_finish()
         => openai_mid_stream_drop_errors_without_finish,
            ollama_mid_stream_drop_errors_without_finish;

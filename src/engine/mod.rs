@@ -1,18 +1,19 @@
 //! Engine adapters: one trait ([`Engine`]) in front of every inference
 //! server, one file per wire protocol family.
 //!
-//! Owns: talking to engines (requests, streams, health) and translating their
-//! wire formats into [`EngineChunk`]s. Does not own: which instance runs a
-//! task (router/scheduler) or what a client is told (the scheduler turns an
-//! [`EngineError`] into a public error code; engine text never reaches a
-//! client).
+//! Owns: talking to engines (requests, streams, health and load readings)
+//! and translating their wire formats into [`EngineChunk`]s and
+//! [`EngineError`]s. Does not own: which instance runs a task, whether a
+//! failed request is sent again, health probing, or what a client is told
+//! (all in `router`, which also turns an [`EngineError`] into a public error
+//! code; engine text never reaches a client). Imports nothing of the
+//! pipeline above it.
 //!
 //! # Cancel safety
 //! An [`EngineStream`] owns the engine's HTTP response. Dropping it closes
 //! the connection, which is how llama.cpp, vLLM and Ollama learn that the
 //! client is gone and stop generating. There is no separate cancel call.
 
-pub mod health;
 mod metrics;
 pub mod ollama;
 pub mod openai;
@@ -52,12 +53,19 @@ pub enum EngineChunk {
 
 pub type EngineStream = BoxStream<'static, Result<EngineChunk, EngineError>>;
 
-/// What went wrong talking to an engine. Stays inside edgeway: the scheduler
+/// What went wrong talking to an engine. Stays inside edgeway: the router
 /// maps it to `MODEL_UNAVAILABLE` or `INTERNAL_ERROR` for the client.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum EngineError {
     #[error("cannot reach engine: {0}")]
     Unreachable(String),
+    /// The connection broke after the request was written and before any
+    /// answer (the engine closed a kept-alive connection just as it was
+    /// reused: hyper's "connection closed before message completed"). The
+    /// engine saw no complete request, so sending it again is safe; the
+    /// router does so once.
+    #[error("engine connection closed before any answer: {0}")]
+    ConnectionLost(String),
     #[error("engine answered HTTP {status}: {body}")]
     Status { status: u16, body: String },
     #[error("engine reported an error: {0}")]
@@ -72,7 +80,7 @@ impl EngineError {
     /// Whether the engine itself is likely unusable (so health should be
     /// re-checked), as opposed to this one request failing.
     pub fn is_unreachable(&self) -> bool {
-        matches!(self, EngineError::Unreachable(_))
+        matches!(self, EngineError::Unreachable(_) | EngineError::ConnectionLost(_))
             || matches!(self, EngineError::Status { status, .. } if *status >= 502)
     }
 }
@@ -117,8 +125,10 @@ pub trait Engine: Send + Sync + 'static {
     fn kind(&self) -> EngineKind;
     fn capabilities(&self) -> Capabilities;
     /// Starts a generation. Resolves once the engine has accepted the
-    /// request (HTTP headers received); chunks follow on the stream.
-    async fn stream(&self, req: EngineRequest) -> Result<EngineStream, EngineError>;
+    /// request (HTTP headers received); chunks follow on the stream. Sends
+    /// exactly once: a caller that sends again (see
+    /// [`EngineError::ConnectionLost`]) passes the same request.
+    async fn stream(&self, req: &EngineRequest) -> Result<EngineStream, EngineError>;
     async fn health(&self) -> EngineHealth;
     /// The engine's own view of its load (busy slots, KV-cache usage),
     /// where it tells. Cheap and bounded by a short timeout: the health
@@ -148,29 +158,21 @@ fn http_client(connect_timeout: Duration) -> Result<reqwest::Client, EngineError
         .map_err(|e| EngineError::Unreachable(format!("cannot build HTTP client: {e}")))
 }
 
-/// Sends a generation request. A request that failed on a connection that
-/// was already open (the engine closed a kept-alive connection just as it
-/// was reused: hyper reports "connection closed before message completed")
-/// is sent once more on a fresh one; a refused or timed-out connect is not.
-/// The engine drops the first attempt when it sees the connection closed,
-/// as it does for any disconnect, so nothing runs twice.
+/// Sends a generation request once. A request that failed on a connection
+/// that was already open, before any answer, is
+/// [`EngineError::ConnectionLost`]; a refused or timed-out connect is
+/// [`EngineError::Unreachable`].
 pub(crate) async fn send(rb: reqwest::RequestBuilder) -> Result<reqwest::Response, EngineError> {
-    let again = rb.try_clone();
     match rb.send().await {
         Ok(r) => Ok(r),
-        Err(e) if !e.is_connect() && !e.is_timeout() && e.is_request() => {
-            let first = unreachable(e);
-            let Some(again) = again else { return Err(first) };
-            tracing::debug!(error = %first, "engine connection broke before the answer; sending once more");
-            again.send().await.map_err(unreachable)
-        }
-        Err(e) => Err(unreachable(e)),
+        Err(e) if !e.is_connect() && !e.is_timeout() && e.is_request() => Err(EngineError::ConnectionLost(causes(e))),
+        Err(e) => Err(EngineError::Unreachable(causes(e))),
     }
 }
 
 /// reqwest's own message ("error sending request") with its causes, without
 /// the URL.
-fn unreachable(e: reqwest::Error) -> EngineError {
+fn causes(e: reqwest::Error) -> String {
     use std::error::Error as _;
     let e = e.without_url();
     let mut s = e.to_string();
@@ -180,10 +182,10 @@ fn unreachable(e: reqwest::Error) -> EngineError {
         s.push_str(&c.to_string());
         cause = c.source();
     }
-    EngineError::Unreachable(s)
+    s
 }
 
-pub(crate) fn truncate(s: &str, n: usize) -> String {
+pub fn truncate(s: &str, n: usize) -> String {
     if s.len() <= n {
         return s.to_string();
     }

@@ -149,7 +149,7 @@ impl Engine for OllamaEngine {
         Capabilities { streaming: self.cfg.stream, reports_usage: true, cancel_on_disconnect: true }
     }
 
-    async fn stream(&self, req: EngineRequest) -> Result<EngineStream, EngineError> {
+    async fn stream(&self, req: &EngineRequest) -> Result<EngineStream, EngineError> {
         let mut options = Map::new();
         options.insert("num_predict".into(), req.max_output_tokens.into());
         let p = serde_json::to_value(&req.params).unwrap_or_default();

@@ -220,7 +220,7 @@ impl Engine for OpenAiEngine {
         Capabilities { streaming: self.cfg.stream, reports_usage: true, cancel_on_disconnect: true }
     }
 
-    async fn stream(&self, req: EngineRequest) -> Result<EngineStream, EngineError> {
+    async fn stream(&self, req: &EngineRequest) -> Result<EngineStream, EngineError> {
         let stream = self.cfg.stream;
         let body = WireRequest {
             model: &req.model,

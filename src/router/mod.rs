@@ -1,55 +1,152 @@
-//! Routing: from a logical model to one of its engine instances.
+//! The router: from a granted slot to a running engine request.
 //!
-//! Owns: the choice of instance for a task that may be dispatched now. Does
-//! not own: slot accounting or health (the scheduler keeps them and passes
-//! a view in). Fallback to other models is a later extension of [`pick`].
+//! Owns: the engine instances (their adapters, as built from the config) and
+//! their state as the health probes see it ([`health`]); the choice of
+//! instance for a task ([`pick`], called by the scheduler's policy); and
+//! dispatch ([`dispatch`]): opening the engine stream, sending a request
+//! once more when its connection broke before any answer, and turning an
+//! engine's failure into the public error code a client sees. Circuit
+//! breakers and residency join the instance state here.
+//!
+//! Does not own: queues and slots (the scheduler grants a slot on an
+//! instance, then calls [`Router::open`]), deadlines and the task's life
+//! cycle (the scheduler's driver), or wire formats (the engine adapters).
+//! The router knows nothing of the scheduler: instance changes go out
+//! through the sink the scheduler hands to [`Router::start_probes`].
 
-/// What the router needs to know about an instance.
-#[derive(Debug, Clone, Copy)]
-pub struct InstanceView {
-    pub up: bool,
-    pub running: usize,
+mod dispatch;
+mod health;
+mod pick;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Config;
+use crate::engine::{self, Engine, EngineError, EngineLoad};
+use crate::telemetry::Metrics;
+
+pub use dispatch::DispatchError;
+pub use pick::{any_up, pick, InstanceView};
+
+/// One engine instance: an adapter and what the config says about it.
+pub struct Instance {
+    pub name: String,
+    pub engine: Arc<dyn Engine>,
+    /// The engine's own name for the model.
+    pub engine_model: String,
     pub max_concurrency: usize,
+    /// edgeway is the engine's only client, so a busy slot the engine
+    /// reports after a cancel is one edgeway asked to stop.
+    pub exclusive: bool,
+    /// Time between health probes.
+    pub health_interval: Duration,
 }
 
-impl InstanceView {
-    pub fn has_free_slot(&self) -> bool {
-        self.up && self.running < self.max_concurrency
+/// An instance's health, as the probes last saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceHealth {
+    /// `None` until the first probe has answered.
+    pub up: Option<bool>,
+    /// Short, for logs and `/ready` (never for clients of tasks).
+    pub detail: String,
+}
+
+/// A change the scheduler must know about, sent through the sink given to
+/// [`Router::start_probes`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum InstanceEvent {
+    /// The instance went up or down (only changes are sent).
+    Health { instance: usize, up: bool },
+    /// What a healthy engine said about itself at a probe: its load and,
+    /// where it tells, whether its model is in memory.
+    Load { instance: usize, load: EngineLoad, model_resident: Option<bool> },
+}
+
+/// Where instance events go (the scheduler's actor).
+pub type InstanceSink = Arc<dyn Fn(InstanceEvent) + Send + Sync>;
+
+pub struct Router {
+    instances: Vec<Instance>,
+    health: Mutex<Vec<InstanceHealth>>,
+    /// Probes wait on these to re-check an instance at once (after an
+    /// engine request failed to connect).
+    recheck: Vec<Notify>,
+}
+
+impl Router {
+    /// Builds an adapter for every configured engine, in the config's
+    /// order (an instance's index is its position there).
+    pub fn from_config(config: &Config) -> Result<Router, EngineError> {
+        let mut instances = Vec::with_capacity(config.engines.len());
+        for e in config.engines.values() {
+            let adapter =
+                engine::build(e).map_err(|err| EngineError::Unreachable(format!("engine {}: {err}", e.name)))?;
+            instances.push(Instance {
+                name: e.name.clone(),
+                engine: adapter,
+                engine_model: e.model.clone(),
+                max_concurrency: e.max_concurrency,
+                exclusive: e.exclusive,
+                health_interval: e.health_interval,
+            });
+        }
+        Ok(Router::new(instances))
     }
-}
 
-/// Picks the least-loaded healthy instance with a free slot among
-/// `candidates` (indices into `instances`) that `eligible` accepts, or
-/// `None`. Ties go to the earlier instance in the model's list, so the
-/// configuration order expresses preference.
-pub fn pick(candidates: &[usize], instances: &[InstanceView], eligible: impl Fn(usize) -> bool) -> Option<usize> {
-    candidates.iter().copied().filter(|&i| instances[i].has_free_slot() && eligible(i)).min_by(|&a, &b| {
-        let (ia, ib) = (&instances[a], &instances[b]);
-        // Compare running/max without floats: a.r * b.m vs b.r * a.m.
-        (ia.running * ib.max_concurrency).cmp(&(ib.running * ia.max_concurrency))
-    })
-}
-
-/// Whether any candidate is healthy (a task may wait for it).
-pub fn any_up(candidates: &[usize], instances: &[InstanceView]) -> bool {
-    candidates.iter().any(|&i| instances[i].up)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn v(up: bool, running: usize, max: usize) -> InstanceView {
-        InstanceView { up, running, max_concurrency: max }
+    pub fn new(instances: Vec<Instance>) -> Router {
+        let health = instances.iter().map(|_| InstanceHealth { up: None, detail: "not checked yet".into() }).collect();
+        let recheck = instances.iter().map(|_| Notify::new()).collect();
+        Router { instances, health: Mutex::new(health), recheck }
     }
 
-    #[test]
-    fn least_loaded_healthy_instance_wins() {
-        let inst = [v(true, 1, 2), v(true, 0, 2), v(false, 0, 4), v(true, 2, 2)];
-        assert_eq!(pick(&[0, 1, 2, 3], &inst, |_| true), Some(1));
-        assert_eq!(pick(&[0, 1, 2, 3], &inst, |i| i != 1), Some(0));
-        assert_eq!(pick(&[0, 3], &inst, |_| true), Some(0));
-        assert_eq!(pick(&[2, 3], &inst, |_| true), None);
-        assert!(!any_up(&[2], &inst));
+    pub fn instances(&self) -> &[Instance] {
+        &self.instances
+    }
+
+    pub fn instance(&self, i: usize) -> &Instance {
+        &self.instances[i]
+    }
+
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.instances.iter().position(|x| x.name == name)
+    }
+
+    /// What the probes last saw of instance `i`.
+    pub fn health(&self, i: usize) -> InstanceHealth {
+        self.health.lock().expect("router health lock")[i].clone()
+    }
+
+    /// Asks the probe of instance `i` to check it now rather than at its
+    /// next tick.
+    pub fn request_recheck(&self, i: usize) {
+        self.recheck[i].notify_one();
+    }
+
+    /// The generations instance `i`'s engine says it runs (for any client),
+    /// where it tells.
+    pub async fn busy_slots(&self, i: usize) -> Option<usize> {
+        self.instances[i].engine.load().await.busy_slots
+    }
+
+    /// Starts one health probe per instance on `tracker`; each stops with
+    /// `shutdown`. Changes go to `sink`.
+    pub fn start_probes(
+        self: &Arc<Self>,
+        tracker: &TaskTracker,
+        shutdown: &CancellationToken,
+        metrics: Arc<Metrics>,
+        sink: InstanceSink,
+    ) {
+        for i in 0..self.instances.len() {
+            tracker.spawn(health::probe_loop(self.clone(), i, metrics.clone(), sink.clone(), shutdown.child_token()));
+        }
+    }
+
+    fn set_health(&self, i: usize, h: InstanceHealth) {
+        self.health.lock().expect("router health lock")[i] = h;
     }
 }

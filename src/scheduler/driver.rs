@@ -1,6 +1,11 @@
-//! The driver of one task: waits for a slot, runs the engine request under
-//! the layered timeouts, forwards the events, records every transition and
-//! ends the task in exactly one terminal state.
+//! The driver of one task: waits for a slot, has the router open the engine
+//! request, keeps the layered timeouts, forwards the events, records every
+//! transition and ends the task in exactly one terminal state.
+//!
+//! Owns: deadlines and the task's life cycle. Does not own: the engine
+//! request, resends, or what an engine failure means for the client (the
+//! router's [`Router::open`](crate::router::Router::open) and
+//! [`DispatchError`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,9 +15,10 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::sleep_until;
 
 use super::events::TaskLog;
-use super::{terminal_state_for, CancelHandle, Cmd, Shared, SlotGrant, SlotLease};
-use crate::engine::{Engine, EngineChunk, EngineError, EngineRequest};
+use super::{terminal_state_for, CancelHandle, Cmd, Shared, SlotGrant};
+use crate::engine::{EngineChunk, EngineRequest};
 use crate::error::{ErrorCode, GatewayError};
+use crate::router::DispatchError;
 use crate::task::{ResultMeta, TaskEvent, TaskRequest, TaskState, Timing, Usage};
 
 pub(super) struct Driver {
@@ -45,8 +51,9 @@ struct Progress {
     deltas: u32,
     finish_reason: Option<String>,
     text: String,
-    /// The engine the task ran on, for the post-cancel grace check.
-    engine: Option<(usize, Arc<dyn Engine>)>,
+    /// The instance the task ran on (the router's index), for the
+    /// post-cancel grace check.
+    instance_index: Option<usize>,
 }
 
 impl Driver {
@@ -62,17 +69,18 @@ impl Driver {
         let outcome = self.run_phases(grant, &mut p).await;
         let stopped_early =
             outcome.error.as_ref().is_some_and(|(e, _)| e.code == ErrorCode::RequestCancelled || e.code.is_timeout());
-        let exclusive =
-            p.instance.as_ref().and_then(|n| self.shared.config.engines.get(n)).is_some_and(|e| e.exclusive);
-        if let (true, true, Some((instance, engine))) = (stopped_early, exclusive, p.engine.take()) {
+        let router = &self.shared.router;
+        let exclusive = p.instance_index.is_some_and(|i| router.instance(i).exclusive);
+        if let (true, true, Some(instance)) = (stopped_early, exclusive, p.instance_index) {
             // The engine should stop within the grace period; if it says it
             // still runs more than edgeway gave it, the instance is taken
             // out of dispatch until it does.
             let grace = self.shared.config.cancel_grace;
             let tx = self.tx.clone();
+            let router = router.clone();
             self.shared.tracker.spawn(async move {
                 tokio::time::sleep(grace).await;
-                if let Some(busy) = engine.load().await.busy_slots {
+                if let Some(busy) = router.busy_slots(instance).await {
                     let _ = tx.send(Cmd::GraceCheck { instance, busy });
                 }
             });
@@ -135,7 +143,7 @@ impl Driver {
         let now = Instant::now();
         p.dispatched_at = Some(now);
         p.instance = Some(lease.instance_name.clone());
-        p.engine = Some((lease.instance, lease.engine.clone()));
+        p.instance_index = Some(lease.instance);
         p.actual_model = Some(format!("{}/{}", lease.instance_name, lease.engine_model));
         let labels = [r.logical_model.as_str(), r.priority.as_str()];
         self.shared.metrics.queue_wait.with_label_values(&labels).observe(r.received_at.elapsed().as_secs_f64());
@@ -178,9 +186,9 @@ impl Driver {
             biased;
             _ = self.cancel.token.cancelled() => return self.cancelled(),
             _ = sleep_until(first_token_deadline) => return deadline_code(first_token_deadline, true),
-            s = lease.engine.stream(engine_req) => match s {
+            s = self.shared.router.open(lease.instance, &engine_req) => match s {
                 Ok(s) => s,
-                Err(e) => return self.engine_failed(&lease, e, false),
+                Err(e) => return self.engine_failed(&lease.instance_name, e),
             },
         };
         self.shared.recorder.transition(r, TaskState::Running, "engine accepted", Some(&lease.instance_name), "engine");
@@ -236,7 +244,11 @@ impl Driver {
                 Some(Ok(EngineChunk::Finish(reason))) => p.finish_reason = Some(reason),
                 Some(Err(e)) => {
                     drop(stream);
-                    return self.engine_failed(&lease, e, p.first_token_at.is_some());
+                    let mid_stream = p.first_token_at.is_some();
+                    return self.engine_failed(
+                        &lease.instance_name,
+                        self.shared.router.stream_failed(lease.instance, e, mid_stream),
+                    );
                 }
                 None => break,
             }
@@ -255,22 +267,9 @@ impl Driver {
         Outcome { error: Some((GatewayError::new(ErrorCode::RequestCancelled, reason.clone()), actor)), reason }
     }
 
-    fn engine_failed(&self, lease: &SlotLease, e: EngineError, mid_stream: bool) -> Outcome {
-        tracing::warn!(task_id = %self.req.task_id, engine = %lease.instance_name, error = %e, mid_stream, "engine request failed");
-        if e.is_unreachable() {
-            self.shared.recheck[lease.instance].notify_one();
-        }
-        let err = if e.is_unreachable() && !mid_stream {
-            GatewayError::new(ErrorCode::ModelUnavailable, "the model's engine is not reachable").with_retry_after(2000)
-        } else {
-            GatewayError::internal(if mid_stream {
-                "the engine failed while generating"
-            } else {
-                "the engine refused the request"
-            })
-        };
-        let reason = format!("engine error: {}", crate::engine::truncate(&e.to_string(), 200));
-        Outcome { error: Some((err, "engine")), reason }
+    fn engine_failed(&self, instance: &str, e: DispatchError) -> Outcome {
+        tracing::warn!(task_id = %self.req.task_id, engine = %instance, error = %e.reason, "engine request failed");
+        Outcome { error: Some((e.error, "engine")), reason: e.reason }
     }
 
     fn finish(&self, outcome: Outcome, p: Progress) {

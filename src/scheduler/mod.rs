@@ -7,10 +7,13 @@
 //! the engine request under the layered timeouts and reports the events.
 //!
 //! Owns: the per-model bounded queues (priority, then arrival), the slots of
-//! every engine instance (`max_concurrency`), instance health and engine
-//! self-reports (busy slots, KV-cache usage, model residency) as the probes
-//! pass them on, and the life of each task from QUEUED to its end. Does not
-//! own: validation and identity (admission) or wire formats (ingress).
+//! every engine instance (`max_concurrency`), what instance health and engine
+//! self-reports (busy slots, KV-cache usage, model residency) mean for
+//! dispatch as the router's probes pass them on, and the life of each task
+//! from QUEUED to its end (deadlines, events, the record). Does not own:
+//! validation and identity (admission), the engine request itself and what an
+//! engine failure means for the client (the router), or wire formats
+//! (ingress).
 //!
 //! # Cancel safety
 //! A slot is a [`SlotLease`]: whoever drops it frees the slot, so a driver
@@ -24,34 +27,26 @@ pub mod policy;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::engine::{Engine, EngineLoad};
+use crate::engine::EngineLoad;
 use crate::error::{ErrorCode, GatewayError};
+use crate::router::{InstanceEvent, Router};
 use crate::task::{Priority, TaskEvent, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
 use events::{Registry, Subscription, TaskEntry, TaskLog};
 use policy::{Admission, Backpressure, InstancePolicy, ModelPolicy, Policy, PolicyConfig, TaskInfo};
 
-/// An engine instance as the scheduler sees it.
-pub struct Instance {
-    pub name: String,
-    pub engine: Arc<dyn Engine>,
-    /// The engine's own name for the model.
-    pub engine_model: String,
-    pub max_concurrency: usize,
-}
-
 /// Permission to run one task on one instance. Dropping it frees the slot.
 pub struct SlotLease {
     pub task_id: String,
+    /// The router's index of the instance.
     pub instance: usize,
     pub instance_name: String,
-    pub engine: Arc<dyn Engine>,
     pub engine_model: String,
     /// Output tokens the task produced (refunds its token-rate charge).
     pub output_tokens: u64,
@@ -163,7 +158,6 @@ enum Cmd {
     Health {
         instance: usize,
         up: bool,
-        detail: String,
     },
     Danger {
         reason: Option<String>,
@@ -214,13 +208,11 @@ pub struct QueueSnapshot {
 
 struct Shared {
     config: Arc<Config>,
+    router: Arc<Router>,
     recorder: Recorder,
     metrics: Arc<Metrics>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
-    /// Probes wait on these to re-check an instance at once (after an
-    /// engine request failed to connect).
-    recheck: Vec<Notify>,
     /// Live and recently ended tasks.
     registry: Registry,
 }
@@ -232,17 +224,19 @@ pub struct SchedulerHandle {
     shared: Arc<Shared>,
 }
 
-/// Starts the scheduler actor. Drivers are spawned on `tracker`; all stop
-/// when `shutdown` is cancelled.
+/// Starts the scheduler actor and the router's health probes, which feed
+/// it. Drivers are spawned on `tracker`; all stop when `shutdown` is
+/// cancelled.
 pub fn start(
     config: Arc<Config>,
-    instances: Vec<Instance>,
+    router: Arc<Router>,
     recorder: Recorder,
     metrics: Arc<Metrics>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
 ) -> SchedulerHandle {
     let (tx, rx) = mpsc::unbounded_channel();
+    let instances = router.instances();
     let index: HashMap<&str, usize> = instances.iter().enumerate().map(|(i, x)| (x.name.as_str(), i)).collect();
     let models: Vec<ModelPolicy> = config
         .models
@@ -286,25 +280,38 @@ pub fn start(
     });
     let shared = Arc::new(Shared {
         config: config.clone(),
+        router: router.clone(),
         recorder,
         metrics: metrics.clone(),
         tracker: tracker.clone(),
         shutdown: shutdown.clone(),
-        recheck: instances.iter().map(|_| Notify::new()).collect(),
         registry: Registry::new(config.scheduler.replay_retention, config.scheduler.replay_max_bytes),
     });
     let actor = Actor {
         model_index: config.models.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect(),
-        details: instances.iter().map(|_| "not checked yet".to_string()).collect(),
-        instances,
+        pause_details: instances.iter().map(|_| None).collect(),
+        router: router.clone(),
         policy,
         grants: HashMap::new(),
         queue_updates: config.scheduler.queue_updates,
         tx: tx.clone(),
-        metrics,
+        metrics: metrics.clone(),
         epoch: std::time::Instant::now(),
     };
-    tracker.spawn(actor.run(rx, shutdown));
+    tracker.spawn(actor.run(rx, shutdown.clone()));
+    for inst in router.instances() {
+        metrics.running.with_label_values(&[&inst.name]).set(0);
+    }
+    let probe_tx = tx.clone();
+    let sink = Arc::new(move |e: InstanceEvent| {
+        let _ = probe_tx.send(match e {
+            InstanceEvent::Health { instance, up } => Cmd::Health { instance, up },
+            InstanceEvent::Load { instance, load, model_resident } => {
+                Cmd::EngineState { instance, load, model_resident }
+            }
+        });
+    });
+    router.start_probes(&tracker, &shutdown, metrics.clone(), sink);
     SchedulerHandle { tx, shared }
 }
 
@@ -495,21 +502,6 @@ impl SchedulerHandle {
     pub fn set_danger(&self, reason: Option<String>) {
         let _ = self.tx.send(Cmd::Danger { reason });
     }
-
-    /// Passes on what a healthy engine reported at a probe: its load and,
-    /// where it tells, whether its model is in memory.
-    pub(crate) fn report_engine_state(&self, instance: usize, load: EngineLoad, model_resident: Option<bool>) {
-        let _ = self.tx.send(Cmd::EngineState { instance, load, model_resident });
-    }
-
-    pub(crate) fn set_instance_health(&self, instance: usize, up: bool, detail: String) {
-        let _ = self.tx.send(Cmd::Health { instance, up, detail });
-    }
-
-    /// Resolves when someone asks for an early health check of `instance`.
-    pub(crate) async fn recheck_requested(&self, instance: usize) {
-        self.shared.recheck[instance].notified().await
-    }
 }
 
 /// A task waiting for a slot, as the actor knows it.
@@ -524,8 +516,11 @@ struct Waiter {
 }
 
 struct Actor {
-    instances: Vec<Instance>,
-    details: Vec<String>,
+    router: Arc<Router>,
+    /// Why an instance is out of dispatch while the scheduler holds it
+    /// there (a cancelled request the engine did not stop); shown instead of
+    /// the probe's detail.
+    pause_details: Vec<Option<String>>,
     policy: Policy,
     model_index: HashMap<String, usize>,
     /// Waiting tasks, by id.
@@ -594,14 +589,11 @@ impl Actor {
             }
             Cmd::Release { task_id, output_tokens } => {
                 if let Some(i) = self.policy.release(&task_id, output_tokens) {
-                    self.metrics.running.with_label_values(&[&self.instances[i].name]).dec();
+                    self.metrics.running.with_label_values(&[&self.router.instance(i).name]).dec();
                 }
             }
-            Cmd::Health { instance, up, detail } => {
+            Cmd::Health { instance, up } => {
                 self.policy.set_instance_up(instance, up);
-                if !self.policy.instance_paused(instance) {
-                    self.details[instance] = detail;
-                }
                 if !up {
                     self.fail_stranded();
                 }
@@ -609,19 +601,19 @@ impl Actor {
             Cmd::GraceCheck { instance, busy } => {
                 let ours = self.policy.running_on(instance);
                 if busy > ours && !self.policy.instance_paused(instance) {
-                    let name = &self.instances[instance].name;
+                    let name = &self.router.instance(instance).name;
                     tracing::warn!(engine = %name, busy, ours, "engine did not stop a cancelled request within the grace period; out of dispatch until it does");
-                    self.details[instance] =
-                        format!("still running {busy} generation(s) for {ours} task(s) after a cancel");
+                    self.pause_details[instance] =
+                        Some(format!("still running {busy} generation(s) for {ours} task(s) after a cancel"));
                     self.policy.set_instance_paused(instance, true);
                 }
             }
             Cmd::EngineState { instance, load, model_resident } => {
-                let name = &self.instances[instance].name;
+                let name = &self.router.instance(instance).name;
                 if let Some(busy) = load.busy_slots {
                     if self.policy.instance_paused(instance) && busy <= self.policy.running_on(instance) {
                         tracing::info!(engine = %name, "engine stopped the cancelled work; back in dispatch");
-                        self.details[instance] = "ok".into();
+                        self.pause_details[instance] = None;
                         self.policy.set_instance_paused(instance, false);
                     }
                 }
@@ -700,12 +692,11 @@ impl Actor {
                 continue;
             };
             self.dec_depth(model, priority);
-            let i = &self.instances[g.instance];
+            let i = self.router.instance(g.instance);
             let lease = SlotLease {
                 task_id: g.task_id.clone(),
                 instance: g.instance,
                 instance_name: i.name.clone(),
-                engine: i.engine.clone(),
                 engine_model: i.engine_model.clone(),
                 output_tokens: 0,
                 tx: self.tx.clone(),
@@ -728,13 +719,14 @@ impl Actor {
         let cfg = self.policy.config();
         Snapshot {
             instances: self
-                .instances
+                .router
+                .instances()
                 .iter()
                 .enumerate()
                 .map(|(i, inst)| InstanceSnapshot {
                     name: inst.name.clone(),
                     up: self.policy.instance_dispatchable(i),
-                    detail: self.details[i].clone(),
+                    detail: self.pause_details[i].clone().unwrap_or_else(|| self.router.health(i).detail),
                     running: self.policy.running_on(i),
                     max_concurrency: inst.max_concurrency,
                     kv_cache_usage: self.policy.kv_cache_usage(i),

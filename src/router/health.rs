@@ -1,0 +1,227 @@
+//! Health probes: one loop per engine instance that keeps the router's view
+//! of the instance current and sends every change to the scheduler's sink,
+//! which takes a down instance out of dispatch until it is up again. A
+//! healthy engine's self-report (busy slots, KV-cache usage, whether its
+//! model is in memory) is passed on at every probe.
+//!
+//! Owns: when to probe, how many failures make an instance down, the
+//! `edgeway_engine_up` and KV-cache gauges. Does not own: what a down
+//! instance means for queued work (the scheduler decides).
+
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{InstanceEvent, InstanceHealth, InstanceSink, Router};
+use crate::telemetry::Metrics;
+
+/// Consecutive failed probes before an instance is marked down. One success
+/// marks it up again.
+const FAILURES_TO_DOWN: u32 = 2;
+
+/// Probes instance `index` every health interval until `cancel`, and at once
+/// when dispatch asks for a re-check. The first probe runs at once.
+///
+/// # Cancel safety
+/// Dropping the future only stops probing; the router and the scheduler
+/// keep the last state they were told.
+pub(super) async fn probe_loop(
+    router: Arc<Router>,
+    index: usize,
+    metrics: Arc<Metrics>,
+    sink: InstanceSink,
+    cancel: CancellationToken,
+) {
+    let inst = router.instance(index);
+    let engine = inst.engine.clone();
+    let mut failures = 0u32;
+    let mut up: Option<bool> = None;
+    let mut tick = tokio::time::interval(inst.health_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+            _ = router.recheck[index].notified() => {}
+        }
+        let h = tokio::select! {
+            _ = cancel.cancelled() => return,
+            h = engine.health() => h,
+        };
+        if h.up {
+            let load = tokio::select! {
+                _ = cancel.cancelled() => return,
+                l = engine.load() => l,
+            };
+            sink(InstanceEvent::Load { instance: index, load, model_resident: h.model_resident });
+            show_kv_cache_usage(&metrics, engine.name(), load.kv_cache_usage);
+        } else {
+            // A down engine's last reading is stale.
+            show_kv_cache_usage(&metrics, engine.name(), None);
+        }
+        let now_up = if h.up {
+            failures = 0;
+            true
+        } else {
+            failures += 1;
+            // Until the first verdict, one failure is enough.
+            !(failures >= FAILURES_TO_DOWN || up.is_none())
+        };
+        if up != Some(now_up) {
+            router.set_health(index, InstanceHealth { up: Some(now_up), detail: h.detail.clone() });
+            if now_up {
+                tracing::info!(engine = engine.name(), "engine instance is up");
+            } else {
+                tracing::warn!(engine = engine.name(), detail = %h.detail, "engine instance is down");
+            }
+            up = Some(now_up);
+            metrics.engine_up.with_label_values(&[engine.name()]).set(i64::from(now_up));
+            sink(InstanceEvent::Health { instance: index, up: now_up });
+        }
+    }
+}
+
+/// Sets the instance's KV-cache gauge, or removes it while there is no
+/// reading (a stale value would look like a live one).
+fn show_kv_cache_usage(metrics: &Metrics, engine: &str, usage: Option<f64>) {
+    match usage {
+        Some(u) => metrics.engine_kv_cache_usage.with_label_values(&[engine]).set(u),
+        None => {
+            let _ = metrics.engine_kv_cache_usage.remove_label_values(&[engine]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+
+    use super::*;
+    use crate::config::EngineKind;
+    use crate::engine::{Capabilities, Engine, EngineError, EngineHealth, EngineLoad, EngineRequest, EngineStream};
+    use crate::router::Instance;
+
+    /// An engine whose probes answer from a script (then stay at the last
+    /// answer).
+    struct Scripted {
+        ups: Vec<bool>,
+        probes: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl Engine for Scripted {
+        fn name(&self) -> &str {
+            "scripted"
+        }
+        fn kind(&self) -> EngineKind {
+            EngineKind::OpenAi
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities { streaming: true, reports_usage: true, cancel_on_disconnect: true }
+        }
+        async fn stream(&self, _req: &EngineRequest) -> Result<EngineStream, EngineError> {
+            Err(EngineError::Unreachable("not for generation".into()))
+        }
+        async fn health(&self) -> EngineHealth {
+            let n = self.probes.fetch_add(1, Ordering::SeqCst);
+            let up = *self.ups.get(n).or(self.ups.last()).unwrap();
+            EngineHealth {
+                up,
+                detail: format!("probe {n}: {}", if up { "ok" } else { "refused" }),
+                model_resident: None,
+            }
+        }
+        async fn load(&self) -> EngineLoad {
+            EngineLoad { busy_slots: Some(1), kv_cache_usage: None }
+        }
+    }
+
+    /// Runs the probe over `ups` and returns the health events it sent and
+    /// the router's view at the end.
+    async fn probe(ups: Vec<bool>) -> (Vec<bool>, InstanceHealth, usize) {
+        let n = ups.len();
+        let engine = Arc::new(Scripted { ups, probes: AtomicUsize::new(0) });
+        let router = Arc::new(Router::new(vec![Instance {
+            name: "scripted".into(),
+            engine: engine.clone(),
+            engine_model: "m".into(),
+            max_concurrency: 1,
+            exclusive: true,
+            health_interval: Duration::from_millis(100),
+        }]));
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let (seen, loads) = (events.clone(), Arc::new(AtomicUsize::new(0)));
+        let loads_seen = loads.clone();
+        let sink: InstanceSink = Arc::new(move |e| match e {
+            InstanceEvent::Health { up, .. } => seen.lock().unwrap().push(up),
+            InstanceEvent::Load { load, .. } => {
+                assert_eq!(load.busy_slots, Some(1));
+                loads_seen.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(probe_loop(router.clone(), 0, Arc::new(Metrics::new()), sink, cancel.clone()));
+        // The script's last answer repeats: once probe n has started, the
+        // first n are fully handled.
+        while engine.probes.load(Ordering::SeqCst) <= n {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        cancel.cancel();
+        task.await.unwrap();
+        let ups = events.lock().unwrap().clone();
+        (ups, router.health(0), loads.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn down_after_two_failures_up_after_one_success() {
+        let (events, health, loads) = probe(vec![true, false, true, false, false, false, true]).await;
+        // One failure between successes changes nothing; two make it down.
+        assert_eq!(events, vec![true, false, true]);
+        assert_eq!(health.up, Some(true));
+        assert_eq!(health.detail, "probe 6: ok");
+        assert!(loads >= 3, "a healthy engine's load is passed on at every probe: {loads}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn first_failure_is_a_verdict() {
+        let (events, health, _) = probe(vec![false, true]).await;
+        assert_eq!(events, vec![false, true]);
+        assert_eq!(health.up, Some(true));
+        let (events, health, _) = probe(vec![false]).await;
+        assert_eq!(events, vec![false]);
+        assert_eq!(health, InstanceHealth { up: Some(false), detail: "probe 0: refused".into() });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn recheck_probes_at_once() {
+        let engine = Arc::new(Scripted { ups: vec![true], probes: AtomicUsize::new(0) });
+        let router = Arc::new(Router::new(vec![Instance {
+            name: "scripted".into(),
+            engine: engine.clone(),
+            engine_model: "m".into(),
+            max_concurrency: 1,
+            exclusive: true,
+            health_interval: Duration::from_secs(3600),
+        }]));
+        let cancel = CancellationToken::new();
+        let sink: InstanceSink = Arc::new(|_| {});
+        let task = tokio::spawn(probe_loop(router.clone(), 0, Arc::new(Metrics::new()), sink, cancel.clone()));
+        while engine.probes.load(Ordering::SeqCst) < 1 {
+            tokio::task::yield_now().await;
+        }
+        router.request_recheck(0);
+        tokio::time::timeout(Duration::from_secs(60), async {
+            while engine.probes.load(Ordering::SeqCst) < 2 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("a re-check probes long before the hourly tick");
+        cancel.cancel();
+        task.await.unwrap();
+    }
+}
