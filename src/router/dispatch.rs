@@ -70,3 +70,93 @@ impl Router {
         DispatchError { error, reason: format!("engine error: {}", truncate(&e.to_string(), 200)) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use futures::StreamExt;
+
+    use super::*;
+    use crate::engine::EngineChunk;
+    use crate::router::test_engine::Scripted;
+    use crate::router::Instance;
+    use crate::task::SamplingParams;
+
+    fn router(engine: Arc<Scripted>) -> Router {
+        Router::new(vec![Instance {
+            name: "scripted".into(),
+            engine,
+            engine_model: "m".into(),
+            max_concurrency: 1,
+            exclusive: true,
+            health_interval: Duration::from_secs(3600),
+        }])
+    }
+
+    fn request() -> EngineRequest {
+        EngineRequest {
+            model: "m".into(),
+            messages: Vec::new(),
+            params: SamplingParams::default(),
+            max_output_tokens: 4,
+        }
+    }
+
+    fn lost() -> EngineError {
+        EngineError::ConnectionLost("connection closed before message completed".into())
+    }
+
+    #[tokio::test]
+    async fn a_lost_connection_is_sent_once_more_and_only_once() {
+        let ok = vec![Ok(EngineChunk::Delta("hi".into())), Ok(EngineChunk::Finish("stop".into()))];
+        let engine = Arc::new(Scripted::streams(vec![Err(lost()), Ok(ok)]));
+        let r = router(engine.clone());
+        let items: Vec<_> = r.open(0, &request()).await.expect("second attempt answers").collect().await;
+        assert_eq!(items.len(), 2);
+        assert_eq!(engine.sent.load(Ordering::SeqCst), 2);
+
+        let engine = Arc::new(Scripted::streams(vec![Err(lost()), Err(lost())]));
+        let e = router(engine.clone()).open(0, &request()).await.map(|_| ()).unwrap_err();
+        assert_eq!(e.error.code, ErrorCode::ModelUnavailable);
+        assert_eq!(e.error.retry_after_ms, Some(2000));
+        assert_eq!(engine.sent.load(Ordering::SeqCst), 2, "never a third time");
+    }
+
+    #[tokio::test]
+    async fn other_failures_are_not_sent_again_and_map_to_public_codes() {
+        let cases = [
+            (EngineError::Unreachable("connection refused".into()), ErrorCode::ModelUnavailable),
+            (EngineError::Status { status: 503, body: "loading".into() }, ErrorCode::ModelUnavailable),
+            (EngineError::Status { status: 400, body: "bad".into() }, ErrorCode::InternalError),
+            (EngineError::Remote("oops".into()), ErrorCode::InternalError),
+        ];
+        for (err, code) in cases {
+            let text = err.to_string();
+            let unreachable = err.is_unreachable();
+            let engine = Arc::new(Scripted::streams(vec![Err(err)]));
+            let r = router(engine.clone());
+            let e = r.open(0, &request()).await.map(|_| ()).unwrap_err();
+            // An engine that cannot be reached is probed again at once.
+            let rechecked = tokio::time::timeout(Duration::from_millis(1), r.recheck[0].notified()).await.is_ok();
+            assert_eq!(rechecked, unreachable, "{text}");
+            assert_eq!(e.error.code, code, "{text}");
+            assert_eq!(engine.sent.load(Ordering::SeqCst), 1, "{text}");
+            // The engine's text is for the record, never for the client.
+            assert!(e.reason.contains(&text), "{}", e.reason);
+            assert!(!e.error.message.contains(&text), "{}", e.error.message);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failure_after_tokens_is_internal_and_says_so() {
+        let r = router(Arc::new(Scripted::streams(Vec::new())));
+        let e = r.stream_failed(0, EngineError::Unreachable("reset".into()), true);
+        assert_eq!(e.error.code, ErrorCode::InternalError);
+        assert!(e.error.message.contains("while generating"), "{}", e.error.message);
+        let e = r.stream_failed(0, EngineError::Truncated, false);
+        assert_eq!(e.error.code, ErrorCode::InternalError);
+    }
+}

@@ -98,53 +98,15 @@ mod tests {
     use std::sync::Mutex;
     use std::time::Duration;
 
-    use async_trait::async_trait;
-
     use super::*;
-    use crate::config::EngineKind;
-    use crate::engine::{Capabilities, Engine, EngineError, EngineHealth, EngineLoad, EngineRequest, EngineStream};
+    use crate::router::test_engine::Scripted;
     use crate::router::Instance;
-
-    /// An engine whose probes answer from a script (then stay at the last
-    /// answer).
-    struct Scripted {
-        ups: Vec<bool>,
-        probes: AtomicUsize,
-    }
-
-    #[async_trait]
-    impl Engine for Scripted {
-        fn name(&self) -> &str {
-            "scripted"
-        }
-        fn kind(&self) -> EngineKind {
-            EngineKind::OpenAi
-        }
-        fn capabilities(&self) -> Capabilities {
-            Capabilities { streaming: true, reports_usage: true, cancel_on_disconnect: true }
-        }
-        async fn stream(&self, _req: &EngineRequest) -> Result<EngineStream, EngineError> {
-            Err(EngineError::Unreachable("not for generation".into()))
-        }
-        async fn health(&self) -> EngineHealth {
-            let n = self.probes.fetch_add(1, Ordering::SeqCst);
-            let up = *self.ups.get(n).or(self.ups.last()).unwrap();
-            EngineHealth {
-                up,
-                detail: format!("probe {n}: {}", if up { "ok" } else { "refused" }),
-                model_resident: None,
-            }
-        }
-        async fn load(&self) -> EngineLoad {
-            EngineLoad { busy_slots: Some(1), kv_cache_usage: None }
-        }
-    }
 
     /// Runs the probe over `ups` and returns the health events it sent and
     /// the router's view at the end.
     async fn probe(ups: Vec<bool>) -> (Vec<bool>, InstanceHealth, usize) {
         let n = ups.len();
-        let engine = Arc::new(Scripted { ups, probes: AtomicUsize::new(0) });
+        let engine = Arc::new(Scripted::probes(ups));
         let router = Arc::new(Router::new(vec![Instance {
             name: "scripted".into(),
             engine: engine.clone(),
@@ -198,7 +160,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn recheck_probes_at_once() {
-        let engine = Arc::new(Scripted { ups: vec![true], probes: AtomicUsize::new(0) });
+        let engine = Arc::new(Scripted::probes(vec![true]));
         let router = Arc::new(Router::new(vec![Instance {
             name: "scripted".into(),
             engine: engine.clone(),

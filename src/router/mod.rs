@@ -150,3 +150,75 @@ impl Router {
         self.health.lock().expect("router health lock")[i] = h;
     }
 }
+
+/// An engine that answers from a script, for the router's unit tests.
+#[cfg(test)]
+mod test_engine {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    use async_trait::async_trait;
+
+    use crate::config::EngineKind;
+    use crate::engine::{Capabilities, Engine, EngineError, EngineHealth, EngineLoad, EngineRequest, EngineStream};
+
+    /// One scripted answer to `stream()`: refused, or these items.
+    pub(crate) type Answer = Result<Vec<Result<crate::engine::EngineChunk, EngineError>>, EngineError>;
+
+    pub(crate) struct Scripted {
+        /// Health probe answers in order (then the last one repeats).
+        pub ups: Vec<bool>,
+        pub probes: AtomicUsize,
+        /// Answers to `stream()` in order: an error, or a stream of these
+        /// items.
+        pub streams: Mutex<Vec<Answer>>,
+        pub sent: AtomicUsize,
+    }
+
+    impl Scripted {
+        pub fn probes(ups: Vec<bool>) -> Scripted {
+            Scripted { ups, probes: AtomicUsize::new(0), streams: Mutex::new(Vec::new()), sent: AtomicUsize::new(0) }
+        }
+
+        pub fn streams(answers: Vec<Answer>) -> Scripted {
+            Scripted {
+                ups: vec![true],
+                probes: AtomicUsize::new(0),
+                streams: Mutex::new(answers),
+                sent: AtomicUsize::new(0),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Engine for Scripted {
+        fn name(&self) -> &str {
+            "scripted"
+        }
+        fn kind(&self) -> EngineKind {
+            EngineKind::OpenAi
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities { streaming: true, reports_usage: true, cancel_on_disconnect: true }
+        }
+        async fn stream(&self, _req: &EngineRequest) -> Result<EngineStream, EngineError> {
+            use futures::StreamExt;
+            self.sent.fetch_add(1, Ordering::SeqCst);
+            let mut answers = self.streams.lock().unwrap();
+            assert!(!answers.is_empty(), "stream() called more often than scripted");
+            answers.remove(0).map(|items| futures::stream::iter(items).boxed())
+        }
+        async fn health(&self) -> EngineHealth {
+            let n = self.probes.fetch_add(1, Ordering::SeqCst);
+            let up = *self.ups.get(n).or(self.ups.last()).unwrap();
+            EngineHealth {
+                up,
+                detail: format!("probe {n}: {}", if up { "ok" } else { "refused" }),
+                model_resident: None,
+            }
+        }
+        async fn load(&self) -> EngineLoad {
+            EngineLoad { busy_slots: Some(1), kv_cache_usage: None }
+        }
+    }
+}
