@@ -3,8 +3,10 @@
 //! keys, then validated into a typed [`Config`] with every error reported by
 //! its key path.
 //!
-//! Owns: the file format and its validation. Does not own: what the values
-//! mean at run time (each component reads its own typed section).
+//! Owns: the file format and its validation, and the typed sections every
+//! component reads. Does not own: what the values mean at run time (each
+//! component reads its own typed section, or converts it into its own
+//! types). Plain data: it imports only `task` and `error`.
 
 pub mod mqtt;
 mod nats;
@@ -70,7 +72,7 @@ pub struct Config {
     pub models: BTreeMap<String, ModelConfig>,
     /// Fair-share weight of each tenant (default 1).
     pub tenant_weights: std::collections::HashMap<String, f64>,
-    pub resources: crate::admission::resources::ResourceConfig,
+    pub resources: ResourceConfig,
     /// A cancelled request may keep an engine busy this long before the
     /// instance is taken out of dispatch.
     pub cancel_grace: Duration,
@@ -168,7 +170,48 @@ pub struct ApplicationConfig {
     pub max_priority: Priority,
     pub default_priority: Priority,
     pub admin: bool,
-    pub limits: crate::scheduler::policy::AppPolicy,
+    pub limits: AppLimits,
+}
+
+/// Limits of one application against the others (all optional). The
+/// scheduler's policy reads them as they are.
+#[derive(Debug, Clone)]
+pub struct AppLimits {
+    /// Share of slots against other flows of the same priority.
+    pub weight: f64,
+    pub max_running: Option<usize>,
+    pub max_queued: Option<usize>,
+    pub user_max_running: Option<usize>,
+    pub user_max_queued: Option<usize>,
+    pub user_requests_per_minute: Option<u32>,
+    pub user_tokens_per_minute: Option<u64>,
+}
+
+impl Default for AppLimits {
+    fn default() -> Self {
+        AppLimits {
+            weight: 1.0,
+            max_running: None,
+            max_queued: None,
+            user_max_running: None,
+            user_max_queued: None,
+            user_requests_per_minute: None,
+            user_tokens_per_minute: None,
+        }
+    }
+}
+
+/// The `[resources]` thresholds of the danger zone, read by the resource
+/// watch in `admission`.
+#[derive(Debug, Clone)]
+pub struct ResourceConfig {
+    pub gpu: bool,
+    pub poll_interval: Duration,
+    pub danger_gpu_temperature_c: u32,
+    pub danger_gpu_memory_percent: f64,
+    /// Running and waiting tasks of this priority and less urgent are
+    /// cancelled on entering danger.
+    pub cancel_from_priority: Priority,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -9,8 +9,6 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::*;
-use crate::admission::resources::ResourceConfig;
-use crate::scheduler::policy::AppPolicy;
 use crate::task::{Priority, Timeouts};
 
 #[derive(Debug, Deserialize)]
@@ -708,7 +706,7 @@ impl RawConfig {
                     max_priority,
                     default_priority,
                     admin: a.admin,
-                    limits: AppPolicy {
+                    limits: AppLimits {
                         weight: a.weight,
                         max_running: a.max_running,
                         max_queued: a.max_queued,
