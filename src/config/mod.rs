@@ -3,14 +3,16 @@
 //! keys, then validated into a typed [`Config`] with every error reported by
 //! its key path.
 //!
-//! Owns: the file format and its validation, and the typed sections every
-//! component reads. Does not own: what the values mean at run time (each
-//! component reads its own typed section, or converts it into its own
-//! types). Plain data: it imports only `task` and `error`.
+//! Owns: the file format (`raw.rs`, with the defaults), its validation one
+//! section at a time (`validate.rs`, `nats.rs`, `mqtt.rs`) and the typed
+//! sections every component reads. Does not own: what the values mean at
+//! run time (each component reads its own typed section, or converts it into
+//! its own types). Plain data: it imports only `task` and `error`.
 
 pub mod mqtt;
 mod nats;
 mod raw;
+mod validate;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -54,6 +56,21 @@ impl fmt::Display for ConfigErrors {
             writeln!(f, "  - {e}")?;
         }
         Ok(())
+    }
+}
+
+/// The problems found so far in one load. Every section's check adds to it
+/// and none stops at its first problem, so one load names every mistake.
+#[derive(Debug, Default)]
+struct Problems(Vec<ConfigError>);
+
+impl Problems {
+    fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(ConfigError { path: path.into(), message: message.into() });
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -109,7 +126,8 @@ impl StoreConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     Text,
     Json,
@@ -214,7 +232,9 @@ pub struct ResourceConfig {
     pub cancel_from_priority: Priority,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Written `type = "openai"` or `type = "ollama"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum EngineKind {
     /// Any OpenAI-compatible server: llama.cpp, vLLM, SGLang, cloud APIs.
     OpenAi,
