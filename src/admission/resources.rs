@@ -8,25 +8,11 @@
 //! watch only logs that once; memory admission then relies on each engine's
 //! configured `memory_budget_mb`.
 
-use std::time::Duration;
-
 use tokio_util::sync::CancellationToken;
 
+use crate::config::ResourceConfig;
 use crate::scheduler::SchedulerHandle;
-use crate::task::Priority;
 use crate::telemetry::Metrics;
-
-/// Thresholds of the danger zone.
-#[derive(Debug, Clone)]
-pub struct ResourceConfig {
-    pub gpu: bool,
-    pub poll_interval: Duration,
-    pub danger_gpu_temperature_c: u32,
-    pub danger_gpu_memory_percent: f64,
-    /// Running and waiting tasks of this priority and less urgent are
-    /// cancelled on entering danger.
-    pub cancel_from_priority: Priority,
-}
 
 /// One reading of one GPU.
 #[derive(Debug, Clone, PartialEq)]
@@ -133,7 +119,10 @@ pub async fn watch(
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::task::Priority;
 
     fn cfg() -> ResourceConfig {
         ResourceConfig {

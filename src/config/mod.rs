@@ -3,12 +3,16 @@
 //! keys, then validated into a typed [`Config`] with every error reported by
 //! its key path.
 //!
-//! Owns: the file format and its validation. Does not own: what the values
-//! mean at run time (each component reads its own typed section).
+//! Owns: the file format (`raw.rs`, with the defaults), its validation one
+//! section at a time (`validate.rs`, `nats.rs`, `mqtt.rs`) and the typed
+//! sections every component reads. Does not own: what the values mean at
+//! run time (each component reads its own typed section, or converts it into
+//! its own types). Plain data: it imports only `task` and `error`.
 
 pub mod mqtt;
 mod nats;
 mod raw;
+mod validate;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -55,6 +59,21 @@ impl fmt::Display for ConfigErrors {
     }
 }
 
+/// The problems found so far in one load. Every section's check adds to it
+/// and none stops at its first problem, so one load names every mistake.
+#[derive(Debug, Default)]
+struct Problems(Vec<ConfigError>);
+
+impl Problems {
+    fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(ConfigError { path: path.into(), message: message.into() });
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Name of this gateway in results, logs and the task store.
@@ -70,7 +89,7 @@ pub struct Config {
     pub models: BTreeMap<String, ModelConfig>,
     /// Fair-share weight of each tenant (default 1).
     pub tenant_weights: std::collections::HashMap<String, f64>,
-    pub resources: crate::admission::resources::ResourceConfig,
+    pub resources: ResourceConfig,
     /// A cancelled request may keep an engine busy this long before the
     /// instance is taken out of dispatch.
     pub cancel_grace: Duration,
@@ -107,7 +126,8 @@ impl StoreConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     Text,
     Json,
@@ -168,10 +188,53 @@ pub struct ApplicationConfig {
     pub max_priority: Priority,
     pub default_priority: Priority,
     pub admin: bool,
-    pub limits: crate::scheduler::policy::AppPolicy,
+    pub limits: AppLimits,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Limits of one application against the others (all optional). The
+/// scheduler's policy reads them as they are.
+#[derive(Debug, Clone)]
+pub struct AppLimits {
+    /// Share of slots against other flows of the same priority.
+    pub weight: f64,
+    pub max_running: Option<usize>,
+    pub max_queued: Option<usize>,
+    pub user_max_running: Option<usize>,
+    pub user_max_queued: Option<usize>,
+    pub user_requests_per_minute: Option<u32>,
+    pub user_tokens_per_minute: Option<u64>,
+}
+
+impl Default for AppLimits {
+    fn default() -> Self {
+        AppLimits {
+            weight: 1.0,
+            max_running: None,
+            max_queued: None,
+            user_max_running: None,
+            user_max_queued: None,
+            user_requests_per_minute: None,
+            user_tokens_per_minute: None,
+        }
+    }
+}
+
+/// The `[resources]` thresholds of the danger zone, read by the resource
+/// watch in `admission`.
+#[derive(Debug, Clone)]
+pub struct ResourceConfig {
+    pub gpu: bool,
+    pub poll_interval: Duration,
+    pub danger_gpu_temperature_c: u32,
+    pub danger_gpu_memory_percent: f64,
+    /// Running and waiting tasks of this priority and less urgent are
+    /// cancelled on entering danger.
+    pub cancel_from_priority: Priority,
+}
+
+/// Written `type = "openai"` or `type = "ollama"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum EngineKind {
     /// Any OpenAI-compatible server: llama.cpp, vLLM, SGLang, cloud APIs.
     OpenAi,

@@ -2,6 +2,9 @@
 //! the `[devices.ID]` sections (who may connect, with which credentials, on
 //! behalf of which application). Without `[mqtt]` (or an
 //! `EDGEWAY__MQTT__…` variable) there is no broker.
+//!
+//! Owns: these sections' format, defaults and rules. Does not own: the
+//! broker or the device ingress (`ingress::mqtt`), which read [`MqttConfig`].
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -10,7 +13,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::ApplicationConfig;
+use super::raw::{optional, Field, PriorityName};
+use super::validate::{resolve, sha256_hex, Entries};
+use super::{ApplicationConfig, Problems};
 use crate::task::Priority;
 
 #[derive(Debug, Clone)]
@@ -70,93 +75,63 @@ pub struct DeviceConfig {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct RawMqtt {
-    #[serde(default = "d_listen")]
-    pub listen: String,
-    pub tls_listen: Option<String>,
-    pub tls_cert_file: Option<String>,
-    pub tls_key_file: Option<String>,
-    pub ws_listen: Option<String>,
-    #[serde(default = "d_prefix")]
+    pub listen: Field<SocketAddr>,
+    pub tls_listen: Option<Field<SocketAddr>>,
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    pub ws_listen: Option<Field<SocketAddr>>,
     pub topic_prefix: String,
-    #[serde(default = "d_max_packet")]
     pub max_packet_bytes: usize,
-    #[serde(default = "d_max_request")]
     pub max_request_bytes: usize,
-    #[serde(default = "d_max_connections")]
     pub max_connections: usize,
-    #[serde(default = "d_max_inflight")]
     pub max_inflight: usize,
-    #[serde(default = "d_connect_timeout")]
     pub connect_timeout_ms: u64,
-    #[serde(default = "d_coalesce")]
     pub coalesce_ms: u64,
-    #[serde(default = "d_chunk")]
     pub max_chunk_bytes: usize,
-    #[serde(default = "d_grace")]
     pub disconnect_grace_ms: u64,
-    #[serde(default = "d_retention")]
     pub replay_retention_ms: u64,
-    #[serde(default = "d_replay_bytes")]
     pub replay_max_bytes: usize,
-    #[serde(default = "d_stream_bytes")]
     pub stream_replay_max_bytes: usize,
-    #[serde(default = "d_filter_log")]
     pub filter_log_bytes: usize,
 }
 
-fn d_listen() -> String {
-    "127.0.0.1:1883".into()
-}
-fn d_prefix() -> String {
-    "ai/v1".into()
-}
-fn d_max_packet() -> usize {
-    1024 * 1024
-}
-fn d_max_request() -> usize {
-    512 * 1024
-}
-fn d_max_connections() -> usize {
-    20_000
-}
-fn d_max_inflight() -> usize {
-    100
-}
-fn d_connect_timeout() -> u64 {
-    10_000
-}
-fn d_coalesce() -> u64 {
-    100
-}
-fn d_chunk() -> usize {
-    512
-}
-fn d_grace() -> u64 {
-    60_000
-}
-fn d_retention() -> u64 {
-    300_000
-}
-fn d_replay_bytes() -> usize {
-    64 * 1024 * 1024
-}
-fn d_stream_bytes() -> usize {
-    1024 * 1024
-}
-fn d_filter_log() -> usize {
-    256 * 1024
+impl Default for RawMqtt {
+    fn default() -> Self {
+        RawMqtt {
+            listen: Field::Valid(SocketAddr::from(([127, 0, 0, 1], 1883))),
+            tls_listen: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            ws_listen: None,
+            topic_prefix: "ai/v1".into(),
+            max_packet_bytes: 1024 * 1024,
+            max_request_bytes: 512 * 1024,
+            max_connections: 20_000,
+            max_inflight: 100,
+            connect_timeout_ms: 10_000,
+            coalesce_ms: 100,
+            max_chunk_bytes: 512,
+            disconnect_grace_ms: 60_000,
+            replay_retention_ms: 300_000,
+            replay_max_bytes: 64 * 1024 * 1024,
+            stream_replay_max_bytes: 1024 * 1024,
+            filter_log_bytes: 256 * 1024,
+        }
+    }
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RawDevice {
-    pub tenant: String,
-    pub application: String,
+    pub tenant: Field<String>,
+    pub application: Field<String>,
     pub password_sha256: Option<String>,
-    pub max_priority: Option<String>,
-    pub default_priority: Option<String>,
+    /// Default: its application's.
+    pub max_priority: Option<Field<PriorityName>>,
+    /// Default: its application's, or `max_priority` if that is less urgent.
+    pub default_priority: Option<Field<PriorityName>>,
 }
 
 /// Device ids become MQTT client ids and topic levels.
@@ -169,74 +144,65 @@ pub fn valid_device_id(id: &str) -> bool {
 /// Topic levels under the prefix that are not devices.
 pub const RESERVED_DEVICE_IDS: &[&str] = &["shared"];
 
-fn addr(path: &str, s: &str, err: &mut dyn FnMut(String, String)) -> SocketAddr {
-    s.parse().unwrap_or_else(|_| {
-        err(path.into(), format!("{s:?} is not an address like 127.0.0.1:1883"));
-        SocketAddr::from(([127, 0, 0, 1], 1883))
-    })
-}
-
-fn resolve(base: &Path, f: &str) -> PathBuf {
-    let p = PathBuf::from(f);
-    if p.is_absolute() {
-        p
-    } else {
-        base.join(p)
-    }
-}
-
-pub fn validate(raw: RawMqtt, base_dir: &Path, err: &mut dyn FnMut(String, String)) -> MqttConfig {
-    let listen = addr("mqtt.listen", &raw.listen, err);
-    let ws_listen = raw.ws_listen.as_deref().map(|a| addr("mqtt.ws_listen", a, err));
-    let tls = match (&raw.tls_listen, &raw.tls_cert_file, &raw.tls_key_file) {
-        (None, None, None) => None,
+/// Validates `[mqtt]`; `None` after reporting a problem.
+pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Option<MqttConfig> {
+    let listen = raw.listen.get("mqtt.listen", p);
+    let ws_listen = optional(raw.ws_listen, "mqtt.ws_listen", p);
+    let tls = match (raw.tls_listen, &raw.tls_cert_file, &raw.tls_key_file) {
+        (None, None, None) => Some(None),
         (Some(l), Some(c), Some(k)) => {
             let (cert_file, key_file) = (resolve(base_dir, c), resolve(base_dir, k));
+            let mut files_exist = true;
             for (key, f) in [("mqtt.tls_cert_file", &cert_file), ("mqtt.tls_key_file", &key_file)] {
                 if !f.exists() {
-                    err(key.into(), format!("{} does not exist", f.display()));
+                    p.add(key, format!("{} does not exist", f.display()));
+                    files_exist = false;
                 }
             }
-            Some(MqttTlsConfig { listen: addr("mqtt.tls_listen", l, err), cert_file, key_file })
+            let listen = l.get("mqtt.tls_listen", p);
+            match listen {
+                Some(listen) if files_exist => Some(Some(MqttTlsConfig { listen, cert_file, key_file })),
+                _ => None,
+            }
         }
         _ => {
-            err("mqtt.tls_listen".into(), "tls_listen, tls_cert_file and tls_key_file go together".into());
+            p.add("mqtt.tls_listen", "tls_listen, tls_cert_file and tls_key_file go together");
             None
         }
     };
     let prefix = raw.topic_prefix.trim_matches('/').to_string();
     if prefix.is_empty() || prefix.split('/').any(|l| l.is_empty() || l.contains(['+', '#'])) || prefix.starts_with('$')
     {
-        err("mqtt.topic_prefix".into(), format!("{:?} is not a topic prefix like \"ai/v1\"", raw.topic_prefix));
+        p.add("mqtt.topic_prefix", format!("{:?} is not a topic prefix like \"ai/v1\"", raw.topic_prefix));
     }
     if raw.max_packet_bytes < 4096 {
-        err("mqtt.max_packet_bytes".into(), "must be at least 4096".into());
+        p.add("mqtt.max_packet_bytes", "must be at least 4096");
     }
     if raw.max_request_bytes < 1024 || raw.max_request_bytes > raw.max_packet_bytes {
-        err("mqtt.max_request_bytes".into(), "must be between 1024 and max_packet_bytes".into());
+        p.add("mqtt.max_request_bytes", "must be between 1024 and max_packet_bytes");
     }
     if raw.max_connections == 0 {
-        err("mqtt.max_connections".into(), "must be at least 1".into());
+        p.add("mqtt.max_connections", "must be at least 1");
     }
     if raw.max_inflight == 0 || raw.max_inflight > u16::MAX as usize {
-        err("mqtt.max_inflight".into(), "must be between 1 and 65535".into());
+        p.add("mqtt.max_inflight", "must be between 1 and 65535");
     }
     if raw.connect_timeout_ms == 0 || raw.connect_timeout_ms > u16::MAX as u64 {
-        err("mqtt.connect_timeout_ms".into(), "must be between 1 and 65535".into());
+        p.add("mqtt.connect_timeout_ms", "must be between 1 and 65535");
     }
     if raw.max_chunk_bytes == 0 {
-        err("mqtt.max_chunk_bytes".into(), "must be at least 1".into());
+        p.add("mqtt.max_chunk_bytes", "must be at least 1");
     }
     if raw.stream_replay_max_bytes > raw.replay_max_bytes {
-        err("mqtt.stream_replay_max_bytes".into(), "must not exceed replay_max_bytes".into());
+        p.add("mqtt.stream_replay_max_bytes", "must not exceed replay_max_bytes");
     }
     if raw.filter_log_bytes < 4096 {
-        err("mqtt.filter_log_bytes".into(), "must be at least 4096".into());
+        p.add("mqtt.filter_log_bytes", "must be at least 4096");
     }
-    MqttConfig {
-        listen,
-        tls,
-        ws_listen,
+    Some(MqttConfig {
+        listen: listen?,
+        tls: tls?,
+        ws_listen: ws_listen?,
         topic_prefix: prefix,
         max_packet_bytes: raw.max_packet_bytes,
         max_request_bytes: raw.max_request_bytes,
@@ -250,70 +216,76 @@ pub fn validate(raw: RawMqtt, base_dir: &Path, err: &mut dyn FnMut(String, Strin
         replay_max_bytes: raw.replay_max_bytes,
         stream_replay_max_bytes: raw.stream_replay_max_bytes,
         filter_log_bytes: raw.filter_log_bytes,
-    }
+    })
 }
 
-pub fn validate_devices(
+/// Validates `[devices.ID]` against the applications they act for. A device
+/// of an application that itself had a problem is left out (`None`) without
+/// a report of its own: the application's is the one to fix.
+pub(super) fn validate_devices(
     raw: BTreeMap<String, RawDevice>,
-    applications: &BTreeMap<String, ApplicationConfig>,
-    err: &mut dyn FnMut(String, String),
-) -> BTreeMap<String, DeviceConfig> {
-    let mut out = BTreeMap::new();
-    for (id, d) in raw {
-        let p = format!("devices.{id}");
-        if !valid_device_id(&id) {
-            err(
-                p.clone(),
-                format!("a device id is 1..64 characters of A-Z a-z 0-9 - _ . and not one of {RESERVED_DEVICE_IDS:?}"),
-            );
-        }
-        let app = applications.get(&d.application);
-        match app {
-            None => err(format!("{p}.application"), format!("no application named {:?}", d.application)),
-            Some(a) if a.tenant != d.tenant => {
-                err(format!("{p}.tenant"), format!("application {:?} belongs to tenant {:?}", d.application, a.tenant))
-            }
-            Some(_) => {}
-        }
-        let password_sha256 =
-            d.password_sha256.as_deref().and_then(|h| match hex::decode(h.trim().trim_start_matches("sha256:")) {
-                Ok(b) if b.len() == 32 => Some(b.try_into().expect("32 bytes")),
-                _ => {
-                    err(
-                        format!("{p}.password_sha256"),
-                        "must be a SHA-256 digest in hex; `edgeway hash-key PASSWORD` prints one".into(),
-                    );
-                    None
-                }
-            });
-        let prio = |key: &str, v: &Option<String>, dflt: Priority, err: &mut dyn FnMut(String, String)| match v {
-            None => dflt,
-            Some(s) => Priority::parse(s).unwrap_or_else(|| {
-                err(format!("{p}.{key}"), format!("must be P0..P4, not {s:?}"));
-                dflt
-            }),
-        };
-        let (app_max, app_default) =
-            app.map(|a| (a.max_priority, a.default_priority)).unwrap_or((Priority::P4, Priority::P4));
-        let max_priority = prio("max_priority", &d.max_priority, app_max, err);
-        let default_priority = prio("default_priority", &d.default_priority, app_default.max(max_priority), err);
-        if max_priority < app_max {
-            err(format!("{p}.max_priority"), format!("is above its application's {}", app_max.as_str()));
-        }
-        if default_priority < max_priority {
-            err(format!("{p}.default_priority"), "is more urgent than max_priority".into());
-        }
-        out.insert(
-            id.clone(),
-            DeviceConfig {
-                id,
-                tenant: d.tenant,
-                application: d.application,
-                password_sha256,
-                max_priority,
-                default_priority,
-            },
+    applications: &Entries<ApplicationConfig>,
+    p: &mut Problems,
+) -> Entries<DeviceConfig> {
+    raw.into_iter()
+        .map(|(id, d)| {
+            let device = device(&id, d, applications, p);
+            (id, device)
+        })
+        .collect()
+}
+
+fn device(id: &str, d: RawDevice, applications: &Entries<ApplicationConfig>, p: &mut Problems) -> Option<DeviceConfig> {
+    let path = format!("devices.{id}");
+    if !valid_device_id(id) {
+        p.add(
+            path.clone(),
+            format!("a device id is 1..64 characters of A-Z a-z 0-9 - _ . and not one of {RESERVED_DEVICE_IDS:?}"),
         );
     }
-    out
+    let tenant = d.tenant.get(&format!("{path}.tenant"), p);
+    let application = d.application.get(&format!("{path}.application"), p);
+    let password_sha256 = match d.password_sha256.as_deref() {
+        None => Some(None),
+        Some(h) => {
+            let digest = sha256_hex(h);
+            if digest.is_none() {
+                p.add(
+                    format!("{path}.password_sha256"),
+                    "must be a SHA-256 digest in hex; `edgeway hash-key PASSWORD` prints one",
+                );
+            }
+            digest.map(Some)
+        }
+    };
+    let max_priority = optional(d.max_priority, &format!("{path}.max_priority"), p);
+    let default_priority = optional(d.default_priority, &format!("{path}.default_priority"), p);
+    let app = match application.as_ref().map(|a| (a, applications.get(a))) {
+        None => None,
+        Some((name, None)) => {
+            p.add(format!("{path}.application"), format!("no application named {name:?}"));
+            None
+        }
+        Some((_, Some(app))) => app.as_ref(),
+    };
+    let app = app?;
+    if tenant.as_ref().is_some_and(|t| *t != app.tenant) {
+        p.add(format!("{path}.tenant"), format!("application {:?} belongs to tenant {:?}", app.name, app.tenant));
+    }
+    let max_priority = max_priority?.map_or(app.max_priority, |n| n.0);
+    let default_priority = default_priority?.map_or(app.default_priority.max(max_priority), |n| n.0);
+    if max_priority < app.max_priority {
+        p.add(format!("{path}.max_priority"), format!("is above its application's {}", app.max_priority.as_str()));
+    }
+    if default_priority < max_priority {
+        p.add(format!("{path}.default_priority"), "is more urgent than max_priority");
+    }
+    Some(DeviceConfig {
+        id: id.to_string(),
+        tenant: tenant?,
+        application: app.name.clone(),
+        password_sha256: password_sha256?,
+        max_priority,
+        default_priority,
+    })
 }

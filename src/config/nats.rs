@@ -5,6 +5,9 @@
 //! Secrets never come from the config text: a token or password is read
 //! from the environment variable the file names, an NKey/JWT from a creds
 //! file. They are wrapped in [`Secret`], whose `Debug` prints nothing.
+//!
+//! Owns: this section's format, defaults and rules. Does not own: the bus
+//! connection (`ingress::nats`), which reads [`NatsConfig`].
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -12,6 +15,10 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use serde::Deserialize;
+
+use super::raw::Field;
+use super::validate::{env_var, resolve};
+use super::Problems;
 
 /// A credential that must never reach a log line or a debug print.
 #[derive(Clone, PartialEq, Eq)]
@@ -46,7 +53,9 @@ pub enum NatsAuth {
     CredsFile(PathBuf),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Written `storage = "file"` or `storage = "memory"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum JetStreamStorage {
     File,
     Memory,
@@ -109,83 +118,68 @@ impl NatsConfig {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct RawNats {
-    pub url: String,
+    pub url: Field<String>,
+    /// Default: `edgeway-{node_id}`.
     pub name: Option<String>,
-    #[serde(default = "d_prefix")]
     pub prefix: String,
     /// Name of the environment variable holding the token.
     pub token_env: Option<String>,
     pub user: Option<String>,
     /// Name of the environment variable holding the password of `user`.
     pub password_env: Option<String>,
-    pub creds_file: Option<String>,
-    #[serde(default = "d_queue_group")]
+    pub creds_file: Option<PathBuf>,
     pub queue_group: String,
-    #[serde(default = "d_true")]
     pub events: bool,
-    #[serde(default = "d_events_queue")]
     pub events_queue_capacity: usize,
-    #[serde(default = "d_keepalive")]
     pub keepalive_ms: u64,
-    #[serde(default = "d_caller_timeout")]
     pub caller_timeout_ms: u64,
-    #[serde(default = "d_connect_timeout")]
     pub connect_timeout_ms: u64,
-    #[serde(default = "d_reconnect_max")]
     pub reconnect_max_delay_ms: u64,
     pub jetstream: Option<RawJetStream>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawJetStream {
-    #[serde(default = "d_stream")]
-    pub stream: String,
-    #[serde(default = "d_max_age")]
-    pub max_age_ms: u64,
-    #[serde(default = "d_max_bytes")]
-    pub max_bytes: u64,
-    #[serde(default = "d_storage")]
-    pub storage: String,
+impl Default for RawNats {
+    fn default() -> Self {
+        RawNats {
+            url: Field::Missing,
+            name: None,
+            prefix: "ai.v1".into(),
+            token_env: None,
+            user: None,
+            password_env: None,
+            creds_file: None,
+            queue_group: "edgeway".into(),
+            events: true,
+            events_queue_capacity: 8192,
+            keepalive_ms: 2_000,
+            caller_timeout_ms: 10_000,
+            connect_timeout_ms: 2_000,
+            reconnect_max_delay_ms: 5_000,
+            jetstream: None,
+        }
+    }
 }
 
-fn d_prefix() -> String {
-    "ai.v1".into()
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawJetStream {
+    pub stream: String,
+    pub max_age_ms: u64,
+    pub max_bytes: u64,
+    pub storage: Field<JetStreamStorage>,
 }
-fn d_queue_group() -> String {
-    "edgeway".into()
-}
-fn d_true() -> bool {
-    true
-}
-fn d_events_queue() -> usize {
-    8192
-}
-fn d_keepalive() -> u64 {
-    2_000
-}
-fn d_caller_timeout() -> u64 {
-    10_000
-}
-fn d_connect_timeout() -> u64 {
-    2_000
-}
-fn d_reconnect_max() -> u64 {
-    5_000
-}
-fn d_stream() -> String {
-    "EDGEWAY_EVENTS".into()
-}
-fn d_max_age() -> u64 {
-    24 * 3600 * 1000
-}
-fn d_max_bytes() -> u64 {
-    1024 * 1024 * 1024
-}
-fn d_storage() -> String {
-    "file".into()
+
+impl Default for RawJetStream {
+    fn default() -> Self {
+        RawJetStream {
+            stream: "EDGEWAY_EVENTS".into(),
+            max_age_ms: 24 * 3600 * 1000,
+            max_bytes: 1024 * 1024 * 1024,
+            storage: Field::Valid(JetStreamStorage::File),
+        }
+    }
 }
 
 /// True for a subject of literal tokens (no wildcards, no empty tokens, no
@@ -195,74 +189,27 @@ fn valid_subject(s: &str) -> bool {
         && s.split('.').all(|t| !t.is_empty() && !t.contains(['*', '>']) && !t.chars().any(char::is_whitespace))
 }
 
-/// Validates `[nats]`, reporting problems through `err(key path, message)`.
-pub fn validate(
-    n: RawNats,
+/// Validates `[nats]`; `None` after reporting a problem.
+pub(super) fn validate(
+    mut n: RawNats,
     env: &[(String, String)],
     base_dir: &Path,
     node_id: &str,
-    err: &mut dyn FnMut(String, String),
-) -> NatsConfig {
-    let getenv = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
-    let url = n.url.trim().to_string();
-    if url.is_empty() {
-        err("nats.url".into(), "must not be empty".into());
-    }
-    for u in url.split(',').filter(|u| !u.trim().is_empty()) {
-        let u = u.trim();
-        if u.split("://").nth(1).is_some_and(|rest| rest.contains('@')) {
-            err(
-                "nats.url".into(),
-                "must not carry credentials; use token_env, user + password_env or creds_file".into(),
-            );
-        } else if async_nats::ServerAddr::from_str(u).is_err() {
-            err("nats.url".into(), format!("{u:?} is not a NATS server URL like nats://127.0.0.1:4222"));
-        }
+    p: &mut Problems,
+) -> Option<NatsConfig> {
+    let url = std::mem::take(&mut n.url).get("nats.url", p).map(|u| u.trim().to_string());
+    if let Some(url) = &url {
+        check_urls(url, p);
     }
     if !valid_subject(&n.prefix) {
-        err("nats.prefix".into(), format!("{:?} is not a subject prefix like \"ai.v1\"", n.prefix));
+        p.add("nats.prefix", format!("{:?} is not a subject prefix like \"ai.v1\"", n.prefix));
     }
     if n.queue_group.is_empty() || n.queue_group.chars().any(|c| c.is_whitespace() || c == '*' || c == '>') {
-        err("nats.queue_group".into(), "must be a name without spaces or wildcards".into());
+        p.add("nats.queue_group", "must be a name without spaces or wildcards");
     }
-    let from_env = |key: &str, var: &str, err: &mut dyn FnMut(String, String)| match getenv(var) {
-        Some(v) if !v.is_empty() => Some(Secret(v)),
-        _ => {
-            err(format!("nats.{key}"), format!("environment variable {var} is not set"));
-            None
-        }
-    };
-    let chosen = [n.token_env.is_some(), n.user.is_some() || n.password_env.is_some(), n.creds_file.is_some()];
-    let auth = if chosen.iter().filter(|c| **c).count() > 1 {
-        err("nats".into(), "use only one of token_env, user + password_env, creds_file".into());
-        NatsAuth::None
-    } else if let Some(var) = &n.token_env {
-        from_env("token_env", var, err).map(NatsAuth::Token).unwrap_or(NatsAuth::None)
-    } else if n.user.is_some() || n.password_env.is_some() {
-        match (&n.user, &n.password_env) {
-            (Some(user), Some(var)) => from_env("password_env", var, err)
-                .map(|password| NatsAuth::UserPassword { user: user.clone(), password })
-                .unwrap_or(NatsAuth::None),
-            (None, _) => {
-                err("nats.user".into(), "is required with password_env".into());
-                NatsAuth::None
-            }
-            (_, None) => {
-                err("nats.password_env".into(), "is required with user".into());
-                NatsAuth::None
-            }
-        }
-    } else if let Some(f) = &n.creds_file {
-        let p = if Path::new(f).is_absolute() { PathBuf::from(f) } else { base_dir.join(f) };
-        if let Err(e) = std::fs::metadata(&p) {
-            err("nats.creds_file".into(), format!("cannot read {}: {e}", p.display()));
-        }
-        NatsAuth::CredsFile(p)
-    } else {
-        NatsAuth::None
-    };
+    let auth = auth(&n, env, base_dir, p);
     if n.events_queue_capacity == 0 {
-        err("nats.events_queue_capacity".into(), "must be at least 1".into());
+        p.add("nats.events_queue_capacity", "must be at least 1");
     }
     for (key, v, min) in [
         ("keepalive_ms", n.keepalive_ms, 50),
@@ -271,39 +218,18 @@ pub fn validate(
         ("reconnect_max_delay_ms", n.reconnect_max_delay_ms, 10),
     ] {
         if v < min {
-            err(format!("nats.{key}"), format!("must be at least {min}"));
+            p.add(format!("nats.{key}"), format!("must be at least {min}"));
         }
     }
-    let jetstream = n.jetstream.map(|j| {
-        if j.stream.is_empty() || j.stream.contains(['.', '*', '>', '/', '\\', ' ', '\t']) {
-            err("nats.jetstream.stream".into(), format!("{:?} is not a stream name", j.stream));
-        }
-        if j.max_age_ms == 0 {
-            err("nats.jetstream.max_age_ms".into(), "must be greater than 0".into());
-        }
-        if j.max_bytes == 0 || j.max_bytes > i64::MAX as u64 {
-            err("nats.jetstream.max_bytes".into(), "must be greater than 0".into());
-        }
-        let storage = match j.storage.as_str() {
-            "file" => JetStreamStorage::File,
-            "memory" => JetStreamStorage::Memory,
-            other => {
-                err("nats.jetstream.storage".into(), format!("must be \"file\" or \"memory\", not {other:?}"));
-                JetStreamStorage::File
-            }
-        };
-        JetStreamConfig {
-            stream: j.stream,
-            max_age: Duration::from_millis(j.max_age_ms),
-            max_bytes: j.max_bytes,
-            storage,
-        }
-    });
-    NatsConfig {
-        url,
+    let jetstream = match n.jetstream {
+        None => Some(None),
+        Some(j) => jetstream(j, p).map(Some),
+    };
+    Some(NatsConfig {
+        url: url?,
         name: n.name.unwrap_or_else(|| format!("edgeway-{node_id}")),
         prefix: n.prefix,
-        auth,
+        auth: auth?,
         queue_group: n.queue_group,
         events: n.events,
         events_queue_capacity: n.events_queue_capacity,
@@ -311,8 +237,88 @@ pub fn validate(
         caller_timeout: Duration::from_millis(n.caller_timeout_ms),
         connect_timeout: Duration::from_millis(n.connect_timeout_ms),
         reconnect_max_delay: Duration::from_millis(n.reconnect_max_delay_ms),
-        jetstream,
+        jetstream: jetstream?,
+    })
+}
+
+/// One server URL or several, comma-separated, none with credentials.
+fn check_urls(url: &str, p: &mut Problems) {
+    if url.is_empty() {
+        p.add("nats.url", "must not be empty");
     }
+    for u in url.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        if u.split("://").nth(1).is_some_and(|rest| rest.contains('@')) {
+            p.add("nats.url", "must not carry credentials; use token_env, user + password_env or creds_file");
+        } else if async_nats::ServerAddr::from_str(u).is_err() {
+            p.add("nats.url", format!("{u:?} is not a NATS server URL like nats://127.0.0.1:4222"));
+        }
+    }
+}
+
+/// At most one way to authenticate; `None` after reporting a problem.
+fn auth(n: &RawNats, env: &[(String, String)], base_dir: &Path, p: &mut Problems) -> Option<NatsAuth> {
+    let chosen = [n.token_env.is_some(), n.user.is_some() || n.password_env.is_some(), n.creds_file.is_some()];
+    if chosen.iter().filter(|c| **c).count() > 1 {
+        p.add("nats", "use only one of token_env, user + password_env, creds_file");
+        return None;
+    }
+    if let Some(var) = &n.token_env {
+        return secret(env, "token_env", var, p).map(NatsAuth::Token);
+    }
+    match (&n.user, &n.password_env, &n.creds_file) {
+        (Some(user), Some(var), _) => {
+            secret(env, "password_env", var, p).map(|password| NatsAuth::UserPassword { user: user.clone(), password })
+        }
+        (None, Some(_), _) => {
+            p.add("nats.user", "is required with password_env");
+            None
+        }
+        (Some(_), None, _) => {
+            p.add("nats.password_env", "is required with user");
+            None
+        }
+        (None, None, Some(f)) => {
+            let path = resolve(base_dir, f);
+            match std::fs::metadata(&path) {
+                Ok(_) => Some(NatsAuth::CredsFile(path)),
+                Err(e) => {
+                    p.add("nats.creds_file", format!("cannot read {}: {e}", path.display()));
+                    None
+                }
+            }
+        }
+        (None, None, None) => Some(NatsAuth::None),
+    }
+}
+
+/// The secret in environment variable `var`, named by key `nats.{key}`.
+fn secret(env: &[(String, String)], key: &str, var: &str, p: &mut Problems) -> Option<Secret> {
+    match env_var(env, var) {
+        Some(v) if !v.is_empty() => Some(Secret::new(v)),
+        _ => {
+            p.add(format!("nats.{key}"), format!("environment variable {var} is not set"));
+            None
+        }
+    }
+}
+
+fn jetstream(j: RawJetStream, p: &mut Problems) -> Option<JetStreamConfig> {
+    if j.stream.is_empty() || j.stream.contains(['.', '*', '>', '/', '\\', ' ', '\t']) {
+        p.add("nats.jetstream.stream", format!("{:?} is not a stream name", j.stream));
+    }
+    if j.max_age_ms == 0 {
+        p.add("nats.jetstream.max_age_ms", "must be greater than 0");
+    }
+    if j.max_bytes == 0 || j.max_bytes > i64::MAX as u64 {
+        p.add("nats.jetstream.max_bytes", "must be greater than 0");
+    }
+    let storage = j.storage.get("nats.jetstream.storage", p);
+    Some(JetStreamConfig {
+        stream: j.stream,
+        max_age: Duration::from_millis(j.max_age_ms),
+        max_bytes: j.max_bytes,
+        storage: storage?,
+    })
 }
 
 #[cfg(test)]

@@ -144,3 +144,224 @@ fn memory_margin_is_a_positive_percentage() {
     }
     assert!(parse(&format!("{MINIMAL}memory_margin_percent = 0\n"), &[]).is_ok());
 }
+
+#[test]
+fn problems_in_different_sections_are_reported_together() {
+    // A typed value serde refuses, a rule broken, a required key missing:
+    // one load names them all, each by its own key path.
+    let text = format!(
+        "{MINIMAL}\n[http]\nlisten = \"nonsense\"\n[log]\nformat = \"yaml\"\n\
+         [engines.vllm]\ntype = \"openai\"\nmodel = \"m\"\nmax_concurrency = 0\n\
+         [applications.other]\nmax_priority = \"P1\"\n"
+    );
+    let e = parse(&text, &[]).unwrap_err();
+    let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
+    for want in [
+        "http.listen",
+        "log.format",
+        "engines.vllm.base_url",
+        "engines.vllm.max_concurrency",
+        "applications.other.tenant",
+    ] {
+        assert!(paths.contains(&want), "missing {want} in {paths:?}");
+    }
+    assert_eq!(paths.len(), 5, "{e}");
+    assert!(e.to_string().starts_with("5 configuration error(s):"), "{e}");
+}
+
+#[test]
+fn a_bad_typed_value_names_its_key_and_the_value() {
+    let cases = [
+        ("[http]\nlisten = \"nonsense\"\n", "http.listen", "nonsense"),
+        ("[http]\nadmin_listen = \"127.0.0.1\"\n", "http.admin_listen", "127.0.0.1"),
+        ("[http]\nlisten = 8080\n", "http.listen", "8080"),
+        ("[log]\nformat = \"yaml\"\n", "log.format", "yaml"),
+        ("[resources]\ncancel_from_priority = \"P9\"\n", "resources.cancel_from_priority", "P9"),
+    ];
+    for (section, path, value) in cases {
+        let e = parse(&format!("{MINIMAL}\n{section}"), &[]).unwrap_err();
+        assert_eq!(e.0.len(), 1, "{section}: {e}");
+        assert_eq!(e.0[0].path, path, "{section}: {e}");
+        assert!(e.0[0].message.contains(value), "{section}: {e}");
+    }
+    let e = parse(&MINIMAL.replace("type = \"openai\"", "type = \"tgi\""), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "engines.llama.type");
+    assert!(e.0[0].message.contains("tgi") && e.0[0].message.contains("ollama"), "{e}");
+    let e = parse(&MINIMAL.replace("tenant = \"demo\"", "tenant = \"demo\"\ndefault_priority = \"high\""), &[])
+        .unwrap_err();
+    assert_eq!(e.0[0].path, "applications.demo.default_priority");
+    assert!(e.0[0].message.contains("P0..P4") && e.0[0].message.contains("high"), "{e}");
+}
+
+#[test]
+fn typed_values_are_spelt_as_before() {
+    let text = format!(
+        "{MINIMAL}\n[http]\nadmin_listen = \"[::1]:9090\"\n[log]\nformat = \"json\"\n\
+         [resources]\ncancel_from_priority = \" p1 \"\n"
+    );
+    let text = text.replace("tenant = \"demo\"", "tenant = \"demo\"\nmax_priority = \"p0\"");
+    let c = parse(&text, &[]).unwrap();
+    assert_eq!(c.http.admin_listen, Some("[::1]:9090".parse().unwrap()));
+    assert_eq!(c.log.format, LogFormat::Json);
+    assert_eq!(c.resources.cancel_from_priority, Priority::P1);
+    assert_eq!(c.applications["demo"].max_priority, Priority::P0);
+    let c = parse(&MINIMAL.replace("type = \"openai\"", "type = \"ollama\""), &[]).unwrap();
+    assert_eq!(c.engines["llama"].kind, EngineKind::Ollama);
+    assert_eq!(c.engines["llama"].health_path, "/api/tags");
+}
+
+#[test]
+fn a_bad_cancel_from_priority_is_an_error_not_p3() {
+    for bad in ["\"P5\"", "\"\"", "\"urgent\"", "3"] {
+        let e = parse(&format!("{MINIMAL}\n[resources]\ncancel_from_priority = {bad}\n"), &[]).unwrap_err();
+        assert_eq!(e.0.len(), 1, "{bad}: {e}");
+        assert_eq!(e.0[0].path, "resources.cancel_from_priority", "{bad}: {e}");
+    }
+    let c = parse(&format!("{MINIMAL}\n[resources]\ncancel_from_priority = \"P4\"\n"), &[]).unwrap();
+    assert_eq!(c.resources.cancel_from_priority, Priority::P4);
+    assert_eq!(parse(MINIMAL, &[]).unwrap().resources.cancel_from_priority, Priority::P3, "the default");
+}
+
+#[test]
+fn a_too_short_resource_poll_is_an_error_not_raised_silently() {
+    let e = parse(&format!("{MINIMAL}\n[resources]\npoll_interval_ms = 10\n"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "resources.poll_interval_ms", "{e}");
+    let c = parse(&format!("{MINIMAL}\n[resources]\npoll_interval_ms = 100\n"), &[]).unwrap();
+    assert_eq!(c.resources.poll_interval, Duration::from_millis(100));
+}
+
+#[test]
+fn values_too_large_for_their_unit_are_errors_not_panics() {
+    let e = parse(&format!("{MINIMAL}\n[scheduler]\npriority_aging_seconds = 1e300\n"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "scheduler.priority_aging_seconds");
+    let e = parse(&format!("{MINIMAL}weights_mb = 9223372036854775807\n"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "models.general-chat.weights_mb");
+    let huge = "architecture = { layers = 4294967296, kv_heads = 4294967296, head_dim = 2 }\n";
+    let e = parse(&format!("{MINIMAL}{huge}"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "models.general-chat.architecture");
+    let e =
+        parse(&MINIMAL.replace("model = \"gemma\"", "model = \"gemma\"\nmemory_budget_mb = 9223372036854775807"), &[])
+            .unwrap_err();
+    assert_eq!(e.0[0].path, "engines.llama.memory_budget_mb");
+}
+
+#[test]
+fn required_keys_are_reported_by_path_with_the_rest() {
+    let text = r#"
+[applications.demo]
+api_key_sha256 = ["a1f9b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f80"]
+[engines.llama]
+base_url = "http://127.0.0.1:8081"
+[models.general-chat]
+context_tokens = 8
+architecture = { layers = 1 }
+"#;
+    let e = parse(text, &[]).unwrap_err();
+    let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
+    for want in [
+        "applications.demo.tenant",
+        "engines.llama.type",
+        "engines.llama.model",
+        "models.general-chat.instances",
+        "models.general-chat.context_tokens",
+        "models.general-chat.architecture.kv_heads",
+        "models.general-chat.architecture.head_dim",
+    ] {
+        assert!(paths.contains(&want), "missing {want} in {paths:?}");
+    }
+}
+
+#[test]
+fn defaults_are_the_documented_ones() {
+    let c = parse(MINIMAL, &[]).unwrap();
+    assert_eq!(c.node_id, "edge-1");
+    assert_eq!((c.http.admin_listen, c.http.max_body_bytes), (None, 4 * 1024 * 1024));
+    assert!(!c.store.store_prompts);
+    assert_eq!((c.log.format, c.log.level.as_str()), (LogFormat::Text, "info"));
+    let t = &c.timeouts;
+    assert_eq!(
+        [t.queue, t.first_token, t.inference, t.idle, t.total].map(|d| d.as_millis()),
+        [30_000, 60_000, 300_000, 30_000, 600_000]
+    );
+    let s = &c.scheduler;
+    assert_eq!((s.queue_capacity, s.busy_retry_after_ms), (256, 1000));
+    assert_eq!(s.queue_updates, Some(Duration::from_millis(1000)));
+    assert_eq!((s.replay_retention, s.replay_max_bytes), (Duration::from_secs(300), 64 * 1024 * 1024));
+    assert_eq!((s.max_queued, s.max_running), (None, None));
+    assert_eq!(s.priority_aging, Some(Duration::from_secs(30)));
+    assert_eq!((s.overload_max_output_tokens, s.idempotency_ttl), (128, Duration::from_secs(86_400)));
+    let r = &c.resources;
+    assert!(r.gpu);
+    assert_eq!((r.poll_interval, r.danger_gpu_temperature_c), (Duration::from_secs(1), 90));
+    assert_eq!((r.danger_gpu_memory_percent, r.cancel_from_priority), (98.0, Priority::P3));
+    assert_eq!((c.cancel_grace, c.kv_cache_high_water), (Duration::from_secs(3), 0.95));
+    let a = &c.applications["demo"];
+    assert_eq!((a.max_priority, a.default_priority, a.admin), (Priority::P1, Priority::P2, false));
+    assert_eq!((a.limits.weight, a.limits.max_running, a.limits.user_tokens_per_minute), (1.0, None, None));
+    let e = &c.engines["llama"];
+    assert_eq!((e.kind, e.max_concurrency, e.health_path.as_str()), (EngineKind::OpenAi, 1, "/v1/models"));
+    assert_eq!((e.health_interval, e.connect_timeout), (Duration::from_secs(2), Duration::from_secs(2)));
+    assert!(e.stream && e.local && e.exclusive);
+    assert_eq!((e.reserved_realtime_slots, e.memory_budget_bytes, e.api_key.as_deref()), (0, None, None));
+    let m = &c.models["general-chat"];
+    assert_eq!((m.context_tokens, m.max_output_tokens, m.weights_bytes), (4096, 1024, 0));
+    assert_eq!(m.memory_margin, 0.1);
+    assert!(c.auth.jwt.is_none() && c.nats.is_none() && c.mqtt.is_none() && c.devices.is_empty());
+
+    let c =
+        parse(&format!("{MINIMAL}\n[mqtt]\n[nats]\nurl = \"nats://127.0.0.1:4222\"\n[nats.jetstream]\n"), &[]).unwrap();
+    let m = c.mqtt.unwrap();
+    assert_eq!((m.listen.to_string(), m.topic_prefix.as_str()), ("127.0.0.1:1883".into(), "ai/v1"));
+    assert!(m.tls.is_none() && m.ws_listen.is_none());
+    assert_eq!((m.max_packet_bytes, m.max_request_bytes), (1024 * 1024, 512 * 1024));
+    assert_eq!((m.max_connections, m.max_inflight, m.max_chunk_bytes), (20_000, 100, 512));
+    assert_eq!(
+        [m.connect_timeout, m.coalesce, m.disconnect_grace, m.replay_retention].map(|d| d.as_millis()),
+        [10_000, 100, 60_000, 300_000]
+    );
+    assert_eq!(
+        (m.replay_max_bytes, m.stream_replay_max_bytes, m.filter_log_bytes),
+        (64 * 1024 * 1024, 1024 * 1024, 256 * 1024)
+    );
+    let n = c.nats.unwrap();
+    assert_eq!((n.prefix.as_str(), n.queue_group.as_str(), n.name.as_str()), ("ai.v1", "edgeway", "edgeway-edge-1"));
+    assert!(n.events);
+    assert_eq!(n.events_queue_capacity, 8192);
+    assert_eq!(
+        [n.keepalive, n.caller_timeout, n.connect_timeout, n.reconnect_max_delay].map(|d| d.as_millis()),
+        [2_000, 10_000, 2_000, 5_000]
+    );
+    let j = n.jetstream.unwrap();
+    assert_eq!((j.stream.as_str(), j.max_age, j.max_bytes), ("EDGEWAY_EVENTS", Duration::from_secs(86_400), 1 << 30));
+    assert_eq!(j.storage, JetStreamStorage::File);
+
+    let jwt = parse(&format!("{MINIMAL}\n[auth.jwt]\nhs256_secret_env = \"S\"\n"), &[("S", "sixteen-bytes-at-least")])
+        .unwrap()
+        .auth
+        .jwt
+        .unwrap();
+    assert_eq!((jwt.tenant_claim.as_str(), jwt.application_claim.as_str(), jwt.leeway_s), ("tenant", "app", 30));
+}
+
+#[test]
+fn device_problems_are_reported_with_the_rest() {
+    let text = format!(
+        "{MINIMAL}\n[devices.cam-1]\ntenant = \"other\"\napplication = \"demo\"\nmax_priority = \"P0\"\n\
+         password_sha256 = \"zz\"\n[devices.cam-2]\ntenant = \"demo\"\napplication = \"nope\"\n\
+         [devices.cam-3]\ntenant = \"demo\"\napplication = \"demo\"\ndefault_priority = \"P7\"\n"
+    );
+    let e = parse(&text, &[]).unwrap_err();
+    let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
+    for want in [
+        "devices.cam-1.tenant",
+        "devices.cam-1.max_priority",
+        "devices.cam-1.password_sha256",
+        "devices.cam-2.application",
+        "devices.cam-3.default_priority",
+    ] {
+        assert!(paths.contains(&want), "missing {want} in {paths:?}");
+    }
+    let ok = format!("{MINIMAL}\n[devices.cam-1]\ntenant = \"demo\"\napplication = \"demo\"\nmax_priority = \"P2\"\n");
+    let d = &parse(&ok, &[]).unwrap().devices["cam-1"];
+    assert_eq!((d.max_priority, d.default_priority, d.password_sha256), (Priority::P2, Priority::P2, None));
+}

@@ -29,32 +29,8 @@ use crate::error::{ErrorCode, GatewayError};
 use crate::router::{self, InstanceView};
 use crate::task::Priority;
 
-/// Limits of one application (all optional).
-#[derive(Debug, Clone)]
-pub struct AppPolicy {
-    /// Share of slots against other flows of the same priority.
-    pub weight: f64,
-    pub max_running: Option<usize>,
-    pub max_queued: Option<usize>,
-    pub user_max_running: Option<usize>,
-    pub user_max_queued: Option<usize>,
-    pub user_requests_per_minute: Option<u32>,
-    pub user_tokens_per_minute: Option<u64>,
-}
-
-impl Default for AppPolicy {
-    fn default() -> Self {
-        AppPolicy {
-            weight: 1.0,
-            max_running: None,
-            max_queued: None,
-            user_max_running: None,
-            user_max_queued: None,
-            user_requests_per_minute: None,
-            user_tokens_per_minute: None,
-        }
-    }
-}
+/// Limits of one application: the config's plain data, read as it is.
+pub use crate::config::AppLimits as AppPolicy;
 
 #[derive(Debug, Clone)]
 pub struct ModelPolicy {

@@ -1,0 +1,532 @@
+//! Validation of the raw file into the typed [`Config`], one function per
+//! section. Each reports every problem it finds into one [`Problems`] list,
+//! by key path (`engines.vllm.max_concurrency`), and none stops the others:
+//! one load names every mistake in the file. Nothing here panics.
+//!
+//! Owns: the rules on values, within a section and between sections
+//! (a model's instances are engines; someone must be able to call).
+//! Does not own: the syntax, accepted spellings and defaults (`raw.rs`),
+//! and the rules of `[nats]`, `[mqtt]` and `[devices]` (their own files).
+//!
+//! A section function returns `None` only after it reported a problem, and
+//! a map of entries holds `None` for an entry that had one; the [`Config`]
+//! is built only when no problem was reported at all.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::raw::{
+    optional, RawApplication, RawArchitecture, RawAuth, RawConfig, RawEngine, RawHttp, RawJwt, RawLog, RawModel,
+    RawResources, RawScheduler, RawStore, RawTenant, RawTimeouts,
+};
+use super::*;
+
+/// Entries of a table section (`[engines.NAME]`, …) by name; `None` for an
+/// entry with a problem, so later sections still see that the name exists.
+pub(super) type Entries<T> = BTreeMap<String, Option<T>>;
+
+/// The value of environment variable `name` among those the load was given.
+pub(super) fn env_var<'a>(env: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    env.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+}
+
+/// `f` as written if absolute, else relative to the config file's folder.
+pub(super) fn resolve(base_dir: &Path, f: &Path) -> PathBuf {
+    if f.is_absolute() {
+        f.to_path_buf()
+    } else {
+        base_dir.join(f)
+    }
+}
+
+/// Parses a `sha256:`-optional hex SHA-256 digest.
+pub(super) fn sha256_hex(s: &str) -> Option<[u8; 32]> {
+    hex::decode(s.trim().trim_start_matches("sha256:")).ok()?.try_into().ok()
+}
+
+/// All entries, or `None` when one of them had a problem.
+fn all<T>(entries: Entries<T>) -> Option<BTreeMap<String, T>> {
+    entries.into_iter().map(|(name, e)| e.map(|e| (name, e))).collect()
+}
+
+/// Resources as they land in [`Config`]: the watch's thresholds and two
+/// values the scheduler reads.
+struct Resources {
+    watch: ResourceConfig,
+    cancel_grace: Duration,
+    kv_cache_high_water: f64,
+}
+
+impl RawConfig {
+    pub fn validate(self, env: &[(String, String)], base_dir: &Path) -> Result<Config, ConfigErrors> {
+        let mut p = Problems::default();
+
+        if self.node_id.trim().is_empty() {
+            p.add("node_id", "must not be empty");
+        }
+        let http = http(self.http, &mut p);
+        let store = store(self.store);
+        let log = log(self.log, &mut p);
+        let timeouts = timeouts(self.timeouts, &mut p);
+        let default_queue_capacity = self.scheduler.queue_capacity;
+        let scheduler = scheduler(self.scheduler, &mut p);
+        let resources = resources(self.resources, &mut p);
+        let tenant_weights = tenants(self.tenants, &mut p);
+        let auth = auth(self.auth, env, base_dir, &mut p);
+        let applications = applications(self.applications, &mut p);
+        let engine_names: BTreeSet<String> = self.engines.keys().cloned().collect();
+        let engines = engines(self.engines, env, &mut p);
+        let models = models(self.models, &engine_names, default_queue_capacity, &mut p);
+        let nobody_could_call = applications.is_empty() && auth.as_ref().is_some_and(|a| a.jwt.is_none());
+        if nobody_could_call {
+            p.add("applications", "define at least one application or [auth.jwt]; nobody could call");
+        }
+        let nats = optional_section(self.nats.map(|n| super::nats::validate(n, env, base_dir, &self.node_id, &mut p)));
+        let mqtt = optional_section(self.mqtt.map(|m| super::mqtt::validate(m, base_dir, &mut p)));
+        let devices = super::mqtt::validate_devices(self.devices, &applications, &mut p);
+
+        let config = (|| {
+            let resources = resources?;
+            Some(Config {
+                node_id: self.node_id,
+                http: http?,
+                store,
+                log: log?,
+                timeouts,
+                scheduler,
+                auth: auth?,
+                applications: all(applications)?,
+                engines: all(engines)?,
+                models: all(models)?,
+                tenant_weights,
+                resources: resources.watch,
+                cancel_grace: resources.cancel_grace,
+                kv_cache_high_water: resources.kv_cache_high_water,
+                nats: nats?,
+                mqtt: mqtt?,
+                devices: all(devices)?,
+            })
+        })();
+        match config {
+            Some(config) if p.is_empty() => Ok(config),
+            _ => {
+                debug_assert!(!p.is_empty(), "a section returned None without reporting why");
+                if p.is_empty() {
+                    p.add("", "invalid configuration");
+                }
+                Err(ConfigErrors(p.0))
+            }
+        }
+    }
+}
+
+/// `Some(None)` for an absent optional section, `None` for one with a problem.
+fn optional_section<T>(section: Option<Option<T>>) -> Option<Option<T>> {
+    match section {
+        None => Some(None),
+        Some(s) => s.map(Some),
+    }
+}
+
+fn http(raw: RawHttp, p: &mut Problems) -> Option<HttpConfig> {
+    let listen = raw.listen.get("http.listen", p);
+    let admin_listen = optional(raw.admin_listen, "http.admin_listen", p);
+    if raw.max_body_bytes < 1024 {
+        p.add("http.max_body_bytes", "must be at least 1024");
+    }
+    Some(HttpConfig { listen: listen?, admin_listen: admin_listen?, max_body_bytes: raw.max_body_bytes })
+}
+
+fn store(raw: RawStore) -> StoreConfig {
+    StoreConfig { data_dir: raw.data_dir, store_prompts: raw.store_prompts }
+}
+
+fn log(raw: RawLog, p: &mut Problems) -> Option<LogConfig> {
+    let format = raw.format.get("log.format", p);
+    if tracing_subscriber::EnvFilter::try_new(&raw.level).is_err() {
+        p.add("log.level", format!("{:?} is not a valid filter", raw.level));
+    }
+    Some(LogConfig { format: format?, level: raw.level })
+}
+
+fn timeouts(t: RawTimeouts, p: &mut Problems) -> Timeouts {
+    for (name, v) in [
+        ("queue_ms", t.queue_ms),
+        ("first_token_ms", t.first_token_ms),
+        ("inference_ms", t.inference_ms),
+        ("idle_ms", t.idle_ms),
+        ("total_ms", t.total_ms),
+    ] {
+        if v == 0 {
+            p.add(format!("timeouts.{name}"), "must be greater than 0");
+        }
+    }
+    Timeouts {
+        queue: Duration::from_millis(t.queue_ms),
+        first_token: Duration::from_millis(t.first_token_ms),
+        inference: Duration::from_millis(t.inference_ms),
+        idle: Duration::from_millis(t.idle_ms),
+        total: Duration::from_millis(t.total_ms),
+    }
+}
+
+fn scheduler(s: RawScheduler, p: &mut Problems) -> SchedulerConfig {
+    // `try_from_secs_f64` refuses what `from_secs_f64` would panic on
+    // (negative, NaN, too large).
+    let priority_aging = match Duration::try_from_secs_f64(s.priority_aging_seconds) {
+        Ok(_) if s.priority_aging_seconds == 0.0 => None,
+        Ok(d) => Some(d),
+        Err(_) => {
+            p.add("scheduler.priority_aging_seconds", "must be 0 (off) or a positive number");
+            None
+        }
+    };
+    if s.queue_capacity == 0 {
+        p.add("scheduler.queue_capacity", "must be at least 1");
+    }
+    SchedulerConfig {
+        queue_capacity: s.queue_capacity,
+        busy_retry_after_ms: s.busy_retry_after_ms,
+        queue_updates: (s.queue_update_ms > 0).then(|| Duration::from_millis(s.queue_update_ms)),
+        replay_retention: Duration::from_millis(s.replay_retention_ms),
+        replay_max_bytes: s.replay_max_bytes,
+        max_queued: s.max_queued,
+        max_running: s.max_running,
+        priority_aging,
+        overload_max_output_tokens: s.overload_max_output_tokens,
+        idempotency_ttl: Duration::from_secs(s.idempotency_ttl_seconds),
+    }
+}
+
+/// The shortest NVML poll period; polling faster only loads the driver.
+const MIN_POLL_INTERVAL_MS: u64 = 100;
+
+fn resources(r: RawResources, p: &mut Problems) -> Option<Resources> {
+    let cancel_from_priority = r.cancel_from_priority.get("resources.cancel_from_priority", p);
+    if r.poll_interval_ms < MIN_POLL_INTERVAL_MS {
+        p.add("resources.poll_interval_ms", format!("must be at least {MIN_POLL_INTERVAL_MS}"));
+    }
+    if !(0.0..=100.0).contains(&r.danger_gpu_memory_percent) {
+        p.add("resources.danger_gpu_memory_percent", "must be between 0 and 100");
+    }
+    let hw = r.kv_cache_high_water;
+    if !(hw > 0.0 && hw <= 1.0) {
+        p.add("resources.kv_cache_high_water", "must be a fraction above 0 and at most 1");
+    }
+    Some(Resources {
+        watch: ResourceConfig {
+            gpu: r.gpu,
+            poll_interval: Duration::from_millis(r.poll_interval_ms),
+            danger_gpu_temperature_c: r.danger_gpu_temperature_c,
+            danger_gpu_memory_percent: r.danger_gpu_memory_percent,
+            cancel_from_priority: cancel_from_priority?.0,
+        },
+        cancel_grace: Duration::from_millis(r.cancel_grace_period_ms),
+        kv_cache_high_water: hw,
+    })
+}
+
+fn tenants(raw: BTreeMap<String, RawTenant>, p: &mut Problems) -> HashMap<String, f64> {
+    for (name, t) in &raw {
+        if !(t.weight > 0.0 && t.weight.is_finite()) {
+            p.add(format!("tenants.{name}.weight"), "must be a positive number");
+        }
+    }
+    raw.into_iter().map(|(name, t)| (name, t.weight)).collect()
+}
+
+fn auth(raw: RawAuth, env: &[(String, String)], base_dir: &Path, p: &mut Problems) -> Option<AuthConfig> {
+    let jwt = match raw.jwt {
+        None => None,
+        Some(j) => Some(jwt(j, env, base_dir, p)?),
+    };
+    Some(AuthConfig { jwt })
+}
+
+fn jwt(j: RawJwt, env: &[(String, String)], base_dir: &Path, p: &mut Problems) -> Option<JwtConfig> {
+    let start = p.0.len();
+    let hs256_secret = j.hs256_secret_env.as_deref().and_then(|var| match env_var(env, var) {
+        Some(v) if v.len() >= 16 => Some(v.as_bytes().to_vec()),
+        Some(_) => {
+            p.add("auth.jwt.hs256_secret_env", format!("${var} must hold at least 16 bytes"));
+            None
+        }
+        None => {
+            p.add("auth.jwt.hs256_secret_env", format!("environment variable {var} is not set"));
+            None
+        }
+    });
+    let rs256_public_key_pem = j.rs256_public_key_file.as_deref().and_then(|f| {
+        let path = resolve(base_dir, f);
+        match std::fs::read(&path) {
+            Ok(pem) if jsonwebtoken::DecodingKey::from_rsa_pem(&pem).is_ok() => Some(pem),
+            Ok(_) => {
+                p.add("auth.jwt.rs256_public_key_file", format!("{} is not an RSA public key in PEM", path.display()));
+                None
+            }
+            Err(e) => {
+                p.add("auth.jwt.rs256_public_key_file", format!("cannot read {}: {e}", path.display()));
+                None
+            }
+        }
+    });
+    if j.hs256_secret_env.is_none() && j.rs256_public_key_file.is_none() {
+        p.add("auth.jwt", "needs hs256_secret_env or rs256_public_key_file");
+    }
+    // A key named but unusable is a problem, never a JWT config without it.
+    (p.0.len() == start).then_some(JwtConfig {
+        hs256_secret,
+        rs256_public_key_pem,
+        issuer: j.issuer,
+        audience: j.audience,
+        tenant_claim: j.tenant_claim,
+        application_claim: j.application_claim,
+        leeway_s: j.leeway_s,
+    })
+}
+
+fn applications(raw: BTreeMap<String, RawApplication>, p: &mut Problems) -> Entries<ApplicationConfig> {
+    // An API key names one application; which one it is must not depend on
+    // the order of the file.
+    let mut key_owner: BTreeMap<[u8; 32], String> = BTreeMap::new();
+    let mut out = BTreeMap::new();
+    for (name, a) in raw {
+        let app = application(&name, a, &mut key_owner, p);
+        out.insert(name, app);
+    }
+    out
+}
+
+fn application(
+    name: &str,
+    a: RawApplication,
+    key_owner: &mut BTreeMap<[u8; 32], String>,
+    p: &mut Problems,
+) -> Option<ApplicationConfig> {
+    let path = format!("applications.{name}");
+    let tenant = a.tenant.get(&format!("{path}.tenant"), p);
+    if tenant.as_ref().is_some_and(|t| t.trim().is_empty()) {
+        p.add(format!("{path}.tenant"), "must not be empty");
+    }
+    let mut keys = Vec::new();
+    for (i, k) in a.api_key_sha256.iter().enumerate() {
+        let Some(digest) = sha256_hex(k) else {
+            p.add(
+                format!("{path}.api_key_sha256[{i}]"),
+                "must be a SHA-256 digest in hex (64 characters); `edgeway hash-key KEY` prints one",
+            );
+            continue;
+        };
+        if let Some(other) = key_owner.insert(digest, name.to_string()) {
+            p.add(format!("{path}.api_key_sha256[{i}]"), format!("the same key is also used by application {other}"));
+        }
+        keys.push(digest);
+    }
+    let max_priority = a.max_priority.get(&format!("{path}.max_priority"), p).map(|n| n.0);
+    let default_priority = a.default_priority.get(&format!("{path}.default_priority"), p).map(|n| n.0);
+    if let (Some(max), Some(default)) = (max_priority, default_priority) {
+        if default < max {
+            p.add(
+                format!("{path}.default_priority"),
+                format!("{} is more urgent than max_priority {}", default.as_str(), max.as_str()),
+            );
+        }
+    }
+    if !(a.weight > 0.0 && a.weight.is_finite()) {
+        p.add(format!("{path}.weight"), "must be a positive number");
+    }
+    Some(ApplicationConfig {
+        name: name.to_string(),
+        tenant: tenant?,
+        api_key_sha256: keys,
+        max_priority: max_priority?,
+        default_priority: default_priority?,
+        admin: a.admin,
+        limits: AppLimits {
+            weight: a.weight,
+            max_running: a.max_running,
+            max_queued: a.max_queued,
+            user_max_running: a.user_max_running,
+            user_max_queued: a.user_max_queued,
+            user_requests_per_minute: a.user_requests_per_minute,
+            user_tokens_per_minute: a.user_tokens_per_minute,
+        },
+    })
+}
+
+fn engines(raw: BTreeMap<String, RawEngine>, env: &[(String, String)], p: &mut Problems) -> Entries<EngineConfig> {
+    raw.into_iter()
+        .map(|(name, e)| {
+            let engine = engine(&name, e, env, p);
+            (name, engine)
+        })
+        .collect()
+}
+
+fn engine(name: &str, e: RawEngine, env: &[(String, String)], p: &mut Problems) -> Option<EngineConfig> {
+    let path = format!("engines.{name}");
+    let kind = e.kind.get(&format!("{path}.type"), p);
+    let base_url = e.base_url.get(&format!("{path}.base_url"), p);
+    if let Some(url) = &base_url {
+        match reqwest::Url::parse(url) {
+            Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
+            _ => p.add(format!("{path}.base_url"), format!("{url:?} is not an http(s) URL")),
+        }
+    }
+    let model = e.model.get(&format!("{path}.model"), p);
+    if model.as_ref().is_some_and(|m| m.trim().is_empty()) {
+        p.add(format!("{path}.model"), "must not be empty");
+    }
+    if e.max_concurrency == 0 {
+        p.add(format!("{path}.max_concurrency"), "must be at least 1");
+    } else if e.reserved_realtime_slots >= e.max_concurrency {
+        p.add(format!("{path}.reserved_realtime_slots"), "must be less than max_concurrency");
+    }
+    if e.health_interval_ms < 50 {
+        p.add(format!("{path}.health_interval_ms"), "must be at least 50");
+    }
+    let api_key = match e.api_key_env.as_deref() {
+        None => Some(None),
+        Some(var) => match env_var(env, var) {
+            Some(v) => Some(Some(v.to_string())),
+            None => {
+                p.add(format!("{path}.api_key_env"), format!("environment variable {var} is not set"));
+                None
+            }
+        },
+    };
+    if e.keep_alive.is_some() && kind.is_some_and(|k| k != EngineKind::Ollama) {
+        p.add(format!("{path}.keep_alive"), "only applies to type = \"ollama\"");
+    }
+    let health_path = match (e.health_path, kind) {
+        (Some(h), _) => Some(h),
+        (None, Some(EngineKind::OpenAi)) => Some("/v1/models".to_string()),
+        (None, Some(EngineKind::Ollama)) => Some("/api/tags".to_string()),
+        (None, None) => None,
+    };
+    if health_path.as_ref().is_some_and(|h| !h.starts_with('/')) {
+        p.add(format!("{path}.health_path"), "must start with '/'");
+    }
+    let memory_budget_bytes = match e.memory_budget_mb {
+        None => Some(None),
+        Some(mb) => mebibytes(&format!("{path}.memory_budget_mb"), mb, p).map(Some),
+    };
+    Some(EngineConfig {
+        name: name.to_string(),
+        kind: kind?,
+        base_url: base_url?.trim_end_matches('/').to_string(),
+        model: model?,
+        max_concurrency: e.max_concurrency,
+        api_key: api_key?,
+        health_path: health_path?,
+        health_interval: Duration::from_millis(e.health_interval_ms),
+        connect_timeout: Duration::from_millis(e.connect_timeout_ms),
+        stream: e.stream,
+        keep_alive: e.keep_alive,
+        local: e.local,
+        reserved_realtime_slots: e.reserved_realtime_slots,
+        exclusive: e.exclusive,
+        memory_budget_bytes: memory_budget_bytes?,
+    })
+}
+
+fn models(
+    raw: BTreeMap<String, RawModel>,
+    engine_names: &BTreeSet<String>,
+    default_queue_capacity: usize,
+    p: &mut Problems,
+) -> Entries<ModelConfig> {
+    if raw.is_empty() {
+        p.add("models", "define at least one logical model");
+    }
+    raw.into_iter()
+        .map(|(name, m)| {
+            let model = model(&name, m, engine_names, default_queue_capacity, p);
+            (name, model)
+        })
+        .collect()
+}
+
+fn model(
+    name: &str,
+    m: RawModel,
+    engine_names: &BTreeSet<String>,
+    default_queue_capacity: usize,
+    p: &mut Problems,
+) -> Option<ModelConfig> {
+    let path = format!("models.{name}");
+    let instances = m.instances.get(&format!("{path}.instances"), p);
+    if let Some(instances) = &instances {
+        if instances.is_empty() {
+            p.add(format!("{path}.instances"), "must name at least one engine");
+        }
+        for (i, inst) in instances.iter().enumerate() {
+            if !engine_names.contains(inst) {
+                p.add(format!("{path}.instances[{i}]"), format!("no engine named {inst:?} in [engines]"));
+            }
+        }
+    }
+    if m.context_tokens < 16 {
+        p.add(format!("{path}.context_tokens"), "must be at least 16");
+    }
+    if m.max_output_tokens == 0 || m.max_output_tokens >= m.context_tokens {
+        p.add(format!("{path}.max_output_tokens"), "must be between 1 and context_tokens - 1");
+    }
+    if m.queue_capacity == Some(0) {
+        p.add(format!("{path}.queue_capacity"), "must be at least 1");
+    }
+    if !(m.memory_margin_percent.is_finite() && m.memory_margin_percent >= 0.0) {
+        p.add(format!("{path}.memory_margin_percent"), "must be a number of percent, 0 or more");
+    }
+    let kv_bytes_per_token = match (m.kv_bytes_per_token, m.architecture) {
+        (Some(_), Some(_)) => {
+            p.add(format!("{path}.architecture"), "give kv_bytes_per_token or architecture, not both");
+            None
+        }
+        (Some(n), None) => Some(n),
+        (None, Some(a)) => kv_bytes_per_token(&format!("{path}.architecture"), a, p),
+        // No memory admission for this model.
+        (None, None) => Some(0),
+    };
+    let weights_bytes = mebibytes(&format!("{path}.weights_mb"), m.weights_mb, p);
+    Some(ModelConfig {
+        name: name.to_string(),
+        instances: instances?,
+        context_tokens: m.context_tokens,
+        max_output_tokens: m.max_output_tokens,
+        queue_capacity: m.queue_capacity.unwrap_or(default_queue_capacity),
+        description: m.description,
+        max_running: m.max_running,
+        kv_bytes_per_token: kv_bytes_per_token?,
+        weights_bytes: weights_bytes?,
+        memory_margin: m.memory_margin_percent / 100.0,
+    })
+}
+
+fn kv_bytes_per_token(path: &str, a: RawArchitecture, p: &mut Problems) -> Option<u64> {
+    let layers = a.layers.get(&format!("{path}.layers"), p);
+    let kv_heads = a.kv_heads.get(&format!("{path}.kv_heads"), p);
+    let head_dim = a.head_dim.get(&format!("{path}.head_dim"), p);
+    let (layers, kv_heads, head_dim) = (layers?, kv_heads?, head_dim?);
+    let valid = layers > 0 && kv_heads > 0 && head_dim > 0 && a.bytes_per_value.is_finite() && a.bytes_per_value > 0.0;
+    if !valid {
+        p.add(path, "layers, kv_heads, head_dim and bytes_per_value must be positive");
+        return None;
+    }
+    let Some(values) = layers.checked_mul(kv_heads).and_then(|n| n.checked_mul(head_dim)) else {
+        p.add(path, "layers × kv_heads × head_dim is too large");
+        return None;
+    };
+    // K and V per layer.
+    Some((2.0 * values as f64 * a.bytes_per_value).ceil() as u64)
+}
+
+/// `mb` MiB in bytes; a size that does not fit is reported, not wrapped.
+fn mebibytes(path: &str, mb: u64, p: &mut Problems) -> Option<u64> {
+    let bytes = mb.checked_mul(1024 * 1024);
+    if bytes.is_none() {
+        p.add(path, "is too large");
+    }
+    bytes
+}
