@@ -30,7 +30,7 @@ use crate::router::{self, InstanceView};
 use crate::task::Priority;
 
 /// Limits of one application: the config's plain data, read as it is.
-pub use crate::config::AppLimits as AppPolicy;
+use crate::config::AppLimits;
 
 #[derive(Debug, Clone)]
 pub struct ModelPolicy {
@@ -90,7 +90,7 @@ impl Default for Backpressure {
 pub struct PolicyConfig {
     pub models: Vec<ModelPolicy>,
     pub instances: Vec<InstancePolicy>,
-    pub apps: HashMap<String, AppPolicy>,
+    pub apps: HashMap<String, AppLimits>,
     pub tenant_weights: HashMap<String, f64>,
     pub max_queued: Option<usize>,
     pub max_running: Option<usize>,
@@ -353,7 +353,7 @@ impl Policy {
         self.waiting.iter().any(|q| q.iter().any(|w| w.info.task_id == task_id))
     }
 
-    fn app(&self, app: &str) -> AppPolicy {
+    fn app(&self, app: &str) -> AppLimits {
         self.cfg.apps.get(app).cloned().unwrap_or_default()
     }
 

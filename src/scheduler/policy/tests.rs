@@ -97,8 +97,8 @@ fn reserved_slots_are_kept_for_p0_and_p1() {
 fn equal_weights_share_slots_equally_and_weights_shift_the_share() {
     for (wa, wb, want_a) in [(1.0, 1.0, 50), (2.0, 1.0, 66)] {
         let mut c = cfg(1, 0, 1000);
-        c.apps.insert("a".into(), AppPolicy { weight: wa, ..AppPolicy::default() });
-        c.apps.insert("b".into(), AppPolicy { weight: wb, ..AppPolicy::default() });
+        c.apps.insert("a".into(), AppLimits { weight: wa, ..AppLimits::default() });
+        c.apps.insert("b".into(), AppLimits { weight: wb, ..AppLimits::default() });
         let mut p = Policy::new(c);
         // a floods first, b arrives after: fairness must not be FIFO.
         for i in 0..200 {
@@ -142,7 +142,7 @@ fn rates_answer_with_their_own_codes_and_retry_times() {
     let mut c = cfg(10, 0, 100);
     c.apps.insert(
         "a".into(),
-        AppPolicy { user_requests_per_minute: Some(2), user_tokens_per_minute: Some(500), ..AppPolicy::default() },
+        AppLimits { user_requests_per_minute: Some(2), user_tokens_per_minute: Some(500), ..AppLimits::default() },
     );
     let mut p = Policy::new(c);
     p.enqueue(task("1", Priority::P2, "a"), T0).unwrap();
@@ -169,7 +169,7 @@ fn rates_answer_with_their_own_codes_and_retry_times() {
 #[test]
 fn queue_caps_per_application_and_user() {
     let mut c = cfg(1, 0, 100);
-    c.apps.insert("a".into(), AppPolicy { max_queued: Some(2), user_max_queued: Some(1), ..AppPolicy::default() });
+    c.apps.insert("a".into(), AppLimits { max_queued: Some(2), user_max_queued: Some(1), ..AppLimits::default() });
     let mut p = Policy::new(c);
     p.enqueue(task("run", Priority::P2, "a"), T0).unwrap();
     drain(&mut p, T0);
@@ -426,9 +426,9 @@ fn sim_config() -> PolicyConfig {
         memory_budget_bytes: Some(100_000),
         local: true,
     });
-    c.apps.insert("a0".into(), AppPolicy { weight: 2.0, max_running: Some(2), ..AppPolicy::default() });
+    c.apps.insert("a0".into(), AppLimits { weight: 2.0, max_running: Some(2), ..AppLimits::default() });
     c.apps
-        .insert("a1".into(), AppPolicy { user_max_running: Some(1), user_max_queued: Some(4), ..AppPolicy::default() });
+        .insert("a1".into(), AppLimits { user_max_running: Some(1), user_max_queued: Some(4), ..AppLimits::default() });
     c.max_queued = Some(15);
     c.aging = Some(Duration::from_secs(2));
     c.backpressure = Backpressure::default();
