@@ -272,7 +272,8 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     crate::tls::install_default_provider();
     let config = Arc::new(config);
     let metrics = Arc::new(Metrics::new());
-    let store = Store::open(&config.store.db_path(), &config.node_id, config.store.store_prompts, metrics.clone())?;
+    let store = Store::open(&config.store.db_path(), &config.node_id, config.store.store_prompts)?;
+    metrics.export_store_errors(store.write_failures());
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
 

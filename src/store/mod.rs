@@ -5,12 +5,14 @@
 //! writes are batched into one transaction per burst. Reads (and `flush`)
 //! answer through a oneshot.
 //!
-//! Does not own: the decisions recorded (scheduler) or prompt policy (the
-//! caller decides whether text is passed in at all).
+//! Does not own: the decisions recorded (scheduler), prompt policy (the
+//! caller decides whether text is passed in at all) or metrics: it counts
+//! its failed writes in [`WriteFailures`], which telemetry exports.
 
 pub mod durable;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
@@ -19,7 +21,6 @@ use tokio::sync::oneshot;
 
 use crate::error::GatewayError;
 use crate::task::{Identity, Ingress, ResultMeta, TaskRequest, TaskState};
-use crate::telemetry::Metrics;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -135,6 +136,23 @@ pub struct Store {
     reads: mpsc::Sender<ReadOp>,
     node_id: Arc<str>,
     store_prompts: bool,
+    failures: WriteFailures,
+}
+
+/// How many writes (or batch commits) failed since the store opened; the
+/// task itself went on. The store counts, telemetry exports it, so the store
+/// needs no metrics of its own.
+#[derive(Debug, Clone, Default)]
+pub struct WriteFailures(Arc<AtomicU64>);
+
+impl WriteFailures {
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn inc(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 const SCHEMA: &str = r#"
@@ -175,7 +193,7 @@ CREATE TABLE IF NOT EXISTS task_transitions (
 
 impl Store {
     /// Opens (creating if needed) the database and starts the writer thread.
-    pub fn open(path: &Path, node_id: &str, store_prompts: bool, metrics: Arc<Metrics>) -> Result<Store, StoreError> {
+    pub fn open(path: &Path, node_id: &str, store_prompts: bool) -> Result<Store, StoreError> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir { path: dir.to_path_buf(), source })?;
         }
@@ -202,17 +220,24 @@ impl Store {
         .map_err(open_err)?;
         reader.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         let (tx, rx) = mpsc::channel();
+        let failures = WriteFailures::default();
+        let writer_failures = failures.clone();
         let spawn_err = |e| StoreError::Dir { path: path.to_path_buf(), source: e };
         std::thread::Builder::new()
             .name("edgeway-store".into())
-            .spawn(move || writer_loop(conn, rx, metrics))
+            .spawn(move || writer_loop(conn, rx, writer_failures))
             .map_err(spawn_err)?;
         let (reads, read_rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("edgeway-store-read".into())
             .spawn(move || reader_loop(reader, read_rx))
             .map_err(spawn_err)?;
-        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts })
+        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures })
+    }
+
+    /// The counter of failed writes (shared: it keeps counting).
+    pub fn write_failures(&self) -> WriteFailures {
+        self.failures.clone()
     }
 
     pub fn node_id(&self) -> &str {
@@ -382,7 +407,7 @@ fn reader_loop(conn: Connection, rx: mpsc::Receiver<ReadOp>) {
     }
 }
 
-fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metrics>) {
+fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, failures: WriteFailures) {
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         while batch.len() < BATCH {
@@ -433,14 +458,14 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
                     }
                 };
                 if let Err(e) = r {
-                    metrics.store_errors.inc();
+                    failures.inc();
                     tracing::error!(error = %e, "task store write failed");
                 }
             }
             txn.commit()
         })();
         if let Err(e) = res {
-            metrics.store_errors.inc();
+            failures.inc();
             tracing::error!(error = %e, "task store commit failed");
         }
         for r in replies {
