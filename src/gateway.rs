@@ -18,8 +18,7 @@ use crate::engine;
 use crate::error::ErrorCode;
 use crate::error::GatewayError;
 use crate::scheduler::{self, Instance, SchedulerHandle, TaskStream};
-use crate::store::durable::{IdempotentRecord, StoredRequest};
-use crate::store::Store;
+use crate::store::{IdempotentRecord, Store, StoredRequest};
 use crate::task::{Identity, Ingress, Priority, ResultMeta, TaskEvent, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
@@ -329,7 +328,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         started: Instant::now(),
         nats: crate::ingress::nats::NatsStatus::new(config.nats.is_some()),
     });
-    tracker.spawn(crate::admission::resources::watch(
+    tracker.spawn(crate::admission::gpu_watch::watch(
         config.resources.clone(),
         gateway.scheduler.clone(),
         gateway.metrics.clone(),

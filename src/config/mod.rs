@@ -70,7 +70,7 @@ pub struct Config {
     pub models: BTreeMap<String, ModelConfig>,
     /// Fair-share weight of each tenant (default 1).
     pub tenant_weights: std::collections::HashMap<String, f64>,
-    pub resources: crate::admission::resources::ResourceConfig,
+    pub resources: crate::admission::gpu_watch::ResourceConfig,
     /// A cancelled request may keep an engine busy this long before the
     /// instance is taken out of dispatch.
     pub cancel_grace: Duration,

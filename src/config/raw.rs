@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::*;
-use crate::admission::resources::ResourceConfig;
+use crate::admission::gpu_watch::ResourceConfig;
 use crate::scheduler::policy::AppPolicy;
 use crate::task::{Priority, Timeouts};
 

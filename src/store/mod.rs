@@ -5,11 +5,20 @@
 //! writes are batched into one transaction per burst. Reads (and `flush`)
 //! answer through a oneshot.
 //!
+//! The task and transition tables are here; each other table has its own
+//! file: [`idempotency`] keys, [`pending_requests`] (to re-queue after a
+//! crash) and [`revoked_keys`].
+//!
 //! Does not own: the decisions recorded (scheduler), prompt policy (the
 //! caller decides whether text is passed in at all) or metrics: it counts
 //! its failed writes in [`WriteFailures`], which telemetry exports.
 
-pub mod durable;
+mod idempotency;
+mod pending_requests;
+mod revoked_keys;
+
+pub use idempotency::IdempotentRecord;
+pub use pending_requests::{StoredRequest, Unfinished};
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -87,7 +96,7 @@ enum Op {
         row: Box<RejectedCall>,
     },
     Remember {
-        req: Box<durable::StoredRequest>,
+        req: Box<StoredRequest>,
         ttl_ms: i64,
     },
     Started(String),
@@ -97,7 +106,7 @@ enum Op {
         key: String,
         task_id: String,
     },
-    Unfinished(oneshot::Sender<Vec<durable::Unfinished>>),
+    Unfinished(oneshot::Sender<Vec<Unfinished>>),
     SetRevoked {
         key_sha256: String,
         by: String,
@@ -110,7 +119,7 @@ enum Op {
 
 /// What the reader thread answers.
 enum ReadOp {
-    Lookup { tenant: String, app: String, key: String, reply: oneshot::Sender<Option<durable::IdempotentRecord>> },
+    Lookup { tenant: String, app: String, key: String, reply: oneshot::Sender<Option<IdempotentRecord>> },
 }
 
 /// A call refused at admission, before it had a validated task.
@@ -206,8 +215,10 @@ impl Store {
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
         conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
-        conn.execute_batch(durable::SCHEMA).map_err(open_err)?;
-        let expired = durable::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
+        for schema in [idempotency::SCHEMA, pending_requests::SCHEMA, revoked_keys::SCHEMA] {
+            conn.execute_batch(schema).map_err(open_err)?;
+        }
+        let expired = idempotency::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
         if expired > 0 {
             tracing::info!(expired, "dropped expired idempotency keys");
         }
@@ -324,7 +335,7 @@ impl Store {
 
     /// Records an idempotency key and the request needed to queue the task
     /// again after a restart (until it starts).
-    pub fn remember(&self, req: durable::StoredRequest, ttl_ms: i64) {
+    pub fn remember(&self, req: StoredRequest, ttl_ms: i64) {
         let _ = self.tx.send(Op::Remember { req: Box::new(req), ttl_ms });
     }
 
@@ -358,7 +369,7 @@ impl Store {
     }
 
     /// Tasks that were not terminal when the gateway last stopped.
-    pub async fn unfinished(&self) -> Vec<durable::Unfinished> {
+    pub async fn unfinished(&self) -> Vec<Unfinished> {
         let (tx, rx) = oneshot::channel();
         if self.tx.send(Op::Unfinished(tx)).is_err() {
             return Vec::new();
@@ -367,7 +378,7 @@ impl Store {
     }
 
     /// A live idempotency key of this tenant and application.
-    pub async fn lookup_idempotency(&self, tenant: &str, app: &str, key: &str) -> Option<durable::IdempotentRecord> {
+    pub async fn lookup_idempotency(&self, tenant: &str, app: &str, key: &str) -> Option<IdempotentRecord> {
         let (reply, rx) = oneshot::channel();
         let op = ReadOp::Lookup { tenant: tenant.into(), app: app.into(), key: key.into(), reply };
         self.reads.send(op).ok()?;
@@ -397,7 +408,7 @@ fn reader_loop(conn: Connection, rx: mpsc::Receiver<ReadOp>) {
     while let Ok(op) = rx.recv() {
         match op {
             ReadOp::Lookup { tenant, app, key, reply } => {
-                let r = durable::lookup(&conn, &tenant, &app, &key, crate::task::now_ms());
+                let r = idempotency::lookup(&conn, &tenant, &app, &key, crate::task::now_ms());
                 let _ = reply.send(r.unwrap_or_else(|e| {
                     tracing::error!(error = %e, "idempotency lookup failed");
                     None
@@ -426,23 +437,26 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, failures: WriteFail
                     Op::Transition { task_id, t } => insert_transition(&txn, &task_id, &t),
                     Op::Finish { meta, error_code, result_text, idempotent_text } => {
                         finish_task(&txn, &meta, error_code, result_text).and_then(|_| {
-                            durable::started(&txn, &meta.task_id)?;
+                            pending_requests::drop_request(&txn, &meta.task_id)?;
                             match idempotent_text {
-                                Some(t) => durable::keep_result(&txn, &meta.task_id, &t),
+                                Some(t) => idempotency::keep_result(&txn, &meta.task_id, &t),
                                 None => Ok(()),
                             }
                         })
                     }
                     Op::Rejected { row } => insert_rejected(&txn, &row),
-                    Op::Remember { req, ttl_ms } => durable::remember_key(&txn, &req, ttl_ms, crate::task::now_ms()),
-                    Op::Started(id) => durable::started(&txn, &id),
-                    Op::Forget { tenant, app, key, task_id } => durable::forget(&txn, &tenant, &app, &key, &task_id),
+                    Op::Remember { req, ttl_ms } => remember(&txn, &req, ttl_ms, crate::task::now_ms()),
+                    Op::Started(id) => pending_requests::drop_request(&txn, &id),
+                    Op::Forget { tenant, app, key, task_id } => {
+                        idempotency::forget(&txn, &tenant, &app, &key, &task_id)
+                            .and_then(|_| pending_requests::drop_request(&txn, &task_id))
+                    }
                     Op::Unfinished(tx) => {
                         replies.push(Reply::Unfinished(tx));
                         Ok(())
                     }
                     Op::SetRevoked { key_sha256, by, revoked } => {
-                        durable::set_revoked(&txn, &key_sha256, &by, revoked, crate::task::now_ms())
+                        revoked_keys::set_revoked(&txn, &key_sha256, &by, revoked, crate::task::now_ms())
                     }
                     Op::RevokedKeys(tx) => {
                         replies.push(Reply::RevokedKeys(tx));
@@ -477,13 +491,13 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, failures: WriteFail
                     let _ = tx.send(read_task(&conn, &id));
                 }
                 Reply::RevokedKeys(tx) => {
-                    let _ = tx.send(durable::revoked_keys(&conn).unwrap_or_else(|e| {
+                    let _ = tx.send(revoked_keys::revoked_keys(&conn).unwrap_or_else(|e| {
                         tracing::error!(error = %e, "reading revoked keys failed");
                         Vec::new()
                     }));
                 }
                 Reply::Unfinished(tx) => {
-                    let _ = tx.send(durable::unfinished(&conn).unwrap_or_else(|e| {
+                    let _ = tx.send(pending_requests::unfinished(&conn).unwrap_or_else(|e| {
                         tracing::error!(error = %e, "reading unfinished tasks failed");
                         Vec::new()
                     }));
@@ -494,10 +508,18 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, failures: WriteFail
 }
 
 enum Reply {
-    Unfinished(oneshot::Sender<Vec<durable::Unfinished>>),
+    Unfinished(oneshot::Sender<Vec<Unfinished>>),
     RevokedKeys(oneshot::Sender<Vec<String>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
+}
+
+/// Records an idempotency key and the request needed to queue its task
+/// again after a restart (nothing without a key).
+fn remember(c: &Connection, r: &StoredRequest, ttl_ms: i64, now: i64) -> rusqlite::Result<()> {
+    let Some(key) = &r.idempotency_key else { return Ok(()) };
+    idempotency::remember(c, &r.tenant, &r.application, key, &r.task_id, &r.prompt_sha256, ttl_ms, now)?;
+    pending_requests::keep(c, r)
 }
 
 /// The columns of a new task row.
