@@ -138,7 +138,12 @@ impl Gateway {
     pub async fn recover(&self) -> (usize, usize) {
         let (mut requeued, mut failed) = (0, 0);
         for u in self.store.unfinished().await {
-            let waiting = matches!(u.state, TaskState::Received | TaskState::Validating | TaskState::Queued);
+            // From here on, what is written for the task is checked against
+            // the state machine like any transition of this run.
+            self.recorder.adopt(&u.task_id, u.state);
+            // Re-queued only from a state that may move to QUEUED: a task
+            // that never started.
+            let waiting = u.state.can_move_to(TaskState::Queued);
             let rebuilt = match (&u.request, waiting) {
                 (Some(r), true) => self.rebuild(r),
                 _ => None,
@@ -154,11 +159,10 @@ impl Gateway {
             }
             failed += 1;
             let reason = format!("gateway restarted while the task was {}", u.state.as_str());
-            self.store.transition(&u.task_id, TaskState::Failed, &reason, None, "gateway");
             let mut meta =
                 ResultMeta::bare(&u.request_id, &u.task_id, TaskState::Failed, &u.logical_model, &self.config.node_id);
             meta.session_id = u.session_id.clone();
-            self.store.finish(&meta, Some(ErrorCode::InternalError.as_str()), None, false);
+            self.recorder.end_recovered(&meta, &reason, ErrorCode::InternalError.as_str());
         }
         if requeued + failed > 0 {
             tracing::warn!(requeued, failed, "recovered tasks left unfinished by the last run");
@@ -292,7 +296,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         .enumerate()
         .map(|(i, inst)| (i, inst.engine.clone(), config.engines[&inst.name].health_interval))
         .collect();
-    let recorder = Recorder::new(store.clone());
+    let recorder = Recorder::new(store.clone(), &metrics);
     let scheduler = scheduler::start(
         config.clone(),
         instances,

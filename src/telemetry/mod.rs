@@ -42,6 +42,9 @@ pub struct Metrics {
     /// KV-cache usage (0..=1) that an engine instance reports itself, by
     /// instance; absent while it reports none.
     pub engine_kv_cache_usage: GaugeVec,
+    /// Task state transitions refused by the recorder, by `from` (`NONE`
+    /// for a task that is not live) and `to`.
+    pub illegal_transitions: IntCounterVec,
     /// Per GPU index (from NVML, when present).
     pub gpu_temperature: IntGaugeVec,
     pub gpu_memory_used: IntGaugeVec,
@@ -102,6 +105,11 @@ impl Metrics {
                 registry.register(Box::new(g.clone())).expect("unique metric");
                 g
             },
+            illegal_transitions: counter(
+                "illegal_transitions_total",
+                "Task state transitions refused because the state machine does not allow them, by from and to state",
+                &["from", "to"],
+            ),
             gpu_temperature: gauge("gpu_temperature_celsius", "GPU temperature (NVML)", &["gpu"]),
             gpu_memory_used: gauge("gpu_memory_used_bytes", "GPU memory in use (NVML)", &["gpu"]),
             nats_connected: {
