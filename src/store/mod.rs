@@ -259,6 +259,9 @@ impl Store {
         self.store_prompts
     }
 
+    /// Writes a new task row (state RECEIVED). Task rows and transitions are
+    /// written as told: record them through `telemetry::lifecycle::Recorder`,
+    /// which checks each against the task state machine first.
     pub fn new_task(&self, req: &TaskRequest) {
         let prompt_text = self.store_prompts.then(|| serde_json::to_string(&req.messages).unwrap_or_default());
         // Only the columns: the prompt itself is not copied unless stored.
@@ -279,6 +282,8 @@ impl Store {
         let _ = self.tx.send(Op::NewTask { row: Box::new(row), prompt_text });
     }
 
+    /// Appends a transition and sets the task's state (unchecked: see
+    /// [`Self::new_task`]).
     pub fn transition(&self, task_id: &str, state: TaskState, reason: &str, instance: Option<&str>, actor: &str) {
         let t = Transition {
             state,
