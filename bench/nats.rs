@@ -13,9 +13,11 @@
 //!    tasks straight into the gateway (no ingress in between) for
 //!    `--seconds`; every task publishes 7 transitions. Reports tasks/s,
 //!    events published/s, events a NATS subscriber received/s, drops.
-//! 3. The publisher alone: synthetic transitions of one task fed into the
-//!    recorder as fast as the publisher keeps up (the producer waits when
-//!    more than 2048 are in flight, so nothing is dropped), for `--seconds`.
+//! 3. The publisher alone: the 7 transitions of synthetic tasks (no
+//!    scheduler, no engine; the recorder refuses any order the task state
+//!    machine does not allow) fed into the recorder as fast as the
+//!    publisher keeps up (the producer waits when more than 2048 are in
+//!    flight, so nothing is dropped), for `--seconds`.
 //!
 //! ```text
 //! cargo bench --bench nats -- --requests 2000 --seconds 5
@@ -35,7 +37,7 @@ use async_nats::HeaderMap;
 use clap::Parser;
 use edgeway::admission::request::parse_body;
 use edgeway::ingress::nats::BusState;
-use edgeway::task::{Ingress, TaskState};
+use edgeway::task::{Ingress, ResultMeta, TaskState};
 use edgeway::testing::{FakeEngine, Knobs, NatsServer, TestGateway, DEMO_KEY};
 use futures::StreamExt;
 use prometheus::core::Collector as _;
@@ -203,10 +205,18 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     let t0 = Instant::now();
     let mut produced = 0u64;
     while t0.elapsed() < Duration::from_secs(args.seconds) {
-        for _ in 0..256 {
-            recorder.transition(&req, TaskState::Running, "bench", None, "bench");
+        for _ in 0..36 {
+            let mut r = req.clone();
+            r.task_id = edgeway::task::new_task_id();
+            recorder.received(&r);
+            use TaskState::*;
+            for s in [Validating, Queued, Dispatching, Running, Streaming] {
+                recorder.transition(&r, s, "bench", None, "bench");
+            }
+            let meta = ResultMeta::bare(&r.request_id, &r.task_id, Succeeded, &r.logical_model, "bench");
+            recorder.finished(&r, &meta, "bench", None, "bench", None, None);
         }
-        produced += 256;
+        produced += 36 * 7;
         while produced - (published() - p0) - (dropped() - d0) > 2048 {
             tokio::task::yield_now().await;
         }

@@ -18,8 +18,7 @@ use crate::error::ErrorCode;
 use crate::error::GatewayError;
 use crate::router::Router;
 use crate::scheduler::{self, SchedulerHandle, TaskStream};
-use crate::store::durable::{IdempotentRecord, StoredRequest};
-use crate::store::Store;
+use crate::store::{IdempotentRecord, Store, StoredRequest};
 use crate::task::{Identity, Ingress, Priority, ResultMeta, TaskEvent, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
@@ -139,7 +138,12 @@ impl Gateway {
     pub async fn recover(&self) -> (usize, usize) {
         let (mut requeued, mut failed) = (0, 0);
         for u in self.store.unfinished().await {
-            let waiting = matches!(u.state, TaskState::Received | TaskState::Validating | TaskState::Queued);
+            // From here on, what is written for the task is checked against
+            // the state machine like any transition of this run.
+            self.recorder.adopt(&u.task_id, u.state);
+            // Re-queued only from a state that may move to QUEUED: a task
+            // that never started.
+            let waiting = u.state.can_move_to(TaskState::Queued);
             let rebuilt = match (&u.request, waiting) {
                 (Some(r), true) => self.rebuild(r),
                 _ => None,
@@ -155,11 +159,10 @@ impl Gateway {
             }
             failed += 1;
             let reason = format!("gateway restarted while the task was {}", u.state.as_str());
-            self.store.transition(&u.task_id, TaskState::Failed, &reason, None, "gateway");
             let mut meta =
                 ResultMeta::bare(&u.request_id, &u.task_id, TaskState::Failed, &u.logical_model, &self.config.node_id);
             meta.session_id = u.session_id.clone();
-            self.store.finish(&meta, Some(ErrorCode::InternalError.as_str()), None, false);
+            self.recorder.end_recovered(&meta, &reason, ErrorCode::InternalError.as_str());
         }
         if requeued + failed > 0 {
             tracing::warn!(requeued, failed, "recovered tasks left unfinished by the last run");
@@ -272,12 +275,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     crate::tls::install_default_provider();
     let config = Arc::new(config);
     let metrics = Arc::new(Metrics::new());
-    let store = Store::open(&config.store.db_path(), &config.node_id, config.store.store_prompts, metrics.clone())?;
+    let store = Store::open(&config.store.db_path(), &config.node_id, config.store.store_prompts)?;
+    metrics.export_store_errors(store.write_failures());
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
 
     let router = Arc::new(Router::from_config(&config)?);
-    let recorder = Recorder::new(store.clone());
+    let recorder = Recorder::new(store.clone(), &metrics);
     let scheduler =
         scheduler::start(config.clone(), router, recorder.clone(), metrics.clone(), tracker.clone(), shutdown.clone());
 
@@ -297,7 +301,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         started: Instant::now(),
         nats: crate::ingress::nats::NatsStatus::new(config.nats.is_some()),
     });
-    tracker.spawn(crate::admission::resources::watch(
+    tracker.spawn(crate::admission::gpu_watch::watch(
         config.resources.clone(),
         gateway.scheduler.clone(),
         gateway.metrics.clone(),

@@ -25,7 +25,9 @@
 //! - [`telemetry`]: Prometheus metrics and structured logs.
 //! - [`config`]: TOML + environment → validated typed config.
 //! - [`error`]: the public error codes; [`task`]: the shared task model.
-//! - [`gateway`]: wiring and shutdown; [`testing`]: fakes for tests/benches.
+//! - [`gateway`]: wiring and shutdown.
+//! - `testing` (cargo feature `testing`, on in tests and benches only):
+//!   fake engines, a NATS launcher and an in-process test gateway.
 
 pub mod admission;
 pub mod config;
@@ -39,5 +41,6 @@ pub mod scheduler;
 pub mod store;
 pub mod task;
 pub mod telemetry;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tls;

@@ -99,19 +99,34 @@ impl TaskState {
         )
     }
 
-    /// The transitions DESIGN.md allows. `Streaming` may also end `Failed`
+    /// The transitions DESIGN.md allows, enforced where they are recorded
+    /// (`telemetry::lifecycle::Recorder`). `Streaming` may also end `Failed`
     /// (engine broke mid-stream) and `TimedOut` (idle, inference, total).
+    /// Beyond DESIGN.md's diagram, each because the gateway does it and
+    /// clients already see it:
+    /// - `Queued → Failed`: a waiting task is withdrawn with
+    ///   `MODEL_UNAVAILABLE` when no healthy instance of its model is left,
+    ///   or when the scheduler stops.
+    /// - `Queued → Queued`: a task that never started is queued again after
+    ///   a gateway restart (queues live in memory; the restart emptied it).
+    /// - `Received → Failed`, `Validating → Failed`: a restart ends a task
+    ///   that was not queued yet and cannot be queued again `FAILED`
+    ///   (`INTERNAL_ERROR`), like any other task it cannot resume.
     pub fn can_move_to(self, next: TaskState) -> bool {
         use TaskState::*;
         matches!(
             (self, next),
             (Received, Validating)
                 | (Received, Rejected)
+                | (Received, Failed)
                 | (Validating, Rejected)
                 | (Validating, Queued)
+                | (Validating, Failed)
+                | (Queued, Queued)
                 | (Queued, Dispatching)
                 | (Queued, TimedOut)
                 | (Queued, Cancelled)
+                | (Queued, Failed)
                 | (Dispatching, Running)
                 | (Dispatching, Failed)
                 | (Dispatching, Cancelled)

@@ -3,11 +3,13 @@
 //! Owns: authentication ([`auth`]), parsing the shared request JSON (OpenAI
 //! chat fields plus edge fields, the same on every ingress) and turning it
 //! into a validated [`TaskRequest`]: priority rights, model lookup, context
-//! budget, timeouts. Does not own: queueing and capacity (scheduler).
+//! budget, timeouts; and [`gpu_watch`], which closes admission and cancels
+//! work while the GPU is in its danger zone. Does not own: queueing and
+//! capacity (scheduler).
 
 pub mod auth;
+pub mod gpu_watch;
 pub mod request;
-pub mod resources;
 
 pub use auth::Authenticator;
 pub use request::{admit, ChatRequestBody};

@@ -5,12 +5,23 @@
 //! writes are batched into one transaction per burst. Reads (and `flush`)
 //! answer through a oneshot.
 //!
-//! Does not own: the decisions recorded (scheduler) or prompt policy (the
-//! caller decides whether text is passed in at all).
+//! The task and transition tables are here; each other table has its own
+//! file: [`idempotency`] keys, [`pending_requests`] (to re-queue after a
+//! crash) and [`revoked_keys`].
+//!
+//! Does not own: the decisions recorded (scheduler), prompt policy (the
+//! caller decides whether text is passed in at all) or metrics: it counts
+//! its failed writes in [`WriteFailures`], which telemetry exports.
 
-pub mod durable;
+mod idempotency;
+mod pending_requests;
+mod revoked_keys;
+
+pub use idempotency::IdempotentRecord;
+pub use pending_requests::{StoredRequest, Unfinished};
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
@@ -19,7 +30,6 @@ use tokio::sync::oneshot;
 
 use crate::error::GatewayError;
 use crate::task::{Identity, Ingress, ResultMeta, TaskRequest, TaskState};
-use crate::telemetry::Metrics;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -86,7 +96,7 @@ enum Op {
         row: Box<RejectedCall>,
     },
     Remember {
-        req: Box<durable::StoredRequest>,
+        req: Box<StoredRequest>,
         ttl_ms: i64,
     },
     Started(String),
@@ -96,7 +106,7 @@ enum Op {
         key: String,
         task_id: String,
     },
-    Unfinished(oneshot::Sender<Vec<durable::Unfinished>>),
+    Unfinished(oneshot::Sender<Vec<Unfinished>>),
     SetRevoked {
         key_sha256: String,
         by: String,
@@ -109,7 +119,7 @@ enum Op {
 
 /// What the reader thread answers.
 enum ReadOp {
-    Lookup { tenant: String, app: String, key: String, reply: oneshot::Sender<Option<durable::IdempotentRecord>> },
+    Lookup { tenant: String, app: String, key: String, reply: oneshot::Sender<Option<IdempotentRecord>> },
 }
 
 /// A call refused at admission, before it had a validated task.
@@ -135,6 +145,23 @@ pub struct Store {
     reads: mpsc::Sender<ReadOp>,
     node_id: Arc<str>,
     store_prompts: bool,
+    failures: WriteFailures,
+}
+
+/// How many writes (or batch commits) failed since the store opened; the
+/// task itself went on. The store counts, telemetry exports it, so the store
+/// needs no metrics of its own.
+#[derive(Debug, Clone, Default)]
+pub struct WriteFailures(Arc<AtomicU64>);
+
+impl WriteFailures {
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn inc(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 const SCHEMA: &str = r#"
@@ -175,7 +202,7 @@ CREATE TABLE IF NOT EXISTS task_transitions (
 
 impl Store {
     /// Opens (creating if needed) the database and starts the writer thread.
-    pub fn open(path: &Path, node_id: &str, store_prompts: bool, metrics: Arc<Metrics>) -> Result<Store, StoreError> {
+    pub fn open(path: &Path, node_id: &str, store_prompts: bool) -> Result<Store, StoreError> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir { path: dir.to_path_buf(), source })?;
         }
@@ -188,8 +215,10 @@ impl Store {
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
         conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
-        conn.execute_batch(durable::SCHEMA).map_err(open_err)?;
-        let expired = durable::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
+        for schema in [idempotency::SCHEMA, pending_requests::SCHEMA, revoked_keys::SCHEMA] {
+            conn.execute_batch(schema).map_err(open_err)?;
+        }
+        let expired = idempotency::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
         if expired > 0 {
             tracing::info!(expired, "dropped expired idempotency keys");
         }
@@ -202,17 +231,24 @@ impl Store {
         .map_err(open_err)?;
         reader.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         let (tx, rx) = mpsc::channel();
+        let failures = WriteFailures::default();
+        let writer_failures = failures.clone();
         let spawn_err = |e| StoreError::Dir { path: path.to_path_buf(), source: e };
         std::thread::Builder::new()
             .name("edgeway-store".into())
-            .spawn(move || writer_loop(conn, rx, metrics))
+            .spawn(move || writer_loop(conn, rx, writer_failures))
             .map_err(spawn_err)?;
         let (reads, read_rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("edgeway-store-read".into())
             .spawn(move || reader_loop(reader, read_rx))
             .map_err(spawn_err)?;
-        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts })
+        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures })
+    }
+
+    /// The counter of failed writes (shared: it keeps counting).
+    pub fn write_failures(&self) -> WriteFailures {
+        self.failures.clone()
     }
 
     pub fn node_id(&self) -> &str {
@@ -223,6 +259,9 @@ impl Store {
         self.store_prompts
     }
 
+    /// Writes a new task row (state RECEIVED). Task rows and transitions are
+    /// written as told: record them through `telemetry::lifecycle::Recorder`,
+    /// which checks each against the task state machine first.
     pub fn new_task(&self, req: &TaskRequest) {
         let prompt_text = self.store_prompts.then(|| serde_json::to_string(&req.messages).unwrap_or_default());
         // Only the columns: the prompt itself is not copied unless stored.
@@ -243,6 +282,8 @@ impl Store {
         let _ = self.tx.send(Op::NewTask { row: Box::new(row), prompt_text });
     }
 
+    /// Appends a transition and sets the task's state (unchecked: see
+    /// [`Self::new_task`]).
     pub fn transition(&self, task_id: &str, state: TaskState, reason: &str, instance: Option<&str>, actor: &str) {
         let t = Transition {
             state,
@@ -299,7 +340,7 @@ impl Store {
 
     /// Records an idempotency key and the request needed to queue the task
     /// again after a restart (until it starts).
-    pub fn remember(&self, req: durable::StoredRequest, ttl_ms: i64) {
+    pub fn remember(&self, req: StoredRequest, ttl_ms: i64) {
         let _ = self.tx.send(Op::Remember { req: Box::new(req), ttl_ms });
     }
 
@@ -333,7 +374,7 @@ impl Store {
     }
 
     /// Tasks that were not terminal when the gateway last stopped.
-    pub async fn unfinished(&self) -> Vec<durable::Unfinished> {
+    pub async fn unfinished(&self) -> Vec<Unfinished> {
         let (tx, rx) = oneshot::channel();
         if self.tx.send(Op::Unfinished(tx)).is_err() {
             return Vec::new();
@@ -342,7 +383,7 @@ impl Store {
     }
 
     /// A live idempotency key of this tenant and application.
-    pub async fn lookup_idempotency(&self, tenant: &str, app: &str, key: &str) -> Option<durable::IdempotentRecord> {
+    pub async fn lookup_idempotency(&self, tenant: &str, app: &str, key: &str) -> Option<IdempotentRecord> {
         let (reply, rx) = oneshot::channel();
         let op = ReadOp::Lookup { tenant: tenant.into(), app: app.into(), key: key.into(), reply };
         self.reads.send(op).ok()?;
@@ -372,7 +413,7 @@ fn reader_loop(conn: Connection, rx: mpsc::Receiver<ReadOp>) {
     while let Ok(op) = rx.recv() {
         match op {
             ReadOp::Lookup { tenant, app, key, reply } => {
-                let r = durable::lookup(&conn, &tenant, &app, &key, crate::task::now_ms());
+                let r = idempotency::lookup(&conn, &tenant, &app, &key, crate::task::now_ms());
                 let _ = reply.send(r.unwrap_or_else(|e| {
                     tracing::error!(error = %e, "idempotency lookup failed");
                     None
@@ -382,7 +423,7 @@ fn reader_loop(conn: Connection, rx: mpsc::Receiver<ReadOp>) {
     }
 }
 
-fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metrics>) {
+fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, failures: WriteFailures) {
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         while batch.len() < BATCH {
@@ -401,23 +442,26 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
                     Op::Transition { task_id, t } => insert_transition(&txn, &task_id, &t),
                     Op::Finish { meta, error_code, result_text, idempotent_text } => {
                         finish_task(&txn, &meta, error_code, result_text).and_then(|_| {
-                            durable::started(&txn, &meta.task_id)?;
+                            pending_requests::drop_request(&txn, &meta.task_id)?;
                             match idempotent_text {
-                                Some(t) => durable::keep_result(&txn, &meta.task_id, &t),
+                                Some(t) => idempotency::keep_result(&txn, &meta.task_id, &t),
                                 None => Ok(()),
                             }
                         })
                     }
                     Op::Rejected { row } => insert_rejected(&txn, &row),
-                    Op::Remember { req, ttl_ms } => durable::remember_key(&txn, &req, ttl_ms, crate::task::now_ms()),
-                    Op::Started(id) => durable::started(&txn, &id),
-                    Op::Forget { tenant, app, key, task_id } => durable::forget(&txn, &tenant, &app, &key, &task_id),
+                    Op::Remember { req, ttl_ms } => remember(&txn, &req, ttl_ms, crate::task::now_ms()),
+                    Op::Started(id) => pending_requests::drop_request(&txn, &id),
+                    Op::Forget { tenant, app, key, task_id } => {
+                        idempotency::forget(&txn, &tenant, &app, &key, &task_id)
+                            .and_then(|_| pending_requests::drop_request(&txn, &task_id))
+                    }
                     Op::Unfinished(tx) => {
                         replies.push(Reply::Unfinished(tx));
                         Ok(())
                     }
                     Op::SetRevoked { key_sha256, by, revoked } => {
-                        durable::set_revoked(&txn, &key_sha256, &by, revoked, crate::task::now_ms())
+                        revoked_keys::set_revoked(&txn, &key_sha256, &by, revoked, crate::task::now_ms())
                     }
                     Op::RevokedKeys(tx) => {
                         replies.push(Reply::RevokedKeys(tx));
@@ -433,14 +477,14 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
                     }
                 };
                 if let Err(e) = r {
-                    metrics.store_errors.inc();
+                    failures.inc();
                     tracing::error!(error = %e, "task store write failed");
                 }
             }
             txn.commit()
         })();
         if let Err(e) = res {
-            metrics.store_errors.inc();
+            failures.inc();
             tracing::error!(error = %e, "task store commit failed");
         }
         for r in replies {
@@ -452,13 +496,13 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
                     let _ = tx.send(read_task(&conn, &id));
                 }
                 Reply::RevokedKeys(tx) => {
-                    let _ = tx.send(durable::revoked_keys(&conn).unwrap_or_else(|e| {
+                    let _ = tx.send(revoked_keys::revoked_keys(&conn).unwrap_or_else(|e| {
                         tracing::error!(error = %e, "reading revoked keys failed");
                         Vec::new()
                     }));
                 }
                 Reply::Unfinished(tx) => {
-                    let _ = tx.send(durable::unfinished(&conn).unwrap_or_else(|e| {
+                    let _ = tx.send(pending_requests::unfinished(&conn).unwrap_or_else(|e| {
                         tracing::error!(error = %e, "reading unfinished tasks failed");
                         Vec::new()
                     }));
@@ -469,10 +513,18 @@ fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, metrics: Arc<Metric
 }
 
 enum Reply {
-    Unfinished(oneshot::Sender<Vec<durable::Unfinished>>),
+    Unfinished(oneshot::Sender<Vec<Unfinished>>),
     RevokedKeys(oneshot::Sender<Vec<String>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
+}
+
+/// Records an idempotency key and the request needed to queue its task
+/// again after a restart (nothing without a key).
+fn remember(c: &Connection, r: &StoredRequest, ttl_ms: i64, now: i64) -> rusqlite::Result<()> {
+    let Some(key) = &r.idempotency_key else { return Ok(()) };
+    idempotency::remember(c, &r.tenant, &r.application, key, &r.task_id, &r.prompt_sha256, ttl_ms, now)?;
+    pending_requests::keep(c, r)
 }
 
 /// The columns of a new task row.

@@ -3,12 +3,25 @@
 //! and offers it to in-process subscribers (the NATS event publisher, tests)
 //! on a bounded broadcast channel. A slow subscriber loses events (and
 //! counts them) instead of slowing the request path.
+//!
+//! Owns: enforcing the task state machine ([`TaskState::can_move_to`]) where
+//! transitions are recorded. The recorder knows the current state of every
+//! live task; a transition the machine does not allow (or any after the
+//! task's terminal state) is refused: not written, not published, logged,
+//! counted in `edgeway_illegal_transitions_total{from,to}`, and a panic in
+//! debug builds so that tests catch the code path that tried it.
+//! Does not own: the decisions (scheduler, gateway) or the SQL (store).
 
-use std::sync::Arc;
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
 
+use prometheus::IntCounterVec;
 use serde::Serialize;
 use tokio::sync::broadcast;
 
+use super::Metrics;
 use crate::error::GatewayError;
 use crate::store::Store;
 use crate::task::{Identity, Ingress, ResultMeta, TaskRequest, TaskState};
@@ -43,15 +56,100 @@ pub struct LifecycleEvent {
 pub struct Recorder {
     store: Store,
     tx: broadcast::Sender<Arc<LifecycleEvent>>,
+    live: Arc<LiveStates>,
+    /// Refused transitions, by `from` (a state, or `NONE` for a task not
+    /// live) and `to`.
+    illegal: IntCounterVec,
 }
 
 /// Events buffered per subscriber before the slowest one starts losing them.
 const BROADCAST_CAPACITY: usize = 4096;
 
+/// Lock shards of the live-state table: transitions of different tasks
+/// (recorded from many driver tasks at once) rarely wait on each other.
+const SHARDS: usize = 16;
+
+/// The current state of every live task; a task leaves at its terminal
+/// state, so the table holds only the tasks in flight.
+struct LiveStates {
+    shards: Vec<Mutex<HashMap<String, TaskState>>>,
+}
+
+impl LiveStates {
+    fn new() -> LiveStates {
+        LiveStates { shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect() }
+    }
+
+    fn shard(&self, task_id: &str) -> std::sync::MutexGuard<'_, HashMap<String, TaskState>> {
+        let mut h = DefaultHasher::new();
+        task_id.hash(&mut h);
+        let m = &self.shards[(h.finish() as usize) % SHARDS];
+        // A panic while the lock was held (none writes half a state) leaves
+        // the table consistent.
+        m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 impl Recorder {
-    pub fn new(store: Store) -> Recorder {
+    pub fn new(store: Store, metrics: &Metrics) -> Recorder {
         let (tx, _) = broadcast::channel(BROADCAST_CAPACITY);
-        Recorder { store, tx }
+        Recorder { store, tx, live: Arc::new(LiveStates::new()), illegal: metrics.illegal_transitions.clone() }
+    }
+
+    /// Moves `task_id` to `to` if the state machine allows it from the
+    /// task's current state (`RECEIVED` only for a task not live yet), and
+    /// then runs `write` (under the task's lock, so the store sees the
+    /// transitions of a task in the order they were checked). Refuses it
+    /// otherwise; returns whether it was recorded.
+    fn advance(&self, task_id: &str, to: TaskState, reason: &str, write: impl FnOnce()) -> bool {
+        let from = {
+            let mut live = self.live.shard(task_id);
+            let from = live.get(task_id).copied();
+            let legal = match from {
+                None => to == TaskState::Received,
+                Some(f) => f.can_move_to(to),
+            };
+            if legal {
+                if to.is_terminal() {
+                    live.remove(task_id);
+                } else {
+                    live.insert(task_id.to_string(), to);
+                }
+                write();
+                return true;
+            }
+            from
+        };
+        self.refuse(task_id, from, to, reason);
+        false
+    }
+
+    #[cold]
+    fn refuse(&self, task_id: &str, from: Option<TaskState>, to: TaskState, reason: &str) {
+        let from = from.map_or("NONE", TaskState::as_str);
+        self.illegal.with_label_values(&[from, to.as_str()]).inc();
+        tracing::error!(task_id, from, to = to.as_str(), reason, "illegal task state transition refused");
+        // The lock is released: the panic poisons nothing.
+        debug_assert!(false, "illegal task state transition {from} -> {} of task {task_id} ({reason})", to.as_str());
+    }
+
+    /// Takes over a task that the last run left unfinished, at the state
+    /// the store has for it (recovery, at start-up, before new work), so
+    /// that what recovery writes next is checked like any transition.
+    pub fn adopt(&self, task_id: &str, state: TaskState) {
+        if state.is_terminal() {
+            return;
+        }
+        self.live.shard(task_id).insert(task_id.to_string(), state);
+    }
+
+    /// Ends an adopted task that recovery cannot resume (with no
+    /// subscribers told: nobody waits for it in this run).
+    pub fn end_recovered(&self, meta: &ResultMeta, reason: &str, error_code: &'static str) {
+        self.advance(&meta.task_id, meta.status, reason, || {
+            self.store.transition(&meta.task_id, meta.status, reason, None, "gateway");
+            self.store.finish(meta, Some(error_code), None, false);
+        });
     }
 
     pub fn store(&self) -> &Store {
@@ -64,10 +162,18 @@ impl Recorder {
 
     /// Records a new task at RECEIVED.
     pub fn received(&self, req: &TaskRequest) {
-        self.store.new_task(req);
-        self.transition(req, TaskState::Received, req.ingress.as_str(), None, "client");
+        let (state, reason, actor) = (TaskState::Received, req.ingress.as_str(), "client");
+        let recorded = self.advance(&req.task_id, state, reason, || {
+            self.store.new_task(req);
+            self.store.transition(&req.task_id, state, reason, None, actor);
+        });
+        if recorded {
+            self.publish(req, state, reason, None, actor, None, None);
+        }
     }
 
+    /// Records a state change; a terminal one that has result metadata
+    /// goes through [`Self::finished`] instead.
     pub fn transition(
         &self,
         req: &TaskRequest,
@@ -76,8 +182,12 @@ impl Recorder {
         instance: Option<&str>,
         actor: &'static str,
     ) {
-        self.store.transition(&req.task_id, state, reason, instance, actor);
-        self.publish(req, state, reason, instance, actor, None, None);
+        let recorded = self.advance(&req.task_id, state, reason, || {
+            self.store.transition(&req.task_id, state, reason, instance, actor);
+        });
+        if recorded {
+            self.publish(req, state, reason, instance, actor, None, None);
+        }
     }
 
     /// Records the terminal state with the result metadata.
@@ -92,12 +202,18 @@ impl Recorder {
         error_code: Option<&'static str>,
         result_text: Option<String>,
     ) {
-        self.store.transition(&req.task_id, meta.status, reason, instance, actor);
-        self.store.finish(meta, error_code, result_text, req.idempotency_key.is_some());
-        self.publish(req, meta.status, reason, instance, actor, error_code, Some(meta));
+        let recorded = self.advance(&req.task_id, meta.status, reason, || {
+            self.store.transition(&req.task_id, meta.status, reason, instance, actor);
+            self.store.finish(meta, error_code, result_text, req.idempotency_key.is_some());
+        });
+        if recorded {
+            self.publish(req, meta.status, reason, instance, actor, error_code, Some(meta));
+        }
     }
 
-    /// Records a call refused at admission (before it had a validated task).
+    /// Records a call refused at admission (before it had a validated task):
+    /// a new task that went RECEIVED → VALIDATING → REJECTED at once, so it
+    /// never becomes live.
     pub fn rejected(&self, who: &Identity, ingress: Ingress, model: &str, request_id: Option<&str>, e: &GatewayError) {
         let task_id = self.store.rejected(who, ingress, model, e);
         if self.tx.receiver_count() == 0 {
@@ -155,5 +271,185 @@ impl Recorder {
             error_code,
             result: meta.cloned(),
         }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::time::{Duration, Instant, SystemTime};
+
+    use super::*;
+    use crate::task::{Priority, Routing, SamplingParams, Timeouts};
+    use TaskState::*;
+
+    struct Setup {
+        _dir: tempfile::TempDir,
+        store: Store,
+        metrics: Metrics,
+        rec: Recorder,
+    }
+
+    fn setup() -> Setup {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("edgeway.db"), "n1", false).unwrap();
+        let metrics = Metrics::new();
+        let rec = Recorder::new(store.clone(), &metrics);
+        Setup { _dir: dir, store, metrics, rec }
+    }
+
+    fn request() -> TaskRequest {
+        let t = Duration::from_secs(60);
+        TaskRequest {
+            task_id: crate::task::new_task_id(),
+            request_id: "r1".into(),
+            identity: Identity {
+                tenant: "demo".into(),
+                application: "demo".into(),
+                user_id: None,
+                max_priority: Priority::P0,
+                default_priority: Priority::P2,
+                is_admin: false,
+                credential: None,
+            },
+            ingress: Ingress::Http,
+            logical_model: "general-chat".into(),
+            messages: Vec::new(),
+            params: SamplingParams::default(),
+            priority: Priority::P2,
+            max_output_tokens: 16,
+            timeouts: Timeouts { queue: t, first_token: t, inference: t, idle: t, total: t },
+            session_id: None,
+            idempotency_key: None,
+            routing: Routing::default(),
+            metadata: Default::default(),
+            input_tokens_estimate: 1,
+            prompt_sha256: String::new(),
+            received_at: Instant::now(),
+            received_wall: SystemTime::now(),
+            degrade_reason: None,
+        }
+    }
+
+    fn meta(req: &TaskRequest, status: TaskState) -> ResultMeta {
+        ResultMeta::bare(&req.request_id, &req.task_id, status, &req.logical_model, "n1")
+    }
+
+    fn illegal(m: &Metrics, from: &str, to: TaskState) -> u64 {
+        m.illegal_transitions.with_label_values(&[from, to.as_str()]).get()
+    }
+
+    /// Runs an illegal call: in debug builds it must panic (so tests catch
+    /// the code path), in release builds it must not.
+    fn refused(f: impl FnOnce()) {
+        let r = catch_unwind(AssertUnwindSafe(f));
+        assert_eq!(r.is_err(), cfg!(debug_assertions), "debug builds fail on an illegal transition");
+    }
+
+    async fn states(store: &Store, id: &str) -> (TaskState, Vec<TaskState>) {
+        store.flush().await;
+        let rec = store.get(id).await.unwrap().expect("task stored");
+        (rec.state, rec.transitions.iter().map(|t| t.state).collect())
+    }
+
+    #[tokio::test]
+    async fn a_legal_life_is_recorded_and_published() {
+        let s = setup();
+        let mut sub = s.rec.subscribe();
+        let req = request();
+        s.rec.received(&req);
+        for st in [Validating, Queued, Dispatching, Running, Streaming] {
+            s.rec.transition(&req, st, "test", None, "scheduler");
+        }
+        s.rec.finished(&req, &meta(&req, Succeeded), "finished (stop)", None, "engine", None, None);
+        let (state, seen) = states(&s.store, &req.task_id).await;
+        assert_eq!(state, Succeeded);
+        assert_eq!(seen, [Received, Validating, Queued, Dispatching, Running, Streaming, Succeeded]);
+        let mut published = Vec::new();
+        while let Ok(e) = sub.try_recv() {
+            published.push(e.state);
+        }
+        assert_eq!(published, seen);
+        assert!(!s.metrics.render().contains("edgeway_illegal_transitions_total{"), "nothing refused");
+    }
+
+    #[tokio::test]
+    async fn an_illegal_transition_is_refused_logged_and_counted() {
+        let s = setup();
+        let mut sub = s.rec.subscribe();
+        let req = request();
+        s.rec.received(&req);
+        refused(|| s.rec.transition(&req, Running, "skips the queue", None, "engine"));
+        assert_eq!(illegal(&s.metrics, "RECEIVED", Running), 1);
+        assert_eq!(states(&s.store, &req.task_id).await, (Received, vec![Received]), "not written");
+        assert_eq!(sub.try_recv().unwrap().state, Received);
+        assert!(sub.try_recv().is_err(), "not published");
+
+        // The refusal left the task where it was: its legal next step works.
+        s.rec.transition(&req, Validating, "admitted", None, "gateway");
+        assert_eq!(states(&s.store, &req.task_id).await, (Validating, vec![Received, Validating]));
+
+        // RECEIVED twice is a task recorded twice.
+        refused(|| s.rec.received(&req));
+        assert_eq!(illegal(&s.metrics, "VALIDATING", Received), 1);
+        // A task that was never received has no transitions to make.
+        let stranger = request();
+        refused(|| s.rec.transition(&stranger, Queued, "test", None, "scheduler"));
+        assert_eq!(illegal(&s.metrics, "NONE", Queued), 1);
+        s.store.flush().await;
+        assert_eq!(s.store.get(&stranger.task_id).await.unwrap(), None);
+        assert!(s.metrics.render().contains("edgeway_illegal_transitions_total{from=\"NONE\",to=\"QUEUED\"} 1"));
+    }
+
+    #[tokio::test]
+    async fn a_second_terminal_state_is_refused() {
+        let s = setup();
+        let req = request();
+        s.rec.received(&req);
+        s.rec.transition(&req, Validating, "admitted", None, "gateway");
+        s.rec.transition(&req, Queued, "admitted", None, "scheduler");
+        s.rec.finished(&req, &meta(&req, Cancelled), "cancelled by the client", None, "client", None, None);
+        refused(|| s.rec.finished(&req, &meta(&req, Failed), "engine error", None, "engine", None, None));
+        refused(|| s.rec.transition(&req, Rejected, "late", None, "gateway"));
+        assert_eq!(illegal(&s.metrics, "NONE", Failed), 1);
+        assert_eq!(illegal(&s.metrics, "NONE", Rejected), 1);
+        assert_eq!(states(&s.store, &req.task_id).await, (Cancelled, vec![Received, Validating, Queued, Cancelled]));
+    }
+
+    #[tokio::test]
+    async fn recovery_writes_are_checked_from_the_stored_state() {
+        let s = setup();
+        // Left by the "last run": one task streaming, one validating.
+        let (streaming, validating) = (request(), request());
+        for (req, last) in [(&streaming, Streaming), (&validating, Validating)] {
+            s.rec.received(req);
+            let path = [Validating, Queued, Dispatching, Running, Streaming];
+            for st in path.iter().take_while(|st| **st != last).chain([&last]) {
+                s.rec.transition(req, *st, "test", None, "scheduler");
+            }
+        }
+        // The new run knows nothing until it adopts them.
+        let rec = Recorder::new(s.store.clone(), &s.metrics);
+        refused(|| rec.end_recovered(&meta(&streaming, Failed), "restart", "INTERNAL_ERROR"));
+        rec.adopt(&streaming.task_id, Streaming);
+        rec.end_recovered(
+            &meta(&streaming, Failed),
+            "gateway restarted while the task was STREAMING",
+            "INTERNAL_ERROR",
+        );
+        rec.adopt(&validating.task_id, Validating);
+        rec.transition(&validating, Queued, "re-queued after a gateway restart", None, "scheduler");
+        rec.transition(&validating, Dispatching, "slot granted", None, "scheduler");
+        refused(|| {
+            rec.finished(&validating, &meta(&validating, Succeeded), "no engine ran", None, "engine", None, None)
+        });
+        assert_eq!(illegal(&s.metrics, "DISPATCHING", Succeeded), 1);
+        let (state, seen) = states(&s.store, &streaming.task_id).await;
+        assert_eq!((state, seen.last().copied()), (Failed, Some(Failed)));
+        assert_eq!(
+            s.store.get(&streaming.task_id).await.unwrap().unwrap().error_code.as_deref(),
+            Some("INTERNAL_ERROR")
+        );
+        assert_eq!(states(&s.store, &validating.task_id).await.0, Dispatching);
     }
 }

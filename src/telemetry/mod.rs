@@ -3,14 +3,19 @@
 //! Owns: the metric registry and its families, and the log subscriber.
 //! Every label comes from a closed set (ingress, priority, error code,
 //! state, configured model and engine names), never from user input.
+//! Does not own: what lower layers count themselves (the store's failed
+//! writes): those are read at scrape time, so they need not know metrics.
 
 pub mod lifecycle;
 
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::config::{LogConfig, LogFormat};
+use crate::store::WriteFailures;
 
 /// Latency buckets in seconds, from 0.5 ms (gateway overhead) to 10 min.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -37,11 +42,12 @@ pub struct Metrics {
     /// KV-cache usage (0..=1) that an engine instance reports itself, by
     /// instance; absent while it reports none.
     pub engine_kv_cache_usage: GaugeVec,
+    /// Task state transitions refused by the recorder, by `from` (`NONE`
+    /// for a task that is not live) and `to`.
+    pub illegal_transitions: IntCounterVec,
     /// Per GPU index (from NVML, when present).
     pub gpu_temperature: IntGaugeVec,
     pub gpu_memory_used: IntGaugeVec,
-    /// Store writes that could not be made (the task itself went on).
-    pub store_errors: IntGauge,
     /// 1 while the NATS bus is connected (0 when off or down).
     pub nats_connected: IntGauge,
     /// NATS connection events (`connected`, `disconnected`, `lame_duck`,
@@ -76,8 +82,6 @@ impl Metrics {
             registry.register(Box::new(h.clone())).expect("unique metric");
             h
         };
-        let store_errors = IntGauge::new("store_errors", "Task store writes that failed").expect("valid metric");
-        registry.register(Box::new(store_errors.clone())).expect("unique metric");
         Metrics {
             requests: counter("requests_total", "Calls received, by ingress and outcome", &["ingress", "outcome"]),
             tasks_finished: counter(
@@ -101,9 +105,13 @@ impl Metrics {
                 registry.register(Box::new(g.clone())).expect("unique metric");
                 g
             },
+            illegal_transitions: counter(
+                "illegal_transitions_total",
+                "Task state transitions refused because the state machine does not allow them, by from and to state",
+                &["from", "to"],
+            ),
             gpu_temperature: gauge("gpu_temperature_celsius", "GPU temperature (NVML)", &["gpu"]),
             gpu_memory_used: gauge("gpu_memory_used_bytes", "GPU memory in use (NVML)", &["gpu"]),
-            store_errors,
             nats_connected: {
                 let g = IntGauge::new("nats_connected", "1 while the NATS bus is connected").expect("valid metric");
                 registry.register(Box::new(g.clone())).expect("unique metric");
@@ -133,6 +141,13 @@ impl Metrics {
         }
     }
 
+    /// Exports the store's failed writes as `edgeway_store_errors` (read at
+    /// each scrape). Call once, with the store the gateway uses.
+    pub fn export_store_errors(&self, failures: WriteFailures) {
+        let gauge = IntGauge::new("store_errors", "Task store writes that failed").expect("valid metric");
+        self.registry.register(Box::new(StoreErrors { failures, gauge })).expect("unique metric");
+    }
+
     pub fn render(&self) -> String {
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
@@ -143,6 +158,24 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// Store writes that could not be made (the task itself went on): a gauge
+/// set from the store's own counter whenever the registry is gathered.
+struct StoreErrors {
+    failures: WriteFailures,
+    gauge: IntGauge,
+}
+
+impl Collector for StoreErrors {
+    fn desc(&self) -> Vec<&Desc> {
+        self.gauge.desc()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.gauge.set(i64::try_from(self.failures.get()).unwrap_or(i64::MAX));
+        self.gauge.collect()
     }
 }
 
@@ -163,4 +196,30 @@ pub fn init_logging(cfg: &LogConfig) {
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
         LogFormat::Text => builder.try_init(),
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Store;
+    use crate::task::TaskState;
+
+    #[tokio::test]
+    async fn store_errors_are_read_from_the_store_at_each_scrape() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edgeway.db");
+        let store = Store::open(&path, "n1", false).unwrap();
+        let metrics = Metrics::new();
+        metrics.export_store_errors(store.write_failures());
+        let text = metrics.render();
+        assert!(text.contains("# TYPE edgeway_store_errors gauge"), "{text}");
+        assert!(text.contains("edgeway_store_errors 0"), "{text}");
+
+        // Make the next transition write fail: its table is gone.
+        rusqlite::Connection::open(&path).unwrap().execute_batch("DROP TABLE task_transitions").unwrap();
+        store.transition("t1", TaskState::Received, "http", None, "client");
+        store.flush().await;
+        assert_eq!(store.write_failures().get(), 1);
+        assert!(metrics.render().contains("edgeway_store_errors 1"));
+    }
 }

@@ -1,6 +1,8 @@
-//! Test and benchmark support: fake engines and an in-process gateway on
-//! port 0. Used by `tests/` and `bench/`; not part of the gateway's
-//! behaviour.
+//! Test and benchmark support: fake engines, a `nats-server` launcher and
+//! an in-process gateway on port 0. Used by `tests/` and `bench/`; not part
+//! of the gateway's behaviour, and compiled only with the cargo feature
+//! `testing` (or in this crate's unit tests), so the release binary does not
+//! contain it.
 
 pub mod fake_engine;
 pub mod nats_server;
@@ -69,20 +71,18 @@ pub struct TestGateway {
     _tmp: Option<TempDir>,
 }
 
-/// A directory removed on drop.
-pub struct TempDir(pub PathBuf);
+/// A directory (named `{prefix}…` in the system's temp dir) removed on
+/// drop. Its path is `.0`; the second field is the `tempfile` guard.
+pub struct TempDir(pub PathBuf, tempfile::TempDir);
 
 impl TempDir {
     pub fn new(prefix: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("{prefix}-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&p).expect("create temp dir");
-        TempDir(p)
+        let dir = tempfile::Builder::new().prefix(&format!("{prefix}-")).tempdir().expect("create temp dir");
+        TempDir(dir.path().to_path_buf(), dir)
     }
-}
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+    pub fn path(&self) -> &std::path::Path {
+        self.1.path()
     }
 }
 

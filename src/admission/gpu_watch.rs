@@ -1,12 +1,16 @@
-//! Resource watch: reads accelerator state (NVML, when an NVIDIA GPU and
-//! driver are present) and tells the scheduler when the machine is in a
-//! danger zone (temperature or memory over the configured thresholds). In
-//! danger, no new work is admitted and running low-priority work is
-//! cancelled; admission resumes when readings are back under the limits.
+//! GPU watchdog: polls accelerator state (NVML, when an NVIDIA GPU and
+//! driver are present) and, when the machine enters the danger zone
+//! (temperature or memory over the configured thresholds), closes admission
+//! and cancels running and waiting work from `cancel_from_priority` down;
+//! admission reopens when readings are back under the limits.
+//!
+//! Owns: the poll loop, the danger decision ([`danger`]) and the GPU gauges
+//! it sets. Does not own: which tasks run or how a cancel reaches the engine
+//! (scheduler), nor memory admission without a GPU (each engine's configured
+//! `memory_budget_mb`).
 //!
 //! Without a GPU, NVML fails to initialise (an error, not a panic) and the
-//! watch only logs that once; memory admission then relies on each engine's
-//! configured `memory_budget_mb`.
+//! watch only logs that once.
 
 use tokio_util::sync::CancellationToken;
 
