@@ -25,7 +25,9 @@
 //! - [`telemetry`]: Prometheus metrics and structured logs.
 //! - [`config`]: TOML + environment → validated typed config.
 //! - [`error`]: the public error codes; [`task`]: the shared task model.
-//! - [`gateway`]: wiring and shutdown; [`testing`]: fakes for tests/benches.
+//! - [`gateway`]: the facade every ingress calls (auth, admission,
+//!   idempotency, ownership, counting); [`server`]: wiring, listeners and
+//!   shutdown; [`testing`]: fakes for tests/benches.
 
 pub mod admission;
 pub mod config;
@@ -36,6 +38,7 @@ pub mod gateway;
 pub mod ingress;
 pub mod router;
 pub mod scheduler;
+pub mod server;
 pub mod store;
 pub mod task;
 pub mod telemetry;

@@ -30,7 +30,7 @@ async fn one_slot_gateway(knobs: Knobs, extra: &str) -> (FakeEngine, TestGateway
 /// Waits until the scheduler's snapshot satisfies `cond`.
 async fn until_snapshot(gw: &TestGateway, what: &str, cond: impl Fn(&edgeway::scheduler::Snapshot) -> bool) {
     for _ in 0..500 {
-        if cond(&gw.gateway().scheduler.snapshot().await.unwrap()) {
+        if cond(&gw.scheduler().snapshot().await.unwrap()) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -316,7 +316,7 @@ async fn client_disconnect_mid_stream_cancels_the_task_and_the_engine() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(states.last().map(String::as_str), Some("CANCELLED"), "{states:?}");
-    let rec = gw.gateway().store.get(&task_id).await.unwrap().unwrap();
+    let rec = gw.store().get(&task_id).await.unwrap().unwrap();
     assert_eq!(rec.error_code.as_deref(), Some("REQUEST_CANCELLED"));
     assert_eq!(rec.transitions.last().unwrap().actor, "client");
     gw.stop().await;
@@ -553,7 +553,7 @@ async fn an_engine_that_keeps_running_a_cancelled_request_is_taken_out_of_dispat
     // After the grace period the engine still runs it: out of dispatch.
     let mut down = false;
     for _ in 0..200 {
-        let s = gw.gateway().scheduler.snapshot().await.unwrap();
+        let s = gw.scheduler().snapshot().await.unwrap();
         if !s.instances[0].up {
             assert!(s.instances[0].detail.contains("after a cancel"), "{}", s.instances[0].detail);
             down = true;
@@ -598,7 +598,7 @@ async fn new_work_waits_while_the_engine_reports_a_full_kv_cache() {
         // …and stays there over several probes while the reading holds.
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(fake.stats.requests.load(SeqCst), 1, "sent to an engine that reports a full KV cache");
-        assert_eq!(gw.gateway().scheduler.snapshot().await.unwrap().queues[0].waiting, 1);
+        assert_eq!(gw.scheduler().snapshot().await.unwrap().queues[0].waiting, 1);
         fake.set(|k| k.metrics = Some(edgeway::testing::vllm_metrics(0.2)));
     });
     assert_eq!(resp.status(), 200);
@@ -622,7 +622,7 @@ async fn a_danger_state_stops_admission_and_cancels_low_priority_work() {
     low["priority"] = json!("P3");
     let mut resp = post_chat(&gw, DEMO_KEY, &low).await;
     resp.chunk().await.unwrap();
-    let sched = &gw.gateway().scheduler;
+    let sched = gw.scheduler();
     // What the GPU watch does on a reading over the limits.
     sched.set_danger(Some("GPU 0 at 95 °C (limit 90 °C)".into()));
     let n = sched.cancel_where(|e| e.priority >= edgeway::task::Priority::P3, "danger state: GPU 0 at 95 °C");

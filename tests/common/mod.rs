@@ -53,7 +53,7 @@ pub async fn read_sse(resp: reqwest::Response) -> (Vec<Value>, bool) {
 
 /// The states a task went through, from the SQLite file.
 pub async fn stored_states(gw: &TestGateway, task_id: &str) -> Vec<String> {
-    gw.gateway().store.flush().await;
+    gw.store().flush().await;
     let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
     let mut stmt = conn.prepare("SELECT state FROM task_transitions WHERE task_id = ?1 ORDER BY seq").unwrap();
     stmt.query_map([task_id], |r| r.get::<_, String>(0)).unwrap().map(Result::unwrap).collect()
