@@ -8,12 +8,15 @@ pub mod nats_server;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use tokio::sync::broadcast;
+
 use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::ingress::nats::NatsStatus;
 use crate::scheduler::SchedulerHandle;
 use crate::server::{self, RunningGateway};
 use crate::store::Store;
+use crate::task::TaskState;
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
 
@@ -158,6 +161,39 @@ impl TestGateway {
 
     pub fn db_path(&self) -> PathBuf {
         self.data_dir.join("edgeway.db")
+    }
+
+    /// Waits until task `task_id` has been recorded in `state`, also when
+    /// that happened before this call: the recorder's subscription is made
+    /// first, then the store is read, so no transition falls in between.
+    pub async fn wait_for_state(&self, task_id: &str, state: TaskState) {
+        let mut rx = self.recorder().subscribe();
+        let recorded = || async {
+            self.store().flush().await;
+            let rec = self.store().get(task_id).await.expect("store answers");
+            rec.is_some_and(|r| r.transitions.iter().any(|t| t.state == state))
+        };
+        let wait = async {
+            if recorded().await {
+                return;
+            }
+            loop {
+                match rx.recv().await {
+                    Ok(ev) if ev.task_id == task_id && ev.state == state => return,
+                    Ok(_) => {}
+                    // Missed some: the store has them.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        if recorded().await {
+                            return;
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Closed) => panic!("the recorder stopped"),
+                }
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(30), wait).await.is_err() {
+            panic!("task {task_id} was never recorded {}", state.as_str());
+        }
     }
 
     /// Waits until every engine instance has passed its first health check.
