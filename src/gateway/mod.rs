@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use tokio::sync::broadcast;
 
-use crate::admission;
+use crate::admission::{self, request::parse_body};
 use crate::config::Config;
 use crate::error::GatewayError;
 use crate::scheduler::SchedulerHandle;
@@ -36,7 +36,7 @@ use crate::telemetry::Metrics;
 
 // What ingresses need of the layers below, offered here so that they import
 // only the facade.
-pub use crate::admission::request::{parse_body, RequestTimeouts};
+pub use crate::admission::request::RequestTimeouts;
 /// For an ingress that authenticates at connect time with rules of its own
 /// (MQTT devices may present a JWT).
 pub use crate::admission::Authenticator;
@@ -157,11 +157,6 @@ impl Gateway {
         self.recorder.subscribe()
     }
 
-    /// Waits until every task record written so far is in the store.
-    pub async fn flush(&self) {
-        self.store.flush().await;
-    }
-
     /// Who a credential (API key or JWT) belongs to. Not counted: only
     /// submissions are calls in `edgeway_requests_total`.
     pub fn authenticate(&self, credential: Option<&str>) -> Result<Identity, GatewayError> {
@@ -207,16 +202,7 @@ impl Gateway {
     /// queueing. A refusal is counted, and recorded in the store, here; an
     /// ingress never counts it again.
     pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
-        self.admit_and_queue(call.identity, call.body, call.ingress, call.request_id_hint).await
-    }
-
-    async fn admit_and_queue(
-        &self,
-        identity: Identity,
-        body: ChatRequestBody,
-        ingress: Ingress,
-        request_id_hint: Option<String>,
-    ) -> Result<TaskStream, GatewayError> {
+        let Call { identity, body, ingress, request_id_hint } = call;
         let model = body.model.clone();
         let request_id = body.request_id.clone().or(request_id_hint.clone());
         let refuse = |e: GatewayError| {

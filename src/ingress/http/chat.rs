@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use axum::body::{Body as HttpBody, Bytes};
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -139,7 +139,7 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
             Some((Ok(out), st))
         }
     });
-    let mut resp = Response::new(HttpBody::from_stream(body));
+    let mut resp = Response::new(Body::from_stream(body));
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));

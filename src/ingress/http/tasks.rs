@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use axum::body::{Body as HttpBody, Bytes};
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -143,7 +143,7 @@ pub async fn events(
         let frame = format!("id: {seq}\nevent: {ty}\ndata: {v}\n\n");
         Some((Ok::<_, std::convert::Infallible>(Bytes::from(frame)), (s, rid)))
     });
-    let mut resp = Response::new(HttpBody::from_stream(body));
+    let mut resp = Response::new(Body::from_stream(body));
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
