@@ -1,9 +1,11 @@
 //! The HTTP ingress (axum): the OpenAI-compatible API for web apps and the
 //! operational endpoints.
 //!
-//! Owns: routes, the OpenAI wire format (chunks, SSE, error bodies) and
-//! client disconnects (dropping a response drops its task stream, which
-//! cancels the task). Does not own: validation or scheduling.
+//! Owns: routes, the OpenAI wire format (chunks, SSE, error bodies), where
+//! HTTP carries a credential ([`caller`]), the mapping of errors to
+//! responses ([`errors`]) and client disconnects (dropping a response drops
+//! its task stream, which cancels the task). Does not own: authentication,
+//! validation, ownership of tasks or scheduling (the gateway facade).
 
 mod caller;
 mod chat;

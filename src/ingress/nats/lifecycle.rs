@@ -15,6 +15,10 @@
 //! `{prefix}.events.>` on every (re)connect, so a subscriber that was down
 //! can replay what it missed; each event carries `Nats-Msg-Id:
 //! {task_id}.{state}` for JetStream's duplicate detection.
+//!
+//! Owns: lifecycle subjects, the bounded publishing queue and the JetStream
+//! stream. Does not own: the bus connection or its state (`super`) or what
+//! a transition is (the recorder in `telemetry`).
 
 use std::sync::Arc;
 use std::time::Duration;
