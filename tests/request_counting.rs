@@ -38,3 +38,26 @@ async fn an_mqtt_request_refused_at_admission_is_counted_once() {
     assert_eq!(requests_total(&text, "mqtt", "INVALID_REQUEST"), 1, "counted once:\n{text}");
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn an_http_call_is_counted_once_whatever_refuses_it() {
+    let (_fake, gw, _) = start(Knobs::default(), "").await;
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", gw.base_url);
+    let mut urgent = request("r-http");
+    urgent["priority"] = json!("P0");
+    let calls = [
+        ("sk-wrong", urgent.to_string()),        // the credential
+        ("sk-edgeway-demo", "{oops".into()),     // the body
+        ("sk-edgeway-demo", urgent.to_string()), // admission
+    ];
+    for (key, body) in calls {
+        let r = http.post(&url).bearer_auth(key).header("content-type", "application/json").body(body);
+        assert!(r.send().await.unwrap().status().is_client_error());
+    }
+    let text = gw.gateway().metrics().render();
+    for outcome in ["AUTH_FAILED", "INVALID_REQUEST", "PERMISSION_DENIED"] {
+        assert_eq!(requests_total(&text, "http", outcome), 1, "{outcome} counted once:\n{text}");
+    }
+    gw.stop().await;
+}

@@ -82,3 +82,24 @@ fn render(status: StatusCode, e: &GatewayError, meta: Option<&ResultMeta>) -> Re
     }
     resp
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorCode;
+
+    #[test]
+    fn a_gateway_errors_status_is_its_codes() {
+        for code in ErrorCode::ALL {
+            let r = ApiError::from(GatewayError::new(code, "x")).into_response();
+            assert_eq!(r.status().as_u16(), code.http_status(), "{code}");
+        }
+    }
+
+    #[test]
+    fn busy_answers_carry_retry_after_in_whole_seconds() {
+        let e = GatewayError::new(ErrorCode::QueueFull, "full").with_retry_after(1500);
+        let r = ApiError::from(e).into_response();
+        assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+    }
+}
