@@ -28,7 +28,7 @@ async fn an_mqtt_request_refused_at_admission_is_counted_once() {
     let refused = d.stream(&d.topic("res/r-too-urgent")).await;
     assert_eq!((refused.len(), &refused[0]["code"]), (1, &json!("PERMISSION_DENIED")), "{refused:?}");
 
-    // Refused by the MQTT ingress itself, before the gateway: not JSON.
+    // Refused before admission: not JSON.
     d.publish(&d.topic("req"), r#"{"request_id": "r-broken", "messages": [ oops"#).await;
     let broken = d.stream(&d.topic("res/r-broken")).await;
     assert_eq!(broken[0]["code"], "INVALID_REQUEST");
