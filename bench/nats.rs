@@ -36,6 +36,7 @@ use anyhow::{bail, Context as _, Result};
 use async_nats::HeaderMap;
 use clap::Parser;
 use edgeway::admission::request::parse_body;
+use edgeway::gateway::Caller;
 use edgeway::ingress::nats::BusState;
 use edgeway::task::{Ingress, ResultMeta, TaskState};
 use edgeway::testing::{FakeEngine, Knobs, NatsServer, TestGateway, DEMO_KEY};
@@ -86,7 +87,7 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     })
     .await;
     gw.wait_ready().await;
-    gw.gateway().nats.wait_for(BusState::Connected).await;
+    gw.nats().wait_for(BusState::Connected).await;
     let client = async_nats::connect(nats.url()).await?;
 
     let (mut report, mut out) = common::report_start("edgeway NATS benchmark", SHARES, args);
@@ -128,7 +129,7 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     }
 
     // 2. Lifecycle events of real tasks.
-    let m = gw.gateway().metrics.clone();
+    let m = gw.metrics().clone();
     let published = || {
         m.nats_events_published.collect()[0].get_metric().iter().map(|x| x.get_counter().get_value()).sum::<f64>()
             as u64
@@ -157,9 +158,8 @@ async fn run(args: &Args) -> Result<(String, Value)> {
         let (gw, stop, tasks, body) = (gw.gateway().clone(), stop.clone(), tasks.clone(), body.clone());
         workers.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
-                let who = gw.auth.authenticate(Some(DEMO_KEY)).expect("demo key");
-                let req = parse_body(body.as_bytes()).expect("body");
-                if let Ok(mut s) = gw.submit(who, req, Ingress::Nats, None).await {
+                let caller = Caller::Credential(Some(DEMO_KEY));
+                if let Ok(mut s) = gw.submit(caller, body.as_bytes(), Ingress::Nats, Default::default()).await {
                     while s.recv().await.is_some() {}
                     tasks.fetch_add(1, Ordering::Relaxed);
                 }
@@ -191,16 +191,16 @@ async fn run(args: &Args) -> Result<(String, Value)> {
         "received_per_s": got as f64 / elapsed, "dropped": d1 - d0});
 
     // 3. The publisher alone.
-    let who = gw.gateway().auth.authenticate(Some(DEMO_KEY)).expect("demo key");
+    let who = gw.gateway().authenticate(Some(DEMO_KEY)).expect("demo key");
     let req = edgeway::admission::admit(
-        &gw.gateway().config,
+        gw.gateway().config(),
         who,
         parse_body(body.as_bytes()).expect("body"),
         Ingress::Nats,
         None,
     )
     .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let recorder = gw.gateway().recorder.clone();
+    let recorder = gw.recorder().clone();
     let (p0, d0, r0) = (published(), dropped(), received.load(Ordering::Relaxed));
     let t0 = Instant::now();
     let mut produced = 0u64;

@@ -25,7 +25,9 @@
 //! - [`telemetry`]: Prometheus metrics and structured logs.
 //! - [`config`]: TOML + environment → validated typed config.
 //! - [`error`]: the public error codes; [`task`]: the shared task model.
-//! - [`gateway`]: wiring and shutdown.
+//! - [`gateway`]: the facade every ingress calls (auth, admission,
+//!   idempotency, ownership, counting); [`server`]: wiring, listeners and
+//!   shutdown.
 //! - `testing` (cargo feature `testing`, on in tests and benches only):
 //!   fake engines, a NATS launcher and an in-process test gateway.
 
@@ -38,6 +40,7 @@ pub mod gateway;
 pub mod ingress;
 pub mod router;
 pub mod scheduler;
+pub mod server;
 pub mod store;
 pub mod task;
 pub mod telemetry;

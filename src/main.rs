@@ -60,7 +60,7 @@ fn main() -> ExitCode {
 
 async fn serve(cfg: Config) -> ExitCode {
     edgeway::telemetry::init_logging(&cfg.log);
-    let running = match edgeway::gateway::start(cfg).await {
+    let running = match edgeway::server::start(cfg).await {
         Ok(r) => r,
         Err(e) => {
             tracing::error!(error = %e, "edgeway could not start");

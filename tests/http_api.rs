@@ -30,7 +30,7 @@ async fn one_slot_gateway(knobs: Knobs, extra: &str) -> (FakeEngine, TestGateway
 /// Waits until the scheduler's snapshot satisfies `cond`.
 async fn until_snapshot(gw: &TestGateway, what: &str, cond: impl Fn(&edgeway::scheduler::Snapshot) -> bool) {
     for _ in 0..500 {
-        if cond(&gw.gateway().scheduler.snapshot().await.unwrap()) {
+        if cond(&gw.scheduler().snapshot().await.unwrap()) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -307,16 +307,10 @@ async fn client_disconnect_mid_stream_cancels_the_task_and_the_engine() {
         "the engine saw the request go away"
     );
     // The driver records the end right after dropping the engine stream.
-    let mut states = Vec::new();
-    for _ in 0..100 {
-        states = stored_states(&gw, &task_id).await;
-        if states.last().map(String::as_str) == Some("CANCELLED") {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    gw.wait_for_state(&task_id, TaskState::Cancelled).await;
+    let states = stored_states(&gw, &task_id).await;
     assert_eq!(states.last().map(String::as_str), Some("CANCELLED"), "{states:?}");
-    let rec = gw.gateway().store.get(&task_id).await.unwrap().unwrap();
+    let rec = gw.store().get(&task_id).await.unwrap().unwrap();
     assert_eq!(rec.error_code.as_deref(), Some("REQUEST_CANCELLED"));
     assert_eq!(rec.transitions.last().unwrap().actor, "client");
     gw.stop().await;
@@ -365,17 +359,10 @@ async fn mid_stream_engine_drop_ends_the_stream_with_an_error() {
 async fn a_down_engine_makes_the_model_unavailable_until_it_recovers() {
     let (fake, gw) = gateway_with(Knobs::default(), "").await;
     fake.set(|k| k.healthy = false);
-    let mut code = String::new();
-    for _ in 0..400 {
-        let resp = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
-        if resp.status() == 503 {
-            let v: Value = resp.json().await.unwrap();
-            code = error_code(&v).to_string();
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(code, "MODEL_UNAVAILABLE");
+    until_snapshot(&gw, "the instance out of dispatch", |s| !s.instances[0].up).await;
+    let resp = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(resp.status(), 503);
+    assert_eq!(error_code(&resp.json().await.unwrap()), "MODEL_UNAVAILABLE");
     let ready = client().get(format!("{}/ready", gw.base_url)).send().await.unwrap();
     assert_eq!(ready.status(), 503);
     fake.set(|k| k.healthy = true);
@@ -446,10 +433,15 @@ async fn a_streamed_answer_that_waits_shows_its_queue_position_in_sse_comments()
         async move { client().post(url).bearer_auth(OPS_KEY).json(&high).send().await.unwrap().status() }
     });
     until_snapshot(&gw, "the P4 and the P0 request queued", |s| s.queues[0].waiting == 2).await;
-    // …and a position update has been sent (every 20 ms here).
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // …and a position update has reached the client (every 20 ms here).
+    let mut low = low;
+    let mut raw = String::new();
+    while !raw.contains("\n\n: queued position 1\n\n") {
+        let chunk = low.chunk().await.unwrap().expect("the stream goes on while queued");
+        raw.push_str(&String::from_utf8_lossy(&chunk));
+    }
     drop(blocker);
-    let raw = low.text().await.unwrap();
+    raw.push_str(&low.text().await.unwrap());
     assert!(raw.contains("\n\n: queued position 1\n\n"), "{raw}");
     // The comment changes nothing for an SSE reader.
     let frames: Vec<&str> = raw.split("\n\n").filter(|f| f.starts_with("data: ")).collect();
@@ -518,8 +510,10 @@ async fn an_idempotent_repeat_joins_the_first_task_and_never_runs_twice() {
     let (fake, gw) = gateway_with(knobs, "").await;
     let mut body = chat_body(false);
     body["idempotency_key"] = json!("order-42");
+    let mut events = gw.recorder().subscribe();
     let (a, b) = tokio::join!(post_chat(&gw, DEMO_KEY, &body), async {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The repeat arrives while the first call's task runs.
+        next_event(&mut events, "the first task running", |e| e.state == TaskState::Running).await;
         post_chat(&gw, DEMO_KEY, &body).await
     });
     let (a, b): (Value, Value) = (a.json().await.unwrap(), b.json().await.unwrap());
@@ -553,7 +547,7 @@ async fn an_engine_that_keeps_running_a_cancelled_request_is_taken_out_of_dispat
     // After the grace period the engine still runs it: out of dispatch.
     let mut down = false;
     for _ in 0..200 {
-        let s = gw.gateway().scheduler.snapshot().await.unwrap();
+        let s = gw.scheduler().snapshot().await.unwrap();
         if !s.instances[0].up {
             assert!(s.instances[0].detail.contains("after a cancel"), "{}", s.instances[0].detail);
             down = true;
@@ -565,7 +559,10 @@ async fn an_engine_that_keeps_running_a_cancelled_request_is_taken_out_of_dispat
     // New work queues meanwhile (the instance is healthy, only busy) and is
     // sent once the engine has finished the cancelled request.
     let body = chat_body(false);
+    let mut events = gw.recorder().subscribe();
     let (resp, meanwhile) = tokio::join!(post_chat(&gw, DEMO_KEY, &body), async {
+        next_event(&mut events, "the new task queued", |e| e.state == TaskState::Queued).await;
+        // Time itself is tested here: queued, it is not sent for a while.
         tokio::time::sleep(Duration::from_millis(200)).await;
         (fake.stats.active.load(SeqCst), fake.stats.requests.load(SeqCst))
     });
@@ -595,10 +592,11 @@ async fn new_work_waits_while_the_engine_reports_a_full_kv_cache() {
     let (resp, ()) = tokio::join!(post_chat(&gw, DEMO_KEY, &body), async {
         // The second task queues although a slot is free…
         until_snapshot(&gw, "the second task waiting", |s| s.queues[0].waiting == 1).await;
-        // …and stays there over several probes while the reading holds.
+        // …and stays there over several probes (every 100 ms) while the
+        // reading holds: time itself is tested here.
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(fake.stats.requests.load(SeqCst), 1, "sent to an engine that reports a full KV cache");
-        assert_eq!(gw.gateway().scheduler.snapshot().await.unwrap().queues[0].waiting, 1);
+        assert_eq!(gw.scheduler().snapshot().await.unwrap().queues[0].waiting, 1);
         fake.set(|k| k.metrics = Some(edgeway::testing::vllm_metrics(0.2)));
     });
     assert_eq!(resp.status(), 200);
@@ -622,7 +620,7 @@ async fn a_danger_state_stops_admission_and_cancels_low_priority_work() {
     low["priority"] = json!("P3");
     let mut resp = post_chat(&gw, DEMO_KEY, &low).await;
     resp.chunk().await.unwrap();
-    let sched = &gw.gateway().scheduler;
+    let sched = gw.scheduler();
     // What the GPU watch does on a reading over the limits.
     sched.set_danger(Some("GPU 0 at 95 °C (limit 90 °C)".into()));
     let n = sched.cancel_where(|e| e.priority >= edgeway::task::Priority::P3, "danger state: GPU 0 at 95 °C");

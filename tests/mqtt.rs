@@ -530,7 +530,7 @@ async fn a_second_connect_closes_the_connection() {
     let n = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await.expect("closed in time");
     assert!(n.is_ok(), "{n:?}");
     let connected = || {
-        let text = gw.gateway().metrics.render();
+        let text = gw.metrics().render();
         text.lines().find(|l| l.starts_with("edgeway_mqtt_devices_connected ")).map(|l| l.to_string())
     };
     for _ in 0..100 {

@@ -22,7 +22,7 @@ const LIMIT: Duration = Duration::from_secs(20);
 async fn setup(knobs: Knobs, nats_extra: &str) -> (FakeEngine, NatsServer, TestGateway) {
     let nats = NatsServer::start(nats_extra.contains("[nats.jetstream]")).await;
     let (fake, gw) = gateway_on(&nats, knobs, nats_extra).await;
-    gw.gateway().nats.wait_for(BusState::Connected).await;
+    gw.nats().wait_for(BusState::Connected).await;
     (fake, nats, gw)
 }
 
@@ -166,7 +166,7 @@ async fn a_streamed_request_gets_every_event_in_order_and_one_terminal() {
         stored_states(&gw, task_id).await,
         ["RECEIVED", "VALIDATING", "QUEUED", "DISPATCHING", "RUNNING", "STREAMING", "SUCCEEDED"]
     );
-    let metrics = gw.gateway().metrics.render();
+    let metrics = gw.metrics().render();
     assert!(metrics.contains("edgeway_requests_total{ingress=\"nats\",outcome=\"ok\"} 1"), "{metrics}");
     gw.stop().await;
 }
@@ -288,7 +288,7 @@ async fn cancel_ends_the_task_and_frees_the_engine_but_only_for_its_own_applicat
 
 /// Waits for a task's terminal event through the registry.
 async fn terminal_of(gw: &TestGateway, task_id: &str) -> edgeway::task::TaskEvent {
-    let mut s = gw.gateway().scheduler.attach(task_id, 0).expect("known task");
+    let mut s = gw.scheduler().attach(task_id, 0).expect("known task");
     let mut last = None;
     while let Some((_, e)) = tokio::time::timeout(LIMIT, s.recv()).await.expect("task ends") {
         last = Some(e);
@@ -311,7 +311,7 @@ async fn a_caller_that_stops_listening_mid_stream_cancels_its_task() {
     assert!(fake.wait_for(LIMIT, |s| s.aborted.load(SeqCst) == 1).await, "the engine was freed");
     assert!(cancelled_by_client(&terminal_of(&gw, &task_id).await));
     assert_eq!(stored_states(&gw, &task_id).await.last().unwrap(), "CANCELLED");
-    let metrics = gw.gateway().metrics.render();
+    let metrics = gw.metrics().render();
     assert!(metrics.contains("edgeway_nats_callers_lost_total{reason=\"no_responders\"} 1"), "{metrics}");
     gw.stop().await;
 }
@@ -336,7 +336,7 @@ async fn a_caller_that_vanishes_before_the_first_token_is_noticed_by_keepalives(
     assert!(cancelled_by_client(&end), "{end:?}");
     let edgeway::task::TaskEvent::Error { meta, .. } = end else { unreachable!() };
     assert_eq!(meta.timing.first_token_ms, None, "cancelled before the first token, by a keepalive");
-    let snap = gw.gateway().scheduler.snapshot().await.unwrap();
+    let snap = gw.scheduler().snapshot().await.unwrap();
     assert_eq!(snap.instances[0].running, 0, "the slot is free");
     // The fake engine notices the closed request when it next writes.
     assert!(fake.wait_for(LIMIT, |s| s.aborted.load(SeqCst) == 1).await, "the engine request was dropped");
@@ -407,7 +407,7 @@ async fn lifecycle_events_of_http_tasks_are_published_per_tenant_and_state() {
 async fn wait_metric(gw: &TestGateway, name: &str, want: u64) {
     let deadline = tokio::time::Instant::now() + LIMIT;
     loop {
-        let metrics = gw.gateway().metrics.render();
+        let metrics = gw.metrics().render();
         let v: u64 =
             metrics.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()?.parse().ok()).unwrap_or(0);
         if v == want {
@@ -434,24 +434,24 @@ async fn the_bus_may_be_down_at_start_and_restart_while_edgeway_serves() {
     assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200);
 
     nats.restart().await;
-    gw.gateway().nats.wait_for(BusState::Connected).await;
+    gw.nats().wait_for(BusState::Connected).await;
     let client = connect(&nats).await;
     let mut call = Call::start(&client, auth(DEMO_KEY), &chat("after-start")).await;
     assert_eq!(call.collect().await.last().unwrap().kind, "done");
     assert_eq!(ready(&gw).await.1["nats"]["state"], "connected");
-    assert!(gw.gateway().metrics.render().contains("edgeway_nats_connected 1"));
+    assert!(gw.metrics().render().contains("edgeway_nats_connected 1"));
 
     // The server goes away while edgeway runs.
     nats.stop().await;
-    gw.gateway().nats.wait_for(BusState::Disconnected).await;
+    gw.nats().wait_for(BusState::Disconnected).await;
     let (status, body) = ready(&gw).await;
     assert_eq!((status, body["nats"]["state"].as_str()), (200, Some("disconnected")), "{body}");
-    assert!(gw.gateway().metrics.render().contains("edgeway_nats_connected 0"));
+    assert!(gw.metrics().render().contains("edgeway_nats_connected 0"));
     assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200, "HTTP does not care");
 
     // It comes back: the service is found again, events flow again.
     nats.restart().await;
-    gw.gateway().nats.wait_for(BusState::Connected).await;
+    gw.nats().wait_for(BusState::Connected).await;
     let client = connect(&nats).await;
     let mut sub = client.subscribe("ai.v1.events.demo.succeeded").await.unwrap();
     client.flush().await.unwrap();
@@ -461,7 +461,7 @@ async fn the_bus_may_be_down_at_start_and_restart_while_edgeway_serves() {
     let task_id = events[0].v["task_id"].as_str().unwrap();
     let done = events_of(&mut sub, task_id).await;
     assert_eq!(done[0].1["ingress"], "nats");
-    let metrics = gw.gateway().metrics.render();
+    let metrics = gw.metrics().render();
     assert!(metrics.contains("edgeway_nats_connection_events_total{event=\"disconnected\"} 1"), "{metrics}");
     gw.stop().await;
 }
@@ -470,7 +470,7 @@ async fn the_bus_may_be_down_at_start_and_restart_while_edgeway_serves() {
 async fn jetstream_keeps_events_for_a_subscriber_that_was_down() {
     let (_fake, nats, gw) =
         setup(Knobs::default(), "[nats.jetstream]\nstream = \"EDGE_EVENTS\"\nstorage = \"memory\"\n").await;
-    gw.gateway().nats.wait_stream_ready().await;
+    gw.nats().wait_stream_ready().await;
     assert_eq!(ready(&gw).await.1["nats"]["jetstream"], "ok");
     // Nobody listens while the task runs.
     let resp = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
@@ -537,7 +537,7 @@ async fn a_stream_is_cancelled_when_the_bus_stays_away() {
     nats.stop().await;
     assert!(cancelled_by_client(&terminal_of(&gw, &task_id).await));
     assert!(fake.wait_for(LIMIT, |s| s.aborted.load(SeqCst) == 1).await, "the engine was freed");
-    let metrics = gw.gateway().metrics.render();
+    let metrics = gw.metrics().render();
     assert!(metrics.contains("edgeway_nats_callers_lost_total{reason=\"bus_unavailable\"} 1"), "{metrics}");
     gw.stop().await;
 }

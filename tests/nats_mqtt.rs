@@ -20,7 +20,7 @@ async fn lifecycle_events_of_mqtt_tasks_are_published_on_nats() {
     let extra = format!("{}\n[nats]\nurl = \"{}\"\n", mqtt_toml(""), nats.url());
     let gw = TestGateway::with_engine(&fake.url(), "openai", &extra).await;
     gw.wait_ready().await;
-    gw.gateway().nats.wait_for(BusState::Connected).await;
+    gw.nats().wait_for(BusState::Connected).await;
     let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
 
     let client = async_nats::connect(nats.url()).await.unwrap();

@@ -25,15 +25,13 @@ async fn get(gw: &TestGateway, key: &str, id: &str) -> reqwest::Response {
     client().get(format!("{}/v1/tasks/{id}", gw.base_url)).bearer_auth(key).send().await.unwrap()
 }
 
-async fn wait_status(gw: &TestGateway, id: &str, want: &str) -> Value {
-    for _ in 0..300 {
-        let v: Value = get(gw, DEMO_KEY, id).await.json().await.unwrap();
-        if v["status"] == want {
-            return v;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("task {id} never reached {want}");
+/// The task as `GET /v1/tasks/{id}` shows it once it has been recorded in
+/// `want`.
+async fn wait_status(gw: &TestGateway, id: &str, want: TaskState) -> Value {
+    gw.wait_for_state(id, want).await;
+    let v: Value = get(gw, DEMO_KEY, id).await.json().await.unwrap();
+    assert_eq!(v["status"], want.as_str(), "{v}");
+    v
 }
 
 /// Reads SSE frames `(id, event, data)` until `n` frames or the end.
@@ -70,7 +68,7 @@ async fn a_submitted_task_runs_without_a_connection_and_can_be_looked_up() {
     let v: Value = resp.json().await.unwrap();
     let id = v["task_id"].as_str().unwrap().to_string();
     assert_eq!(v["links"]["events"], format!("/v1/tasks/{id}/events"));
-    let t = wait_status(&gw, &id, "SUCCEEDED").await;
+    let t = wait_status(&gw, &id, TaskState::Succeeded).await;
     assert_eq!(t["edge"]["usage"]["output_tokens"], 5);
     let states: Vec<&str> = t["transitions"].as_array().unwrap().iter().map(|t| t["state"].as_str().unwrap()).collect();
     assert_eq!(states, ["RECEIVED", "VALIDATING", "QUEUED", "DISPATCHING", "RUNNING", "STREAMING", "SUCCEEDED"]);
@@ -93,7 +91,7 @@ async fn only_the_owner_sees_or_cancels_a_task() {
     let del = client().delete(format!("{}/v1/tasks/{id}", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
     assert_eq!(del.status(), 202);
     assert!(fake.wait_for(Duration::from_secs(5), |s| s.aborted.load(SeqCst) == 1).await, "engine stopped");
-    let t = wait_status(&gw, &id, "CANCELLED").await;
+    let t = wait_status(&gw, &id, TaskState::Cancelled).await;
     assert_eq!(t["error_code"], "REQUEST_CANCELLED");
     let again = client().delete(format!("{}/v1/tasks/{id}", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
     assert_eq!(again.status(), 409, "already ended");
@@ -114,7 +112,7 @@ async fn cancelling_a_queued_task_never_reaches_the_engine() {
     let del =
         client().delete(format!("{}/v1/tasks/{}", gw.base_url, ids[2])).bearer_auth(DEMO_KEY).send().await.unwrap();
     assert_eq!(del.status(), 202);
-    let t = wait_status(&gw, &ids[2], "CANCELLED").await;
+    let t = wait_status(&gw, &ids[2], TaskState::Cancelled).await;
     let states: Vec<&str> = t["transitions"].as_array().unwrap().iter().map(|t| t["state"].as_str().unwrap()).collect();
     assert_eq!(states, ["RECEIVED", "VALIDATING", "QUEUED", "CANCELLED"]);
     assert_eq!(fake.stats.requests.load(SeqCst), 2);
@@ -170,14 +168,8 @@ async fn a_p0_task_overtakes_a_p4_backlog_when_a_slot_frees() {
     p0["priority"] = serde_json::json!("P0");
     let v: Value = create(&gw, OPS_KEY, &p0).await.json().await.unwrap();
     let alarm = v["task_id"].as_str().unwrap().to_string();
-    let mut t = Value::Null;
-    for _ in 0..300 {
-        t = get(&gw, OPS_KEY, &alarm).await.json().await.unwrap();
-        if t["status"] == "SUCCEEDED" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    gw.wait_for_state(&alarm, TaskState::Succeeded).await;
+    let t: Value = get(&gw, OPS_KEY, &alarm).await.json().await.unwrap();
     assert_eq!(t["status"], "SUCCEEDED", "{t}");
     gw.stop().await;
 }

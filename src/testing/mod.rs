@@ -10,8 +10,17 @@ pub mod nats_server;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use tokio::sync::broadcast;
+
 use crate::config::Config;
-use crate::gateway::{self, RunningGateway};
+use crate::gateway::Gateway;
+use crate::ingress::nats::NatsStatus;
+use crate::scheduler::SchedulerHandle;
+use crate::server::{self, RunningGateway};
+use crate::store::Store;
+use crate::task::TaskState;
+use crate::telemetry::lifecycle::Recorder;
+use crate::telemetry::Metrics;
 
 pub use fake_engine::{vllm_metrics, FakeEngine, Knobs};
 pub use nats_server::NatsServer;
@@ -89,7 +98,7 @@ impl TempDir {
 impl TestGateway {
     pub async fn start(config: Config) -> TestGateway {
         let data_dir = config.store.data_dir.clone();
-        let running = gateway::start(config).await.expect("gateway starts");
+        let running = server::start(config).await.expect("gateway starts");
         let base_url = format!("http://{}", running.http_addr);
         TestGateway { running: Some(running), base_url, data_dir, _tmp: None }
     }
@@ -116,19 +125,81 @@ impl TestGateway {
         gw
     }
 
-    pub fn gateway(&self) -> &std::sync::Arc<crate::gateway::Gateway> {
-        &self.running.as_ref().expect("running").gateway
+    /// The facade, as the ingresses call it.
+    pub fn gateway(&self) -> &std::sync::Arc<Gateway> {
+        &self.running().gateway
+    }
+
+    fn running(&self) -> &RunningGateway {
+        self.running.as_ref().expect("running")
+    }
+
+    /// The scheduler behind the facade (snapshots, attaching to a task).
+    pub fn scheduler(&self) -> &SchedulerHandle {
+        &self.running().internals.scheduler
+    }
+
+    /// The task store behind the facade.
+    pub fn store(&self) -> &Store {
+        &self.running().internals.store
+    }
+
+    /// The lifecycle recorder (its subscription shows each transition as
+    /// it is recorded).
+    pub fn recorder(&self) -> &Recorder {
+        &self.running().internals.recorder
+    }
+
+    pub fn metrics(&self) -> &std::sync::Arc<Metrics> {
+        &self.running().internals.metrics
+    }
+
+    /// The NATS bus state (`off` without `[nats]`).
+    pub fn nats(&self) -> &NatsStatus {
+        &self.running().internals.nats
     }
 
     pub fn db_path(&self) -> PathBuf {
         self.data_dir.join("edgeway.db")
     }
 
+    /// Waits until task `task_id` has been recorded in `state`, also when
+    /// that happened before this call: the recorder's subscription is made
+    /// first, then the store is read, so no transition falls in between.
+    pub async fn wait_for_state(&self, task_id: &str, state: TaskState) {
+        let mut rx = self.recorder().subscribe();
+        let recorded = || async {
+            self.store().flush().await;
+            let rec = self.store().get(task_id).await.expect("store answers");
+            rec.is_some_and(|r| r.transitions.iter().any(|t| t.state == state))
+        };
+        let wait = async {
+            if recorded().await {
+                return;
+            }
+            loop {
+                match rx.recv().await {
+                    Ok(ev) if ev.task_id == task_id && ev.state == state => return,
+                    Ok(_) => {}
+                    // Missed some: the store has them.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        if recorded().await {
+                            return;
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Closed) => panic!("the recorder stopped"),
+                }
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(30), wait).await.is_err() {
+            panic!("task {task_id} was never recorded {}", state.as_str());
+        }
+    }
+
     /// Waits until every engine instance has passed its first health check.
     pub async fn wait_ready(&self) {
-        let gw = self.gateway();
         for _ in 0..800 {
-            if let Some(s) = gw.scheduler.snapshot().await {
+            if let Some(s) = self.scheduler().snapshot().await {
                 if s.instances.iter().all(|i| i.up && i.detail == "ok") {
                     return;
                 }

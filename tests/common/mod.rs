@@ -7,6 +7,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use serde_json::{json, Value};
 
+pub use edgeway::task::TaskState;
+pub use edgeway::telemetry::lifecycle::LifecycleEvent;
 pub use edgeway::testing::{FakeEngine, Knobs, TestGateway, DEMO_KEY, OPS_KEY};
 
 pub fn client() -> reqwest::Client {
@@ -53,10 +55,29 @@ pub async fn read_sse(resp: reqwest::Response) -> (Vec<Value>, bool) {
 
 /// The states a task went through, from the SQLite file.
 pub async fn stored_states(gw: &TestGateway, task_id: &str) -> Vec<String> {
-    gw.gateway().store.flush().await;
+    gw.store().flush().await;
     let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
     let mut stmt = conn.prepare("SELECT state FROM task_transitions WHERE task_id = ?1 ORDER BY seq").unwrap();
     stmt.query_map([task_id], |r| r.get::<_, String>(0)).unwrap().map(Result::unwrap).collect()
+}
+
+/// The next lifecycle event that `pred` selects (within 30 s). Subscribe
+/// (`gw.recorder().subscribe()`) before causing it.
+pub async fn next_event(
+    rx: &mut tokio::sync::broadcast::Receiver<std::sync::Arc<LifecycleEvent>>,
+    what: &str,
+    pred: impl Fn(&LifecycleEvent) -> bool,
+) -> std::sync::Arc<LifecycleEvent> {
+    let wait = async {
+        loop {
+            match rx.recv().await {
+                Ok(ev) if pred(&ev) => return ev,
+                Ok(_) => {}
+                Err(e) => panic!("waiting for {what}: {e}"),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), wait).await.unwrap_or_else(|_| panic!("never saw: {what}"))
 }
 
 pub fn error_code(v: &Value) -> &str {

@@ -10,71 +10,34 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::errors::{error_object, error_response};
-use crate::admission::request::parse_body;
-use crate::admission::ChatRequestBody;
+use super::caller::{header_text, id_headers, Credential};
+use super::errors::{error_object, ApiError};
 use crate::error::{ErrorCode, GatewayError};
-use crate::gateway::Gateway;
-use crate::scheduler::TaskStream;
+use crate::gateway::{Caller, Gateway, SubmitOptions, TaskStream};
 use crate::task::{Ingress, ResultMeta, TaskEvent};
 
-/// The bearer credential: `Authorization: Bearer …` (what the OpenAI SDKs
-/// send) or `x-api-key`.
-pub fn bearer(h: &HeaderMap) -> Option<&str> {
-    if let Some(v) = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
-        let v = v.trim();
-        return Some(v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).unwrap_or(v));
-    }
-    h.get("x-api-key").and_then(|v| v.to_str().ok())
-}
-
-pub fn id_headers(h: &mut HeaderMap, request_id: &str, task_id: &str) {
-    if let Ok(v) = HeaderValue::from_str(request_id) {
-        h.insert("x-request-id", v);
-    }
-    if let Ok(v) = HeaderValue::from_str(task_id) {
-        h.insert("x-task-id", v);
+/// The submission options of an HTTP chat call: the `x-request-id` hint,
+/// and the `Idempotency-Key` header for a body that names no
+/// `idempotency_key`.
+pub fn submit_options(headers: &HeaderMap) -> SubmitOptions {
+    SubmitOptions {
+        request_id_hint: header_text(headers, "x-request-id"),
+        idempotency_key: header_text(headers, "idempotency-key"),
     }
 }
 
-/// The caller, the request body and the `x-request-id` hint of a chat
-/// call (`POST /v1/chat/completions` or `POST /v1/tasks`); the
-/// `Idempotency-Key` header fills in a missing `idempotency_key`.
-pub fn read_call(
-    gw: &Gateway,
-    headers: &HeaderMap,
-    body: &[u8],
-) -> Result<(crate::task::Identity, ChatRequestBody, Option<String>), Box<Response>> {
-    let refuse = |e: GatewayError| {
-        gw.count_rejection(Ingress::Http, &e);
-        Box::new(error_response(&e, None))
-    };
-    let identity = gw.auth.authenticate(bearer(headers)).map_err(refuse)?;
-    let mut req = parse_body(body).map_err(refuse)?;
-    if req.idempotency_key.is_none() {
-        req.idempotency_key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_string);
-    }
-    let hint = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
-    Ok((identity, req, hint))
-}
-
-pub async fn chat_completions(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Response {
-    let (identity, req, hint) = match read_call(&gw, &headers, &body) {
-        Ok(c) => c,
-        Err(resp) => return *resp,
-    };
-    let stream = req.stream;
-    let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let model = req.model.clone();
-    let task = match gw.submit(identity, req, Ingress::Http, hint).await {
-        Ok(t) => t,
-        Err(e) => return error_response(&e, None),
-    };
-    if stream {
-        sse_response(task, model, include_usage)
-    } else {
-        whole_response(task, model).await
-    }
+pub async fn chat_completions(
+    State(gw): State<Arc<Gateway>>,
+    Credential(cred): Credential,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let call = gw.prepare(Caller::Credential(cred.as_deref()), &body, Ingress::Http, submit_options(&headers))?;
+    let stream = call.body().stream;
+    let include_usage = call.body().stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let model = call.body().model.clone();
+    let task = gw.submit_call(call).await?;
+    Ok(if stream { sse_response(task, model, include_usage) } else { whole_response(task, model).await })
 }
 
 fn chunk(id: &str, created: i64, model: &str, delta: Value, finish: Option<&str>) -> Value {
@@ -214,8 +177,8 @@ async fn whole_response(mut task: TaskStream, model: String) -> Response {
                 id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
                 return resp;
             }
-            TaskEvent::Error { error, meta } => return error_response(&error, Some(&meta)),
+            TaskEvent::Error { error, meta } => return ApiError::Gateway(error, Some(meta)).into_response(),
         }
     }
-    error_response(&GatewayError::new(ErrorCode::InternalError, "the task ended without a result"), None)
+    ApiError::from(GatewayError::new(ErrorCode::InternalError, "the task ended without a result")).into_response()
 }

@@ -1,10 +1,13 @@
 //! The HTTP ingress (axum): the OpenAI-compatible API for web apps and the
 //! operational endpoints.
 //!
-//! Owns: routes, the OpenAI wire format (chunks, SSE, error bodies) and
-//! client disconnects (dropping a response drops its task stream, which
-//! cancels the task). Does not own: validation or scheduling.
+//! Owns: routes, the OpenAI wire format (chunks, SSE, error bodies), where
+//! HTTP carries a credential ([`caller`]), the mapping of errors to
+//! responses ([`errors`]) and client disconnects (dropping a response drops
+//! its task stream, which cancels the task). Does not own: authentication,
+//! validation, ownership of tasks or scheduling (the gateway facade).
 
+mod caller;
 mod chat;
 mod errors;
 mod tasks;
@@ -12,6 +15,7 @@ mod tasks;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -22,16 +26,15 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::Gateway;
-
-pub use errors::error_response;
+use caller::Caller;
+use errors::ApiError;
 
 type AppState = Arc<Gateway>;
 
 /// Business endpoints: what applications call.
 fn business_routes(state: AppState) -> Router {
-    let limit = state.config.http.max_body_bytes;
+    let limit = state.config().http.max_body_bytes;
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(list_models))
@@ -61,7 +64,7 @@ pub async fn serve(
     tracker: &TaskTracker,
     shutdown: CancellationToken,
 ) -> anyhow::Result<(SocketAddr, Option<SocketAddr>)> {
-    let cfg = &gw.config.http;
+    let cfg = &gw.config().http;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {} (http.listen): {e}", cfg.listen))?;
@@ -105,20 +108,15 @@ fn no_delay(tcp: &mut tokio::net::TcpStream) {
     }
 }
 
-async fn not_found() -> Response {
-    let mut r = error_response(&GatewayError::invalid("no such endpoint"), None);
-    *r.status_mut() = StatusCode::NOT_FOUND;
-    r
+async fn not_found() -> ApiError {
+    ApiError::NotFound("no such endpoint")
 }
 
-async fn list_models(State(gw): State<AppState>, headers: axum::http::HeaderMap) -> Response {
-    if let Err(e) = gw.auth.authenticate(chat::bearer(&headers)) {
-        return error_response(&e, None).into_response();
-    }
-    let created = gw.started.elapsed().as_secs();
+async fn list_models(State(gw): State<AppState>, _: Caller) -> Response {
+    let created = gw.started().elapsed().as_secs();
     let created = crate::task::now_ms() / 1000 - created as i64;
     let data: Vec<_> = gw
-        .config
+        .config()
         .models
         .values()
         .map(|m| {
@@ -142,107 +140,36 @@ async fn health() -> Response {
 
 /// Ready when the store answers and every logical model has a healthy
 /// instance. 503 otherwise, with the details.
-async fn ready(State(gw): State<AppState>) -> Response {
-    let Some(snap) = gw.scheduler.snapshot().await else {
-        return error_response(&GatewayError::new(ErrorCode::InternalError, "scheduler is not running"), None);
-    };
-    let store_ok = tokio::time::timeout(std::time::Duration::from_secs(2), gw.store.flush()).await.is_ok();
-    let models: Vec<_> = gw
-        .config
-        .models
-        .values()
-        .map(|m| {
-            let up = m.instances.iter().any(|i| snap.instances.iter().any(|s| &s.name == i && s.up));
-            json!({ "model": m.name, "ready": up })
-        })
-        .collect();
-    let ready = store_ok && models.iter().all(|m| m["ready"] == true);
+async fn ready(State(gw): State<AppState>) -> Result<Response, ApiError> {
+    let r = gw.readiness().await?;
     let body = json!({
-        "ready": ready,
-        "store": if store_ok { "ok" } else { "not responding" },
-        "models": models,
-        "instances": snap.instances,
-        "queues": snap.queues,
+        "ready": r.ready,
+        "store": if r.store_ok { "ok" } else { "not responding" },
+        "models": r.models,
+        "instances": r.instances,
+        "queues": r.queues,
         // Reported, but readiness does not depend on the bus.
-        "nats": gw.nats.to_json(),
+        "nats": r.bus,
     });
-    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(body)).into_response()
+    let status = if r.ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    Ok((status, Json(body)).into_response())
 }
 
 /// `POST /admin/keys/revoke` `{"api_key_sha256": "<hex>"}` or
 /// `{"api_key": "<key>"}`: refuses the key from now on, also after a
 /// restart (recorded in the store), and cancels every task it submitted.
-/// Admin applications only, within their tenant.
-async fn revoke_key(State(gw): State<AppState>, headers: axum::http::HeaderMap, body: axum::body::Bytes) -> Response {
-    let (who, digest) = match admin_key_request(&gw, &headers, &body) {
-        Ok(x) => x,
-        Err(resp) => return *resp,
-    };
-    gw.auth.revoke(digest);
-    gw.store.set_revoked(&hex::encode(digest), &who.application, true).await;
-    let cancelled = gw.scheduler.cancel_where(|e| e.credential == Some(digest), "the API key was revoked");
-    tracing::warn!(by = %who.application, cancelled, "API key revoked");
-    Json(json!({ "revoked": true, "cancelled_tasks": cancelled })).into_response()
+/// Admin applications only, within their tenant (the facade checks).
+async fn revoke_key(State(gw): State<AppState>, Caller(who): Caller, body: Bytes) -> Result<Response, ApiError> {
+    let cancelled = gw.revoke_key(&who, &body).await?;
+    Ok(Json(json!({ "revoked": true, "cancelled_tasks": cancelled })).into_response())
 }
 
 /// `POST /admin/keys/reinstate`, same body: accepts a revoked key again.
-async fn reinstate_key(
-    State(gw): State<AppState>,
-    headers: axum::http::HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    let (who, digest) = match admin_key_request(&gw, &headers, &body) {
-        Ok(x) => x,
-        Err(resp) => return *resp,
-    };
-    let was = gw.auth.reinstate(&digest);
-    gw.store.set_revoked(&hex::encode(digest), &who.application, false).await;
-    tracing::warn!(by = %who.application, was_revoked = was, "API key reinstated");
-    Json(json!({ "revoked": false, "was_revoked": was })).into_response()
-}
-
-/// The admin caller and the key digest of a revoke/reinstate request.
-fn admin_key_request(
-    gw: &AppState,
-    headers: &axum::http::HeaderMap,
-    body: &[u8],
-) -> Result<(crate::task::Identity, [u8; 32]), Box<Response>> {
-    let who = match gw.auth.authenticate(chat::bearer(headers)) {
-        Ok(w) if w.is_admin => w,
-        Ok(_) => {
-            let e = GatewayError::new(ErrorCode::PermissionDenied, "admin applications only");
-            return Err(Box::new(error_response(&e, None)));
-        }
-        Err(e) => return Err(Box::new(error_response(&e, None))),
-    };
-    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
-    let digest = match (v["api_key_sha256"].as_str(), v["api_key"].as_str()) {
-        (Some(h), _) => {
-            match hex::decode(h.trim_start_matches("sha256:")).ok().and_then(|b| <[u8; 32]>::try_from(b).ok()) {
-                Some(d) => d,
-                None => {
-                    let e = GatewayError::invalid("'api_key_sha256' must be 64 hex characters");
-                    return Err(Box::new(error_response(&e, None)));
-                }
-            }
-        }
-        (None, Some(k)) => crate::config::hash_api_key(k),
-        _ => return Err(Box::new(error_response(&GatewayError::invalid("send 'api_key_sha256' or 'api_key'"), None))),
-    };
-    if who.credential == Some(digest) {
-        // An admin locked out by its own hand could not undo it.
-        return Err(Box::new(error_response(
-            &GatewayError::invalid("the key of this request cannot be revoked by itself"),
-            None,
-        )));
-    }
-    match gw.auth.key_owner(&digest) {
-        Some((tenant, _)) if tenant == who.tenant => Ok((who, digest)),
-        _ => Err(Box::new(error_response(&GatewayError::invalid("no such key in this tenant"), None))),
-    }
+async fn reinstate_key(State(gw): State<AppState>, Caller(who): Caller, body: Bytes) -> Result<Response, ApiError> {
+    let was = gw.reinstate_key(&who, &body).await?;
+    Ok(Json(json!({ "revoked": false, "was_revoked": was })).into_response())
 }
 
 async fn metrics(State(gw): State<AppState>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], gw.metrics.render()).into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], gw.render_metrics()).into_response()
 }

@@ -1,7 +1,8 @@
 //! The task API: submit without holding a connection, look a task up,
 //! cancel it, and follow its events (SSE that resumes from `Last-Event-ID`).
 //! Only the owning application (or an admin application) sees or cancels a
-//! task; to anyone else it does not exist.
+//! task; to anyone else it does not exist (the facade checks ownership;
+//! this file renders what it finds).
 
 use std::sync::Arc;
 
@@ -12,34 +13,26 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::chat::{bearer, id_headers, read_call};
-use super::errors::error_response;
+use super::caller::{id_headers, Caller, Credential};
+use super::chat::submit_options;
+use super::errors::ApiError;
 use crate::error::{ErrorCode, GatewayError};
-use crate::gateway::Gateway;
-use crate::ingress::events::event_json;
-use crate::task::{Identity, Ingress};
+use crate::gateway::{self, CancelOutcome, Gateway, TaskLookup};
+use crate::ingress::render::event_json;
+use crate::task::Ingress;
 
-fn not_found() -> Response {
-    let mut r = error_response(&GatewayError::invalid("no such task"), None);
-    *r.status_mut() = StatusCode::NOT_FOUND;
-    r
-}
-
-fn owns(who: &Identity, tenant: &str, app: &str) -> bool {
-    who.tenant == tenant && (who.is_admin || who.application == app)
-}
+const NO_SUCH_TASK: &str = "no such task";
 
 /// `POST /v1/tasks`: the chat body; answers 202 at once and the task runs
 /// whether or not anyone listens.
-pub async fn create(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Response {
-    let (identity, req, hint) = match read_call(&gw, &headers, &body) {
-        Ok(c) => c,
-        Err(resp) => return *resp,
-    };
-    let mut task = match gw.submit(identity, req, Ingress::Http, hint).await {
-        Ok(t) => t,
-        Err(e) => return error_response(&e, None),
-    };
+pub async fn create(
+    State(gw): State<Arc<Gateway>>,
+    Credential(cred): Credential,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let caller = gateway::Caller::Credential(cred.as_deref());
+    let mut task = gw.submit(caller, &body, Ingress::Http, submit_options(&headers)).await?;
     task.detach();
     let body = json!({
         "task_id": task.task_id,
@@ -54,28 +47,17 @@ pub async fn create(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: By
     });
     let mut resp = (StatusCode::ACCEPTED, Json(body)).into_response();
     id_headers(resp.headers_mut(), &task.request_id, &task.task_id);
-    resp
+    Ok(resp)
 }
 
 /// `GET /v1/tasks/{id}`: state, transitions, result metadata, and the
 /// result text when the data policy keeps it.
-pub async fn get(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let who = match gw.auth.authenticate(bearer(&headers)) {
-        Ok(i) => i,
-        Err(e) => return error_response(&e, None),
-    };
-    gw.store.flush().await;
-    let rec = match gw.store.get(&id).await {
-        Ok(Some(r)) => r,
-        Ok(None) => return not_found(),
-        Err(e) => {
-            tracing::error!(error = %e, "task store read failed");
-            return error_response(&GatewayError::internal("the task store is not available"), None);
-        }
-    };
-    if !owns(&who, &rec.tenant, &rec.application) {
-        return not_found();
-    }
+pub async fn get(
+    State(gw): State<Arc<Gateway>>,
+    Caller(who): Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let rec = gw.task(&who, &id).await?.ok_or(ApiError::NotFound(NO_SUCH_TASK))?;
     let transitions: Vec<Value> = rec
         .transitions
         .iter()
@@ -101,69 +83,59 @@ pub async fn get(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(id): P
     });
     let mut resp = Json(body).into_response();
     id_headers(resp.headers_mut(), &rec.request_id, &rec.task_id);
-    resp
+    Ok(resp)
 }
 
-/// `DELETE /v1/tasks/{id}`: cancels a queued or running task.
-pub async fn cancel(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let who = match gw.auth.authenticate(bearer(&headers)) {
-        Ok(i) => i,
-        Err(e) => return error_response(&e, None),
-    };
-    let Some(entry) = gw.scheduler.get(&id) else {
-        // Not live here: maybe ended long ago.
-        return match gw.store.get(&id).await {
-            Ok(Some(rec)) if owns(&who, &rec.tenant, &rec.application) => {
-                (StatusCode::CONFLICT, Json(json!({"task_id": id, "status": rec.state, "cancelled": false})))
-                    .into_response()
-            }
-            _ => not_found(),
-        };
-    };
-    if !owns(&who, &entry.tenant, &entry.application) {
-        return not_found();
-    }
-    let actor = if who.application == entry.application { "client" } else { "admin" };
-    let cancelled = gw.scheduler.cancel(&id, "cancelled by DELETE /v1/tasks", actor);
-    let status = if cancelled { StatusCode::ACCEPTED } else { StatusCode::CONFLICT };
-    (status, Json(json!({"task_id": id, "cancelled": cancelled}))).into_response()
+/// `DELETE /v1/tasks/{id}`: cancels a queued or running task. 202 when it
+/// was cancelled, 409 when it had already ended.
+pub async fn cancel(
+    State(gw): State<Arc<Gateway>>,
+    Caller(who): Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let outcome =
+        gw.cancel(&who, &id, "cancelled by DELETE /v1/tasks").await.ok_or(ApiError::NotFound(NO_SUCH_TASK))?;
+    Ok(match outcome {
+        CancelOutcome::Ended { state } => {
+            (StatusCode::CONFLICT, Json(json!({"task_id": id, "status": state, "cancelled": false}))).into_response()
+        }
+        CancelOutcome::Live { cancelled } => {
+            let status = if cancelled { StatusCode::ACCEPTED } else { StatusCode::CONFLICT };
+            (status, Json(json!({"task_id": id, "cancelled": cancelled}))).into_response()
+        }
+    })
 }
 
 /// `GET /v1/tasks/{id}/events`: the task's events as SSE, each with its
 /// sequence number as the event id. A client that reconnects with
 /// `Last-Event-ID: n` receives everything after `n`, then the live tail.
 /// Disconnecting does not cancel the task.
-pub async fn events(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let who = match gw.auth.authenticate(bearer(&headers)) {
-        Ok(i) => i,
-        Err(e) => return error_response(&e, None),
+pub async fn events(
+    State(gw): State<Arc<Gateway>>,
+    Caller(who): Caller,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let task = match gw.lookup(&who, &id).await {
+        TaskLookup::Live(t) => t,
+        TaskLookup::NotFound => return Err(ApiError::NotFound(NO_SUCH_TASK)),
+        TaskLookup::Gone { result } => {
+            let e =
+                GatewayError::invalid("this task's events are no longer retained; GET /v1/tasks/{id} has its result");
+            return Err(ApiError::Gone(e, result));
+        }
     };
-    let Some(entry) = gw.scheduler.get(&id) else {
-        return match gw.store.get(&id).await {
-            Ok(Some(rec)) if owns(&who, &rec.tenant, &rec.application) => {
-                let e = GatewayError::invalid(
-                    "this task's events are no longer retained; GET /v1/tasks/{id} has its result",
-                );
-                let mut r = error_response(&e, rec.result.as_ref());
-                *r.status_mut() = StatusCode::GONE;
-                r
-            }
-            _ => not_found(),
-        };
-    };
-    if !owns(&who, &entry.tenant, &entry.application) {
-        return not_found();
-    }
     let from = match headers.get("last-event-id").map(|v| v.to_str().map(|s| s.trim().parse::<u64>())) {
         None => 0,
         Some(Ok(Ok(n))) => n + 1,
         Some(_) => {
-            let e = GatewayError::new(ErrorCode::InvalidRequest, "Last-Event-ID must be an event id (a number)");
-            return error_response(&e, None);
+            return Err(
+                GatewayError::new(ErrorCode::InvalidRequest, "Last-Event-ID must be an event id (a number)").into()
+            )
         }
     };
-    let Some(stream) = gw.scheduler.attach(&id, from) else { return not_found() };
-    let request_id = entry.request_id.clone();
+    let stream = gw.attach(&task, from).ok_or(ApiError::NotFound(NO_SUCH_TASK))?;
+    let request_id = task.request_id().to_string();
     let body = futures::stream::unfold((stream, request_id), |(mut s, rid)| async move {
         let (seq, ev) = s.recv().await?;
         let v = event_json(seq, &rid, &ev);
@@ -175,6 +147,6 @@ pub async fn events(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(id)
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    id_headers(h, &entry.request_id, &entry.task_id);
-    resp
+    id_headers(h, task.request_id(), task.task_id());
+    Ok(resp)
 }

@@ -6,9 +6,9 @@ use std::collections::HashMap;
 
 use sha2::{Digest, Sha256};
 
-use crate::admission::Authenticator;
 use crate::config::mqtt::valid_device_id;
 use crate::config::{Config, DeviceConfig};
+use crate::gateway::Authenticator;
 use crate::task::Identity;
 
 /// Why a CONNECT was refused; each maps to a CONNACK return code.

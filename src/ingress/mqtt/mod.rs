@@ -152,13 +152,13 @@ pub async fn serve(
     tracker: &TaskTracker,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Option<MqttAddrs>> {
-    let Some(cfg) = gw.config.mqtt.clone() else { return Ok(None) };
+    let Some(cfg) = gw.config().mqtt.clone() else { return Ok(None) };
     let topics = Topics::new(&cfg.topic_prefix);
     let sessions = Arc::new(Sessions::default());
     let (presence_tx, presence_rx) = mpsc::unbounded_channel();
     let (wills_tx, wills_rx) = mpsc::unbounded_channel();
     let shared = Arc::new(ProtocolShared::new(
-        auth::DeviceDirectory::new(&gw.config),
+        auth::DeviceDirectory::new(gw.config()),
         topics.clone(),
         sessions.clone(),
         presence_tx,
@@ -169,9 +169,9 @@ pub async fn serve(
     // '@' is not a device id character: no device can take this link over.
     let (mut tx, rx) = links("@edgeway").map_err(|e| e.context("mqtt: edgeway's link to the broker"))?;
     tx.subscribe(topics.gateway_filter()).map_err(|e| anyhow::anyhow!("mqtt: subscribe: {e}"))?;
-    let metrics = MqttMetrics::new(&gw.metrics.registry);
+    let metrics = MqttMetrics::new(&gw.metrics().registry);
     let out = Arc::new(Publisher { tx: Mutex::new(tx), metrics: metrics.clone() });
-    out.publish(&topics.internal_shared(&topics.catalogue()), catalogue(&gw.config), None, true)
+    out.publish(&topics.internal_shared(&topics.catalogue()), catalogue(gw.config()), None, true)
         .map_err(|e| anyhow::anyhow!("mqtt: model catalogue: {e}"))?;
     let streams = Arc::new(Streams::new(cfg.replay_retention, cfg.replay_max_bytes, cfg.stream_replay_max_bytes));
     let ingress = Arc::new(DeviceIngress {

@@ -2,7 +2,7 @@
 //! cancels and resumes, and what happens to a device's tasks when it
 //! drops.
 //!
-//! A request goes through [`Gateway::submit`] like every other ingress (the
+//! A request goes through the [`Gateway`] facade like every other ingress (the
 //! idempotency key is derived from the device and its `request_id`, so a
 //! repeat never starts a second inference and two devices never share a
 //! task); its events go to the device through a [`streams::MqttStream`].
@@ -21,11 +21,10 @@ use super::protocol::{Presence, EXPIRES_AT_PROPERTY};
 use super::streams::{self, Coalesce, Destination, OnDisconnect, Streams};
 use super::topics::{Inbound, Topics};
 use super::{MqttMetrics, Publisher};
-use crate::admission::request::{parse_body, RequestTimeouts};
 use crate::config::MqttConfig;
 use crate::error::{ErrorCode, GatewayError};
-use crate::gateway::Gateway;
-use crate::ingress::events::rejection_json;
+use crate::gateway::{Caller, Gateway, RequestTimeouts, SubmitOptions};
+use crate::ingress::render::rejection_json;
 use crate::task::{Identity, Ingress};
 
 /// A device as the ingress knows it: who it is and whether it is online.
@@ -229,10 +228,17 @@ impl DeviceIngress {
         let _ = self.out.publish(&dest.topic, Bytes::from(payload.to_string()), props, false);
     }
 
+    /// Refuses a message for a reason of the MQTT ingress's own (before the
+    /// gateway saw it): counted by the facade, then answered.
+    fn refuse(&self, device: &str, rid: Option<&str>, props: &Option<PublishProperties>, seq: u64, e: GatewayError) {
+        let e = self.gw.refused(Ingress::Mqtt, e);
+        self.reject(device, rid, props, seq, &e);
+    }
+
     /// Answers a request that never became a task (or a resume that cannot
-    /// be served) with one `error` message.
+    /// be served) with one `error` message. Does not count the call: the
+    /// gateway counted what it refused, [`Self::refuse`] the rest.
     fn reject(&self, device: &str, rid: Option<&str>, props: &Option<PublishProperties>, seq: u64, e: &GatewayError) {
-        self.gw.count_rejection(Ingress::Mqtt, e);
         self.metrics.rejected.with_label_values(&[e.code.as_str()]).inc();
         match self.destination(device, rid, props) {
             Some(dest) => {
@@ -264,19 +270,20 @@ impl DeviceIngress {
                 payload.len(),
                 self.cfg.max_request_bytes
             ));
-            return self.reject(device, salvage_request_id(&payload).as_deref(), &props, 0, &e);
+            return self.refuse(device, salvage_request_id(&payload).as_deref(), &props, 0, e);
         }
-        let mut body = match parse_body(&payload) {
-            Ok(b) => b,
+        let caller = Caller::Identity(identity);
+        let mut call = match self.gw.prepare(caller, &payload, Ingress::Mqtt, SubmitOptions::default()) {
+            Ok(c) => c,
             Err(e) => return self.reject(device, salvage_request_id(&payload).as_deref(), &props, 0, &e),
         };
-        let Some(rid) = body.request_id.clone().filter(|r| valid_id(r)) else {
+        let Some(rid) = call.body().request_id.clone().filter(|r| valid_id(r)) else {
             let e = GatewayError::invalid("'request_id' is required: 1..128 characters of A-Z a-z 0-9 - _ . :");
-            return self.reject(device, None, &props, 0, &e);
+            return self.refuse(device, None, &props, 0, e);
         };
-        let fields = match mqtt_fields(&body.extra, &self.cfg) {
+        let fields = match mqtt_fields(&call.body().extra, &self.cfg) {
             Ok(f) => f,
-            Err(e) => return self.reject(device, Some(&rid), &props, 0, &e),
+            Err(e) => return self.refuse(device, Some(&rid), &props, 0, e),
         };
         // Expiry: the request's own `expires_at` and its MQTT 5 message
         // expiry, whichever is earlier. A stale request never runs; one
@@ -290,17 +297,17 @@ impl DeviceIngress {
             let left = at - crate::task::now_ms();
             if left <= 0 {
                 let e = GatewayError::new(ErrorCode::QueueTimeout, "the request expired before it could start");
-                return self.reject(device, Some(&rid), &props, 0, &e);
+                return self.refuse(device, Some(&rid), &props, 0, e);
             }
-            let t = body.timeouts.get_or_insert_with(RequestTimeouts::default);
+            let t = call.body_mut().timeouts.get_or_insert_with(RequestTimeouts::default);
             t.queue_ms = Some(t.queue_ms.map_or(left as u64, |q| q.min(left as u64)));
         }
-        let key = body.idempotency_key.clone().unwrap_or_else(|| rid.clone());
-        body.idempotency_key = Some(device_key(device, &key));
+        let key = call.body().idempotency_key.clone().unwrap_or_else(|| rid.clone());
+        call.body_mut().idempotency_key = Some(device_key(device, &key));
         let Some(dest) = self.destination(device, Some(&rid), &props) else { return };
         let (online, epoch) = self.sessions.state(device);
 
-        let task = match self.gw.submit(identity, body, Ingress::Mqtt, None).await {
+        let task = match self.gw.submit_call(call).await {
             Ok(t) => t,
             Err(e) => return self.reject(device, Some(&rid), &props, 0, &e),
         };
@@ -348,7 +355,7 @@ impl DeviceIngress {
         let (Some(rid), Some(from)) = (rid, from) else {
             let e = GatewayError::invalid("a resume is {\"request_id\": …, \"from_seq\": n}");
             let rid = salvage_request_id(payload);
-            return self.reject(device, rid.as_deref(), &props, 0, &e);
+            return self.refuse(device, rid.as_deref(), &props, 0, e);
         };
         let outcome = |o: &str| self.metrics.resumes.with_label_values(&[o]).inc();
         let Some(stream) = self.streams.get(device, &rid) else {
@@ -356,7 +363,7 @@ impl DeviceIngress {
             let e = GatewayError::invalid(format!(
                 "cannot resume '{rid}': unknown request, or its events are no longer kept"
             ));
-            return self.reject(device, Some(&rid), &props, from, &e);
+            return self.refuse(device, Some(&rid), &props, from, e);
         };
         let (first, next, terminal) = stream.range();
         if from < first || terminal.is_some_and(|t| from > t) || (terminal.is_none() && from > next) {
@@ -365,7 +372,7 @@ impl DeviceIngress {
                 "cannot resume '{rid}' from seq {from}: seqs {first}..{} are available",
                 terminal.unwrap_or(next)
             ));
-            return self.reject(device, Some(&rid), &props, from, &e);
+            return self.refuse(device, Some(&rid), &props, from, e);
         }
         outcome("ok");
         if props.as_ref().is_some_and(|p| p.response_topic.is_some() || p.correlation_data.is_some()) {

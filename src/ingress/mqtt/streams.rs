@@ -31,8 +31,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::Publisher;
 use crate::error::GatewayError;
-use crate::ingress::events::event_json;
-use crate::scheduler::{CancelHandle, TaskStream};
+use crate::gateway::{CancelHandle, TaskStream};
+use crate::ingress::render::event_json;
 use crate::task::TaskEvent;
 
 /// What happens to a running task when its device drops.
@@ -311,7 +311,7 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
                 // device without a terminal message anyway.
                 flush(&mut pending, &mut seq, &mut last_flush);
                 let error = GatewayError::internal("the task ended without a result");
-                let v = crate::ingress::events::rejection_json(Some(&rid), &error);
+                let v = crate::ingress::render::rejection_json(Some(&rid), &error);
                 let mut v = v;
                 v["seq"] = seq.into();
                 stream.push(Bytes::from(v.to_string()), true);

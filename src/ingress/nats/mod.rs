@@ -7,21 +7,21 @@
 //!   Identity comes from the message headers (API key or JWT), so the same
 //!   application rights apply as over HTTP. A caller that stops listening is
 //!   noticed through NATS "no responders" answers and its task cancelled.
-//! - [`events`]: every state change of every task, whatever its ingress,
+//! - [`lifecycle`]: every state change of every task, whatever its ingress,
 //!   published on `{prefix}.events.{tenant}.{state}` (and optionally kept in
 //!   a JetStream stream), from a bounded queue that never slows a request.
 //!
 //! Owns: the bus connection (credentials, reconnect backoff, its state for
 //! `/ready` and metrics), subjects, headers and the reply streams. Does not
 //! own: validation, queueing or the event JSON (shared with MQTT, see
-//! [`crate::ingress::events`]). The subjects and messages are documented in
+//! [`crate::ingress::render`]). The subjects and messages are documented in
 //! `topics/nats.md`.
 //!
 //! The bus is optional: when NATS is down at start or drops later, edgeway
 //! keeps serving HTTP and MQTT, reconnects with backoff in the background
 //! and reports `nats: disconnected` in `/ready` (without becoming unready).
 
-pub mod events;
+pub mod lifecycle;
 pub mod service;
 
 use std::sync::Arc;
@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{NatsAuth, NatsConfig};
-use crate::gateway::Gateway;
+use crate::gateway::{BusStatus, Gateway};
 use crate::telemetry::Metrics;
 
 /// The bus connection as `/ready` reports it.
@@ -151,28 +151,37 @@ impl NatsStatus {
     }
 }
 
+impl BusStatus for NatsStatus {
+    fn report(&self) -> Value {
+        self.to_json()
+    }
+}
+
 /// Starts the bus ingress and the lifecycle publisher if `[nats]` is
 /// configured. Never waits for the bus: connecting, service registration and
 /// reconnects happen in tasks on `tracker`, which end on `shutdown`.
-pub fn start(gw: Arc<Gateway>, tracker: &TaskTracker, shutdown: CancellationToken) {
-    let Some(cfg) = gw.config.nats.clone() else { return };
+/// `status` is the state the facade reports in `/ready`; this module keeps
+/// it current.
+pub fn start(gw: Arc<Gateway>, status: NatsStatus, tracker: &TaskTracker, shutdown: CancellationToken) {
+    let Some(cfg) = gw.config().nats.clone() else { return };
     // Subscribe now, so no transition between start-up and the first
     // connection is missed (the bounded queue keeps them until then).
-    let lifecycle = cfg.events.then(|| gw.recorder.subscribe());
+    let events = cfg.events.then(|| gw.subscribe_lifecycle());
     let t = tracker.clone();
     tracker.spawn(async move {
-        let client = match connect(&cfg, &gw.nats, &gw.metrics).await {
+        let client = match connect(&cfg, &status, gw.metrics()).await {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(url = %cfg.redacted_url(), error = %e, "NATS bus disabled: cannot connect");
-                gw.nats.set(BusState::Failed);
+                status.set(BusState::Failed);
                 return;
             }
         };
-        if let Some(rx) = lifecycle {
-            events::spawn_publisher(client.clone(), cfg.clone(), gw.clone(), rx, &t, shutdown.clone());
+        if let Some(rx) = events {
+            let metrics = gw.metrics().clone();
+            lifecycle::spawn_publisher(client.clone(), cfg.clone(), metrics, status.clone(), rx, &t, shutdown.clone());
         }
-        service::run(client, cfg, gw, t, shutdown).await;
+        service::run(client, cfg, gw, status, t, shutdown).await;
     });
 }
 

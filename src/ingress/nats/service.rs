@@ -3,7 +3,7 @@
 //!
 //! A chat request is the shared request JSON with the caller's credential
 //! in a header (`Authorization: Bearer …` or `X-Api-Key`). Its events (the
-//! JSON of [`crate::ingress::events`], contiguous `seq` from 0, one
+//! JSON of [`crate::ingress::render`], contiguous `seq` from 0, one
 //! terminal `done`/`error`) are published in order to the request's reply
 //! subject; each message names its event type in the `Edgeway-Event`
 //! header.
@@ -39,12 +39,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::admission::request::parse_body;
+use super::NatsStatus;
 use crate::config::NatsConfig;
 use crate::error::GatewayError;
-use crate::gateway::Gateway;
-use crate::ingress::events::{event_json, rejection_json};
-use crate::scheduler::TaskStream;
+use crate::gateway::{Caller, Gateway, SubmitOptions, TaskStream};
+use crate::ingress::render::{event_json, rejection_json};
 use crate::task::{Ingress, TaskEvent};
 
 /// The header that names the event type of each message on a reply stream.
@@ -92,6 +91,8 @@ impl Drop for StreamGuard {
 /// What every handler needs.
 struct Ctx {
     gw: Arc<Gateway>,
+    /// The bus state: a reply stream ends when the bus has been away too long.
+    status: NatsStatus,
     cfg: NatsConfig,
     client: async_nats::Client,
     /// `{inbox}`: probe replies come back on `{inbox}.{n}`.
@@ -107,11 +108,12 @@ pub async fn run(
     client: async_nats::Client,
     cfg: NatsConfig,
     gw: Arc<Gateway>,
+    status: NatsStatus,
     tracker: TaskTracker,
     shutdown: CancellationToken,
 ) {
     let metadata = HashMap::from([
-        ("node_id".to_string(), gw.config.node_id.clone()),
+        ("node_id".to_string(), gw.config().node_id.clone()),
         ("prefix".to_string(), cfg.prefix.clone()),
         ("events".to_string(), if cfg.events { cfg.subject("events.>") } else { String::new() }),
     ]);
@@ -151,6 +153,7 @@ pub async fn run(
     tracing::info!(chat = %cfg.subject("chat"), cancel = %cfg.subject("cancel"), "NATS service registered");
     let ctx = Arc::new(Ctx {
         gw,
+        status,
         cfg: cfg.clone(),
         client: client.clone(),
         probe_inbox,
@@ -158,11 +161,11 @@ pub async fn run(
         shutdown: shutdown.clone(),
     });
     if let Some(js) = cfg.jetstream.clone() {
-        tracker.spawn(super::events::keep_stream(
+        tracker.spawn(super::lifecycle::keep_stream(
             client.clone(),
             cfg.clone(),
             js,
-            ctx.gw.nats.clone(),
+            ctx.status.clone(),
             shutdown.clone(),
         ));
     }
@@ -250,27 +253,18 @@ async fn handle_chat(ctx: Arc<Ctx>, req: Request) {
     let gw = &ctx.gw;
     let Some(reply) = req.message.reply.clone() else {
         // Nobody to stream to: refuse rather than run a task for nobody.
-        let e = GatewayError::invalid("a chat request needs a reply subject (use request/reply)");
-        gw.count_rejection(Ingress::Nats, &e);
+        gw.refused(Ingress::Nats, GatewayError::invalid("a chat request needs a reply subject (use request/reply)"));
         tracing::debug!(subject = %req.message.subject, "NATS chat request without reply subject ignored");
         return;
     };
-    let identity = match gw.auth.authenticate(credential(req.message.headers.as_ref()).as_deref()) {
-        Ok(i) => i,
-        Err(e) => {
-            gw.count_rejection(Ingress::Nats, &e);
-            return reject(&req, None, &e).await;
-        }
+    let cred = credential(req.message.headers.as_ref());
+    let caller = Caller::Credential(cred.as_deref());
+    let call = match gw.prepare(caller, &req.message.payload, Ingress::Nats, SubmitOptions::default()) {
+        Ok(c) => c,
+        Err(e) => return reject(&req, None, &e).await,
     };
-    let body = match parse_body(&req.message.payload) {
-        Ok(b) => b,
-        Err(e) => {
-            gw.count_rejection(Ingress::Nats, &e);
-            return reject(&req, None, &e).await;
-        }
-    };
-    let request_id = body.request_id.clone();
-    let stream = match gw.submit(identity, body, Ingress::Nats, None).await {
+    let request_id = call.body().request_id.clone();
+    let stream = match gw.submit_call(call).await {
         Ok(s) => s,
         Err(e) => return reject(&req, request_id.as_deref(), &e).await,
     };
@@ -316,7 +310,7 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
                         break None;
                     }
                     TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::Delta { .. } => {
-                        if ctx.gw.nats.unavailable_for().is_some_and(|d| d >= cfg.caller_timeout) {
+                        if ctx.status.unavailable_for().is_some_and(|d| d >= cfg.caller_timeout) {
                             break Some(Lost::BusUnavailable);
                         }
                         let kind = match ev {
@@ -338,7 +332,7 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
                 }
             }
             _ = tokio::time::sleep_until(last_sent + cfg.keepalive) => {
-                if ctx.gw.nats.unavailable_for().is_some_and(|d| d >= cfg.caller_timeout) {
+                if ctx.status.unavailable_for().is_some_and(|d| d >= cfg.caller_timeout) {
                     break Some(Lost::BusUnavailable);
                 }
                 // Queued on the client while the bus is down; the check
@@ -361,7 +355,7 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
             Lost::NoResponders => ("no_responders", "NATS caller stopped listening (no responders)"),
             Lost::BusUnavailable => ("bus_unavailable", "NATS bus unavailable to the reply stream"),
         };
-        ctx.gw.metrics.nats_callers_lost.with_label_values(&[label]).inc();
+        ctx.gw.metrics().nats_callers_lost.with_label_values(&[label]).inc();
         tracing::info!(task_id = %stream.task_id, reason = why, "cancelling a NATS task whose caller is gone");
         stream.cancel_handle().cancel(why, "client");
     }
@@ -379,7 +373,7 @@ struct CancelBody {
 /// `error` event.
 async fn handle_cancel(ctx: Arc<Ctx>, req: Request) {
     let gw = &ctx.gw;
-    let identity = match gw.auth.authenticate(credential(req.message.headers.as_ref()).as_deref()) {
+    let identity = match gw.authenticate(credential(req.message.headers.as_ref()).as_deref()) {
         Ok(i) => i,
         Err(e) => return reject(&req, None, &e).await,
     };
@@ -391,20 +385,15 @@ async fn handle_cancel(ctx: Arc<Ctx>, req: Request) {
         }
     };
     let rid = body.request_id;
-    let Some(task) = gw.scheduler.find_by_request(&identity.tenant, &identity.application, &rid) else {
+    let Some(c) = gw.cancel_request(&identity, &rid, "cancelled over NATS") else {
         let e = GatewayError::invalid(format!("no known task with request_id '{rid}' for this application"));
         return reject(&req, Some(&rid), &e).await;
     };
-    let cancelled = gw.scheduler.cancel(&task.task_id, "cancelled over NATS", "client");
-    let status = task.log.terminal().map(|e| match e {
-        TaskEvent::Done(m) | TaskEvent::Error { meta: m, .. } => m.status.as_str(),
-        _ => "",
-    });
-    tracing::info!(task_id = %task.task_id, request_id = %rid, cancelled, "NATS cancel");
+    tracing::info!(task_id = %c.task_id, request_id = %rid, cancelled = c.cancelled, "NATS cancel");
     if req.message.reply.is_some() {
         let answer = json!({
-            "request_id": rid, "task_id": task.task_id, "cancelled": cancelled,
-            "status": status,
+            "request_id": rid, "task_id": c.task_id, "cancelled": c.cancelled,
+            "status": c.status.map(|s| s.as_str()),
         });
         let _ = req.respond_with_headers(Ok(to_bytes(&answer)), headers_for("cancel")).await;
     }

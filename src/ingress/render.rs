@@ -1,6 +1,9 @@
-//! The event JSON that the message ingresses (MQTT, NATS) send for a task,
-//! one object per [`TaskEvent`] with a contiguous `seq` from 0. The schemas
-//! live in `topics/`; keep them in step with this file.
+//! Task events rendered as JSON: what the message ingresses (MQTT, NATS)
+//! and the task API's SSE send, one object per [`TaskEvent`] with a
+//! contiguous `seq` from 0. The schemas live in `topics/`; keep them in
+//! step with this file.
+//!
+//! Owns: the event JSON. Does not own: framing or delivery (each ingress).
 
 use serde_json::{json, Value};
 

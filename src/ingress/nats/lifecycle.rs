@@ -15,6 +15,10 @@
 //! `{prefix}.events.>` on every (re)connect, so a subscriber that was down
 //! can replay what it missed; each event carries `Nats-Msg-Id:
 //! {task_id}.{state}` for JetStream's duplicate detection.
+//!
+//! Owns: lifecycle subjects, the bounded publishing queue and the JetStream
+//! stream. Does not own: the bus connection or its state (`super`) or what
+//! a transition is (the recorder in `telemetry`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,8 +31,8 @@ use tokio_util::task::TaskTracker;
 
 use super::{subject_token, BusState, NatsStatus};
 use crate::config::{JetStreamConfig, JetStreamStorage, NatsConfig};
-use crate::gateway::Gateway;
 use crate::telemetry::lifecycle::LifecycleEvent;
+use crate::telemetry::Metrics;
 
 /// How long, after shutdown began, the publisher keeps taking events (the
 /// last transitions of the tasks being cancelled) before it stops.
@@ -45,16 +49,17 @@ pub fn event_subject(cfg: &NatsConfig, ev: &LifecycleEvent) -> String {
 pub fn spawn_publisher(
     client: async_nats::Client,
     cfg: NatsConfig,
-    gw: Arc<Gateway>,
+    metrics: Arc<Metrics>,
+    status: NatsStatus,
     mut rx: broadcast::Receiver<Arc<LifecycleEvent>>,
     tracker: &TaskTracker,
     shutdown: CancellationToken,
 ) {
     let (tx, mut queue) = mpsc::channel::<Arc<LifecycleEvent>>(cfg.events_queue_capacity);
-    let metrics = gw.metrics.clone();
+    let m = metrics.clone();
     let sd = shutdown.clone();
     tracker.spawn(async move {
-        let dropped = |reason: &str, n: u64| metrics.nats_events_dropped.with_label_values(&[reason]).inc_by(n);
+        let dropped = |reason: &str, n: u64| m.nats_events_dropped.with_label_values(&[reason]).inc_by(n);
         let offer = |r: Result<Arc<LifecycleEvent>, broadcast::error::RecvError>| match r {
             Ok(ev) => {
                 if tx.try_send(ev).is_err() {
@@ -86,13 +91,13 @@ pub fn spawn_publisher(
     });
     let with_msg_id = cfg.jetstream.is_some();
     tracker.spawn(async move {
-        let m = &gw.metrics;
+        let m = &metrics;
         loop {
             // While the bus is down, events wait in the queue (and the reader
             // drops what does not fit) instead of piling up in the client.
-            if gw.nats.state() != BusState::Connected {
+            if status.state() != BusState::Connected {
                 tokio::select! {
-                    _ = gw.nats.wait_for(BusState::Connected) => {}
+                    _ = status.wait_for(BusState::Connected) => {}
                     _ = shutdown.cancelled() => {
                         queue.close();
                         let mut lost = 0;

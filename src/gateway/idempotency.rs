@@ -1,0 +1,114 @@
+//! Idempotency keys: what a repeat of a key finds. A repeat joins the task
+//! that is already known (live, or after a restart or once its events are
+//! no longer retained, its outcome from the store); the same key with a
+//! different prompt is refused. Every ingress goes through this one check
+//! (MQTT derives its keys from the device and the request id).
+//!
+//! Owns: the lookup order (live registry, then store), the prompt
+//! comparison, remembering and forgetting a key in the store. Does not own:
+//! the atomic insert that makes two racing first calls one task (the
+//! scheduler's registry does that under its lock).
+
+use crate::error::{ErrorCode, GatewayError};
+use crate::store::{IdempotentRecord, StoredRequest};
+use crate::task::{ResultMeta, TaskEvent, TaskRequest, TaskState};
+
+use super::{Gateway, TaskStream};
+
+fn reused() -> GatewayError {
+    GatewayError::invalid("this idempotency key was already used for a different request")
+}
+
+impl Gateway {
+    /// The stream of the task this request repeats, if its idempotency key
+    /// is already known; an error if the key was used for another prompt.
+    pub(super) async fn known_repeat(&self, req: &TaskRequest) -> Result<Option<TaskStream>, GatewayError> {
+        let Some(key) = &req.idempotency_key else { return Ok(None) };
+        let id = &req.identity;
+        if let Some(existing) = self.scheduler.find_by_idempotency_key(&id.tenant, &id.application, key) {
+            if existing.prompt_sha256 != req.prompt_sha256 {
+                return Err(reused());
+            }
+            if let Some(s) = self.scheduler.attach(&existing.task_id, 0) {
+                return Ok(Some(s));
+            }
+        }
+        let Some(rec) = self.store.lookup_idempotency(&id.tenant, &id.application, key).await else {
+            return Ok(None);
+        };
+        if rec.state == TaskState::Rejected {
+            return Ok(None);
+        }
+        if rec.prompt_sha256 != req.prompt_sha256 {
+            return Err(reused());
+        }
+        if let Some(s) = self.scheduler.attach(&rec.task_id, 0) {
+            return Ok(Some(s));
+        }
+        Ok(Some(self.replay_stored(rec)))
+    }
+
+    /// Keeps the key (and what is needed to run the request again after a
+    /// crash) for the configured time.
+    pub(super) fn remember_key(&self, req: &TaskRequest) {
+        if req.idempotency_key.is_some() {
+            let ttl = self.config.scheduler.idempotency_ttl.as_millis() as i64;
+            self.store.remember(stored_request(req), ttl);
+        }
+    }
+
+    /// Frees the key of a request that never became a task, so a retry
+    /// can start one.
+    pub(super) fn forget_key(&self, req: &TaskRequest) {
+        if let Some(key) = &req.idempotency_key {
+            let id = &req.identity;
+            self.store.forget_key(&id.tenant, &id.application, key, &req.task_id);
+        }
+    }
+
+    /// The outcome of a finished task as a stream: accepted, the kept
+    /// answer text, then done or error.
+    fn replay_stored(&self, rec: IdempotentRecord) -> TaskStream {
+        let mut events = vec![TaskEvent::Accepted { task_id: rec.task_id.clone(), queue_position: 0 }];
+        if let Some(t) = rec.result_text.filter(|t| !t.is_empty()) {
+            events.push(TaskEvent::Delta { text: t });
+        }
+        let meta = rec
+            .result
+            .unwrap_or_else(|| ResultMeta::bare(&rec.request_id, &rec.task_id, rec.state, "", &self.config.node_id));
+        let code =
+            rec.error_code.as_deref().and_then(|c| serde_json::from_value(serde_json::Value::String(c.into())).ok());
+        match (rec.state, code) {
+            (TaskState::Succeeded, _) => events.push(TaskEvent::Done(Box::new(meta))),
+            (_, code) => {
+                let code = code.unwrap_or(ErrorCode::InternalError);
+                let msg = format!("the original task ended {}", rec.state.as_str());
+                events.push(TaskEvent::Error { error: GatewayError::new(code, msg), meta: Box::new(meta) });
+            }
+        }
+        self.scheduler.replay(&rec.task_id, &rec.request_id, events)
+    }
+}
+
+fn stored_request(r: &TaskRequest) -> StoredRequest {
+    StoredRequest {
+        task_id: r.task_id.clone(),
+        request_id: r.request_id.clone(),
+        tenant: r.identity.tenant.clone(),
+        application: r.identity.application.clone(),
+        user_id: r.identity.user_id.clone(),
+        ingress: r.ingress.as_str().to_string(),
+        logical_model: r.logical_model.clone(),
+        messages: r.messages.clone(),
+        params: r.params.clone(),
+        priority: r.priority.as_str().to_string(),
+        max_output_tokens: r.max_output_tokens,
+        session_id: r.session_id.clone(),
+        idempotency_key: r.idempotency_key.clone(),
+        routing: r.routing.clone(),
+        metadata: r.metadata.clone(),
+        prompt_sha256: r.prompt_sha256.clone(),
+        input_tokens_estimate: r.input_tokens_estimate,
+        degrade_reason: r.degrade_reason.clone(),
+    }
+}

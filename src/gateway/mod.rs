@@ -1,0 +1,246 @@
+//! The gateway facade: the one object every ingress calls. A call enters
+//! here as (caller, body, ingress) and leaves as a [`TaskStream`] or a
+//! [`GatewayError`]; a task is looked up, followed or cancelled here for an
+//! [`Identity`].
+//!
+//! Owns, each done once and only here: authentication of a credential,
+//! parsing and admission of the shared request JSON, idempotency
+//! ([`idempotency`]), the ownership check of a task ([`tasks`]), counting
+//! calls in `edgeway_requests_total`, key revocation ([`keys`]), the
+//! readiness view ([`readiness`]) and crash recovery ([`recovery`]).
+//!
+//! Does not own: any protocol (no HTTP, MQTT or NATS type appears here: the
+//! bus state reaches `/ready` through [`BusStatus`]), building the
+//! components or starting listeners (`crate::server`), or any policy
+//! (admission, scheduler and router own theirs).
+
+mod idempotency;
+mod keys;
+mod readiness;
+mod recovery;
+mod tasks;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::broadcast;
+
+use crate::admission::{self, request::parse_body};
+use crate::config::Config;
+use crate::error::GatewayError;
+use crate::scheduler::SchedulerHandle;
+use crate::store::Store;
+use crate::task::{Identity, Ingress, TaskState};
+use crate::telemetry::lifecycle::{LifecycleEvent, Recorder};
+use crate::telemetry::Metrics;
+
+// What ingresses need of the layers below, offered here so that they import
+// only the facade.
+pub use crate::admission::request::RequestTimeouts;
+/// For an ingress that authenticates at connect time with rules of its own
+/// (MQTT devices may present a JWT).
+pub use crate::admission::Authenticator;
+pub use crate::admission::ChatRequestBody;
+pub use crate::scheduler::{CancelHandle, TaskStream};
+pub use readiness::{ModelReadiness, Readiness};
+pub use tasks::{CancelOutcome, LiveTask, RequestCancel, TaskLookup, TaskView};
+
+/// The state of the message bus as `/ready` reports it. Implemented by the
+/// bus ingress; the facade only reads it.
+pub trait BusStatus: Send + Sync {
+    /// The `nats` object of `/ready` (`{"state": "off"}` without a bus).
+    fn report(&self) -> serde_json::Value;
+}
+
+/// Who is calling: a credential still to check, or an identity an ingress
+/// established itself (an MQTT device authenticated at CONNECT).
+#[derive(Debug, Clone)]
+pub enum Caller<'a> {
+    Credential(Option<&'a str>),
+    Identity(Identity),
+}
+
+/// Per-call details that come from the protocol rather than the body.
+#[derive(Debug, Clone, Default)]
+pub struct SubmitOptions {
+    /// The request id to use when the body names none (`x-request-id`).
+    pub request_id_hint: Option<String>,
+    /// The idempotency key to use when the body names none
+    /// (`Idempotency-Key`).
+    pub idempotency_key: Option<String>,
+}
+
+/// An authenticated, parsed call that is not submitted yet (see
+/// [`Gateway::prepare`]).
+pub struct Call {
+    identity: Identity,
+    body: ChatRequestBody,
+    ingress: Ingress,
+    request_id_hint: Option<String>,
+}
+
+impl Call {
+    pub fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
+    pub fn body(&self) -> &ChatRequestBody {
+        &self.body
+    }
+
+    /// For an ingress that derives fields (MQTT: the idempotency key from
+    /// the device, the queue timeout from the message expiry).
+    pub fn body_mut(&mut self) -> &mut ChatRequestBody {
+        &mut self.body
+    }
+}
+
+/// The parts the facade is made of; built by `crate::server`.
+pub struct Parts {
+    pub config: Arc<Config>,
+    pub auth: Authenticator,
+    pub scheduler: SchedulerHandle,
+    pub store: Store,
+    pub recorder: Recorder,
+    pub metrics: Arc<Metrics>,
+    pub bus: Arc<dyn BusStatus>,
+}
+
+/// The facade. Shared behind an `Arc`; every field is private so that an
+/// ingress can do only what the methods offer.
+pub struct Gateway {
+    config: Arc<Config>,
+    auth: Authenticator,
+    scheduler: SchedulerHandle,
+    store: Store,
+    recorder: Recorder,
+    metrics: Arc<Metrics>,
+    started: Instant,
+    bus: Arc<dyn BusStatus>,
+}
+
+impl Gateway {
+    pub fn new(p: Parts) -> Gateway {
+        Gateway {
+            config: p.config,
+            auth: p.auth,
+            scheduler: p.scheduler,
+            store: p.store,
+            recorder: p.recorder,
+            metrics: p.metrics,
+            started: Instant::now(),
+            bus: p.bus,
+        }
+    }
+
+    pub fn config(&self) -> &Arc<Config> {
+        &self.config
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The Prometheus text of every metric.
+    pub fn render_metrics(&self) -> String {
+        self.metrics.render()
+    }
+
+    /// When this gateway started.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// Every state change of every task, as it is recorded (for the bus's
+    /// lifecycle events).
+    pub fn subscribe_lifecycle(&self) -> broadcast::Receiver<Arc<LifecycleEvent>> {
+        self.recorder.subscribe()
+    }
+
+    /// Who a credential (API key or JWT) belongs to. Not counted: only
+    /// submissions are calls in `edgeway_requests_total`.
+    pub fn authenticate(&self, credential: Option<&str>) -> Result<Identity, GatewayError> {
+        self.auth.authenticate(credential)
+    }
+
+    /// Authenticates, parses, admits and queues a call: the same path for
+    /// every ingress ([`Gateway::prepare`], then [`Gateway::submit_call`]).
+    pub async fn submit(
+        &self,
+        caller: Caller<'_>,
+        body: &[u8],
+        ingress: Ingress,
+        opts: SubmitOptions,
+    ) -> Result<TaskStream, GatewayError> {
+        let call = self.prepare(caller, body, ingress, opts)?;
+        self.submit_call(call).await
+    }
+
+    /// The first half of [`Gateway::submit`]: who is calling and what the
+    /// body says, for an ingress that reads fields of the body before it
+    /// submits (the response format, protocol options). A refusal is
+    /// counted here.
+    pub fn prepare(
+        &self,
+        caller: Caller<'_>,
+        body: &[u8],
+        ingress: Ingress,
+        opts: SubmitOptions,
+    ) -> Result<Call, GatewayError> {
+        let identity = match caller {
+            Caller::Identity(i) => i,
+            Caller::Credential(c) => self.auth.authenticate(c).map_err(|e| self.refused(ingress, e))?,
+        };
+        let mut body = parse_body(body).map_err(|e| self.refused(ingress, e))?;
+        if body.idempotency_key.is_none() {
+            body.idempotency_key = opts.idempotency_key;
+        }
+        Ok(Call { identity, body, ingress, request_id_hint: opts.request_id_hint })
+    }
+
+    /// The second half of [`Gateway::submit`]: admission, idempotency and
+    /// queueing. A refusal is counted, and recorded in the store, here; an
+    /// ingress never counts it again.
+    pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
+        let Call { identity, body, ingress, request_id_hint } = call;
+        let model = body.model.clone();
+        let request_id = body.request_id.clone().or(request_id_hint.clone());
+        let refuse = |e: GatewayError| {
+            self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
+            self.refused(ingress, e)
+        };
+        let req = admission::admit(&self.config, identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
+        match self.known_repeat(&req).await {
+            Ok(Some(stream)) => return Ok(stream),
+            Ok(None) => {}
+            Err(e) => return Err(refuse(e)),
+        }
+        self.recorder.received(&req);
+        self.recorder.transition(&req, TaskState::Validating, "admitted", None, "gateway");
+        self.remember_key(&req);
+        let meta_req = req.clone();
+        match self.scheduler.submit(req).await {
+            Ok(s) if s.joined => {
+                // Lost a race with an identical retry: this call is that task.
+                let why = format!("idempotent repeat of task {}", s.task_id);
+                self.recorder.transition(&meta_req, TaskState::Rejected, &why, None, "gateway");
+                Ok(s)
+            }
+            Ok(s) => Ok(s),
+            Err(e) => {
+                self.recorder.transition(&meta_req, TaskState::Rejected, e.code.as_str(), None, "scheduler");
+                self.forget_key(&meta_req);
+                Err(self.refused(ingress, e))
+            }
+        }
+    }
+
+    /// Counts a call refused before it became a task and hands the error
+    /// back. The facade calls it for what it refuses; an ingress calls it
+    /// only for what it refuses itself, before [`Gateway::submit`] (a
+    /// message too large, a missing protocol field).
+    pub fn refused(&self, ingress: Ingress, e: GatewayError) -> GatewayError {
+        self.metrics.requests.with_label_values(&[ingress.as_str(), e.code.as_str()]).inc();
+        e
+    }
+}

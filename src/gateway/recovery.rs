@@ -1,0 +1,94 @@
+//! Crash recovery: the tasks that were not terminal when the gateway last
+//! stopped. Runs once, before the listeners open.
+//!
+//! Owns: the choice between queueing a task again and ending it FAILED.
+//! Does not own: what the store kept (store) or queueing (scheduler).
+
+use crate::error::ErrorCode;
+use crate::store::StoredRequest;
+use crate::task::{Identity, Ingress, Priority, ResultMeta, TaskRequest, TaskState};
+
+use super::Gateway;
+
+impl Gateway {
+    /// Ends or re-queues the tasks that were not terminal when the gateway
+    /// last stopped (a crash or `kill -9`): tasks that never started and
+    /// carry an idempotency key are queued again; every other one ends
+    /// FAILED with the reason. Runs before the listeners open.
+    pub async fn recover(&self) -> (usize, usize) {
+        let (mut requeued, mut failed) = (0, 0);
+        for u in self.store.unfinished().await {
+            // From here on, what is written for the task is checked against
+            // the state machine like any transition of this run.
+            self.recorder.adopt(&u.task_id, u.state);
+            // Re-queued only from a state that may move to QUEUED: a task
+            // that never started.
+            let waiting = u.state.can_move_to(TaskState::Queued);
+            let rebuilt = match (&u.request, waiting) {
+                (Some(r), true) => self.rebuild(r),
+                _ => None,
+            };
+            if let Some(req) = rebuilt {
+                match self.scheduler.resubmit(req).await {
+                    Ok(()) => {
+                        requeued += 1;
+                        continue;
+                    }
+                    Err(e) => tracing::warn!(task_id = %u.task_id, error = %e, "could not re-queue task"),
+                }
+            }
+            failed += 1;
+            let reason = format!("gateway restarted while the task was {}", u.state.as_str());
+            let mut meta =
+                ResultMeta::bare(&u.request_id, &u.task_id, TaskState::Failed, &u.logical_model, &self.config.node_id);
+            meta.session_id = u.session_id.clone();
+            self.recorder.end_recovered(&meta, &reason, ErrorCode::InternalError.as_str());
+        }
+        if requeued + failed > 0 {
+            tracing::warn!(requeued, failed, "recovered tasks left unfinished by the last run");
+        }
+        (requeued, failed)
+    }
+
+    /// A task request again from what the store kept, if its application
+    /// and model still exist.
+    fn rebuild(&self, r: &StoredRequest) -> Option<TaskRequest> {
+        let app = self.config.applications.get(&r.application)?;
+        let model = self.config.models.get(&r.logical_model)?;
+        let priority = Priority::parse(&r.priority)?;
+        let ingress = match r.ingress.as_str() {
+            "mqtt" => Ingress::Mqtt,
+            "nats" => Ingress::Nats,
+            _ => Ingress::Http,
+        };
+        Some(TaskRequest {
+            task_id: r.task_id.clone(),
+            request_id: r.request_id.clone(),
+            identity: Identity {
+                tenant: app.tenant.clone(),
+                application: app.name.clone(),
+                user_id: r.user_id.clone(),
+                max_priority: app.max_priority,
+                default_priority: app.default_priority,
+                is_admin: app.admin,
+                credential: None,
+            },
+            ingress,
+            logical_model: model.name.clone(),
+            messages: r.messages.clone(),
+            params: r.params.clone(),
+            priority,
+            max_output_tokens: r.max_output_tokens.min(model.max_output_tokens),
+            timeouts: self.config.timeouts,
+            session_id: r.session_id.clone(),
+            idempotency_key: r.idempotency_key.clone(),
+            routing: r.routing.clone(),
+            metadata: r.metadata.clone(),
+            input_tokens_estimate: r.input_tokens_estimate,
+            prompt_sha256: r.prompt_sha256.clone(),
+            received_at: std::time::Instant::now(),
+            received_wall: std::time::SystemTime::now(),
+            degrade_reason: r.degrade_reason.clone(),
+        })
+    }
+}

@@ -1,0 +1,135 @@
+//! A task for an identity: look it up, cancel it, follow its events. Only
+//! the owning application (or an admin application of its tenant) sees a
+//! task; to anyone else it does not exist. The ownership check is made
+//! here, once, for every ingress.
+//!
+//! Owns: ownership, and the choice between the live registry and the
+//! store. Does not own: how an answer is rendered (ingress).
+
+use crate::error::GatewayError;
+use crate::store::TaskRecord;
+use crate::task::{Identity, ResultMeta, TaskEvent, TaskState};
+
+use super::{Gateway, TaskStream};
+
+/// Whether `who` may see and cancel a task of `tenant`/`app`.
+fn owns(who: &Identity, tenant: &str, app: &str) -> bool {
+    who.tenant == tenant && (who.is_admin || who.application == app)
+}
+
+/// A task as stored, for its owner.
+pub type TaskView = TaskRecord;
+
+/// What a cancel by task id found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The task is known here; `cancelled` is false when it had already
+    /// ended (within the retention).
+    Live { cancelled: bool },
+    /// The task ended before the retention; only its record is left.
+    Ended { state: TaskState },
+}
+
+/// A task whose events the caller may follow. Only [`Gateway::lookup`]
+/// makes one, after the ownership check.
+pub struct LiveTask {
+    task_id: String,
+    request_id: String,
+}
+
+impl LiveTask {
+    pub fn task_id(&self) -> &str {
+        &self.task_id
+    }
+
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+}
+
+/// What a request to follow a task's events found.
+pub enum TaskLookup {
+    /// Unknown, or not the caller's.
+    NotFound,
+    /// Known only from the store: its events are no longer retained.
+    Gone {
+        result: Option<Box<ResultMeta>>,
+    },
+    Live(LiveTask),
+}
+
+/// What a cancel by request id did (the message ingresses' cancel).
+#[derive(Debug, Clone)]
+pub struct RequestCancel {
+    pub task_id: String,
+    pub cancelled: bool,
+    /// The final state of a task that had already ended.
+    pub status: Option<TaskState>,
+}
+
+impl Gateway {
+    /// The stored record of a task (state, transitions, result) for its
+    /// owner; `None` when unknown or not the caller's.
+    pub async fn task(&self, who: &Identity, task_id: &str) -> Result<Option<TaskView>, GatewayError> {
+        self.store.flush().await;
+        let rec = self.store.get(task_id).await.map_err(|e| {
+            tracing::error!(error = %e, "task store read failed");
+            GatewayError::internal("the task store is not available")
+        })?;
+        Ok(rec.filter(|r| owns(who, &r.tenant, &r.application)))
+    }
+
+    /// Cancels a task for its owner; `None` when unknown or not the
+    /// caller's. `reason` is recorded with the cancellation.
+    pub async fn cancel(&self, who: &Identity, task_id: &str, reason: &str) -> Option<CancelOutcome> {
+        let Some(entry) = self.scheduler.get(task_id) else {
+            // Not live here: maybe ended long ago.
+            return match self.store.get(task_id).await {
+                Ok(Some(rec)) if owns(who, &rec.tenant, &rec.application) => {
+                    Some(CancelOutcome::Ended { state: rec.state })
+                }
+                _ => None,
+            };
+        };
+        if !owns(who, &entry.tenant, &entry.application) {
+            return None;
+        }
+        let actor = if who.application == entry.application { "client" } else { "admin" };
+        Some(CancelOutcome::Live { cancelled: self.scheduler.cancel(task_id, reason, actor) })
+    }
+
+    /// Cancels the caller's own application's task by its request id;
+    /// `None` when no such task is known here.
+    pub fn cancel_request(&self, who: &Identity, request_id: &str, reason: &str) -> Option<RequestCancel> {
+        let task = self.scheduler.find_by_request(&who.tenant, &who.application, request_id)?;
+        let cancelled = self.scheduler.cancel(&task.task_id, reason, "client");
+        let status = task.log.terminal().and_then(|e| match e {
+            TaskEvent::Done(m) | TaskEvent::Error { meta: m, .. } => Some(m.status),
+            _ => None,
+        });
+        Some(RequestCancel { task_id: task.task_id.clone(), cancelled, status })
+    }
+
+    /// Whether the caller may follow a task's events, and where they are.
+    pub async fn lookup(&self, who: &Identity, task_id: &str) -> TaskLookup {
+        let Some(entry) = self.scheduler.get(task_id) else {
+            return match self.store.get(task_id).await {
+                Ok(Some(rec)) if owns(who, &rec.tenant, &rec.application) => {
+                    TaskLookup::Gone { result: rec.result.map(Box::new) }
+                }
+                _ => TaskLookup::NotFound,
+            };
+        };
+        if !owns(who, &entry.tenant, &entry.application) {
+            return TaskLookup::NotFound;
+        }
+        TaskLookup::Live(LiveTask { task_id: entry.task_id.clone(), request_id: entry.request_id.clone() })
+    }
+
+    /// The events of a task the caller may follow (see [`Gateway::lookup`])
+    /// from `from_seq` on. Dropping the stream does not cancel the task.
+    /// `None` when the task is no longer retained.
+    pub fn attach(&self, task: &LiveTask, from_seq: u64) -> Option<TaskStream> {
+        self.scheduler.attach(&task.task_id, from_seq)
+    }
+}

@@ -1,0 +1,63 @@
+//! Who is calling, as axum extractors: [`Credential`] reads the bearer
+//! credential; [`Caller`] has the facade authenticate it, so a handler that
+//! takes a `Caller` runs only for a known identity.
+//!
+//! Owns: where HTTP carries a credential (`Authorization: Bearer …`, what
+//! the OpenAI SDKs send, or `x-api-key`) and the id headers of a response.
+//! Does not own: authentication itself (the gateway facade).
+
+use std::sync::Arc;
+
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use axum::http::{header, HeaderMap, HeaderValue};
+
+use super::errors::ApiError;
+use crate::gateway::Gateway;
+use crate::task::Identity;
+
+/// The bearer credential of a request, not yet checked. Submissions pass it
+/// to [`Gateway::submit`], which authenticates and counts a refusal once.
+pub struct Credential(pub Option<String>);
+
+/// An authenticated caller.
+pub struct Caller(pub Identity);
+
+fn bearer(h: &HeaderMap) -> Option<&str> {
+    if let Some(v) = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        let v = v.trim();
+        return Some(v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).unwrap_or(v));
+    }
+    h.get("x-api-key").and_then(|v| v.to_str().ok())
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Credential {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Credential(bearer(&parts.headers).map(str::to_string)))
+    }
+}
+
+impl FromRequestParts<Arc<Gateway>> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, gw: &Arc<Gateway>) -> Result<Self, Self::Rejection> {
+        Ok(Caller(gw.authenticate(bearer(&parts.headers))?))
+    }
+}
+
+/// `x-request-id` and `x-task-id` on a response about a task.
+pub fn id_headers(h: &mut HeaderMap, request_id: &str, task_id: &str) {
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        h.insert("x-request-id", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(task_id) {
+        h.insert("x-task-id", v);
+    }
+}
+
+/// A header's value as text, if it is present and readable.
+pub fn header_text(h: &HeaderMap, name: &str) -> Option<String> {
+    h.get(name).and_then(|v| v.to_str().ok()).map(str::to_string)
+}

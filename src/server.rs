@@ -1,0 +1,121 @@
+//! The server: builds every component from a [`Config`], wires them under
+//! one cancellation tree, opens the listeners of every ingress, and shuts
+//! everything down.
+//!
+//! Owns: start-up order and shutdown. Does not own: any policy (each
+//! component owns its own) or what a call does (the [`Gateway`] facade).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::admission::Authenticator;
+use crate::config::Config;
+use crate::gateway::{Gateway, Parts};
+use crate::ingress::nats::NatsStatus;
+use crate::router::Router;
+use crate::scheduler::{self, SchedulerHandle};
+use crate::store::Store;
+use crate::telemetry::lifecycle::Recorder;
+use crate::telemetry::Metrics;
+
+/// A started gateway: its addresses and the handles to stop it.
+pub struct RunningGateway {
+    pub http_addr: SocketAddr,
+    pub admin_addr: Option<SocketAddr>,
+    /// The embedded MQTT broker's listeners (`None` without `[mqtt]`).
+    pub mqtt: Option<crate::ingress::mqtt::MqttAddrs>,
+    pub gateway: Arc<Gateway>,
+    /// The components behind the facade, for tests and benchmarks that
+    /// look inside (`crate::testing::TestGateway`).
+    pub internals: Internals,
+    shutdown: CancellationToken,
+    tracker: TaskTracker,
+}
+
+/// The components the facade is made of.
+#[derive(Clone)]
+pub struct Internals {
+    pub scheduler: SchedulerHandle,
+    pub store: Store,
+    pub recorder: Recorder,
+    pub metrics: Arc<Metrics>,
+    /// The NATS bus connection state (`off` without `[nats]`).
+    pub nats: NatsStatus,
+}
+
+impl RunningGateway {
+    /// Stops accepting, cancels every task (their engines stop), and waits
+    /// up to `grace` for everything to drain.
+    pub async fn shutdown(self, grace: Duration) {
+        self.shutdown.cancel();
+        self.tracker.close();
+        if tokio::time::timeout(grace, self.tracker.wait()).await.is_err() {
+            tracing::warn!("shutdown grace period over; some tasks did not drain");
+        }
+        self.internals.store.flush().await;
+    }
+
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+}
+
+/// Builds and starts every component. Listeners are bound before this
+/// returns, so the addresses are ready for clients.
+pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
+    crate::tls::install_default_provider();
+    let config = Arc::new(config);
+    let metrics = Arc::new(Metrics::new());
+    let store = Store::open(&config.store.db_path(), &config.node_id, config.store.store_prompts)?;
+    metrics.export_store_errors(store.write_failures());
+    let shutdown = CancellationToken::new();
+    let tracker = TaskTracker::new();
+
+    // The engine instances, the scheduler over them and, started by it, the
+    // router's health probes.
+    let router = Arc::new(Router::from_config(&config)?);
+    let recorder = Recorder::new(store.clone(), &metrics);
+    let scheduler =
+        scheduler::start(config.clone(), router, recorder.clone(), metrics.clone(), tracker.clone(), shutdown.clone());
+
+    let auth = Authenticator::new(&config);
+    for hex_digest in store.revoked_keys().await {
+        if let Some(d) = hex::decode(&hex_digest).ok().and_then(|b| <[u8; 32]>::try_from(b).ok()) {
+            auth.revoke(d);
+        }
+    }
+    let nats = NatsStatus::new(config.nats.is_some());
+    let internals = Internals {
+        scheduler: scheduler.clone(),
+        store: store.clone(),
+        recorder: recorder.clone(),
+        metrics: metrics.clone(),
+        nats: nats.clone(),
+    };
+    let gateway = Arc::new(Gateway::new(Parts {
+        config: config.clone(),
+        auth,
+        scheduler: scheduler.clone(),
+        store,
+        recorder,
+        metrics: metrics.clone(),
+        bus: Arc::new(nats.clone()),
+    }));
+    tracker.spawn(crate::admission::gpu_watch::watch(
+        config.resources.clone(),
+        scheduler,
+        metrics,
+        shutdown.child_token(),
+    ));
+    gateway.recover().await;
+    let (http_addr, admin_addr) = crate::ingress::http::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
+    let mqtt = crate::ingress::mqtt::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
+    tracing::info!(%http_addr, admin = ?admin_addr, node = %config.node_id, "edgeway is listening");
+    // The bus connects in the background: start-up never waits for NATS.
+    crate::ingress::nats::start(gateway.clone(), nats, &tracker, shutdown.clone());
+    Ok(RunningGateway { http_addr, admin_addr, mqtt, gateway, internals, shutdown, tracker })
+}
