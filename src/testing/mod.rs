@@ -209,9 +209,41 @@ impl TestGateway {
         panic!("engines did not become healthy");
     }
 
+    /// Stops the gateway; fails the test if any code path tried an illegal
+    /// task state transition while it ran (the recorder refuses and counts
+    /// them; its debug assertion fires inside a spawned task, which alone
+    /// would not fail the test).
     pub async fn stop(mut self) {
         if let Some(r) = self.running.take() {
+            let metrics = r.internals.metrics.clone();
             r.shutdown(Duration::from_secs(5)).await;
+            assert_no_illegal_transitions(&metrics);
         }
     }
+}
+
+impl Drop for TestGateway {
+    fn drop(&mut self) {
+        if let Some(r) = &self.running {
+            if !std::thread::panicking() {
+                assert_no_illegal_transitions(&r.internals.metrics);
+            }
+        }
+    }
+}
+
+fn assert_no_illegal_transitions(metrics: &Metrics) {
+    use prometheus::core::Collector;
+    let refused: Vec<String> = metrics
+        .illegal_transitions
+        .collect()
+        .iter()
+        .flat_map(|f| f.get_metric())
+        .filter(|m| m.get_counter().get_value() > 0.0)
+        .map(|m| {
+            let labels: Vec<String> = m.get_label().iter().map(|l| format!("{}={}", l.name(), l.value())).collect();
+            format!("{} ×{}", labels.join(","), m.get_counter().get_value())
+        })
+        .collect();
+    assert!(refused.is_empty(), "illegal task state transitions were tried: {refused:?}");
 }
