@@ -9,7 +9,7 @@ use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::sleep_until;
 
-use super::events::TaskLog;
+use super::registry::TaskLog;
 use super::{terminal_state_for, CancelHandle, Cmd, Shared, SlotGrant, SlotLease};
 use crate::engine::{Engine, EngineChunk, EngineError, EngineRequest};
 use crate::error::{ErrorCode, GatewayError};

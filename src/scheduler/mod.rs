@@ -18,8 +18,8 @@
 //! [`TaskStream`] cancels its task (unless it was detached).
 
 mod driver;
-pub mod events;
 pub mod policy;
+pub mod registry;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,8 +34,8 @@ use crate::error::{ErrorCode, GatewayError};
 use crate::task::{Priority, TaskEvent, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
-use events::{Registry, Subscription, TaskEntry, TaskLog};
 use policy::{Admission, Backpressure, InstancePolicy, ModelPolicy, Policy, PolicyConfig, TaskInfo};
+use registry::{Registry, Subscription, TaskEntry, TaskLog};
 
 /// An engine instance as the scheduler sees it.
 pub struct Instance {
