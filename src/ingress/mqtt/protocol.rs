@@ -60,9 +60,9 @@ pub struct ProtocolShared {
     pub topics: Topics,
     /// Device view of the shared topics (`Topics::shared_prefix`), made once.
     shared_prefix: String,
-    pub presence: PresenceReporter,
-    pub wills: Arc<Wills>,
-    pub connections: Connections,
+    presence: PresenceReporter,
+    wills: Arc<Wills>,
+    connections: Connections,
 }
 
 impl ProtocolShared {
