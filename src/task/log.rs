@@ -158,8 +158,9 @@ impl<T: Clone> Reader<T> {
             notified.as_mut().enable();
             {
                 let g = self.log.inner.lock().expect("retained log");
-                if let Some(item) = take(&mut self.next, &g, 1).pop() {
-                    return Some((self.next - 1, item));
+                if let Some(item) = g.items.get(index(&mut self.next, &g)) {
+                    self.next += 1;
+                    return Some((self.next - 1, item.clone()));
                 }
                 if g.last.is_some() {
                     return None;
@@ -178,9 +179,12 @@ impl<T: Clone> Reader<T> {
             notified.as_mut().enable();
             {
                 let g = self.log.inner.lock().expect("retained log");
-                let batch = take(&mut self.next, &g, usize::MAX);
-                if !batch.is_empty() {
-                    return Some((self.next - batch.len() as u64, batch));
+                let start = index(&mut self.next, &g);
+                if start < g.items.len() {
+                    let batch: Vec<T> = g.items.range(start..).cloned().collect();
+                    let first = self.next;
+                    self.next += batch.len() as u64;
+                    return Some((first, batch));
                 }
                 if g.last.is_some() {
                     return None;
@@ -196,14 +200,11 @@ impl<T: Clone> Reader<T> {
     }
 }
 
-/// Up to `n` items from `next` on (skipping trimmed ones); advances `next`
-/// past them.
-fn take<T: Clone>(next: &mut u64, g: &Items<T>, n: usize) -> Vec<T> {
+/// The index in `g.items` of sequence number `next`, first moving `next`
+/// past trimmed items.
+fn index<T>(next: &mut u64, g: &Items<T>) -> usize {
     *next = (*next).max(g.first);
-    let start = ((*next - g.first) as usize).min(g.items.len());
-    let batch: Vec<T> = g.items.range(start..).take(n).cloned().collect();
-    *next += batch.len() as u64;
-    batch
+    (*next - g.first) as usize
 }
 
 struct Ended<K> {
