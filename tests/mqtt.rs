@@ -301,17 +301,65 @@ async fn on_disconnect_cancel_stops_the_task_when_the_device_drops() {
     gw.stop().await;
 }
 
+/// `on_disconnect = "continue"` (the default): while the device is away
+/// the task runs on, and the device resumes it to the end. Were continue to
+/// behave like cancel, the drop (handled before the device comes back)
+/// would end the stream with REQUEST_CANCELLED and the engine would see an
+/// abort.
 #[tokio::test]
-async fn on_disconnect_continue_keeps_the_task_for_the_grace_period_only() {
-    let (fake, gw, addr) = start(Knobs::slow(1000, 20), "coalesce_ms = 0\ndisconnect_grace_ms = 300").await;
+async fn on_disconnect_continue_keeps_the_task_running_and_resumable_while_the_device_is_away() {
+    let (fake, gw, addr) = start(Knobs::slow(200, 20), "coalesce_ms = 0\ndisconnect_grace_ms = 60000").await;
+    let mut lifecycle = gw.recorder().subscribe();
     let mut d = device(addr, V::V4, D1).await;
     d.subscribe(&d.topic("res/#")).await;
-    d.publish(&d.topic("req"), request("drop-continue").to_string()).await;
-    let _accepted = d.msg().await;
-    let _delta = d.msg().await;
+    let mut req = request("drop-continue");
+    req["on_disconnect"] = json!("continue");
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let mut got = vec![d.msg().await.json(), d.msg().await.json()];
+    assert_eq!((got[0]["type"].as_str(), got[1]["type"].as_str()), (Some("accepted"), Some("delta")));
+    let task_id = got[0]["task_id"].as_str().unwrap().to_string();
     d.kill();
-    // Nobody comes back: after the grace period the engine is stopped.
+    // The ingress has handled the drop (the device's last connection
+    // ended) before the device comes back.
+    assert!(until_devices_connected(&gw, 0).await, "the drop is handled");
+
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let from = got.len() as u64;
+    d.publish(&d.topic("resume"), json!({"request_id": "drop-continue", "from_seq": from}).to_string()).await;
+    got.extend(d.stream(&d.topic("res/drop-continue")).await);
+    assert_eq!(check_stream(&got).len(), 200 * 4);
+    assert_eq!(got.last().unwrap()["type"], "done", "{:?}", got.last());
+    let end = recorded_end(&mut lifecycle, &task_id).await;
+    assert_eq!(end.state.as_str(), "SUCCEEDED", "{end:?}");
+    assert_eq!((fake.stats.requests.load(SeqCst), fake.stats.aborted.load(SeqCst)), (1, 0));
+    gw.stop().await;
+}
+
+/// Nobody comes back: the task is cancelled once the grace period is over,
+/// not at the drop, and the record says why.
+#[tokio::test]
+async fn on_disconnect_continue_cancels_only_after_the_grace_period() {
+    let grace = Duration::from_millis(500);
+    let extra = format!("coalesce_ms = 0\ndisconnect_grace_ms = {}", grace.as_millis());
+    let (fake, gw, addr) = start(Knobs::slow(1000, 20), &extra).await;
+    let mut lifecycle = gw.recorder().subscribe();
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut req = request("drop-continue");
+    req["on_disconnect"] = json!("continue");
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let accepted = d.msg().await.json();
+    let _delta = d.msg().await;
+    let task_id = accepted["task_id"].as_str().unwrap().to_string();
+    let dropped = std::time::Instant::now();
+    d.kill();
     assert!(fake.wait_for(Duration::from_secs(10), |s| s.aborted.load(SeqCst) == 1).await);
+    // The grace period starts when the drop is handled, after `dropped`.
+    assert!(dropped.elapsed() >= grace, "cancelled {:?} after the drop", dropped.elapsed());
+    let end = recorded_end(&mut lifecycle, &task_id).await;
+    assert_eq!(end.state.as_str(), "CANCELLED", "{end:?}");
+    assert!(end.reason.contains("grace period"), "{end:?}");
     gw.stop().await;
 }
 
@@ -529,17 +577,7 @@ async fn a_second_connect_closes_the_connection() {
     let mut rest = Vec::new();
     let n = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await.expect("closed in time");
     assert!(n.is_ok(), "{n:?}");
-    let connected = || {
-        let text = gw.metrics().render();
-        text.lines().find(|l| l.starts_with("edgeway_mqtt_devices_connected ")).map(|l| l.to_string())
-    };
-    for _ in 0..100 {
-        if connected().as_deref() == Some("edgeway_mqtt_devices_connected 0") {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(connected().as_deref(), Some("edgeway_mqtt_devices_connected 0"));
+    assert!(until_devices_connected(&gw, 0).await, "connected: {:?}", devices_connected(&gw));
     // And the client id connects normally again.
     let mut d = device(addr, V::V4, D1).await;
     d.subscribe(&d.topic("x")).await;

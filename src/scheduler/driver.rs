@@ -14,7 +14,7 @@ use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::sleep_until;
 
-use super::events::TaskLog;
+use super::registry::TaskLog;
 use super::{terminal_state_for, CancelHandle, Cmd, Shared, SlotGrant};
 use crate::engine::{EngineChunk, EngineRequest};
 use crate::error::{ErrorCode, GatewayError};

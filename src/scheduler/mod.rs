@@ -21,8 +21,8 @@
 //! [`TaskStream`] cancels its task (unless it was detached).
 
 mod driver;
-pub mod events;
 pub mod policy;
+pub mod registry;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -38,8 +38,8 @@ use crate::router::{InstanceEvent, Router};
 use crate::task::{Priority, TaskEvent, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
-use events::{Registry, Subscription, TaskEntry, TaskLog};
 use policy::{Admission, Backpressure, InstancePolicy, ModelPolicy, Policy, PolicyConfig, TaskInfo};
+use registry::{Registry, Subscription, TaskEntry, TaskLog};
 
 /// Permission to run one task on one instance. Dropping it frees the slot.
 pub struct SlotLease {

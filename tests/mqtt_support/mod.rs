@@ -415,3 +415,41 @@ pub fn validate_message(m: &Msg) {
         }
     }
 }
+
+/// The `edgeway_mqtt_devices_connected` gauge.
+pub fn devices_connected(gw: &TestGateway) -> Option<i64> {
+    let text = gw.metrics().render();
+    text.lines().find_map(|l| l.strip_prefix("edgeway_mqtt_devices_connected ")).and_then(|v| v.trim().parse().ok())
+}
+
+/// Waits (up to 10 s) until the ingress counts `n` devices connected.
+/// No event tells a test that a connect or disconnect was handled; the
+/// gauge is set right after it was, so this polls the gauge.
+pub async fn until_devices_connected(gw: &TestGateway, n: i64) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while devices_connected(gw) != Some(n) {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    true
+}
+
+/// The recorded end of a task: its terminal lifecycle event, read from a
+/// subscription taken before the task started.
+pub async fn recorded_end(
+    rx: &mut tokio::sync::broadcast::Receiver<std::sync::Arc<edgeway::telemetry::lifecycle::LifecycleEvent>>,
+    task_id: &str,
+) -> std::sync::Arc<edgeway::telemetry::lifecycle::LifecycleEvent> {
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let e = rx.recv().await.expect("lifecycle events");
+            if e.task_id == task_id && e.state.is_terminal() {
+                return e;
+            }
+        }
+    })
+    .await
+    .expect("the task's end was recorded in time")
+}

@@ -8,8 +8,15 @@
 //! ```
 //!
 //! - [`broker`]: router and listeners, configured from `[mqtt]`.
-//! - [`protocol`]: the codec wrapper that authenticates devices and keeps
-//!   each one inside its own topic subtree.
+//! - [`protocol`]: the codec wrapper rumqttd calls per connection; it
+//!   authenticates devices and keeps each one inside its own topic subtree
+//!   by calling:
+//!   - [`codec`]: packet rewriting as pure functions (version detection,
+//!     mounting, refusals);
+//!   - [`connections`]: connection states and the table of open
+//!     connections (takeover, broker ids);
+//!   - [`wills`]: wills kept and published by edgeway;
+//!   - [`presence`]: connects and disconnects reported to the ingress.
 //! - [`topics`]: device-view and router-view topic names.
 //! - [`requests`]: requests, cancels, resumes, disconnect policy.
 //! - [`streams`]: per-request response streams (coalescing, replay).
@@ -21,10 +28,14 @@
 
 pub mod auth;
 pub mod broker;
+pub mod codec;
+pub mod connections;
+pub mod presence;
 pub mod protocol;
 pub mod requests;
 pub mod streams;
 pub mod topics;
+pub mod wills;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -41,10 +52,12 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use broker::MqttAddrs;
+use presence::PresenceReporter;
 use protocol::ProtocolShared;
 use requests::{Change, DeviceIngress, Sessions};
 use streams::Streams;
 use topics::Topics;
+use wills::Wills;
 
 use crate::config::Config;
 use crate::gateway::Gateway;
@@ -157,15 +170,14 @@ pub async fn serve(
     let sessions = Arc::new(Sessions::default());
     let (presence_tx, presence_rx) = mpsc::unbounded_channel();
     let (wills_tx, wills_rx) = mpsc::unbounded_channel();
+    let wills = Arc::new(Wills::new(wills_tx));
     let shared = Arc::new(ProtocolShared::new(
         auth::DeviceDirectory::new(gw.config()),
         topics.clone(),
-        sessions.clone(),
-        presence_tx,
-        wills_tx,
+        PresenceReporter::new(sessions.clone(), presence_tx),
+        wills.clone(),
     ));
-    let (addrs, links) =
-        broker::start(&cfg, shared.clone(), &topics.gateway_filter(), tracker, shutdown.clone()).await?;
+    let (addrs, links) = broker::start(&cfg, shared, &topics.gateway_filter(), tracker, shutdown.clone()).await?;
     // '@' is not a device id character: no device can take this link over.
     let (mut tx, rx) = links("@edgeway").map_err(|e| e.context("mqtt: edgeway's link to the broker"))?;
     tx.subscribe(topics.gateway_filter()).map_err(|e| anyhow::anyhow!("mqtt: subscribe: {e}"))?;
@@ -185,7 +197,7 @@ pub async fn serve(
         tracker: tracker.clone(),
         shutdown: shutdown.clone(),
     });
-    tracker.spawn(will_loop(shared, ingress.out.clone(), wills_rx, tracker.clone(), shutdown.clone()));
+    tracker.spawn(wills::publish_loop(wills, ingress.out.clone(), wills_rx, tracker.clone(), shutdown.clone()));
     tracker.spawn(link_loop(ingress.clone(), rx, shutdown.clone()));
     tracker.spawn(presence_loop(ingress, presence_rx, shutdown));
     tracing::info!(mqtt = %addrs.mqtt, tls = ?addrs.tls, ws = ?addrs.ws, "MQTT broker is listening");
@@ -220,36 +232,6 @@ async fn link_loop(ingress: Arc<DeviceIngress>, mut rx: LinkRx, shutdown: Cancel
                 return;
             }
         }
-    }
-}
-
-/// Publishes the wills of connections that ended without a clean
-/// DISCONNECT (see `protocol`), each after its delay unless its client id
-/// connected again meanwhile. Wills reach subscribers at QoS 0.
-async fn will_loop(
-    shared: Arc<ProtocolShared>,
-    out: Arc<Publisher>,
-    mut rx: mpsc::UnboundedReceiver<protocol::PendingWill>,
-    tracker: TaskTracker,
-    shutdown: CancellationToken,
-) {
-    loop {
-        let w = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            w = rx.recv() => match w { Some(w) => w, None => return },
-        };
-        let (shared, out, shutdown) = (shared.clone(), out.clone(), shutdown.clone());
-        tracker.spawn(async move {
-            let publish = tokio::select! {
-                _ = shutdown.cancelled() => false,
-                _ = w.cancel.cancelled() => false,
-                _ = tokio::time::sleep(w.delay) => true,
-            };
-            shared.will_done(&w);
-            if publish && out.publish(&w.topic, w.payload.clone(), w.props.clone(), w.retain).is_err() {
-                tracing::warn!(client_id = %w.client_id, "MQTT: could not publish a will (router gone)");
-            }
-        });
     }
 }
 

@@ -17,7 +17,8 @@ use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::protocol::{Presence, EXPIRES_AT_PROPERTY};
+use super::codec::EXPIRES_AT_PROPERTY;
+use super::presence::Presence;
 use super::streams::{self, Coalesce, Destination, OnDisconnect, Streams};
 use super::topics::{Inbound, Topics};
 use super::{MqttMetrics, Publisher};

@@ -12,20 +12,21 @@
 //! topic and follows the live tail. There is at most one sender per stream:
 //! a resume replaces it. Logs are kept after the end of the task for
 //! `replay_retention`, within a per-stream and a total byte budget, so a
-//! device that reconnects can resume.
+//! device that reconnects can resume. The log and those retention rules
+//! are [`crate::task::log`]'s, shared with the scheduler's replay; the MQTT
+//! `seq` is this log's own numbering.
 //!
 //! # Cancel safety
 //! Pumps and senders are spawned tasks. A sender stopped mid-way (replaced
 //! by a resume) loses nothing: the log is untouched and the replacement
 //! starts where the device asked.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rumqttd::protocol::PublishProperties;
-use tokio::sync::Notify;
 use tokio::time::sleep_until;
 use tokio_util::sync::CancellationToken;
 
@@ -33,6 +34,7 @@ use super::Publisher;
 use crate::error::GatewayError;
 use crate::gateway::{CancelHandle, TaskStream};
 use crate::ingress::render::event_json;
+use crate::task::log::{EndedQueue, RetainedLog, SeqRange};
 use crate::task::TaskEvent;
 
 /// What happens to a running task when its device drops.
@@ -49,22 +51,6 @@ pub enum OnDisconnect {
 pub struct Coalesce {
     pub period: Duration,
     pub max_bytes: usize,
-}
-
-#[derive(Default)]
-struct Log {
-    msgs: VecDeque<Bytes>,
-    /// `seq` of `msgs[0]`.
-    first: u64,
-    bytes: usize,
-    /// `seq` of the terminal message, once there is one.
-    terminal: Option<u64>,
-}
-
-impl Log {
-    fn next_seq(&self) -> u64 {
-        self.first + self.msgs.len() as u64
-    }
 }
 
 /// Where a sender publishes: the router topic and MQTT 5 properties
@@ -91,44 +77,34 @@ pub struct MqttStream {
     pub on_disconnect: OnDisconnect,
     pub cancel: CancelHandle,
     pub destination: Mutex<Destination>,
-    log: Mutex<Log>,
-    notify: Notify,
+    /// Rendered messages by `seq`, within the per-stream byte budget; the
+    /// terminal message ends it.
+    log: Arc<RetainedLog<Bytes>>,
     sender: Mutex<Option<SenderSlot>>,
-    max_bytes: usize,
 }
 
 impl MqttStream {
     pub fn is_ended(&self) -> bool {
-        self.log.lock().expect("stream log").terminal.is_some()
+        self.log.is_ended()
     }
 
-    /// The oldest kept `seq` and the next `seq` to be produced.
+    /// The oldest kept `seq`, the next `seq` to be produced and the `seq`
+    /// of the terminal message, once there is one.
     pub fn range(&self) -> (u64, u64, Option<u64>) {
-        let g = self.log.lock().expect("stream log");
-        (g.first, g.next_seq(), g.terminal)
+        let SeqRange { first, next, last } = self.log.range();
+        (first, next, last)
     }
 
     pub fn bytes(&self) -> usize {
-        self.log.lock().expect("stream log").bytes
+        self.log.bytes()
     }
 
     fn push(&self, msg: Bytes, terminal: bool) {
-        {
-            let mut g = self.log.lock().expect("stream log");
-            if terminal {
-                g.terminal = Some(g.next_seq());
-            }
-            g.bytes += msg.len();
-            g.msgs.push_back(msg);
-            // The per-stream budget: the oldest messages go first; the
-            // newest always stays.
-            while g.bytes > self.max_bytes && g.msgs.len() > 1 {
-                let m = g.msgs.pop_front().expect("non-empty");
-                g.bytes -= m.len();
-                g.first += 1;
-            }
+        if terminal {
+            self.log.push_last(msg);
+        } else {
+            self.log.push(msg);
         }
-        self.notify.notify_waiters();
     }
 
     /// Whether a sender is publishing (not stopped, not finished) and since
@@ -150,22 +126,19 @@ impl MqttStream {
 /// The streams of all devices, by (device, request id).
 pub struct Streams {
     inner: Mutex<Registry>,
-    pub retention: Duration,
-    pub max_bytes: usize,
-    pub stream_max_bytes: usize,
+    stream_max_bytes: usize,
 }
 
-#[derive(Default)]
 struct Registry {
     by_key: HashMap<(String, String), Arc<MqttStream>>,
-    /// Ended streams, oldest first.
-    ended: VecDeque<(Instant, (String, String))>,
-    ended_bytes: usize,
+    /// Ended streams, kept for the retention within the total budget.
+    ended: EndedQueue<(String, String)>,
 }
 
 impl Streams {
     pub fn new(retention: Duration, max_bytes: usize, stream_max_bytes: usize) -> Streams {
-        Streams { inner: Mutex::new(Registry::default()), retention, max_bytes, stream_max_bytes }
+        let inner = Registry { by_key: HashMap::new(), ended: EndedQueue::new(retention, max_bytes) };
+        Streams { inner: Mutex::new(inner), stream_max_bytes }
     }
 
     pub fn get(&self, device: &str, request_id: &str) -> Option<Arc<MqttStream>> {
@@ -188,10 +161,8 @@ impl Streams {
             on_disconnect,
             cancel: task.cancel_handle(),
             destination: Mutex::new(destination),
-            log: Mutex::new(Log::default()),
-            notify: Notify::new(),
+            log: Arc::new(RetainedLog::with_budget(Bytes::len, self.stream_max_bytes)),
             sender: Mutex::new(None),
-            max_bytes: self.stream_max_bytes,
         });
         let mut g = self.inner.lock().expect("streams");
         if let Some(old) = g.by_key.insert((device.to_string(), request_id.to_string()), s.clone()) {
@@ -229,8 +200,7 @@ impl Streams {
 
     fn ended(&self, s: &MqttStream) {
         let mut g = self.inner.lock().expect("streams");
-        g.ended_bytes += s.bytes();
-        g.ended.push_back((Instant::now(), (s.device.clone(), s.request_id.clone())));
+        g.ended.push(Instant::now(), (s.device.clone(), s.request_id.clone()), s.bytes());
         drop(g);
         self.sweep();
     }
@@ -239,16 +209,11 @@ impl Streams {
     pub fn sweep(&self) {
         let now = Instant::now();
         let mut g = self.inner.lock().expect("streams");
-        while let Some((at, key)) = g.ended.front().cloned() {
-            if now.duration_since(at) < self.retention && g.ended_bytes <= self.max_bytes {
-                break;
-            }
-            g.ended.pop_front();
-            let still_ours = g.by_key.get(&key).is_some_and(|s| s.is_ended());
-            if let Some(s) = g.by_key.get(&key).cloned() {
-                g.ended_bytes = g.ended_bytes.saturating_sub(s.bytes());
-                if still_ours {
-                    g.by_key.remove(&key);
+        while let Some(key) = g.ended.pop_expired(now) {
+            // A live stream that took the key since (a new request with the
+            // same id) stays.
+            if g.by_key.get(&key).is_some_and(|s| s.is_ended()) {
+                if let Some(s) = g.by_key.remove(&key) {
                     s.stop_sender();
                 }
             }
@@ -345,47 +310,36 @@ pub fn start_sender(
 
 async fn send_loop(
     stream: Arc<MqttStream>,
-    mut next: u64,
+    next: u64,
     out: Arc<Publisher>,
     stop: CancellationToken,
     done: Arc<std::sync::atomic::AtomicBool>,
 ) {
+    // Starts at the oldest kept message if `next` was trimmed by the
+    // per-stream budget: the device sees the gap.
+    let mut reader = stream.log.reader(next);
     loop {
-        let notified = stream.notify.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        let (batch, terminal) = {
-            let g = stream.log.lock().expect("stream log");
-            // Trimmed by the per-stream budget: the device sees the gap.
-            next = next.max(g.first);
-            let start = (next - g.first) as usize;
-            (g.msgs.iter().skip(start).cloned().collect::<Vec<_>>(), g.terminal)
+        let batch = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            b = reader.recv_batch() => b,
         };
-        if stop.is_cancelled() {
-            return;
-        }
-        if !batch.is_empty() {
-            let dest = stream.destination.lock().expect("destination").clone();
-            let props = dest.correlation.as_ref().map(|c| PublishProperties {
-                correlation_data: Some(c.clone()),
-                content_type: Some("application/json".into()),
-                ..Default::default()
-            });
-            for msg in batch {
-                // Checked per message: a replaced sender stops at once.
-                if stop.is_cancelled() || out.publish(&dest.topic, msg, props.clone(), false).is_err() {
-                    return;
-                }
-                next += 1;
-            }
-        }
-        if terminal.is_some_and(|t| next > t) {
+        let Some((_, batch)) = batch else {
+            // The terminal message is out.
             done.store(true, std::sync::atomic::Ordering::SeqCst);
             return;
-        }
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = notified => {}
+        };
+        let dest = stream.destination.lock().expect("destination").clone();
+        let props = dest.correlation.as_ref().map(|c| PublishProperties {
+            correlation_data: Some(c.clone()),
+            content_type: Some("application/json".into()),
+            ..Default::default()
+        });
+        for msg in batch {
+            // Checked per message: a replaced sender stops at once.
+            if stop.is_cancelled() || out.publish(&dest.topic, msg, props.clone(), false).is_err() {
+                return;
+            }
         }
     }
 }

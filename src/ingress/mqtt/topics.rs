@@ -3,7 +3,7 @@
 //!
 //! Every topic and filter of a device is *mounted* under its private
 //! prefix `d/{device}/` before the router sees it, and unmounted again on
-//! the way out ([`super::protocol`]). A device can therefore only ever
+//! the way out ([`super::codec`]). A device can therefore only ever
 //! match topics of its own subtree, whatever wildcards it uses. The
 //! read-only shared topics (`{prefix}/shared/…`, e.g. the model catalogue)
 //! live under `s/`; only edgeway publishes there. A device's topics that

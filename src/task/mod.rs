@@ -7,6 +7,8 @@
 //! ingress's format (see `ingress::*`) or the rules that decide transitions
 //! (see `scheduler`).
 
+pub mod log;
+
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};

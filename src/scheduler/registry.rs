@@ -1,4 +1,5 @@
-//! Per-task event logs and the registry of live and recently ended tasks.
+//! The registry of live and recently ended tasks, and each task's event
+//! log.
 //!
 //! Every event a task emits is appended to its [`TaskLog`] with a contiguous
 //! sequence number from 0. Any number of [`Subscription`]s read a log from
@@ -7,31 +8,31 @@
 //! it missed, then the live tail. Logs of ended tasks are kept for a
 //! retention time and within a byte budget, then dropped.
 //!
+//! Owns: the index of tasks by id, request id and idempotency key, and when
+//! an ended task is forgotten. Does not own: the log mechanics and retention
+//! rules ([`crate::task::log`], shared with MQTT's response streams) or what
+//! a task does (the driver).
+//!
 //! # Cancel safety
 //! [`Subscription::recv`] can be dropped at any point without losing an
 //! event: the position only advances when an event is returned.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::Notify;
-
 use super::CancelHandle;
+use crate::task::log::{EndedQueue, Reader, RetainedLog};
 use crate::task::TaskEvent;
 
-#[derive(Default)]
-struct LogInner {
-    events: Vec<TaskEvent>,
-    ended: bool,
-    bytes: usize,
-}
+/// The events of one task, in order; `Done` or `Error` ends it. Kept whole
+/// (no budget of its own): the registry bounds ended logs as a whole.
+pub struct TaskLog(Arc<RetainedLog<TaskEvent>>);
 
-/// The events of one task, in order.
-#[derive(Default)]
-pub struct TaskLog {
-    inner: Mutex<LogInner>,
-    notify: Notify,
+impl Default for TaskLog {
+    fn default() -> Self {
+        TaskLog(Arc::new(RetainedLog::new(event_bytes)))
+    }
 }
 
 /// Heap bytes an event holds (the enum, its strings, boxed metadata).
@@ -57,20 +58,15 @@ impl TaskLog {
     /// Appends an event and returns its sequence number. `Done` and `Error`
     /// end the log.
     pub fn push(&self, e: TaskEvent) -> u64 {
-        let seq = {
-            let mut g = self.inner.lock().expect("task log");
-            debug_assert!(!g.ended, "event after the terminal event");
-            g.ended |= matches!(e, TaskEvent::Done(_) | TaskEvent::Error { .. });
-            g.bytes += event_bytes(&e);
-            g.events.push(e);
-            g.events.len() as u64 - 1
-        };
-        self.notify.notify_waiters();
-        seq
+        if matches!(e, TaskEvent::Done(_) | TaskEvent::Error { .. }) {
+            self.0.push_last(e)
+        } else {
+            self.0.push(e)
+        }
     }
 
     pub fn len(&self) -> u64 {
-        self.inner.lock().expect("task log").events.len() as u64
+        self.0.range().next
     }
 
     pub fn is_empty(&self) -> bool {
@@ -78,60 +74,36 @@ impl TaskLog {
     }
 
     pub fn is_ended(&self) -> bool {
-        self.inner.lock().expect("task log").ended
+        self.0.is_ended()
     }
 
     pub fn bytes(&self) -> usize {
-        self.inner.lock().expect("task log").bytes
+        self.0.bytes()
     }
 
     /// The last event, if the task has ended.
     pub fn terminal(&self) -> Option<TaskEvent> {
-        let g = self.inner.lock().expect("task log");
-        if g.ended {
-            g.events.last().cloned()
-        } else {
-            None
-        }
+        self.0.last()
     }
 
-    pub fn subscribe(self: &Arc<Self>, from_seq: u64) -> Subscription {
-        Subscription { log: self.clone(), next: from_seq }
+    pub fn subscribe(&self, from_seq: u64) -> Subscription {
+        Subscription(self.0.reader(from_seq))
     }
 }
 
 /// A reader of one task's log.
-pub struct Subscription {
-    log: Arc<TaskLog>,
-    next: u64,
-}
+pub struct Subscription(Reader<TaskEvent>);
 
 impl Subscription {
     /// The next event and its sequence number; `None` after the terminal
     /// event has been returned.
     pub async fn recv(&mut self) -> Option<(u64, TaskEvent)> {
-        loop {
-            let notified = self.log.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            {
-                let g = self.log.inner.lock().expect("task log");
-                if let Some(e) = g.events.get(self.next as usize) {
-                    let seq = self.next;
-                    self.next += 1;
-                    return Some((seq, e.clone()));
-                }
-                if g.ended {
-                    return None;
-                }
-            }
-            notified.await;
-        }
+        self.0.recv().await
     }
 
     /// The sequence number the next `recv` returns.
     pub fn position(&self) -> u64 {
-        self.next
+        self.0.position()
     }
 }
 
@@ -155,26 +127,29 @@ pub struct TaskEntry {
 /// application.
 type OwnerKey = (String, String, String);
 
-#[derive(Default)]
 struct RegistryInner {
     tasks: HashMap<String, Arc<TaskEntry>>,
     by_request: HashMap<OwnerKey, String>,
     by_idempotency: HashMap<OwnerKey, String>,
-    /// Ended tasks, oldest first, with when they ended.
-    ended: VecDeque<(Instant, String)>,
-    ended_bytes: usize,
+    /// Ended tasks by id, with what each costs while kept.
+    ended: EndedQueue<String>,
 }
 
 /// Live and recently ended tasks, by id, request id and idempotency key.
 pub struct Registry {
     inner: Mutex<RegistryInner>,
-    retention: Duration,
-    max_bytes: usize,
 }
 
 impl Registry {
     pub fn new(retention: Duration, max_bytes: usize) -> Registry {
-        Registry { inner: Mutex::new(RegistryInner::default()), retention, max_bytes }
+        Registry {
+            inner: Mutex::new(RegistryInner {
+                tasks: HashMap::new(),
+                by_request: HashMap::new(),
+                by_idempotency: HashMap::new(),
+                ended: EndedQueue::new(retention, max_bytes),
+            }),
+        }
     }
 
     /// Registers a new task, unless a known task of the same owner has the
@@ -249,16 +224,10 @@ impl Registry {
         let mut g = self.inner.lock().expect("registry");
         if let Some(e) = g.tasks.get(task_id) {
             let b = e.log.bytes() + ENTRY_OVERHEAD_BYTES;
-            g.ended_bytes += b;
-            g.ended.push_back((now, task_id.to_string()));
+            g.ended.push(now, task_id.to_string(), b);
         }
-        while let Some((at, id)) = g.ended.front().cloned() {
-            if now.duration_since(at) < self.retention && g.ended_bytes <= self.max_bytes {
-                break;
-            }
-            g.ended.pop_front();
+        while let Some(id) = g.ended.pop_expired(now) {
             if let Some(e) = g.tasks.remove(&id) {
-                g.ended_bytes = g.ended_bytes.saturating_sub(e.log.bytes() + ENTRY_OVERHEAD_BYTES);
                 Self::unindex(&mut g, &e);
             }
         }
@@ -307,5 +276,62 @@ mod tests {
         assert!(late.recv().await.is_some());
         assert!(late.recv().await.is_none());
         assert!(log.is_ended());
+    }
+
+    fn entry(task_id: &str, key: Option<&str>) -> Arc<TaskEntry> {
+        Arc::new(TaskEntry {
+            task_id: task_id.into(),
+            request_id: format!("r-{task_id}"),
+            tenant: "t".into(),
+            application: "a".into(),
+            idempotency_key: key.map(Into::into),
+            prompt_sha256: String::new(),
+            priority: crate::task::Priority::P2,
+            credential: None,
+            log: Arc::new(TaskLog::default()),
+            cancel: CancelHandle::new(tokio_util::sync::CancellationToken::new()),
+        })
+    }
+
+    fn end(r: &Registry, e: &TaskEntry) {
+        e.log.push(TaskEvent::Error {
+            error: crate::error::GatewayError::internal("x"),
+            meta: Box::new(crate::task::ResultMeta::bare("", "", crate::task::TaskState::Failed, "", "")),
+        });
+        r.ended(&e.task_id);
+    }
+
+    #[test]
+    fn ended_tasks_stay_findable_within_the_budget_and_are_forgotten_past_it() {
+        // Room for about two ended tasks.
+        let r = Registry::new(Duration::from_secs(3600), 2 * ENTRY_OVERHEAD_BYTES + 2 * 1000);
+        let (a, b, c) = (entry("a", Some("ka")), entry("b", None), entry("c", None));
+        for e in [&a, &b, &c] {
+            r.insert_or_get(e.clone()).map_err(|_| "duplicate").unwrap();
+        }
+        end(&r, &a);
+        end(&r, &b);
+        assert_eq!(r.len(), 3);
+        assert!(r.by_idempotency_key("t", "a", "ka").is_some());
+        // A live task is never dropped; the third ended one pushes out the
+        // oldest, with its indexes.
+        end(&r, &c);
+        assert_eq!(r.len(), 2);
+        assert!(r.get("a").is_none() && r.by_request("t", "a", "r-a").is_none());
+        assert!(r.by_idempotency_key("t", "a", "ka").is_none());
+        assert!(r.get("b").is_some() && r.get("c").is_some());
+        // The same key is free again for a new task.
+        assert!(r.insert_or_get(entry("a2", Some("ka"))).is_ok());
+    }
+
+    #[test]
+    fn ended_tasks_are_forgotten_after_the_retention() {
+        let r = Registry::new(Duration::ZERO, usize::MAX);
+        let (a, b) = (entry("a", None), entry("b", None));
+        r.insert(a.clone());
+        r.insert(b.clone());
+        end(&r, &a);
+        assert!(r.get("a").is_none());
+        assert_eq!(r.live_where(|_| true).len(), 1);
     }
 }

@@ -1,0 +1,328 @@
+//! The packet rewriting of [`super::protocol::DeviceProtocol`], as pure
+//! functions of the packet and what the connection knows (its version, its
+//! device, whether it was refused): no sockets, no shared state, so each
+//! rule is unit-tested here.
+//!
+//! - **Version detection**: the protocol level of CONNECT picks rumqttd's
+//!   3.1.1 or 5 codec ([`detect_version`]).
+//! - **Mounting**: every topic, filter and will topic of a device goes
+//!   under its private subtree on the way in and comes out of it on the way
+//!   out (the names are [`super::topics`]'s).
+//! - **CONNECT**: `keep_alive = 0` (refused by rumqttd) becomes the longest
+//!   keep-alive; broker-side topic aliases (rumqttd assigns them per filter,
+//!   not per topic) are never enabled; the will is taken out (edgeway
+//!   keeps it, see [`super::wills`]).
+//! - **CONNACK** of a refused CONNECT carries the refusal code (rumqttd
+//!   answered the harmless placeholder that took its place).
+//! - MQTT 5 properties never reach a 3.1.1 device; the MQTT 5 message
+//!   expiry of a request is carried to edgeway as an absolute time
+//!   ([`EXPIRES_AT_PROPERTY`]) instead of letting the router drop the
+//!   message silently.
+//!
+//! Owns: the byte- and packet-level rules. Does not own: authentication
+//! ([`super::auth`]), connection bookkeeping ([`super::connections`]).
+
+use bytes::BytesMut;
+use rumqttd::protocol::{
+    ConnAckProperties, Connect, ConnectProperties, ConnectReturnCode, Error, LastWill, Packet, PublishProperties,
+};
+
+use super::auth::Refusal;
+use super::topics::{mount_filter, mount_topic, unmount};
+
+/// User property that carries a request's MQTT 5 message expiry to edgeway
+/// as unix milliseconds.
+pub const EXPIRES_AT_PROPERTY: &str = "edgeway-expires-at-ms";
+
+/// The MQTT version of a connection, from the protocol level of its
+/// CONNECT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Version {
+    /// Nothing read yet.
+    Unknown,
+    V4,
+    V5,
+}
+
+/// What the first frame of a connection says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Detected {
+    /// MQTT 3.1.1 or 5.
+    Supported(Version),
+    /// MQTT 3.1 ("MQIsdp") or an unknown level: the CONNECT (`frame` bytes)
+    /// is answered with a 3.1.1 refusal.
+    Unsupported { frame: usize },
+}
+
+/// The version of a framed CONNECT at the start of `stream`.
+/// `Err(InsufficientBytes)` until the whole frame is there; any other
+/// error ends the connection (the first packet must be a CONNECT).
+pub fn detect_version(stream: &BytesMut, max_size: usize) -> Result<Detected, Error> {
+    let fh = rumqttd::protocol::v4::check(stream.iter(), max_size)?;
+    if stream[0] >> 4 != 1 {
+        return Err(Error::IncorrectPacketFormat);
+    }
+    let body = &stream[fh.fixed_header_len..fh.frame_length()];
+    if body.len() < 2 {
+        return Err(Error::MalformedPacket);
+    }
+    let name_len = u16::from_be_bytes([body[0], body[1]]) as usize;
+    let level = *body.get(2 + name_len).ok_or(Error::MalformedPacket)?;
+    let is_mqtt = &body[2..2 + name_len] == b"MQTT";
+    Ok(match (is_mqtt, level) {
+        (true, 4) => Detected::Supported(Version::V4),
+        (true, 5) => Detected::Supported(Version::V5),
+        _ => Detected::Unsupported { frame: fh.frame_length() },
+    })
+}
+
+/// The CONNECT rumqttd gets in place of a refused one: a placeholder id
+/// (`@` is not a device id character: no collision with a device), no will,
+/// a clean session.
+pub fn placeholder_connect(placeholder: u64) -> Packet {
+    let connect = Connect { keep_alive: 1, client_id: format!("@refused-{placeholder}"), clean_session: true };
+    Packet::Connect(connect, None, None, None, None)
+}
+
+/// Rewrites an authenticated CONNECT for rumqttd (its client id is set by
+/// the caller); returns the MQTT 5 Session Expiry Interval (0 for 3.1.1).
+pub fn rewrite_connect(connect: &mut Connect, props: &mut Option<ConnectProperties>) -> u32 {
+    if connect.keep_alive == 0 {
+        connect.keep_alive = u16::MAX;
+    }
+    let session_expiry = props.as_ref().and_then(|p| p.session_expiry_interval).unwrap_or(0);
+    if let Some(p) = props.as_mut() {
+        p.topic_alias_max = None;
+    }
+    session_expiry
+}
+
+/// A will with its topic mounted in the device's subtree.
+pub fn mount_will(device: &str, mut will: LastWill) -> LastWill {
+    will.topic = mount_topic(device, &String::from_utf8_lossy(&will.topic)).into();
+    will
+}
+
+/// Device → router, after CONNECT: topics and filters go under the
+/// device's subtree. `shared_prefix` is the device view of the read-only
+/// shared topics; `request_topic` the device view of its request topic
+/// (whose MQTT 5 expiry becomes [`EXPIRES_AT_PROPERTY`]).
+pub fn mount_inbound(device: &str, shared_prefix: &str, request_topic: &str, packet: Packet) -> Result<Packet, Error> {
+    Ok(match packet {
+        Packet::Publish(mut publish, mut props) => {
+            if !publish.topic.is_empty() {
+                let topic = std::str::from_utf8(&publish.topic).map_err(|_| Error::TopicNotUtf8)?;
+                if topic.contains(['+', '#']) {
+                    return Err(Error::MalformedPacket);
+                }
+                if topic == request_topic {
+                    if let Some(p) = props.as_mut() {
+                        expiry_to_property(p, crate::task::now_ms());
+                    }
+                }
+                publish.topic = mount_topic(device, topic).into();
+            }
+            Packet::Publish(publish, props)
+        }
+        Packet::Subscribe(mut sub, props) => {
+            for f in &mut sub.filters {
+                f.path = mount_filter(device, shared_prefix, &f.path);
+            }
+            Packet::Subscribe(sub, props)
+        }
+        Packet::Unsubscribe(mut unsub, props) => {
+            for f in &mut unsub.filters {
+                *f = mount_filter(device, shared_prefix, f);
+            }
+            Packet::Unsubscribe(unsub, props)
+        }
+        other => other,
+    })
+}
+
+/// Router → device. `refused`: the CONNECT was refused (its CONNACK says
+/// why); `device`: the authenticated device, whose topics are unmounted.
+pub fn outbound(
+    version: Version,
+    refused: Option<Refusal>,
+    device: Option<&str>,
+    packet: Packet,
+) -> Result<Packet, Error> {
+    let v5 = version == Version::V5;
+    Ok(match packet {
+        Packet::ConnAck(mut ack, props) => match refused {
+            Some(why) => {
+                ack.session_present = false;
+                ack.code = match (why, v5) {
+                    (Refusal::ClientIdNotValid, _) => ConnectReturnCode::ClientIdentifierNotValid,
+                    (Refusal::BadCredentials, _) => ConnectReturnCode::BadUserNamePassword,
+                    (Refusal::ProtocolVersion, false) => ConnectReturnCode::RefusedProtocolVersion,
+                    (Refusal::ProtocolVersion, true) => ConnectReturnCode::UnsupportedProtocolVersion,
+                };
+                let props = v5
+                    .then(|| ConnAckProperties { reason_string: Some(why.reason().to_string()), ..Default::default() });
+                Packet::ConnAck(ack, props)
+            }
+            None => Packet::ConnAck(ack, if v5 { props } else { None }),
+        },
+        Packet::Publish(mut publish, props) => {
+            let device = device.ok_or(Error::InvalidProtocol)?;
+            let internal = std::str::from_utf8(&publish.topic).map_err(|_| Error::TopicNotUtf8)?;
+            // The mounting rules make this impossible; fail closed.
+            let topic = unmount(device, internal).ok_or(Error::InvalidProtocol)?.to_string();
+            publish.topic = topic.into();
+            let props = if v5 {
+                props.map(|mut p| {
+                    p.topic_alias = None;
+                    p
+                })
+            } else {
+                None
+            };
+            Packet::Publish(publish, props)
+        }
+        other if v5 => other,
+        Packet::PubAck(p, _) => Packet::PubAck(p, None),
+        Packet::SubAck(p, _) => Packet::SubAck(p, None),
+        Packet::UnsubAck(p, _) => Packet::UnsubAck(p, None),
+        Packet::PubRec(p, _) => Packet::PubRec(p, None),
+        Packet::PubRel(p, _) => Packet::PubRel(p, None),
+        Packet::PubComp(p, _) => Packet::PubComp(p, None),
+        Packet::Disconnect(p, _) => Packet::Disconnect(p, None),
+        other => other,
+    })
+}
+
+/// Replaces a relative MQTT 5 message expiry by an absolute one (`now_ms`
+/// plus the interval) in a user property, so that edgeway, not the router,
+/// decides what happens to a stale request.
+pub fn expiry_to_property(p: &mut PublishProperties, now_ms: i64) {
+    if let Some(secs) = p.message_expiry_interval.take() {
+        p.user_properties.retain(|(k, _)| k != EXPIRES_AT_PROPERTY);
+        let at = now_ms + i64::from(secs) * 1000;
+        p.user_properties.push((EXPIRES_AT_PROPERTY.to_string(), at.to_string()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use rumqttd::protocol::{ConnAck, Filter, Publish, QoS, RetainForwardRule, Subscribe};
+
+    use super::*;
+
+    fn frame(name: &[u8], level: u8) -> BytesMut {
+        let mut body = Vec::new();
+        body.extend_from_slice(&(name.len() as u16).to_be_bytes());
+        body.extend_from_slice(name);
+        body.extend_from_slice(&[level, 0x02, 0, 60, 0, 1, b'x']);
+        let mut f = vec![0x10, body.len() as u8];
+        f.extend_from_slice(&body);
+        BytesMut::from(&f[..])
+    }
+
+    #[test]
+    fn the_connect_level_picks_the_version() {
+        assert_eq!(detect_version(&frame(b"MQTT", 4), 1024), Ok(Detected::Supported(Version::V4)));
+        assert_eq!(detect_version(&frame(b"MQTT", 5), 1024), Ok(Detected::Supported(Version::V5)));
+        let f = frame(b"MQIsdp", 3);
+        assert_eq!(detect_version(&f, 1024), Ok(Detected::Unsupported { frame: f.len() }));
+        assert_eq!(detect_version(&frame(b"MQTT", 9), 1024), Ok(Detected::Unsupported { frame: 15 }));
+        // Half a frame: read more. Not a CONNECT: the connection ends.
+        let f = frame(b"MQTT", 4);
+        assert!(matches!(detect_version(&BytesMut::from(&f[..5]), 1024), Err(Error::InsufficientBytes(_))));
+        let mut sub = f.clone();
+        sub[0] = 0x82;
+        assert_eq!(detect_version(&sub, 1024), Err(Error::IncorrectPacketFormat));
+    }
+
+    #[test]
+    fn connect_keep_alive_0_and_topic_aliases_are_rewritten() {
+        let mut c = Connect { keep_alive: 0, client_id: "d".into(), clean_session: true };
+        let mut props = Some(ConnectProperties {
+            session_expiry_interval: Some(30),
+            receive_maximum: None,
+            max_packet_size: None,
+            topic_alias_max: Some(10),
+            request_response_info: None,
+            request_problem_info: None,
+            user_properties: vec![],
+            authentication_method: None,
+            authentication_data: None,
+        });
+        assert_eq!(rewrite_connect(&mut c, &mut props), 30);
+        assert_eq!((c.keep_alive, props.unwrap().topic_alias_max), (u16::MAX, None));
+        let mut c = Connect { keep_alive: 20, client_id: "d".into(), clean_session: true };
+        assert_eq!((rewrite_connect(&mut c, &mut None), c.keep_alive), (0, 20));
+        let will = LastWill { topic: "status".into(), message: Bytes::new(), qos: QoS::AtMostOnce, retain: false };
+        assert_eq!(mount_will("dev1", will).topic, mount_topic("dev1", "status"));
+    }
+
+    #[test]
+    fn inbound_topics_and_filters_are_mounted_and_wildcard_topics_refused() {
+        let publish = |t: &str| Packet::Publish(Publish::new(t.to_string(), "p".to_string(), false), None);
+        let Ok(Packet::Publish(p, _)) = mount_inbound("dev1", "ai/v1/shared/", "ai/v1/dev1/req", publish("a/b")) else {
+            panic!("a publish")
+        };
+        assert_eq!(p.topic, mount_topic("dev1", "a/b").as_bytes());
+        assert_eq!(mount_inbound("dev1", "ai/v1/shared/", "", publish("a/+")), Err(Error::MalformedPacket));
+        let filter = Filter {
+            path: "#".into(),
+            qos: QoS::AtMostOnce,
+            nolocal: false,
+            preserve_retain: false,
+            retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+        };
+        let sub = Subscribe { pkid: 1, filters: vec![filter] };
+        let Ok(Packet::Subscribe(s, _)) = mount_inbound("dev1", "ai/v1/shared/", "", Packet::Subscribe(sub, None))
+        else {
+            panic!("a subscribe")
+        };
+        assert_eq!(s.filters[0].path, mount_filter("dev1", "ai/v1/shared/", "#"));
+    }
+
+    #[test]
+    fn the_expiry_of_a_request_becomes_an_absolute_time() {
+        let mut p = PublishProperties {
+            message_expiry_interval: Some(3),
+            user_properties: vec![(EXPIRES_AT_PROPERTY.into(), "forged".into())],
+            ..Default::default()
+        };
+        expiry_to_property(&mut p, 1_000);
+        assert_eq!(p.message_expiry_interval, None);
+        assert_eq!(p.user_properties, [(EXPIRES_AT_PROPERTY.to_string(), "4000".to_string())]);
+        // Only on the request topic.
+        let props = PublishProperties { message_expiry_interval: Some(3), ..Default::default() };
+        let pkt = Packet::Publish(Publish::new("other", "p", false), Some(props));
+        let Ok(Packet::Publish(_, Some(p))) = mount_inbound("d", "s/", "req", pkt) else { panic!("a publish") };
+        assert_eq!(p.message_expiry_interval, Some(3));
+    }
+
+    #[test]
+    fn outbound_refusals_unmounting_and_3_1_1_properties() {
+        let ack = || Packet::ConnAck(ConnAck { session_present: true, code: ConnectReturnCode::Success }, None);
+        let Ok(Packet::ConnAck(a, None)) = outbound(Version::V4, Some(Refusal::BadCredentials), None, ack()) else {
+            panic!("a 3.1.1 CONNACK")
+        };
+        assert_eq!((a.session_present, a.code), (false, ConnectReturnCode::BadUserNamePassword));
+        let Ok(Packet::ConnAck(a, Some(p))) = outbound(Version::V5, Some(Refusal::ProtocolVersion), None, ack()) else {
+            panic!("a 5 CONNACK")
+        };
+        assert_eq!(a.code, ConnectReturnCode::UnsupportedProtocolVersion);
+        assert_eq!(p.reason_string.as_deref(), Some(Refusal::ProtocolVersion.reason()));
+
+        let props = PublishProperties { topic_alias: Some(3), content_type: Some("x".into()), ..Default::default() };
+        let pkt = || Packet::Publish(Publish::new(mount_topic("dev1", "a/b"), "p".into(), false), Some(props.clone()));
+        let Ok(Packet::Publish(p, None)) = outbound(Version::V4, None, Some("dev1"), pkt()) else {
+            panic!("3.1.1: no properties")
+        };
+        assert_eq!(p.topic, "a/b".as_bytes());
+        let Ok(Packet::Publish(_, Some(p))) = outbound(Version::V5, None, Some("dev1"), pkt()) else {
+            panic!("5: properties")
+        };
+        assert_eq!((p.topic_alias, p.content_type.as_deref()), (None, Some("x")));
+        // Another device's topic never leaves: fail closed.
+        assert_eq!(outbound(Version::V5, None, Some("dev2"), pkt()), Err(Error::InvalidProtocol));
+        assert_eq!(outbound(Version::V5, None, None, pkt()), Err(Error::InvalidProtocol));
+    }
+}
