@@ -535,6 +535,29 @@ async fn an_idempotent_repeat_joins_the_first_task_and_never_runs_twice() {
     gw.stop().await;
 }
 
+/// Many first calls with one key at the same instant (a device's retry
+/// storm): whichever way each is found (the gateway's look-up, or the
+/// scheduler's atomic insert when two pass the look-up together), they are
+/// one task and one inference.
+#[tokio::test]
+async fn simultaneous_first_calls_with_one_key_are_one_task() {
+    let (fake, gw) = gateway_with(Knobs::slow(4, 20), "").await;
+    let mut body = chat_body(false);
+    body["idempotency_key"] = json!("storm-1");
+    let calls = (0..8).map(|_| post_chat(&gw, DEMO_KEY, &body));
+    let answers = futures::future::join_all(calls).await;
+    let mut ids = std::collections::HashSet::new();
+    for a in answers {
+        assert_eq!(a.status(), 200);
+        let v: Value = a.json().await.unwrap();
+        assert_eq!(v["edge"]["status"], "SUCCEEDED", "{v}");
+        ids.insert(v["edge"]["task_id"].as_str().unwrap().to_string());
+    }
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(fake.stats.requests.load(SeqCst), 1, "one inference");
+    gw.stop().await;
+}
+
 #[tokio::test]
 async fn an_engine_that_keeps_running_a_cancelled_request_is_taken_out_of_dispatch() {
     let knobs =

@@ -4,16 +4,18 @@
 //! different prompt is refused. Every ingress goes through this one check
 //! (MQTT derives its keys from the device and the request id).
 //!
-//! Owns: the lookup order (live registry, then store), the prompt
-//! comparison, remembering and forgetting a key in the store. Does not own:
-//! the atomic insert that makes two racing first calls one task (the
-//! scheduler's registry does that under its lock).
+//! Owns: the lookup order (live registry, then store), the judgement of a
+//! repeat (same prompt joins, another prompt is refused), remembering and
+//! forgetting a key in the store. Does not own: the atomic insert that makes
+//! two racing first calls one task (the scheduler's registry does that under
+//! its lock, and hands the task it found back here to be judged).
 
 use crate::error::{ErrorCode, GatewayError};
 use crate::store::{IdempotentRecord, StoredRequest};
 use crate::task::{ResultMeta, TaskEvent, TaskRequest, TaskState};
 
 use super::{Gateway, TaskStream};
+use crate::scheduler::registry::TaskEntry;
 
 fn reused() -> GatewayError {
     GatewayError::invalid("this idempotency key was already used for a different request")
@@ -26,10 +28,7 @@ impl Gateway {
         let Some(key) = &req.idempotency_key else { return Ok(None) };
         let id = &req.identity;
         if let Some(existing) = self.scheduler.find_by_idempotency_key(&id.tenant, &id.application, key) {
-            if existing.prompt_sha256 != req.prompt_sha256 {
-                return Err(reused());
-            }
-            if let Some(s) = self.scheduler.attach(&existing.task_id, 0) {
+            if let Some(s) = self.join_repeat(&existing, req)? {
                 return Ok(Some(s));
             }
         }
@@ -46,6 +45,20 @@ impl Gateway {
             return Ok(Some(s));
         }
         Ok(Some(self.replay_stored(rec)))
+    }
+
+    /// A repeat of the live task `existing` (same key): joins it from its
+    /// first event if the prompt is the same, is refused if not; `None` once
+    /// the task is no longer live here.
+    pub(super) fn join_repeat(
+        &self,
+        existing: &TaskEntry,
+        req: &TaskRequest,
+    ) -> Result<Option<TaskStream>, GatewayError> {
+        if existing.prompt_sha256 != req.prompt_sha256 {
+            return Err(reused());
+        }
+        Ok(self.scheduler.attach(&existing.task_id, 0))
     }
 
     /// Keeps the key (and what is needed to run the request again after a

@@ -41,6 +41,7 @@ pub use crate::admission::request::RequestTimeouts;
 /// (MQTT devices may present a JWT).
 pub use crate::admission::Authenticator;
 pub use crate::admission::ChatRequestBody;
+use crate::scheduler::Submitted;
 pub use crate::scheduler::{CancelHandle, TaskStream};
 pub use readiness::{ModelReadiness, Readiness};
 pub use tasks::{CancelOutcome, LiveTask, RequestCancel, TaskLookup, TaskView};
@@ -220,13 +221,31 @@ impl Gateway {
         self.remember_key(&req);
         let meta_req = req.clone();
         match self.scheduler.submit(req).await {
-            Ok(s) if s.joined => {
-                // Lost a race with an identical retry: this call is that task.
-                let why = format!("idempotent repeat of task {}", s.task_id);
+            Ok(Submitted::New(s)) => Ok(s),
+            Ok(Submitted::Known(existing)) => {
+                // Lost a race with a retry of the same key: judged as any
+                // repeat, and this call's own record ends here.
+                let joined = self.join_repeat(&existing, &meta_req);
+                let why = match &joined {
+                    Ok(_) => format!("idempotent repeat of task {}", existing.task_id),
+                    Err(e) => e.code.as_str().to_string(),
+                };
                 self.recorder.transition(&meta_req, TaskState::Rejected, &why, None, "gateway");
-                Ok(s)
+                match joined {
+                    Ok(Some(s)) => Ok(s),
+                    // Ended and forgotten between the two looks: the store
+                    // has its outcome.
+                    Ok(None) => match self.known_repeat(&meta_req).await {
+                        Ok(Some(s)) => Ok(s),
+                        Ok(None) => Err(self.refused(ingress, GatewayError::internal("the repeated task vanished"))),
+                        Err(e) => Err(self.refused(ingress, e)),
+                    },
+                    Err(e) => {
+                        self.forget_key(&meta_req);
+                        Err(self.refused(ingress, e))
+                    }
+                }
             }
-            Ok(s) => Ok(s),
             Err(e) => {
                 self.recorder.transition(&meta_req, TaskState::Rejected, e.code.as_str(), None, "scheduler");
                 self.forget_key(&meta_req);

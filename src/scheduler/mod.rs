@@ -134,6 +134,15 @@ impl Drop for TaskStream {
     }
 }
 
+/// What [`SchedulerHandle::submit`] did with a task.
+pub enum Submitted {
+    /// Queued: its events, starting with `Accepted`.
+    New(TaskStream),
+    /// Not queued: a known task has the same idempotency key (same tenant
+    /// and application).
+    Known(Arc<TaskEntry>),
+}
+
 /// What a waiting task's driver receives: a slot, or the reason it will
 /// never get one.
 type SlotGrant = Result<SlotLease, GatewayError>;
@@ -321,18 +330,26 @@ impl SchedulerHandle {
     /// events (starting with `Accepted`).
     ///
     /// A task whose idempotency key (per tenant and application) is already
-    /// known is not started again: the stream joins the existing task from
-    /// its first event (`joined` is true).
-    pub async fn submit(&self, req: TaskRequest) -> Result<TaskStream, GatewayError> {
+    /// known is not started again: the known task is handed back
+    /// ([`Submitted::Known`]) for the gateway to judge, as it judges every
+    /// repeat. The check and the insert are one step under the registry's
+    /// lock, so two racing first calls start one task.
+    pub async fn submit(&self, req: TaskRequest) -> Result<Submitted, GatewayError> {
         self.submit_with(req, "admitted").await
     }
 
     /// Queues a task again that was waiting when the gateway stopped (see
     /// `gateway::recover`). Nobody holds its stream until a client attaches.
     pub async fn resubmit(&self, req: TaskRequest) -> Result<(), GatewayError> {
-        let mut s = self.submit_with(req, "re-queued after a gateway restart").await?;
-        s.detach();
-        Ok(())
+        match self.submit_with(req, "re-queued after a gateway restart").await? {
+            Submitted::New(mut s) => {
+                s.detach();
+                Ok(())
+            }
+            Submitted::Known(e) => {
+                Err(GatewayError::invalid(format!("its idempotency key belongs to task {} already", e.task_id)))
+            }
+        }
     }
 
     /// A stream that replays a finished task's outcome (from the store,
@@ -353,7 +370,7 @@ impl SchedulerHandle {
         }
     }
 
-    async fn submit_with(&self, req: TaskRequest, queued_reason: &'static str) -> Result<TaskStream, GatewayError> {
+    async fn submit_with(&self, req: TaskRequest, queued_reason: &'static str) -> Result<Submitted, GatewayError> {
         let cancel = CancelHandle::new(self.shared.shutdown.child_token());
         let log = Arc::new(TaskLog::default());
         let entry = Arc::new(TaskEntry {
@@ -369,10 +386,7 @@ impl SchedulerHandle {
             cancel: cancel.clone(),
         });
         if let Err(existing) = self.shared.registry.insert_or_get(entry) {
-            if existing.prompt_sha256 != req.prompt_sha256 {
-                return Err(GatewayError::invalid("this idempotency key was already used for a different request"));
-            }
-            return Ok(Self::join(&existing, 0));
+            return Ok(Submitted::Known(existing));
         }
 
         let (grant_tx, grant_rx) = oneshot::channel();
@@ -433,7 +447,7 @@ impl SchedulerHandle {
         };
         d.accept();
         self.shared.tracker.spawn(d.run(grant_rx));
-        Ok(stream)
+        Ok(Submitted::New(stream))
     }
 
     /// Attaches to a known task from event `from_seq` on, without owning it
