@@ -346,8 +346,8 @@ async fn on_disconnect_continue_cancels_only_after_the_grace_period() {
     let mut lifecycle = gw.recorder().subscribe();
     let mut d = device(addr, V::V4, D1).await;
     d.subscribe(&d.topic("res/#")).await;
-    let mut req = request("drop-continue");
-    req["on_disconnect"] = json!("continue");
+    // No `on_disconnect` field: `continue` is the default.
+    let req = request("drop-continue");
     d.publish(&d.topic("req"), req.to_string()).await;
     let accepted = d.msg().await.json();
     let _delta = d.msg().await;

@@ -173,3 +173,40 @@ async fn a_p0_task_overtakes_a_p4_backlog_when_a_slot_frees() {
     assert_eq!(t["status"], "SUCCEEDED", "{t}");
     gw.stop().await;
 }
+
+/// A caller that goes away while its call is being queued (the submit
+/// future dropped at its one wait, for the scheduler's answer) leaves
+/// nothing behind: its record ends REJECTED, nothing waits in a queue, the
+/// registry has forgotten it, and the engine never sees it.
+#[tokio::test]
+async fn a_submit_dropped_while_queueing_leaves_nothing_behind() {
+    use edgeway::gateway::{Caller, SubmitOptions};
+    use edgeway::task::Ingress;
+    let (fake, gw) = setup(Knobs::default()).await;
+    let body = serde_json::json!({
+        "model": "general-chat",
+        "request_id": "gone-1",
+        "messages": [{"role": "user", "content": "hi"}],
+    });
+    let bytes = serde_json::to_vec(&body).unwrap();
+    let mut lifecycle = gw.recorder().subscribe();
+    {
+        let submit =
+            gw.gateway().submit(Caller::Credential(Some(DEMO_KEY)), &bytes, Ingress::Http, SubmitOptions::default());
+        tokio::pin!(submit);
+        // The test runtime has one thread: the scheduler's actor cannot
+        // answer during this poll, so the call stops at that wait.
+        assert!(futures::poll!(&mut submit).is_pending());
+    }
+    let end =
+        next_event(&mut lifecycle, "the dropped call's end", |e| e.request_id == "gone-1" && e.state.is_terminal())
+            .await;
+    assert_eq!(end.state, TaskState::Rejected);
+    assert!(end.reason.contains("went away"), "{}", end.reason);
+    let snapshot = gw.scheduler().snapshot().await.unwrap();
+    assert!(snapshot.queues.iter().all(|q| q.waiting == 0), "{snapshot:?}");
+    assert!(snapshot.instances.iter().all(|i| i.running == 0), "{snapshot:?}");
+    assert!(gw.scheduler().find_by_request("demo", "demo", "gone-1").is_none());
+    assert_eq!(fake.stats.requests.load(SeqCst), 0);
+    gw.stop().await;
+}

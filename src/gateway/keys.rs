@@ -2,7 +2,7 @@
 //! after a restart (recorded in the store), and every task the key
 //! submitted is cancelled. Reinstating accepts the key again.
 //!
-//! Owns: the admin check (the one place it is made), the body
+//! Owns: the admin check for key revocation, the body
 //! `{"api_key_sha256": "<hex>"}` or `{"api_key": "<key>"}`, and the rules
 //! that an admin acts only within its tenant and never on its own key.
 //! Does not own: the key table (admission) or cancelling (scheduler).

@@ -5,9 +5,10 @@
 //!
 //! Owns, each done once and only here: authentication of a credential,
 //! parsing and admission of the shared request JSON, idempotency
-//! ([`idempotency`]), the ownership check of a task ([`tasks`]), counting
-//! calls in `edgeway_requests_total`, key revocation ([`keys`]), the
-//! readiness view ([`readiness`]) and crash recovery ([`recovery`]).
+//! (`idempotency.rs`), the ownership check of a task (`tasks.rs`), counting
+//! refused calls in `edgeway_requests_total` (admitted tasks are counted by
+//! the scheduler's driver when they end), key revocation (`keys.rs`), the
+//! readiness view (`readiness.rs`) and crash recovery (`recovery.rs`).
 //!
 //! Does not own: any protocol (no HTTP, MQTT or NATS type appears here: the
 //! bus state reaches `/ready` through [`BusStatus`]), building the
@@ -30,7 +31,7 @@ use crate::config::Config;
 use crate::error::GatewayError;
 use crate::scheduler::SchedulerHandle;
 use crate::store::Store;
-use crate::task::{Identity, Ingress, TaskState};
+use crate::task::{Identity, Ingress, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::{LifecycleEvent, Recorder};
 use crate::telemetry::Metrics;
 
@@ -81,10 +82,6 @@ pub struct Call {
 }
 
 impl Call {
-    pub fn identity(&self) -> &Identity {
-        &self.identity
-    }
-
     pub fn body(&self) -> &ChatRequestBody {
         &self.body
     }
@@ -158,8 +155,8 @@ impl Gateway {
         self.recorder.subscribe()
     }
 
-    /// Who a credential (API key or JWT) belongs to. Not counted: only
-    /// submissions are calls in `edgeway_requests_total`.
+    /// Who a credential (API key or JWT) belongs to. Not counted here: a
+    /// refusal is counted by whoever refuses the call it came with.
     pub fn authenticate(&self, credential: Option<&str>) -> Result<Identity, GatewayError> {
         self.auth.authenticate(credential)
     }
@@ -202,6 +199,10 @@ impl Gateway {
     /// The second half of [`Gateway::submit`]: admission, idempotency and
     /// queueing. A refusal is counted, and recorded in the store, here; an
     /// ingress never counts it again.
+    ///
+    /// # Cancel safety
+    /// Dropping the future (an HTTP client gone mid-call) before it answers
+    /// ends the call's record REJECTED and leaves no queued task behind.
     pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
         let Call { identity, body, ingress, request_id_hint } = call;
         let model = body.model.clone();
@@ -220,7 +221,10 @@ impl Gateway {
         self.recorder.transition(&req, TaskState::Validating, "admitted", None, "gateway");
         self.remember_key(&req);
         let meta_req = req.clone();
-        match self.scheduler.submit(req).await {
+        let mut unqueued = Unqueued { gw: self, req: &meta_req, armed: true };
+        let submitted = self.scheduler.submit(req).await;
+        unqueued.armed = false;
+        match submitted {
             Ok(Submitted::New(s)) => Ok(s),
             Ok(Submitted::Known(existing)) => {
                 // Lost a race with a retry of the same key: judged as any
@@ -261,5 +265,25 @@ impl Gateway {
     pub fn refused(&self, ingress: Ingress, e: GatewayError) -> GatewayError {
         self.metrics.requests.with_label_values(&[ingress.as_str(), e.code.as_str()]).inc();
         e
+    }
+}
+
+/// Ends the record of a call whose caller went away (its future was
+/// dropped) while the scheduler was queueing it: REJECTED, so that no task
+/// is left VALIDATING, and its idempotency key is free again. The scheduler
+/// undoes its own part (see `SchedulerHandle::submit`).
+struct Unqueued<'a> {
+    gw: &'a Gateway,
+    req: &'a TaskRequest,
+    armed: bool,
+}
+
+impl Drop for Unqueued<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let why = "the caller went away before the task was queued";
+            self.gw.recorder.transition(self.req, TaskState::Rejected, why, None, "client");
+            self.gw.forget_key(self.req);
+        }
     }
 }

@@ -58,7 +58,7 @@ pub enum TaskLookup {
     Live(LiveTask),
 }
 
-/// What a cancel by request id did (the message ingresses' cancel).
+/// What a cancel by request id did (NATS `ai.v1.cancel`).
 #[derive(Debug, Clone)]
 pub struct RequestCancel {
     pub task_id: String,

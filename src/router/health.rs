@@ -76,7 +76,7 @@ pub(super) async fn probe_loop(
             }
             up = Some(now_up);
             metrics.engine_up.with_label_values(&[engine.name()]).set(i64::from(now_up));
-            sink(InstanceEvent::Health { instance: index, up: now_up });
+            sink(InstanceEvent::Health { instance: index, up: now_up, detail: h.detail.clone() });
         }
     }
 }
@@ -119,7 +119,10 @@ mod tests {
         let (seen, loads) = (events.clone(), Arc::new(AtomicUsize::new(0)));
         let loads_seen = loads.clone();
         let sink: InstanceSink = Arc::new(move |e| match e {
-            InstanceEvent::Health { up, .. } => seen.lock().unwrap().push(up),
+            InstanceEvent::Health { up, detail, .. } => {
+                assert!(detail.starts_with("probe "), "{detail}");
+                seen.lock().unwrap().push(up)
+            }
             InstanceEvent::Load { load, .. } => {
                 assert_eq!(load.busy_slots, Some(1));
                 loads_seen.fetch_add(1, Ordering::SeqCst);

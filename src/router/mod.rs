@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::engine::{self, Engine, EngineError, EngineLoad};
+use crate::engine::{self, Engine, EngineLoad};
 use crate::telemetry::Metrics;
 
 pub use dispatch::DispatchError;
@@ -59,8 +59,9 @@ pub struct InstanceHealth {
 /// [`Router::start_probes`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum InstanceEvent {
-    /// The instance went up or down (only changes are sent).
-    Health { instance: usize, up: bool },
+    /// The instance went up or down (only changes are sent), with the
+    /// probe's detail.
+    Health { instance: usize, up: bool, detail: String },
     /// What a healthy engine said about itself at a probe: its load and,
     /// where it tells, whether its model is in memory.
     Load { instance: usize, load: EngineLoad, model_resident: Option<bool> },
@@ -80,11 +81,10 @@ pub struct Router {
 impl Router {
     /// Builds an adapter for every configured engine, in the config's
     /// order (an instance's index is its position there).
-    pub fn from_config(config: &Config) -> Result<Router, EngineError> {
+    pub fn from_config(config: &Config) -> anyhow::Result<Router> {
         let mut instances = Vec::with_capacity(config.engines.len());
         for e in config.engines.values() {
-            let adapter =
-                engine::build(e).map_err(|err| EngineError::Unreachable(format!("engine {}: {err}", e.name)))?;
+            let adapter = engine::build(e).map_err(|err| anyhow::anyhow!("engine {}: {err}", e.name))?;
             instances.push(Instance {
                 name: e.name.clone(),
                 engine: adapter,

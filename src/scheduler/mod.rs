@@ -143,6 +143,25 @@ pub enum Submitted {
     Known(Arc<TaskEntry>),
 }
 
+/// Undoes a submit whose caller went away before the actor answered: the
+/// registry forgets the task and the actor withdraws it (the Withdraw
+/// follows the Enqueue on the same channel; a grant already made finds its
+/// receiver gone and frees the slot).
+struct Unqueued<'a> {
+    handle: &'a SchedulerHandle,
+    /// `None` once the actor has answered.
+    task_id: Option<String>,
+}
+
+impl Drop for Unqueued<'_> {
+    fn drop(&mut self) {
+        if let Some(task_id) = self.task_id.take() {
+            self.handle.shared.registry.remove(&task_id);
+            let _ = self.handle.tx.send(Cmd::Withdraw { task_id });
+        }
+    }
+}
+
 /// What a waiting task's driver receives: a slot, or the reason it will
 /// never get one.
 type SlotGrant = Result<SlotLease, GatewayError>;
@@ -167,6 +186,7 @@ enum Cmd {
     Health {
         instance: usize,
         up: bool,
+        detail: String,
     },
     Danger {
         reason: Option<String>,
@@ -298,7 +318,7 @@ pub fn start(
     });
     let actor = Actor {
         model_index: config.models.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect(),
-        pause_details: instances.iter().map(|_| None).collect(),
+        details: instances.iter().map(|_| "not checked yet".to_string()).collect(),
         router: router.clone(),
         policy,
         grants: HashMap::new(),
@@ -314,7 +334,7 @@ pub fn start(
     let probe_tx = tx.clone();
     let sink = Arc::new(move |e: InstanceEvent| {
         let _ = probe_tx.send(match e {
-            InstanceEvent::Health { instance, up } => Cmd::Health { instance, up },
+            InstanceEvent::Health { instance, up, detail } => Cmd::Health { instance, up, detail },
             InstanceEvent::Load { instance, load, model_resident } => {
                 Cmd::EngineState { instance, load, model_resident }
             }
@@ -334,6 +354,11 @@ impl SchedulerHandle {
     /// ([`Submitted::Known`]) for the gateway to judge, as it judges every
     /// repeat. The check and the insert are one step under the registry's
     /// lock, so two racing first calls start one task.
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it answers leaves nothing behind: the
+    /// task leaves the registry and is withdrawn from its queue (its driver
+    /// never starts, so nothing is recorded past what the caller recorded).
     pub async fn submit(&self, req: TaskRequest) -> Result<Submitted, GatewayError> {
         self.submit_with(req, "admitted").await
     }
@@ -388,6 +413,7 @@ impl SchedulerHandle {
         if let Err(existing) = self.shared.registry.insert_or_get(entry) {
             return Ok(Submitted::Known(existing));
         }
+        let mut unqueued = Unqueued { handle: self, task_id: Some(req.task_id.clone()) };
 
         let (grant_tx, grant_rx) = oneshot::channel();
         let (reply_tx, reply_rx) = oneshot::channel();
@@ -410,6 +436,7 @@ impl SchedulerHandle {
             Ok(()) => reply_rx.await.map_err(|_| closed()).and_then(|r| r),
             Err(_) => Err(closed()),
         };
+        unqueued.task_id = None;
         let admission = match queued {
             Ok(a) => a,
             Err(e) => {
@@ -531,10 +558,10 @@ struct Waiter {
 
 struct Actor {
     router: Arc<Router>,
-    /// Why an instance is out of dispatch while the scheduler holds it
-    /// there (a cancelled request the engine did not stop); shown instead of
-    /// the probe's detail.
-    pause_details: Vec<Option<String>>,
+    /// What `/ready` says of each instance: the probe's detail with the
+    /// verdict it came with, or why the scheduler holds the instance out
+    /// of dispatch (a cancelled request the engine did not stop).
+    details: Vec<String>,
     policy: Policy,
     model_index: HashMap<String, usize>,
     /// Waiting tasks, by id.
@@ -606,8 +633,11 @@ impl Actor {
                     self.metrics.running.with_label_values(&[&self.router.instance(i).name]).dec();
                 }
             }
-            Cmd::Health { instance, up } => {
+            Cmd::Health { instance, up, detail } => {
                 self.policy.set_instance_up(instance, up);
+                if !self.policy.instance_paused(instance) {
+                    self.details[instance] = detail;
+                }
                 if !up {
                     self.fail_stranded();
                 }
@@ -617,8 +647,8 @@ impl Actor {
                 if busy > ours && !self.policy.instance_paused(instance) {
                     let name = &self.router.instance(instance).name;
                     tracing::warn!(engine = %name, busy, ours, "engine did not stop a cancelled request within the grace period; out of dispatch until it does");
-                    self.pause_details[instance] =
-                        Some(format!("still running {busy} generation(s) for {ours} task(s) after a cancel"));
+                    self.details[instance] =
+                        format!("still running {busy} generation(s) for {ours} task(s) after a cancel");
                     self.policy.set_instance_paused(instance, true);
                 }
             }
@@ -627,7 +657,7 @@ impl Actor {
                 if let Some(busy) = load.busy_slots {
                     if self.policy.instance_paused(instance) && busy <= self.policy.running_on(instance) {
                         tracing::info!(engine = %name, "engine stopped the cancelled work; back in dispatch");
-                        self.pause_details[instance] = None;
+                        self.details[instance] = "ok".into();
                         self.policy.set_instance_paused(instance, false);
                     }
                 }
@@ -740,7 +770,7 @@ impl Actor {
                 .map(|(i, inst)| InstanceSnapshot {
                     name: inst.name.clone(),
                     up: self.policy.instance_dispatchable(i),
-                    detail: self.pause_details[i].clone().unwrap_or_else(|| self.router.health(i).detail),
+                    detail: self.details[i].clone(),
                     running: self.policy.running_on(i),
                     max_concurrency: inst.max_concurrency,
                     kv_cache_usage: self.policy.kv_cache_usage(i),

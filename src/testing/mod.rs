@@ -82,16 +82,17 @@ pub struct TestGateway {
 
 /// A directory (named `{prefix}…` in the system's temp dir) removed on
 /// drop. Its path is `.0`; the second field is the `tempfile` guard.
-pub struct TempDir(pub PathBuf, tempfile::TempDir);
+pub struct TempDir(
+    pub PathBuf,
+    /// Held for its `Drop`, which removes the directory.
+    #[allow(dead_code)]
+    tempfile::TempDir,
+);
 
 impl TempDir {
     pub fn new(prefix: &str) -> TempDir {
         let dir = tempfile::Builder::new().prefix(&format!("{prefix}-")).tempdir().expect("create temp dir");
         TempDir(dir.path().to_path_buf(), dir)
-    }
-
-    pub fn path(&self) -> &std::path::Path {
-        self.1.path()
     }
 }
 

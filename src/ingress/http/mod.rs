@@ -2,8 +2,8 @@
 //! operational endpoints.
 //!
 //! Owns: routes, the OpenAI wire format (chunks, SSE, error bodies), where
-//! HTTP carries a credential ([`caller`]), the mapping of errors to
-//! responses ([`errors`]) and client disconnects (dropping a response drops
+//! HTTP carries a credential (`caller.rs`), the mapping of errors to
+//! responses (`errors.rs`) and client disconnects (dropping a response drops
 //! its task stream, which cancels the task). Does not own: authentication,
 //! validation, ownership of tasks or scheduling (the gateway facade).
 
