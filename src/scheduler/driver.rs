@@ -25,7 +25,7 @@ pub(super) struct Driver {
     pub req: TaskRequest,
     pub shared: Arc<Shared>,
     pub tx: mpsc::UnboundedSender<Cmd>,
-    pub log: Arc<TaskLog>,
+    pub log: TaskLog,
     pub cancel: CancelHandle,
     /// Keep the answer text (for the store's data policy or idempotent
     /// replays after a restart).

@@ -174,7 +174,7 @@ enum Cmd {
         grant: oneshot::Sender<SlotGrant>,
         reply: oneshot::Sender<Result<Admission, GatewayError>>,
         /// Where its `queued` position updates go.
-        log: Arc<TaskLog>,
+        log: TaskLog,
     },
     Withdraw {
         task_id: String,
@@ -380,7 +380,7 @@ impl SchedulerHandle {
     /// A stream that replays a finished task's outcome (from the store,
     /// after its live events are gone).
     pub fn replay(&self, task_id: &str, request_id: &str, events: Vec<TaskEvent>) -> TaskStream {
-        let log = Arc::new(TaskLog::default());
+        let log = TaskLog::default();
         for e in events {
             log.push(e);
         }
@@ -397,7 +397,7 @@ impl SchedulerHandle {
 
     async fn submit_with(&self, req: TaskRequest, queued_reason: &'static str) -> Result<Submitted, GatewayError> {
         let cancel = CancelHandle::new(self.shared.shutdown.child_token());
-        let log = Arc::new(TaskLog::default());
+        let log = TaskLog::default();
         let entry = Arc::new(TaskEntry {
             task_id: req.task_id.clone(),
             request_id: req.request_id.clone(),
@@ -551,7 +551,7 @@ struct Waiter {
     /// Model index and priority: the queue-depth metric's labels.
     model: usize,
     priority: Priority,
-    log: Arc<TaskLog>,
+    log: TaskLog,
     /// The position the task was last told.
     position: usize,
 }

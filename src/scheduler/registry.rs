@@ -27,6 +27,8 @@ use crate::task::TaskEvent;
 
 /// The events of one task, in order; `Done` or `Error` ends it. Kept whole
 /// (no budget of its own): the registry bounds ended logs as a whole.
+/// Clones share the log (one allocation per task, however many hold it).
+#[derive(Clone)]
 pub struct TaskLog(Arc<RetainedLog<TaskEvent>>);
 
 impl Default for TaskLog {
@@ -119,7 +121,7 @@ pub struct TaskEntry {
     pub priority: crate::task::Priority,
     /// Digest of the API key that submitted it.
     pub credential: Option<[u8; 32]>,
-    pub log: Arc<TaskLog>,
+    pub log: TaskLog,
     pub cancel: CancelHandle,
 }
 
@@ -254,7 +256,7 @@ mod tests {
 
     #[tokio::test]
     async fn late_subscribers_replay_then_follow_the_live_tail() {
-        let log = Arc::new(TaskLog::default());
+        let log = TaskLog::default();
         log.push(TaskEvent::Delta { text: "a".into() });
         let mut early = log.subscribe(0);
         let mut late = log.subscribe(1);
@@ -288,7 +290,7 @@ mod tests {
             prompt_sha256: String::new(),
             priority: crate::task::Priority::P2,
             credential: None,
-            log: Arc::new(TaskLog::default()),
+            log: TaskLog::default(),
             cancel: CancelHandle::new(tokio_util::sync::CancellationToken::new()),
         })
     }
