@@ -112,6 +112,8 @@ impl Recorder {
             if legal {
                 if to.is_terminal() {
                     live.remove(task_id);
+                } else if let Some(state) = live.get_mut(task_id) {
+                    *state = to;
                 } else {
                     live.insert(task_id.to_string(), to);
                 }
