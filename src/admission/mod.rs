@@ -2,7 +2,7 @@
 //!
 //! Owns: authentication ([`auth`]), parsing the shared request JSON (OpenAI
 //! chat fields plus edge fields, the same on every ingress) and turning it
-//! into a validated [`TaskRequest`]: priority rights, model lookup, context
+//! into a validated [`crate::task::TaskRequest`]: priority rights, model lookup, context
 //! budget, timeouts; and [`gpu_watch`], which closes admission and cancels
 //! work while the GPU is in its danger zone. Does not own: queueing and
 //! capacity (scheduler).

@@ -1,9 +1,9 @@
 //! The router: from a granted slot to a running engine request.
 //!
 //! Owns: the engine instances (their adapters, as built from the config) and
-//! their state as the health probes see it ([`health`]); the choice of
+//! their state as the health probes see it (`health.rs`); the choice of
 //! instance for a task ([`pick`], called by the scheduler's policy); and
-//! dispatch ([`dispatch`]): opening the engine stream, sending a request
+//! dispatch (`dispatch.rs`): opening the engine stream, sending a request
 //! once more when its connection broke before any answer, and turning an
 //! engine's failure into the public error code a client sees. Circuit
 //! breakers and residency join the instance state here.

@@ -1,9 +1,9 @@
 //! The scheduler: the one owner of queues and engine slots.
 //!
-//! It is an actor ([`run`]) fed by [`Cmd`] messages through a
+//! It is an actor (`Actor::run`) fed by `Cmd` messages through a
 //! [`SchedulerHandle`]. Ingresses submit a [`TaskRequest`] and get a
 //! [`TaskStream`] of events; they never touch queues. Each accepted task is
-//! carried by its own driver task ([`driver`]) that waits for a slot, runs
+//! carried by its own driver task (`driver.rs`) that waits for a slot, runs
 //! the engine request under the layered timeouts and reports the events.
 //!
 //! Owns: the per-model bounded queues (priority, then arrival), the slots of

@@ -6,8 +6,8 @@
 //! answer through a oneshot.
 //!
 //! The task and transition tables are here; each other table has its own
-//! file: [`idempotency`] keys, [`pending_requests`] (to re-queue after a
-//! crash) and [`revoked_keys`].
+//! file: `idempotency.rs` (keys), `pending_requests.rs` (to re-queue after
+//! a crash) and `revoked_keys.rs`.
 //!
 //! Does not own: the decisions recorded (scheduler), prompt policy (the
 //! caller decides whether text is passed in at all) or metrics: it counts
