@@ -81,19 +81,11 @@ mod tests {
 
     use super::*;
     use crate::engine::EngineChunk;
-    use crate::router::test_engine::Scripted;
-    use crate::router::Instance;
+    use crate::router::test_engine::{self, Scripted};
     use crate::task::SamplingParams;
 
     fn router(engine: Arc<Scripted>) -> Router {
-        Router::new(vec![Instance {
-            name: "scripted".into(),
-            engine,
-            engine_model: "m".into(),
-            max_concurrency: 1,
-            exclusive: true,
-            health_interval: Duration::from_secs(3600),
-        }])
+        test_engine::router(engine, Duration::from_secs(3600))
     }
 
     fn request() -> EngineRequest {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use super::{InstanceEvent, InstanceHealth, InstanceSink, Router};
+use super::{InstanceEvent, InstanceSink, Router};
 use crate::telemetry::Metrics;
 
 /// Consecutive failed probes before an instance is marked down. One success
@@ -68,7 +68,6 @@ pub(super) async fn probe_loop(
             !(failures >= FAILURES_TO_DOWN || up.is_none())
         };
         if up != Some(now_up) {
-            router.set_health(index, InstanceHealth { up: Some(now_up), detail: h.detail.clone() });
             if now_up {
                 tracing::info!(engine = engine.name(), "engine instance is up");
             } else {
@@ -76,7 +75,7 @@ pub(super) async fn probe_loop(
             }
             up = Some(now_up);
             metrics.engine_up.with_label_values(&[engine.name()]).set(i64::from(now_up));
-            sink(InstanceEvent::Health { instance: index, up: now_up, detail: h.detail.clone() });
+            sink(InstanceEvent::Health { instance: index, up: now_up, detail: h.detail });
         }
     }
 }
@@ -99,37 +98,27 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::router::test_engine::Scripted;
-    use crate::router::Instance;
+    use crate::router::test_engine::{router, Scripted};
 
-    /// Runs the probe over `ups` and returns the health events it sent and
-    /// the router's view at the end.
-    async fn probe(ups: Vec<bool>) -> (Vec<bool>, InstanceHealth, usize) {
+    /// Runs the probe over `ups` and returns the verdicts it sent (up or
+    /// down, with the detail of the probe that decided) and how many load
+    /// reports it passed on.
+    async fn probe(ups: Vec<bool>) -> (Vec<(bool, String)>, usize) {
         let n = ups.len();
         let engine = Arc::new(Scripted::probes(ups));
-        let router = Arc::new(Router::new(vec![Instance {
-            name: "scripted".into(),
-            engine: engine.clone(),
-            engine_model: "m".into(),
-            max_concurrency: 1,
-            exclusive: true,
-            health_interval: Duration::from_millis(100),
-        }]));
+        let router = Arc::new(router(engine.clone(), Duration::from_millis(100)));
         let events = Arc::new(Mutex::new(Vec::new()));
         let (seen, loads) = (events.clone(), Arc::new(AtomicUsize::new(0)));
         let loads_seen = loads.clone();
         let sink: InstanceSink = Arc::new(move |e| match e {
-            InstanceEvent::Health { up, detail, .. } => {
-                assert!(detail.starts_with("probe "), "{detail}");
-                seen.lock().unwrap().push(up)
-            }
+            InstanceEvent::Health { up, detail, .. } => seen.lock().unwrap().push((up, detail)),
             InstanceEvent::Load { load, .. } => {
                 assert_eq!(load.busy_slots, Some(1));
                 loads_seen.fetch_add(1, Ordering::SeqCst);
             }
         });
         let cancel = CancellationToken::new();
-        let task = tokio::spawn(probe_loop(router.clone(), 0, Arc::new(Metrics::new()), sink, cancel.clone()));
+        let task = tokio::spawn(probe_loop(router, 0, Arc::new(Metrics::new()), sink, cancel.clone()));
         // The script's last answer repeats: once probe n has started, the
         // first n are fully handled.
         while engine.probes.load(Ordering::SeqCst) <= n {
@@ -137,41 +126,38 @@ mod tests {
         }
         cancel.cancel();
         task.await.unwrap();
-        let ups = events.lock().unwrap().clone();
-        (ups, router.health(0), loads.load(Ordering::SeqCst))
+        let verdicts = events.lock().unwrap().clone();
+        (verdicts, loads.load(Ordering::SeqCst))
+    }
+
+    fn verdict(up: bool, detail: &str) -> (bool, String) {
+        (up, detail.to_string())
     }
 
     #[tokio::test(start_paused = true)]
     async fn down_after_two_failures_up_after_one_success() {
-        let (events, health, loads) = probe(vec![true, false, true, false, false, false, true]).await;
-        // One failure between successes changes nothing; two make it down.
-        assert_eq!(events, vec![true, false, true]);
-        assert_eq!(health.up, Some(true));
-        assert_eq!(health.detail, "probe 6: ok");
+        let (events, loads) = probe(vec![true, false, true, false, false, false, true]).await;
+        // One failure between successes changes nothing; the second in a
+        // row makes it down; one success brings it back.
+        assert_eq!(
+            events,
+            vec![verdict(true, "probe 0: ok"), verdict(false, "probe 4: refused"), verdict(true, "probe 6: ok")]
+        );
         assert!(loads >= 3, "a healthy engine's load is passed on at every probe: {loads}");
     }
 
     #[tokio::test(start_paused = true)]
     async fn first_failure_is_a_verdict() {
-        let (events, health, _) = probe(vec![false, true]).await;
-        assert_eq!(events, vec![false, true]);
-        assert_eq!(health.up, Some(true));
-        let (events, health, _) = probe(vec![false]).await;
-        assert_eq!(events, vec![false]);
-        assert_eq!(health, InstanceHealth { up: Some(false), detail: "probe 0: refused".into() });
+        let (events, _) = probe(vec![false, true]).await;
+        assert_eq!(events, vec![verdict(false, "probe 0: refused"), verdict(true, "probe 1: ok")]);
+        let (events, _) = probe(vec![false]).await;
+        assert_eq!(events, vec![verdict(false, "probe 0: refused")]);
     }
 
     #[tokio::test(start_paused = true)]
     async fn recheck_probes_at_once() {
         let engine = Arc::new(Scripted::probes(vec![true]));
-        let router = Arc::new(Router::new(vec![Instance {
-            name: "scripted".into(),
-            engine: engine.clone(),
-            engine_model: "m".into(),
-            max_concurrency: 1,
-            exclusive: true,
-            health_interval: Duration::from_secs(3600),
-        }]));
+        let router = Arc::new(router(engine.clone(), Duration::from_secs(3600)));
         let cancel = CancellationToken::new();
         let sink: InstanceSink = Arc::new(|_| {});
         let task = tokio::spawn(probe_loop(router.clone(), 0, Arc::new(Metrics::new()), sink, cancel.clone()));

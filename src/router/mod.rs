@@ -1,7 +1,9 @@
 //! The router: from a granted slot to a running engine request.
 //!
-//! Owns: the engine instances (their adapters, as built from the config) and
-//! their state as the health probes see it (`health.rs`); the choice of
+//! Owns: the engine instances (their adapters, as built from the config);
+//! their health probes (`health.rs`), which decide when an instance is up
+//! or down and pass that, with what the engine says of its load, to the
+//! scheduler that dispatches on it; the choice of
 //! instance for a task ([`pick`], called by the scheduler's policy); and
 //! dispatch (`dispatch.rs`): opening the engine stream, sending a request
 //! once more when its connection broke before any answer, and turning an
@@ -18,7 +20,7 @@ mod dispatch;
 mod health;
 mod pick;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -46,21 +48,13 @@ pub struct Instance {
     pub health_interval: Duration,
 }
 
-/// An instance's health, as the probes last saw it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InstanceHealth {
-    /// `None` until the first probe has answered.
-    pub up: Option<bool>,
-    /// Short, for logs and `/ready` (never for clients of tasks).
-    pub detail: String,
-}
-
 /// A change the scheduler must know about, sent through the sink given to
 /// [`Router::start_probes`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum InstanceEvent {
     /// The instance went up or down (only changes are sent), with the
-    /// probe's detail.
+    /// probe's detail (short, for logs and `/ready`, never for clients of
+    /// tasks).
     Health { instance: usize, up: bool, detail: String },
     /// What a healthy engine said about itself at a probe: its load and,
     /// where it tells, whether its model is in memory.
@@ -72,7 +66,6 @@ pub type InstanceSink = Arc<dyn Fn(InstanceEvent) + Send + Sync>;
 
 pub struct Router {
     instances: Vec<Instance>,
-    health: Mutex<Vec<InstanceHealth>>,
     /// Probes wait on these to re-check an instance at once (after an
     /// engine request failed to connect).
     recheck: Vec<Notify>,
@@ -98,9 +91,8 @@ impl Router {
     }
 
     pub fn new(instances: Vec<Instance>) -> Router {
-        let health = instances.iter().map(|_| InstanceHealth { up: None, detail: "not checked yet".into() }).collect();
         let recheck = instances.iter().map(|_| Notify::new()).collect();
-        Router { instances, health: Mutex::new(health), recheck }
+        Router { instances, recheck }
     }
 
     pub fn instances(&self) -> &[Instance] {
@@ -109,15 +101,6 @@ impl Router {
 
     pub fn instance(&self, i: usize) -> &Instance {
         &self.instances[i]
-    }
-
-    pub fn index_of(&self, name: &str) -> Option<usize> {
-        self.instances.iter().position(|x| x.name == name)
-    }
-
-    /// What the probes last saw of instance `i`.
-    pub fn health(&self, i: usize) -> InstanceHealth {
-        self.health.lock().expect("router health lock")[i].clone()
     }
 
     /// Asks the probe of instance `i` to check it now rather than at its
@@ -145,10 +128,6 @@ impl Router {
             tracker.spawn(health::probe_loop(self.clone(), i, metrics.clone(), sink.clone(), shutdown.child_token()));
         }
     }
-
-    fn set_health(&self, i: usize, h: InstanceHealth) {
-        self.health.lock().expect("router health lock")[i] = h;
-    }
 }
 
 /// An engine that answers from a script, for the router's unit tests.
@@ -173,6 +152,19 @@ mod test_engine {
         /// items.
         pub streams: Mutex<Vec<Answer>>,
         pub sent: AtomicUsize,
+    }
+
+    /// A router over one instance of `engine`, probed every
+    /// `health_interval`.
+    pub(crate) fn router(engine: std::sync::Arc<Scripted>, health_interval: std::time::Duration) -> super::Router {
+        super::Router::new(vec![super::Instance {
+            name: "scripted".into(),
+            engine,
+            engine_model: "m".into(),
+            max_concurrency: 1,
+            exclusive: true,
+            health_interval,
+        }])
     }
 
     impl Scripted {
