@@ -210,3 +210,14 @@ async fn a_submit_dropped_while_queueing_leaves_nothing_behind() {
     assert_eq!(fake.stats.requests.load(SeqCst), 0);
     gw.stop().await;
 }
+
+/// The test gateway is the suite's net for illegal transitions (the
+/// recorder's debug assertion fires inside spawned tasks, which alone fails
+/// no test): one counted means the test fails at `stop`.
+#[tokio::test]
+#[should_panic(expected = "illegal task state transitions were tried")]
+async fn a_gateway_that_counted_an_illegal_transition_fails_its_test() {
+    let (_fake, gw) = setup(Knobs::default()).await;
+    gw.metrics().illegal_transitions.with_label_values(&["RECEIVED", "RUNNING"]).inc();
+    gw.stop().await;
+}
