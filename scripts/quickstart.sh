@@ -19,4 +19,4 @@ for _ in $(seq 1 240); do
   sleep 0.5
 done
 echo "llama-server is up; starting edgeway on http://127.0.0.1:8080 (API key sk-edgeway-demo)" >&2
-./target/release/edgeway serve --config config/edgeway.toml
+"${CARGO_TARGET_DIR:-target}/release/edgeway" serve --config config/edgeway.toml

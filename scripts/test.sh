@@ -15,5 +15,8 @@ cargo build --workspace --bins --tests
 cargo test --workspace --lib --bins --tests -- --test-threads=2
 
 echo "== end-to-end tests against llama-server + Gemma 3 270M" >&2
-export EDGEWAY_BIN="$PWD/target/debug/edgeway"
+# Where cargo put it (CARGO_TARGET_DIR, when set, moves the build).
+TARGET="${CARGO_TARGET_DIR:-target}"
+case "$TARGET" in /*) ;; *) TARGET="$PWD/$TARGET" ;; esac
+export EDGEWAY_BIN="$TARGET/debug/edgeway"
 "$CACHE/venv/bin/python" -m pytest -q tests/e2e "$@"
