@@ -16,6 +16,7 @@
 //! The router knows nothing of the scheduler: instance changes go out
 //! through the sink the scheduler hands to [`Router::start_probes`].
 
+pub mod breaker;
 mod dispatch;
 mod health;
 mod pick;
