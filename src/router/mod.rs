@@ -17,6 +17,7 @@
 //! through the sink the scheduler hands to [`Router::start_probes`].
 
 pub mod breaker;
+pub mod budget;
 mod dispatch;
 mod health;
 mod pick;
