@@ -161,11 +161,20 @@ pub struct GatewayError {
     pub message: String,
     /// Set on busy answers: when a retry has a fair chance.
     pub retry_after_ms: Option<u64>,
+    /// The engine failed after output reached the client: what it got is
+    /// partial, and edgeway did not retry (a retry would repeat it).
+    pub partial: bool,
 }
 
 impl GatewayError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        GatewayError { code, message: message.into(), retry_after_ms: None }
+        GatewayError { code, message: message.into(), retry_after_ms: None, partial: false }
+    }
+
+    /// Marks an error that ended output already sent.
+    pub fn with_partial(mut self) -> Self {
+        self.partial = true;
+        self
     }
 
     pub fn with_retry_after(mut self, ms: u64) -> Self {

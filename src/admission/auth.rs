@@ -124,6 +124,7 @@ fn identity(app: &ApplicationConfig, user: Option<String>, credential: Option<[u
         default_priority: app.default_priority,
         is_admin: app.admin,
         credential,
+        data_class: None,
     }
 }
 

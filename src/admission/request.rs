@@ -6,10 +6,12 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use crate::config::Config;
+use crate::config::{ApplicationConfig, Config};
 use crate::context::{self, Fit};
 use crate::error::{ErrorCode, GatewayError};
-use crate::task::{ChatMessage, Identity, Ingress, Priority, Routing, SamplingParams, TaskRequest, Timeouts};
+use crate::task::{
+    ChatMessage, DataClass, Identity, Ingress, Priority, Routing, SamplingParams, TaskRequest, Timeouts,
+};
 
 /// OpenAI chat fields plus the edge fields of DESIGN.md. Unknown OpenAI
 /// fields are accepted and ignored, except those edgeway cannot honour,
@@ -82,6 +84,30 @@ fn check_id(name: &str, v: &str) -> Result<(), GatewayError> {
         )));
     }
     Ok(())
+}
+
+/// The class a call is routed under: the strictest of what the request,
+/// its application, its tenant and its credential (a device) declare, with
+/// `local_only` counting as secret; the configured default when none
+/// declares one.
+pub fn data_class(
+    cfg: &Config,
+    tenant: &str,
+    app: Option<&ApplicationConfig>,
+    credential: Option<DataClass>,
+    routing: &Routing,
+) -> DataClass {
+    [
+        routing.data_class,
+        routing.local_only.then_some(DataClass::Secret),
+        app.and_then(|a| a.data_class),
+        cfg.tenant_data_class.get(tenant).copied(),
+        credential,
+    ]
+    .into_iter()
+    .flatten()
+    .max()
+    .unwrap_or(cfg.routing.default_data_class)
 }
 
 /// Turns a parsed body into a validated task, or the error to answer with.
@@ -197,11 +223,22 @@ pub fn admit(
         idle: pick(t.idle_ms, cfg.timeouts.idle, "idle_ms")?,
         total: pick(t.total_ms, cfg.timeouts.total, "total_ms")?,
     };
-    let routing = body.routing.unwrap_or_default();
-    if routing.local_only && model.instances.iter().all(|i| !cfg.engines[i].local) {
+    let mut routing = body.routing.unwrap_or_default();
+    let app = cfg.applications.get(&identity.application);
+    let data_class = data_class(cfg, &identity.tenant, app, identity.data_class, &routing);
+    // Kept with the request, so a task queued again after a restart is
+    // routed under the class it was admitted with.
+    routing.data_class = Some(data_class);
+    let allow_smaller_model = routing.allow_smaller_model || app.is_some_and(|a| a.allow_smaller_model);
+    if !model.instances.iter().any(|i| cfg.engines[i].max_data_class >= data_class) {
         return Err(GatewayError::new(
             ErrorCode::PolicyBlocked,
-            format!("model '{}' has no local instance and the request is local_only", model.name),
+            format!(
+                "model '{}' has no instance that may receive {} data{}",
+                model.name,
+                data_class.as_str(),
+                if routing.local_only { " (the request is local_only)" } else { "" }
+            ),
         ));
     }
 
@@ -227,6 +264,8 @@ pub fn admit(
         session_id: body.session_id,
         idempotency_key: body.idempotency_key,
         routing,
+        data_class,
+        allow_smaller_model,
         metadata,
         input_tokens_estimate,
         prompt_sha256,

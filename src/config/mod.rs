@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-use crate::task::{Priority, Timeouts};
+use crate::task::{DataClass, Location, Priority, Timeouts};
 
 pub use mqtt::{DeviceConfig, MqttConfig, MqttTlsConfig};
 pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
@@ -89,6 +89,9 @@ pub struct Config {
     pub models: BTreeMap<String, ModelConfig>,
     /// Fair-share weight of each tenant (default 1).
     pub tenant_weights: std::collections::HashMap<String, f64>,
+    /// The least strict data class of each tenant's calls, where set.
+    pub tenant_data_class: std::collections::HashMap<String, DataClass>,
+    pub routing: RoutingConfig,
     pub resources: ResourceConfig,
     /// A cancelled request may keep an engine busy this long before the
     /// instance is taken out of dispatch.
@@ -159,6 +162,69 @@ pub struct SchedulerConfig {
     pub priority_aging: Option<Duration>,
     pub overload_max_output_tokens: u32,
     pub idempotency_ttl: Duration,
+    /// P0 work may preempt preemptible P3/P4 tasks.
+    pub preemption: bool,
+}
+
+/// `[routing]`: data policy, retries, breakers and degradation.
+#[derive(Debug, Clone)]
+pub struct RoutingConfig {
+    /// Cloud instances may be used at all.
+    pub allow_cloud: bool,
+    /// The class of a call nobody declared one for.
+    pub default_data_class: DataClass,
+    /// Engine attempts per task, the first included.
+    pub max_attempts: u32,
+    pub retry_backoff: Duration,
+    /// Retries at most `retry_budget_ratio` of requests over
+    /// `retry_budget_window`, plus `retry_budget_min` per window.
+    pub retry_budget_ratio: f64,
+    pub retry_budget_window: Duration,
+    pub retry_budget_min: u32,
+    pub breaker: BreakerConfig,
+    /// The least urgent priority admitted at degradation levels 1, 2, 3.
+    pub admit_at_level: [Priority; 3],
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            allow_cloud: false,
+            default_data_class: DataClass::Personal,
+            max_attempts: 3,
+            retry_backoff: Duration::from_millis(50),
+            retry_budget_ratio: 0.1,
+            retry_budget_window: Duration::from_secs(60),
+            retry_budget_min: 3,
+            breaker: BreakerConfig::default(),
+            admit_at_level: [Priority::P4, Priority::P2, Priority::P0],
+        }
+    }
+}
+
+/// `[routing.breaker]`, the same for every instance.
+#[derive(Debug, Clone)]
+pub struct BreakerConfig {
+    pub consecutive_failures: u32,
+    /// 0..=1.
+    pub error_rate: f64,
+    pub min_requests: u32,
+    pub window: Duration,
+    pub ttft_p95: Option<Duration>,
+    pub cooldown: Duration,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            consecutive_failures: 5,
+            error_rate: 0.5,
+            min_requests: 10,
+            window: Duration::from_secs(30),
+            ttft_p95: None,
+            cooldown: Duration::from_secs(10),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -189,6 +255,10 @@ pub struct ApplicationConfig {
     pub default_priority: Priority,
     pub admin: bool,
     pub limits: AppLimits,
+    /// The least strict data class of the application's calls.
+    pub data_class: Option<DataClass>,
+    /// Its calls may be answered by a smaller model.
+    pub allow_smaller_model: bool,
 }
 
 /// Limits of one application against the others (all optional). The
@@ -203,6 +273,9 @@ pub struct AppLimits {
     pub user_max_queued: Option<usize>,
     pub user_requests_per_minute: Option<u32>,
     pub user_tokens_per_minute: Option<u64>,
+    /// The most urgent priority of its tasks that a P0 task may preempt
+    /// (P3 or P4); `None`: never.
+    pub preemptible_from: Option<Priority>,
 }
 
 impl Default for AppLimits {
@@ -215,6 +288,7 @@ impl Default for AppLimits {
             user_max_queued: None,
             user_requests_per_minute: None,
             user_tokens_per_minute: None,
+            preemptible_from: Some(Priority::P3),
         }
     }
 }
@@ -268,8 +342,12 @@ pub struct EngineConfig {
     pub stream: bool,
     /// Ollama `keep_alive` (e.g. "5m", "-1").
     pub keep_alive: Option<String>,
-    /// Whether the engine runs on this machine (`routing.local_only`).
-    pub local: bool,
+    /// Where the engine runs.
+    pub location: Location,
+    /// The most sensitive data class it may receive.
+    pub max_data_class: DataClass,
+    /// Relative cost of a thousand tokens, a tie-breaker between instances.
+    pub cost_per_1k_tokens: f64,
     pub reserved_realtime_slots: usize,
     pub memory_budget_bytes: Option<u64>,
     /// No other client uses the engine (enables the cancel grace check).
@@ -290,6 +368,17 @@ pub struct ModelConfig {
     pub weights_bytes: u64,
     /// Safety margin on KV estimates, as a fraction.
     pub memory_margin: f64,
+    /// Smaller logical models that may answer instead, in order.
+    pub fallback_models: Vec<String>,
+    /// The answer given when no engine step can take a request.
+    pub canned_answer: Option<String>,
+}
+
+impl EngineConfig {
+    /// Runs on this machine.
+    pub fn is_local(&self) -> bool {
+        self.location == Location::Local
+    }
 }
 
 pub fn hash_api_key(key: &str) -> [u8; 32] {

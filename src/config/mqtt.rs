@@ -72,6 +72,8 @@ pub struct DeviceConfig {
     pub password_sha256: Option<[u8; 32]>,
     pub max_priority: Priority,
     pub default_priority: Priority,
+    /// The least strict data class of the device's calls.
+    pub data_class: Option<crate::task::DataClass>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -132,6 +134,8 @@ pub struct RawDevice {
     pub max_priority: Option<Field<PriorityName>>,
     /// Default: its application's, or `max_priority` if that is less urgent.
     pub default_priority: Option<Field<PriorityName>>,
+    /// The least strict data class of the device's calls.
+    pub data_class: Option<Field<crate::task::DataClass>>,
 }
 
 /// Device ids become MQTT client ids and topic levels.
@@ -260,6 +264,7 @@ fn device(id: &str, d: RawDevice, applications: &Entries<ApplicationConfig>, p: 
     };
     let max_priority = optional(d.max_priority, &format!("{path}.max_priority"), p);
     let default_priority = optional(d.default_priority, &format!("{path}.default_priority"), p);
+    let data_class = optional(d.data_class, &format!("{path}.data_class"), p);
     let app = match application.as_ref().map(|a| (a, applications.get(a))) {
         None => None,
         Some((name, None)) => {
@@ -287,5 +292,6 @@ fn device(id: &str, d: RawDevice, applications: &Entries<ApplicationConfig>, p: 
         password_sha256: password_sha256?,
         max_priority,
         default_priority,
+        data_class: data_class?,
     })
 }

@@ -20,7 +20,7 @@ use serde::de::{DeserializeOwned, Deserializer, Error as _};
 use serde::Deserialize;
 
 use super::{ConfigError, ConfigErrors, EngineKind, LogFormat, Problems};
-use crate::task::Priority;
+use crate::task::{DataClass, Location, Priority};
 
 /// One typed key of the file.
 #[derive(Debug, Default)]
@@ -109,6 +109,7 @@ pub struct RawConfig {
     pub resources: RawResources,
     pub engines: BTreeMap<String, RawEngine>,
     pub models: BTreeMap<String, RawModel>,
+    pub routing: RawRouting,
     pub nats: Option<super::nats::RawNats>,
     pub mqtt: Option<super::mqtt::RawMqtt>,
     pub devices: BTreeMap<String, super::mqtt::RawDevice>,
@@ -129,6 +130,7 @@ impl Default for RawConfig {
             resources: RawResources::default(),
             engines: BTreeMap::new(),
             models: BTreeMap::new(),
+            routing: RawRouting::default(),
             nats: None,
             mqtt: None,
             devices: BTreeMap::new(),
@@ -224,6 +226,9 @@ pub struct RawScheduler {
     pub overload_max_output_tokens: u32,
     /// How long an idempotency key (and the answer it returns) is kept.
     pub idempotency_ttl_seconds: u64,
+    /// A P0 task that finds no free slot may stop a P3/P4 task that is safe
+    /// to restart and take its slot (see `applications.*.preemptible`).
+    pub preemption: bool,
 }
 
 impl Default for RawScheduler {
@@ -239,6 +244,7 @@ impl Default for RawScheduler {
             priority_aging_seconds: 30.0,
             overload_max_output_tokens: 128,
             idempotency_ttl_seconds: 86_400,
+            preemption: true,
         }
     }
 }
@@ -279,11 +285,13 @@ impl Default for RawResources {
 #[serde(default, deny_unknown_fields)]
 pub struct RawTenant {
     pub weight: f64,
+    /// The least strict data class of every call of the tenant.
+    pub data_class: Option<Field<DataClass>>,
 }
 
 impl Default for RawTenant {
     fn default() -> Self {
-        RawTenant { weight: 1.0 }
+        RawTenant { weight: 1.0, data_class: None }
     }
 }
 
@@ -336,6 +344,31 @@ pub struct RawApplication {
     pub user_max_queued: Option<usize>,
     pub user_requests_per_minute: Option<u32>,
     pub user_tokens_per_minute: Option<u64>,
+    /// The least strict data class of every call of the application.
+    pub data_class: Option<Field<DataClass>>,
+    /// Its calls may be answered by a smaller model (as if every request
+    /// set `routing.allow_smaller_model`).
+    pub allow_smaller_model: bool,
+    /// Which of its tasks a P0 task may preempt: "P3" (P3 and P4), "P4",
+    /// or "never".
+    pub preemptible: Field<Preemptible>,
+}
+
+/// `applications.*.preemptible`: the most urgent priority of the
+/// application's tasks that a P0 task may preempt, or `None` for never.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Preemptible(pub Option<Priority>);
+
+impl<'de> Deserialize<'de> for Preemptible {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.trim().to_ascii_uppercase().as_str() {
+            "NEVER" => Ok(Preemptible(None)),
+            "P3" => Ok(Preemptible(Some(Priority::P3))),
+            "P4" => Ok(Preemptible(Some(Priority::P4))),
+            _ => Err(D::Error::custom(format!("must be \"P3\", \"P4\" or \"never\", not {s:?}"))),
+        }
+    }
 }
 
 impl Default for RawApplication {
@@ -353,6 +386,9 @@ impl Default for RawApplication {
             user_max_queued: None,
             user_requests_per_minute: None,
             user_tokens_per_minute: None,
+            data_class: None,
+            allow_smaller_model: false,
+            preemptible: Field::Valid(Preemptible(Some(Priority::P3))),
         }
     }
 }
@@ -372,7 +408,16 @@ pub struct RawEngine {
     pub connect_timeout_ms: u64,
     pub stream: bool,
     pub keep_alive: Option<String>,
-    pub local: bool,
+    /// Where the engine runs: "local" (default), "edge-node" or "cloud".
+    pub location: Option<Field<Location>>,
+    /// Older spelling: `local = false` is `location = "cloud"`.
+    pub local: Option<bool>,
+    /// The most sensitive data class the instance may receive. Default: by
+    /// location (local: secret, edge-node: sensitive, cloud: public).
+    pub max_data_class: Option<Field<DataClass>>,
+    /// What a thousand tokens (input and output) cost on this instance, in
+    /// any unit; among equally loaded instances the cheaper one is picked.
+    pub cost_per_1k_tokens: f64,
     /// Slots held back for P0/P1 work.
     pub reserved_realtime_slots: usize,
     /// Only edgeway sends work to this engine. Then an engine that reports
@@ -397,7 +442,10 @@ impl Default for RawEngine {
             connect_timeout_ms: 2_000,
             stream: true,
             keep_alive: None,
-            local: true,
+            location: None,
+            local: None,
+            max_data_class: None,
+            cost_per_1k_tokens: 0.0,
             reserved_realtime_slots: 0,
             exclusive: true,
             memory_budget_mb: None,
@@ -424,6 +472,13 @@ pub struct RawModel {
     pub weights_mb: u64,
     /// Safety margin added to KV estimates.
     pub memory_margin_percent: f64,
+    /// Smaller or quantized logical models that may answer instead (their
+    /// local instances), in order, when the request or its application
+    /// allows a smaller model.
+    pub fallback_models: Vec<String>,
+    /// A fixed answer given when no engine step of the chain can take a
+    /// request (marked degraded).
+    pub canned_answer: Option<String>,
 }
 
 impl Default for RawModel {
@@ -439,6 +494,95 @@ impl Default for RawModel {
             architecture: None,
             weights_mb: 0,
             memory_margin_percent: 10.0,
+            fallback_models: Vec::new(),
+            canned_answer: None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawRouting {
+    /// Cloud instances may be used at all (for data classes they accept).
+    pub allow_cloud: bool,
+    /// The class of a call nobody declared one for.
+    pub default_data_class: Field<DataClass>,
+    /// Engine attempts per task, the first included (retries happen only
+    /// before the first token).
+    pub max_attempts: u32,
+    /// First back-off before retrying the same instance; doubles each time,
+    /// with jitter.
+    pub retry_backoff_ms: u64,
+    /// Retries may be at most this share of requests over the window ...
+    pub retry_budget_percent: f64,
+    pub retry_budget_window_s: u64,
+    /// ... plus this many per window.
+    pub retry_budget_min: u32,
+    pub breaker: RawBreaker,
+    pub degradation: RawDegradation,
+}
+
+impl Default for RawRouting {
+    fn default() -> Self {
+        RawRouting {
+            allow_cloud: false,
+            default_data_class: Field::Valid(DataClass::Personal),
+            max_attempts: 3,
+            retry_backoff_ms: 50,
+            retry_budget_percent: 10.0,
+            retry_budget_window_s: 60,
+            retry_budget_min: 3,
+            breaker: RawBreaker::default(),
+            degradation: RawDegradation::default(),
+        }
+    }
+}
+
+/// The circuit breaker of every engine instance.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawBreaker {
+    /// Opens after this many failures in a row.
+    pub consecutive_failures: u32,
+    /// Opens when this share of the window's requests failed ...
+    pub error_rate_percent: f64,
+    /// ... and the window holds at least this many.
+    pub min_requests: u32,
+    pub window_s: u64,
+    /// Opens when the window's p95 time to first token exceeds this.
+    pub ttft_p95_ms: Option<u64>,
+    /// An open breaker lets one trial request through after this long.
+    pub cooldown_ms: u64,
+}
+
+impl Default for RawBreaker {
+    fn default() -> Self {
+        RawBreaker {
+            consecutive_failures: 5,
+            error_rate_percent: 50.0,
+            min_requests: 10,
+            window_s: 30,
+            ttft_p95_ms: None,
+            cooldown_ms: 10_000,
+        }
+    }
+}
+
+/// The least urgent priority admitted at each degradation level.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawDegradation {
+    pub level_1_admit: Field<PriorityName>,
+    pub level_2_admit: Field<PriorityName>,
+    pub level_3_admit: Field<PriorityName>,
+}
+
+impl Default for RawDegradation {
+    fn default() -> Self {
+        RawDegradation {
+            level_1_admit: Field::Valid(PriorityName(Priority::P4)),
+            level_2_admit: Field::Valid(PriorityName(Priority::P2)),
+            level_3_admit: Field::Valid(PriorityName(Priority::P0)),
         }
     }
 }

@@ -301,7 +301,7 @@ fn defaults_are_the_documented_ones() {
     let e = &c.engines["llama"];
     assert_eq!((e.kind, e.max_concurrency, e.health_path.as_str()), (EngineKind::OpenAi, 1, "/v1/models"));
     assert_eq!((e.health_interval, e.connect_timeout), (Duration::from_secs(2), Duration::from_secs(2)));
-    assert!(e.stream && e.local && e.exclusive);
+    assert!(e.stream && e.is_local() && e.exclusive);
     assert_eq!((e.reserved_realtime_slots, e.memory_budget_bytes, e.api_key.as_deref()), (0, None, None));
     let m = &c.models["general-chat"];
     assert_eq!((m.context_tokens, m.max_output_tokens, m.weights_bytes), (4096, 1024, 0));

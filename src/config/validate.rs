@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use super::raw::{
     optional, RawApplication, RawArchitecture, RawAuth, RawConfig, RawEngine, RawHttp, RawJwt, RawLog, RawModel,
-    RawResources, RawScheduler, RawStore, RawTenant, RawTimeouts,
+    RawResources, RawRouting, RawScheduler, RawStore, RawTenant, RawTimeouts,
 };
 use super::*;
 
@@ -72,12 +72,15 @@ impl RawConfig {
         let default_queue_capacity = self.scheduler.queue_capacity;
         let scheduler = scheduler(self.scheduler, &mut p);
         let resources = resources(self.resources, &mut p);
-        let tenant_weights = tenants(self.tenants, &mut p);
+        let (tenant_weights, tenant_data_class) = tenants(self.tenants, &mut p);
+        let routing = routing(self.routing, &mut p);
         let auth = auth(self.auth, env, base_dir, &mut p);
         let applications = applications(self.applications, &mut p);
         let engine_names: BTreeSet<String> = self.engines.keys().cloned().collect();
-        let engines = engines(self.engines, env, &mut p);
-        let models = models(self.models, &engine_names, default_queue_capacity, &mut p);
+        let allow_cloud = routing.as_ref().is_some_and(|r| r.allow_cloud);
+        let engines = engines(self.engines, env, allow_cloud, &mut p);
+        let model_names: BTreeSet<String> = self.models.keys().cloned().collect();
+        let models = models(self.models, &engine_names, &model_names, default_queue_capacity, &mut p);
         let nobody_could_call = applications.is_empty() && auth.as_ref().is_some_and(|a| a.jwt.is_none());
         if nobody_could_call {
             p.add("applications", "define at least one application or [auth.jwt]; nobody could call");
@@ -100,6 +103,8 @@ impl RawConfig {
                 engines: all(engines)?,
                 models: all(models)?,
                 tenant_weights,
+                tenant_data_class,
+                routing: routing?,
                 resources: resources.watch,
                 cancel_grace: resources.cancel_grace,
                 kv_cache_high_water: resources.kv_cache_high_water,
@@ -196,6 +201,7 @@ fn scheduler(s: RawScheduler, p: &mut Problems) -> SchedulerConfig {
         priority_aging,
         overload_max_output_tokens: s.overload_max_output_tokens,
         idempotency_ttl: Duration::from_secs(s.idempotency_ttl_seconds),
+        preemption: s.preemption,
     }
 }
 
@@ -227,13 +233,74 @@ fn resources(r: RawResources, p: &mut Problems) -> Option<Resources> {
     })
 }
 
-fn tenants(raw: BTreeMap<String, RawTenant>, p: &mut Problems) -> HashMap<String, f64> {
-    for (name, t) in &raw {
+type TenantSettings = (HashMap<String, f64>, HashMap<String, crate::task::DataClass>);
+
+fn tenants(raw: BTreeMap<String, RawTenant>, p: &mut Problems) -> TenantSettings {
+    let mut weights = HashMap::new();
+    let mut classes = HashMap::new();
+    for (name, t) in raw {
         if !(t.weight > 0.0 && t.weight.is_finite()) {
             p.add(format!("tenants.{name}.weight"), "must be a positive number");
         }
+        if let Some(Some(c)) = optional(t.data_class, &format!("tenants.{name}.data_class"), p) {
+            classes.insert(name.clone(), c);
+        }
+        weights.insert(name, t.weight);
     }
-    raw.into_iter().map(|(name, t)| (name, t.weight)).collect()
+    (weights, classes)
+}
+
+fn routing(r: RawRouting, p: &mut Problems) -> Option<RoutingConfig> {
+    let default_data_class = r.default_data_class.get("routing.default_data_class", p);
+    if r.max_attempts == 0 {
+        p.add("routing.max_attempts", "must be at least 1 (the first attempt)");
+    }
+    if !(0.0..=100.0).contains(&r.retry_budget_percent) {
+        p.add("routing.retry_budget_percent", "must be a percentage between 0 and 100");
+    }
+    if r.retry_budget_window_s == 0 {
+        p.add("routing.retry_budget_window_s", "must be at least 1");
+    }
+    let b = r.breaker;
+    if b.consecutive_failures == 0 {
+        p.add("routing.breaker.consecutive_failures", "must be at least 1");
+    }
+    if !(b.error_rate_percent > 0.0 && b.error_rate_percent <= 100.0) {
+        p.add("routing.breaker.error_rate_percent", "must be a percentage above 0, at most 100");
+    }
+    if b.window_s == 0 {
+        p.add("routing.breaker.window_s", "must be at least 1");
+    }
+    if b.ttft_p95_ms == Some(0) {
+        p.add("routing.breaker.ttft_p95_ms", "must be greater than 0 (leave it out to turn the check off)");
+    }
+    let d = r.degradation;
+    let l1 = d.level_1_admit.get("routing.degradation.level_1_admit", p).map(|n| n.0);
+    let l2 = d.level_2_admit.get("routing.degradation.level_2_admit", p).map(|n| n.0);
+    let l3 = d.level_3_admit.get("routing.degradation.level_3_admit", p).map(|n| n.0);
+    if let (Some(l1), Some(l2), Some(l3)) = (l1, l2, l3) {
+        if l2 > l1 || l3 > l2 {
+            p.add("routing.degradation", "a higher level must not admit less urgent work than a lower one");
+        }
+    }
+    Some(RoutingConfig {
+        allow_cloud: r.allow_cloud,
+        default_data_class: default_data_class?,
+        max_attempts: r.max_attempts,
+        retry_backoff: Duration::from_millis(r.retry_backoff_ms),
+        retry_budget_ratio: r.retry_budget_percent / 100.0,
+        retry_budget_window: Duration::from_secs(r.retry_budget_window_s),
+        retry_budget_min: r.retry_budget_min,
+        breaker: BreakerConfig {
+            consecutive_failures: b.consecutive_failures,
+            error_rate: b.error_rate_percent / 100.0,
+            min_requests: b.min_requests,
+            window: Duration::from_secs(b.window_s),
+            ttft_p95: b.ttft_p95_ms.map(Duration::from_millis),
+            cooldown: Duration::from_millis(b.cooldown_ms),
+        },
+        admit_at_level: [l1?, l2?, l3?],
+    })
 }
 
 fn auth(raw: RawAuth, env: &[(String, String)], base_dir: &Path, p: &mut Problems) -> Option<AuthConfig> {
@@ -336,6 +403,8 @@ fn application(
     if !(a.weight > 0.0 && a.weight.is_finite()) {
         p.add(format!("{path}.weight"), "must be a positive number");
     }
+    let data_class = optional(a.data_class, &format!("{path}.data_class"), p);
+    let preemptible = a.preemptible.get(&format!("{path}.preemptible"), p);
     Some(ApplicationConfig {
         name: name.to_string(),
         tenant: tenant?,
@@ -351,20 +420,34 @@ fn application(
             user_max_queued: a.user_max_queued,
             user_requests_per_minute: a.user_requests_per_minute,
             user_tokens_per_minute: a.user_tokens_per_minute,
+            preemptible_from: preemptible?.0,
         },
+        data_class: data_class?,
+        allow_smaller_model: a.allow_smaller_model,
     })
 }
 
-fn engines(raw: BTreeMap<String, RawEngine>, env: &[(String, String)], p: &mut Problems) -> Entries<EngineConfig> {
+fn engines(
+    raw: BTreeMap<String, RawEngine>,
+    env: &[(String, String)],
+    allow_cloud: bool,
+    p: &mut Problems,
+) -> Entries<EngineConfig> {
     raw.into_iter()
         .map(|(name, e)| {
-            let engine = engine(&name, e, env, p);
+            let engine = engine(&name, e, env, allow_cloud, p);
             (name, engine)
         })
         .collect()
 }
 
-fn engine(name: &str, e: RawEngine, env: &[(String, String)], p: &mut Problems) -> Option<EngineConfig> {
+fn engine(
+    name: &str,
+    e: RawEngine,
+    env: &[(String, String)],
+    allow_cloud: bool,
+    p: &mut Problems,
+) -> Option<EngineConfig> {
     let path = format!("engines.{name}");
     let kind = e.kind.get(&format!("{path}.type"), p);
     let base_url = e.base_url.get(&format!("{path}.base_url"), p);
@@ -408,6 +491,43 @@ fn engine(name: &str, e: RawEngine, env: &[(String, String)], p: &mut Problems) 
     if health_path.as_ref().is_some_and(|h| !h.starts_with('/')) {
         p.add(format!("{path}.health_path"), "must start with '/'");
     }
+    let location = match (optional(e.location, &format!("{path}.location"), p), e.local) {
+        (Some(Some(_)), Some(_)) => {
+            p.add(format!("{path}.local"), "give location or the older local, not both");
+            None
+        }
+        (Some(Some(l)), None) => Some(l),
+        (Some(None), Some(false)) => Some(Location::Cloud),
+        (Some(None), _) => Some(Location::Local),
+        (None, _) => None,
+    };
+    let max_data_class = optional(e.max_data_class, &format!("{path}.max_data_class"), p);
+    let max_data_class = match (location, max_data_class) {
+        (Some(l), Some(c)) => {
+            let c = c.unwrap_or(l.default_class());
+            if c > l.class_ceiling() {
+                p.add(
+                    format!("{path}.max_data_class"),
+                    format!(
+                        "an instance at location {:?} may receive at most {:?} data",
+                        l.as_str(),
+                        l.class_ceiling().as_str()
+                    ),
+                );
+            }
+            Some(c)
+        }
+        _ => None,
+    };
+    if location == Some(Location::Cloud) && !allow_cloud {
+        p.add(
+            format!("{path}.location"),
+            "a cloud instance needs routing.allow_cloud = true (data leaves the machine)",
+        );
+    }
+    if !(e.cost_per_1k_tokens.is_finite() && e.cost_per_1k_tokens >= 0.0) {
+        p.add(format!("{path}.cost_per_1k_tokens"), "must be a number, 0 or more");
+    }
     let memory_budget_bytes = match e.memory_budget_mb {
         None => Some(None),
         Some(mb) => mebibytes(&format!("{path}.memory_budget_mb"), mb, p).map(Some),
@@ -424,7 +544,9 @@ fn engine(name: &str, e: RawEngine, env: &[(String, String)], p: &mut Problems) 
         connect_timeout: Duration::from_millis(e.connect_timeout_ms),
         stream: e.stream,
         keep_alive: e.keep_alive,
-        local: e.local,
+        location: location?,
+        max_data_class: max_data_class?,
+        cost_per_1k_tokens: e.cost_per_1k_tokens,
         reserved_realtime_slots: e.reserved_realtime_slots,
         exclusive: e.exclusive,
         memory_budget_bytes: memory_budget_bytes?,
@@ -434,6 +556,7 @@ fn engine(name: &str, e: RawEngine, env: &[(String, String)], p: &mut Problems) 
 fn models(
     raw: BTreeMap<String, RawModel>,
     engine_names: &BTreeSet<String>,
+    model_names: &BTreeSet<String>,
     default_queue_capacity: usize,
     p: &mut Problems,
 ) -> Entries<ModelConfig> {
@@ -442,7 +565,7 @@ fn models(
     }
     raw.into_iter()
         .map(|(name, m)| {
-            let model = model(&name, m, engine_names, default_queue_capacity, p);
+            let model = model(&name, m, engine_names, model_names, default_queue_capacity, p);
             (name, model)
         })
         .collect()
@@ -452,6 +575,7 @@ fn model(
     name: &str,
     m: RawModel,
     engine_names: &BTreeSet<String>,
+    model_names: &BTreeSet<String>,
     default_queue_capacity: usize,
     p: &mut Problems,
 ) -> Option<ModelConfig> {
@@ -490,6 +614,16 @@ fn model(
         (None, None) => Some(0),
     };
     let weights_bytes = mebibytes(&format!("{path}.weights_mb"), m.weights_mb, p);
+    for (i, f) in m.fallback_models.iter().enumerate() {
+        if f == name {
+            p.add(format!("{path}.fallback_models[{i}]"), "a model cannot be its own fallback");
+        } else if !model_names.contains(f) {
+            p.add(format!("{path}.fallback_models[{i}]"), format!("no model named {f:?} in [models]"));
+        }
+    }
+    if m.canned_answer.as_ref().is_some_and(|a| a.trim().is_empty()) {
+        p.add(format!("{path}.canned_answer"), "must not be empty (leave it out for none)");
+    }
     Some(ModelConfig {
         name: name.to_string(),
         instances: instances?,
@@ -501,6 +635,8 @@ fn model(
         kv_bytes_per_token: kv_bytes_per_token?,
         weights_bytes: weights_bytes?,
         memory_margin: m.memory_margin_percent / 100.0,
+        fallback_models: m.fallback_models,
+        canned_answer: m.canned_answer,
     })
 }
 

@@ -72,6 +72,8 @@ impl Gateway {
                 default_priority: app.default_priority,
                 is_admin: app.admin,
                 credential: None,
+                // The class the task was admitted under is in its routing.
+                data_class: None,
             },
             ingress,
             logical_model: model.name.clone(),
@@ -83,6 +85,8 @@ impl Gateway {
             session_id: r.session_id.clone(),
             idempotency_key: r.idempotency_key.clone(),
             routing: r.routing.clone(),
+            data_class: crate::admission::data_class(&self.config, &app.tenant, Some(app), None, &r.routing),
+            allow_smaller_model: r.routing.allow_smaller_model || app.allow_smaller_model,
             metadata: r.metadata.clone(),
             input_tokens_estimate: r.input_tokens_estimate,
             prompt_sha256: r.prompt_sha256.clone(),

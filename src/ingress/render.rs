@@ -34,6 +34,9 @@ pub fn event_json(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
             if let Some(ms) = error.retry_after_ms {
                 v["retry_after_ms"] = ms.into();
             }
+            if error.partial {
+                v["partial"] = true.into();
+            }
             v
         }
     }

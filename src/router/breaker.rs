@@ -22,9 +22,10 @@ use std::time::{Duration, Instant};
 /// stable rate and p95, small enough that a p95 costs microseconds.
 const WINDOW_CAP: usize = 1024;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum BreakerState {
+    #[default]
     Closed,
     Open,
     HalfOpen,

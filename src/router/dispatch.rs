@@ -1,7 +1,10 @@
 //! Dispatch: opening the engine stream for a task that holds a slot, and
 //! what a client is told when the engine fails.
 //!
-//! Owns: the resend-before-any-answer rule and the mapping of
+//! Owns: the resend-before-any-answer rule, which failures may be retried
+//! on another attempt (before the first token only; the driver decides
+//! whether to, within the task's deadlines and the retry budget), what
+//! each outcome tells the instance's breaker, and the mapping of
 //! [`EngineError`]s to public codes. Does not own: deadlines (the driver
 //! races [`Router::open`] and the stream against them) or which instance
 //! (the slot names it).
@@ -10,6 +13,7 @@
 //! Dropping the future of [`Router::open`] drops the engine's HTTP request,
 //! which is how the engine learns the client is gone.
 
+use super::breaker::Attempt;
 use super::Router;
 use crate::engine::{truncate, EngineError, EngineRequest, EngineStream};
 use crate::error::{ErrorCode, GatewayError};
@@ -20,6 +24,11 @@ use crate::error::{ErrorCode, GatewayError};
 pub struct DispatchError {
     pub error: GatewayError,
     pub reason: String,
+    /// Another attempt (elsewhere, or later) may succeed, and no output
+    /// reached the client: connection refused or lost, 5xx, 429, a stream
+    /// that ended before its first token. Never a 4xx or anything after
+    /// the first token.
+    pub retryable: Option<&'static str>,
 }
 
 impl Router {
@@ -30,6 +39,7 @@ impl Router {
     /// the connection close, as it does for any disconnect, so nothing runs
     /// twice. Nothing else is sent again here.
     pub async fn open(&self, i: usize, req: &EngineRequest) -> Result<EngineStream, DispatchError> {
+        self.attempt_started(i);
         let engine = &self.instance(i).engine;
         let first = match engine.stream(req).await {
             Ok(s) => return Ok(s),
@@ -58,17 +68,47 @@ impl Router {
         if e.is_unreachable() {
             self.request_recheck(i);
         }
-        let error = if e.is_unreachable() && !mid_stream {
-            GatewayError::new(ErrorCode::ModelUnavailable, "the model's engine is not reachable").with_retry_after(2000)
-        } else {
-            GatewayError::internal(if mid_stream {
-                "the engine failed while generating"
-            } else {
-                "the engine refused the request"
-            })
+        // What it tells the breaker: a 4xx is the request's fault, not the
+        // instance's (a 429 is the instance's: it is overloaded).
+        let attempt = match &e {
+            EngineError::Status { status, body } if *status >= 500 && out_of_memory(body) => Some(Attempt::OutOfMemory),
+            EngineError::Remote(text) if out_of_memory(text) => Some(Attempt::OutOfMemory),
+            EngineError::Status { status, .. } if *status < 500 && *status != 429 => None,
+            _ => Some(Attempt::Failure),
         };
-        DispatchError { error, reason: format!("engine error: {}", truncate(&e.to_string(), 200)) }
+        match attempt {
+            Some(a) => self.attempt_ended(i, a),
+            None => self.attempt_abandoned(i),
+        }
+        let retryable = if mid_stream {
+            None
+        } else {
+            match &e {
+                EngineError::Unreachable(_) | EngineError::ConnectionLost(_) => Some("unreachable"),
+                EngineError::Status { status: 429, .. } => Some("engine_429"),
+                EngineError::Status { status, .. } if *status >= 500 => Some("engine_5xx"),
+                EngineError::Truncated => Some("truncated"),
+                _ => None,
+            }
+        };
+        let error = if mid_stream {
+            GatewayError::internal("the engine failed while generating; the output is partial").with_partial()
+        } else if e.is_unreachable() {
+            GatewayError::new(ErrorCode::ModelUnavailable, "the model's engine is not reachable").with_retry_after(2000)
+        } else if matches!(e, EngineError::Status { status: 429, .. }) {
+            GatewayError::new(ErrorCode::ModelUnavailable, "the model's engine is overloaded").with_retry_after(2000)
+        } else {
+            GatewayError::internal("the engine refused the request")
+        };
+        DispatchError { error, reason: format!("engine error: {}", truncate(&e.to_string(), 200)), retryable }
     }
+}
+
+/// Whether an engine's error text says it ran out of memory (llama.cpp,
+/// vLLM and CUDA say it in so many words).
+fn out_of_memory(text: &str) -> bool {
+    let t = text.to_ascii_lowercase();
+    t.contains("out of memory") || t.contains("failed to allocate") || t.contains("oom")
 }
 
 #[cfg(test)]

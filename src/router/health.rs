@@ -53,12 +53,20 @@ pub(super) async fn probe_loop(
                 _ = cancel.cancelled() => return,
                 l = engine.load() => l,
             };
-            sink(InstanceEvent::Load { instance: index, load, model_resident: h.model_resident });
+            let (error_rate, ttft_p95_ms) = router.measured(index);
+            sink(InstanceEvent::Load {
+                instance: index,
+                load,
+                model_resident: h.model_resident,
+                error_rate,
+                ttft_p95_ms,
+            });
             show_kv_cache_usage(&metrics, engine.name(), load.kv_cache_usage);
         } else {
             // A down engine's last reading is stale.
             show_kv_cache_usage(&metrics, engine.name(), None);
         }
+        router.probe_verdict(index, h.up);
         let now_up = if h.up {
             failures = 0;
             true
@@ -116,6 +124,7 @@ mod tests {
                 assert_eq!(load.busy_slots, Some(1));
                 loads_seen.fetch_add(1, Ordering::SeqCst);
             }
+            InstanceEvent::Breaker { .. } => {}
         });
         let cancel = CancellationToken::new();
         let task = tokio::spawn(probe_loop(router, 0, Arc::new(Metrics::new()), sink, cancel.clone()));

@@ -3,12 +3,15 @@
 //! Owns: the engine instances (their adapters, as built from the config);
 //! their health probes (`health.rs`), which decide when an instance is up
 //! or down and pass that, with what the engine says of its load, to the
-//! scheduler that dispatches on it; the choice of
-//! instance for a task ([`pick`], called by the scheduler's policy); and
-//! dispatch (`dispatch.rs`): opening the engine stream, sending a request
-//! once more when its connection broke before any answer, and turning an
-//! engine's failure into the public error code a client sees. Circuit
-//! breakers and residency join the instance state here.
+//! scheduler that dispatches on it; a circuit breaker per instance
+//! ([`breaker`]), fed by every attempt's outcome and by the probes, whose
+//! state changes go to the scheduler the same way; the global retry budget
+//! ([`budget`]); the choice of instance for a task ([`pick`], called by the
+//! scheduler's policy); and dispatch (`dispatch.rs`): opening the engine
+//! stream, sending a request once more when its connection broke before
+//! any answer, telling which failures may be retried elsewhere, and turning
+//! an engine's failure into the public error code a client sees.
+//! Residency joins the instance state here.
 //!
 //! Does not own: queues and slots (the scheduler grants a slot on an
 //! instance, then calls [`Router::open`]), deadlines and the task's life
@@ -22,16 +25,18 @@ mod dispatch;
 mod health;
 mod pick;
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::Config;
+use crate::config::{Config, RoutingConfig};
 use crate::engine::{self, Engine, EngineLoad};
 use crate::telemetry::Metrics;
+use breaker::{Attempt, Breaker, BreakerSettings, BreakerState, Transition};
+use budget::{RetryBudget, RetryBudgetSettings};
 
 pub use dispatch::DispatchError;
 pub use pick::{any_up, pick, InstanceView};
@@ -59,8 +64,12 @@ pub enum InstanceEvent {
     /// tasks).
     Health { instance: usize, up: bool, detail: String },
     /// What a healthy engine said about itself at a probe: its load and,
-    /// where it tells, whether its model is in memory.
-    Load { instance: usize, load: EngineLoad, model_resident: Option<bool> },
+    /// where it tells, whether its model is in memory; with what its
+    /// breaker measured of recent attempts (failure ratio, p95 time to
+    /// first token), for the routing decision.
+    Load { instance: usize, load: EngineLoad, model_resident: Option<bool>, error_rate: f64, ttft_p95_ms: Option<u64> },
+    /// The instance's circuit breaker changed state, and why.
+    Breaker { instance: usize, state: BreakerState, reason: String },
 }
 
 /// Where instance events go (the scheduler's actor).
@@ -71,6 +80,24 @@ pub struct Router {
     /// Probes wait on these to re-check an instance at once (after an
     /// engine request failed to connect).
     recheck: Vec<Notify>,
+    breakers: Vec<Mutex<Breaker>>,
+    budget: RetryBudget,
+    /// Engine attempts per task, the first included, and the first back-off
+    /// before the same instance is tried again.
+    pub max_attempts: u32,
+    pub retry_backoff: Duration,
+    /// Where breaker changes go, with what runs their cool-down timers;
+    /// set by [`Router::start_probes`].
+    wiring: OnceLock<Wiring>,
+    /// The router itself, for the cool-down timers it spawns.
+    me: OnceLock<std::sync::Weak<Router>>,
+}
+
+struct Wiring {
+    sink: InstanceSink,
+    metrics: Arc<Metrics>,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
 }
 
 impl Router {
@@ -89,12 +116,41 @@ impl Router {
                 health_interval: e.health_interval,
             });
         }
-        Ok(Router::new(instances))
+        Ok(Router::with_routing(instances, &config.routing))
     }
 
+    /// A router with the default `[routing]` settings.
     pub fn new(instances: Vec<Instance>) -> Router {
+        Router::with_routing(instances, &RoutingConfig::default())
+    }
+
+    pub fn with_routing(instances: Vec<Instance>, r: &RoutingConfig) -> Router {
         let recheck = instances.iter().map(|_| Notify::new()).collect();
-        Router { instances, recheck }
+        let b = &r.breaker;
+        let settings = BreakerSettings {
+            consecutive_failures: b.consecutive_failures,
+            error_rate: b.error_rate,
+            min_requests: b.min_requests,
+            window: b.window,
+            ttft_p95: b.ttft_p95,
+            cooldown: b.cooldown,
+        };
+        let breakers = instances.iter().map(|_| Mutex::new(Breaker::new(settings.clone()))).collect();
+        let budget = RetryBudget::new(RetryBudgetSettings {
+            ratio: r.retry_budget_ratio,
+            window: r.retry_budget_window,
+            min_per_window: r.retry_budget_min,
+        });
+        Router {
+            instances,
+            recheck,
+            breakers,
+            budget,
+            max_attempts: r.max_attempts,
+            retry_backoff: r.retry_backoff,
+            wiring: OnceLock::new(),
+            me: OnceLock::new(),
+        }
     }
 
     pub fn instances(&self) -> &[Instance] {
@@ -117,8 +173,113 @@ impl Router {
         self.instances[i].engine.load().await.busy_slots
     }
 
+    /// Counts a task's first attempt (the retry budget is a share of
+    /// them).
+    pub fn on_request(&self) {
+        self.budget.on_request(Instant::now());
+    }
+
+    /// Takes one retry from the global budget, if any is left.
+    pub fn try_retry(&self) -> bool {
+        self.budget.try_retry(Instant::now())
+    }
+
+    /// The breaker's state of instance `i`.
+    pub fn breaker_state(&self, i: usize) -> BreakerState {
+        self.breaker(i).state()
+    }
+
+    /// An attempt is about to be sent to instance `i`: a half-open breaker
+    /// lets it through as its one trial (the scheduler grants a half-open
+    /// instance to one task at a time).
+    pub fn attempt_started(&self, i: usize) {
+        let mut b = self.breaker(i);
+        if b.state() == BreakerState::HalfOpen {
+            b.try_trial();
+        }
+    }
+
+    /// An attempt on instance `i` ended before it could tell anything (the
+    /// task was cancelled or preempted before the first token): a trial it
+    /// held is given back.
+    pub fn attempt_abandoned(&self, i: usize) {
+        self.breaker(i).end_trial();
+    }
+
+    /// What an attempt on instance `i` came to, for its breaker.
+    pub fn attempt_ended(&self, i: usize, attempt: Attempt) {
+        let t = self.breaker(i).record(Instant::now(), attempt);
+        if let Some(t) = t {
+            self.breaker_changed(i, t);
+        }
+    }
+
+    /// A health probe's verdict on instance `i`, for its breaker.
+    fn probe_verdict(&self, i: usize, up: bool) {
+        let t = self.breaker(i).probe(Instant::now(), up);
+        if let Some(t) = t {
+            self.breaker_changed(i, t);
+        }
+    }
+
+    /// Recent failure ratio and p95 time to first token (ms) of instance
+    /// `i`.
+    fn measured(&self, i: usize) -> (f64, Option<u64>) {
+        let now = Instant::now();
+        let b = self.breaker(i);
+        (b.error_rate(now), b.ttft_p95(now).map(|d| d.as_millis() as u64))
+    }
+
+    fn breaker(&self, i: usize) -> std::sync::MutexGuard<'_, Breaker> {
+        // A panic while holding it cannot leave a half-made state: every
+        // method finishes its change before it returns.
+        self.breakers[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Logs, counts and passes on a breaker's change; an opened breaker
+    /// gets a timer that half-opens it after its cool-down, so traffic
+    /// returns without an operator.
+    fn breaker_changed(self: &Router, i: usize, t: Transition) {
+        let name = &self.instances[i].name;
+        match t.to {
+            BreakerState::Open => {
+                tracing::warn!(engine = %name, from = t.from.as_str(), reason = %t.reason, "circuit breaker opened")
+            }
+            _ => {
+                tracing::info!(engine = %name, from = t.from.as_str(), to = t.to.as_str(), reason = %t.reason, "circuit breaker changed")
+            }
+        }
+        let Some(w) = self.wiring.get() else { return };
+        w.metrics.breaker_state.with_label_values(&[name]).set(t.to.gauge());
+        w.metrics.breaker_transitions.with_label_values(&[name, t.to.as_str()]).inc();
+        (w.sink)(InstanceEvent::Breaker { instance: i, state: t.to, reason: t.reason });
+        if t.to == BreakerState::Open {
+            if let Some(at) = self.breaker(i).reopens_at() {
+                let me = self.self_ref();
+                let shutdown = w.shutdown.clone();
+                w.tracker.spawn(async move {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => {}
+                        _ = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
+                            if let Some(me) = me.and_then(|w| w.upgrade()) {
+                                let t = me.breaker(i).poll(Instant::now());
+                                if let Some(t) = t {
+                                    me.breaker_changed(i, t);
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        }
+    }
+
+    fn self_ref(&self) -> Option<std::sync::Weak<Router>> {
+        self.me.get().cloned()
+    }
+
     /// Starts one health probe per instance on `tracker`; each stops with
-    /// `shutdown`. Changes go to `sink`.
+    /// `shutdown`. Changes (health, load, breakers) go to `sink`.
     pub fn start_probes(
         self: &Arc<Self>,
         tracker: &TaskTracker,
@@ -126,6 +287,16 @@ impl Router {
         metrics: Arc<Metrics>,
         sink: InstanceSink,
     ) {
+        let _ = self.me.set(Arc::downgrade(self));
+        let _ = self.wiring.set(Wiring {
+            sink: sink.clone(),
+            metrics: metrics.clone(),
+            tracker: tracker.clone(),
+            shutdown: shutdown.clone(),
+        });
+        for inst in &self.instances {
+            metrics.breaker_state.with_label_values(&[&inst.name]).set(BreakerState::Closed.gauge());
+        }
         for i in 0..self.instances.len() {
             tracker.spawn(health::probe_loop(self.clone(), i, metrics.clone(), sink.clone(), shutdown.child_token()));
         }

@@ -14,12 +14,23 @@ use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::sleep_until;
 
+use super::policy::Passed;
+use super::preempt::Preempt;
 use super::registry::TaskLog;
-use super::{terminal_state_for, CancelHandle, Cmd, Shared, SlotGrant};
+use super::{terminal_state_for, CancelHandle, Cmd, Shared, SlotGrant, SlotLease};
 use crate::engine::{EngineChunk, EngineRequest};
 use crate::error::{ErrorCode, GatewayError};
+use crate::router::breaker::Attempt;
 use crate::router::DispatchError;
-use crate::task::{ResultMeta, TaskEvent, TaskRequest, TaskState, Timing, Usage};
+use crate::task::{FallbackStep, ResultMeta, Route, RouteHop, TaskEvent, TaskRequest, TaskState, Timing, Usage};
+
+/// The outcome of a time limit that passed.
+fn timeout_outcome(code: ErrorCode, what: &str) -> Outcome {
+    Outcome {
+        error: Some((GatewayError::new(code, format!("{what} exceeded")), "gateway")),
+        reason: format!("{} ({what})", code.as_str()),
+    }
+}
 
 pub(super) struct Driver {
     pub req: TaskRequest,
@@ -31,13 +42,37 @@ pub(super) struct Driver {
     /// replays after a restart).
     pub keep_text: bool,
     /// The reason recorded with QUEUED.
-    pub queued_reason: &'static str,
+    pub queued_reason: String,
+    /// Where admission put the task in its fallback chain.
+    pub admission: Admitted,
+    /// How the scheduler asks it to give its slot to a P0 task.
+    pub preempt: Arc<Preempt>,
+}
+
+/// The step of the fallback chain admission chose.
+pub(super) struct Admitted {
+    pub step: FallbackStep,
+    /// The logical model it waits for (a smaller one after a fallback).
+    pub model: String,
+    /// Steps passed over, and why.
+    pub passed: Vec<Passed>,
 }
 
 /// How a run ended, before it is turned into a terminal state.
 struct Outcome {
     error: Option<(GatewayError, &'static str)>,
     reason: String,
+}
+
+/// How one engine attempt ended.
+enum AttemptEnd {
+    /// The task is over (succeeded, failed for good, cancelled, timed out).
+    Over(Outcome),
+    /// It failed before any output reached the client, in a way another
+    /// attempt may not (see [`DispatchError::retryable`]).
+    Retry { error: DispatchError, label: &'static str },
+    /// A P0 task took its slot before any output went out.
+    Preempted,
 }
 
 /// Progress of a task, for timing and the result.
@@ -54,6 +89,23 @@ struct Progress {
     /// The instance the task ran on (the router's index), for the
     /// post-cancel grace check.
     instance_index: Option<usize>,
+    /// Engine attempts made, and the route so far.
+    attempts: u32,
+    hops: Vec<RouteHop>,
+    /// The logical model and step that answered (or last tried).
+    model: Option<String>,
+    step: Option<FallbackStep>,
+}
+
+impl Progress {
+    fn hop(&mut self, step: FallbackStep, model: &str, instance: Option<&str>, reason: impl Into<String>) {
+        self.hops.push(RouteHop {
+            step,
+            model: model.to_string(),
+            instance: instance.map(str::to_string),
+            reason: reason.into(),
+        });
+    }
 }
 
 impl Driver {
@@ -66,7 +118,14 @@ impl Driver {
     pub async fn run(self, grant: oneshot::Receiver<SlotGrant>) {
         let id = self.req.task_id.clone();
         let mut p = Progress::default();
-        let outcome = self.run_phases(grant, &mut p).await;
+        for passed in &self.admission.passed {
+            p.hop(passed.step, &self.req.logical_model, None, format!("passed over: {}", passed.detail));
+        }
+        let outcome = if self.admission.step == FallbackStep::Canned {
+            self.canned(&mut p)
+        } else {
+            self.run_phases(grant, &mut p).await
+        };
         let stopped_early =
             outcome.error.as_ref().is_some_and(|(e, _)| e.code == ErrorCode::RequestCancelled || e.code.is_timeout());
         let router = &self.shared.router;
@@ -94,67 +153,200 @@ impl Driver {
     /// tells about the task (an HTTP 202, an MQTT `accepted`) finds it
     /// `QUEUED` at least.
     pub fn accept(&self) {
-        self.shared.recorder.transition(&self.req, TaskState::Queued, self.queued_reason, None, "scheduler");
+        self.shared.recorder.transition(&self.req, TaskState::Queued, &self.queued_reason, None, "scheduler");
     }
 
-    async fn run_phases(&self, grant: oneshot::Receiver<SlotGrant>, p: &mut Progress) -> Outcome {
+    /// The model's configured answer, when no engine step could take the
+    /// task: streamed like an engine's, marked degraded.
+    fn canned(&self, p: &mut Progress) -> Outcome {
+        let r = &self.req;
+        let text =
+            self.shared.config.models.get(&r.logical_model).and_then(|m| m.canned_answer.clone()).unwrap_or_default();
+        let now = Instant::now();
+        p.dispatched_at = Some(now);
+        p.model = Some(self.admission.model.clone());
+        p.step = Some(FallbackStep::Canned);
+        p.hop(FallbackStep::Canned, &r.logical_model, None, "no engine step could take the request");
+        self.shared.recorder.transition(r, TaskState::Dispatching, "canned answer", None, "scheduler");
+        self.shared.recorder.transition(r, TaskState::Running, "canned answer", None, "scheduler");
+        self.shared.recorder.transition(r, TaskState::Streaming, "canned answer", None, "scheduler");
+        p.first_token_at = Some(Instant::now());
+        // No engine counted it: about 3.5 bytes per token, as admission
+        // estimates prompts, reported as estimated.
+        p.deltas = (text.len() as u64 * 2).div_ceil(7) as u32;
+        if self.keep_text {
+            p.text.push_str(&text);
+        }
+        self.log.push(TaskEvent::Delta { text });
+        p.finish_reason = Some("stop".into());
+        Outcome { error: None, reason: "finished (canned answer)".into() }
+    }
+
+    async fn run_phases(&self, mut grant: oneshot::Receiver<SlotGrant>, p: &mut Progress) -> Outcome {
         let r = &self.req;
         let t = r.timeouts;
         let total_deadline = tokio::time::Instant::from_std(r.received_at + t.total);
         let queue_raw = tokio::time::Instant::now() + t.queue;
-        let queue_deadline = queue_raw.min(total_deadline);
-        let timeout_of = |code: ErrorCode, what: &str| Outcome {
-            error: Some((GatewayError::new(code, format!("{what} exceeded")), "gateway")),
-            reason: format!("{} ({what})", code.as_str()),
-        };
+        let mut wait_deadline = queue_raw.min(total_deadline);
+        let router = self.shared.router.clone();
+        router.on_request();
+        // The instance each failed attempt ran on, for the back-off.
+        let mut failed_on: Vec<usize> = Vec::new();
+        loop {
+            // Phase 1: wait in the queue for a slot.
+            let mut lease = match self.wait_for_slot(grant, wait_deadline, queue_raw, total_deadline).await {
+                Ok(lease) => lease,
+                Err(outcome) => return outcome,
+            };
+            // The same instance again after a failure: back off first.
+            let tries_here = failed_on.iter().filter(|&&i| i == lease.instance).count() as u32;
+            if tries_here > 0 {
+                let base = router.retry_backoff.saturating_mul(1 << tries_here.min(6).saturating_sub(1));
+                // Up to half again, so retries of many tasks spread out.
+                let jitter = base.mul_f64((uuid::Uuid::new_v4().as_u128() % 1000) as f64 / 2000.0);
+                tokio::select! {
+                    biased;
+                    _ = self.cancel.token.cancelled() => return self.cancelled(),
+                    _ = sleep_until(total_deadline) => return timeout_outcome(ErrorCode::TotalTimeout, "total time limit"),
+                    _ = tokio::time::sleep(base + jitter) => {}
+                }
+            }
+            p.attempts += 1;
+            let instance = lease.instance;
+            match self.attempt(&mut lease, p, total_deadline).await {
+                AttemptEnd::Over(outcome) => return outcome,
+                AttemptEnd::Retry { error, label } => {
+                    let exhausted = p.attempts >= router.max_attempts;
+                    let refused = !exhausted && !router.try_retry();
+                    if exhausted || refused {
+                        if refused {
+                            self.shared.metrics.retries_refused.with_label_values(&[&r.logical_model]).inc();
+                        }
+                        let why = if refused { "the retry budget is spent" } else { "no attempts left" };
+                        let mut e = error;
+                        e.reason = format!("{} (not retried: {why})", e.reason);
+                        return self.engine_failed(&lease.instance_name, e);
+                    }
+                    self.shared.metrics.retries.with_label_values(&[&r.logical_model, label]).inc();
+                    failed_on.push(instance);
+                    let reason = format!(
+                        "retry after attempt {} failed on {}: {}",
+                        p.attempts, lease.instance_name, error.reason
+                    );
+                    tracing::info!(task_id = %r.task_id, engine = %lease.instance_name, error = %error.reason, "engine attempt failed before the first token; retrying");
+                    grant = self.requeue(lease, Some(instance), &reason);
+                }
+                AttemptEnd::Preempted => {
+                    let by = self.preempt.by().unwrap_or_default();
+                    let model = lease.model.clone();
+                    self.shared.metrics.preemptions.with_label_values(&[&model, r.priority.as_str()]).inc();
+                    let reason = format!("preempted on {} for P0 task {by}", lease.instance_name);
+                    p.hop(lease.step, &model, Some(&lease.instance_name), reason.clone());
+                    grant = self.requeue(lease, None, &reason);
+                }
+            }
+            // A re-queued task waits within its total time limit only.
+            wait_deadline = total_deadline;
+        }
+    }
 
-        // Phase 1: wait in the queue for a slot.
-        let mut lease = tokio::select! {
+    /// Waits for a slot until `deadline`.
+    async fn wait_for_slot(
+        &self,
+        grant: oneshot::Receiver<SlotGrant>,
+        deadline: tokio::time::Instant,
+        queue_raw: tokio::time::Instant,
+        total_deadline: tokio::time::Instant,
+    ) -> Result<SlotLease, Outcome> {
+        tokio::select! {
             biased;
             _ = self.cancel.token.cancelled() => {
                 self.withdraw();
-                return self.cancelled();
+                Err(self.cancelled())
             }
             g = grant => match g {
-                Ok(Ok(lease)) => lease,
+                Ok(Ok(lease)) => Ok(lease),
                 // Withdrawn by the scheduler (no healthy instance left).
                 Ok(Err(e)) => {
                     let reason = e.message.clone();
-                    return Outcome { error: Some((e, "scheduler")), reason };
+                    Err(Outcome { error: Some((e, "scheduler")), reason })
                 }
-                Err(_) => {
-                    return Outcome {
-                        error: Some((GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000), "gateway")),
-                        reason: "scheduler stopped".into(),
-                    };
-                }
+                Err(_) => Err(Outcome {
+                    error: Some((GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000), "gateway")),
+                    reason: "scheduler stopped".into(),
+                }),
             },
-            _ = sleep_until(queue_deadline) => {
+            _ = sleep_until(deadline) => {
                 self.withdraw();
-                return if queue_deadline == total_deadline && queue_raw != total_deadline {
-                    timeout_of(ErrorCode::TotalTimeout, "total time limit")
+                Err(if deadline == total_deadline && queue_raw != total_deadline {
+                    timeout_outcome(ErrorCode::TotalTimeout, "total time limit")
                 } else {
-                    timeout_of(ErrorCode::QueueTimeout, "queue wait limit")
-                };
+                    timeout_outcome(ErrorCode::QueueTimeout, "queue wait limit")
+                })
             }
-        };
+        }
+    }
 
+    /// Gives the slot back and puts the task at the front of its queue
+    /// again, recording why; returns where its next slot will come.
+    fn requeue(&self, mut lease: SlotLease, avoid: Option<usize>, reason: &str) -> oneshot::Receiver<SlotGrant> {
+        let r = &self.req;
+        self.shared.recorder.transition(r, TaskState::Queued, reason, Some(&lease.instance_name), "scheduler");
+        self.preempt.reset();
+        let (tx, rx) = oneshot::channel();
+        lease.disarm();
+        let _ = self.tx.send(Cmd::Requeue {
+            task_id: r.task_id.clone(),
+            avoid,
+            grant: tx,
+            log: self.log.clone(),
+            preempt: self.preempt.clone(),
+        });
+        rx
+    }
+
+    /// One engine attempt on the slot `lease` names.
+    async fn attempt(
+        &self,
+        lease: &mut SlotLease,
+        p: &mut Progress,
+        total_deadline: tokio::time::Instant,
+    ) -> AttemptEnd {
+        let r = &self.req;
+        let t = r.timeouts;
+        let router = &self.shared.router;
+        if self.preempt.is_preempted() {
+            return AttemptEnd::Preempted;
+        }
         // Phase 2: dispatch to the engine.
         let now = Instant::now();
-        p.dispatched_at = Some(now);
+        if p.dispatched_at.is_none() {
+            let labels = [r.logical_model.as_str(), r.priority.as_str()];
+            self.shared.metrics.queue_wait.with_label_values(&labels).observe(r.received_at.elapsed().as_secs_f64());
+        }
+        p.dispatched_at.get_or_insert(now);
         p.instance = Some(lease.instance_name.clone());
         p.instance_index = Some(lease.instance);
         p.actual_model = Some(format!("{}/{}", lease.instance_name, lease.engine_model));
-        let labels = [r.logical_model.as_str(), r.priority.as_str()];
-        self.shared.metrics.queue_wait.with_label_values(&labels).observe(r.received_at.elapsed().as_secs_f64());
+        p.model = Some(lease.model.clone());
+        p.step = Some(lease.step);
+        for passed in std::mem::take(&mut lease.passed) {
+            p.hop(passed.step, &r.logical_model, None, format!("passed over: {}", passed.detail));
+        }
+        let picked = format!("picked by {}", lease.decided_by);
+        p.hop(lease.step, &lease.model, Some(&lease.instance_name), picked.clone());
+        let mut dispatch_reason = format!("slot granted ({}, {picked})", lease.step.as_str());
+        if p.attempts > 1 {
+            dispatch_reason = format!("{dispatch_reason}, attempt {}", p.attempts);
+        }
         self.shared.recorder.transition(
             r,
             TaskState::Dispatching,
-            "slot granted",
+            &dispatch_reason,
             Some(&lease.instance_name),
             "scheduler",
         );
-        if r.idempotency_key.is_some() {
+        if r.idempotency_key.is_some() && p.attempts == 1 {
             self.shared.recorder.store().started(&r.task_id);
         }
         let now_t = tokio::time::Instant::from_std(now);
@@ -166,13 +358,29 @@ impl Driver {
         // ties because it is the one the caller can least extend.
         let deadline_code = |d: tokio::time::Instant, first: bool| {
             if d == total_deadline {
-                timeout_of(ErrorCode::TotalTimeout, "total time limit")
+                timeout_outcome(ErrorCode::TotalTimeout, "total time limit")
             } else if first && d == first_token_raw {
-                timeout_of(ErrorCode::FirstTokenTimeout, "first token time limit")
+                timeout_outcome(ErrorCode::FirstTokenTimeout, "first token time limit")
             } else if d == inference_raw {
-                timeout_of(ErrorCode::InferenceTimeout, "inference time limit")
+                timeout_outcome(ErrorCode::InferenceTimeout, "inference time limit")
             } else {
-                timeout_of(ErrorCode::IdleTimeout, "time limit between tokens")
+                timeout_outcome(ErrorCode::IdleTimeout, "time limit between tokens")
+            }
+        };
+        // A first-token limit (not the total) that passes before any output
+        // is a failure of this attempt that another may not repeat.
+        let first_token_timeout = |d: tokio::time::Instant| -> AttemptEnd {
+            router.attempt_ended(lease.instance, Attempt::Failure);
+            let outcome = deadline_code(d, true);
+            if d == first_token_raw && d != total_deadline {
+                let error = DispatchError {
+                    error: outcome.error.clone().map(|(e, _)| e).unwrap_or_else(|| GatewayError::internal("timeout")),
+                    reason: outcome.reason.clone(),
+                    retryable: Some("first_token_timeout"),
+                };
+                AttemptEnd::Retry { error, label: "first_token_timeout" }
+            } else {
+                AttemptEnd::Over(outcome)
             }
         };
 
@@ -184,17 +392,28 @@ impl Driver {
         };
         let mut stream = tokio::select! {
             biased;
-            _ = self.cancel.token.cancelled() => return self.cancelled(),
-            _ = sleep_until(first_token_deadline) => return deadline_code(first_token_deadline, true),
-            s = self.shared.router.open(lease.instance, &engine_req) => match s {
+            _ = self.cancel.token.cancelled() => {
+                router.attempt_abandoned(lease.instance);
+                return AttemptEnd::Over(self.cancelled());
+            }
+            _ = self.preempt.preempted() => {
+                router.attempt_abandoned(lease.instance);
+                return AttemptEnd::Preempted;
+            }
+            _ = sleep_until(first_token_deadline) => return first_token_timeout(first_token_deadline),
+            s = router.open(lease.instance, &engine_req) => match s {
                 Ok(s) => s,
-                Err(e) => return self.engine_failed(&lease.instance_name, e),
+                Err(e) => return match e.retryable {
+                    Some(label) => AttemptEnd::Retry { error: e, label },
+                    None => AttemptEnd::Over(self.engine_failed(&lease.instance_name, e)),
+                },
             },
         };
         self.shared.recorder.transition(r, TaskState::Running, "engine accepted", Some(&lease.instance_name), "engine");
 
         // Phase 3: stream tokens until the engine finishes.
         let mut last_token = now_t;
+        let mut first_of_attempt = true;
         loop {
             let (deadline, first) = match p.first_token_at {
                 None => (first_token_deadline, true),
@@ -204,11 +423,19 @@ impl Driver {
                 biased;
                 _ = self.cancel.token.cancelled() => {
                     drop(stream);
-                    return self.cancelled();
+                    if first {
+                        router.attempt_abandoned(lease.instance);
+                    }
+                    return AttemptEnd::Over(self.cancelled());
+                }
+                _ = self.preempt.preempted(), if first => {
+                    drop(stream);
+                    router.attempt_abandoned(lease.instance);
+                    return AttemptEnd::Preempted;
                 }
                 _ = sleep_until(deadline) => {
                     drop(stream);
-                    return deadline_code(deadline, first);
+                    return if first { first_token_timeout(deadline) } else { AttemptEnd::Over(deadline_code(deadline, false)) };
                 }
                 c = stream.next() => c,
             };
@@ -216,11 +443,20 @@ impl Driver {
                 Some(Ok(EngineChunk::Delta(text))) => {
                     last_token = tokio::time::Instant::now();
                     if p.first_token_at.is_none() {
+                        // The one moment output becomes the client's: from
+                        // here the task is not preempted any more.
+                        if !self.preempt.commit() {
+                            drop(stream);
+                            router.attempt_abandoned(lease.instance);
+                            return AttemptEnd::Preempted;
+                        }
                         p.first_token_at = Some(Instant::now());
+                        router.attempt_ended(lease.instance, Attempt::Success { ttft: now.elapsed() });
+                        first_of_attempt = false;
                         self.shared
                             .metrics
                             .first_token
-                            .with_label_values(&labels)
+                            .with_label_values(&[r.logical_model.as_str(), r.priority.as_str()])
                             .observe(r.received_at.elapsed().as_secs_f64());
                         self.shared.recorder.transition(
                             r,
@@ -245,17 +481,24 @@ impl Driver {
                 Some(Err(e)) => {
                     drop(stream);
                     let mid_stream = p.first_token_at.is_some();
-                    return self.engine_failed(
-                        &lease.instance_name,
-                        self.shared.router.stream_failed(lease.instance, e, mid_stream),
-                    );
+                    let d = router.stream_failed(lease.instance, e, mid_stream);
+                    return match d.retryable {
+                        Some(label) if !mid_stream => AttemptEnd::Retry { error: d, label },
+                        _ => AttemptEnd::Over(self.engine_failed(&lease.instance_name, d)),
+                    };
                 }
                 None => break,
             }
         }
         drop(stream);
-        drop(lease);
-        Outcome { error: None, reason: format!("finished ({})", p.finish_reason.as_deref().unwrap_or("stop")) }
+        if first_of_attempt {
+            // Finished without a token (an empty answer): still a success.
+            router.attempt_ended(lease.instance, Attempt::Success { ttft: now.elapsed() });
+        }
+        AttemptEnd::Over(Outcome {
+            error: None,
+            reason: format!("finished ({})", p.finish_reason.as_deref().unwrap_or("stop")),
+        })
     }
 
     fn withdraw(&self) {
@@ -290,6 +533,7 @@ impl Driver {
             }
             None => Usage::default(),
         };
+        let route_degraded = p.step.is_some_and(|s| s != FallbackStep::SameModel);
         let meta = ResultMeta {
             request_id: r.request_id.clone(),
             task_id: r.task_id.clone(),
@@ -309,8 +553,25 @@ impl Driver {
                 TaskState::Succeeded => Some(p.finish_reason.clone().unwrap_or_else(|| "stop".into())),
                 _ => None,
             },
-            degraded: r.degrade_reason.is_some(),
-            degrade_reason: r.degrade_reason.clone(),
+            degraded: r.degrade_reason.is_some() || route_degraded,
+            degrade_reason: r.degrade_reason.clone().or_else(|| {
+                route_degraded.then(|| {
+                    format!(
+                        "answered by fallback step {} ({})",
+                        p.step.map_or("busy", FallbackStep::as_str),
+                        p.model.as_deref().unwrap_or(&r.logical_model)
+                    )
+                })
+            }),
+            route: Route {
+                requested_model: r.logical_model.clone(),
+                model: p.model.clone(),
+                instance: p.instance.clone(),
+                attempts: p.attempts,
+                data_class: r.data_class,
+                hops: p.hops,
+                degraded: route_degraded,
+            },
         };
         let error_code = outcome.error.as_ref().map(|(e, _)| e.code.as_str());
         self.shared.recorder.finished(

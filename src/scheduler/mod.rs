@@ -22,6 +22,7 @@
 
 mod driver;
 pub mod policy;
+mod preempt;
 pub mod registry;
 
 use std::collections::HashMap;
@@ -34,11 +35,13 @@ use tokio_util::task::TaskTracker;
 use crate::config::Config;
 use crate::engine::EngineLoad;
 use crate::error::{ErrorCode, GatewayError};
+use crate::router::breaker::BreakerState;
 use crate::router::{InstanceEvent, Router};
-use crate::task::{Priority, TaskEvent, TaskRequest, TaskState};
+use crate::task::{FallbackStep, Priority, TaskEvent, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
-use policy::{Admission, Backpressure, InstancePolicy, ModelPolicy, Policy, PolicyConfig, TaskInfo};
+use policy::{Admission, Backpressure, InstancePolicy, ModelPolicy, Passed, Policy, PolicyConfig, TaskInfo};
+use preempt::Preempt;
 use registry::{Registry, Subscription, TaskEntry, TaskLog};
 
 /// Permission to run one task on one instance. Dropping it frees the slot.
@@ -48,10 +51,25 @@ pub struct SlotLease {
     pub instance: usize,
     pub instance_name: String,
     pub engine_model: String,
+    /// The logical model the task runs as (a smaller one after a fallback).
+    pub model: String,
+    /// The step of the fallback chain the slot belongs to.
+    pub step: FallbackStep,
+    /// What decided the instance among the step's candidates.
+    pub decided_by: &'static str,
+    /// Steps the task was moved past while it waited.
+    pub passed: Vec<Passed>,
     /// Output tokens the task produced (refunds its token-rate charge).
     pub output_tokens: u64,
     tx: mpsc::UnboundedSender<Cmd>,
     armed: bool,
+}
+
+impl SlotLease {
+    /// The slot is given back another way (a re-queue frees it).
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
 }
 
 impl Drop for SlotLease {
@@ -175,6 +193,17 @@ enum Cmd {
         reply: oneshot::Sender<Result<Admission, GatewayError>>,
         /// Where its `queued` position updates go.
         log: TaskLog,
+        preempt: Arc<Preempt>,
+    },
+    /// A running task goes back to the front of its queue: an attempt
+    /// failed before any output (`avoid`: the instance it failed on), or
+    /// it was preempted.
+    Requeue {
+        task_id: String,
+        avoid: Option<usize>,
+        grant: oneshot::Sender<SlotGrant>,
+        log: TaskLog,
+        preempt: Arc<Preempt>,
     },
     Withdraw {
         task_id: String,
@@ -196,6 +225,13 @@ enum Cmd {
         instance: usize,
         load: EngineLoad,
         model_resident: Option<bool>,
+        error_rate: f64,
+        ttft_p95_ms: Option<u64>,
+    },
+    Breaker {
+        instance: usize,
+        state: BreakerState,
+        reason: String,
     },
     /// A cancelled request's grace period is over: is the engine still busy?
     GraceCheck {
@@ -212,6 +248,10 @@ enum Cmd {
 pub struct Snapshot {
     pub instances: Vec<InstanceSnapshot>,
     pub queues: Vec<QueueSnapshot>,
+    /// 0 normal; 1 a primary instance is unavailable and alternates serve;
+    /// 2 only smaller models or canned answers remain for some model; 3
+    /// some model gets busy answers only.
+    pub degradation_level: u8,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -226,6 +266,12 @@ pub struct InstanceSnapshot {
     /// Whether that usage is at the high-water mark: new work then waits
     /// while the instance runs any of ours.
     pub kv_cache_full: bool,
+    pub location: &'static str,
+    /// Its circuit breaker: `CLOSED`, `OPEN` or `HALF_OPEN`, and why it is
+    /// in that state.
+    pub breaker: BreakerState,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub breaker_reason: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -278,6 +324,12 @@ pub fn start(
             kv_bytes_per_token: m.kv_bytes_per_token,
             weights_bytes: m.weights_bytes,
             memory_margin: m.memory_margin,
+            fallback_models: m
+                .fallback_models
+                .iter()
+                .filter_map(|f| config.models.keys().position(|k| k == f))
+                .collect(),
+            canned: m.canned_answer.is_some(),
         })
         .collect();
     let policy = Policy::new(PolicyConfig {
@@ -290,7 +342,9 @@ pub fn start(
                     max_concurrency: i.max_concurrency,
                     reserved_realtime_slots: e.reserved_realtime_slots,
                     memory_budget_bytes: e.memory_budget_bytes,
-                    local: e.local,
+                    location: e.location,
+                    max_data_class: e.max_data_class,
+                    cost: e.cost_per_1k_tokens,
                 }
             })
             .collect(),
@@ -305,6 +359,9 @@ pub fn start(
         },
         busy_retry_after_ms: config.scheduler.busy_retry_after_ms,
         kv_cache_high_water: config.kv_cache_high_water,
+        allow_cloud: config.routing.allow_cloud,
+        preemption: config.scheduler.preemption,
+        admit_at_level: config.routing.admit_at_level,
         models,
     });
     let shared = Arc::new(Shared {
@@ -319,6 +376,8 @@ pub fn start(
     let actor = Actor {
         model_index: config.models.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect(),
         details: instances.iter().map(|_| "not checked yet".to_string()).collect(),
+        breaker_reasons: instances.iter().map(|_| None).collect(),
+        running: HashMap::new(),
         router: router.clone(),
         policy,
         grants: HashMap::new(),
@@ -335,9 +394,10 @@ pub fn start(
     let sink = Arc::new(move |e: InstanceEvent| {
         let _ = probe_tx.send(match e {
             InstanceEvent::Health { instance, up, detail } => Cmd::Health { instance, up, detail },
-            InstanceEvent::Load { instance, load, model_resident } => {
-                Cmd::EngineState { instance, load, model_resident }
+            InstanceEvent::Load { instance, load, model_resident, error_rate, ttft_p95_ms } => {
+                Cmd::EngineState { instance, load, model_resident, error_rate, ttft_p95_ms }
             }
+            InstanceEvent::Breaker { instance, state, reason } => Cmd::Breaker { instance, state, reason },
         });
     });
     router.start_probes(&tracker, &shutdown, metrics.clone(), sink);
@@ -395,7 +455,7 @@ impl SchedulerHandle {
         }
     }
 
-    async fn submit_with(&self, req: TaskRequest, queued_reason: &'static str) -> Result<Submitted, GatewayError> {
+    async fn submit_with(&self, req: TaskRequest, queued_reason: &str) -> Result<Submitted, GatewayError> {
         let cancel = CancelHandle::new(self.shared.shutdown.child_token());
         let log = TaskLog::default();
         let entry = Arc::new(TaskEntry {
@@ -426,12 +486,20 @@ impl SchedulerHandle {
             user: req.identity.user_id.clone().unwrap_or_default(),
             input_tokens: req.input_tokens_estimate,
             max_output_tokens: req.max_output_tokens,
-            local_only: req.routing.local_only,
+            class: req.data_class,
+            allow_smaller: req.allow_smaller_model,
         };
         let closed =
             || GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000);
-        let cmd =
-            Cmd::Enqueue { info, model: req.logical_model.clone(), grant: grant_tx, reply: reply_tx, log: log.clone() };
+        let preempt = Arc::new(Preempt::default());
+        let cmd = Cmd::Enqueue {
+            info,
+            model: req.logical_model.clone(),
+            grant: grant_tx,
+            reply: reply_tx,
+            log: log.clone(),
+            preempt: preempt.clone(),
+        };
         let queued = match self.tx.send(cmd) {
             Ok(()) => reply_rx.await.map_err(|_| closed()).and_then(|r| r),
             Err(_) => Err(closed()),
@@ -463,6 +531,23 @@ impl SchedulerHandle {
             owner: true,
         };
         let keep_text = self.shared.recorder.store().stores_prompts() || req.idempotency_key.is_some();
+        let model_name = &self.shared.config.models.keys().nth(admission.model).cloned().unwrap_or_default();
+        let mut reason = queued_reason.to_string();
+        if admission.step != FallbackStep::SameModel {
+            reason = format!("{reason}; fallback step {} ({})", admission.step.as_str(), model_name);
+        }
+        for p in &admission.passed {
+            reason.push_str(&format!("; passed {}: {}", p.step.as_str(), p.detail));
+        }
+        if let Some(last) = admission.passed.last() {
+            if admission.step != FallbackStep::SameModel {
+                self.shared
+                    .metrics
+                    .fallbacks
+                    .with_label_values(&[&req.logical_model, admission.step.as_str(), last.why])
+                    .inc();
+            }
+        }
         let d = driver::Driver {
             req,
             shared: self.shared.clone(),
@@ -470,7 +555,9 @@ impl SchedulerHandle {
             log,
             cancel,
             keep_text,
-            queued_reason,
+            queued_reason: reason,
+            admission: driver::Admitted { step: admission.step, model: model_name.clone(), passed: admission.passed },
+            preempt,
         };
         d.accept();
         self.shared.tracker.spawn(d.run(grant_rx));
@@ -554,6 +641,7 @@ struct Waiter {
     log: TaskLog,
     /// The position the task was last told.
     position: usize,
+    preempt: Arc<Preempt>,
 }
 
 struct Actor {
@@ -562,6 +650,11 @@ struct Actor {
     /// verdict it came with, or why the scheduler holds the instance out
     /// of dispatch (a cancelled request the engine did not stop).
     details: Vec<String>,
+    /// Why each instance's breaker is in its state (none while closed
+    /// from the start).
+    breaker_reasons: Vec<Option<String>>,
+    /// Running tasks' preemption handles, by id.
+    running: HashMap<String, Arc<Preempt>>,
     policy: Policy,
     model_index: HashMap<String, usize>,
     /// Waiting tasks, by id.
@@ -594,6 +687,7 @@ impl Actor {
                 self.handle(cmd);
             }
             self.dispatch();
+            self.metrics.degradation_level.set(i64::from(self.policy.degradation()));
         }
         // Waiting drivers see their grant sender dropped and end their tasks.
     }
@@ -604,7 +698,7 @@ impl Actor {
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Enqueue { mut info, model, grant, reply, log } => {
+            Cmd::Enqueue { mut info, model, grant, reply, log, preempt } => {
                 let Some(&m) = self.model_index.get(&model) else {
                     let _ = reply.send(Err(GatewayError::invalid(format!("unknown model '{model}'"))));
                     return;
@@ -616,10 +710,24 @@ impl Actor {
                 if let Ok(a) = &result {
                     // First in the log, before any `queued` update can be.
                     log.push(TaskEvent::Accepted { task_id: task_id.clone(), queue_position: a.position });
-                    self.metrics.queue_depth.with_label_values(&[&model, priority.as_str()]).inc();
-                    self.grants.insert(task_id, Waiter { grant, model: m, priority, log, position: a.position });
+                    // A canned answer waits for no slot: its driver answers.
+                    if a.step != FallbackStep::Canned {
+                        self.inc_depth(a.model, priority);
+                        let w = Waiter { grant, model: a.model, priority, log, position: a.position, preempt };
+                        self.grants.insert(task_id, w);
+                    }
                 }
                 let _ = reply.send(result);
+            }
+            Cmd::Requeue { task_id, avoid, grant, log, preempt } => {
+                let now = self.now();
+                self.running.remove(&task_id);
+                if let Some((instance, m, priority)) = self.policy.requeue(&task_id, avoid, now) {
+                    self.metrics.running.with_label_values(&[&self.router.instance(instance).name]).dec();
+                    self.inc_depth(m, priority);
+                    self.grants.insert(task_id, Waiter { grant, model: m, priority, log, position: 0, preempt });
+                }
+                // Otherwise the grant sender drops: the driver ends the task.
             }
             Cmd::Withdraw { task_id } => {
                 if self.policy.withdraw(&task_id) {
@@ -629,6 +737,7 @@ impl Actor {
                 }
             }
             Cmd::Release { task_id, output_tokens } => {
+                self.running.remove(&task_id);
                 if let Some(i) = self.policy.release(&task_id, output_tokens) {
                     self.metrics.running.with_label_values(&[&self.router.instance(i).name]).dec();
                 }
@@ -639,7 +748,14 @@ impl Actor {
                     self.details[instance] = detail;
                 }
                 if !up {
-                    self.fail_stranded();
+                    self.reroute_stranded();
+                }
+            }
+            Cmd::Breaker { instance, state, reason } => {
+                self.policy.set_breaker(instance, state);
+                self.breaker_reasons[instance] = Some(reason);
+                if state == BreakerState::Open {
+                    self.reroute_stranded();
                 }
             }
             Cmd::GraceCheck { instance, busy } => {
@@ -652,7 +768,8 @@ impl Actor {
                     self.policy.set_instance_paused(instance, true);
                 }
             }
-            Cmd::EngineState { instance, load, model_resident } => {
+            Cmd::EngineState { instance, load, model_resident, error_rate, ttft_p95_ms } => {
+                self.policy.set_measured(instance, error_rate, ttft_p95_ms);
                 let name = &self.router.instance(instance).name;
                 if let Some(busy) = load.busy_slots {
                     if self.policy.instance_paused(instance) && busy <= self.policy.running_on(instance) {
@@ -688,13 +805,39 @@ impl Actor {
         self.metrics.queue_depth.with_label_values(&[name, p.as_str()]).dec();
     }
 
-    /// Ends the waiting tasks of models that have no healthy instance left
-    /// with `MODEL_UNAVAILABLE`, as new requests for them are answered,
-    /// rather than leaving them to wait for their queue timeout.
-    fn fail_stranded(&mut self) {
-        let stranded: Vec<String> =
-            self.grants.iter().filter(|(_, w)| !self.policy.model_up(w.model)).map(|(id, _)| id.clone()).collect();
-        for id in stranded {
+    fn inc_depth(&self, m: usize, p: Priority) {
+        let name = &self.policy.config().models[m].name;
+        self.metrics.queue_depth.with_label_values(&[name, p.as_str()]).inc();
+    }
+
+    /// Waiting tasks whose instances all went down, or whose breakers all
+    /// opened, move to the next step of their chain that can take them. If
+    /// none can, those with no instance up end `MODEL_UNAVAILABLE`, as new
+    /// requests for them are answered, rather than waiting for their queue
+    /// timeout; those whose breakers are open wait for the cool-down.
+    fn reroute_stranded(&mut self) {
+        let now = self.now();
+        let mut fail = Vec::new();
+        for (id, any_up) in self.policy.stranded() {
+            let from = self.policy.waiting_model(&id);
+            match self.policy.reroute(&id, now) {
+                Some(a) => {
+                    if let Some(w) = self.grants.get_mut(&id) {
+                        let priority = w.priority;
+                        let old = std::mem::replace(&mut w.model, a.model);
+                        if let Some(from) = from {
+                            let requested = &self.policy.config().models[from].name;
+                            self.metrics.fallbacks.with_label_values(&[requested, a.step.as_str(), "went_down"]).inc();
+                        }
+                        self.dec_depth(old, priority);
+                        self.inc_depth(a.model, priority);
+                    }
+                }
+                None if !any_up => fail.push(id),
+                None => {}
+            }
+        }
+        for id in fail {
             self.policy.withdraw(&id);
             if let Some(w) = self.grants.remove(&id) {
                 self.dec_depth(w.model, w.priority);
@@ -730,7 +873,7 @@ impl Actor {
     fn dispatch(&mut self) {
         let now = self.now();
         while let Some(g) = self.policy.next_grant(now) {
-            let Some(Waiter { grant, model, priority, .. }) = self.grants.remove(&g.task_id) else {
+            let Some(Waiter { grant, model, priority, preempt, .. }) = self.grants.remove(&g.task_id) else {
                 // Cannot happen: every waiting task has a grant channel.
                 self.policy.release(&g.task_id, 0);
                 continue;
@@ -742,12 +885,19 @@ impl Actor {
                 instance: g.instance,
                 instance_name: i.name.clone(),
                 engine_model: i.engine_model.clone(),
+                model: self.policy.config().models[g.model].name.clone(),
+                step: g.step,
+                decided_by: g.decided_by,
+                passed: g.passed,
                 output_tokens: 0,
                 tx: self.tx.clone(),
                 armed: true,
             };
             match grant.send(Ok(lease)) {
-                Ok(()) => self.metrics.running.with_label_values(&[&i.name]).inc(),
+                Ok(()) => {
+                    self.metrics.running.with_label_values(&[&i.name]).inc();
+                    self.running.insert(g.task_id.clone(), preempt);
+                }
                 // The driver is gone (cancelled or timed out meanwhile).
                 Err(lease) => {
                     if let Ok(mut lease) = lease {
@@ -755,6 +905,14 @@ impl Actor {
                     }
                     self.policy.release(&g.task_id, 0);
                 }
+            }
+        }
+        // P0 work that found no slot: ask the running tasks the policy
+        // names to give theirs up.
+        for (p0, victim) in self.policy.preemption_victims() {
+            let asked = self.running.get(&victim).is_some_and(|p| p.request(&p0));
+            if !asked {
+                self.policy.preemption_answered(&victim);
             }
         }
     }
@@ -775,6 +933,9 @@ impl Actor {
                     max_concurrency: inst.max_concurrency,
                     kv_cache_usage: self.policy.kv_cache_usage(i),
                     kv_cache_full: self.policy.kv_cache_full(i),
+                    location: cfg.instances[i].location.as_str(),
+                    breaker: self.policy.breaker(i),
+                    breaker_reason: self.breaker_reasons[i].clone(),
                 })
                 .collect(),
             queues: cfg
@@ -787,6 +948,7 @@ impl Actor {
                     capacity: q.queue_capacity,
                 })
                 .collect(),
+            degradation_level: self.policy.degradation(),
         }
     }
 }

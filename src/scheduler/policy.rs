@@ -26,8 +26,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::error::{ErrorCode, GatewayError};
+use crate::router::breaker::BreakerState;
 use crate::router::{self, InstanceView};
-use crate::task::Priority;
+use crate::task::{DataClass, FallbackStep, Location, Priority};
 
 /// Limits of one application: the config's plain data, read as it is.
 use crate::config::AppLimits;
@@ -46,6 +47,10 @@ pub struct ModelPolicy {
     pub weights_bytes: u64,
     /// Safety margin on KV estimates, as a fraction (0.1 = 10 %).
     pub memory_margin: f64,
+    /// Smaller models that may answer instead (indices), in order.
+    pub fallback_models: Vec<usize>,
+    /// A canned answer is configured.
+    pub canned: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -56,8 +61,11 @@ pub struct InstancePolicy {
     pub reserved_realtime_slots: usize,
     /// Memory the instance's tasks may use (KV cache), if limited.
     pub memory_budget_bytes: Option<u64>,
-    /// Runs on this machine (for `routing.local_only`).
-    pub local: bool,
+    pub location: Location,
+    /// The most sensitive data class it may receive.
+    pub max_data_class: DataClass,
+    /// Configured cost of a thousand tokens (a tie-breaker).
+    pub cost: f64,
 }
 
 /// Queue fill ratios at which each backpressure step starts.
@@ -100,6 +108,12 @@ pub struct PolicyConfig {
     /// Reported KV-cache usage (0..=1] at which an instance that runs any
     /// of our tasks gets no new one.
     pub kv_cache_high_water: f64,
+    /// Cloud instances may be used at all.
+    pub allow_cloud: bool,
+    /// P0 tasks may preempt preemptible P3/P4 tasks.
+    pub preemption: bool,
+    /// The least urgent priority admitted at degradation levels 1, 2, 3.
+    pub admit_at_level: [Priority; 3],
 }
 
 /// What the policy needs to know about a task.
@@ -113,8 +127,10 @@ pub struct TaskInfo {
     pub user: String,
     pub input_tokens: u32,
     pub max_output_tokens: u32,
-    /// Only instances with `local` may run it.
-    pub local_only: bool,
+    /// No instance whose `max_data_class` is below it may run the task.
+    pub class: DataClass,
+    /// A smaller model may answer.
+    pub allow_smaller: bool,
 }
 
 /// The terms on which a task was queued.
@@ -127,6 +143,27 @@ pub struct Admission {
     /// the task's own queue limit.
     pub queue_wait_factor: Option<f64>,
     pub degrade_reason: Option<String>,
+    /// The step of the fallback chain that took the task.
+    pub step: FallbackStep,
+    /// The model whose queue it waits in (the requested one, or a smaller
+    /// one).
+    pub model: usize,
+    /// Steps passed over before it, with why.
+    pub passed: Vec<Passed>,
+}
+
+/// A step of the chain passed over, and why: a closed label for metrics
+/// (`no_class`, `unavailable`, `breaker_open`, `no_room`, `went_down`)
+/// and the detail for the record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Passed {
+    pub step: FallbackStep,
+    pub why: &'static str,
+    pub detail: String,
+}
+
+fn passed_over(step: FallbackStep, why: &'static str, detail: impl Into<String>) -> Passed {
+    Passed { step, why, detail: detail.into() }
 }
 
 /// A slot given to a task.
@@ -134,6 +171,34 @@ pub struct Admission {
 pub struct Grant {
     pub task_id: String,
     pub instance: usize,
+    /// The model the task runs as (its queue's).
+    pub model: usize,
+    pub step: FallbackStep,
+    /// The factor that decided the instance among the candidates.
+    pub decided_by: &'static str,
+    /// Steps the task was moved past while it waited (its instances went
+    /// down), with why.
+    pub passed: Vec<Passed>,
+}
+
+/// Why a step of the chain did not take a task.
+enum Refusal {
+    /// The step has no room (queue, memory): the next step may.
+    Capacity(GatewayError),
+    /// The caller's own limits or the node's state: no step would take it.
+    Final(GatewayError),
+}
+
+/// One step of a task's fallback chain: where it may run.
+#[derive(Debug, Clone)]
+struct Link {
+    step: FallbackStep,
+    model: usize,
+    /// Instances of `model` the task's data class allows at this step.
+    instances: Vec<usize>,
+    /// The step only takes a task that can start at once (it is an
+    /// alternative to waiting, not a second queue).
+    immediate: bool,
 }
 
 #[derive(Debug)]
@@ -144,6 +209,16 @@ struct Waiting {
     /// Virtual finish time of weighted fair queueing.
     tag: f64,
     mem_bytes: u64,
+    /// The step that took it and the instances it may run on.
+    step: FallbackStep,
+    candidates: Vec<usize>,
+    /// Instances an earlier attempt failed on: used only when no other
+    /// candidate could ever take the task.
+    avoid: Vec<usize>,
+    /// Taken by an immediate step or put back by a retry or preemption:
+    /// not counted against the queue's bound.
+    overflow: bool,
+    passed: Vec<Passed>,
 }
 
 #[derive(Debug)]
@@ -152,6 +227,13 @@ struct Running {
     instance: usize,
     mem_bytes: u64,
     charged_output: u64,
+    step: FallbackStep,
+    candidates: Vec<usize>,
+    avoid: Vec<usize>,
+    started_at: Duration,
+    /// A preemption of it was asked for and not answered yet, or it said
+    /// it cannot be restarted any more (output went out).
+    not_preemptible: bool,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -175,6 +257,12 @@ struct InstanceState {
     /// KV-cache usage (0..=1) the engine last reported; `None` when it
     /// reports none.
     kv_cache_usage: Option<f64>,
+    /// The router's circuit breaker for the instance.
+    breaker: BreakerState,
+    /// Recent failure ratio and p95 time to first token, as the router's
+    /// breaker measured them.
+    error_rate: f64,
+    ttft_p95_ms: Option<u64>,
 }
 
 /// A token bucket refilled continuously: `rate_per_min` per minute, at most
@@ -227,6 +315,9 @@ pub struct Policy {
     seq: u64,
     total_waiting: usize,
     danger: Option<String>,
+    /// Preemptions asked and not answered yet: victim → the P0 task it
+    /// makes room for.
+    preempting: HashMap<String, String>,
 }
 
 fn busy(code: ErrorCode, msg: String, retry_ms: u64) -> GatewayError {
@@ -250,6 +341,7 @@ impl Policy {
             seq: 0,
             total_waiting: 0,
             danger: None,
+            preempting: HashMap::new(),
             cfg,
         }
     }
@@ -270,6 +362,126 @@ impl Policy {
     /// back by themselves).
     pub fn model_up(&self, model: usize) -> bool {
         self.cfg.models[model].instances.iter().any(|&i| self.instances[i].up)
+    }
+
+    /// The router's breaker state of an instance.
+    pub fn set_breaker(&mut self, instance: usize, state: BreakerState) {
+        self.instances[instance].breaker = state;
+    }
+
+    /// What the router's breaker measured of an instance's recent attempts.
+    pub fn set_measured(&mut self, instance: usize, error_rate: f64, ttft_p95_ms: Option<u64>) {
+        let i = &mut self.instances[instance];
+        i.error_rate = error_rate;
+        i.ttft_p95_ms = ttft_p95_ms;
+    }
+
+    pub fn breaker(&self, instance: usize) -> BreakerState {
+        self.instances[instance].breaker
+    }
+
+    /// Whether an instance could take work now or soon: up and its breaker
+    /// not open (a paused one comes back by itself).
+    fn serving(&self, instance: usize) -> bool {
+        let i = &self.instances[instance];
+        i.up && i.breaker != BreakerState::Open
+    }
+
+    /// The fallback chain of a task, in order, with only the instances its
+    /// data class and the configuration allow at each step: the requested
+    /// model's local instances; smaller local models (if allowed); the
+    /// model's edge-node instances; the canned answer (an empty link);
+    /// its cloud instances (if cloud is allowed at all).
+    fn chain(&self, info: &TaskInfo) -> Vec<Link> {
+        let m = info.model;
+        let at = |model: usize, loc: Location| -> Vec<usize> {
+            self.cfg.models[model]
+                .instances
+                .iter()
+                .copied()
+                .filter(|&i| {
+                    let ip = &self.cfg.instances[i];
+                    ip.location == loc && self.class_allows(info.class, i)
+                })
+                .collect()
+        };
+        let mut chain =
+            vec![Link { step: FallbackStep::SameModel, model: m, instances: at(m, Location::Local), immediate: false }];
+        if info.allow_smaller {
+            for &f in &self.cfg.models[m].fallback_models {
+                chain.push(Link {
+                    step: FallbackStep::SmallerModel,
+                    model: f,
+                    instances: at(f, Location::Local),
+                    immediate: false,
+                });
+            }
+        }
+        chain.push(Link {
+            step: FallbackStep::EdgeNode,
+            model: m,
+            instances: at(m, Location::EdgeNode),
+            immediate: true,
+        });
+        if self.cfg.models[m].canned {
+            chain.push(Link { step: FallbackStep::Canned, model: m, instances: Vec::new(), immediate: true });
+        }
+        if self.cfg.allow_cloud {
+            chain.push(Link {
+                step: FallbackStep::Cloud,
+                model: m,
+                instances: at(m, Location::Cloud),
+                immediate: true,
+            });
+        }
+        chain
+    }
+
+    /// The one rule of the data policy: an instance receives a class only
+    /// up to its own `max_data_class`, and a cloud instance nothing at all
+    /// unless cloud is allowed. Every path to a slot goes through it.
+    fn class_allows(&self, class: DataClass, instance: usize) -> bool {
+        let ip = &self.cfg.instances[instance];
+        class <= ip.max_data_class && (ip.location != Location::Cloud || self.cfg.allow_cloud)
+    }
+
+    /// How degraded service of `model` is: 0 all its local instances
+    /// serve; 1 some do not, or only its edge-node or cloud instances
+    /// serve; 2 only smaller models or the canned answer remain; 3 nothing
+    /// does (busy answers).
+    pub fn model_degradation(&self, model: usize) -> u8 {
+        let mp = &self.cfg.models[model];
+        let local: Vec<usize> =
+            mp.instances.iter().copied().filter(|&i| self.cfg.instances[i].location == Location::Local).collect();
+        let serving = local.iter().filter(|&&i| self.serving(i)).count();
+        if serving == local.len() && serving > 0 {
+            return 0;
+        }
+        let remote = mp.instances.iter().any(|&i| {
+            let ip = &self.cfg.instances[i];
+            ip.location != Location::Local
+                && (ip.location != Location::Cloud || self.cfg.allow_cloud)
+                && self.serving(i)
+        });
+        if serving > 0 || remote {
+            return 1;
+        }
+        let smaller = mp.fallback_models.iter().any(|&f| {
+            self.cfg.models[f]
+                .instances
+                .iter()
+                .any(|&i| self.cfg.instances[i].location == Location::Local && self.serving(i))
+        });
+        if smaller || mp.canned {
+            2
+        } else {
+            3
+        }
+    }
+
+    /// The node's degradation level: its most degraded model's.
+    pub fn degradation(&self) -> u8 {
+        (0..self.cfg.models.len()).map(|m| self.model_degradation(m)).max().unwrap_or(0)
     }
 
     pub fn instance_paused(&self, instance: usize) -> bool {
@@ -394,21 +606,109 @@ impl Policy {
         m.max(g)
     }
 
-    /// Decides whether a task may wait for a slot, and on what terms.
-    pub fn enqueue(&mut self, mut info: TaskInfo, now: Duration) -> Result<Admission, GatewayError> {
+    /// Decides whether a task may wait for a slot, where, and on what
+    /// terms: the first step of its fallback chain that can take it (see
+    /// [`Policy::chain`]). A step is passed over when it has no instance
+    /// the data class allows, none is healthy, their breakers are open, or
+    /// it has no room (queue, memory); an immediate step (edge node,
+    /// cloud) only when none of its instances can start the task now. The
+    /// caller's own limits (rates, application and user caps) and the
+    /// node's danger state refuse at once, whatever the chain.
+    pub fn enqueue(&mut self, info: TaskInfo, now: Duration) -> Result<Admission, GatewayError> {
         let retry = self.cfg.busy_retry_after_ms;
-        let m = info.model;
-        let model = &self.cfg.models[m];
-        if !self.model_up(m) {
-            return Err(busy(
-                ErrorCode::ModelUnavailable,
-                format!("no instance of model '{}' is healthy", model.name),
-                retry.max(2000),
-            ));
-        }
         if let Some(why) = &self.danger {
             return Err(busy(ErrorCode::ResourceExhausted, format!("not admitting new work: {why}"), retry.max(5000)));
         }
+        let level = self.model_degradation(info.model);
+        if (1..=2).contains(&level) && info.priority > self.cfg.admit_at_level[usize::from(level) - 1] {
+            return Err(busy(
+                ErrorCode::QueueFull,
+                format!(
+                    "service is degraded (level {level}): {} work is deferred, retry later",
+                    info.priority.as_str()
+                ),
+                retry * 2,
+            ));
+        }
+        let mut passed: Vec<Passed> = Vec::new();
+        let mut first: Option<GatewayError> = None;
+        for link in self.chain(&info) {
+            let model_name = &self.cfg.models[link.model].name;
+            if link.step == FallbackStep::Canned {
+                return Ok(Admission {
+                    position: 0,
+                    max_output_tokens: info.max_output_tokens,
+                    queue_wait_factor: None,
+                    degrade_reason: None,
+                    step: link.step,
+                    model: link.model,
+                    passed,
+                });
+            }
+            if link.instances.is_empty() {
+                if link.step == FallbackStep::SameModel {
+                    passed.push(passed_over(
+                        link.step,
+                        "no_class",
+                        format!("no local instance of '{model_name}' may receive {} data", info.class.as_str()),
+                    ));
+                }
+                continue;
+            }
+            if !link.instances.iter().any(|&i| self.instances[i].up) {
+                passed.push(passed_over(link.step, "unavailable", format!("no instance of '{model_name}' is healthy")));
+                first.get_or_insert_with(|| {
+                    busy(
+                        ErrorCode::ModelUnavailable,
+                        format!("no instance of model '{model_name}' is healthy"),
+                        retry.max(2000),
+                    )
+                });
+                continue;
+            }
+            if !link.instances.iter().any(|&i| self.serving(i)) {
+                passed.push(passed_over(
+                    link.step,
+                    "breaker_open",
+                    format!("the circuit breaker of every instance of '{model_name}' is open"),
+                ));
+                first.get_or_insert_with(|| {
+                    busy(
+                        ErrorCode::ModelUnavailable,
+                        format!("every instance of model '{model_name}' is failing; its circuit breakers are open"),
+                        retry.max(2000),
+                    )
+                });
+                continue;
+            }
+            let mut task = info.clone();
+            task.model = link.model;
+            match self.admit_on(task, &link, now) {
+                Ok(mut a) => {
+                    a.passed = passed;
+                    return Ok(a);
+                }
+                Err(Refusal::Final(e)) => return Err(e),
+                Err(Refusal::Capacity(e)) => {
+                    passed.push(passed_over(link.step, "no_room", e.message.clone()));
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        let mut e = first.unwrap_or_else(|| {
+            busy(ErrorCode::PolicyBlocked, format!("no instance may receive {} data", info.class.as_str()), retry)
+        });
+        if passed.len() > 1 {
+            let steps: Vec<String> = passed.iter().map(|p| format!("{}: {}", p.step.as_str(), p.detail)).collect();
+            e.message = format!("{} (no fallback could take it; {})", e.message, steps.join("; "));
+        }
+        Err(e)
+    }
+
+    /// Whether `link` takes the task, and on what terms.
+    fn admit_on(&mut self, mut info: TaskInfo, link: &Link, now: Duration) -> Result<Admission, Refusal> {
+        let retry = self.cfg.busy_retry_after_ms;
+        let m = info.model;
         let app = self.app(&info.app);
         let mut degrade = None;
 
@@ -421,10 +721,10 @@ impl Policy {
                 let per = ((mp.kv_bytes_per_token.max(1) as f64) * (1.0 + mp.memory_margin)).ceil() as u64;
                 let fits = budget.saturating_sub(mp.weights_bytes) / per;
                 if fits <= u64::from(info.input_tokens) + 16 {
-                    return Err(GatewayError::new(
+                    return Err(Refusal::Capacity(GatewayError::new(
                         ErrorCode::ResourceExhausted,
                         format!("the request needs about {need} bytes of KV cache; the engine has {budget}"),
-                    ));
+                    )));
                 }
                 info.max_output_tokens = (fits - u64::from(info.input_tokens)) as u32;
                 degrade =
@@ -437,30 +737,59 @@ impl Policy {
         let fill = self.fill(m);
         let p = info.priority;
         let capacity = self.cfg.models[m].queue_capacity;
-        let full =
-            self.waiting[m].len() >= capacity || self.cfg.max_queued.is_some_and(|cap| self.total_waiting >= cap);
+        // Tasks put back by a retry or preemption, or taken by an immediate
+        // step, were admitted once: they do not count against the bound.
+        let queued = self.waiting[m].iter().filter(|w| !w.overflow).count();
+        let full = queued >= capacity || self.cfg.max_queued.is_some_and(|cap| self.total_waiting >= cap);
         // P0 may exceed a full queue by a tenth, so alarms still queue.
-        let p0_room = self.waiting[m].len() < capacity + capacity / 10 + 1
+        let p0_room = queued < capacity + capacity / 10 + 1
             && self.cfg.max_queued.is_none_or(|cap| self.total_waiting < cap + cap / 10 + 1);
-        if (full && p != Priority::P0) || (p == Priority::P0 && !p0_room) {
-            return Err(busy(
+        if link.immediate {
+            // An alternative to waiting: only if it can start now.
+            let mem_bytes = self.memory_estimate(m, info.input_tokens, info.max_output_tokens);
+            let probe = Waiting {
+                info: info.clone(),
+                seq: 0,
+                enqueued_at: now,
+                tag: 0.0,
+                mem_bytes,
+                step: link.step,
+                candidates: link.instances.clone(),
+                avoid: Vec::new(),
+                overflow: true,
+                passed: Vec::new(),
+            };
+            if !link.instances.iter().any(|&i| self.eligible(&probe, i)) {
+                return Err(Refusal::Capacity(busy(
+                    ErrorCode::QueueFull,
+                    format!("no {} instance of '{}' has a free slot", link.step.as_str(), self.cfg.models[m].name),
+                    retry,
+                )));
+            }
+        } else if (full && p != Priority::P0) || (p == Priority::P0 && !p0_room) {
+            return Err(Refusal::Capacity(busy(
                 ErrorCode::QueueFull,
                 format!("the queue of model '{}' is full", self.cfg.models[m].name),
                 retry,
-            ));
+            )));
         }
-        if (p == Priority::P4 && fill >= bp.refuse_p4) || (p == Priority::P3 && fill >= bp.refuse_p3) {
-            return Err(busy(
+        let deferred = (p == Priority::P4 && fill >= bp.refuse_p4) || (p == Priority::P3 && fill >= bp.refuse_p3);
+        if deferred && !link.immediate {
+            return Err(Refusal::Capacity(busy(
                 ErrorCode::QueueFull,
                 format!("under load: {} work is deferred, retry later", p.as_str()),
                 retry * 2,
-            ));
+            )));
         }
         let mut queue_wait_factor = None;
-        if p >= Priority::P3 && fill >= bp.shorten_low_waits {
+        if p >= Priority::P3 && fill >= bp.shorten_low_waits && !link.immediate {
             queue_wait_factor = Some(0.25);
         }
-        if p >= Priority::P2 && fill >= bp.cap_output && info.max_output_tokens > bp.capped_output_tokens {
+        if p >= Priority::P2
+            && fill >= bp.cap_output
+            && !link.immediate
+            && info.max_output_tokens > bp.capped_output_tokens
+        {
             info.max_output_tokens = bp.capped_output_tokens;
             degrade = Some(format!("output budget capped at {} tokens under load", bp.capped_output_tokens));
         }
@@ -470,21 +799,29 @@ impl Policy {
         let app_c = self.app_counts.get(&info.app).map(|c| c.queued).unwrap_or(0);
         let user_c = self.user_counts.get(&user_key).map(|c| c.queued).unwrap_or(0);
         if app.max_queued.is_some_and(|cap| app_c >= cap) {
-            return Err(busy(
+            return Err(Refusal::Final(busy(
                 ErrorCode::QueueFull,
                 format!("application '{}' has too many waiting tasks", info.app),
                 retry,
-            ));
+            )));
         }
         if app.user_max_queued.is_some_and(|cap| user_c >= cap) {
-            return Err(busy(ErrorCode::QueueFull, "this user has too many waiting tasks".into(), retry));
+            return Err(Refusal::Final(busy(
+                ErrorCode::QueueFull,
+                "this user has too many waiting tasks".into(),
+                retry,
+            )));
         }
 
         // Rates, charged last so a refused task costs nothing.
         if let Some(rpm) = app.user_requests_per_minute {
             let b = self.rpm.entry(user_key.clone()).or_insert(Bucket { tokens: f64::from(rpm), at: now });
             if let Err(ms) = b.take(now, f64::from(rpm), 1.0) {
-                return Err(busy(ErrorCode::RateLimited, format!("more than {rpm} requests per minute"), ms));
+                return Err(Refusal::Final(busy(
+                    ErrorCode::RateLimited,
+                    format!("more than {rpm} requests per minute"),
+                    ms,
+                )));
             }
         }
         let charged = u64::from(info.input_tokens) + u64::from(info.max_output_tokens);
@@ -494,7 +831,11 @@ impl Policy {
                 if let (Some(rpm), Some(b)) = (app.user_requests_per_minute, self.rpm.get_mut(&user_key)) {
                     b.refund(f64::from(rpm), 1.0);
                 }
-                return Err(busy(ErrorCode::QuotaExceeded, format!("more than {tpm} tokens per minute"), ms));
+                return Err(Refusal::Final(busy(
+                    ErrorCode::QuotaExceeded,
+                    format!("more than {tpm} tokens per minute"),
+                    ms,
+                )));
             }
         }
 
@@ -512,10 +853,29 @@ impl Policy {
         self.user_counts.entry(user_key).or_default().queued += 1;
         let task_id = info.task_id.clone();
         let max_output_tokens = info.max_output_tokens;
-        self.waiting[m].push(Waiting { info, seq: self.seq, enqueued_at: now, tag, mem_bytes });
+        self.waiting[m].push(Waiting {
+            info,
+            seq: self.seq,
+            enqueued_at: now,
+            tag,
+            mem_bytes,
+            step: link.step,
+            candidates: link.instances.clone(),
+            avoid: Vec::new(),
+            overflow: link.immediate,
+            passed: Vec::new(),
+        });
         self.total_waiting += 1;
         let position = self.position(&task_id, now).unwrap_or(0);
-        Ok(Admission { position, max_output_tokens, queue_wait_factor, degrade_reason: degrade })
+        Ok(Admission {
+            position,
+            max_output_tokens,
+            queue_wait_factor,
+            degrade_reason: degrade,
+            step: link.step,
+            model: m,
+            passed: Vec::new(),
+        })
     }
 
     fn effective(&self, w: &Waiting, now: Duration) -> Priority {
@@ -559,7 +919,21 @@ impl Policy {
     fn eligible(&self, w: &Waiting, instance: usize) -> bool {
         let inst = &self.instances[instance];
         let ip = &self.cfg.instances[instance];
-        if !inst.up || inst.paused || inst.running >= ip.max_concurrency || (w.info.local_only && !ip.local) {
+        if !inst.up || inst.paused || inst.running >= ip.max_concurrency || !self.class_allows(w.info.class, instance) {
+            return false;
+        }
+        match inst.breaker {
+            BreakerState::Closed => {}
+            BreakerState::Open => return false,
+            // One trial request at a time.
+            BreakerState::HalfOpen if inst.running > 0 => return false,
+            BreakerState::HalfOpen => {}
+        }
+        // An instance an earlier attempt failed on, only when no other
+        // candidate could ever take the task.
+        if w.avoid.contains(&instance)
+            && w.candidates.iter().any(|&c| !w.avoid.contains(&c) && self.serving(c) && !self.instances[c].paused)
+        {
             return false;
         }
         // P2-P4 leave the reserved slots free for alarms.
@@ -598,26 +972,18 @@ impl Policy {
         // (key, model, index in its queue, instance)
         let mut best: Option<(Key, usize, usize, usize)> = None;
         // Slot views do not change while we look: build them once.
-        let views: Vec<InstanceView> = self
-            .instances
-            .iter()
-            .zip(&self.cfg.instances)
-            .map(|(st, ip)| InstanceView {
-                up: st.up && !st.paused,
-                running: st.running,
-                max_concurrency: ip.max_concurrency,
-            })
-            .collect();
+        let views = self.views();
+        let mut decided = "";
         for (m, q) in self.waiting.iter().enumerate() {
             for (idx, w) in q.iter().enumerate() {
                 let k = self.key(w, now);
                 if best.as_ref().is_some_and(|(bk, ..)| cmp_key(bk, &k).is_le()) {
                     continue;
                 }
-                // Least-loaded eligible instance of the task's model.
-                let inst = router::pick(&self.cfg.models[m].instances, &views, |i| self.eligible(w, i));
-                if let Some(i) = inst {
+                // The best eligible instance of the task's step.
+                if let Some((i, why)) = router::pick(&w.candidates, &views, |i| self.eligible(w, i)) {
                     best = Some((k, m, idx, i));
+                    decided = why;
                 }
             }
         }
@@ -649,9 +1015,244 @@ impl Policy {
         self.model_running[m] += 1;
         let task_id = w.info.task_id.clone();
         let charged_output = u64::from(w.info.max_output_tokens);
-        self.running
-            .insert(task_id.clone(), Running { info: w.info, instance, mem_bytes: w.mem_bytes, charged_output });
-        Some(Grant { task_id, instance })
+        self.running.insert(
+            task_id.clone(),
+            Running {
+                info: w.info,
+                instance,
+                mem_bytes: w.mem_bytes,
+                charged_output,
+                step: w.step,
+                candidates: w.candidates,
+                avoid: w.avoid,
+                started_at: now,
+                not_preemptible: false,
+            },
+        );
+        Some(Grant { task_id, instance, model: m, step: w.step, decided_by: decided, passed: w.passed })
+    }
+
+    /// What [`router::pick`] sees of each instance.
+    fn views(&self) -> Vec<InstanceView> {
+        self.instances
+            .iter()
+            .zip(&self.cfg.instances)
+            .map(|(st, ip)| InstanceView {
+                up: st.up && !st.paused && st.breaker != BreakerState::Open,
+                running: st.running,
+                max_concurrency: ip.max_concurrency,
+                half_open: st.breaker == BreakerState::HalfOpen,
+                kv_cache_usage: st.kv_cache_usage,
+                error_rate: st.error_rate,
+                ttft_p95_ms: st.ttft_p95_ms,
+                cost: ip.cost,
+                location: ip.location,
+            })
+            .collect()
+    }
+
+    /// Puts a running task back at the front of its priority in its queue
+    /// (its slot is freed): an attempt failed before any output and is to
+    /// be retried (`avoid`: the instance it failed on), or it was
+    /// preempted. It keeps its place in the chain and its rate charges;
+    /// the queue's bound does not apply (it was admitted once).
+    pub fn requeue(&mut self, task_id: &str, avoid: Option<usize>, now: Duration) -> Option<(usize, usize, Priority)> {
+        let r = self.running.get(task_id)?;
+        let (info, step, mut candidates, mut avoided, charged) =
+            (r.info.clone(), r.step, r.candidates.clone(), r.avoid.clone(), r.charged_output);
+        let instance = self.release(task_id, charged)?;
+        if let Some(a) = avoid {
+            if !avoided.contains(&a) {
+                avoided.push(a);
+            }
+        }
+        candidates.retain(|&i| self.class_allows(info.class, i));
+        let m = info.model;
+        let priority = info.priority;
+        self.seq += 1;
+        let uk = (info.app.clone(), info.user.clone());
+        self.app_counts.entry(info.app.clone()).or_default().queued += 1;
+        self.user_counts.entry(uk).or_default().queued += 1;
+        let mem_bytes = self.memory_estimate(m, info.input_tokens, info.max_output_tokens);
+        self.waiting[m].push(Waiting {
+            info,
+            seq: self.seq,
+            enqueued_at: now,
+            // Ahead of every task of its priority that has not started.
+            tag: f64::NEG_INFINITY,
+            mem_bytes,
+            step,
+            candidates,
+            avoid: avoided,
+            overflow: true,
+            passed: Vec::new(),
+        });
+        self.total_waiting += 1;
+        Some((instance, m, priority))
+    }
+
+    /// Running tasks to preempt so that waiting P0 tasks get a slot: for
+    /// each P0 task (by base priority) that no candidate instance can take
+    /// now, the most recently started running task on one of its
+    /// candidates whose application lets it be preempted at its priority
+    /// (`preemptible_from`, P3 or P4 at most), not asked already. The
+    /// caller asks each victim's driver, which agrees only while no output
+    /// has gone out, and answers with [`Policy::preempt_refused`] or a
+    /// [`Policy::requeue`].
+    pub fn preemption_victims(&mut self) -> Vec<(String, String)> {
+        if !self.cfg.preemption {
+            return Vec::new();
+        }
+        let views = self.views();
+        let mut blocked: Vec<(u64, Vec<usize>, String)> = Vec::new();
+        for w in self.waiting.iter().flatten() {
+            if w.info.priority == Priority::P0
+                && !self.preempting.values().any(|p0| *p0 == w.info.task_id)
+                && router::pick(&w.candidates, &views, |i| self.eligible(w, i)).is_none()
+            {
+                blocked.push((w.seq, w.candidates.clone(), w.info.task_id.clone()));
+            }
+        }
+        blocked.sort();
+        let mut out = Vec::new();
+        for (_, candidates, p0) in blocked {
+            let victim = self
+                .running
+                .iter()
+                .filter(|(_, r)| {
+                    !r.not_preemptible
+                        && r.info.priority >= Priority::P3
+                        && candidates.contains(&r.instance)
+                        && self.app(&r.info.app).preemptible_from.is_some_and(|from| r.info.priority >= from)
+                })
+                .max_by_key(|(_, r)| (r.started_at, r.info.priority))
+                .map(|(id, _)| id.clone());
+            if let Some(id) = victim {
+                if let Some(r) = self.running.get_mut(&id) {
+                    r.not_preemptible = true;
+                }
+                self.preempting.insert(id.clone(), p0.clone());
+                out.push((p0, id));
+            }
+        }
+        out
+    }
+
+    /// The answer to a preemption asked by [`Policy::preemption_victims`]
+    /// came (the victim was re-queued, refused because output had gone
+    /// out, or ended): its P0 task may ask for another victim if it still
+    /// waits. A refused victim is never asked again.
+    pub fn preemption_answered(&mut self, victim: &str) {
+        self.preempting.remove(victim);
+    }
+
+    /// Waiting tasks none of whose candidate instances is up any more
+    /// (`serving`: none is up with its breaker not open), with whether
+    /// any is still up.
+    pub fn stranded(&self) -> Vec<(String, bool)> {
+        self.waiting
+            .iter()
+            .flatten()
+            .filter(|w| !w.candidates.iter().any(|&i| self.serving(i)))
+            .map(|w| (w.info.task_id.clone(), w.candidates.iter().any(|&i| self.instances[i].up)))
+            .collect()
+    }
+
+    /// The queue (model) a waiting task is in.
+    pub fn waiting_model(&self, task_id: &str) -> Option<usize> {
+        self.waiting.iter().position(|q| q.iter().any(|w| w.info.task_id == task_id))
+    }
+
+    /// Moves a waiting task whose instances all went down to the next step
+    /// of its chain that can take it (a smaller model, an edge node, the
+    /// canned answer, cloud), as if it were admitted now. Returns the new
+    /// terms, or `None` when none can (the task is then still waiting;
+    /// the caller withdraws it).
+    pub fn reroute(&mut self, task_id: &str, now: Duration) -> Option<Admission> {
+        let (m, idx) = self
+            .waiting
+            .iter()
+            .enumerate()
+            .find_map(|(m, q)| q.iter().position(|w| w.info.task_id == task_id).map(|i| (m, i)))?;
+        let w = &self.waiting[m][idx];
+        let (info, step) = (w.info.clone(), w.step);
+        let mut requested = info.clone();
+        // The chain is the requested model's: a task on a smaller model
+        // remembers it only through its step, so it starts from there.
+        if step == FallbackStep::SmallerModel {
+            return None;
+        }
+        requested.model = m;
+        let links: Vec<Link> = self.chain(&requested).into_iter().filter(|l| l.step > step).collect();
+        let mut passed = vec![passed_over(step, "went_down", "its instances went down while it waited")];
+        for link in links {
+            // A waiting task's driver waits for a slot; the canned answer is
+            // given only at admission.
+            if link.instances.is_empty() || !link.instances.iter().any(|&i| self.serving(i)) {
+                continue;
+            }
+            let mut task = info.clone();
+            task.model = link.model;
+            // Withdraw first so the queue caps count it once; put it back
+            // if the step refuses.
+            let original = self.take_waiting(task_id)?;
+            match self.admit_on(task, &link, now) {
+                Ok(mut a) => {
+                    // Its rates were charged at its first admission.
+                    self.refund_rates(&original.info);
+                    if let Some(nw) = self.waiting[link.model].iter_mut().find(|w| w.info.task_id == task_id) {
+                        nw.passed = passed.clone();
+                    }
+                    a.passed = passed;
+                    return Some(a);
+                }
+                Err(Refusal::Capacity(e)) | Err(Refusal::Final(e)) => {
+                    passed.push(passed_over(link.step, "no_room", e.message));
+                    self.put_back(original);
+                }
+            }
+        }
+        None
+    }
+
+    /// Takes a waiting task out without refunds (to be put back or moved).
+    fn take_waiting(&mut self, task_id: &str) -> Option<Waiting> {
+        for q in &mut self.waiting {
+            if let Some(idx) = q.iter().position(|w| w.info.task_id == task_id) {
+                let w = q.swap_remove(idx);
+                self.total_waiting -= 1;
+                let uk = (w.info.app.clone(), w.info.user.clone());
+                if let Some(c) = self.app_counts.get_mut(&w.info.app) {
+                    c.queued -= 1;
+                }
+                if let Some(c) = self.user_counts.get_mut(&uk) {
+                    c.queued -= 1;
+                }
+                return Some(w);
+            }
+        }
+        None
+    }
+
+    fn put_back(&mut self, w: Waiting) {
+        let uk = (w.info.app.clone(), w.info.user.clone());
+        self.app_counts.entry(w.info.app.clone()).or_default().queued += 1;
+        self.user_counts.entry(uk).or_default().queued += 1;
+        self.total_waiting += 1;
+        let m = w.info.model;
+        self.waiting[m].push(w);
+    }
+
+    /// Gives back the request and token charges of a task admitted twice.
+    fn refund_rates(&mut self, info: &TaskInfo) {
+        let app = self.app(&info.app);
+        let uk = (info.app.clone(), info.user.clone());
+        if let (Some(rpm), Some(b)) = (app.user_requests_per_minute, self.rpm.get_mut(&uk)) {
+            b.refund(f64::from(rpm), 1.0);
+        }
+        if let (Some(tpm), Some(b)) = (app.user_tokens_per_minute, self.tpm.get_mut(&uk)) {
+            b.refund(tpm as f64, f64::from(info.input_tokens) + f64::from(info.max_output_tokens));
+        }
     }
 
     /// Takes a waiting task out (cancelled or timed out). Its rate charge
@@ -682,6 +1283,7 @@ impl Policy {
     /// produced (the rest of its token-rate charge is refunded).
     pub fn release(&mut self, task_id: &str, output_tokens: u64) -> Option<usize> {
         let r = self.running.remove(task_id)?;
+        self.preempting.remove(task_id);
         let inst = &mut self.instances[r.instance];
         inst.running -= 1;
         if r.info.priority <= Priority::P1 {
@@ -723,7 +1325,8 @@ impl Policy {
         }
         for (m, q) in self.waiting.iter().enumerate() {
             let cap = self.cfg.models[m].queue_capacity;
-            assert!(q.len() <= cap + cap / 10 + 1, "queue bound exceeded");
+            let queued = q.iter().filter(|w| !w.overflow).count();
+            assert!(queued <= cap + cap / 10 + 1, "queue bound exceeded");
             if let Some(c) = self.cfg.models[m].max_running {
                 assert!(self.model_running[m] <= c);
             }

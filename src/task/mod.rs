@@ -111,6 +111,9 @@ impl TaskState {
     ///   or when the scheduler stops.
     /// - `Queued → Queued`: a task that never started is queued again after
     ///   a gateway restart (queues live in memory; the restart emptied it).
+    /// - `Dispatching → Queued`, `Running → Queued`: an engine attempt
+    ///   failed before its first token and the task waits for another
+    ///   (a retry), or a P0 task preempted it before any output went out.
     /// - `Received → Failed`, `Validating → Failed`: a restart ends a task
     ///   that was not queued yet and cannot be queued again `FAILED`
     ///   (`INTERNAL_ERROR`), like any other task it cannot resume.
@@ -129,10 +132,12 @@ impl TaskState {
                 | (Queued, TimedOut)
                 | (Queued, Cancelled)
                 | (Queued, Failed)
+                | (Dispatching, Queued)
                 | (Dispatching, Running)
                 | (Dispatching, Failed)
                 | (Dispatching, Cancelled)
                 | (Dispatching, TimedOut)
+                | (Running, Queued)
                 | (Running, Streaming)
                 | (Running, TimedOut)
                 | (Running, Failed)
@@ -180,6 +185,9 @@ pub struct Identity {
     pub is_admin: bool,
     /// SHA-256 of the API key used, so revoking the key can stop its tasks.
     pub credential: Option<[u8; 32]>,
+    /// A data class the credential itself imposes (a device's), on top of
+    /// its application's and tenant's.
+    pub data_class: Option<DataClass>,
 }
 
 /// One chat message. `content` is kept as JSON (string or content parts) so
@@ -232,13 +240,175 @@ pub struct Timeouts {
     pub total: Duration,
 }
 
+/// How far a call's data may travel (the ladder L0–L3). `Ord` follows
+/// strictness: `Public < Secret`, so the strictest of several declarations
+/// is their `max`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataClass {
+    /// L0: may go to cloud and third parties.
+    Public,
+    /// L1: may go to a cloud instance the operator authorised for it
+    /// (`max_data_class = "personal"`).
+    #[default]
+    Personal,
+    /// L2: prefers the box; another edge node of the operator may take it.
+    Sensitive,
+    /// L3: never leaves the box.
+    Secret,
+}
+
+impl DataClass {
+    pub const ALL: [DataClass; 4] = [DataClass::Public, DataClass::Personal, DataClass::Sensitive, DataClass::Secret];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataClass::Public => "public",
+            DataClass::Personal => "personal",
+            DataClass::Sensitive => "sensitive",
+            DataClass::Secret => "secret",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<DataClass> {
+        DataClass::ALL.into_iter().find(|c| c.as_str() == s.trim().to_ascii_lowercase())
+    }
+}
+
+/// Where an engine instance runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Location {
+    /// On this machine.
+    Local,
+    /// On another edge node of the same operator.
+    EdgeNode,
+    /// A cloud API: data leaves the operator's machines.
+    Cloud,
+}
+
+impl Location {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Location::Local => "local",
+            Location::EdgeNode => "edge-node",
+            Location::Cloud => "cloud",
+        }
+    }
+
+    /// The most sensitive class an instance here may ever receive: secret
+    /// data never leaves the box, and no cloud instance takes more than
+    /// personal data.
+    pub fn class_ceiling(self) -> DataClass {
+        match self {
+            Location::Local => DataClass::Secret,
+            Location::EdgeNode => DataClass::Sensitive,
+            Location::Cloud => DataClass::Personal,
+        }
+    }
+
+    /// What an instance here receives when its config says nothing.
+    pub fn default_class(self) -> DataClass {
+        match self {
+            Location::Local => DataClass::Secret,
+            Location::EdgeNode => DataClass::Sensitive,
+            Location::Cloud => DataClass::Public,
+        }
+    }
+}
+
 /// Routing wishes of the caller.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Routing {
+    /// Never leave the box: the same as `data_class = "secret"` for routing.
     #[serde(default)]
     pub local_only: bool,
+    /// A smaller or quantized local model may answer when the requested
+    /// one cannot.
     #[serde(default)]
     pub allow_smaller_model: bool,
+    /// The caller's class for this call's data; the application, tenant or
+    /// device may impose a stricter one.
+    #[serde(default)]
+    pub data_class: Option<DataClass>,
+}
+
+/// A step of a logical model's fallback chain, in the order they are tried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FallbackStep {
+    /// Instances of the requested model on this box.
+    SameModel,
+    /// A smaller or quantized local model (`fallback_models`), when the
+    /// request or its application allows it.
+    SmallerModel,
+    /// Instances of the requested model on another edge node.
+    EdgeNode,
+    /// The model's configured canned answer.
+    Canned,
+    /// Cloud instances of the requested model, where the data class allows.
+    Cloud,
+    /// Nothing could take it: an explicit busy answer.
+    Busy,
+}
+
+impl FallbackStep {
+    pub const ALL: [FallbackStep; 6] = [
+        FallbackStep::SameModel,
+        FallbackStep::SmallerModel,
+        FallbackStep::EdgeNode,
+        FallbackStep::Canned,
+        FallbackStep::Cloud,
+        FallbackStep::Busy,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FallbackStep::SameModel => "same-model",
+            FallbackStep::SmallerModel => "smaller-model",
+            FallbackStep::EdgeNode => "edge-node",
+            FallbackStep::Canned => "canned",
+            FallbackStep::Cloud => "cloud",
+            FallbackStep::Busy => "busy",
+        }
+    }
+}
+
+/// One routing decision of a task: a step of the chain taken (or an
+/// attempt retried), where, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouteHop {
+    pub step: FallbackStep,
+    /// The logical model the hop used.
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
+    /// Why this step: the previous one's failure or state, or what decided
+    /// the pick among instances.
+    pub reason: String,
+}
+
+/// How a task was routed, as its client and its record see it
+/// (`edge.route`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Route {
+    /// The logical model the request named.
+    pub requested_model: String,
+    /// The logical model that answered (a smaller one after a fallback).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// The instance that answered, if any did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
+    /// Engine attempts made (0 when no engine was asked).
+    pub attempts: u32,
+    /// The data class the call was routed under.
+    pub data_class: DataClass,
+    /// Steps taken and attempts made, in order.
+    pub hops: Vec<RouteHop>,
+    /// Whether the answer came from anything but the requested model on
+    /// this box.
+    pub degraded: bool,
 }
 
 /// A validated call, the same whatever ingress it came from.
@@ -257,6 +427,11 @@ pub struct TaskRequest {
     pub session_id: Option<String>,
     pub idempotency_key: Option<String>,
     pub routing: Routing,
+    /// The strictest of the request's, application's, tenant's and
+    /// device's data classes (`local_only` counts as secret).
+    pub data_class: DataClass,
+    /// The request or its application allows a smaller model.
+    pub allow_smaller_model: bool,
     /// `metadata` of the request (application, user_id, trace_id, …).
     pub metadata: Map<String, Value>,
     /// Estimated prompt size in tokens, from `context::estimate_tokens`.
@@ -305,6 +480,10 @@ pub struct ResultMeta {
     pub finish_reason: Option<String>,
     pub degraded: bool,
     pub degrade_reason: Option<String>,
+    /// How the task was routed. Absent in results recorded before routing
+    /// was reported.
+    #[serde(default)]
+    pub route: Route,
 }
 
 impl ResultMeta {
@@ -324,6 +503,7 @@ impl ResultMeta {
             finish_reason: None,
             degraded: false,
             degrade_reason: None,
+            route: Route { requested_model: logical_model.to_string(), ..Route::default() },
         }
     }
 }

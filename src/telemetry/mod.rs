@@ -61,6 +61,23 @@ pub struct Metrics {
     /// NATS reply streams whose caller was gone (task cancelled), by how it
     /// was noticed (`no_responders`, `bus_unavailable`).
     pub nats_callers_lost: IntCounterVec,
+    /// Steps of a fallback chain taken, by requested model, step and
+    /// reason (`unavailable`, `breaker_open`, `no_room`, `no_class`,
+    /// `went_down`).
+    pub fallbacks: IntCounterVec,
+    /// Engine attempts retried before the first token, by model and reason
+    /// (`unreachable`, `engine_5xx`, `engine_429`, `truncated`,
+    /// `first_token_timeout`), and retries the budget refused.
+    pub retries: IntCounterVec,
+    pub retries_refused: IntCounterVec,
+    /// Circuit breaker state per instance (0 closed, 1 half-open, 2 open)
+    /// and its changes, by instance and new state.
+    pub breaker_state: IntGaugeVec,
+    pub breaker_transitions: IntCounterVec,
+    /// The node's degradation level (0 normal … 3 busy answers only).
+    pub degradation_level: IntGauge,
+    /// Running tasks preempted for P0 work, by model and priority.
+    pub preemptions: IntCounterVec,
 }
 
 impl Metrics {
@@ -82,7 +99,44 @@ impl Metrics {
             registry.register(Box::new(h.clone())).expect("unique metric");
             h
         };
+        let fallbacks = counter(
+            "fallbacks_total",
+            "Fallback steps taken, by requested model, step and reason",
+            &["model", "step", "reason"],
+        );
+        let retries = counter(
+            "retries_total",
+            "Engine attempts retried before the first token, by model and reason",
+            &["model", "reason"],
+        );
+        let retries_refused =
+            counter("retries_refused_total", "Retries refused by the global retry budget, by model", &["model"]);
+        let breaker_state =
+            gauge("breaker_state", "Circuit breaker state per instance: 0 closed, 1 half-open, 2 open", &["instance"]);
+        let breaker_transitions = counter(
+            "breaker_transitions_total",
+            "Circuit breaker state changes, by instance and new state",
+            &["instance", "state"],
+        );
+        let preemptions = counter(
+            "preemptions_total",
+            "Running tasks preempted for P0 work, by model and priority",
+            &["model", "priority"],
+        );
+        let degradation_level = IntGauge::new(
+            "degradation_level",
+            "Degradation level of the node: 0 normal, 1 alternates, 2 smaller or canned answers only, 3 busy",
+        )
+        .expect("valid metric");
+        registry.register(Box::new(degradation_level.clone())).expect("unique metric");
         Metrics {
+            fallbacks,
+            retries,
+            retries_refused,
+            breaker_state,
+            breaker_transitions,
+            degradation_level,
+            preemptions,
             requests: counter("requests_total", "Calls received, by ingress and outcome", &["ingress", "outcome"]),
             tasks_finished: counter(
                 "tasks_finished_total",

@@ -94,6 +94,7 @@ impl DeviceDirectory {
                         default_priority: d.default_priority,
                         is_admin: false,
                         credential: None,
+                        data_class: d.data_class,
                     });
                 }
             }
@@ -111,6 +112,7 @@ impl DeviceDirectory {
                     }
                     id.max_priority = id.max_priority.max(d.max_priority);
                     id.default_priority = id.default_priority.max(d.default_priority);
+                    id.data_class = d.data_class;
                 }
                 id.is_admin = false;
                 return Ok(id);

@@ -13,13 +13,17 @@ fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
             kv_bytes_per_token: 0,
             weights_bytes: 0,
             memory_margin: 0.0,
+            fallback_models: Vec::new(),
+            canned: false,
         }],
         instances: vec![InstancePolicy {
             name: "i".into(),
             max_concurrency: slots,
             reserved_realtime_slots: reserved,
             memory_budget_bytes: None,
-            local: true,
+            location: Location::Local,
+            max_data_class: DataClass::Secret,
+            cost: 0.0,
         }],
         apps: HashMap::new(),
         tenant_weights: HashMap::new(),
@@ -35,6 +39,9 @@ fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
         },
         busy_retry_after_ms: 1000,
         kv_cache_high_water: 0.95,
+        allow_cloud: false,
+        preemption: false,
+        admit_at_level: [Priority::P4, Priority::P2, Priority::P0],
     }
 }
 
@@ -48,7 +55,8 @@ fn task(id: &str, p: Priority, app: &str) -> TaskInfo {
         user: "u".into(),
         input_tokens: 10,
         max_output_tokens: 100,
-        local_only: false,
+        class: DataClass::Personal,
+        allow_smaller: false,
     }
 }
 
@@ -418,13 +426,17 @@ fn sim_config() -> PolicyConfig {
         kv_bytes_per_token: 10,
         weights_bytes: 20_000,
         memory_margin: 0.1,
+        fallback_models: Vec::new(),
+        canned: false,
     });
     c.instances.push(InstancePolicy {
         name: "j".into(),
         max_concurrency: 2,
         reserved_realtime_slots: 0,
         memory_budget_bytes: Some(100_000),
-        local: true,
+        location: Location::Local,
+        max_data_class: DataClass::Secret,
+        cost: 0.0,
     });
     c.apps.insert("a0".into(), AppLimits { weight: 2.0, max_running: Some(2), ..AppLimits::default() });
     c.apps
@@ -464,7 +476,8 @@ proptest! {
                         user: format!("u{user}"),
                         input_tokens: input,
                         max_output_tokens: 500,
-                        local_only: false,
+                        class: DataClass::Personal,
+        allow_smaller: false,
                     };
                     if p.enqueue(info, now).is_ok() {
                         accepted.insert(id, 0);
