@@ -98,6 +98,15 @@ struct Progress {
 }
 
 impl Progress {
+    /// Forgets the output of an attempt that was taken back.
+    fn restart_output(&mut self) {
+        self.first_token_at = None;
+        self.usage = None;
+        self.deltas = 0;
+        self.finish_reason = None;
+        self.text.clear();
+    }
+
     fn hop(&mut self, step: FallbackStep, model: &str, instance: Option<&str>, reason: impl Into<String>) {
         self.hops.push(RouteHop {
             step,
@@ -315,9 +324,14 @@ impl Driver {
         let r = &self.req;
         let t = r.timeouts;
         let router = &self.shared.router;
-        if self.preempt.is_preempted() {
+        if self.preempt.is_wanted() {
             return AttemptEnd::Preempted;
         }
+        // Where this attempt's output starts in the task's log: a
+        // preemption may take it back from here if nobody read it.
+        let start_seq = self.log.len();
+        // Set once a preemption was declined: the attempt runs to its end.
+        let mut declined = false;
         // Phase 2: dispatch to the engine.
         let now = Instant::now();
         if p.dispatched_at.is_none() {
@@ -396,7 +410,7 @@ impl Driver {
                 router.attempt_abandoned(lease.instance);
                 return AttemptEnd::Over(self.cancelled());
             }
-            _ = self.preempt.preempted() => {
+            _ = self.preempt.wanted() => {
                 router.attempt_abandoned(lease.instance);
                 return AttemptEnd::Preempted;
             }
@@ -428,10 +442,24 @@ impl Driver {
                     }
                     return AttemptEnd::Over(self.cancelled());
                 }
-                _ = self.preempt.preempted(), if first => {
-                    drop(stream);
-                    router.attempt_abandoned(lease.instance);
-                    return AttemptEnd::Preempted;
+                _ = self.preempt.wanted(), if !declined => {
+                    if first {
+                        drop(stream);
+                        router.attempt_abandoned(lease.instance);
+                        return AttemptEnd::Preempted;
+                    }
+                    // Output went out; it can be taken back only if nobody
+                    // can have seen it.
+                    if self.log.retract_unread(start_seq) {
+                        drop(stream);
+                        p.restart_output();
+                        lease.output_tokens = 0;
+                        return AttemptEnd::Preempted;
+                    }
+                    declined = true;
+                    self.preempt.reset();
+                    let _ = self.tx.send(Cmd::PreemptDeclined { task_id: r.task_id.clone() });
+                    continue;
                 }
                 _ = sleep_until(deadline) => {
                     drop(stream);
@@ -443,13 +471,6 @@ impl Driver {
                 Some(Ok(EngineChunk::Delta(text))) => {
                     last_token = tokio::time::Instant::now();
                     if p.first_token_at.is_none() {
-                        // The one moment output becomes the client's: from
-                        // here the task is not preempted any more.
-                        if !self.preempt.commit() {
-                            drop(stream);
-                            router.attempt_abandoned(lease.instance);
-                            return AttemptEnd::Preempted;
-                        }
                         p.first_token_at = Some(Instant::now());
                         router.attempt_ended(lease.instance, Attempt::Success { ttft: now.elapsed() });
                         first_of_attempt = false;

@@ -205,6 +205,11 @@ enum Cmd {
         log: TaskLog,
         preempt: Arc<Preempt>,
     },
+    /// A running task asked to give up its slot for a P0 task declined:
+    /// its output had been seen.
+    PreemptDeclined {
+        task_id: String,
+    },
     Withdraw {
         task_id: String,
     },
@@ -736,6 +741,7 @@ impl Actor {
                     }
                 }
             }
+            Cmd::PreemptDeclined { task_id } => self.policy.preemption_answered(&task_id),
             Cmd::Release { task_id, output_tokens } => {
                 self.running.remove(&task_id);
                 if let Some(i) = self.policy.release(&task_id, output_tokens) {

@@ -917,16 +917,26 @@ impl Policy {
 
     /// Whether `w` may start on `instance` now.
     fn eligible(&self, w: &Waiting, instance: usize) -> bool {
+        self.eligible_freed(w, instance, None)
+    }
+
+    /// Whether `w` may start on `instance` now, or (`freed`) once that
+    /// running task there has given up its slot.
+    fn eligible_freed(&self, w: &Waiting, instance: usize, freed: Option<&Running>) -> bool {
         let inst = &self.instances[instance];
         let ip = &self.cfg.instances[instance];
-        if !inst.up || inst.paused || inst.running >= ip.max_concurrency || !self.class_allows(w.info.class, instance) {
+        // What the freed task holds, in each count it is part of.
+        let f = |same: bool| usize::from(freed.is_some_and(|_| same));
+        let running = inst.running - f(true);
+        let mem_used = inst.mem_used - freed.map_or(0, |r| r.mem_bytes);
+        if !inst.up || inst.paused || running >= ip.max_concurrency || !self.class_allows(w.info.class, instance) {
             return false;
         }
         match inst.breaker {
             BreakerState::Closed => {}
             BreakerState::Open => return false,
             // One trial request at a time.
-            BreakerState::HalfOpen if inst.running > 0 => return false,
+            BreakerState::HalfOpen if running > 0 => return false,
             BreakerState::HalfOpen => {}
         }
         // An instance an earlier attempt failed on, only when no other
@@ -938,30 +948,35 @@ impl Policy {
         }
         // P2-P4 leave the reserved slots free for alarms.
         let realtime = w.info.priority <= Priority::P1;
-        if !realtime && inst.running >= ip.max_concurrency.saturating_sub(ip.reserved_realtime_slots) {
+        if !realtime && running >= ip.max_concurrency.saturating_sub(ip.reserved_realtime_slots) {
             return false;
         }
         if let Some(b) = ip.memory_budget_bytes {
-            if inst.mem_used + w.mem_bytes + self.weights_to_load(w.info.model, instance) > b {
+            if mem_used + w.mem_bytes + self.weights_to_load(w.info.model, instance) > b {
                 return false;
             }
         }
-        if inst.running > 0 && self.kv_cache_full(instance) {
+        if running > 0 && self.kv_cache_full(instance) {
             return false;
         }
         let m = w.info.model;
-        if self.cfg.models[m].max_running.is_some_and(|cap| self.model_running[m] >= cap) {
+        let same_model = freed.is_some_and(|r| r.info.model == m);
+        if self.cfg.models[m].max_running.is_some_and(|cap| self.model_running[m] - f(same_model) >= cap) {
             return false;
         }
-        if self.cfg.max_running.is_some_and(|cap| self.running.len() >= cap) {
+        if self.cfg.max_running.is_some_and(|cap| self.running.len() - f(true) >= cap) {
             return false;
         }
         let app = self.app(&w.info.app);
-        if app.max_running.is_some_and(|cap| self.app_counts.get(&w.info.app).map(|c| c.running).unwrap_or(0) >= cap) {
+        let same_app = freed.is_some_and(|r| r.info.app == w.info.app);
+        let app_running = self.app_counts.get(&w.info.app).map(|c| c.running).unwrap_or(0) - f(same_app);
+        if app.max_running.is_some_and(|cap| app_running >= cap) {
             return false;
         }
         let uk = (w.info.app.clone(), w.info.user.clone());
-        if app.user_max_running.is_some_and(|cap| self.user_counts.get(&uk).map(|c| c.running).unwrap_or(0) >= cap) {
+        let same_user = same_app && freed.is_some_and(|r| r.info.user == w.info.user);
+        let user_running = self.user_counts.get(&uk).map(|c| c.running).unwrap_or(0) - f(same_user);
+        if app.user_max_running.is_some_and(|cap| user_running >= cap) {
             return false;
         }
         true
@@ -1043,6 +1058,7 @@ impl Policy {
                 max_concurrency: ip.max_concurrency,
                 half_open: st.breaker == BreakerState::HalfOpen,
                 kv_cache_usage: st.kv_cache_usage,
+                loaded: st.resident_weights.is_some(),
                 error_rate: st.error_rate,
                 ttft_p95_ms: st.ttft_p95_ms,
                 cost: ip.cost,
@@ -1104,36 +1120,44 @@ impl Policy {
             return Vec::new();
         }
         let views = self.views();
-        let mut blocked: Vec<(u64, Vec<usize>, String)> = Vec::new();
+        let mut blocked: Vec<(u64, &Waiting)> = Vec::new();
         for w in self.waiting.iter().flatten() {
             if w.info.priority == Priority::P0
                 && !self.preempting.values().any(|p0| *p0 == w.info.task_id)
                 && router::pick(&w.candidates, &views, |i| self.eligible(w, i)).is_none()
             {
-                blocked.push((w.seq, w.candidates.clone(), w.info.task_id.clone()));
+                blocked.push((w.seq, w));
             }
         }
-        blocked.sort();
-        let mut out = Vec::new();
-        for (_, candidates, p0) in blocked {
+        blocked.sort_by_key(|(seq, _)| *seq);
+        let mut chosen: Vec<(String, String)> = Vec::new();
+        for (_, w) in blocked {
+            // Only a victim whose slot the P0 task could really take: one
+            // blocked by its own limits would only make the victim churn.
             let victim = self
                 .running
                 .iter()
-                .filter(|(_, r)| {
+                .filter(|(id, r)| {
                     !r.not_preemptible
+                        && !chosen.iter().any(|(_, v)| v == *id)
                         && r.info.priority >= Priority::P3
-                        && candidates.contains(&r.instance)
+                        && w.candidates.contains(&r.instance)
                         && self.app(&r.info.app).preemptible_from.is_some_and(|from| r.info.priority >= from)
+                        && self.eligible_freed(w, r.instance, Some(r))
                 })
                 .max_by_key(|(_, r)| (r.started_at, r.info.priority))
                 .map(|(id, _)| id.clone());
             if let Some(id) = victim {
-                if let Some(r) = self.running.get_mut(&id) {
-                    r.not_preemptible = true;
-                }
-                self.preempting.insert(id.clone(), p0.clone());
-                out.push((p0, id));
+                chosen.push((w.info.task_id.clone(), id));
             }
+        }
+        let mut out = Vec::new();
+        for (p0, id) in chosen {
+            if let Some(r) = self.running.get_mut(&id) {
+                r.not_preemptible = true;
+            }
+            self.preempting.insert(id.clone(), p0.clone());
+            out.push((p0, id));
         }
         out
     }

@@ -91,6 +91,13 @@ impl TaskLog {
     pub fn subscribe(&self, from_seq: u64) -> Subscription {
         Subscription(self.0.reader(from_seq))
     }
+
+    /// Takes back the events from `from_seq` on if no subscription exists
+    /// and none was given any of them (see
+    /// [`RetainedLog::retract_unread`]).
+    pub fn retract_unread(&self, from_seq: u64) -> bool {
+        self.0.retract_unread(from_seq)
+    }
 }
 
 /// A reader of one task's log.

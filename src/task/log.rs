@@ -37,6 +37,10 @@ struct Items<T> {
     bytes: usize,
     /// Sequence number of the last item, once the log has ended.
     last: Option<u64>,
+    /// Readers that exist now.
+    readers: usize,
+    /// One past the highest sequence number any reader was given.
+    delivered: u64,
 }
 
 impl<T> Items<T> {
@@ -75,7 +79,14 @@ impl<T: Clone> RetainedLog<T> {
     /// skip what was trimmed and see the gap in the sequence numbers.
     pub fn with_budget(size: fn(&T) -> usize, max_bytes: usize) -> Self {
         RetainedLog {
-            inner: Mutex::new(Items { items: VecDeque::new(), first: 0, bytes: 0, last: None }),
+            inner: Mutex::new(Items {
+                items: VecDeque::new(),
+                first: 0,
+                bytes: 0,
+                last: None,
+                readers: 0,
+                delivered: 0,
+            }),
             notify: Notify::new(),
             size,
             max_bytes,
@@ -137,7 +148,32 @@ impl<T: Clone> RetainedLog<T> {
     /// A reader whose first item is `from_seq` (or the oldest kept, if that
     /// one was trimmed).
     pub fn reader(self: &Arc<Self>, from_seq: u64) -> Reader<T> {
+        self.inner.lock().expect("retained log").readers += 1;
         Reader { log: self.clone(), next: from_seq }
+    }
+
+    /// Takes back the items from `from_seq` on, if nobody can have seen
+    /// them: no reader exists and none was ever given one of them, and the
+    /// log has not ended. Returns whether it did. A reader made later
+    /// starts from what is left, and the next item pushed gets `from_seq`
+    /// again, so the sequence stays contiguous for everyone.
+    pub fn retract_unread(&self, from_seq: u64) -> bool {
+        let mut g = self.inner.lock().expect("retained log");
+        if g.readers > 0 || g.delivered > from_seq || g.last.is_some() || from_seq < g.first {
+            return false;
+        }
+        while g.next_seq() > from_seq {
+            let item = g.items.pop_back().expect("items above from_seq");
+            g.bytes -= (self.size)(&item);
+        }
+        true
+    }
+}
+
+impl<T> Drop for Reader<T> {
+    fn drop(&mut self) {
+        let mut g = self.log.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.readers -= 1;
     }
 }
 
@@ -157,10 +193,11 @@ impl<T: Clone> Reader<T> {
             // Registered before the check: a push in between still wakes it.
             notified.as_mut().enable();
             {
-                let g = self.log.inner.lock().expect("retained log");
-                if let Some(item) = g.items.get(index(&mut self.next, &g)) {
+                let mut g = self.log.inner.lock().expect("retained log");
+                if let Some(item) = g.items.get(index(&mut self.next, &g)).cloned() {
                     self.next += 1;
-                    return Some((self.next - 1, item.clone()));
+                    g.delivered = g.delivered.max(self.next);
+                    return Some((self.next - 1, item));
                 }
                 if g.last.is_some() {
                     return None;
@@ -178,12 +215,13 @@ impl<T: Clone> Reader<T> {
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
-                let g = self.log.inner.lock().expect("retained log");
+                let mut g = self.log.inner.lock().expect("retained log");
                 let start = index(&mut self.next, &g);
                 if start < g.items.len() {
                     let batch: Vec<T> = g.items.range(start..).cloned().collect();
                     let first = self.next;
                     self.next += batch.len() as u64;
+                    g.delivered = g.delivered.max(self.next);
                     return Some((first, batch));
                 }
                 if g.last.is_some() {
@@ -293,6 +331,32 @@ mod tests {
         assert_eq!((l.bytes(), l.last().as_deref()), (3, Some("c")));
         // A reader past the end of an ended log gets nothing.
         assert_eq!(l.reader(7).recv().await, None);
+    }
+
+    #[tokio::test]
+    async fn only_items_nobody_can_have_seen_are_retracted() {
+        let l = log(usize::MAX);
+        l.push("accepted".into());
+        l.push("a".into());
+        l.push("b".into());
+        // A reader exists: nothing is taken back, whatever it read.
+        let mut r = l.reader(0);
+        assert!(!l.retract_unread(1));
+        assert_eq!(r.recv().await, Some((0, "accepted".to_string())));
+        drop(r);
+        // It saw only item 0: items 1.. may go; numbering continues at 1.
+        assert!(l.retract_unread(1));
+        assert_eq!((l.range().next, l.bytes()), (1, 8));
+        assert_eq!(l.push("c".into()), 1);
+        // Once a reader was given item 1, it stays.
+        let mut r = l.reader(1);
+        assert_eq!(r.recv().await, Some((1, "c".to_string())));
+        drop(r);
+        assert!(!l.retract_unread(1));
+        assert!(l.retract_unread(2), "nothing above what was seen: a no-op that is allowed");
+        // An ended log is never changed.
+        l.push_last("done".into());
+        assert!(!l.retract_unread(2));
     }
 
     #[tokio::test]

@@ -114,6 +114,8 @@ impl TaskState {
     /// - `Dispatching → Queued`, `Running → Queued`: an engine attempt
     ///   failed before its first token and the task waits for another
     ///   (a retry), or a P0 task preempted it before any output went out.
+    ///   `Streaming → Queued`: a P0 task preempted it when the output it
+    ///   had produced could be taken back (nobody was reading it).
     /// - `Received → Failed`, `Validating → Failed`: a restart ends a task
     ///   that was not queued yet and cannot be queued again `FAILED`
     ///   (`INTERNAL_ERROR`), like any other task it cannot resume.
@@ -143,6 +145,7 @@ impl TaskState {
                 | (Running, Failed)
                 | (Running, Cancelled)
                 | (Running, Succeeded)
+                | (Streaming, Queued)
                 | (Streaming, Succeeded)
                 | (Streaming, Failed)
                 | (Streaming, Cancelled)
