@@ -31,6 +31,8 @@ pub struct Readiness {
     pub models: Vec<ModelReadiness>,
     pub instances: Vec<InstanceSnapshot>,
     pub queues: Vec<QueueSnapshot>,
+    /// 0 normal … 3 busy answers only (see the scheduler's snapshot).
+    pub degradation_level: u8,
     /// The bus as [`super::BusStatus::report`] describes it.
     pub bus: serde_json::Value,
 }
@@ -58,6 +60,7 @@ impl Gateway {
             models,
             instances: snap.instances,
             queues: snap.queues,
+            degradation_level: snap.degradation_level,
             bus: self.bus.report(),
         })
     }

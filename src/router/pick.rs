@@ -21,6 +21,9 @@ pub struct InstanceView {
     pub half_open: bool,
     /// KV-cache usage the engine last reported (0..=1).
     pub kv_cache_usage: Option<f64>,
+    /// The model is in the engine's memory (by its own report, or because
+    /// edgeway ran it there): no load time before the first token.
+    pub loaded: bool,
     /// Failure ratio of recent attempts (0..=1).
     pub error_rate: f64,
     /// p95 time to first token of recent attempts, in ms.
@@ -44,6 +47,7 @@ impl Default for InstanceView {
             max_concurrency: 1,
             half_open: false,
             kv_cache_usage: None,
+            loaded: true,
             error_rate: 0.0,
             ttft_p95_ms: None,
             cost: 0.0,
@@ -55,12 +59,12 @@ impl Default for InstanceView {
 /// The factors that rank instances with a free slot, in the order they are
 /// compared; the first one in which the winner beats the runner-up is the
 /// one that decided (recorded with the task's route).
-pub const FACTORS: [&str; 6] = ["load", "kv-cache", "error-rate", "ttft", "cost", "config-order"];
+pub const FACTORS: [&str; 7] = ["load", "kv-cache", "loaded", "error-rate", "ttft", "cost", "config-order"];
 
 /// An instance's rank on each factor, smaller is better. Measured values
 /// are bucketed so that noise does not decide: load as a ratio, KV usage
 /// and error rate in steps of 5 %, TTFT in steps of 50 ms.
-fn ranks(v: &InstanceView, position: usize) -> [u64; 6] {
+fn ranks(v: &InstanceView, position: usize) -> [u64; 7] {
     // running/max as a fraction with a common denominator (slot counts are
     // small), so equal ratios rank equal without floats.
     let load = (v.running as u64 * 720_720) / v.max_concurrency.max(1) as u64;
@@ -68,7 +72,7 @@ fn ranks(v: &InstanceView, position: usize) -> [u64; 6] {
     let err = (v.error_rate.clamp(0.0, 1.0) * 20.0) as u64;
     let ttft = v.ttft_p95_ms.map_or(0, |ms| ms / 50);
     let cost = (v.cost.max(0.0) * 1000.0) as u64;
-    [load, kv, err, ttft, cost, position as u64]
+    [load, kv, u64::from(!v.loaded), err, ttft, cost, position as u64]
 }
 
 /// Picks the best healthy instance with a free slot among `candidates`
@@ -81,8 +85,8 @@ pub fn pick(
     instances: &[InstanceView],
     eligible: impl Fn(usize) -> bool,
 ) -> Option<(usize, &'static str)> {
-    let mut best: Option<(usize, [u64; 6])> = None;
-    let mut second: Option<[u64; 6]> = None;
+    let mut best: Option<(usize, [u64; 7])> = None;
+    let mut second: Option<[u64; 7]> = None;
     for (pos, &i) in candidates.iter().enumerate() {
         if !(instances[i].has_free_slot() && eligible(i)) {
             continue;
@@ -139,8 +143,9 @@ mod tests {
             f(&mut x);
             x
         };
-        let cases: [(InstanceView, &str); 4] = [
+        let cases: [(InstanceView, &str); 5] = [
             (with(&|x| x.kv_cache_usage = Some(0.5)), "kv-cache"),
+            (with(&|x| x.loaded = false), "loaded"),
             (with(&|x| x.error_rate = 0.3), "error-rate"),
             (with(&|x| x.ttft_p95_ms = Some(400)), "ttft"),
             (with(&|x| x.cost = 0.2), "cost"),

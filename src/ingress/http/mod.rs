@@ -148,6 +148,7 @@ async fn ready(State(gw): State<AppState>) -> Result<Response, ApiError> {
         "models": r.models,
         "instances": r.instances,
         "queues": r.queues,
+        "degradation_level": r.degradation_level,
         // Reported, but readiness does not depend on the bus.
         "nats": r.bus,
     });

@@ -381,6 +381,198 @@ fn logical_models_on_one_instance_count_its_weights_once() {
     p.check();
 }
 
+// --- Routing: data policy, fallback chain, retries, preemption -------------
+
+/// Model 0 ("m") on local instance 0 and cloud instance 1 (public only);
+/// model 1 ("small") on local instance 2, a fallback of model 0.
+fn chain_cfg(allow_cloud: bool, canned: bool) -> PolicyConfig {
+    let mut c = cfg(1, 0, 1);
+    c.allow_cloud = allow_cloud;
+    c.models[0].instances = vec![0, 1];
+    c.models[0].fallback_models = vec![1];
+    c.models[0].canned = canned;
+    c.models.push(ModelPolicy {
+        name: "small".into(),
+        queue_capacity: 4,
+        instances: vec![2],
+        fallback_models: Vec::new(),
+        canned: false,
+        ..c.models[0].clone()
+    });
+    let local = c.instances[0].clone();
+    c.instances.push(InstancePolicy {
+        name: "cloud".into(),
+        location: Location::Cloud,
+        max_data_class: DataClass::Public,
+        max_concurrency: 4,
+        ..local.clone()
+    });
+    c.instances.push(InstancePolicy { name: "small".into(), ..local });
+    c
+}
+
+fn classed(id: &str, p: Priority, class: DataClass) -> TaskInfo {
+    TaskInfo { class, ..task(id, p, "a") }
+}
+
+#[test]
+fn no_path_sends_a_class_to_an_instance_that_may_not_receive_it() {
+    let mut p = Policy::new(chain_cfg(true, false));
+    p.set_instance_up(0, false);
+    for class in [DataClass::Personal, DataClass::Sensitive, DataClass::Secret] {
+        let e = p.enqueue(classed("x", Priority::P2, class), T0).unwrap_err();
+        assert_eq!(e.code, ErrorCode::ModelUnavailable, "{class:?}");
+        assert!(e.retry_after_ms.is_some());
+    }
+    // Public work may take the cloud, but only once the local step passed.
+    let a = p.enqueue(classed("pub", Priority::P2, DataClass::Public), T0).unwrap();
+    assert_eq!(a.step, FallbackStep::Cloud);
+    assert_eq!(a.passed.first().map(|x| (x.step, x.why)), Some((FallbackStep::SameModel, "unavailable")));
+    let g = p.next_grant(T0).unwrap();
+    assert_eq!((g.task_id.as_str(), g.instance, g.step), ("pub", 1, FallbackStep::Cloud));
+    // With the local instance back, public work stays local.
+    p.set_instance_up(0, true);
+    let a = p.enqueue(classed("pub2", Priority::P2, DataClass::Public), T0).unwrap();
+    assert_eq!(a.step, FallbackStep::SameModel);
+    assert_eq!(p.next_grant(T0).map(|g| g.instance), Some(0));
+    p.check();
+
+    // Without allow_cloud the cloud instance takes nothing at all.
+    let mut p = Policy::new(chain_cfg(false, false));
+    p.set_instance_up(0, false);
+    assert!(p.enqueue(classed("pub", Priority::P2, DataClass::Public), T0).is_err());
+    assert!(p.next_grant(T0).is_none());
+}
+
+#[test]
+fn a_full_queue_falls_back_to_the_smaller_model_only_when_allowed() {
+    let mut p = Policy::new(chain_cfg(false, false));
+    p.enqueue(task("running", Priority::P2, "a"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0), ["running"]);
+    p.enqueue(task("waiting", Priority::P2, "a"), T0).unwrap();
+    // The queue (capacity 1) is full.
+    let e = p.enqueue(task("no", Priority::P2, "a"), T0).unwrap_err();
+    assert_eq!(e.code, ErrorCode::QueueFull);
+    let a = p.enqueue(TaskInfo { allow_smaller: true, ..task("yes", Priority::P2, "a") }, T0).unwrap();
+    assert_eq!((a.step, a.model), (FallbackStep::SmallerModel, 1));
+    assert_eq!(a.passed[0].why, "no_room");
+    let g = p.next_grant(T0).unwrap();
+    assert_eq!((g.task_id.as_str(), g.instance, g.model), ("yes", 2, 1));
+    p.check();
+}
+
+#[test]
+fn the_canned_answer_comes_before_the_cloud_and_after_every_local_step() {
+    let mut p = Policy::new(chain_cfg(true, true));
+    p.set_instance_up(0, false);
+    p.set_instance_up(2, false);
+    let a = p.enqueue(TaskInfo { allow_smaller: true, ..classed("x", Priority::P2, DataClass::Public) }, T0).unwrap();
+    assert_eq!(a.step, FallbackStep::Canned);
+    let steps: Vec<_> = a.passed.iter().map(|x| x.step).collect();
+    assert_eq!(steps, [FallbackStep::SameModel, FallbackStep::SmallerModel]);
+    assert_eq!(p.total_waiting(), 0, "a canned answer waits for no slot");
+}
+
+#[test]
+fn an_open_breaker_takes_an_instance_out_and_half_open_lets_one_trial_through() {
+    let mut c = cfg(4, 0, 10);
+    c.models[0].instances = vec![0];
+    let mut p = Policy::new(c);
+    p.set_breaker(0, BreakerState::Open);
+    let e = p.enqueue(task("a", Priority::P2, "a"), T0).unwrap_err();
+    assert!(e.message.contains("circuit breakers are open"), "{}", e.message);
+    p.set_breaker(0, BreakerState::HalfOpen);
+    p.enqueue(task("a", Priority::P2, "a"), T0).unwrap();
+    p.enqueue(task("b", Priority::P2, "a"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0), ["a"], "one trial at a time");
+    p.release("a", 0);
+    p.set_breaker(0, BreakerState::Closed);
+    assert_eq!(drain(&mut p, T0), ["b"]);
+}
+
+#[test]
+fn a_retried_task_goes_first_and_avoids_the_instance_it_failed_on() {
+    let mut c = cfg(1, 0, 10);
+    c.models[0].instances = vec![0, 1];
+    let other = InstancePolicy { name: "j".into(), ..c.instances[0].clone() };
+    c.instances.push(other);
+    let mut p = Policy::new(c);
+    p.enqueue(task("t", Priority::P3, "a"), T0).unwrap();
+    let g = p.next_grant(T0).unwrap();
+    assert_eq!(g.instance, 0);
+    p.enqueue(task("later", Priority::P3, "a"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0), ["later"], "instance 1 was free");
+    p.release("later", 0);
+    p.enqueue(task("later2", Priority::P3, "a"), T0).unwrap();
+    // The attempt on instance 0 failed: back to the front, not on 0.
+    assert_eq!(p.requeue("t", Some(0), T0), Some((0, 0, Priority::P3)));
+    let g = p.next_grant(T0).unwrap();
+    assert_eq!((g.task_id.as_str(), g.instance), ("t", 1), "ahead of an earlier arrival, on the other instance");
+    // With the other instance down, the failed one is still better than
+    // nothing.
+    p.requeue("t", Some(1), T0);
+    p.set_instance_up(1, false);
+    let g = p.next_grant(T0).unwrap();
+    assert_eq!((g.task_id.as_str(), g.instance), ("t", 0));
+    p.check();
+}
+
+#[test]
+fn p0_preempts_the_newest_preemptible_low_priority_task_it_can_replace() {
+    let mut c = cfg(2, 0, 10);
+    c.preemption = true;
+    c.apps.insert("keep".into(), AppLimits { preemptible_from: None, ..AppLimits::default() });
+    c.apps.insert("alarms".into(), AppLimits { max_running: Some(1), ..AppLimits::default() });
+    let mut p = Policy::new(c);
+    p.enqueue(task("old", Priority::P4, "a"), T0).unwrap();
+    p.enqueue(task("kept", Priority::P4, "keep"), Duration::from_millis(1)).unwrap();
+    drain(&mut p, Duration::from_millis(1));
+    p.enqueue(task("alarm", Priority::P0, "b"), Duration::from_millis(2)).unwrap();
+    // "kept" started last but its application says never.
+    assert_eq!(p.preemption_victims(), [("alarm".to_string(), "old".to_string())]);
+    assert!(p.preemption_victims().is_empty(), "asked once until answered");
+    p.requeue("old", None, Duration::from_millis(3));
+    assert_eq!(drain(&mut p, Duration::from_millis(3)), ["alarm"]);
+    p.check();
+
+    // A P0 task held back by its own application's cap gets no victim.
+    let mut c = cfg(2, 0, 10);
+    c.preemption = true;
+    c.apps.insert("alarms".into(), AppLimits { max_running: Some(1), ..AppLimits::default() });
+    let mut p = Policy::new(c);
+    p.enqueue(task("a1", Priority::P0, "alarms"), T0).unwrap();
+    p.enqueue(task("batch", Priority::P4, "a"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0).len(), 2);
+    p.enqueue(task("a2", Priority::P0, "alarms"), T0).unwrap();
+    assert!(p.preemption_victims().is_empty());
+    // And nothing is preempted with preemption off.
+    let mut p = Policy::new(cfg(1, 0, 10));
+    p.enqueue(task("batch", Priority::P4, "a"), T0).unwrap();
+    drain(&mut p, T0);
+    p.enqueue(task("alarm", Priority::P0, "a"), T0).unwrap();
+    assert!(p.preemption_victims().is_empty());
+}
+
+#[test]
+fn degradation_levels_follow_what_still_serves() {
+    let mut c = chain_cfg(false, false);
+    c.models[0].instances = vec![0, 3];
+    let twin = InstancePolicy { name: "twin".into(), ..c.instances[0].clone() };
+    c.instances.push(twin);
+    let mut p = Policy::new(c);
+    assert_eq!(p.degradation(), 0);
+    p.set_instance_up(3, false);
+    assert_eq!(p.model_degradation(0), 1);
+    p.set_breaker(0, BreakerState::Open);
+    assert_eq!(p.model_degradation(0), 2, "only the smaller model is left");
+    // Level 2 admits P0-P2 only (the default configuration).
+    let e = p.enqueue(TaskInfo { allow_smaller: true, ..task("p3", Priority::P3, "a") }, T0).unwrap_err();
+    assert!(e.message.contains("degraded (level 2)"), "{}", e.message);
+    assert!(p.enqueue(TaskInfo { allow_smaller: true, ..task("p2", Priority::P2, "a") }, T0).is_ok());
+    p.set_instance_up(2, false);
+    assert_eq!(p.degradation(), 3);
+}
+
 // --- Property tests on a deterministic simulation -------------------------
 
 #[derive(Debug, Clone)]
@@ -390,7 +582,17 @@ enum Op {
         app: u8,
         user: u8,
         input: u32,
+        class: u8,
     },
+    /// Instance `instance % 2`'s breaker: closed, half-open or open.
+    Breaker {
+        instance: u8,
+        state: u8,
+    },
+    /// A running task's attempt failed: re-queued, avoiding its instance.
+    Requeue(u8),
+    /// The scheduler asks for victims; each gives its slot up.
+    Preempt,
     Advance(u16),
     Release(u8),
     Withdraw(u8),
@@ -406,7 +608,11 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u8..5, 0u8..3, 0u8..3, 0u32..4000).prop_map(|(prio, app, user, input)| Op::Enqueue { prio, app, user, input }),
+        4 => (0u8..5, 0u8..3, 0u8..3, 0u32..4000, 0u8..4)
+            .prop_map(|(prio, app, user, input, class)| Op::Enqueue { prio, app, user, input, class }),
+        1 => (any::<u8>(), 0u8..3).prop_map(|(instance, state)| Op::Breaker { instance, state }),
+        1 => any::<u8>().prop_map(Op::Requeue),
+        1 => Just(Op::Preempt),
         2 => (1u16..5000).prop_map(Op::Advance),
         3 => any::<u8>().prop_map(Op::Release),
         1 => any::<u8>().prop_map(Op::Withdraw),
@@ -435,7 +641,7 @@ fn sim_config() -> PolicyConfig {
         reserved_realtime_slots: 0,
         memory_budget_bytes: Some(100_000),
         location: Location::Local,
-        max_data_class: DataClass::Secret,
+        max_data_class: DataClass::Personal, // takes no sensitive or secret work
         cost: 0.0,
     });
     c.apps.insert("a0".into(), AppLimits { weight: 2.0, max_running: Some(2), ..AppLimits::default() });
@@ -445,6 +651,7 @@ fn sim_config() -> PolicyConfig {
     c.aging = Some(Duration::from_secs(2));
     c.backpressure = Backpressure::default();
     c.kv_cache_high_water = 0.9;
+    c.preemption = true;
     c
 }
 
@@ -464,7 +671,7 @@ proptest! {
         let mut accepted: HashMap<String, u8> = HashMap::new(); // 0 waiting, 1 running, 2 ended
         for op in ops {
             match op {
-                Op::Enqueue { prio, app, user, input } => {
+                Op::Enqueue { prio, app, user, input, class } => {
                     n += 1;
                     let id = format!("t{n}");
                     let info = TaskInfo {
@@ -476,7 +683,7 @@ proptest! {
                         user: format!("u{user}"),
                         input_tokens: input,
                         max_output_tokens: 500,
-                        class: DataClass::Personal,
+                        class: DataClass::ALL[usize::from(class)],
         allow_smaller: false,
                     };
                     if p.enqueue(info, now).is_ok() {
@@ -506,6 +713,29 @@ proptest! {
                     }
                 }
                 Op::Health(up) => p.set_instance_up(1, up),
+                Op::Breaker { instance, state } => {
+                    let s = [BreakerState::Closed, BreakerState::HalfOpen, BreakerState::Open][usize::from(state)];
+                    p.set_breaker(usize::from(instance % 2), s);
+                }
+                Op::Requeue(k) => {
+                    let mut running: Vec<String> = accepted.iter().filter(|(_, s)| **s == 1).map(|(id, _)| id.clone()).collect();
+                    running.sort();
+                    if !running.is_empty() {
+                        let id = &running[k as usize % running.len()];
+                        let instance = p.running[id].instance;
+                        prop_assert!(p.requeue(id, Some(instance), now).is_some());
+                        accepted.insert(id.clone(), 0);
+                    }
+                }
+                Op::Preempt => {
+                    for (p0, victim) in p.preemption_victims() {
+                        prop_assert_eq!(accepted.get(&victim).copied(), Some(1), "a victim that does not run");
+                        prop_assert!(p.running[&victim].info.priority >= Priority::P3);
+                        prop_assert_eq!(accepted.get(&p0).copied(), Some(0), "preempted for a task that does not wait");
+                        prop_assert!(p.requeue(&victim, None, now).is_some());
+                        accepted.insert(victim, 0);
+                    }
+                }
                 Op::Report { instance, kv_percent, resident } => {
                     let i = usize::from(instance % 2);
                     p.set_kv_cache_usage(i, kv_percent.map(|k| f64::from(k) / 100.0));
@@ -521,7 +751,7 @@ proptest! {
                     .waiting
                     .iter()
                     .flatten()
-                    .filter(|w| p.cfg.models[w.info.model].instances.iter().any(|&i| p.eligible(w, i)))
+                    .filter(|w| w.candidates.iter().any(|&i| p.eligible(w, i)))
                     .map(|w| (w.info.task_id.clone(), p.effective(w, now)))
                     .collect();
                 let best_before = eligible.values().min().copied();
@@ -531,6 +761,9 @@ proptest! {
                 };
                 prop_assert_eq!(eligible.get(&g.task_id).copied(), best_before, "a less urgent task went first");
                 prop_assert_eq!(accepted.get(&g.task_id).copied(), Some(0), "granted twice or never accepted");
+                let class = p.running[&g.task_id].info.class;
+                prop_assert!(class <= p.cfg.instances[g.instance].max_data_class, "{:?} work on {}", class, g.instance);
+                prop_assert!(p.breaker(g.instance) != BreakerState::Open, "granted on an open breaker");
                 if p.kv_cache_full(g.instance) {
                     prop_assert_eq!(p.running_on(g.instance), 1, "sent to a full KV cache that already ran ours");
                 }
@@ -541,6 +774,8 @@ proptest! {
         }
         // Drain: everything accepted ends exactly once.
         p.set_instance_up(1, true);
+        p.set_breaker(0, BreakerState::Closed);
+        p.set_breaker(1, BreakerState::Closed);
         for _ in 0..10_000 {
             let running: Vec<String> = accepted.iter().filter(|(_, s)| **s == 1).map(|(id, _)| id.clone()).collect();
             for id in running {
