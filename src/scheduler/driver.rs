@@ -238,6 +238,11 @@ impl Driver {
                     }
                     self.shared.metrics.retries.with_label_values(&[&r.logical_model, label]).inc();
                     failed_on.push(instance);
+                    // The client's copy says what failed in its own words,
+                    // never the engine's.
+                    if let Some(h) = p.hops.last_mut() {
+                        h.reason = format!("{}; failed before the first token ({label}), retried", h.reason);
+                    }
                     let reason = format!(
                         "retry after attempt {} failed on {}: {}",
                         p.attempts, lease.instance_name, error.reason
@@ -246,11 +251,16 @@ impl Driver {
                     grant = self.requeue(lease, Some(instance), &reason);
                 }
                 AttemptEnd::Preempted => {
+                    // Which task took the slot is for the logs: it may be
+                    // another tenant's.
                     let by = self.preempt.by().unwrap_or_default();
+                    tracing::info!(task_id = %r.task_id, engine = %lease.instance_name, for_task = %by, "preempted for a P0 task");
                     let model = lease.model.clone();
                     self.shared.metrics.preemptions.with_label_values(&[&model, r.priority.as_str()]).inc();
-                    let reason = format!("preempted on {} for P0 task {by}", lease.instance_name);
-                    p.hop(lease.step, &model, Some(&lease.instance_name), reason.clone());
+                    if let Some(h) = p.hops.last_mut() {
+                        h.reason = format!("{}; preempted for a P0 task", h.reason);
+                    }
+                    let reason = format!("preempted on {} for a P0 task", lease.instance_name);
                     grant = self.requeue(lease, None, &reason);
                 }
             }
@@ -344,7 +354,20 @@ impl Driver {
         p.actual_model = Some(format!("{}/{}", lease.instance_name, lease.engine_model));
         p.model = Some(lease.model.clone());
         p.step = Some(lease.step);
-        for passed in std::mem::take(&mut lease.passed) {
+        // Steps it was moved past while it waited: recorded as it happened
+        // to the task (the scheduler only knows queues).
+        let moved = std::mem::take(&mut lease.passed);
+        if !moved.is_empty() {
+            let why: Vec<String> = moved.iter().map(|x| format!("{}: {}", x.step.as_str(), x.detail)).collect();
+            let reason = format!(
+                "moved to fallback step {} ({}) while waiting; {}",
+                lease.step.as_str(),
+                lease.model,
+                why.join("; ")
+            );
+            self.shared.recorder.transition(r, TaskState::Queued, &reason, None, "scheduler");
+        }
+        for passed in moved {
             p.hop(passed.step, &r.logical_model, None, format!("passed over: {}", passed.detail));
         }
         let picked = format!("picked by {}", lease.decided_by);

@@ -554,6 +554,26 @@ fn p0_preempts_the_newest_preemptible_low_priority_task_it_can_replace() {
 }
 
 #[test]
+fn a_waiting_task_moves_on_when_its_instances_go_down() {
+    let mut p = Policy::new(chain_cfg(true, false));
+    p.enqueue(task("running", Priority::P2, "a"), T0).unwrap();
+    drain(&mut p, T0);
+    p.enqueue(TaskInfo { allow_smaller: true, ..task("small-ok", Priority::P2, "a") }, T0).unwrap();
+    p.set_instance_up(0, false);
+    let mut stranded = p.stranded();
+    stranded.sort();
+    assert_eq!(stranded, [("small-ok".to_string(), false)]);
+    let a = p.reroute("small-ok", T0).expect("the smaller model takes it");
+    assert_eq!((a.step, a.model), (FallbackStep::SmallerModel, 1));
+    let g = p.next_grant(T0).unwrap();
+    assert_eq!((g.task_id.as_str(), g.instance), ("small-ok", 2));
+    assert_eq!(g.passed.first().map(|x| x.why), Some("went_down"));
+    // Personal work with nowhere to go stays stranded (the actor ends it).
+    p.enqueue(TaskInfo { allow_smaller: false, ..task("stuck", Priority::P2, "a") }, T0).unwrap_err();
+    p.check();
+}
+
+#[test]
 fn degradation_levels_follow_what_still_serves() {
     let mut c = chain_cfg(false, false);
     c.models[0].instances = vec![0, 3];
