@@ -105,10 +105,14 @@ impl Router {
 }
 
 /// Whether an engine's error text says it ran out of memory (llama.cpp,
-/// vLLM and CUDA say it in so many words).
+/// vLLM and CUDA say it in so many words; "OOM" only as a word of its
+/// own, so "room" or "zoom" do not count).
 fn out_of_memory(text: &str) -> bool {
     let t = text.to_ascii_lowercase();
-    t.contains("out of memory") || t.contains("failed to allocate") || t.contains("oom")
+    t.contains("out of memory")
+        || t.contains("failed to allocate")
+        || t.contains("insufficient memory")
+        || t.split(|c: char| !c.is_ascii_alphanumeric()).any(|w| w == "oom")
 }
 
 #[cfg(test)]
@@ -179,6 +183,16 @@ mod tests {
             // The engine's text is for the record, never for the client.
             assert!(e.reason.contains(&text), "{}", e.reason);
             assert!(!e.error.message.contains(&text), "{}", e.error.message);
+        }
+    }
+
+    #[test]
+    fn out_of_memory_is_read_from_the_words_engines_use() {
+        for yes in ["CUDA error: out of memory", "failed to allocate KV cache", "OOM", "killed (oom)"] {
+            assert!(out_of_memory(yes), "{yes}");
+        }
+        for no in ["no room in the batch", "zoom", "bad request", ""] {
+            assert!(!out_of_memory(no), "{no}");
         }
     }
 
