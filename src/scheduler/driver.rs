@@ -52,8 +52,6 @@ pub(super) struct Driver {
 /// The step of the fallback chain admission chose.
 pub(super) struct Admitted {
     pub step: FallbackStep,
-    /// The logical model it waits for (a smaller one after a fallback).
-    pub model: String,
     /// Steps passed over, and why.
     pub passed: Vec<Passed>,
 }
@@ -131,7 +129,7 @@ impl Driver {
             p.hop(passed.step, &self.req.logical_model, None, format!("passed over: {}", passed.detail));
         }
         let outcome = if self.admission.step == FallbackStep::Canned {
-            self.canned(&mut p)
+            self.canned(&mut p, Vec::new())
         } else {
             self.run_phases(grant, &mut p).await
         };
@@ -166,16 +164,27 @@ impl Driver {
     }
 
     /// The model's configured answer, when no engine step could take the
-    /// task: streamed like an engine's, marked degraded.
-    fn canned(&self, p: &mut Progress) -> Outcome {
+    /// task (at admission, or later: `passed` are the steps it was moved
+    /// past since): streamed like an engine's, marked degraded.
+    fn canned(&self, p: &mut Progress, passed: Vec<Passed>) -> Outcome {
         let r = &self.req;
         let text =
             self.shared.config.models.get(&r.logical_model).and_then(|m| m.canned_answer.clone()).unwrap_or_default();
         let now = Instant::now();
         p.dispatched_at = Some(now);
-        p.model = Some(self.admission.model.clone());
+        p.model = Some(r.logical_model.clone());
         p.step = Some(FallbackStep::Canned);
+        // No engine answers it (an earlier attempt's instance is in the hops).
+        (p.instance, p.actual_model, p.instance_index) = (None, None, None);
+        for x in &passed {
+            p.hop(x.step, &r.logical_model, None, format!("passed over: {}", x.detail));
+        }
         p.hop(FallbackStep::Canned, &r.logical_model, None, "no engine step could take the request");
+        if !passed.is_empty() {
+            let why: Vec<String> = passed.iter().map(|x| format!("{}: {}", x.step.as_str(), x.detail)).collect();
+            let reason = format!("moved to the canned answer; {}", why.join("; "));
+            self.shared.recorder.transition(r, TaskState::Queued, &reason, None, "scheduler");
+        }
         self.shared.recorder.transition(r, TaskState::Dispatching, "canned answer", None, "scheduler");
         self.shared.recorder.transition(r, TaskState::Running, "canned answer", None, "scheduler");
         self.shared.recorder.transition(r, TaskState::Streaming, "canned answer", None, "scheduler");
@@ -203,7 +212,7 @@ impl Driver {
         let mut failed_on: Vec<usize> = Vec::new();
         loop {
             // Phase 1: wait in the queue for a slot.
-            let mut lease = match self.wait_for_slot(grant, wait_deadline, queue_raw, total_deadline).await {
+            let mut lease = match self.wait_for_slot(p, grant, wait_deadline, queue_raw, total_deadline).await {
                 Ok(lease) => lease,
                 Err(outcome) => return outcome,
             };
@@ -272,6 +281,7 @@ impl Driver {
     /// Waits for a slot until `deadline`.
     async fn wait_for_slot(
         &self,
+        p: &mut Progress,
         grant: oneshot::Receiver<SlotGrant>,
         deadline: tokio::time::Instant,
         queue_raw: tokio::time::Instant,
@@ -284,9 +294,10 @@ impl Driver {
                 Err(self.cancelled())
             }
             g = grant => match g {
-                Ok(Ok(lease)) => Ok(lease),
+                Ok(SlotGrant::Slot(lease)) => Ok(lease),
+                Ok(SlotGrant::Canned(passed)) => Err(self.canned(p, passed)),
                 // Withdrawn by the scheduler (no healthy instance left).
-                Ok(Err(e)) => {
+                Ok(SlotGrant::Refused(e)) => {
                     let reason = e.message.clone();
                     Err(Outcome { error: Some((e, "scheduler")), reason })
                 }

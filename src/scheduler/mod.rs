@@ -180,9 +180,15 @@ impl Drop for Unqueued<'_> {
     }
 }
 
-/// What a waiting task's driver receives: a slot, or the reason it will
-/// never get one.
-type SlotGrant = Result<SlotLease, GatewayError>;
+/// What a waiting task's driver receives.
+enum SlotGrant {
+    Slot(SlotLease),
+    /// No engine step can take it any more: the model's canned answer, with
+    /// the steps passed over.
+    Canned(Vec<Passed>),
+    /// The reason it will never get a slot.
+    Refused(GatewayError),
+}
 
 enum Cmd {
     Enqueue {
@@ -485,6 +491,7 @@ impl SchedulerHandle {
         let info = TaskInfo {
             task_id: req.task_id.clone(),
             model: usize::MAX, // resolved by the actor from the name below
+            requested: usize::MAX,
             priority: req.priority,
             tenant: req.identity.tenant.clone(),
             app: req.identity.application.clone(),
@@ -561,7 +568,7 @@ impl SchedulerHandle {
             cancel,
             keep_text,
             queued_reason: reason,
-            admission: driver::Admitted { step: admission.step, model: model_name.clone(), passed: admission.passed },
+            admission: driver::Admitted { step: admission.step, passed: admission.passed },
             preempt,
         };
         d.accept();
@@ -727,12 +734,28 @@ impl Actor {
             Cmd::Requeue { task_id, avoid, grant, log, preempt } => {
                 let now = self.now();
                 self.running.remove(&task_id);
-                if let Some((instance, m, priority)) = self.policy.requeue(&task_id, avoid, now) {
-                    self.metrics.running.with_label_values(&[&self.router.instance(instance).name]).dec();
-                    self.inc_depth(m, priority);
-                    self.grants.insert(task_id, Waiter { grant, model: m, priority, log, position: 0, preempt });
+                let Some((instance, mut m, priority)) = self.policy.requeue(&task_id, avoid, now) else {
+                    // The grant sender drops: the driver ends the task.
+                    return;
+                };
+                self.metrics.running.with_label_values(&[&self.router.instance(instance).name]).dec();
+                // A failed attempt with no other instance of its step left
+                // to try: the next step of the chain, if one can take it
+                // (else the same instance again, after the driver's back-off).
+                if avoid.is_some() && !self.policy.has_fresh_candidate(&task_id) {
+                    let detail = "an attempt failed before its first token and no other instance of the step serves";
+                    if let Some(a) = self.policy.reroute(&task_id, now, "failed", detail) {
+                        let requested = self.model_name(m).to_string();
+                        self.metrics.fallbacks.with_label_values(&[&requested, a.step.as_str(), "failed"]).inc();
+                        if a.step == FallbackStep::Canned {
+                            let _ = grant.send(SlotGrant::Canned(a.passed));
+                            return;
+                        }
+                        m = a.model;
+                    }
                 }
-                // Otherwise the grant sender drops: the driver ends the task.
+                self.inc_depth(m, priority);
+                self.grants.insert(task_id, Waiter { grant, model: m, priority, log, position: 0, preempt });
             }
             Cmd::Withdraw { task_id } => {
                 if self.policy.withdraw(&task_id) {
@@ -811,6 +834,10 @@ impl Actor {
         self.metrics.queue_depth.with_label_values(&[name, p.as_str()]).dec();
     }
 
+    fn model_name(&self, m: usize) -> &str {
+        &self.policy.config().models[m].name
+    }
+
     fn inc_depth(&self, m: usize, p: Priority) {
         let name = &self.policy.config().models[m].name;
         self.metrics.queue_depth.with_label_values(&[name, p.as_str()]).inc();
@@ -826,7 +853,18 @@ impl Actor {
         let mut fail = Vec::new();
         for (id, any_up) in self.policy.stranded() {
             let from = self.policy.waiting_model(&id);
-            match self.policy.reroute(&id, now) {
+            let detail = "its instances went down or their breakers opened while it waited";
+            match self.policy.reroute(&id, now, "went_down", detail) {
+                Some(a) if a.step == FallbackStep::Canned => {
+                    if let Some(w) = self.grants.remove(&id) {
+                        self.dec_depth(w.model, w.priority);
+                        if let Some(from) = from {
+                            let requested = self.model_name(from).to_string();
+                            self.metrics.fallbacks.with_label_values(&[&requested, "canned", "went_down"]).inc();
+                        }
+                        let _ = w.grant.send(SlotGrant::Canned(a.passed));
+                    }
+                }
                 Some(a) => {
                     if let Some(w) = self.grants.get_mut(&id) {
                         let priority = w.priority;
@@ -853,7 +891,7 @@ impl Actor {
                     format!("no instance of model '{name}' is healthy any more"),
                 )
                 .with_retry_after(self.policy.config().busy_retry_after_ms.max(2000));
-                let _ = w.grant.send(Err(e));
+                let _ = w.grant.send(SlotGrant::Refused(e));
             }
         }
     }
@@ -899,14 +937,14 @@ impl Actor {
                 tx: self.tx.clone(),
                 armed: true,
             };
-            match grant.send(Ok(lease)) {
+            match grant.send(SlotGrant::Slot(lease)) {
                 Ok(()) => {
                     self.metrics.running.with_label_values(&[&i.name]).inc();
                     self.running.insert(g.task_id.clone(), preempt);
                 }
                 // The driver is gone (cancelled or timed out meanwhile).
                 Err(lease) => {
-                    if let Ok(mut lease) = lease {
+                    if let SlotGrant::Slot(mut lease) = lease {
                         lease.armed = false;
                     }
                     self.policy.release(&g.task_id, 0);

@@ -127,6 +127,9 @@ pub struct TaskInfo {
     pub user: String,
     pub input_tokens: u32,
     pub max_output_tokens: u32,
+    /// The model the request named (set by [`Policy::enqueue`]; `model`
+    /// becomes the queue's after a fallback).
+    pub requested: usize,
     /// No instance whose `max_data_class` is below it may run the task.
     pub class: DataClass,
     /// A smaller model may answer.
@@ -614,7 +617,8 @@ impl Policy {
     /// cloud) only when none of its instances can start the task now. The
     /// caller's own limits (rates, application and user caps) and the
     /// node's danger state refuse at once, whatever the chain.
-    pub fn enqueue(&mut self, info: TaskInfo, now: Duration) -> Result<Admission, GatewayError> {
+    pub fn enqueue(&mut self, mut info: TaskInfo, now: Duration) -> Result<Admission, GatewayError> {
+        info.requested = info.model;
         let retry = self.cfg.busy_retry_after_ms;
         if let Some(why) = &self.danger {
             return Err(busy(ErrorCode::ResourceExhausted, format!("not admitting new work: {why}"), retry.max(5000)));
@@ -1187,31 +1191,34 @@ impl Policy {
         self.waiting.iter().position(|q| q.iter().any(|w| w.info.task_id == task_id))
     }
 
-    /// Moves a waiting task whose instances all went down to the next step
-    /// of its chain that can take it (a smaller model, an edge node, the
-    /// canned answer, cloud), as if it were admitted now. Returns the new
-    /// terms, or `None` when none can (the task is then still waiting;
-    /// the caller withdraws it).
-    pub fn reroute(&mut self, task_id: &str, now: Duration) -> Option<Admission> {
-        let (m, idx) = self
-            .waiting
-            .iter()
-            .enumerate()
-            .find_map(|(m, q)| q.iter().position(|w| w.info.task_id == task_id).map(|i| (m, i)))?;
-        let w = &self.waiting[m][idx];
+    /// Moves a waiting task to the next step of its chain that can take it
+    /// (a smaller model, an edge node, the canned answer, cloud), as if it
+    /// were admitted now: its instances all went down or opened their
+    /// breakers while it waited (`why` = `went_down`), or an attempt on the
+    /// only instance its step had failed (`failed`). Returns the new terms
+    /// (for the canned answer the task has left the queue: its driver
+    /// answers), or `None` when no step can (the task still waits where it
+    /// was).
+    pub fn reroute(&mut self, task_id: &str, now: Duration, why: &'static str, detail: &str) -> Option<Admission> {
+        let w = self.waiting.iter().flatten().find(|w| w.info.task_id == task_id)?;
         let (info, step) = (w.info.clone(), w.step);
         let mut requested = info.clone();
-        // The chain is the requested model's: a task on a smaller model
-        // remembers it only through its step, so it starts from there.
-        if step == FallbackStep::SmallerModel {
-            return None;
-        }
-        requested.model = m;
+        requested.model = info.requested;
         let links: Vec<Link> = self.chain(&requested).into_iter().filter(|l| l.step > step).collect();
-        let mut passed = vec![passed_over(step, "went_down", "its instances went down while it waited")];
+        let mut passed = vec![passed_over(step, why, detail)];
         for link in links {
-            // A waiting task's driver waits for a slot; the canned answer is
-            // given only at admission.
+            if link.step == FallbackStep::Canned {
+                self.take_waiting(task_id)?;
+                return Some(Admission {
+                    position: 0,
+                    max_output_tokens: info.max_output_tokens,
+                    queue_wait_factor: None,
+                    degrade_reason: None,
+                    step: link.step,
+                    model: info.requested,
+                    passed,
+                });
+            }
             if link.instances.is_empty() || !link.instances.iter().any(|&i| self.serving(i)) {
                 continue;
             }
@@ -1237,6 +1244,16 @@ impl Policy {
             }
         }
         None
+    }
+
+    /// Whether a waiting task has a candidate instance other than those an
+    /// earlier attempt failed on that serves (up, breaker not open).
+    pub fn has_fresh_candidate(&self, task_id: &str) -> bool {
+        self.waiting
+            .iter()
+            .flatten()
+            .find(|w| w.info.task_id == task_id)
+            .is_some_and(|w| w.candidates.iter().any(|&c| !w.avoid.contains(&c) && self.serving(c)))
     }
 
     /// Takes a waiting task out without refunds (to be put back or moved).

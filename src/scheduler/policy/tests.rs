@@ -49,6 +49,7 @@ fn task(id: &str, p: Priority, app: &str) -> TaskInfo {
     TaskInfo {
         task_id: id.into(),
         model: 0,
+        requested: 0,
         priority: p,
         tenant: "t".into(),
         app: app.into(),
@@ -563,7 +564,7 @@ fn a_waiting_task_moves_on_when_its_instances_go_down() {
     let mut stranded = p.stranded();
     stranded.sort();
     assert_eq!(stranded, [("small-ok".to_string(), false)]);
-    let a = p.reroute("small-ok", T0).expect("the smaller model takes it");
+    let a = p.reroute("small-ok", T0, "went_down", "down").expect("the smaller model takes it");
     assert_eq!((a.step, a.model), (FallbackStep::SmallerModel, 1));
     let g = p.next_grant(T0).unwrap();
     assert_eq!((g.task_id.as_str(), g.instance), ("small-ok", 2));
@@ -697,6 +698,7 @@ proptest! {
                     let info = TaskInfo {
                         task_id: id.clone(),
                         model: (n % 2) as usize,
+                        requested: 0,
                         priority: Priority::ALL[prio as usize],
                         tenant: "t".into(),
                         app: format!("a{app}"),
