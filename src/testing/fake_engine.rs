@@ -100,6 +100,8 @@ pub struct FakeEngine {
     pub stats: Arc<Stats>,
     shared: Arc<Shared>,
     shutdown: CancellationToken,
+    /// The server task, awaited by [`FakeEngine::stop`].
+    server: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl FakeEngine {
@@ -130,10 +132,10 @@ impl FakeEngine {
         let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
             let _ = tcp.set_nodelay(true);
         });
-        tokio::spawn(async move {
+        let server = tokio::spawn(async move {
             let _ = axum::serve(listener, app).with_graceful_shutdown(sd.cancelled_owned()).await;
         });
-        FakeEngine { addr, stats, shared, shutdown }
+        FakeEngine { addr, stats, shared, shutdown, server: Mutex::new(Some(server)) }
     }
 
     pub fn url(&self) -> String {
@@ -142,6 +144,24 @@ impl FakeEngine {
 
     pub fn set(&self, f: impl FnOnce(&mut Knobs)) {
         f(&mut self.shared.knobs.lock().expect("knobs"));
+    }
+
+    /// Stops listening and closes its connections, waiting until it has:
+    /// from then on a connection to its address is refused (an engine
+    /// process that died while the gateway still thinks it is up).
+    pub async fn stop(&self) {
+        self.shutdown.cancel();
+        let server = self.server.lock().expect("server").take();
+        if let Some(server) = server {
+            // Graceful: idle keep-alive connections are closed; a generation
+            // in progress would hold it, so do not wait for ever.
+            let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+        }
+    }
+
+    /// Generation requests received so far.
+    pub fn requests(&self) -> u64 {
+        self.stats.requests.load(Ordering::SeqCst)
     }
 
     pub fn active(&self) -> i64 {
@@ -236,7 +256,12 @@ fn generate(
     let (tx, rx) = tokio::sync::mpsc::channel::<Frame>(4);
     tokio::spawn(async move {
         let mut g = Generation::start(&stats);
-        tokio::time::sleep(k.first_token_delay).await;
+        // A client that goes away while the engine is still before its
+        // first token stops the generation too (a preempted request).
+        tokio::select! {
+            _ = tokio::time::sleep(k.first_token_delay) => {}
+            _ = tx.closed(), if !k.ignore_disconnect => return,
+        }
         for i in 0..n {
             if i > 0 && !k.token_delay.is_zero() {
                 tokio::time::sleep(k.token_delay).await;
