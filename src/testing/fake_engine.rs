@@ -33,6 +33,9 @@ pub struct Knobs {
     pub token_delay: Duration,
     /// Answer every generation request with this HTTP status.
     pub fail_status: Option<u16>,
+    /// Answer the next this many generation requests with HTTP 500, then
+    /// behave as the other knobs say (an engine that recovers).
+    pub fail_next: u32,
     /// Abort the connection after this many tokens.
     pub drop_after: Option<u32>,
     /// Never report usage.
@@ -65,6 +68,7 @@ impl Default for Knobs {
             first_token_delay: Duration::ZERO,
             token_delay: Duration::ZERO,
             fail_status: None,
+            fail_next: 0,
             drop_after: None,
             omit_usage: false,
             healthy: true,
@@ -224,11 +228,16 @@ impl Drop for Generation {
 async fn begin(s: &Shared, body: &Value) -> Result<Knobs, Response> {
     s.stats.requests.fetch_add(1, Ordering::SeqCst);
     *s.stats.last_request.lock().expect("last") = Some(body.clone());
-    let k = s.knobs.lock().expect("knobs").clone();
+    let (k, fail_now) = {
+        let mut knobs = s.knobs.lock().expect("knobs");
+        let fail_now = knobs.fail_next > 0;
+        knobs.fail_next = knobs.fail_next.saturating_sub(1);
+        (knobs.clone(), fail_now)
+    };
     if !k.accept_delay.is_zero() {
         tokio::time::sleep(k.accept_delay).await;
     }
-    if let Some(code) = k.fail_status {
+    if let Some(code) = if fail_now { Some(500) } else { k.fail_status } {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         return Err((status, Json(json!({"error": {"message": "fake engine failure: secret internal detail"}})))
             .into_response());

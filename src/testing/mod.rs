@@ -126,18 +126,6 @@ impl TestGateway {
         gw
     }
 
-    /// Starts with the config `toml` returns for a fresh data directory
-    /// (for configs [`config_toml`] cannot express, e.g. several engines).
-    pub async fn with_toml(toml: impl FnOnce(&std::path::Path) -> String) -> TestGateway {
-        let tmp = TempDir::new("edgeway-test");
-        let text = toml(&tmp.0);
-        let config = Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new("."))
-            .unwrap_or_else(|e| panic!("test config: {e}\n{text}"));
-        let mut gw = Self::start(config).await;
-        gw._tmp = Some(tmp);
-        gw
-    }
-
     /// The facade, as the ingresses call it.
     pub fn gateway(&self) -> &std::sync::Arc<Gateway> {
         &self.running().gateway
