@@ -183,6 +183,87 @@ async fn a_refused_connection_is_retried_on_the_other_instance() {
     gw.stop().await;
 }
 
+#[tokio::test]
+async fn a_429_before_the_first_token_is_retried_on_the_other_instance() {
+    let bad = FakeEngine::start_with(Knobs { fail_status: Some(429), ..Knobs::default() }).await;
+    let good = FakeEngine::start().await;
+    let gw = gateway(&bad.url(), &engine("fake2", &good.url(), "fake-model", ""), two_instances).await;
+    gw.wait_ready().await;
+    let (status, v) = call(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(bad.requests(), 1);
+    assert_retried_on_second(&gw, status, &v, &bad, &good).await;
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_first_token_timeout_is_retried_on_the_other_instance() {
+    let slow = FakeEngine::start_with(Knobs { first_token_delay: Duration::from_secs(20), ..Knobs::default() }).await;
+    let good = FakeEngine::start().await;
+    let gw = gateway(&slow.url(), &engine("fake2", &good.url(), "fake-model", ""), two_instances).await;
+    gw.wait_ready().await;
+    let mut b = chat_body(false);
+    b["timeouts"] = json!({"first_token_ms": 300});
+    let (status, v) = call(&gw, DEMO_KEY, &b).await;
+    assert_eq!(slow.requests(), 1);
+    assert_retried_on_second(&gw, status, &v, &slow, &good).await;
+    assert!(
+        slow.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0).await,
+        "the slow attempt was cancelled"
+    );
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_4xx_from_the_engine_is_not_retried() {
+    let bad = FakeEngine::start_with(Knobs { fail_status: Some(400), ..Knobs::default() }).await;
+    let good = FakeEngine::start().await;
+    let gw = gateway(&bad.url(), &engine("fake2", &good.url(), "fake-model", ""), two_instances).await;
+    gw.wait_ready().await;
+    let (status, v) = call(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_ne!(status, 200, "{v}");
+    assert_eq!(v["edge"]["route"]["attempts"], 1, "{v}");
+    assert_eq!((bad.requests(), good.requests()), (1, 0));
+    let m = metrics_text(&gw).await;
+    assert_eq!(metric(&m, "edgeway_retries_total", &[]), 0.0, "{m}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn the_only_instance_is_tried_again_after_a_back_off() {
+    let fake = FakeEngine::start_with(Knobs { fail_next: 1, ..Knobs::default() }).await;
+    let gw = gateway(&fake.url(), "", |t| t).await;
+    gw.wait_ready().await;
+    let (status, v) = call(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(status, 200, "{v}");
+    let route = &v["edge"]["route"];
+    assert_eq!(route["attempts"], 2, "{route}");
+    assert_eq!(route["instance"], "fake", "{route}");
+    assert_eq!(fake.requests(), 2);
+    let ts = transitions(&gw, v["edge"]["task_id"].as_str().unwrap()).await;
+    assert!(ts.iter().any(|t| t.state == TaskState::Queued && t.reason.starts_with("retry after attempt 1")), "{ts:?}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn attempts_stop_at_max_attempts() {
+    let a = FakeEngine::start_with(Knobs { fail_status: Some(500), ..Knobs::default() }).await;
+    let b = FakeEngine::start_with(Knobs { fail_status: Some(502), ..Knobs::default() }).await;
+    let gw = gateway(&a.url(), &engine("fake2", &b.url(), "fake-model", ""), two_instances).await;
+    gw.wait_ready().await;
+    let (status, v) = call(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_ne!(status, 200, "{v}");
+    assert_eq!(v["edge"]["status"], "FAILED", "{v}");
+    assert_eq!(v["edge"]["route"]["attempts"], 3, "{v}");
+    assert_eq!(a.requests() + b.requests(), 3);
+    assert!(a.requests() >= 1 && b.requests() >= 1, "both instances were tried");
+    let ts = transitions(&gw, v["edge"]["task_id"].as_str().unwrap()).await;
+    let retries = ts.iter().filter(|t| t.state == TaskState::Queued && t.reason.starts_with("retry after")).count();
+    assert_eq!(retries, 2, "{ts:?}");
+    assert_eq!(ts.last().unwrap().state, TaskState::Failed);
+    assert!(ts.last().unwrap().reason.contains("no attempts left"), "{ts:?}");
+    gw.stop().await;
+}
+
 // 2. After the first token nothing is retried.
 
 #[tokio::test]
@@ -402,6 +483,74 @@ async fn sensitive_secret_and_local_only_work_never_reaches_the_cloud() {
 }
 
 #[tokio::test]
+async fn the_applications_class_is_stricter_than_the_requests() {
+    let local = FakeEngine::start().await;
+    let cloud = FakeEngine::start().await;
+    let extra = format!(
+        "{}\n[routing]\nallow_cloud = true\n",
+        engine("cloud", &cloud.url(), "cloud-model", "location = \"cloud\"\nmax_data_class = \"public\"")
+    );
+    let gw = gateway(&local.url(), &extra, |t| {
+        t.replace("instances = [\"fake\"]", "instances = [\"fake\", \"cloud\"]")
+            .replace("default_priority = \"P2\"", "default_priority = \"P2\"\ndata_class = \"sensitive\"")
+    })
+    .await;
+    gw.wait_ready().await;
+    local.set(|k| k.healthy = false);
+    until_down(&gw, "fake").await;
+    let public = body(false, json!({"data_class": "public"}));
+    // `demo` declares sensitive data: its "public" call stays local.
+    let (status, v) = call(&gw, DEMO_KEY, &public).await;
+    assert_eq!(status, 503, "{v}");
+    assert!(["MODEL_UNAVAILABLE", "POLICY_BLOCKED"].contains(&error_code(&v)), "{v}");
+    assert_eq!(cloud.requests(), 0);
+    // `ops` declares nothing: its public call may go to the cloud.
+    let (status, v) = call(&gw, OPS_KEY, &public).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["edge"]["route"]["instance"], "cloud", "{v}");
+    assert_eq!(cloud.requests(), 1);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn waiting_public_work_moves_to_the_cloud_when_local_goes_down_and_personal_work_does_not() {
+    let local = FakeEngine::start_with(Knobs::slow(1000, 50)).await;
+    let cloud = FakeEngine::start().await;
+    let extra = format!(
+        "{}\n[routing]\nallow_cloud = true\n",
+        engine("cloud", &cloud.url(), "cloud-model", "location = \"cloud\"\nmax_data_class = \"public\"")
+    );
+    let gw = gateway(&local.url(), &extra, |t| {
+        t.replace("instances = [\"fake\"]", "instances = [\"fake\", \"cloud\"]").replacen(
+            "max_concurrency = 2",
+            "max_concurrency = 1",
+            1,
+        )
+    })
+    .await;
+    gw.wait_ready().await;
+    let mut holder = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
+    assert_eq!(holder.status(), 200);
+    holder.chunk().await.unwrap().expect("first chunk");
+    assert!(local.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
+    let public = spawn_call(&gw, DEMO_KEY, body(false, json!({"data_class": "public"})));
+    let personal = spawn_call(&gw, DEMO_KEY, body(false, json!({"data_class": "personal"})));
+    until("2 waiting", || async { gw.scheduler().snapshot().await.unwrap().queues[0].waiting == 2 }).await;
+    assert_eq!(cloud.requests(), 0, "waiting, not sent to the cloud");
+    local.set(|k| k.healthy = false);
+    let (status, v) = tokio::time::timeout(Duration::from_secs(10), public).await.expect("answered").unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["edge"]["route"]["instance"], "cloud", "{v}");
+    assert!(hop_steps(&v["edge"]["route"]).contains(&"cloud".to_string()), "{v}");
+    let (status, v) = tokio::time::timeout(Duration::from_secs(10), personal).await.expect("answered").unwrap();
+    assert_eq!(status, 503, "{v}");
+    assert!(["MODEL_UNAVAILABLE", "POLICY_BLOCKED"].contains(&error_code(&v)), "{v}");
+    assert_eq!(cloud.requests(), 1, "only the public call reached the cloud");
+    drop(holder);
+    gw.stop().await;
+}
+
+#[tokio::test]
 async fn a_cloud_instance_without_allow_cloud_is_refused_by_validation() {
     let tmp = edgeway::testing::TempDir::new("edgeway-routing");
     let extra =
@@ -612,6 +761,35 @@ async fn a_p4_task_already_streaming_to_its_client_is_not_preempted() {
     gw.stop().await;
 }
 
+#[tokio::test]
+async fn an_application_that_is_never_preemptible_makes_p0_wait() {
+    let fake =
+        FakeEngine::start_with(Knobs { first_token_delay: Duration::from_millis(1500), ..Knobs::default() }).await;
+    let gw = gateway(&fake.url(), "", |t| {
+        t.replace("max_concurrency = 2", "max_concurrency = 1")
+            .replace("default_priority = \"P2\"", "default_priority = \"P2\"\npreemptible = \"never\"")
+    })
+    .await;
+    gw.wait_ready().await;
+    let mut low = chat_body(false);
+    low["priority"] = json!("P4");
+    let low = spawn_call(&gw, DEMO_KEY, low);
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
+    fake.set(|k| k.first_token_delay = Duration::ZERO);
+    let mut high = chat_body(false);
+    high["priority"] = json!("P0");
+    let (status, v) = call(&gw, OPS_KEY, &high).await;
+    assert_eq!(status, 200, "{v}");
+    let (status, lv) = low.await.unwrap();
+    assert_eq!(status, 200, "{lv}");
+    assert_eq!(lv["edge"]["route"]["attempts"], 1, "{lv}");
+    assert_eq!(fake.stats.aborted.load(SeqCst), 0);
+    assert_eq!(fake.requests(), 2);
+    let m = metrics_text(&gw).await;
+    assert_eq!(metric(&m, "edgeway_preemptions_total", &[]), 0.0, "{m}");
+    gw.stop().await;
+}
+
 // 9. Degradation level.
 
 /// `general-chat` on `fake` and `fake2`, falling back to `small-chat` on
@@ -659,5 +837,26 @@ async fn ready_shows_the_degradation_level() {
     until_down(&gw, "fake2").await;
     until("level 2 in /ready", || async { ready(&gw).await["degradation_level"] == 2 }).await;
     assert_eq!(degradation_metric(&gw).await, 2.0);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn at_level_2_low_priority_work_is_deferred_and_urgent_work_takes_the_smaller_model() {
+    let (a, b, small, gw) = degradable().await;
+    a.set(|k| k.healthy = false);
+    b.set(|k| k.healthy = false);
+    until("level 2", || async { degradation_metric(&gw).await == 2.0 }).await;
+    let mut low = body(false, json!({"allow_smaller_model": true}));
+    low["priority"] = json!("P3");
+    let (status, v) = call(&gw, DEMO_KEY, &low).await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(error_code(&v), "QUEUE_FULL", "{v}");
+    assert!(v["error"]["retry_after_ms"].as_u64().is_some(), "{v}");
+    let mut urgent = body(false, json!({"allow_smaller_model": true}));
+    urgent["priority"] = json!("P2");
+    let (status, v) = call(&gw, DEMO_KEY, &urgent).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["edge"]["route"]["model"], "small-chat", "{v}");
+    assert_eq!(small.requests(), 1, "only the P2 call reached the smaller model");
     gw.stop().await;
 }
