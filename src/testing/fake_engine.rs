@@ -33,6 +33,8 @@ pub struct Knobs {
     pub token_delay: Duration,
     /// Answer every generation request with this HTTP status.
     pub fail_status: Option<u16>,
+    /// The error message of a failed answer (`fail_status`, `fail_next`).
+    pub fail_message: String,
     /// Answer the next this many generation requests with HTTP 500, then
     /// behave as the other knobs say (an engine that recovers).
     pub fail_next: u32,
@@ -68,6 +70,7 @@ impl Default for Knobs {
             first_token_delay: Duration::ZERO,
             token_delay: Duration::ZERO,
             fail_status: None,
+            fail_message: "fake engine failure: secret internal detail".into(),
             fail_next: 0,
             drop_after: None,
             omit_usage: false,
@@ -239,8 +242,7 @@ async fn begin(s: &Shared, body: &Value) -> Result<Knobs, Response> {
     }
     if let Some(code) = if fail_now { Some(500) } else { k.fail_status } {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        return Err((status, Json(json!({"error": {"message": "fake engine failure: secret internal detail"}})))
-            .into_response());
+        return Err((status, Json(json!({"error": {"message": k.fail_message}}))).into_response());
     }
     Ok(k)
 }
