@@ -398,6 +398,39 @@ async fn a_failed_trial_while_half_open_opens_the_breaker_again() {
 }
 
 #[tokio::test]
+async fn a_half_open_breaker_lets_one_trial_through_at_a_time() {
+    let fake = FakeEngine::start_with(Knobs { fail_status: Some(500), ..Knobs::default() }).await;
+    let extra = "\n[routing]\nmax_attempts = 1\n[routing.breaker]\nconsecutive_failures = 2\ncooldown_ms = 300\n";
+    let gw = gateway(&fake.url(), extra, |t| t.replace("health_interval_ms = 100", "health_interval_ms = 60000")).await;
+    gw.wait_ready().await;
+    for _ in 0..2 {
+        assert_eq!(call(&gw, DEMO_KEY, &chat_body(false)).await.0, 500);
+    }
+    until("the breaker half-open", || async { instance(&ready(&gw).await, "fake")["breaker"] == "HALF_OPEN" }).await;
+    fake.set(|k| {
+        k.fail_status = None;
+        k.first_token_delay = Duration::from_millis(1000);
+    });
+    let first = spawn_call(&gw, DEMO_KEY, chat_body(false));
+    let second = spawn_call(&gw, DEMO_KEY, chat_body(false));
+    // Both calls are in: one runs (the trial), the other waits for its verdict.
+    until("both calls in", || async {
+        let s = gw.scheduler().snapshot().await.unwrap();
+        s.queues[0].waiting + s.instances[0].running == 2
+    })
+    .await;
+    let s = gw.scheduler().snapshot().await.unwrap();
+    assert_eq!((s.instances[0].running, s.queues[0].waiting), (1, 1), "{s:?}");
+    assert_eq!(fake.requests(), 3);
+    for call in [first, second] {
+        let (status, v) = call.await.unwrap();
+        assert_eq!(status, 200, "{v}");
+    }
+    assert_eq!(instance(&ready(&gw).await, "fake")["breaker"], "CLOSED");
+    gw.stop().await;
+}
+
+#[tokio::test]
 async fn an_out_of_memory_answer_opens_the_breaker_at_once() {
     let bad = FakeEngine::start_with(Knobs {
         fail_status: Some(500),
@@ -632,6 +665,41 @@ async fn the_applications_class_is_stricter_than_the_requests() {
 }
 
 #[tokio::test]
+async fn the_tenants_class_binds_all_its_applications() {
+    let local = FakeEngine::start().await;
+    let cloud = FakeEngine::start().await;
+    let extra = format!(
+        "{}\n[routing]\nallow_cloud = true\n[tenants.demo]\ndata_class = \"secret\"\n",
+        engine("cloud", &cloud.url(), "cloud-model", "location = \"cloud\"\nmax_data_class = \"public\"")
+    );
+    let gw =
+        gateway(&local.url(), &extra, |t| t.replace("instances = [\"fake\"]", "instances = [\"fake\", \"cloud\"]"))
+            .await;
+    gw.wait_ready().await;
+    local.set(|k| k.healthy = false);
+    until_down(&gw, "fake").await;
+    for key in [DEMO_KEY, OPS_KEY] {
+        let (status, v) = call(&gw, key, &body(false, json!({"data_class": "public"}))).await;
+        assert_eq!(status, 503, "{v}");
+        assert!(["MODEL_UNAVAILABLE", "POLICY_BLOCKED"].contains(&error_code(&v)), "{v}");
+    }
+    assert_eq!(cloud.requests(), 0);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn an_unknown_data_class_is_an_invalid_request() {
+    let fake = FakeEngine::start().await;
+    let gw = gateway(&fake.url(), "", |t| t).await;
+    gw.wait_ready().await;
+    let (status, v) = call(&gw, DEMO_KEY, &body(false, json!({"data_class": "top-secret"}))).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(error_code(&v), "INVALID_REQUEST", "{v}");
+    assert_eq!(fake.requests(), 0);
+    gw.stop().await;
+}
+
+#[tokio::test]
 async fn waiting_public_work_moves_to_the_cloud_when_local_goes_down_and_personal_work_does_not() {
     let local = FakeEngine::start_with(Knobs::slow(1000, 50)).await;
     let cloud = FakeEngine::start().await;
@@ -688,6 +756,13 @@ async fn a_cloud_instance_without_allow_cloud_is_refused_by_validation() {
     let allowed = format!("{text}\n[routing]\nallow_cloud = true\n");
     edgeway::config::Config::from_toml_str(&allowed, std::iter::empty(), std::path::Path::new("."))
         .unwrap_or_else(|e| panic!("{e}"));
+    // A cloud instance may not be declared fit for sensitive data.
+    let too_high = allowed.replace("max_data_class = \"public\"", "max_data_class = \"sensitive\"");
+    let Err(errors) = edgeway::config::Config::from_toml_str(&too_high, std::iter::empty(), std::path::Path::new("."))
+    else {
+        panic!("a cloud instance taking sensitive data was accepted");
+    };
+    assert!(errors.0.iter().any(|e| e.path == "engines.cloud.max_data_class"), "{errors}");
 }
 
 // 5. Smaller-model fallback.
@@ -788,6 +863,11 @@ async fn an_engine_failing_every_request_gets_at_most_the_budgeted_retries() {
     let m = metrics_text(&gw).await;
     assert_eq!(metric(&m, "edgeway_retries_total", &[("model", "general-chat")]), (requests - N) as f64, "{m}");
     assert!(metric(&m, "edgeway_retries_refused_total", &[("model", "general-chat")]) > 0.0, "{m}");
+    let (status, v) = call(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(status, 500, "{v}");
+    assert_eq!(v["edge"]["route"]["attempts"], 1, "the budget is spent: {v}");
+    let ts = transitions(&gw, v["edge"]["task_id"].as_str().unwrap()).await;
+    assert!(ts.last().unwrap().reason.contains("retry budget"), "{ts:?}");
     gw.stop().await;
 }
 
@@ -935,6 +1015,58 @@ async fn an_application_that_is_never_preemptible_makes_p0_wait() {
     gw.stop().await;
 }
 
+#[tokio::test]
+async fn without_preemption_p0_waits() {
+    let fake =
+        FakeEngine::start_with(Knobs { first_token_delay: Duration::from_millis(1500), ..Knobs::default() }).await;
+    let gw = gateway(&fake.url(), "\n[scheduler]\npreemption = false\n", |t| {
+        t.replace("max_concurrency = 2", "max_concurrency = 1")
+    })
+    .await;
+    gw.wait_ready().await;
+    let mut low = chat_body(false);
+    low["priority"] = json!("P4");
+    let low = spawn_call(&gw, DEMO_KEY, low);
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
+    fake.set(|k| k.first_token_delay = Duration::ZERO);
+    let mut high = chat_body(false);
+    high["priority"] = json!("P0");
+    assert_eq!(call(&gw, OPS_KEY, &high).await.0, 200);
+    let (status, lv) = low.await.unwrap();
+    assert_eq!(status, 200, "{lv}");
+    assert_eq!(lv["edge"]["route"]["attempts"], 1, "{lv}");
+    assert_eq!(fake.stats.aborted.load(SeqCst), 0);
+    let m = metrics_text(&gw).await;
+    assert_eq!(metric(&m, "edgeway_preemptions_total", &[]), 0.0, "{m}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_streamed_p4_call_preempted_before_its_first_token_streams_each_token_once() {
+    let fake = FakeEngine::start_with(Knobs { first_token_delay: Duration::from_secs(20), ..Knobs::default() }).await;
+    let gw = one_slot(&fake).await;
+    let mut low = chat_body(true);
+    low["priority"] = json!("P4");
+    let stream = post_chat(&gw, DEMO_KEY, &low).await;
+    assert_eq!(stream.status(), 200);
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
+    fake.set(|k| k.first_token_delay = Duration::ZERO);
+    let mut high = chat_body(false);
+    high["priority"] = json!("P0");
+    let (status, v) = call(&gw, OPS_KEY, &high).await;
+    assert_eq!(status, 200, "{v}");
+    let (events, done) = tokio::time::timeout(Duration::from_secs(15), read_sse(stream)).await.expect("P4 ended");
+    assert!(done, "{events:?}");
+    let text: String = events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, "tok tok tok tok tok ", "each token once");
+    let edge = events.iter().rev().find(|e| e.get("edge").is_some()).expect("edge chunk");
+    assert_eq!(edge["edge"]["route"]["attempts"], 2, "{edge}");
+    assert_eq!(edge["edge"]["status"], "SUCCEEDED");
+    let m = metrics_text(&gw).await;
+    assert_eq!(metric(&m, "edgeway_preemptions_total", &[("priority", "P4")]), 1.0, "{m}");
+    gw.stop().await;
+}
+
 // 9. Degradation level.
 
 /// `general-chat` on `fake` and `fake2`, falling back to `small-chat` on
@@ -957,12 +1089,16 @@ async fn degradation_metric(gw: &TestGateway) -> f64 {
 
 #[tokio::test]
 async fn the_degradation_level_metric_follows_the_instances() {
-    let (a, b, _small, gw) = degradable().await;
+    let (a, b, small, gw) = degradable().await;
     assert_eq!(degradation_metric(&gw).await, 0.0);
     a.set(|k| k.healthy = false);
     until("level 1", || async { degradation_metric(&gw).await == 1.0 }).await;
     b.set(|k| k.healthy = false);
     until("level 2", || async { degradation_metric(&gw).await == 2.0 }).await;
+    small.set(|k| k.healthy = false);
+    until("level 3", || async { degradation_metric(&gw).await == 3.0 }).await;
+    small.set(|k| k.healthy = true);
+    until("level 2 again", || async { degradation_metric(&gw).await == 2.0 }).await;
     a.set(|k| k.healthy = true);
     b.set(|k| k.healthy = true);
     until("level 0 again", || async { degradation_metric(&gw).await == 0.0 }).await;
