@@ -525,6 +525,40 @@ async fn failing_health_probes_open_the_breaker_and_recovery_brings_traffic_back
     gw.stop().await;
 }
 
+#[tokio::test]
+async fn a_client_gone_while_its_task_waits_to_retry_cancels_it_and_stops_the_retries() {
+    let fake = FakeEngine::start_with(Knobs { fail_status: Some(500), ..Knobs::default() }).await;
+    let gw = gateway(&fake.url(), "\n[routing]\nretry_backoff_ms = 3000\n", |t| t).await;
+    gw.wait_ready().await;
+    let mut rx = gw.recorder().subscribe();
+    let pending = spawn_call(&gw, DEMO_KEY, chat_body(false));
+    let retry =
+        next_event(&mut rx, "the retry", |e| e.state == TaskState::Queued && e.reason.starts_with("retry")).await;
+    pending.abort();
+    gw.wait_for_state(&retry.task_id, TaskState::Cancelled).await;
+    let ts = transitions(&gw, &retry.task_id).await;
+    assert_eq!(ts.last().unwrap().state, TaskState::Cancelled, "{ts:?}");
+    assert_eq!(fake.requests(), 1, "no attempt after the client left");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_slow_first_token_p95_opens_the_breaker() {
+    let fake =
+        FakeEngine::start_with(Knobs { first_token_delay: Duration::from_millis(300), ..Knobs::default() }).await;
+    let extra = "\n[routing.breaker]\nttft_p95_ms = 100\nmin_requests = 3\ncooldown_ms = 60000\n";
+    let gw = gateway(&fake.url(), extra, |t| t.replace("health_interval_ms = 100", "health_interval_ms = 60000")).await;
+    gw.wait_ready().await;
+    for n in 0..3 {
+        let (status, v) = call(&gw, DEMO_KEY, &chat_body(false)).await;
+        assert_eq!(status, 200, "call {n}: {v}");
+    }
+    let r = ready(&gw).await;
+    assert_eq!(instance(&r, "fake")["breaker"], "OPEN", "{r}");
+    assert!(instance(&r, "fake")["breaker_reason"].as_str().unwrap_or_default().contains("first token"), "{r}");
+    gw.stop().await;
+}
+
 // 4. Data policy.
 
 /// `general-chat` on local `fake` and a `cloud` instance that may receive
@@ -1064,6 +1098,59 @@ async fn a_streamed_p4_call_preempted_before_its_first_token_streams_each_token_
     assert_eq!(edge["edge"]["status"], "SUCCEEDED");
     let m = metrics_text(&gw).await;
     assert_eq!(metric(&m, "edgeway_preemptions_total", &[("priority", "P4")]), 1.0, "{m}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn p0_preempts_the_most_recently_started_p4_task() {
+    let fake = FakeEngine::start_with(Knobs { first_token_delay: Duration::from_secs(20), ..Knobs::default() }).await;
+    let gw = gateway(&fake.url(), "", |t| t).await;
+    gw.wait_ready().await;
+    let mut low = chat_body(false);
+    low["priority"] = json!("P4");
+    let older = spawn_call(&gw, DEMO_KEY, low.clone());
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
+    let newer = spawn_call(&gw, DEMO_KEY, low);
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 2).await);
+    fake.set(|k| k.first_token_delay = Duration::ZERO);
+    let mut high = chat_body(false);
+    high["priority"] = json!("P0");
+    let (status, v) = call(&gw, OPS_KEY, &high).await;
+    assert_eq!(status, 200, "{v}");
+    let (status, nv) = tokio::time::timeout(Duration::from_secs(15), newer).await.expect("newer P4 ended").unwrap();
+    assert_eq!(status, 200, "{nv}");
+    assert_eq!(nv["edge"]["route"]["attempts"], 2, "the newer P4 was preempted: {nv}");
+    assert!(!older.is_finished(), "the older P4 still waits for its first token");
+    assert_eq!(fake.stats.aborted.load(SeqCst), 1);
+    older.abort();
+    let m = metrics_text(&gw).await;
+    assert_eq!(metric(&m, "edgeway_preemptions_total", &[]), 1.0, "{m}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn an_application_preemptible_from_p4_keeps_its_p3_work() {
+    let fake =
+        FakeEngine::start_with(Knobs { first_token_delay: Duration::from_millis(1500), ..Knobs::default() }).await;
+    let gw = gateway(&fake.url(), "", |t| {
+        t.replace("max_concurrency = 2", "max_concurrency = 1")
+            .replace("default_priority = \"P2\"", "default_priority = \"P2\"\npreemptible = \"P4\"")
+    })
+    .await;
+    gw.wait_ready().await;
+    let mut low = chat_body(false);
+    low["priority"] = json!("P3");
+    let low = spawn_call(&gw, DEMO_KEY, low);
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
+    fake.set(|k| k.first_token_delay = Duration::ZERO);
+    let mut high = chat_body(false);
+    high["priority"] = json!("P0");
+    assert_eq!(call(&gw, OPS_KEY, &high).await.0, 200);
+    let (status, lv) = low.await.unwrap();
+    assert_eq!(status, 200, "{lv}");
+    assert_eq!(lv["edge"]["route"]["attempts"], 1, "{lv}");
+    let m = metrics_text(&gw).await;
+    assert_eq!(metric(&m, "edgeway_preemptions_total", &[]), 0.0, "{m}");
     gw.stop().await;
 }
 
