@@ -33,6 +33,11 @@ pub struct Knobs {
     pub token_delay: Duration,
     /// Answer every generation request with this HTTP status.
     pub fail_status: Option<u16>,
+    /// The error message of a failed answer (`fail_status`, `fail_next`).
+    pub fail_message: String,
+    /// Answer the next this many generation requests with HTTP 500, then
+    /// behave as the other knobs say (an engine that recovers).
+    pub fail_next: u32,
     /// Abort the connection after this many tokens.
     pub drop_after: Option<u32>,
     /// Never report usage.
@@ -65,6 +70,8 @@ impl Default for Knobs {
             first_token_delay: Duration::ZERO,
             token_delay: Duration::ZERO,
             fail_status: None,
+            fail_message: "fake engine failure: secret internal detail".into(),
+            fail_next: 0,
             drop_after: None,
             omit_usage: false,
             healthy: true,
@@ -100,6 +107,8 @@ pub struct FakeEngine {
     pub stats: Arc<Stats>,
     shared: Arc<Shared>,
     shutdown: CancellationToken,
+    /// The server task, awaited by [`FakeEngine::stop`].
+    server: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl FakeEngine {
@@ -130,10 +139,10 @@ impl FakeEngine {
         let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
             let _ = tcp.set_nodelay(true);
         });
-        tokio::spawn(async move {
+        let server = tokio::spawn(async move {
             let _ = axum::serve(listener, app).with_graceful_shutdown(sd.cancelled_owned()).await;
         });
-        FakeEngine { addr, stats, shared, shutdown }
+        FakeEngine { addr, stats, shared, shutdown, server: Mutex::new(Some(server)) }
     }
 
     pub fn url(&self) -> String {
@@ -142,6 +151,24 @@ impl FakeEngine {
 
     pub fn set(&self, f: impl FnOnce(&mut Knobs)) {
         f(&mut self.shared.knobs.lock().expect("knobs"));
+    }
+
+    /// Stops listening and closes its connections, waiting until it has:
+    /// from then on a connection to its address is refused (an engine
+    /// process that died while the gateway still thinks it is up).
+    pub async fn stop(&self) {
+        self.shutdown.cancel();
+        let server = self.server.lock().expect("server").take();
+        if let Some(server) = server {
+            // Graceful: idle keep-alive connections are closed; a generation
+            // in progress would hold it, so do not wait for ever.
+            let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+        }
+    }
+
+    /// Generation requests received so far.
+    pub fn requests(&self) -> u64 {
+        self.stats.requests.load(Ordering::SeqCst)
     }
 
     pub fn active(&self) -> i64 {
@@ -204,14 +231,18 @@ impl Drop for Generation {
 async fn begin(s: &Shared, body: &Value) -> Result<Knobs, Response> {
     s.stats.requests.fetch_add(1, Ordering::SeqCst);
     *s.stats.last_request.lock().expect("last") = Some(body.clone());
-    let k = s.knobs.lock().expect("knobs").clone();
+    let (k, fail_now) = {
+        let mut knobs = s.knobs.lock().expect("knobs");
+        let fail_now = knobs.fail_next > 0;
+        knobs.fail_next = knobs.fail_next.saturating_sub(1);
+        (knobs.clone(), fail_now)
+    };
     if !k.accept_delay.is_zero() {
         tokio::time::sleep(k.accept_delay).await;
     }
-    if let Some(code) = k.fail_status {
+    if let Some(code) = if fail_now { Some(500) } else { k.fail_status } {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        return Err((status, Json(json!({"error": {"message": "fake engine failure: secret internal detail"}})))
-            .into_response());
+        return Err((status, Json(json!({"error": {"message": k.fail_message}}))).into_response());
     }
     Ok(k)
 }
@@ -236,7 +267,12 @@ fn generate(
     let (tx, rx) = tokio::sync::mpsc::channel::<Frame>(4);
     tokio::spawn(async move {
         let mut g = Generation::start(&stats);
-        tokio::time::sleep(k.first_token_delay).await;
+        // A client that goes away while the engine is still before its
+        // first token stops the generation too (a preempted request).
+        tokio::select! {
+            _ = tokio::time::sleep(k.first_token_delay) => {}
+            _ = tx.closed(), if !k.ignore_disconnect => return,
+        }
         for i in 0..n {
             if i > 0 && !k.token_delay.is_zero() {
                 tokio::time::sleep(k.token_delay).await;
