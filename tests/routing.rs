@@ -452,7 +452,6 @@ async fn an_out_of_memory_answer_opens_the_breaker_at_once() {
 }
 
 #[tokio::test]
-#[ignore = "bug: router/dispatch.rs out_of_memory() matches the substring \"oom\", so any 5xx text with \"room\" (or \"zoom\", \"bloom\") opens the breaker at once"]
 async fn an_error_that_only_contains_the_letters_oom_is_an_ordinary_failure() {
     let fake = FakeEngine::start_with(Knobs {
         fail_status: Some(500),
@@ -977,7 +976,9 @@ async fn a_p0_call_preempts_a_p4_task_that_has_sent_nothing() {
         .iter()
         .find(|t| t.state == TaskState::Queued && t.reason.starts_with("preempted"))
         .unwrap_or_else(|| panic!("no preemption in {ts:?}"));
-    assert!(pre.reason.contains(v["edge"]["task_id"].as_str().unwrap()), "names the P0 task: {}", pre.reason);
+    // The P0 task may be another tenant's: its id stays in the logs.
+    assert!(!pre.reason.contains(v["edge"]["task_id"].as_str().unwrap()), "names the P0 task: {}", pre.reason);
+    assert!(pre.reason.contains("for a P0 task"), "{}", pre.reason);
     assert_eq!(ts.last().unwrap().state, TaskState::Succeeded);
     let m = metrics_text(&gw).await;
     assert_eq!(metric(&m, "edgeway_preemptions_total", &[("model", "general-chat"), ("priority", "P4")]), 1.0, "{m}");
@@ -1193,7 +1194,6 @@ async fn the_degradation_level_metric_follows_the_instances() {
 }
 
 #[tokio::test]
-#[ignore = "bug: /ready has no degradation_level (gateway/readiness.rs and ingress/http/mod.rs `ready` drop Snapshot::degradation_level)"]
 async fn ready_shows_the_degradation_level() {
     let (a, b, _small, gw) = degradable().await;
     assert_eq!(ready(&gw).await["degradation_level"], 0);
@@ -1232,7 +1232,6 @@ async fn at_level_2_low_priority_work_is_deferred_and_urgent_work_takes_the_smal
 // A failed attempt is a reason to take the next step of the chain.
 
 #[tokio::test]
-#[ignore = "bug: a failed attempt never takes the next chain step: scheduler/policy.rs Policy::requeue keeps the task on its step and candidates, scheduler/driver.rs run_phases ends in engine_failed when attempts run out"]
 async fn attempts_failing_on_the_only_instance_end_in_the_canned_answer() {
     let fake = FakeEngine::start_with(Knobs { fail_status: Some(500), ..Knobs::default() }).await;
     let gw = gateway(&fake.url(), "canned_answer = \"Busy; call the desk.\"", |t| t).await;
@@ -1248,7 +1247,6 @@ async fn attempts_failing_on_the_only_instance_end_in_the_canned_answer() {
 }
 
 #[tokio::test]
-#[ignore = "bug: a failed attempt never takes the next chain step: scheduler/policy.rs Policy::requeue keeps the task on its step and candidates, scheduler/driver.rs run_phases ends in engine_failed when attempts run out"]
 async fn attempts_failing_on_the_main_model_fall_back_to_the_smaller_one() {
     let main = FakeEngine::start_with(Knobs { fail_status: Some(500), ..Knobs::default() }).await;
     let small = FakeEngine::start().await;
@@ -1268,7 +1266,6 @@ async fn attempts_failing_on_the_main_model_fall_back_to_the_smaller_one() {
 }
 
 #[tokio::test]
-#[ignore = "bug: a failed attempt never takes the next chain step: scheduler/policy.rs Policy::requeue keeps the task on its step and candidates, scheduler/driver.rs run_phases ends in engine_failed when attempts run out"]
 async fn attempts_failing_locally_send_public_work_to_the_cloud() {
     let local = FakeEngine::start_with(Knobs { fail_status: Some(500), ..Knobs::default() }).await;
     let cloud = FakeEngine::start().await;

@@ -260,6 +260,10 @@ struct InstanceState {
     /// KV-cache usage (0..=1) the engine last reported; `None` when it
     /// reports none.
     kv_cache_usage: Option<f64>,
+    /// What the engine last said of its model being in memory (`None`:
+    /// it does not say, as llama.cpp and vLLM, whose model is always
+    /// loaded).
+    reported_resident: Option<bool>,
     /// The router's circuit breaker for the instance.
     breaker: BreakerState,
     /// Recent failure ratio and p95 time to first token, as the router's
@@ -534,6 +538,7 @@ impl Policy {
             .max()
             .unwrap_or(0);
         let inst = &mut self.instances[instance];
+        inst.reported_resident = Some(resident);
         match (resident, inst.resident_weights) {
             (true, None) => {
                 inst.resident_weights = Some(weights);
@@ -1062,7 +1067,9 @@ impl Policy {
                 max_concurrency: ip.max_concurrency,
                 half_open: st.breaker == BreakerState::HalfOpen,
                 kv_cache_usage: st.kv_cache_usage,
-                loaded: st.resident_weights.is_some(),
+                // Only an engine that says its model is out of memory
+                // (Ollama after keep_alive) makes a load time likely.
+                loaded: st.reported_resident != Some(false) || st.running > 0,
                 error_rate: st.error_rate,
                 ttft_p95_ms: st.ttft_p95_ms,
                 cost: ip.cost,
