@@ -199,17 +199,54 @@ async fn a_429_before_the_first_token_is_retried_on_the_other_instance() {
 async fn a_first_token_timeout_is_retried_on_the_other_instance() {
     let slow = FakeEngine::start_with(Knobs { first_token_delay: Duration::from_secs(20), ..Knobs::default() }).await;
     let good = FakeEngine::start().await;
-    let gw = gateway(&slow.url(), &engine("fake2", &good.url(), "fake-model", ""), two_instances).await;
+    // The gateway's own limit (a caller's lower one says nothing of the
+    // engine: see the next test).
+    let extra = format!(
+        "{}
+[timeouts]
+first_token_ms = 300
+",
+        engine("fake2", &good.url(), "fake-model", "")
+    );
+    let gw = gateway(&slow.url(), &extra, two_instances).await;
     gw.wait_ready().await;
-    let mut b = chat_body(false);
-    b["timeouts"] = json!({"first_token_ms": 300});
-    let (status, v) = call(&gw, DEMO_KEY, &b).await;
+    let (status, v) = call(&gw, DEMO_KEY, &chat_body(false)).await;
     assert_eq!(slow.requests(), 1);
     assert_retried_on_second(&gw, status, &v, &slow, &good).await;
     assert!(
         slow.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0).await,
         "the slow attempt was cancelled"
     );
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_callers_own_short_first_token_limit_neither_retries_nor_opens_breakers() {
+    let slow = FakeEngine::start_with(Knobs { first_token_delay: Duration::from_secs(20), ..Knobs::default() }).await;
+    let good = FakeEngine::start_with(Knobs { first_token_delay: Duration::from_secs(20), ..Knobs::default() }).await;
+    let extra = format!(
+        "{}
+[routing.breaker]
+consecutive_failures = 2
+",
+        engine("fake2", &good.url(), "fake-model", "")
+    );
+    let gw = gateway(&slow.url(), &extra, two_instances).await;
+    gw.wait_ready().await;
+    let mut b = chat_body(false);
+    b["timeouts"] = json!({"first_token_ms": 50});
+    // Enough calls to open both breakers if they counted.
+    for _ in 0..6 {
+        let (status, v) = call(&gw, DEMO_KEY, &b).await;
+        assert_eq!(status, 504, "{v}");
+        assert_eq!(v["error"]["code"], "FIRST_TOKEN_TIMEOUT", "{v}");
+        assert_eq!(v["edge"]["route"]["attempts"], 1, "not retried: {v}");
+    }
+    let r = ready(&gw).await;
+    assert_eq!(instance(&r, "fake")["breaker"], "CLOSED", "{r}");
+    assert_eq!(instance(&r, "fake2")["breaker"], "CLOSED", "{r}");
+    let m = metrics_text(&gw).await;
+    assert_eq!(metric(&m, "edgeway_retries_total", &[]), 0.0, "{m}");
     gw.stop().await;
 }
 

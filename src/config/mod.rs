@@ -182,8 +182,9 @@ pub struct RoutingConfig {
     pub retry_budget_window: Duration,
     pub retry_budget_min: u32,
     pub breaker: BreakerConfig,
-    /// The least urgent priority admitted at degradation levels 1, 2, 3.
-    pub admit_at_level: [Priority; 3],
+    /// The least urgent priority a model at degradation level 1, 2 admits
+    /// (at level 3 nothing can take its work: busy answers).
+    pub admit_at_level: [Priority; 2],
 }
 
 impl Default for RoutingConfig {
@@ -197,7 +198,7 @@ impl Default for RoutingConfig {
             retry_budget_window: Duration::from_secs(60),
             retry_budget_min: 3,
             breaker: BreakerConfig::default(),
-            admit_at_level: [Priority::P4, Priority::P2, Priority::P0],
+            admit_at_level: [Priority::P4, Priority::P2],
         }
     }
 }

@@ -574,7 +574,6 @@ impl Default for RawBreaker {
 pub struct RawDegradation {
     pub level_1_admit: Field<PriorityName>,
     pub level_2_admit: Field<PriorityName>,
-    pub level_3_admit: Field<PriorityName>,
 }
 
 impl Default for RawDegradation {
@@ -582,7 +581,6 @@ impl Default for RawDegradation {
         RawDegradation {
             level_1_admit: Field::Valid(PriorityName(Priority::P4)),
             level_2_admit: Field::Valid(PriorityName(Priority::P2)),
-            level_3_admit: Field::Valid(PriorityName(Priority::P0)),
         }
     }
 }

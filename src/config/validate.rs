@@ -277,9 +277,8 @@ fn routing(r: RawRouting, p: &mut Problems) -> Option<RoutingConfig> {
     let d = r.degradation;
     let l1 = d.level_1_admit.get("routing.degradation.level_1_admit", p).map(|n| n.0);
     let l2 = d.level_2_admit.get("routing.degradation.level_2_admit", p).map(|n| n.0);
-    let l3 = d.level_3_admit.get("routing.degradation.level_3_admit", p).map(|n| n.0);
-    if let (Some(l1), Some(l2), Some(l3)) = (l1, l2, l3) {
-        if l2 > l1 || l3 > l2 {
+    if let (Some(l1), Some(l2)) = (l1, l2) {
+        if l2 > l1 {
             p.add("routing.degradation", "a higher level must not admit less urgent work than a lower one");
         }
     }
@@ -299,7 +298,7 @@ fn routing(r: RawRouting, p: &mut Problems) -> Option<RoutingConfig> {
             ttft_p95: b.ttft_p95_ms.map(Duration::from_millis),
             cooldown: Duration::from_millis(b.cooldown_ms),
         },
-        admit_at_level: [l1?, l2?, l3?],
+        admit_at_level: [l1?, l2?],
     })
 }
 

@@ -21,9 +21,10 @@ impl Gateway {
             // From here on, what is written for the task is checked against
             // the state machine like any transition of this run.
             self.recorder.adopt(&u.task_id, u.state);
-            // Re-queued only from a state that may move to QUEUED: a task
-            // that never started.
-            let waiting = u.state.can_move_to(TaskState::Queued);
+            // Re-queued only if it never started: it was waiting (a retry
+            // or a preemption also goes back to QUEUED, but a started task
+            // has no pending request left, see `Store::started`).
+            let waiting = matches!(u.state, TaskState::Validating | TaskState::Queued);
             let rebuilt = match (&u.request, waiting) {
                 (Some(r), true) => self.rebuild(r),
                 _ => None,

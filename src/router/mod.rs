@@ -208,17 +208,30 @@ impl Router {
 
     /// What an attempt on instance `i` came to, for its breaker.
     pub fn attempt_ended(&self, i: usize, attempt: Attempt) {
-        let t = self.breaker(i).record(Instant::now(), attempt);
-        if let Some(t) = t {
-            self.breaker_changed(i, t);
-        }
+        self.feed(i, |b| b.record(Instant::now(), attempt));
     }
 
     /// A health probe's verdict on instance `i`, for its breaker.
     fn probe_verdict(&self, i: usize, up: bool) {
-        let t = self.breaker(i).probe(Instant::now(), up);
+        self.feed(i, |b| b.probe(Instant::now(), up));
+    }
+
+    /// Applies `change` to instance `i`'s breaker and passes any state
+    /// change on while still holding the breaker, so the scheduler gets
+    /// the changes of one instance in the order they happened (the sink
+    /// only queues a message). An open breaker (newly, or whose cool-down a
+    /// failed probe restarted) gets a timer that half-opens it when the
+    /// cool-down is over, so traffic returns without an operator.
+    fn feed(&self, i: usize, change: impl FnOnce(&mut Breaker) -> Option<Transition>) {
+        let mut b = self.breaker(i);
+        let before = b.reopens_at();
+        let t = change(&mut b);
+        let after = b.reopens_at();
         if let Some(t) = t {
             self.breaker_changed(i, t);
+        }
+        if let Some(at) = after.filter(|a| Some(*a) != before) {
+            self.half_open_at(i, at);
         }
     }
 
@@ -236,10 +249,8 @@ impl Router {
         self.breakers[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Logs, counts and passes on a breaker's change; an opened breaker
-    /// gets a timer that half-opens it after its cool-down, so traffic
-    /// returns without an operator.
-    fn breaker_changed(self: &Router, i: usize, t: Transition) {
+    /// Logs, counts and passes on a breaker's change.
+    fn breaker_changed(&self, i: usize, t: Transition) {
         let name = &self.instances[i].name;
         match t.to {
             BreakerState::Open => {
@@ -253,25 +264,23 @@ impl Router {
         w.metrics.breaker_state.with_label_values(&[name]).set(t.to.gauge());
         w.metrics.breaker_transitions.with_label_values(&[name, t.to.as_str()]).inc();
         (w.sink)(InstanceEvent::Breaker { instance: i, state: t.to, reason: t.reason });
-        if t.to == BreakerState::Open {
-            if let Some(at) = self.breaker(i).reopens_at() {
-                let me = self.self_ref();
-                let shutdown = w.shutdown.clone();
-                w.tracker.spawn(async move {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => {}
-                        _ = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
-                            if let Some(me) = me.and_then(|w| w.upgrade()) {
-                                let t = me.breaker(i).poll(Instant::now());
-                                if let Some(t) = t {
-                                    me.breaker_changed(i, t);
-                                }
-                            }
-                        }
+    }
+
+    /// Polls instance `i`'s breaker at `at` (the end of its cool-down).
+    fn half_open_at(&self, i: usize, at: Instant) {
+        let Some(w) = self.wiring.get() else { return };
+        let me = self.self_ref();
+        let shutdown = w.shutdown.clone();
+        w.tracker.spawn(async move {
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                _ = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
+                    if let Some(me) = me.and_then(|w| w.upgrade()) {
+                        me.feed(i, |b| b.poll(Instant::now()));
                     }
-                });
+                }
             }
-        }
+        });
     }
 
     fn self_ref(&self) -> Option<std::sync::Weak<Router>> {

@@ -87,8 +87,12 @@ struct Progress {
     /// The instance the task ran on (the router's index), for the
     /// post-cancel grace check.
     instance_index: Option<usize>,
-    /// Engine attempts made, and the route so far.
+    /// Engine attempts made (preempted ones included), those that failed,
+    /// and the route so far.
     attempts: u32,
+    failures: u32,
+    /// Dispatched at least once.
+    started: bool,
     hops: Vec<RouteHop>,
     /// The logical model and step that answered (or last tried).
     model: Option<String>,
@@ -234,7 +238,9 @@ impl Driver {
             match self.attempt(&mut lease, p, total_deadline).await {
                 AttemptEnd::Over(outcome) => return outcome,
                 AttemptEnd::Retry { error, label } => {
-                    let exhausted = p.attempts >= router.max_attempts;
+                    // Preempted attempts do not count: they did not fail.
+                    p.failures += 1;
+                    let exhausted = p.failures >= router.max_attempts;
                     let refused = !exhausted && !router.try_retry();
                     if exhausted || refused {
                         if refused {
@@ -394,9 +400,12 @@ impl Driver {
             Some(&lease.instance_name),
             "scheduler",
         );
-        if r.idempotency_key.is_some() && p.attempts == 1 {
+        // Its pending request is dropped at the first dispatch: from here a
+        // restart must not run it again.
+        if r.idempotency_key.is_some() && !p.started {
             self.shared.recorder.store().started(&r.task_id);
         }
+        p.started = true;
         let now_t = tokio::time::Instant::from_std(now);
         let inference_raw = now_t + t.inference;
         let first_token_raw = now_t + t.first_token;
@@ -417,10 +426,15 @@ impl Driver {
         };
         // A first-token limit (not the total) that passes before any output
         // is a failure of this attempt that another may not repeat.
+        // Only the gateway's own first-token limit says something about the
+        // engine: a limit the caller lowered, or the total limit, ends the
+        // task without a verdict on the instance (or any caller could open
+        // every breaker with a 1 ms limit) and without a retry.
+        let own_limit = t.first_token >= self.shared.config.timeouts.first_token;
         let first_token_timeout = |d: tokio::time::Instant| -> AttemptEnd {
-            router.attempt_ended(lease.instance, Attempt::Failure);
             let outcome = deadline_code(d, true);
-            if d == first_token_raw && d != total_deadline {
+            if own_limit && d == first_token_raw && d != total_deadline {
+                router.attempt_ended(lease.instance, Attempt::Failure);
                 let error = DispatchError {
                     error: outcome.error.clone().map(|(e, _)| e).unwrap_or_else(|| GatewayError::internal("timeout")),
                     reason: outcome.reason.clone(),
@@ -428,6 +442,7 @@ impl Driver {
                 };
                 AttemptEnd::Retry { error, label: "first_token_timeout" }
             } else {
+                router.attempt_abandoned(lease.instance);
                 AttemptEnd::Over(outcome)
             }
         };
@@ -436,7 +451,7 @@ impl Driver {
             model: lease.engine_model.clone(),
             messages: r.messages.clone(),
             params: r.params.clone(),
-            max_output_tokens: r.max_output_tokens,
+            max_output_tokens: lease.max_output_tokens,
         };
         let mut stream = tokio::select! {
             biased;
@@ -497,7 +512,15 @@ impl Driver {
                 }
                 _ = sleep_until(deadline) => {
                     drop(stream);
-                    return if first { first_token_timeout(deadline) } else { AttemptEnd::Over(deadline_code(deadline, false)) };
+                    if first {
+                        return first_token_timeout(deadline);
+                    }
+                    // Output went out: what the client has is partial.
+                    let mut outcome = deadline_code(deadline, false);
+                    if let Some((e, _)) = outcome.error.as_mut() {
+                        e.partial = true;
+                    }
+                    return AttemptEnd::Over(outcome);
                 }
                 c = stream.next() => c,
             };

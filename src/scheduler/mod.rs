@@ -57,6 +57,8 @@ pub struct SlotLease {
     pub step: FallbackStep,
     /// What decided the instance among the step's candidates.
     pub decided_by: &'static str,
+    /// The output budget on this step.
+    pub max_output_tokens: u32,
     /// Steps the task was moved past while it waited.
     pub passed: Vec<Passed>,
     /// Output tokens the task produced (refunds its token-rate charge).
@@ -341,6 +343,8 @@ pub fn start(
                 .filter_map(|f| config.models.keys().position(|k| k == f))
                 .collect(),
             canned: m.canned_answer.is_some(),
+            context_tokens: m.context_tokens,
+            max_output_tokens: m.max_output_tokens,
         })
         .collect();
     let policy = Policy::new(PolicyConfig {
@@ -734,6 +738,10 @@ impl Actor {
             Cmd::Requeue { task_id, avoid, grant, log, preempt } => {
                 let now = self.now();
                 self.running.remove(&task_id);
+                // A preemption asked after the driver gave its slot up
+                // (before this message arrived) is void: the next grant
+                // starts clean.
+                preempt.reset();
                 let Some((instance, mut m, priority)) = self.policy.requeue(&task_id, avoid, now) else {
                     // The grant sender drops: the driver ends the task.
                     return;
@@ -744,8 +752,9 @@ impl Actor {
                 // (else the same instance again, after the driver's back-off).
                 if avoid.is_some() && !self.policy.has_fresh_candidate(&task_id) {
                     let detail = "an attempt failed before its first token and no other instance of the step serves";
+                    let requested = self.policy.waiting_requested(&task_id).map(|r| self.model_name(r).to_string());
                     if let Some(a) = self.policy.reroute(&task_id, now, "failed", detail) {
-                        let requested = self.model_name(m).to_string();
+                        let requested = requested.unwrap_or_default();
                         self.metrics.fallbacks.with_label_values(&[&requested, a.step.as_str(), "failed"]).inc();
                         if a.step == FallbackStep::Canned {
                             let _ = grant.send(SlotGrant::Canned(a.passed));
@@ -852,7 +861,7 @@ impl Actor {
         let now = self.now();
         let mut fail = Vec::new();
         for (id, any_up) in self.policy.stranded() {
-            let from = self.policy.waiting_model(&id);
+            let from = self.policy.waiting_requested(&id);
             let detail = "its instances went down or their breakers opened while it waited";
             match self.policy.reroute(&id, now, "went_down", detail) {
                 Some(a) if a.step == FallbackStep::Canned => {
@@ -932,6 +941,7 @@ impl Actor {
                 model: self.policy.config().models[g.model].name.clone(),
                 step: g.step,
                 decided_by: g.decided_by,
+                max_output_tokens: g.max_output_tokens,
                 passed: g.passed,
                 output_tokens: 0,
                 tx: self.tx.clone(),

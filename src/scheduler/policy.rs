@@ -49,6 +49,9 @@ pub struct ModelPolicy {
     pub memory_margin: f64,
     /// Smaller models that may answer instead (indices), in order.
     pub fallback_models: Vec<usize>,
+    /// Its context window and output cap, for tasks that fall back to it.
+    pub context_tokens: u32,
+    pub max_output_tokens: u32,
     /// A canned answer is configured.
     pub canned: bool,
 }
@@ -113,7 +116,7 @@ pub struct PolicyConfig {
     /// P0 tasks may preempt preemptible P3/P4 tasks.
     pub preemption: bool,
     /// The least urgent priority admitted at degradation levels 1, 2, 3.
-    pub admit_at_level: [Priority; 3],
+    pub admit_at_level: [Priority; 2],
 }
 
 /// What the policy needs to know about a task.
@@ -179,6 +182,8 @@ pub struct Grant {
     pub step: FallbackStep,
     /// The factor that decided the instance among the candidates.
     pub decided_by: &'static str,
+    /// Its output budget on this step (a smaller model may cap it).
+    pub max_output_tokens: u32,
     /// Steps the task was moved past while it waited (its instances went
     /// down), with why.
     pub passed: Vec<Passed>,
@@ -692,7 +697,7 @@ impl Policy {
             }
             let mut task = info.clone();
             task.model = link.model;
-            match self.admit_on(task, &link, now) {
+            match self.admit_on(task, &link, now, None) {
                 Ok(mut a) => {
                     a.passed = passed;
                     return Ok(a);
@@ -715,11 +720,41 @@ impl Policy {
     }
 
     /// Whether `link` takes the task, and on what terms.
-    fn admit_on(&mut self, mut info: TaskInfo, link: &Link, now: Duration) -> Result<Admission, Refusal> {
+    ///
+    /// `again`: the task was admitted before (it moves to another step
+    /// while waiting, or after a failed attempt) with this arrival number,
+    /// time and fair-queueing tag: it keeps them, and is not charged or
+    /// counted against the caller's caps a second time.
+    fn admit_on(
+        &mut self,
+        mut info: TaskInfo,
+        link: &Link,
+        now: Duration,
+        again: Option<(u64, Duration, f64)>,
+    ) -> Result<Admission, Refusal> {
         let retry = self.cfg.busy_retry_after_ms;
         let m = info.model;
         let app = self.app(&info.app);
         let mut degrade = None;
+
+        // A smaller model has its own limits: output within its cap and its
+        // context window (the prompt was checked against the requested
+        // model's only).
+        if m != info.requested {
+            let mp = &self.cfg.models[m];
+            let fits = mp.context_tokens.saturating_sub(info.input_tokens);
+            let cap = mp.max_output_tokens.min(fits);
+            if info.input_tokens >= mp.context_tokens {
+                return Err(Refusal::Capacity(GatewayError::new(
+                    ErrorCode::ContextTooLarge,
+                    format!("the prompt does not fit the context window of '{}'", mp.name),
+                )));
+            }
+            if info.max_output_tokens > cap {
+                info.max_output_tokens = cap;
+                degrade = Some(format!("output budget capped at {cap} tokens by model '{}'", mp.name));
+            }
+        }
 
         // Resource fit: shrink the output budget to fit, or refuse.
         if let Some(budget) = self.best_budget(m) {
@@ -768,7 +803,19 @@ impl Policy {
                 overflow: true,
                 passed: Vec::new(),
             };
-            if !link.instances.iter().any(|&i| self.eligible(&probe, i)) {
+            // Slots other tasks of an immediate step were promised and not
+            // granted yet (admissions of one batch come before its
+            // dispatch) are not free.
+            let promised = |i: usize| {
+                self.waiting
+                    .iter()
+                    .flatten()
+                    .filter(|w| w.overflow && w.avoid.is_empty() && w.candidates.contains(&i))
+                    .filter(|w| matches!(w.step, FallbackStep::EdgeNode | FallbackStep::Cloud))
+                    .count()
+            };
+            let free = |i: usize| self.instances[i].running + promised(i) < self.cfg.instances[i].max_concurrency;
+            if !link.instances.iter().any(|&i| self.eligible(&probe, i) && free(i)) {
                 return Err(Refusal::Capacity(busy(
                     ErrorCode::QueueFull,
                     format!("no {} instance of '{}' has a free slot", link.step.as_str(), self.cfg.models[m].name),
@@ -807,14 +854,16 @@ impl Policy {
         let user_key = (info.app.clone(), info.user.clone());
         let app_c = self.app_counts.get(&info.app).map(|c| c.queued).unwrap_or(0);
         let user_c = self.user_counts.get(&user_key).map(|c| c.queued).unwrap_or(0);
-        if app.max_queued.is_some_and(|cap| app_c >= cap) {
+        if again.is_some() {
+            // Counted, charged and tagged at its first admission.
+        } else if app.max_queued.is_some_and(|cap| app_c >= cap) {
             return Err(Refusal::Final(busy(
                 ErrorCode::QueueFull,
                 format!("application '{}' has too many waiting tasks", info.app),
                 retry,
             )));
         }
-        if app.user_max_queued.is_some_and(|cap| user_c >= cap) {
+        if again.is_none() && app.user_max_queued.is_some_and(|cap| user_c >= cap) {
             return Err(Refusal::Final(busy(
                 ErrorCode::QueueFull,
                 "this user has too many waiting tasks".into(),
@@ -823,7 +872,8 @@ impl Policy {
         }
 
         // Rates, charged last so a refused task costs nothing.
-        if let Some(rpm) = app.user_requests_per_minute {
+        let rpm = app.user_requests_per_minute.filter(|_| again.is_none());
+        if let Some(rpm) = rpm {
             let b = self.rpm.entry(user_key.clone()).or_insert(Bucket { tokens: f64::from(rpm), at: now });
             if let Err(ms) = b.take(now, f64::from(rpm), 1.0) {
                 return Err(Refusal::Final(busy(
@@ -834,7 +884,7 @@ impl Policy {
             }
         }
         let charged = u64::from(info.input_tokens) + u64::from(info.max_output_tokens);
-        if let Some(tpm) = app.user_tokens_per_minute {
+        if let Some(tpm) = app.user_tokens_per_minute.filter(|_| again.is_none()) {
             let b = self.tpm.entry(user_key.clone()).or_insert(Bucket { tokens: tpm as f64, at: now });
             if let Err(ms) = b.take(now, tpm as f64, charged as f64) {
                 if let (Some(rpm), Some(b)) = (app.user_requests_per_minute, self.rpm.get_mut(&user_key)) {
@@ -849,14 +899,19 @@ impl Policy {
         }
 
         // Weighted fair queueing tag of the task's flow.
-        let weight = app.weight * self.cfg.tenant_weights.get(&info.tenant).copied().unwrap_or(1.0);
-        let cost = 1.0 + f64::from(info.input_tokens) / 2048.0;
-        let flow = (info.tenant.clone(), info.app.clone());
-        let start = self.flow_finish.get(&flow).copied().unwrap_or(0.0).max(self.vtime);
-        let tag = start + cost / weight.max(1e-6);
-        self.flow_finish.insert(flow, tag);
-
-        self.seq += 1;
+        let (seq, enqueued_at, tag) = match again {
+            Some(kept) => kept,
+            None => {
+                let weight = app.weight * self.cfg.tenant_weights.get(&info.tenant).copied().unwrap_or(1.0);
+                let cost = 1.0 + f64::from(info.input_tokens) / 2048.0;
+                let flow = (info.tenant.clone(), info.app.clone());
+                let start = self.flow_finish.get(&flow).copied().unwrap_or(0.0).max(self.vtime);
+                let tag = start + cost / weight.max(1e-6);
+                self.flow_finish.insert(flow, tag);
+                self.seq += 1;
+                (self.seq, now, tag)
+            }
+        };
         let mem_bytes = self.memory_estimate(m, info.input_tokens, info.max_output_tokens);
         self.app_counts.entry(info.app.clone()).or_default().queued += 1;
         self.user_counts.entry(user_key).or_default().queued += 1;
@@ -864,8 +919,8 @@ impl Policy {
         let max_output_tokens = info.max_output_tokens;
         self.waiting[m].push(Waiting {
             info,
-            seq: self.seq,
-            enqueued_at: now,
+            seq,
+            enqueued_at,
             tag,
             mem_bytes,
             step: link.step,
@@ -1039,6 +1094,7 @@ impl Policy {
         self.model_running[m] += 1;
         let task_id = w.info.task_id.clone();
         let charged_output = u64::from(w.info.max_output_tokens);
+        let max_output_tokens = w.info.max_output_tokens;
         self.running.insert(
             task_id.clone(),
             Running {
@@ -1053,7 +1109,15 @@ impl Policy {
                 not_preemptible: false,
             },
         );
-        Some(Grant { task_id, instance, model: m, step: w.step, decided_by: decided, passed: w.passed })
+        Some(Grant {
+            task_id,
+            instance,
+            model: m,
+            step: w.step,
+            decided_by: decided,
+            max_output_tokens,
+            passed: w.passed,
+        })
     }
 
     /// What [`router::pick`] sees of each instance.
@@ -1193,9 +1257,9 @@ impl Policy {
             .collect()
     }
 
-    /// The queue (model) a waiting task is in.
-    pub fn waiting_model(&self, task_id: &str) -> Option<usize> {
-        self.waiting.iter().position(|q| q.iter().any(|w| w.info.task_id == task_id))
+    /// The model a waiting task's request named.
+    pub fn waiting_requested(&self, task_id: &str) -> Option<usize> {
+        self.waiting.iter().flatten().find(|w| w.info.task_id == task_id).map(|w| w.info.requested)
     }
 
     /// Moves a waiting task to the next step of its chain that can take it
@@ -1234,10 +1298,9 @@ impl Policy {
             // Withdraw first so the queue caps count it once; put it back
             // if the step refuses.
             let original = self.take_waiting(task_id)?;
-            match self.admit_on(task, &link, now) {
+            let kept = (original.seq, original.enqueued_at, original.tag);
+            match self.admit_on(task, &link, now, Some(kept)) {
                 Ok(mut a) => {
-                    // Its rates were charged at its first admission.
-                    self.refund_rates(&original.info);
                     if let Some(nw) = self.waiting[link.model].iter_mut().find(|w| w.info.task_id == task_id) {
                         nw.passed = passed.clone();
                     }
@@ -1289,18 +1352,6 @@ impl Policy {
         self.total_waiting += 1;
         let m = w.info.model;
         self.waiting[m].push(w);
-    }
-
-    /// Gives back the request and token charges of a task admitted twice.
-    fn refund_rates(&mut self, info: &TaskInfo) {
-        let app = self.app(&info.app);
-        let uk = (info.app.clone(), info.user.clone());
-        if let (Some(rpm), Some(b)) = (app.user_requests_per_minute, self.rpm.get_mut(&uk)) {
-            b.refund(f64::from(rpm), 1.0);
-        }
-        if let (Some(tpm), Some(b)) = (app.user_tokens_per_minute, self.tpm.get_mut(&uk)) {
-            b.refund(tpm as f64, f64::from(info.input_tokens) + f64::from(info.max_output_tokens));
-        }
     }
 
     /// Takes a waiting task out (cancelled or timed out). Its rate charge

@@ -15,6 +15,8 @@ fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
             memory_margin: 0.0,
             fallback_models: Vec::new(),
             canned: false,
+            context_tokens: 100_000,
+            max_output_tokens: 10_000,
         }],
         instances: vec![InstancePolicy {
             name: "i".into(),
@@ -41,7 +43,7 @@ fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
         kv_cache_high_water: 0.95,
         allow_cloud: false,
         preemption: false,
-        admit_at_level: [Priority::P4, Priority::P2, Priority::P0],
+        admit_at_level: [Priority::P4, Priority::P2],
     }
 }
 
@@ -575,6 +577,43 @@ fn a_waiting_task_moves_on_when_its_instances_go_down() {
 }
 
 #[test]
+fn an_immediate_step_takes_no_more_than_its_free_slots_in_one_batch() {
+    // The cloud (instance 1) has 4 slots; local is down; six public tasks
+    // arrive before the scheduler dispatches any.
+    let mut p = Policy::new(chain_cfg(true, false));
+    p.set_instance_up(0, false);
+    let mut cloud = 0;
+    for i in 0..6 {
+        if p.enqueue(classed(&format!("t{i}"), Priority::P2, DataClass::Public), T0).is_ok() {
+            cloud += 1;
+        }
+    }
+    assert_eq!(cloud, 4, "a step that only takes work that can start at once is not a second queue");
+    assert_eq!(drain(&mut p, T0).len(), 4);
+    p.check();
+}
+
+#[test]
+fn a_smaller_model_keeps_its_own_context_window_and_output_cap() {
+    let mut c = chain_cfg(false, false);
+    c.models[1].context_tokens = 1000;
+    c.models[1].max_output_tokens = 50;
+    let mut p = Policy::new(c);
+    p.enqueue(task("running", Priority::P2, "a"), T0).unwrap();
+    drain(&mut p, T0);
+    p.enqueue(task("waiting", Priority::P2, "a"), T0).unwrap();
+    // Fits the small model: its output is capped at its 50 tokens.
+    let a = p.enqueue(TaskInfo { allow_smaller: true, ..task("fits", Priority::P2, "a") }, T0).unwrap();
+    assert_eq!((a.step, a.max_output_tokens), (FallbackStep::SmallerModel, 50));
+    assert_eq!(p.next_grant(T0).map(|g| (g.task_id, g.max_output_tokens)), Some(("fits".to_string(), 50)));
+    // Too long for its window: not sent there (the queue-full answer).
+    let long = TaskInfo { allow_smaller: true, input_tokens: 1500, ..task("long", Priority::P2, "a") };
+    let e = p.enqueue(long, T0).unwrap_err();
+    assert_eq!(e.code, ErrorCode::QueueFull, "{}", e.message);
+    assert!(e.message.contains("context window of 'small'"), "{}", e.message);
+}
+
+#[test]
 fn degradation_levels_follow_what_still_serves() {
     let mut c = chain_cfg(false, false);
     c.models[0].instances = vec![0, 3];
@@ -655,6 +694,8 @@ fn sim_config() -> PolicyConfig {
         memory_margin: 0.1,
         fallback_models: Vec::new(),
         canned: false,
+        context_tokens: 100_000,
+        max_output_tokens: 10_000,
     });
     c.instances.push(InstancePolicy {
         name: "j".into(),
