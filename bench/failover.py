@@ -455,6 +455,7 @@ def main():
     ap.add_argument("--backlog", type=int, default=4, help="preemption: P4 tasks waiting beyond the 2 slots")
     ap.add_argument("--p4-tokens", type=int, default=64, help="preemption: max_tokens of P4 work")
     ap.add_argument("--gap-ms", type=int, default=300, help="preemption: pause before each P0 sample")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, the task store)")
     args = ap.parse_args()
     if args.threads is None:
         args.threads = 2 if args.preemption else 1
@@ -465,7 +466,10 @@ def main():
     except BaseException:
         print(f"work directory kept: {work}")
         raise
-    shutil.rmtree(work, ignore_errors=True)
+    if args.keep:
+        print(f"work directory kept: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     shares = ("llama-server(s), edgeway and the load generator share these cores; "
               f"llama-server --parallel 2 --threads {args.threads}.")
     report = f"# {title}\n\n{machine_line(shares)}\n\n{table}\n"
