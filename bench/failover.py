@@ -8,9 +8,9 @@ load of streamed requests, and repeated `kill -9` of one engine (the two
 take turns). Per kill:
   - new:       kill -> end of the first successful request sent after the
                kill (a prober sends short requests back to back from the
-               moment of the kill; routing sends the first ones to the dead
-               engine, since it has no running work left, and they are
-               retried on the other);
+               moment of the kill; until the dead engine's breaker opens
+               or a health check marks it down, routing may send one to
+               it, and it is retried on the other: `attempts` 2);
   - new TTFT:  kill -> first token of that request;
   - in flight: kill -> end of the first call of the load sent before the
                kill, with no token before it, that succeeded (none in a
@@ -26,7 +26,7 @@ reserved_realtime_slots = 0. P0 time to first token idle, then under a
 saturating P4 backlog of detached tasks (POST /v1/tasks), then under a
 backlog of streamed P4 chat calls.
 
-    $EDGEWAY_CACHE/venv/bin/python bench/failover.py --kills 10
+    $EDGEWAY_CACHE/venv/bin/python bench/failover.py --kills 10 [--clients 1]
     $EDGEWAY_CACHE/venv/bin/python bench/failover.py --preemption --samples 10
 
 Needs `cargo build --release --bin edgeway` first (or --edgeway-bin) and
