@@ -87,7 +87,10 @@ impl Router {
                 EngineError::Unreachable(_) | EngineError::ConnectionLost(_) => Some("unreachable"),
                 EngineError::Status { status: 429, .. } => Some("engine_429"),
                 EngineError::Status { status, .. } if *status >= 500 => Some("engine_5xx"),
-                EngineError::Truncated => Some("truncated"),
+                // The body broke off or made no sense before any token
+                // (an engine killed while answering): nothing reached the
+                // client, another instance may answer.
+                EngineError::Truncated | EngineError::Protocol(_) => Some("truncated"),
                 _ => None,
             }
         };
@@ -97,8 +100,10 @@ impl Router {
             GatewayError::new(ErrorCode::ModelUnavailable, "the model's engine is not reachable").with_retry_after(2000)
         } else if matches!(e, EngineError::Status { status: 429, .. }) {
             GatewayError::new(ErrorCode::ModelUnavailable, "the model's engine is overloaded").with_retry_after(2000)
-        } else {
+        } else if matches!(e, EngineError::Status { status, .. } if status < 500) {
             GatewayError::internal("the engine refused the request")
+        } else {
+            GatewayError::internal("the engine failed before answering")
         };
         DispatchError { error, reason: format!("engine error: {}", truncate(&e.to_string(), 200)), retryable }
     }

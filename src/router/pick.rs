@@ -58,13 +58,16 @@ impl Default for InstanceView {
 
 /// The factors that rank instances with a free slot, in the order they are
 /// compared; the first one in which the winner beats the runner-up is the
-/// one that decided (recorded with the task's route).
-pub const FACTORS: [&str; 7] = ["load", "kv-cache", "loaded", "error-rate", "ttft", "cost", "config-order"];
+/// one that decided (recorded with the task's route). A half-open instance
+/// comes first: its one trial request is how it comes back (at low load
+/// its recent errors would otherwise keep it last for the whole window);
+/// a trial that fails before its first token is retried elsewhere.
+pub const FACTORS: [&str; 8] = ["trial", "load", "kv-cache", "loaded", "error-rate", "ttft", "cost", "config-order"];
 
 /// An instance's rank on each factor, smaller is better. Measured values
 /// are bucketed so that noise does not decide: load as a ratio, KV usage
 /// and error rate in steps of 5 %, TTFT in steps of 50 ms.
-fn ranks(v: &InstanceView, position: usize) -> [u64; 7] {
+fn ranks(v: &InstanceView, position: usize) -> [u64; 8] {
     // running/max as a fraction with a common denominator (slot counts are
     // small), so equal ratios rank equal without floats.
     let load = (v.running as u64 * 720_720) / v.max_concurrency.max(1) as u64;
@@ -72,7 +75,7 @@ fn ranks(v: &InstanceView, position: usize) -> [u64; 7] {
     let err = (v.error_rate.clamp(0.0, 1.0) * 20.0) as u64;
     let ttft = v.ttft_p95_ms.map_or(0, |ms| ms / 50);
     let cost = (v.cost.max(0.0) * 1000.0) as u64;
-    [load, kv, u64::from(!v.loaded), err, ttft, cost, position as u64]
+    [u64::from(!v.half_open), load, kv, u64::from(!v.loaded), err, ttft, cost, position as u64]
 }
 
 /// Picks the best healthy instance with a free slot among `candidates`
@@ -85,8 +88,8 @@ pub fn pick(
     instances: &[InstanceView],
     eligible: impl Fn(usize) -> bool,
 ) -> Option<(usize, &'static str)> {
-    let mut best: Option<(usize, [u64; 7])> = None;
-    let mut second: Option<[u64; 7]> = None;
+    let mut best: Option<(usize, [u64; 8])> = None;
+    let mut second: Option<[u64; 8]> = None;
     for (pos, &i) in candidates.iter().enumerate() {
         if !(instances[i].has_free_slot() && eligible(i)) {
             continue;
@@ -168,10 +171,12 @@ mod tests {
     }
 
     #[test]
-    fn a_half_open_instance_takes_one_trial_at_a_time() {
-        let idle = InstanceView { half_open: true, ..v(true, 0, 4) };
+    fn a_half_open_instance_takes_one_trial_at_a_time_and_gets_it_first() {
+        let idle = InstanceView { half_open: true, error_rate: 0.6, ..v(true, 0, 4) };
         let busy = InstanceView { half_open: true, ..v(true, 1, 4) };
         assert_eq!(pick(&[0], &[idle], |_| true).map(|p| p.0), Some(0));
         assert_eq!(pick(&[0], &[busy], |_| true), None);
+        // Its recent errors do not keep it from its trial.
+        assert_eq!(pick(&[1, 0], &[idle, v(true, 0, 4)], |_| true), Some((0, "trial")));
     }
 }
