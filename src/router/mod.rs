@@ -39,7 +39,7 @@ use breaker::{Attempt, Breaker, BreakerSettings, BreakerState, Transition};
 use budget::{RetryBudget, RetryBudgetSettings};
 
 pub use dispatch::DispatchError;
-pub use pick::{any_up, pick, InstanceView};
+pub use pick::{pick, InstanceView};
 
 /// One engine instance: an adapter and what the config says about it.
 pub struct Instance {

@@ -115,11 +115,6 @@ pub fn pick(
     Some((i, decided))
 }
 
-/// Whether any candidate is healthy (a task may wait for it).
-pub fn any_up(candidates: &[usize], instances: &[InstanceView]) -> bool {
-    candidates.iter().any(|&i| instances[i].up)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,7 +130,6 @@ mod tests {
         assert_eq!(pick(&[0, 1, 2, 3], &inst, |i| i != 1), Some((0, "only-candidate")));
         assert_eq!(pick(&[0, 3], &inst, |_| true), Some((0, "only-candidate")));
         assert_eq!(pick(&[2, 3], &inst, |_| true), None);
-        assert!(!any_up(&[2], &inst));
     }
 
     #[test]

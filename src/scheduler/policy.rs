@@ -370,12 +370,6 @@ impl Policy {
         self.instances[instance].paused = paused;
     }
 
-    /// Whether any instance of `model` is up (paused ones count: they come
-    /// back by themselves).
-    pub fn model_up(&self, model: usize) -> bool {
-        self.cfg.models[model].instances.iter().any(|&i| self.instances[i].up)
-    }
-
     /// The router's breaker state of an instance.
     pub fn set_breaker(&mut self, instance: usize, state: BreakerState) {
         self.instances[instance].breaker = state;
