@@ -9,8 +9,11 @@
 //! Owns: the per-model bounded queues (priority, then arrival), the slots of
 //! every engine instance (`max_concurrency`), what instance health and engine
 //! self-reports (busy slots, KV-cache usage, model residency) mean for
-//! dispatch as the router's probes pass them on, and the life of each task
-//! from QUEUED to its end (deadlines, events, the record). Does not own:
+//! dispatch as the router's probes and breakers pass them on, where a task
+//! may run (its fallback chain under its data class, see `policy.rs`),
+//! preemption of low-priority work for P0 tasks (`preempt.rs`), and the
+//! life of each task from QUEUED to its end (deadlines, attempts and
+//! retries before the first token, events, the record). Does not own:
 //! validation and identity (admission), the engine request itself and what an
 //! engine failure means for the client (the router), or wire formats
 //! (ingress).

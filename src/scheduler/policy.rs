@@ -3,9 +3,15 @@
 //! (see the property tests at the end).
 //!
 //! What it decides:
-//! - **Admission to the queue**: health, danger state, per-user request and
-//!   token rates, resource fit, the backpressure ladder and the queue caps
-//!   (global, per model, per application, per user), each with its own code.
+//! - **Where a task may run**: its fallback chain (local instances of its
+//!   model, smaller models, edge nodes, the canned answer, cloud), each step
+//!   holding only the instances its data class allows ([`Policy::enqueue`]);
+//!   moving waiting or failed tasks down the chain ([`Policy::reroute`]);
+//!   the degradation level of each model.
+//! - **Admission to the queue**: health, breakers, danger state, per-user
+//!   request and token rates, resource fit, the backpressure ladder and the
+//!   queue caps (global, per model, per application, per user), each with
+//!   its own code.
 //! - **Dispatch order**: strict priority (P0 first) on the *effective*
 //!   priority (a waiting task gains one level every `aging` period, never
 //!   above P1), then weighted fair queueing between flows (tenant +
@@ -18,6 +24,8 @@
 //!   gets no new task while it runs any of ours (see
 //!   [`Policy::kv_cache_full`]), and the engine's word on whether its model
 //!   is loaded overrides what edgeway's own dispatches suggest.
+//! - **Preemption**: which running P3/P4 task a waiting P0 task may ask for
+//!   its slot ([`Policy::preemption_victims`]).
 //!
 //! It does not own channels, timers or engines: the actor in `mod.rs` feeds
 //! it and carries out its grants.
@@ -615,7 +623,7 @@ impl Policy {
 
     /// Decides whether a task may wait for a slot, where, and on what
     /// terms: the first step of its fallback chain that can take it (see
-    /// [`Policy::chain`]). A step is passed over when it has no instance
+    /// `Policy::chain`). A step is passed over when it has no instance
     /// the data class allows, none is healthy, their breakers are open, or
     /// it has no room (queue, memory); an immediate step (edge node,
     /// cloud) only when none of its instances can start the task now. The
@@ -1180,10 +1188,11 @@ impl Policy {
     /// each P0 task (by base priority) that no candidate instance can take
     /// now, the most recently started running task on one of its
     /// candidates whose application lets it be preempted at its priority
-    /// (`preemptible_from`, P3 or P4 at most), not asked already. The
-    /// caller asks each victim's driver, which agrees only while no output
-    /// has gone out, and answers with [`Policy::preempt_refused`] or a
-    /// [`Policy::requeue`].
+    /// (`preemptible_from`, P3 or P4 at most) and whose slot the P0 task
+    /// could then take, not asked already. The caller asks each victim's
+    /// driver, which agrees while none of its output went out or the output
+    /// can be taken back, and answers with [`Policy::preemption_answered`]
+    /// (declined) or a [`Policy::requeue`].
     pub fn preemption_victims(&mut self) -> Vec<(String, String)> {
         if !self.cfg.preemption {
             return Vec::new();

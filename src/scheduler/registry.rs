@@ -49,8 +49,9 @@ fn event_bytes(e: &TaskEvent) -> usize {
         }
 }
 
-/// A boxed `ResultMeta` with its strings, roughly.
-const RESULT_META_BYTES: usize = 640;
+/// A boxed `ResultMeta` with its strings and its route (one hop),
+/// roughly.
+const RESULT_META_BYTES: usize = 960;
 
 /// What a registry entry costs beyond its events: the entry, its ids, the
 /// index maps' keys and the log's bookkeeping.
@@ -313,7 +314,7 @@ mod tests {
     #[test]
     fn ended_tasks_stay_findable_within_the_budget_and_are_forgotten_past_it() {
         // Room for about two ended tasks.
-        let r = Registry::new(Duration::from_secs(3600), 2 * ENTRY_OVERHEAD_BYTES + 2 * 1000);
+        let r = Registry::new(Duration::from_secs(3600), 2 * ENTRY_OVERHEAD_BYTES + 2 * (RESULT_META_BYTES + 200));
         let (a, b, c) = (entry("a", Some("ka")), entry("b", None), entry("c", None));
         for e in [&a, &b, &c] {
             r.insert_or_get(e.clone()).map_err(|_| "duplicate").unwrap();
