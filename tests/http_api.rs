@@ -132,6 +132,16 @@ async fn bad_bodies_get_invalid_request_with_the_field() {
             "queue_ms",
         ),
         (json!({"model": "general-chat", "messages": [{"role": "wizard", "content": "x"}]}), "role"),
+        // Caller-declared user ids key per-user limits and are stored:
+        // bounded and single-line.
+        (
+            json!({"model": "general-chat", "messages": [{"role": "user", "content": "x"}], "user": "u".repeat(200)}),
+            "'user'",
+        ),
+        (
+            json!({"model": "general-chat", "messages": [{"role": "user", "content": "x"}], "metadata": {"user_id": "a\nb"}}),
+            "metadata.user_id",
+        ),
     ] {
         let resp = c.post(&url).bearer_auth(DEMO_KEY).json(&body).send().await.unwrap();
         assert_eq!(resp.status(), 400, "{body}");

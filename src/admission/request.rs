@@ -110,6 +110,17 @@ pub fn data_class(
     .unwrap_or(cfg.routing.default_data_class)
 }
 
+const MAX_USER_ID_LEN: usize = 128;
+
+fn check_user_id(field: &str, u: &str) -> Result<(), GatewayError> {
+    if u.is_empty() || u.len() > MAX_USER_ID_LEN || u.chars().any(char::is_control) {
+        return Err(GatewayError::invalid(format!(
+            "'{field}' must be 1..{MAX_USER_ID_LEN} bytes without control characters"
+        )));
+    }
+    Ok(())
+}
+
 /// Turns a parsed body into a validated task, or the error to answer with.
 pub fn admit(
     cfg: &Config,
@@ -245,7 +256,14 @@ pub fn admit(
     let mut metadata = body.metadata.unwrap_or_default();
     let mut identity = identity;
     if identity.user_id.is_none() {
-        identity.user_id = metadata.get("user_id").and_then(Value::as_str).map(str::to_string).or(body.user);
+        // A caller-declared user id keys per-user limits and is stored with
+        // every task: bounded, and nothing a log line could be split by.
+        let declared = metadata.get("user_id").and_then(Value::as_str).map(|u| ("metadata.user_id", u.to_string()));
+        let declared = declared.or(body.user.map(|u| ("user", u)));
+        if let Some((field, u)) = &declared {
+            check_user_id(field, u)?;
+        }
+        identity.user_id = declared.map(|(_, u)| u);
     }
     metadata.insert("application".into(), Value::String(identity.application.clone()));
     let prompt_sha256 = hex::encode(Sha256::digest(serde_json::to_vec(&body.messages).unwrap_or_default()));
