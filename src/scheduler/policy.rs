@@ -338,7 +338,12 @@ pub struct Policy {
     /// Preemptions asked and not answered yet: victim → the P0 task it
     /// makes room for.
     preempting: HashMap<String, String>,
+    /// Admissions asked for, for the bucket sweep.
+    admissions: u64,
 }
+
+/// How many admissions pass between two sweeps of idle rate buckets.
+const SWEEP_EVERY: u64 = 1024;
 
 fn busy(code: ErrorCode, msg: String, retry_ms: u64) -> GatewayError {
     GatewayError::new(code, msg).with_retry_after(retry_ms)
@@ -362,6 +367,7 @@ impl Policy {
             total_waiting: 0,
             danger: None,
             preempting: HashMap::new(),
+            admissions: 0,
             cfg,
         }
     }
@@ -631,6 +637,10 @@ impl Policy {
     /// node's danger state refuse at once, whatever the chain.
     pub fn enqueue(&mut self, mut info: TaskInfo, now: Duration) -> Result<Admission, GatewayError> {
         info.requested = info.model;
+        self.admissions += 1;
+        if self.admissions % SWEEP_EVERY == 0 {
+            self.sweep_buckets(now);
+        }
         let retry = self.cfg.busy_retry_after_ms;
         if let Some(why) = &self.danger {
             return Err(busy(ErrorCode::ResourceExhausted, format!("not admitting new work: {why}"), retry.max(5000)));
@@ -1375,6 +1385,7 @@ impl Policy {
                 if let (Some(tpm), Some(b)) = (app.user_tokens_per_minute, self.tpm.get_mut(&uk)) {
                     b.refund(tpm as f64, f64::from(w.info.max_output_tokens));
                 }
+                self.forget_idle_user(&uk);
                 return true;
             }
         }
@@ -1404,7 +1415,30 @@ impl Policy {
         if let (Some(tpm), Some(b)) = (app.user_tokens_per_minute, self.tpm.get_mut(&uk)) {
             b.refund(tpm as f64, r.charged_output.saturating_sub(output_tokens) as f64);
         }
+        self.forget_idle_user(&uk);
         Some(r.instance)
+    }
+
+    /// A user with nothing waiting or running needs no counts: callers
+    /// name users freely, so the map holds only the active ones.
+    fn forget_idle_user(&mut self, uk: &(String, String)) {
+        if self.user_counts.get(uk).is_some_and(|c| c.queued == 0 && c.running == 0) {
+            self.user_counts.remove(uk);
+        }
+    }
+
+    /// Drops the rate buckets that have refilled: a full bucket is what a
+    /// user without one gets, so only users charged within the last minute
+    /// keep one. Called every [`SWEEP_EVERY`] admissions.
+    fn sweep_buckets(&mut self, now: Duration) {
+        let apps = &self.cfg.apps;
+        let full = |b: &Bucket, rate: Option<f64>| match rate {
+            Some(rate) => b.tokens + now.saturating_sub(b.at).as_secs_f64() * rate / 60.0 >= rate,
+            None => true,
+        };
+        let rate = |app: &str, f: fn(&AppLimits) -> Option<f64>| apps.get(app).and_then(f);
+        self.rpm.retain(|(app, _), b| !full(b, rate(app, |a| a.user_requests_per_minute.map(f64::from))));
+        self.tpm.retain(|(app, _), b| !full(b, rate(app, |a| a.user_tokens_per_minute.map(|t| t as f64))));
     }
 
     /// Invariant checks for tests: counters agree with the task sets.

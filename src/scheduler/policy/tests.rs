@@ -614,6 +614,38 @@ fn a_smaller_model_keeps_its_own_context_window_and_output_cap() {
 }
 
 #[test]
+fn per_user_state_is_kept_only_for_users_that_are_active() {
+    let mut c = cfg(1, 0, 10_000);
+    let limits = AppLimits {
+        user_requests_per_minute: Some(60),
+        user_tokens_per_minute: Some(1_000_000),
+        ..AppLimits::default()
+    };
+    c.apps.insert("a".into(), limits);
+    let mut p = Policy::new(c);
+    // Callers name users freely: 3000 of them, one task each.
+    for i in 0..3000 {
+        let t = TaskInfo { user: format!("u{i}"), ..task(&format!("t{i}"), Priority::P2, "a") };
+        p.enqueue(t, T0).unwrap();
+        let g = p.next_grant(T0).unwrap();
+        p.release(&g.task_id, 0);
+    }
+    assert!(p.user_counts.is_empty(), "no counts for users with nothing waiting or running");
+    // Their rate buckets last until they refill: a request at 60 a minute
+    // takes a second; the 10 prompt tokens at a million a minute less
+    // (the unused output budget was refunded at release).
+    p.sweep_buckets(Duration::from_millis(500));
+    assert_eq!((p.rpm.len(), p.tpm.len()), (3000, 0));
+    p.sweep_buckets(Duration::from_secs(61));
+    assert_eq!((p.rpm.len(), p.tpm.len()), (0, 0));
+    // A user that still waits keeps its counts.
+    p.enqueue(TaskInfo { user: "w".into(), ..task("busy", Priority::P2, "a") }, T0).unwrap();
+    p.enqueue(TaskInfo { user: "w".into(), ..task("waits", Priority::P2, "a") }, T0).unwrap();
+    assert_eq!(p.user_counts.len(), 1);
+    p.check();
+}
+
+#[test]
 fn degradation_levels_follow_what_still_serves() {
     let mut c = chain_cfg(false, false);
     c.models[0].instances = vec![0, 3];
