@@ -270,13 +270,17 @@ def test_kill_9_one_engine_under_streaming_load(pair):
         assert o.tokens > 0 and o.error.get("partial") is True, f"{o!r}"
         assert o.attempts == 1 and o.instance == "llama-a", f"{o!r}"
         assert o.started < killed_at, f"{o!r}"
-    assert failed, "no stream was cut mid-way: the kill found llama-a busy, one should have been"
-    # The requests that reached the dead engine before the breaker opened
-    # were answered by the other one on a second attempt.
+    # The requests that reached the dead engine before their first token
+    # (in flight at the kill, or sent before the breaker opened) were
+    # answered by the other one on a second attempt.
     retried = [o for o in outcomes if not o.error and (o.attempts or 0) >= 2]
     for o in retried:
         assert o.instance == "llama-b", o
         assert any(h.get("instance") == "llama-a" for h in o.edge["route"]["hops"]), o
+    # The kill found llama-a busy: it cut a stream after its first token
+    # (a partial error) or before it (a retry), usually both; which ones is
+    # up to where each call was at that moment.
+    assert failed or retried, "the kill of a busy llama-a cut no call at all"
     ok_after = [o for o in outcomes if not o.error and o.started > killed_at]
     assert len(ok_after) >= 3
     print(f"\n{len(outcomes)} requests, {len(failed)} partial errors, {len(retried)} retried "
