@@ -176,11 +176,7 @@ pub struct RoutingConfig {
     /// Engine attempts per task, the first included.
     pub max_attempts: u32,
     pub retry_backoff: Duration,
-    /// Retries at most `retry_budget_ratio` of requests over
-    /// `retry_budget_window`, plus `retry_budget_min` per window.
-    pub retry_budget_ratio: f64,
-    pub retry_budget_window: Duration,
-    pub retry_budget_min: u32,
+    pub retry_budget: RetryBudgetConfig,
     pub breaker: BreakerConfig,
     /// The least urgent priority a model at degradation level 1, 2 admits
     /// (at level 3 nothing can take its work: busy answers).
@@ -194,24 +190,47 @@ impl Default for RoutingConfig {
             default_data_class: DataClass::Personal,
             max_attempts: 3,
             retry_backoff: Duration::from_millis(50),
-            retry_budget_ratio: 0.1,
-            retry_budget_window: Duration::from_secs(60),
-            retry_budget_min: 3,
+            retry_budget: RetryBudgetConfig::default(),
             breaker: BreakerConfig::default(),
             admit_at_level: [Priority::P4, Priority::P2],
         }
     }
 }
 
-/// `[routing.breaker]`, the same for every instance.
+/// The global retry budget (`[routing] retry_budget_*`): retries at most
+/// `ratio` of first attempts over `window`, plus `min_per_window`.
+#[derive(Debug, Clone)]
+pub struct RetryBudgetConfig {
+    /// Retries allowed per first attempt in the window (0.1 = 10 %).
+    pub ratio: f64,
+    pub window: Duration,
+    /// Retries allowed in any window on top of the ratio.
+    pub min_per_window: u32,
+}
+
+impl Default for RetryBudgetConfig {
+    fn default() -> Self {
+        RetryBudgetConfig { ratio: 0.1, window: Duration::from_secs(60), min_per_window: 3 }
+    }
+}
+
+/// `[routing.breaker]`, the same for every instance (the router's
+/// `breaker::Breaker` reads it as it is).
 #[derive(Debug, Clone)]
 pub struct BreakerConfig {
+    /// Open after this many failures in a row (attempts and failed probes).
     pub consecutive_failures: u32,
-    /// 0..=1.
+    /// Open when failures / outcomes in the window reach this (0..=1) ...
     pub error_rate: f64,
+    /// ... and the window holds at least this many outcomes; also the
+    /// fewest successes a p95 time to first token is judged on.
     pub min_requests: u32,
+    /// How far back the error rate and p95 look.
     pub window: Duration,
+    /// Open when the window's p95 time to first token exceeds this; `None`
+    /// turns the rule off.
     pub ttft_p95: Option<Duration>,
+    /// Time from OPEN to HALF_OPEN.
     pub cooldown: Duration,
 }
 

@@ -287,9 +287,11 @@ fn routing(r: RawRouting, p: &mut Problems) -> Option<RoutingConfig> {
         default_data_class: default_data_class?,
         max_attempts: r.max_attempts,
         retry_backoff: Duration::from_millis(r.retry_backoff_ms),
-        retry_budget_ratio: r.retry_budget_percent / 100.0,
-        retry_budget_window: Duration::from_secs(r.retry_budget_window_s),
-        retry_budget_min: r.retry_budget_min,
+        retry_budget: RetryBudgetConfig {
+            ratio: r.retry_budget_percent / 100.0,
+            window: Duration::from_secs(r.retry_budget_window_s),
+            min_per_window: r.retry_budget_min,
+        },
         breaker: BreakerConfig {
             consecutive_failures: b.consecutive_failures,
             error_rate: b.error_rate_percent / 100.0,

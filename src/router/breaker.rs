@@ -18,6 +18,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use crate::config::BreakerConfig;
+
 /// Most outcomes the window keeps, whatever the request rate: enough for a
 /// stable rate and p95, small enough that a p95 costs microseconds.
 const WINDOW_CAP: usize = 1024;
@@ -52,37 +54,6 @@ impl BreakerState {
     }
 }
 
-#[derive(Debug, Clone)]
-pub struct BreakerSettings {
-    /// Open after this many failures in a row (attempts and failed probes).
-    pub consecutive_failures: u32,
-    /// Open when failures / outcomes in the window reach this (0..=1) ...
-    pub error_rate: f64,
-    /// ... and the window holds at least this many outcomes; also the
-    /// fewest successes a p95 time to first token is judged on.
-    pub min_requests: u32,
-    /// How far back the error rate and p95 look.
-    pub window: Duration,
-    /// Open when the window's p95 time to first token exceeds this; `None`
-    /// turns the rule off.
-    pub ttft_p95: Option<Duration>,
-    /// Time from OPEN to HALF_OPEN.
-    pub cooldown: Duration,
-}
-
-impl Default for BreakerSettings {
-    fn default() -> Self {
-        BreakerSettings {
-            consecutive_failures: 5,
-            error_rate: 0.5,
-            min_requests: 10,
-            window: Duration::from_secs(30),
-            ttft_p95: None,
-            cooldown: Duration::from_secs(10),
-        }
-    }
-}
-
 /// What one engine attempt came to, as the router reports it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Attempt {
@@ -110,7 +81,7 @@ struct Outcome {
 
 #[derive(Debug)]
 pub struct Breaker {
-    settings: BreakerSettings,
+    settings: BreakerConfig,
     state: BreakerState,
     /// Failures in a row while CLOSED; reset by a successful attempt and
     /// on every change of state.
@@ -128,7 +99,7 @@ pub struct Breaker {
 }
 
 impl Breaker {
-    pub fn new(settings: BreakerSettings) -> Breaker {
+    pub fn new(settings: BreakerConfig) -> Breaker {
         Breaker {
             settings,
             state: BreakerState::Closed,
@@ -410,7 +381,7 @@ mod tests {
     }
 
     fn breaker() -> Breaker {
-        Breaker::new(BreakerSettings::default())
+        Breaker::new(BreakerConfig::default())
     }
 
     /// A breaker opened by `n` consecutive failures at `t0`.
@@ -468,7 +439,7 @@ mod tests {
     #[test]
     fn error_rate_opens_only_with_min_requests() {
         let t0 = Instant::now();
-        let settings = BreakerSettings { consecutive_failures: 100, ..BreakerSettings::default() };
+        let settings = BreakerConfig { consecutive_failures: 100, ..BreakerConfig::default() };
         let mut b = Breaker::new(settings.clone());
         // Failure, success, alternating: 50 % from the start, but only the
         // tenth outcome makes the window big enough.
@@ -495,7 +466,7 @@ mod tests {
     #[test]
     fn slow_first_tokens_open() {
         let t0 = Instant::now();
-        let settings = BreakerSettings { ttft_p95: Some(ms(1000)), ..BreakerSettings::default() };
+        let settings = BreakerConfig { ttft_p95: Some(ms(1000)), ..BreakerConfig::default() };
         let mut b = Breaker::new(settings.clone());
         // 9 slow successes: not enough samples to judge.
         for i in 0..9 {
@@ -537,7 +508,7 @@ mod tests {
     #[test]
     fn old_failures_leave_the_window() {
         let t0 = Instant::now();
-        let settings = BreakerSettings { consecutive_failures: 100, ..BreakerSettings::default() };
+        let settings = BreakerConfig { consecutive_failures: 100, ..BreakerConfig::default() };
         let mut b = Breaker::new(settings);
         for i in 0..9 {
             b.record(t0 + ms(i), Attempt::Failure);
@@ -722,13 +693,13 @@ mod tests {
         /// within its cap.
         #[test]
         fn invariants_hold_under_any_sequence(ops in proptest::collection::vec(op(), 1..300)) {
-            let settings = BreakerSettings {
+            let settings = BreakerConfig {
                 consecutive_failures: 3,
                 min_requests: 4,
                 window: secs(5),
                 ttft_p95: Some(ms(500)),
                 cooldown: secs(2),
-                ..BreakerSettings::default()
+                ..BreakerConfig::default()
             };
             let mut b = Breaker::new(settings);
             let mut now = Instant::now();

@@ -14,23 +14,10 @@
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::config::RetryBudgetConfig;
+
 /// Buckets in the ring: the window is counted in steps of `window / 60`.
 const BUCKETS: usize = 60;
-
-#[derive(Debug, Clone)]
-pub struct RetryBudgetSettings {
-    /// Retries allowed per first attempt in the window (0.1 = 10 %).
-    pub ratio: f64,
-    pub window: Duration,
-    /// Retries allowed in any window on top of the ratio.
-    pub min_per_window: u32,
-}
-
-impl Default for RetryBudgetSettings {
-    fn default() -> Self {
-        RetryBudgetSettings { ratio: 0.1, window: Duration::from_secs(60), min_per_window: 3 }
-    }
-}
 
 /// The counts of one time slice of `window / BUCKETS`.
 #[derive(Debug, Clone, Copy, Default)]
@@ -57,14 +44,14 @@ struct Ring {
 /// dozen additions.
 #[derive(Debug)]
 pub struct RetryBudget {
-    settings: RetryBudgetSettings,
+    settings: RetryBudgetConfig,
     /// Width of one slice, at least a nanosecond.
     slice_width: Duration,
     ring: Mutex<Ring>,
 }
 
 impl RetryBudget {
-    pub fn new(settings: RetryBudgetSettings) -> Self {
+    pub fn new(settings: RetryBudgetConfig) -> Self {
         let slice_width = (settings.window / BUCKETS as u32).max(Duration::from_nanos(1));
         RetryBudget {
             settings,
@@ -158,7 +145,7 @@ mod tests {
     }
 
     fn budget() -> RetryBudget {
-        RetryBudget::new(RetryBudgetSettings::default())
+        RetryBudget::new(RetryBudgetConfig::default())
     }
 
     /// Takes retries at `now` until refused; returns how many were given.
@@ -228,7 +215,7 @@ mod tests {
     #[test]
     fn ratio_rounds_down_without_float_surprises() {
         let t0 = Instant::now();
-        let b = RetryBudget::new(RetryBudgetSettings { ratio: 0.29, min_per_window: 0, ..Default::default() });
+        let b = RetryBudget::new(RetryBudgetConfig { ratio: 0.29, min_per_window: 0, ..Default::default() });
         for _ in 0..100 {
             b.on_request(t0);
         }
@@ -237,7 +224,7 @@ mod tests {
             b.on_request(t0);
         }
         assert_eq!(drain(&b, t0), 0, "103 * 0.29 = 29.87, still 29");
-        let none = RetryBudget::new(RetryBudgetSettings { ratio: 0.0, min_per_window: 0, ..Default::default() });
+        let none = RetryBudget::new(RetryBudgetConfig { ratio: 0.0, min_per_window: 0, ..Default::default() });
         none.on_request(t0);
         assert!(!none.try_retry(t0));
     }

@@ -35,8 +35,8 @@ use tokio_util::task::TaskTracker;
 use crate::config::{Config, RoutingConfig};
 use crate::engine::{self, Engine, EngineLoad};
 use crate::telemetry::Metrics;
-use breaker::{Attempt, Breaker, BreakerSettings, BreakerState, Transition};
-use budget::{RetryBudget, RetryBudgetSettings};
+use breaker::{Attempt, Breaker, BreakerState, Transition};
+use budget::RetryBudget;
 
 pub use dispatch::DispatchError;
 pub use pick::{pick, InstanceView};
@@ -126,21 +126,8 @@ impl Router {
 
     pub fn with_routing(instances: Vec<Instance>, r: &RoutingConfig) -> Router {
         let recheck = instances.iter().map(|_| Notify::new()).collect();
-        let b = &r.breaker;
-        let settings = BreakerSettings {
-            consecutive_failures: b.consecutive_failures,
-            error_rate: b.error_rate,
-            min_requests: b.min_requests,
-            window: b.window,
-            ttft_p95: b.ttft_p95,
-            cooldown: b.cooldown,
-        };
-        let breakers = instances.iter().map(|_| Mutex::new(Breaker::new(settings.clone()))).collect();
-        let budget = RetryBudget::new(RetryBudgetSettings {
-            ratio: r.retry_budget_ratio,
-            window: r.retry_budget_window,
-            min_per_window: r.retry_budget_min,
-        });
+        let breakers = instances.iter().map(|_| Mutex::new(Breaker::new(r.breaker.clone()))).collect();
+        let budget = RetryBudget::new(r.retry_budget.clone());
         Router {
             instances,
             recheck,
