@@ -706,7 +706,6 @@ impl Actor {
                 self.handle(cmd);
             }
             self.dispatch();
-            self.metrics.degradation_level.set(i64::from(self.policy.degradation()));
         }
         // Waiting drivers see their grant sender dropped and end their tasks.
     }
@@ -791,6 +790,7 @@ impl Actor {
                 if !up {
                     self.reroute_stranded();
                 }
+                self.show_degradation();
             }
             Cmd::Breaker { instance, state, reason } => {
                 self.policy.set_breaker(instance, state);
@@ -798,6 +798,7 @@ impl Actor {
                 if state == BreakerState::Open {
                     self.reroute_stranded();
                 }
+                self.show_degradation();
             }
             Cmd::GraceCheck { instance, busy } => {
                 let ours = self.policy.running_on(instance);
@@ -844,6 +845,12 @@ impl Actor {
     fn dec_depth(&self, m: usize, p: Priority) {
         let name = &self.policy.config().models[m].name;
         self.metrics.queue_depth.with_label_values(&[name, p.as_str()]).dec();
+    }
+
+    /// The degradation level follows instance health and breakers only:
+    /// set when either changes, not on every message.
+    fn show_degradation(&self) {
+        self.metrics.degradation_level.set(i64::from(self.policy.degradation()));
     }
 
     fn model_name(&self, m: usize) -> &str {

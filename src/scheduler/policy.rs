@@ -795,7 +795,11 @@ impl Policy {
         let capacity = self.cfg.models[m].queue_capacity;
         // Tasks put back by a retry or preemption, or taken by an immediate
         // step, were admitted once: they do not count against the bound.
-        let queued = self.waiting[m].iter().filter(|w| !w.overflow).count();
+        // (Counted only when it could matter: overflow tasks are a few.)
+        let queued = match self.waiting[m].len() {
+            n if n < capacity => n,
+            _ => self.waiting[m].iter().filter(|w| !w.overflow).count(),
+        };
         let full = queued >= capacity || self.cfg.max_queued.is_some_and(|cap| self.total_waiting >= cap);
         // P0 may exceed a full queue by a tenth, so alarms still queue.
         let p0_room = queued < capacity + capacity / 10 + 1
@@ -1204,7 +1208,8 @@ impl Policy {
     /// can be taken back, and answers with [`Policy::preemption_answered`]
     /// (declined) or a [`Policy::requeue`].
     pub fn preemption_victims(&mut self) -> Vec<(String, String)> {
-        if !self.cfg.preemption {
+        // Called after every dispatch: nothing waiting is the common case.
+        if !self.cfg.preemption || self.total_waiting == 0 {
             return Vec::new();
         }
         let views = self.views();
@@ -1370,26 +1375,14 @@ impl Policy {
     /// Takes a waiting task out (cancelled or timed out). Its rate charge
     /// for output it will never produce is refunded.
     pub fn withdraw(&mut self, task_id: &str) -> bool {
-        for q in &mut self.waiting {
-            if let Some(idx) = q.iter().position(|w| w.info.task_id == task_id) {
-                let w = q.swap_remove(idx);
-                self.total_waiting -= 1;
-                let uk = (w.info.app.clone(), w.info.user.clone());
-                if let Some(c) = self.app_counts.get_mut(&w.info.app) {
-                    c.queued -= 1;
-                }
-                if let Some(c) = self.user_counts.get_mut(&uk) {
-                    c.queued -= 1;
-                }
-                let app = self.app(&w.info.app);
-                if let (Some(tpm), Some(b)) = (app.user_tokens_per_minute, self.tpm.get_mut(&uk)) {
-                    b.refund(tpm as f64, f64::from(w.info.max_output_tokens));
-                }
-                self.forget_idle_user(&uk);
-                return true;
-            }
+        let Some(w) = self.take_waiting(task_id) else { return false };
+        let uk = (w.info.app.clone(), w.info.user.clone());
+        let app = self.app(&w.info.app);
+        if let (Some(tpm), Some(b)) = (app.user_tokens_per_minute, self.tpm.get_mut(&uk)) {
+            b.refund(tpm as f64, f64::from(w.info.max_output_tokens));
         }
-        false
+        self.forget_idle_user(&uk);
+        true
     }
 
     /// Frees the slot of a granted task; `output_tokens` is what it really
