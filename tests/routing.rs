@@ -1058,18 +1058,26 @@ async fn a_p4_task_already_streaming_to_its_client_is_not_preempted() {
     gw.stop().await;
 }
 
-#[tokio::test]
-async fn an_application_that_is_never_preemptible_makes_p0_wait() {
+/// A P4 (or P3) task of `demo` holds the only slot, still before its first
+/// token; a P0 call comes. With `preemptible` set on `demo` (or `extra`
+/// appended to the config), the P0 call must wait: the low task runs once,
+/// to its end, and nothing is preempted or aborted.
+async fn p0_waits_for(low_priority: &str, preemptible: Option<&str>, extra: &str) {
     let fake =
         FakeEngine::start_with(Knobs { first_token_delay: Duration::from_millis(1500), ..Knobs::default() }).await;
-    let gw = gateway(&fake.url(), "", |t| {
-        t.replace("max_concurrency = 2", "max_concurrency = 1")
-            .replace("default_priority = \"P2\"", "default_priority = \"P2\"\npreemptible = \"never\"")
+    let gw = gateway(&fake.url(), extra, |t| {
+        let t = t.replace("max_concurrency = 2", "max_concurrency = 1");
+        match preemptible {
+            Some(p) => {
+                t.replace("default_priority = \"P2\"", &format!("default_priority = \"P2\"\npreemptible = \"{p}\""))
+            }
+            None => t,
+        }
     })
     .await;
     gw.wait_ready().await;
     let mut low = chat_body(false);
-    low["priority"] = json!("P4");
+    low["priority"] = json!(low_priority);
     let low = spawn_call(&gw, DEMO_KEY, low);
     assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
     fake.set(|k| k.first_token_delay = Duration::ZERO);
@@ -1088,29 +1096,13 @@ async fn an_application_that_is_never_preemptible_makes_p0_wait() {
 }
 
 #[tokio::test]
+async fn an_application_that_is_never_preemptible_makes_p0_wait() {
+    p0_waits_for("P4", Some("never"), "").await;
+}
+
+#[tokio::test]
 async fn without_preemption_p0_waits() {
-    let fake =
-        FakeEngine::start_with(Knobs { first_token_delay: Duration::from_millis(1500), ..Knobs::default() }).await;
-    let gw = gateway(&fake.url(), "\n[scheduler]\npreemption = false\n", |t| {
-        t.replace("max_concurrency = 2", "max_concurrency = 1")
-    })
-    .await;
-    gw.wait_ready().await;
-    let mut low = chat_body(false);
-    low["priority"] = json!("P4");
-    let low = spawn_call(&gw, DEMO_KEY, low);
-    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
-    fake.set(|k| k.first_token_delay = Duration::ZERO);
-    let mut high = chat_body(false);
-    high["priority"] = json!("P0");
-    assert_eq!(call(&gw, OPS_KEY, &high).await.0, 200);
-    let (status, lv) = low.await.unwrap();
-    assert_eq!(status, 200, "{lv}");
-    assert_eq!(lv["edge"]["route"]["attempts"], 1, "{lv}");
-    assert_eq!(fake.stats.aborted.load(SeqCst), 0);
-    let m = metrics_text(&gw).await;
-    assert_eq!(metric(&m, "edgeway_preemptions_total", &[]), 0.0, "{m}");
-    gw.stop().await;
+    p0_waits_for("P4", None, "\n[scheduler]\npreemption = false\n").await;
 }
 
 #[tokio::test]
@@ -1168,28 +1160,7 @@ async fn p0_preempts_the_most_recently_started_p4_task() {
 
 #[tokio::test]
 async fn an_application_preemptible_from_p4_keeps_its_p3_work() {
-    let fake =
-        FakeEngine::start_with(Knobs { first_token_delay: Duration::from_millis(1500), ..Knobs::default() }).await;
-    let gw = gateway(&fake.url(), "", |t| {
-        t.replace("max_concurrency = 2", "max_concurrency = 1")
-            .replace("default_priority = \"P2\"", "default_priority = \"P2\"\npreemptible = \"P4\"")
-    })
-    .await;
-    gw.wait_ready().await;
-    let mut low = chat_body(false);
-    low["priority"] = json!("P3");
-    let low = spawn_call(&gw, DEMO_KEY, low);
-    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
-    fake.set(|k| k.first_token_delay = Duration::ZERO);
-    let mut high = chat_body(false);
-    high["priority"] = json!("P0");
-    assert_eq!(call(&gw, OPS_KEY, &high).await.0, 200);
-    let (status, lv) = low.await.unwrap();
-    assert_eq!(status, 200, "{lv}");
-    assert_eq!(lv["edge"]["route"]["attempts"], 1, "{lv}");
-    let m = metrics_text(&gw).await;
-    assert_eq!(metric(&m, "edgeway_preemptions_total", &[]), 0.0, "{m}");
-    gw.stop().await;
+    p0_waits_for("P3", Some("P4"), "").await;
 }
 
 // 9. Degradation level.
