@@ -31,10 +31,15 @@ pub enum ErrorCode {
     ResourceExhausted,
     PolicyBlocked,
     InternalError,
+    /// The task store cannot write: new work is refused rather than run
+    /// unrecorded, until writes succeed again.
+    StoreUnavailable,
+    /// The gateway is draining before it stops: new work is refused.
+    ShuttingDown,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 17] = [
+    pub const ALL: [ErrorCode; 19] = [
         ErrorCode::AuthFailed,
         ErrorCode::PermissionDenied,
         ErrorCode::RateLimited,
@@ -52,6 +57,8 @@ impl ErrorCode {
         ErrorCode::ResourceExhausted,
         ErrorCode::PolicyBlocked,
         ErrorCode::InternalError,
+        ErrorCode::StoreUnavailable,
+        ErrorCode::ShuttingDown,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -73,6 +80,8 @@ impl ErrorCode {
             ErrorCode::ResourceExhausted => "RESOURCE_EXHAUSTED",
             ErrorCode::PolicyBlocked => "POLICY_BLOCKED",
             ErrorCode::InternalError => "INTERNAL_ERROR",
+            ErrorCode::StoreUnavailable => "STORE_UNAVAILABLE",
+            ErrorCode::ShuttingDown => "SHUTTING_DOWN",
         }
     }
 
@@ -88,7 +97,9 @@ impl ErrorCode {
             ErrorCode::QueueFull
             | ErrorCode::QueueTimeout
             | ErrorCode::ModelUnavailable
-            | ErrorCode::ResourceExhausted => 503,
+            | ErrorCode::ResourceExhausted
+            | ErrorCode::StoreUnavailable
+            | ErrorCode::ShuttingDown => 503,
             ErrorCode::FirstTokenTimeout
             | ErrorCode::InferenceTimeout
             | ErrorCode::IdleTimeout
@@ -108,13 +119,14 @@ impl ErrorCode {
             ErrorCode::QueueFull
             | ErrorCode::QueueTimeout
             | ErrorCode::ModelUnavailable
-            | ErrorCode::ResourceExhausted => "overloaded_error",
+            | ErrorCode::ResourceExhausted
+            | ErrorCode::ShuttingDown => "overloaded_error",
             ErrorCode::FirstTokenTimeout
             | ErrorCode::InferenceTimeout
             | ErrorCode::IdleTimeout
             | ErrorCode::TotalTimeout => "timeout_error",
             ErrorCode::RequestCancelled => "cancelled",
-            ErrorCode::InternalError => "server_error",
+            ErrorCode::InternalError | ErrorCode::StoreUnavailable => "server_error",
         }
     }
 
@@ -129,7 +141,20 @@ impl ErrorCode {
                 | ErrorCode::ResourceExhausted
                 | ErrorCode::FirstTokenTimeout
                 | ErrorCode::InternalError
+                | ErrorCode::StoreUnavailable
+                | ErrorCode::ShuttingDown
         )
+    }
+
+    /// Whether a repeat of an idempotency key whose task ended with this
+    /// code runs the request again (once: concurrent repeats join the new
+    /// run) instead of replaying the end. The one rule, used by the gateway
+    /// and the scheduler's registry: a transient end ([`Self::retryable`],
+    /// the router's retryable engine failures end `INTERNAL_ERROR`,
+    /// `MODEL_UNAVAILABLE` or `FIRST_TOKEN_TIMEOUT`) or a cancellation (the
+    /// caller went away, a shutdown), which says nothing about the request.
+    pub fn runs_again_on_repeat(self) -> bool {
+        self.retryable() || self == ErrorCode::RequestCancelled
     }
 
     /// Whether a task that ends with this code ends `TIMED_OUT` (rather than

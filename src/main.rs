@@ -60,6 +60,7 @@ fn main() -> ExitCode {
 
 async fn serve(cfg: Config) -> ExitCode {
     edgeway::telemetry::init_logging(&cfg.log);
+    let drain = cfg.server.drain_timeout;
     let running = match edgeway::server::start(cfg).await {
         Ok(r) => r,
         Err(e) => {
@@ -69,11 +70,14 @@ async fn serve(cfg: Config) -> ExitCode {
         }
     };
     wait_for_signal().await;
-    tracing::info!("shutting down: cancelling tasks and draining");
-    running.shutdown(Duration::from_secs(10)).await;
+    tracing::info!(drain_s = drain.as_secs(), "shutting down: draining (new calls refused, running tasks may finish)");
+    running.drain_and_shutdown(drain, Duration::from_secs(10)).await;
+    tracing::info!("stopped");
     ExitCode::SUCCESS
 }
 
+/// SIGTERM (service managers, `docker stop`) or SIGINT (Ctrl-C): both
+/// start the graceful stop.
 async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");

@@ -18,7 +18,7 @@ use crate::gateway::{Gateway, Parts};
 use crate::ingress::nats::NatsStatus;
 use crate::router::Router;
 use crate::scheduler::{self, SchedulerHandle};
-use crate::store::Store;
+use crate::store::{Store, StoreOptions};
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
 
@@ -48,9 +48,38 @@ pub struct Internals {
 }
 
 impl RunningGateway {
-    /// Stops accepting, cancels every task (their engines stop), and waits
-    /// up to `grace` for everything to drain.
+    /// Stops at once: [`Self::drain_and_shutdown`] with no time for running
+    /// tasks (queued idempotent tasks are still kept for the next start).
     pub async fn shutdown(self, grace: Duration) {
+        self.drain_and_shutdown(Duration::ZERO, grace).await;
+    }
+
+    /// The graceful stop (SIGTERM/SIGINT): a drain, then the stop.
+    ///
+    /// 1. New work is refused (`SHUTTING_DOWN`) and `/ready` answers 503,
+    ///    at once; the listeners stay open so that running tasks reach
+    ///    their callers.
+    /// 2. Waiting tasks that can be queued again at the next start
+    ///    (idempotent, never started) leave the queue unrecorded, as after
+    ///    a crash: the next start runs them (their callers get
+    ///    `SHUTTING_DOWN` and join them by repeating the key).
+    /// 3. Running and other queued tasks may end for up to `drain`.
+    /// 4. What is left is cancelled, recorded with actor `shutdown` and the
+    ///    reason "gateway shutting down" (not as a client that went away).
+    /// 5. Everything stops; the wait for it is bounded by `grace`.
+    pub async fn drain_and_shutdown(self, drain: Duration, grace: Duration) {
+        let gw = &self.gateway;
+        gw.begin_drain();
+        let scheduler = &self.internals.scheduler;
+        let parked = scheduler.park_waiting().await;
+        let live = scheduler.follow_live();
+        tracing::info!(parked, live = live.len(), drain_s = drain.as_secs_f64(), "draining");
+        let ended =
+            futures::future::join_all(live.into_iter().map(|mut s| async move { while s.recv().await.is_some() {} }));
+        if tokio::time::timeout(drain, ended).await.is_err() {
+            let cancelled = scheduler.cancel_all("gateway shutting down", "shutdown");
+            tracing::warn!(cancelled, "drain time over; cancelling what is left");
+        }
         self.shutdown.cancel();
         self.tracker.close();
         if tokio::time::timeout(grace, self.tracker.wait()).await.is_err() {
@@ -70,8 +99,15 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     crate::tls::install_default_provider();
     let config = Arc::new(config);
     let metrics = Arc::new(Metrics::new());
-    let store = Store::open(&config.store.db_path(), &config.node_id, config.store.store_prompts)?;
+    let opts = StoreOptions {
+        max_buffered_writes: config.store.max_buffered_writes,
+        retention_tasks: config.store.retention_tasks,
+        retention_rejected: config.store.retention_rejected,
+        ..StoreOptions::default()
+    };
+    let store = Store::open_with(&config.store.db_path(), &config.node_id, config.store.store_prompts, opts)?;
     metrics.export_store_errors(store.write_failures());
+    metrics.export_store_health(store.health());
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
 

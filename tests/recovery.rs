@@ -1,5 +1,7 @@
-//! What survives a restart: idempotency keys across a clean restart, and
-//! recovery of unfinished tasks after `kill -9` of the real binary.
+//! What survives a restart and what a failure leaves behind: idempotency
+//! keys across a clean restart and after a transient failure, recovery of
+//! unfinished tasks after `kill -9` of the real binary, and the drain of a
+//! graceful stop.
 
 mod common;
 
@@ -80,6 +82,213 @@ async fn a_revoked_key_stays_revoked_after_a_restart_until_reinstated() {
     gw.wait_ready().await;
     assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200, "reinstated for good");
     gw.stop().await;
+}
+
+/// The task of a finished call (its `edge` object or its error's).
+fn task_of(v: &Value) -> String {
+    v["edge"]["task_id"].as_str().or_else(|| v["error"]["task_id"].as_str()).unwrap_or_default().to_string()
+}
+
+/// A key whose task ended in a transient way (here: the engine failed mid
+/// stream, `INTERNAL_ERROR`) is not burnt: a repeat runs the request again,
+/// once however many repeats race, and the new task's record names the old
+/// one. A later repeat gets the new result.
+#[tokio::test]
+async fn a_repeat_after_a_transient_failure_runs_again_once() {
+    let fake = FakeEngine::start_with(Knobs { drop_after: Some(1), ..Knobs::default() }).await;
+    let (_dir, load) = restartable(&fake);
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let mut body = chat_body(false);
+    body["idempotency_key"] = json!("sensor-report-9");
+    let first = post_chat(&gw, DEMO_KEY, &body).await;
+    assert_eq!(first.status(), 500);
+    let first: Value = first.json().await.unwrap();
+    assert_eq!(error_code(&first), "INTERNAL_ERROR", "{first}");
+    assert_eq!(fake.stats.requests.load(SeqCst), 1);
+    let old_task = stored_task_by_key(&gw, "sensor-report-9").await;
+
+    // The engine is back; three repeats at once.
+    fake.set(|k| k.drop_after = None);
+    let repeats = futures::future::join_all((0..3).map(|_| post_chat(&gw, DEMO_KEY, &body))).await;
+    let mut ids = std::collections::HashSet::new();
+    for r in repeats {
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["edge"]["status"], "SUCCEEDED", "{v}");
+        ids.insert(task_of(&v));
+    }
+    assert_eq!(ids.len(), 1, "the repeats joined one new run: {ids:?}");
+    let new_task = ids.into_iter().next().unwrap();
+    assert_ne!(new_task, old_task);
+    assert_eq!(fake.stats.requests.load(SeqCst), 2, "one new inference");
+    let rec = gw.gateway().task(&demo_identity(&gw), &new_task).await.unwrap().unwrap();
+    let linked = rec.transitions.iter().any(|t| t.reason.contains(&old_task));
+    assert!(linked, "the new task's record names the old one: {:?}", rec.transitions);
+
+    // A success is kept: the next repeat gets it, with no inference.
+    let again: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    assert_eq!(task_of(&again), new_task);
+    assert_eq!(fake.stats.requests.load(SeqCst), 2);
+    gw.stop().await;
+    // Also from the store after a restart.
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let again: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    assert_eq!(task_of(&again), new_task, "{again}");
+    assert_eq!(fake.stats.requests.load(SeqCst), 2);
+    gw.stop().await;
+}
+
+/// The same after a restart, when only the store knows the failed task:
+/// an engine that failed every attempt before answering
+/// (`MODEL_UNAVAILABLE`/`INTERNAL_ERROR`), then recovered.
+#[tokio::test]
+async fn a_repeat_after_a_restart_runs_a_transiently_failed_task_again() {
+    let fake = FakeEngine::start_with(Knobs { fail_status: Some(503), ..Knobs::default() }).await;
+    let (_dir, load) = restartable(&fake);
+    let mut body = chat_body(false);
+    body["idempotency_key"] = json!("nightly-9");
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let first: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    let code = error_code(&first).to_string();
+    assert!(["MODEL_UNAVAILABLE", "INTERNAL_ERROR"].contains(&code.as_str()), "{first}");
+    let old_task = stored_task_by_key(&gw, "nightly-9").await;
+    gw.stop().await;
+
+    fake.set(|k| k.fail_status = None);
+    let before = fake.stats.requests.load(SeqCst);
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let again: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    assert_eq!(again["edge"]["status"], "SUCCEEDED", "{again}");
+    assert_ne!(task_of(&again), old_task);
+    assert_eq!(fake.stats.requests.load(SeqCst), before + 1);
+    gw.stop().await;
+}
+
+/// The task the store holds for an idempotency key of `demo`.
+async fn stored_task_by_key(gw: &TestGateway, key: &str) -> String {
+    gw.store().flush().await;
+    let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+    conn.query_row(
+        "SELECT task_id FROM idempotency WHERE tenant = 'demo' AND application = 'demo' AND key = ?1",
+        [key],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
+fn demo_identity(gw: &TestGateway) -> edgeway::task::Identity {
+    gw.gateway().authenticate(Some(DEMO_KEY)).unwrap()
+}
+
+/// State, reason and actor of a task's last transition, from the file.
+fn last_transition(db: &std::path::Path, task_id: &str) -> (String, String, String) {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    conn.query_row(
+        "SELECT state, reason, actor FROM task_transitions WHERE task_id = ?1 ORDER BY seq DESC LIMIT 1",
+        [task_id],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+    )
+    .unwrap()
+}
+
+/// Submits a task that outlives its connection; its id.
+async fn submit_task(gw: &TestGateway, body: &Value) -> String {
+    let url = format!("{}/v1/tasks", gw.base_url);
+    let v: Value = client().post(url).bearer_auth(DEMO_KEY).json(body).send().await.unwrap().json().await.unwrap();
+    v["task_id"].as_str().unwrap_or_else(|| panic!("{v}")).to_string()
+}
+
+/// A stop (SIGTERM, `TestGateway::stop`) keeps a queued idempotent task for
+/// the next start, as a `kill -9` would: it stays QUEUED with its request
+/// and runs after the restart. What cannot be kept is cancelled, recorded
+/// as the gateway's doing (actor `shutdown`, "gateway shutting down"),
+/// never as a client that went away.
+#[tokio::test]
+async fn a_queued_idempotent_task_survives_a_graceful_stop_and_runs_after_restart() {
+    let fake = FakeEngine::start_with(Knobs::slow(100_000, 20)).await;
+    let dir = TempDir::new("edgeway-drain");
+    let text = config_toml(&fake.url(), "openai", &dir.0, "").replace("max_concurrency = 2", "max_concurrency = 1");
+    let load = || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let db = gw.db_path();
+    let running = submit_task(&gw, &chat_body(false)).await;
+    gw.wait_for_state(&running, TaskState::Streaming).await;
+    let mut keyed = chat_body(false);
+    keyed["idempotency_key"] = json!("nightly-report");
+    let queued_keyed = submit_task(&gw, &keyed).await;
+    let queued_plain = submit_task(&gw, &chat_body(false)).await;
+    gw.wait_for_state(&queued_plain, TaskState::Queued).await;
+    gw.stop().await;
+
+    for id in [&running, &queued_plain] {
+        let (state, reason, actor) = last_transition(&db, id);
+        assert_eq!(
+            (state.as_str(), reason.as_str(), actor.as_str()),
+            ("CANCELLED", "gateway shutting down", "shutdown")
+        );
+    }
+    assert_eq!(last_transition(&db, &queued_keyed).0, "QUEUED", "kept for the next start");
+
+    fake.set(|k| *k = Knobs::default());
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    gw.wait_for_state(&queued_keyed, TaskState::Succeeded).await;
+    // Its client, repeating the key, gets that task's result.
+    let again: Value = post_chat(&gw, DEMO_KEY, &keyed).await.json().await.unwrap();
+    assert_eq!(again["edge"]["task_id"], queued_keyed.as_str(), "{again}");
+    gw.stop().await;
+}
+
+/// The drain of a graceful stop: `/ready` 503 and `SHUTTING_DOWN` for new
+/// calls at once, running tasks finish within the drain time, and one that
+/// would not is cancelled by `shutdown` when it is over.
+#[tokio::test]
+async fn a_graceful_stop_lets_running_work_finish_within_the_drain_time() {
+    // 50 ms a token: the short task needs 0.5 s, the long one 12.5 s.
+    let fake = FakeEngine::start_with(Knobs::slow(100_000, 50)).await;
+    let dir = TempDir::new("edgeway-drain");
+    let text = config_toml(&fake.url(), "openai", &dir.0, "");
+    let cfg = Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let mut gw = TestGateway::start(cfg).await;
+    gw.wait_ready().await;
+    let db = gw.db_path();
+    let mut short_body = chat_body(false);
+    short_body["max_tokens"] = json!(10);
+    let short = submit_task(&gw, &short_body).await;
+    let mut long_body = chat_body(false);
+    long_body["max_tokens"] = json!(250);
+    let long = submit_task(&gw, &long_body).await;
+    gw.wait_for_state(&short, TaskState::Streaming).await;
+    gw.wait_for_state(&long, TaskState::Streaming).await;
+
+    let running = gw.running.take().unwrap();
+    let base = gw.base_url.clone();
+    let drain = Duration::from_secs(5);
+    let (_, (ready, refused)) = tokio::join!(running.drain_and_shutdown(drain, Duration::from_secs(5)), async {
+        // At once: not ready, and new work is refused.
+        let mut status = 0;
+        for _ in 0..200 {
+            status = client().get(format!("{base}/ready")).send().await.unwrap().status().as_u16();
+            if status == 503 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let url = format!("{base}/v1/chat/completions");
+        let r = client().post(url).bearer_auth(DEMO_KEY).json(&chat_body(false)).send().await.unwrap();
+        (status, (r.status().as_u16(), r.json::<Value>().await.unwrap()))
+    });
+    assert_eq!(ready, 503);
+    assert_eq!(refused.0, 503);
+    assert_eq!(error_code(&refused.1), "SHUTTING_DOWN", "{}", refused.1);
+    assert!(refused.1["error"]["retry_after_ms"].as_u64().is_some(), "{}", refused.1);
+    assert_eq!(last_transition(&db, &short).0, "SUCCEEDED", "finished within the drain");
+    let (state, reason, actor) = last_transition(&db, &long);
+    assert_eq!((state.as_str(), reason.as_str(), actor.as_str()), ("CANCELLED", "gateway shutting down", "shutdown"));
 }
 
 fn free_port() -> u16 {

@@ -80,6 +80,7 @@ pub struct Config {
     pub node_id: String,
     pub http: HttpConfig,
     pub store: StoreConfig,
+    pub server: ServerConfig,
     pub log: LogConfig,
     pub timeouts: Timeouts,
     pub scheduler: SchedulerConfig,
@@ -121,6 +122,21 @@ pub struct StoreConfig {
     pub data_dir: PathBuf,
     /// Keep prompt and result text in the task store (off: a hash only).
     pub store_prompts: bool,
+    /// Writes kept in memory while the disk refuses them (then dropped).
+    pub max_buffered_writes: usize,
+    /// Finished tasks and their transitions are purged after this (`None`:
+    /// kept). A task whose idempotency key is live is always kept.
+    pub retention_tasks: Option<Duration>,
+    /// Refused calls are purged after this (`None`: kept).
+    pub retention_rejected: Option<Duration>,
+}
+
+/// The process as a whole (`[server]`).
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// On SIGTERM/SIGINT: how long running tasks may finish before the
+    /// rest are cancelled.
+    pub drain_timeout: Duration,
 }
 
 impl StoreConfig {

@@ -100,6 +100,7 @@ pub struct RawConfig {
     pub node_id: String,
     pub http: RawHttp,
     pub store: RawStore,
+    pub server: RawServer,
     pub log: RawLog,
     pub timeouts: RawTimeouts,
     pub scheduler: RawScheduler,
@@ -121,6 +122,7 @@ impl Default for RawConfig {
             node_id: "edge-1".into(),
             http: RawHttp::default(),
             store: RawStore::default(),
+            server: RawServer::default(),
             log: RawLog::default(),
             timeouts: RawTimeouts::default(),
             scheduler: RawScheduler::default(),
@@ -161,11 +163,36 @@ impl Default for RawHttp {
 pub struct RawStore {
     pub data_dir: PathBuf,
     pub store_prompts: bool,
+    /// Writes kept in memory while the disk refuses them.
+    pub max_buffered_writes: usize,
+    /// Finished tasks (with their transitions) are purged after this; 0 keeps them.
+    pub retention_tasks_hours: u64,
+    /// Refused calls are purged after this; 0 keeps them.
+    pub retention_rejected_hours: u64,
 }
 
 impl Default for RawStore {
     fn default() -> Self {
-        RawStore { data_dir: PathBuf::from("data"), store_prompts: false }
+        RawStore {
+            data_dir: PathBuf::from("data"),
+            store_prompts: false,
+            max_buffered_writes: 100_000,
+            retention_tasks_hours: 30 * 24,
+            retention_rejected_hours: 7 * 24,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawServer {
+    /// How long a graceful stop lets running tasks finish.
+    pub drain_timeout_s: u64,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        RawServer { drain_timeout_s: 30 }
     }
 }
 

@@ -66,7 +66,11 @@ impl RawConfig {
             p.add("node_id", "must not be empty");
         }
         let http = http(self.http, &mut p);
-        let store = store(self.store);
+        let store = store(self.store, &mut p);
+        let server = ServerConfig { drain_timeout: Duration::from_secs(self.server.drain_timeout_s) };
+        if self.server.drain_timeout_s > 3600 {
+            p.add("server.drain_timeout_s", "must be at most 3600");
+        }
         let log = log(self.log, &mut p);
         let timeouts = timeouts(self.timeouts, &mut p);
         let default_queue_capacity = self.scheduler.queue_capacity;
@@ -95,6 +99,7 @@ impl RawConfig {
                 node_id: self.node_id,
                 http: http?,
                 store,
+                server,
                 log: log?,
                 timeouts,
                 scheduler,
@@ -143,8 +148,18 @@ fn http(raw: RawHttp, p: &mut Problems) -> Option<HttpConfig> {
     Some(HttpConfig { listen: listen?, admin_listen: admin_listen?, max_body_bytes: raw.max_body_bytes })
 }
 
-fn store(raw: RawStore) -> StoreConfig {
-    StoreConfig { data_dir: raw.data_dir, store_prompts: raw.store_prompts }
+fn store(raw: RawStore, p: &mut Problems) -> StoreConfig {
+    if raw.max_buffered_writes < 1000 {
+        p.add("store.max_buffered_writes", "must be at least 1000");
+    }
+    let hours = |h: u64| (h > 0).then(|| Duration::from_secs(h.saturating_mul(3600)));
+    StoreConfig {
+        data_dir: raw.data_dir,
+        store_prompts: raw.store_prompts,
+        max_buffered_writes: raw.max_buffered_writes,
+        retention_tasks: hours(raw.retention_tasks_hours),
+        retention_rejected: hours(raw.retention_rejected_hours),
+    }
 }
 
 fn log(raw: RawLog, p: &mut Problems) -> Option<LogConfig> {

@@ -4,9 +4,16 @@
 //! different prompt is refused. Every ingress goes through this one check
 //! (MQTT derives its keys from the device and the request id).
 //!
+//! A task that ended in a transient way (a retryable code, or cancelled:
+//! [`ErrorCode::runs_again_on_repeat`]) does not burn its key: a repeat
+//! runs the request again, once (concurrent repeats race for the key in
+//! the scheduler's registry and the losers join the winner), and the new
+//! task's record names the old one.
+//!
 //! Owns: the lookup order (live registry, then store), the judgement of a
-//! repeat (same prompt joins, another prompt is refused), remembering and
-//! forgetting a key in the store. Does not own: the atomic insert that makes
+//! repeat (same prompt joins, another prompt is refused, a transient end
+//! runs again), remembering, handing over and forgetting a key in the
+//! store. Does not own: the atomic insert that makes
 //! two racing first calls one task (the scheduler's registry does that under
 //! its lock, and hands the task it found back here to be judged).
 
@@ -21,30 +28,65 @@ fn reused() -> GatewayError {
     GatewayError::invalid("this idempotency key was already used for a different request")
 }
 
+/// What a call with an idempotency key finds.
+pub(super) enum Repeat {
+    /// A known task with the same key: its stream (live, or its outcome).
+    Join(TaskStream),
+    /// No task holds the key, or the one that did ended in a way a repeat
+    /// runs again ([`ErrorCode::runs_again_on_repeat`]): this call starts
+    /// a task. `retry_of` is that earlier task and how it ended.
+    Run { retry_of: Option<(String, ErrorCode)> },
+}
+
+/// The code a finished task ended with, if a repeat runs it again.
+fn runs_again(code: Option<ErrorCode>) -> Option<ErrorCode> {
+    code.filter(|c| c.runs_again_on_repeat())
+}
+
+/// The error code of a live entry that has ended with an error.
+fn ended_with(existing: &TaskEntry) -> Option<ErrorCode> {
+    match existing.log.terminal()? {
+        TaskEvent::Error { error, .. } => Some(error.code),
+        _ => None,
+    }
+}
+
 impl Gateway {
-    /// The stream of the task this request repeats, if its idempotency key
-    /// is already known; an error if the key was used for another prompt.
-    pub(super) async fn known_repeat(&self, req: &TaskRequest) -> Result<Option<TaskStream>, GatewayError> {
-        let Some(key) = &req.idempotency_key else { return Ok(None) };
+    /// What this request's idempotency key finds: a task to join, or the
+    /// go-ahead to run; an error if the key was used for another prompt.
+    pub(super) async fn known_repeat(&self, req: &TaskRequest) -> Result<Repeat, GatewayError> {
+        let Some(key) = &req.idempotency_key else { return Ok(Repeat::Run { retry_of: None }) };
         let id = &req.identity;
         if let Some(existing) = self.scheduler.find_by_idempotency_key(&id.tenant, &id.application, key) {
+            if existing.prompt_sha256 != req.prompt_sha256 {
+                return Err(reused());
+            }
+            if let Some(code) = runs_again(ended_with(&existing)) {
+                return Ok(Repeat::Run { retry_of: Some((existing.task_id.clone(), code)) });
+            }
             if let Some(s) = self.join_repeat(&existing, req)? {
-                return Ok(Some(s));
+                return Ok(Repeat::Join(s));
             }
         }
         let Some(rec) = self.store.lookup_idempotency(&id.tenant, &id.application, key).await else {
-            return Ok(None);
+            return Ok(Repeat::Run { retry_of: None });
         };
         if rec.state == TaskState::Rejected {
-            return Ok(None);
+            return Ok(Repeat::Run { retry_of: None });
         }
         if rec.prompt_sha256 != req.prompt_sha256 {
             return Err(reused());
         }
-        if let Some(s) = self.scheduler.attach(&rec.task_id, 0) {
-            return Ok(Some(s));
+        if rec.state.is_terminal() {
+            let code = rec.error_code.as_deref().and_then(parse_code);
+            if let Some(code) = runs_again(code) {
+                return Ok(Repeat::Run { retry_of: Some((rec.task_id.clone(), code)) });
+            }
         }
-        Ok(Some(self.replay_stored(rec)))
+        if let Some(s) = self.scheduler.attach(&rec.task_id, 0) {
+            return Ok(Repeat::Join(s));
+        }
+        Ok(Repeat::Join(self.replay_stored(rec)))
     }
 
     /// A repeat of the live task `existing` (same key): joins it from its
@@ -62,11 +104,21 @@ impl Gateway {
     }
 
     /// Keeps the key (and what is needed to run the request again after a
-    /// crash) for the configured time.
-    pub(super) fn remember_key(&self, req: &TaskRequest) {
+    /// crash) for the configured time; with `replaces`, the key moves from
+    /// that earlier task to this one.
+    pub(super) fn remember_key(&self, req: &TaskRequest, replaces: Option<&str>) {
         if req.idempotency_key.is_some() {
             let ttl = self.config.scheduler.idempotency_ttl.as_millis() as i64;
-            self.store.remember(stored_request(req), ttl);
+            self.store.remember(stored_request(req), ttl, replaces);
+        }
+    }
+
+    /// This call lost the race for its key to task `winner`: the key is the
+    /// winner's in the store too, whichever call was recorded first.
+    pub(super) fn hand_over_key(&self, req: &TaskRequest, winner: &str) {
+        if let Some(key) = &req.idempotency_key {
+            let id = &req.identity;
+            self.store.hand_over_key(&id.tenant, &id.application, key, &req.task_id, winner);
         }
     }
 
@@ -89,8 +141,7 @@ impl Gateway {
         let meta = rec
             .result
             .unwrap_or_else(|| ResultMeta::bare(&rec.request_id, &rec.task_id, rec.state, "", &self.config.node_id));
-        let code =
-            rec.error_code.as_deref().and_then(|c| serde_json::from_value(serde_json::Value::String(c.into())).ok());
+        let code = rec.error_code.as_deref().and_then(parse_code);
         match (rec.state, code) {
             (TaskState::Succeeded, _) => events.push(TaskEvent::Done(Box::new(meta))),
             (_, code) => {
@@ -101,6 +152,10 @@ impl Gateway {
         }
         self.scheduler.replay(&rec.task_id, &rec.request_id, events)
     }
+}
+
+fn parse_code(c: &str) -> Option<ErrorCode> {
+    serde_json::from_value(serde_json::Value::String(c.into())).ok()
 }
 
 fn stored_request(r: &TaskRequest) -> StoredRequest {

@@ -18,7 +18,7 @@ impl Gateway {
     pub async fn revoke_key(&self, who: &Identity, body: &[u8]) -> Result<usize, GatewayError> {
         let digest = self.key_request(who, body)?;
         self.auth.revoke(digest);
-        self.store.set_revoked(&hex::encode(digest), &who.application, true).await;
+        self.store.set_revoked(&hex::encode(digest), &who.application, true).await.map_err(super::store_failed)?;
         let cancelled = self.scheduler.cancel_where(|e| e.credential == Some(digest), "the API key was revoked");
         tracing::warn!(by = %who.application, cancelled, "API key revoked");
         Ok(cancelled)
@@ -28,7 +28,7 @@ impl Gateway {
     pub async fn reinstate_key(&self, who: &Identity, body: &[u8]) -> Result<bool, GatewayError> {
         let digest = self.key_request(who, body)?;
         let was = self.auth.reinstate(&digest);
-        self.store.set_revoked(&hex::encode(digest), &who.application, false).await;
+        self.store.set_revoked(&hex::encode(digest), &who.application, false).await.map_err(super::store_failed)?;
         tracing::warn!(by = %who.application, was_revoked = was, "API key reinstated");
         Ok(was)
     }

@@ -21,6 +21,8 @@ mod readiness;
 mod recovery;
 mod tasks;
 
+use idempotency::Repeat;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -28,9 +30,9 @@ use tokio::sync::broadcast;
 
 use crate::admission::{self, request::parse_body};
 use crate::config::Config;
-use crate::error::GatewayError;
+use crate::error::{ErrorCode, GatewayError};
 use crate::scheduler::SchedulerHandle;
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 use crate::task::{Identity, Ingress, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::{LifecycleEvent, Recorder};
 use crate::telemetry::Metrics;
@@ -115,6 +117,21 @@ pub struct Gateway {
     metrics: Arc<Metrics>,
     started: Instant,
     bus: Arc<dyn BusStatus>,
+    /// Set when the gateway starts to drain before it stops: new work is
+    /// refused (`SHUTTING_DOWN`) and `/ready` answers 503.
+    draining: AtomicBool,
+}
+
+/// How long a caller refused for a store that cannot write is told to wait.
+const STORE_RETRY_AFTER_MS: u64 = 5000;
+/// How long a caller refused during a drain is told to wait (the restart).
+const DRAIN_RETRY_AFTER_MS: u64 = 5000;
+
+/// The error for a write the store could not make durable.
+pub(crate) fn store_failed(e: StoreError) -> GatewayError {
+    tracing::error!(error = %e, "a write the caller waits for failed");
+    GatewayError::new(ErrorCode::StoreUnavailable, "the task store cannot write; try again later")
+        .with_retry_after(STORE_RETRY_AFTER_MS)
 }
 
 impl Gateway {
@@ -128,7 +145,38 @@ impl Gateway {
             metrics: p.metrics,
             started: Instant::now(),
             bus: p.bus,
+            draining: AtomicBool::new(false),
         }
+    }
+
+    /// Starts the drain: from now on new work is refused with
+    /// `SHUTTING_DOWN` and `/ready` answers 503; tasks already admitted go
+    /// on (see `crate::server::RunningGateway::shutdown`).
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Why no new task may start now, if none may: the gateway is
+    /// draining, or the store cannot record it (a task must never run
+    /// unrecorded).
+    fn closed_to_new_work(&self) -> Option<GatewayError> {
+        if self.is_draining() {
+            return Some(
+                GatewayError::new(ErrorCode::ShuttingDown, "the gateway is shutting down; try again shortly")
+                    .with_retry_after(DRAIN_RETRY_AFTER_MS),
+            );
+        }
+        if self.store.is_degraded() {
+            return Some(
+                GatewayError::new(ErrorCode::StoreUnavailable, "the task store cannot write; try again later")
+                    .with_retry_after(STORE_RETRY_AFTER_MS),
+            );
+        }
+        None
     }
 
     pub fn config(&self) -> &Arc<Config> {
@@ -205,6 +253,10 @@ impl Gateway {
     /// ends the call's record REJECTED and leaves no queued task behind.
     pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
         let Call { identity, body, ingress, request_id_hint } = call;
+        if let Some(e) = self.closed_to_new_work() {
+            // Counted, not recorded: the store may be what is failing.
+            return Err(self.refused(ingress, e));
+        }
         let model = body.model.clone();
         let request_id = body.request_id.clone().or(request_id_hint.clone());
         let refuse = |e: GatewayError| {
@@ -212,14 +264,19 @@ impl Gateway {
             self.refused(ingress, e)
         };
         let req = admission::admit(&self.config, identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
-        match self.known_repeat(&req).await {
-            Ok(Some(stream)) => return Ok(stream),
-            Ok(None) => {}
+        let retry_of = match self.known_repeat(&req).await {
+            Ok(Repeat::Join(stream)) => return Ok(stream),
+            Ok(Repeat::Run { retry_of }) => retry_of,
             Err(e) => return Err(refuse(e)),
-        }
+        };
         self.recorder.received(&req);
-        self.recorder.transition(&req, TaskState::Validating, "admitted", None, "gateway");
-        self.remember_key(&req);
+        let admitted = match &retry_of {
+            // The record links the new run to the one whose end it retries.
+            Some((old, code)) => format!("admitted; runs again after task {old} ended {}", code.as_str()),
+            None => "admitted".to_string(),
+        };
+        self.recorder.transition(&req, TaskState::Validating, &admitted, None, "gateway");
+        self.remember_key(&req, retry_of.as_ref().map(|(old, _)| old.as_str()));
         let meta_req = req.clone();
         let mut unqueued = Unqueued { gw: self, req: &meta_req, armed: true };
         let submitted = self.scheduler.submit(req).await;
@@ -235,13 +292,18 @@ impl Gateway {
                     Err(e) => e.code.as_str().to_string(),
                 };
                 self.recorder.transition(&meta_req, TaskState::Rejected, &why, None, "gateway");
+                if joined.is_ok() {
+                    self.hand_over_key(&meta_req, &existing.task_id);
+                }
                 match joined {
                     Ok(Some(s)) => Ok(s),
                     // Ended and forgotten between the two looks: the store
                     // has its outcome.
                     Ok(None) => match self.known_repeat(&meta_req).await {
-                        Ok(Some(s)) => Ok(s),
-                        Ok(None) => Err(self.refused(ingress, GatewayError::internal("the repeated task vanished"))),
+                        Ok(Repeat::Join(s)) => Ok(s),
+                        Ok(Repeat::Run { .. }) => {
+                            Err(self.refused(ingress, GatewayError::internal("the repeated task vanished")))
+                        }
                         Err(e) => Err(self.refused(ingress, e)),
                     },
                     Err(e) => {

@@ -1,6 +1,7 @@
 //! The readiness view behind `/ready`: ready when the store answers and
-//! every logical model has a healthy instance. The bus is reported but
-//! readiness does not depend on it.
+//! can write, every logical model has a healthy instance, and the gateway
+//! is not draining. The bus is reported but readiness does not depend on
+//! it.
 //!
 //! Owns: the readiness rule. Does not own: the response format (ingress)
 //! or the bus state (read through [`super::BusStatus`]).
@@ -27,7 +28,16 @@ pub struct ModelReadiness {
 #[derive(Debug, Clone)]
 pub struct Readiness {
     pub ready: bool,
+    /// The store answers and can write.
     pub store_ok: bool,
+    /// Why the store cannot write, while it cannot.
+    pub store_degraded: Option<String>,
+    /// Writes kept in memory until the store can write again.
+    pub store_buffered_writes: usize,
+    /// The gateway is draining before it stops.
+    pub draining: bool,
+    /// Why it is not ready, one line each (empty when ready).
+    pub not_ready: Vec<String>,
     pub models: Vec<ModelReadiness>,
     pub instances: Vec<InstanceSnapshot>,
     pub queues: Vec<QueueSnapshot>,
@@ -37,13 +47,29 @@ pub struct Readiness {
     pub bus: serde_json::Value,
 }
 
+impl Readiness {
+    /// The `store` field of `/ready`: `ok`, `not responding` or
+    /// `degraded: <why>`.
+    pub fn store_state(&self) -> String {
+        match (&self.store_degraded, self.store_ok) {
+            (Some(why), _) => format!("degraded: {why}"),
+            (None, true) => "ok".to_string(),
+            (None, false) => "not responding".to_string(),
+        }
+    }
+}
+
 impl Gateway {
     /// The readiness view; an error when the scheduler is not running.
     pub async fn readiness(&self) -> Result<Readiness, GatewayError> {
         let Some(snap) = self.scheduler.snapshot().await else {
             return Err(GatewayError::internal("scheduler is not running"));
         };
-        let store_ok = tokio::time::timeout(STORE_PROBE, self.store.flush()).await.is_ok();
+        let answers = tokio::time::timeout(STORE_PROBE, self.store.flush()).await.is_ok();
+        let health = self.store.health();
+        let store_degraded = health.degraded();
+        let store_ok = answers && store_degraded.is_none();
+        let draining = self.is_draining();
         let models: Vec<_> = self
             .config
             .models
@@ -53,10 +79,26 @@ impl Gateway {
                 ModelReadiness { model: m.name.clone(), ready: up }
             })
             .collect();
-        let ready = store_ok && models.iter().all(|m| m.ready);
+        let mut not_ready = Vec::new();
+        if draining {
+            not_ready.push("the gateway is shutting down".to_string());
+        }
+        if !answers {
+            not_ready.push("the task store is not responding".to_string());
+        }
+        if let Some(why) = &store_degraded {
+            not_ready.push(format!("the task store cannot write: {why}"));
+        }
+        for m in models.iter().filter(|m| !m.ready) {
+            not_ready.push(format!("model {} has no healthy instance", m.model));
+        }
         Ok(Readiness {
-            ready,
+            ready: not_ready.is_empty(),
             store_ok,
+            store_degraded,
+            store_buffered_writes: health.buffered_writes(),
+            draining,
+            not_ready,
             models,
             instances: snap.instances,
             queues: snap.queues,

@@ -47,6 +47,9 @@ pub(super) struct Driver {
     pub admission: Admitted,
     /// How the scheduler asks it to give its slot to a P0 task.
     pub preempt: Arc<Preempt>,
+    /// Set when the scheduler parked the waiting task at shutdown
+    /// ([`SlotGrant::Parked`]): it ends for its callers, unrecorded.
+    pub parked: std::sync::atomic::AtomicBool,
 }
 
 /// The step of the fallback chain admission chose.
@@ -137,6 +140,11 @@ impl Driver {
         } else {
             self.run_phases(grant, &mut p).await
         };
+        if self.parked.load(std::sync::atomic::Ordering::Relaxed) {
+            self.park();
+            self.shared.registry.ended(&id);
+            return;
+        }
         let stopped_early =
             outcome.error.as_ref().is_some_and(|(e, _)| e.code == ErrorCode::RequestCancelled || e.code.is_timeout());
         let router = &self.shared.router;
@@ -306,6 +314,11 @@ impl Driver {
                 Ok(SlotGrant::Refused(e)) => {
                     let reason = e.message.clone();
                     Err(Outcome { error: Some((e, "scheduler")), reason })
+                }
+                // Not recorded (see `run`): the outcome is never used.
+                Ok(SlotGrant::Parked) => {
+                    self.parked.store(true, std::sync::atomic::Ordering::Relaxed);
+                    Err(Outcome { error: None, reason: "parked".into() })
                 }
                 Err(_) => Err(Outcome {
                     error: Some((GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000), "gateway")),
@@ -577,6 +590,28 @@ impl Driver {
             error: None,
             reason: format!("finished ({})", p.finish_reason.as_deref().unwrap_or("stop")),
         })
+    }
+
+    /// Ends a parked task for whoever follows it, without a record: the
+    /// store keeps it QUEUED with its request, and the next start queues
+    /// it again (a repeat of its idempotency key then joins it).
+    fn park(&self) {
+        let r = &self.req;
+        let mut meta = ResultMeta::bare(
+            &r.request_id,
+            &r.task_id,
+            TaskState::Queued,
+            &r.logical_model,
+            &self.shared.config.node_id,
+        );
+        meta.session_id = r.session_id.clone();
+        let e = GatewayError::new(
+            ErrorCode::ShuttingDown,
+            "the gateway is shutting down; the task stays queued and runs after the restart (repeat its idempotency key to follow it)",
+        )
+        .with_retry_after(5000);
+        tracing::info!(task_id = %r.task_id, "queued idempotent task kept for the next start");
+        self.log.push(TaskEvent::Error { error: e, meta: Box::new(meta) });
     }
 
     fn withdraw(&self) {

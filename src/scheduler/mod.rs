@@ -193,6 +193,10 @@ enum SlotGrant {
     Canned(Vec<Passed>),
     /// The reason it will never get a slot.
     Refused(GatewayError),
+    /// The gateway is stopping: the task leaves the queue unrecorded, to be
+    /// queued again at the next start (it is idempotent and never started;
+    /// the store still holds its request).
+    Parked,
 }
 
 enum Cmd {
@@ -205,6 +209,14 @@ enum Cmd {
         /// Where its `queued` position updates go.
         log: TaskLog,
         preempt: Arc<Preempt>,
+        /// It may be parked at shutdown (idempotent, never started).
+        parkable: bool,
+    },
+    /// The gateway is stopping: every waiting task that can be queued
+    /// again at the next start leaves the queue ([`SlotGrant::Parked`]);
+    /// answers how many.
+    Park {
+        reply: oneshot::Sender<usize>,
     },
     /// A running task goes back to the front of its queue: an attempt
     /// failed before any output (`avoid`: the instance it failed on), or
@@ -518,6 +530,7 @@ impl SchedulerHandle {
             reply: reply_tx,
             log: log.clone(),
             preempt: preempt.clone(),
+            parkable: req.idempotency_key.is_some(),
         };
         let queued = match self.tx.send(cmd) {
             Ok(()) => reply_rx.await.map_err(|_| closed()).and_then(|r| r),
@@ -577,6 +590,7 @@ impl SchedulerHandle {
             queued_reason: reason,
             admission: driver::Admitted { step: admission.step, passed: admission.passed },
             preempt,
+            parked: Default::default(),
         };
         d.accept();
         self.shared.tracker.spawn(d.run(grant_rx));
@@ -627,6 +641,34 @@ impl SchedulerHandle {
         hit.len()
     }
 
+    /// Cancels every live task with `reason` and `actor` (the end of a
+    /// drain); returns how many.
+    pub fn cancel_all(&self, reason: &str, actor: &'static str) -> usize {
+        let hit = self.shared.registry.live_where(|_| true);
+        for e in &hit {
+            e.cancel.cancel(reason, actor);
+        }
+        hit.len()
+    }
+
+    /// Streams of every live task (not owned: dropping them cancels
+    /// nothing), to wait for their ends.
+    pub fn follow_live(&self) -> Vec<TaskStream> {
+        self.shared.registry.live_where(|_| true).iter().map(|e| Self::join(e, 0)).collect()
+    }
+
+    /// Takes every waiting task that can be queued again at the next start
+    /// (idempotent, never started) out of its queue: its stream ends with
+    /// `SHUTTING_DOWN`, and nothing is recorded, so the store keeps it
+    /// QUEUED with its request, as after a crash. Returns how many.
+    pub async fn park_waiting(&self) -> usize {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Cmd::Park { reply: tx }).is_err() {
+            return 0;
+        }
+        rx.await.unwrap_or(0)
+    }
+
     /// Cancels a live task by id. Returns false if it is not running here.
     pub fn cancel(&self, task_id: &str, reason: &str, actor: &'static str) -> bool {
         match self.shared.registry.get(task_id) {
@@ -661,6 +703,8 @@ struct Waiter {
     /// The position the task was last told.
     position: usize,
     preempt: Arc<Preempt>,
+    /// Idempotent and never started: may be parked at shutdown.
+    parkable: bool,
 }
 
 struct Actor {
@@ -716,7 +760,7 @@ impl Actor {
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Enqueue { mut info, model, grant, reply, log, preempt } => {
+            Cmd::Enqueue { mut info, model, grant, reply, log, preempt, parkable } => {
                 let Some(&m) = self.model_index.get(&model) else {
                     let _ = reply.send(Err(GatewayError::invalid(format!("unknown model '{model}'"))));
                     return;
@@ -731,7 +775,8 @@ impl Actor {
                     // A canned answer waits for no slot: its driver answers.
                     if a.step != FallbackStep::Canned {
                         self.inc_depth(a.model, priority);
-                        let w = Waiter { grant, model: a.model, priority, log, position: a.position, preempt };
+                        let w =
+                            Waiter { grant, model: a.model, priority, log, position: a.position, preempt, parkable };
                         self.grants.insert(task_id, w);
                     }
                 }
@@ -766,7 +811,9 @@ impl Actor {
                     }
                 }
                 self.inc_depth(m, priority);
-                self.grants.insert(task_id, Waiter { grant, model: m, priority, log, position: 0, preempt });
+                // It ran already: a restart must not run it again.
+                let parkable = false;
+                self.grants.insert(task_id, Waiter { grant, model: m, priority, log, position: 0, preempt, parkable });
             }
             Cmd::Withdraw { task_id } => {
                 if self.policy.withdraw(&task_id) {
@@ -838,6 +885,18 @@ impl Actor {
             Cmd::Danger { reason } => self.policy.set_danger(reason),
             Cmd::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
+            }
+            Cmd::Park { reply } => {
+                let ids: Vec<String> =
+                    self.grants.iter().filter(|(_, w)| w.parkable).map(|(id, _)| id.clone()).collect();
+                for id in &ids {
+                    self.policy.withdraw(id);
+                    if let Some(w) = self.grants.remove(id) {
+                        self.dec_depth(w.model, w.priority);
+                        let _ = w.grant.send(SlotGrant::Parked);
+                    }
+                }
+                let _ = reply.send(ids.len());
             }
         }
     }

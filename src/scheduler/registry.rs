@@ -164,13 +164,20 @@ impl Registry {
 
     /// Registers a new task, unless a known task of the same owner has the
     /// same idempotency key: then that task is returned instead (checked and
-    /// inserted under one lock, so two racing retries start one task).
+    /// inserted under one lock, so two racing retries start one task). A
+    /// known task that ended in a way a repeat runs again
+    /// ([`ErrorCode::runs_again_on_repeat`]) gives its key up to the new one.
+    ///
+    /// [`ErrorCode::runs_again_on_repeat`]: crate::error::ErrorCode::runs_again_on_repeat
     pub fn insert_or_get(&self, e: Arc<TaskEntry>) -> Result<(), Arc<TaskEntry>> {
         let mut g = self.inner.lock().expect("registry");
         if let Some(k) = &e.idempotency_key {
             let key = (e.tenant.clone(), e.application.clone(), k.clone());
             if let Some(existing) = g.by_idempotency.get(&key).and_then(|id| g.tasks.get(id)) {
-                return Err(existing.clone());
+                let runs_again = matches!(existing.log.terminal(), Some(TaskEvent::Error { error, .. }) if error.code.runs_again_on_repeat());
+                if !runs_again {
+                    return Err(existing.clone());
+                }
             }
         }
         Self::insert_locked(&mut g, e);

@@ -24,6 +24,8 @@ CREATE TABLE IF NOT EXISTS idempotency (
     result_text    TEXT,
     PRIMARY KEY (tenant, application, key)
 );
+-- Answers are kept, and the retention purge checks keys, by task.
+CREATE INDEX IF NOT EXISTS idempotency_by_task ON idempotency(task_id);
 "#;
 
 /// What a repeat of an idempotency key finds.
@@ -71,6 +73,16 @@ pub fn forget(c: &Connection, tenant: &str, app: &str, key: &str, task_id: &str)
         c,
         "DELETE FROM idempotency WHERE tenant = ?1 AND application = ?2 AND key = ?3 AND task_id = ?4",
         params![tenant, app, key, task_id],
+    )?;
+    Ok(())
+}
+
+/// Moves the key from task `from` to task `to` if `from` holds it.
+pub fn hand_over(c: &Connection, tenant: &str, app: &str, key: &str, from: &str, to: &str) -> rusqlite::Result<()> {
+    exec(
+        c,
+        "UPDATE idempotency SET task_id = ?5 WHERE tenant = ?1 AND application = ?2 AND key = ?3 AND task_id = ?4",
+        params![tenant, app, key, from, to],
     )?;
     Ok(())
 }

@@ -15,15 +15,18 @@
 
 mod idempotency;
 mod pending_requests;
+mod retention;
 mod revoked_keys;
 
 pub use idempotency::IdempotentRecord;
 pub use pending_requests::{StoredRequest, Unfinished};
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use rusqlite::{params, Connection, OptionalExtension};
 use tokio::sync::oneshot;
@@ -41,6 +44,9 @@ pub enum StoreError {
     Closed,
     #[error("task store query failed: {0}")]
     Query(#[from] rusqlite::Error),
+    /// Writes fail (disk full, read-only, I/O error): the store is degraded.
+    #[error("task store cannot write: {0}")]
+    Unavailable(String),
 }
 
 /// One recorded state change.
@@ -76,7 +82,9 @@ pub struct TaskRecord {
     pub transitions: Vec<Transition>,
 }
 
-enum Op {
+/// A write: applied in the writer's transaction, and kept (in memory,
+/// bounded) until a transaction that holds it commits.
+enum WriteOp {
     NewTask {
         row: Box<NewTaskRow>,
         prompt_text: Option<String>,
@@ -98,6 +106,9 @@ enum Op {
     Remember {
         req: Box<StoredRequest>,
         ttl_ms: i64,
+        /// The task that held the key before, when this one runs the
+        /// request again after a transient end (the key moves over).
+        replaces: Option<String>,
     },
     Started(String),
     Forget {
@@ -106,15 +117,35 @@ enum Op {
         key: String,
         task_id: String,
     },
-    Unfinished(oneshot::Sender<Vec<Unfinished>>),
+    /// The key of a call that lost the race to another task with the same
+    /// key goes to that task (whichever `Remember` landed first).
+    Handover {
+        tenant: String,
+        app: String,
+        key: String,
+        from: String,
+        to: String,
+    },
     SetRevoked {
         key_sha256: String,
         by: String,
         revoked: bool,
     },
+}
+
+enum Op {
+    Write(WriteOp),
+    /// A write whose caller waits: answered once it is committed, or with
+    /// the failure (the write itself stays buffered and is retried).
+    Durable(WriteOp, oneshot::Sender<Result<(), StoreError>>),
+    Unfinished(oneshot::Sender<Vec<Unfinished>>),
     RevokedKeys(oneshot::Sender<Vec<String>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
+    /// Test support: runs a pragma on the writer's connection (a tiny
+    /// `max_page_count` for a full disk, `query_only` for a read-only one).
+    #[cfg(any(test, feature = "testing"))]
+    Pragma(&'static str, i64, oneshot::Sender<()>),
 }
 
 /// What the reader thread answers.
@@ -146,6 +177,91 @@ pub struct Store {
     node_id: Arc<str>,
     store_prompts: bool,
     failures: WriteFailures,
+    health: StoreHealth,
+}
+
+/// What the store needs to know beyond its file (from `[store]`).
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Writes kept in memory while the disk refuses them; past it, new
+    /// writes are dropped (and counted).
+    pub max_buffered_writes: usize,
+    /// Finished tasks (and their transitions) older than this are purged;
+    /// `None` keeps them.
+    pub retention_tasks: Option<Duration>,
+    /// Refused calls (REJECTED) older than this are purged; `None` keeps
+    /// them.
+    pub retention_rejected: Option<Duration>,
+    /// How often the writer purges (each pass bounded by `purge_batch`).
+    pub purge_interval: Duration,
+    /// Rows purged per pass at most, so that a pass never holds the writer
+    /// for long.
+    pub purge_batch: usize,
+    /// How often a failed batch is written again while degraded.
+    pub retry_interval: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            max_buffered_writes: 100_000,
+            retention_tasks: None,
+            retention_rejected: None,
+            purge_interval: Duration::from_secs(60),
+            purge_batch: 2000,
+            retry_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Whether the store can write. Shared: the writer sets it, `/ready`, the
+/// facade (which refuses new work while degraded) and telemetry read it.
+#[derive(Debug, Clone, Default)]
+pub struct StoreHealth(Arc<HealthInner>);
+
+#[derive(Debug, Default)]
+struct HealthInner {
+    degraded: AtomicBool,
+    /// Why, while degraded (the SQLite error of the last failed commit).
+    reason: Mutex<Option<String>>,
+    /// Writes waiting in memory for the disk.
+    buffered: AtomicUsize,
+    /// Writes dropped because the buffer was full.
+    dropped: AtomicU64,
+}
+
+impl StoreHealth {
+    /// Why writes fail, while they do.
+    pub fn degraded(&self) -> Option<String> {
+        if !self.is_degraded() {
+            return None;
+        }
+        self.0.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn is_degraded(&self) -> bool {
+        self.0.degraded.load(Ordering::Acquire)
+    }
+
+    /// Writes kept in memory until the disk takes them.
+    pub fn buffered_writes(&self) -> usize {
+        self.0.buffered.load(Ordering::Relaxed)
+    }
+
+    /// Writes lost because the buffer was full while degraded.
+    pub fn dropped_writes(&self) -> u64 {
+        self.0.dropped.load(Ordering::Relaxed)
+    }
+
+    fn set_degraded(&self, reason: String) {
+        *self.0.reason.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+        self.0.degraded.store(true, Ordering::Release);
+    }
+
+    fn set_ok(&self) {
+        self.0.degraded.store(false, Ordering::Release);
+        *self.0.reason.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
 }
 
 /// How many writes (or batch commits) failed since the store opened; the
@@ -187,6 +303,8 @@ CREATE TABLE IF NOT EXISTS tasks (
 );
 CREATE INDEX IF NOT EXISTS tasks_by_request ON tasks(tenant, application, request_id);
 CREATE INDEX IF NOT EXISTS tasks_by_state ON tasks(state);
+-- The retention purge: finished tasks by age.
+CREATE INDEX IF NOT EXISTS tasks_by_state_updated ON tasks(state, updated_at_ms);
 CREATE TABLE IF NOT EXISTS task_transitions (
     task_id   TEXT NOT NULL,
     seq       INTEGER NOT NULL,
@@ -201,8 +319,14 @@ CREATE TABLE IF NOT EXISTS task_transitions (
 "#;
 
 impl Store {
-    /// Opens (creating if needed) the database and starts the writer thread.
+    /// Opens (creating if needed) the database and starts the writer thread,
+    /// with the default [`StoreOptions`] (nothing purged).
     pub fn open(path: &Path, node_id: &str, store_prompts: bool) -> Result<Store, StoreError> {
+        Self::open_with(path, node_id, store_prompts, StoreOptions::default())
+    }
+
+    /// Opens (creating if needed) the database and starts the writer thread.
+    pub fn open_with(path: &Path, node_id: &str, store_prompts: bool, opts: StoreOptions) -> Result<Store, StoreError> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir { path: dir.to_path_buf(), source })?;
         }
@@ -232,18 +356,30 @@ impl Store {
         reader.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         let (tx, rx) = mpsc::channel();
         let failures = WriteFailures::default();
-        let writer_failures = failures.clone();
+        let health = StoreHealth::default();
+        let writer = Writer::new(conn, failures.clone(), health.clone(), opts);
         let spawn_err = |e| StoreError::Dir { path: path.to_path_buf(), source: e };
-        std::thread::Builder::new()
-            .name("edgeway-store".into())
-            .spawn(move || writer_loop(conn, rx, writer_failures))
-            .map_err(spawn_err)?;
+        std::thread::Builder::new().name("edgeway-store".into()).spawn(move || writer.run(rx)).map_err(spawn_err)?;
         let (reads, read_rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("edgeway-store-read".into())
             .spawn(move || reader_loop(reader, read_rx))
             .map_err(spawn_err)?;
-        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures })
+        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health })
+    }
+
+    /// Whether writes succeed (shared: it follows the writer).
+    pub fn health(&self) -> StoreHealth {
+        self.health.clone()
+    }
+
+    /// Shorthand for `health().is_degraded()`.
+    pub fn is_degraded(&self) -> bool {
+        self.health.is_degraded()
+    }
+
+    fn write(&self, op: WriteOp) {
+        let _ = self.tx.send(Op::Write(op));
     }
 
     /// The counter of failed writes (shared: it keeps counting).
@@ -279,7 +415,7 @@ impl Store {
             session_id: req.session_id.clone(),
             idempotency_key: req.idempotency_key.clone(),
         };
-        let _ = self.tx.send(Op::NewTask { row: Box::new(row), prompt_text });
+        self.write(WriteOp::NewTask { row: Box::new(row), prompt_text });
     }
 
     /// Appends a transition and sets the task's state (unchecked: see
@@ -293,7 +429,7 @@ impl Store {
             instance: instance.map(str::to_string),
             actor: actor.to_string(),
         };
-        let _ = self.tx.send(Op::Transition { task_id: task_id.to_string(), t });
+        self.write(WriteOp::Transition { task_id: task_id.to_string(), t });
     }
 
     /// Records a call that admission refused, as a task that went
@@ -312,7 +448,7 @@ impl Store {
             at_ms: crate::task::now_ms(),
             node_id: self.node_id.to_string(),
         };
-        let _ = self.tx.send(Op::Rejected { row: Box::new(row) });
+        self.write(WriteOp::Rejected { row: Box::new(row) });
         task_id
     }
 
@@ -322,7 +458,7 @@ impl Store {
     /// key (for the key's lifetime), whatever the prompt policy.
     pub fn finish(&self, meta: &ResultMeta, error_code: Option<&str>, result_text: Option<String>, idempotent: bool) {
         let idempotent_text = if idempotent { result_text.clone() } else { None };
-        let _ = self.tx.send(Op::Finish {
+        self.write(WriteOp::Finish {
             meta: Box::new(meta.clone()),
             error_code: error_code.map(str::to_string),
             result_text: result_text.filter(|_| self.store_prompts),
@@ -339,28 +475,59 @@ impl Store {
     }
 
     /// Records an idempotency key and the request needed to queue the task
-    /// again after a restart (until it starts).
-    pub fn remember(&self, req: StoredRequest, ttl_ms: i64) {
-        let _ = self.tx.send(Op::Remember { req: Box::new(req), ttl_ms });
+    /// again after a restart (until it starts). With `replaces`, the key
+    /// moves from that task (which ended in a way a repeat runs again) to
+    /// this one.
+    pub fn remember(&self, req: StoredRequest, ttl_ms: i64, replaces: Option<&str>) {
+        self.write(WriteOp::Remember { req: Box::new(req), ttl_ms, replaces: replaces.map(str::to_string) });
     }
 
     /// The task has started on an engine: it will not be re-queued.
     pub fn started(&self, task_id: &str) {
-        let _ = self.tx.send(Op::Started(task_id.to_string()));
+        self.write(WriteOp::Started(task_id.to_string()));
     }
 
     /// Forgets a key whose task was refused, so a retry may start afresh.
     pub fn forget_key(&self, tenant: &str, app: &str, key: &str, task_id: &str) {
-        let op = Op::Forget { tenant: tenant.into(), app: app.into(), key: key.into(), task_id: task_id.into() };
-        let _ = self.tx.send(op);
+        self.write(WriteOp::Forget {
+            tenant: tenant.into(),
+            app: app.into(),
+            key: key.into(),
+            task_id: task_id.into(),
+        });
+    }
+
+    /// The call `from` found task `to` already holding its key (a race of
+    /// repeats): the key is `to`'s, whichever was recorded first.
+    pub fn hand_over_key(&self, tenant: &str, app: &str, key: &str, from: &str, to: &str) {
+        self.write(WriteOp::Handover {
+            tenant: tenant.into(),
+            app: app.into(),
+            key: key.into(),
+            from: from.into(),
+            to: to.into(),
+        });
     }
 
     /// Records that an API key (its SHA-256, hex) is revoked, or no longer.
-    /// Resolves once it is written.
-    pub async fn set_revoked(&self, key_sha256: &str, by: &str, revoked: bool) {
-        let op = Op::SetRevoked { key_sha256: key_sha256.into(), by: by.into(), revoked };
-        if self.tx.send(op).is_ok() {
-            self.flush().await;
+    /// Resolves once it is committed; an error when the store cannot write
+    /// (the change stays buffered and lands when the disk is back, but the
+    /// caller must not report it as done).
+    pub async fn set_revoked(&self, key_sha256: &str, by: &str, revoked: bool) -> Result<(), StoreError> {
+        let op = WriteOp::SetRevoked { key_sha256: key_sha256.into(), by: by.into(), revoked };
+        let (ack, rx) = oneshot::channel();
+        self.tx.send(Op::Durable(op, ack)).map_err(|_| StoreError::Closed)?;
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+
+    /// Test support: sets a pragma on the writer's connection, e.g.
+    /// `max_page_count` (0: the current size, so the file cannot grow) or
+    /// `query_only` (1: every write fails as on a read-only file).
+    #[cfg(any(test, feature = "testing"))]
+    pub async fn set_writer_pragma(&self, name: &'static str, value: i64) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Op::Pragma(name, value, tx)).is_ok() {
+            let _ = rx.await;
         }
     }
 
@@ -403,7 +570,8 @@ pub(crate) fn exec(c: &Connection, sql: &str, params: impl rusqlite::Params) -> 
     c.prepare_cached(sql)?.execute(params)
 }
 
-/// Writes up to this many operations in one transaction.
+/// Takes up to this many operations off the channel per transaction (a
+/// transaction holds more while writes are buffered for a failing disk).
 const BATCH: usize = 512;
 
 /// Answers lookups from committed data (a key written moments ago may not
@@ -423,91 +591,305 @@ fn reader_loop(conn: Connection, rx: mpsc::Receiver<ReadOp>) {
     }
 }
 
-fn writer_loop(mut conn: Connection, rx: mpsc::Receiver<Op>, failures: WriteFailures) {
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        while batch.len() < BATCH {
-            match rx.try_recv() {
-                Ok(op) => batch.push(op),
-                Err(_) => break,
+/// Whether a write failed because the database cannot be written at all
+/// (disk full, read-only, I/O error, locked, corrupt) rather than because
+/// of that one write: the whole batch is then kept and written again.
+fn is_storage_failure(e: &rusqlite::Error) -> bool {
+    use rusqlite::ErrorCode as C;
+    match e.sqlite_error_code() {
+        Some(c) => matches!(
+            c,
+            C::DiskFull
+                | C::ReadOnly
+                | C::SystemIoFailure
+                | C::CannotOpen
+                | C::DatabaseBusy
+                | C::DatabaseLocked
+                | C::DatabaseCorrupt
+                | C::NotADatabase
+                | C::OutOfMemory
+                | C::PermissionDenied
+                | C::FileLockingProtocolFailed
+        ),
+        None => false,
+    }
+}
+
+/// The writer thread: applies writes in one transaction per burst. A
+/// transaction that cannot commit (see [`is_storage_failure`]) leaves the
+/// store degraded: its writes stay in memory (bounded by
+/// `max_buffered_writes`), new ones join them, and the whole lot is written
+/// again every `retry_interval` until a commit succeeds. Nothing is dropped
+/// while the buffer has room. Reads are answered from what is committed.
+struct Writer {
+    conn: Connection,
+    /// Writes not yet committed, oldest first.
+    pending: VecDeque<WriteOp>,
+    /// Callers waiting for their writes to be committed.
+    acks: Vec<oneshot::Sender<Result<(), StoreError>>>,
+    replies: Vec<Reply>,
+    failures: WriteFailures,
+    health: StoreHealth,
+    opts: StoreOptions,
+    next_purge: Instant,
+    /// When the last commit failed (while degraded): the next attempt waits
+    /// `retry_interval`, so that a large buffer is not rewritten for every
+    /// new write.
+    failed_at: Option<Instant>,
+}
+
+impl Writer {
+    fn new(conn: Connection, failures: WriteFailures, health: StoreHealth, opts: StoreOptions) -> Writer {
+        let next_purge = Instant::now() + opts.purge_interval;
+        Writer {
+            conn,
+            pending: VecDeque::new(),
+            acks: Vec::new(),
+            replies: Vec::new(),
+            failures,
+            health,
+            opts,
+            next_purge,
+            failed_at: None,
+        }
+    }
+
+    /// Whether a commit may be tried now (always while healthy).
+    fn due(&self) -> bool {
+        self.failed_at.is_none_or(|t| t.elapsed() >= self.opts.retry_interval)
+    }
+
+    fn run(mut self, rx: mpsc::Receiver<Op>) {
+        loop {
+            let wait = if let Some(t) = self.failed_at {
+                (t + self.opts.retry_interval).saturating_duration_since(Instant::now())
+            } else {
+                self.next_purge.saturating_duration_since(Instant::now())
+            };
+            match rx.recv_timeout(wait) {
+                Ok(first) => {
+                    self.take(first);
+                    let mut n = 1;
+                    while n < BATCH {
+                        match rx.try_recv() {
+                            Ok(op) => self.take(op),
+                            Err(_) => break,
+                        }
+                        n += 1;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    // Every handle is gone: a last try for what is buffered.
+                    self.failed_at = None;
+                    self.commit();
+                    if !self.pending.is_empty() {
+                        tracing::error!(lost = self.pending.len(), "task store closed with writes it could not make");
+                    }
+                    return;
+                }
+            }
+            if self.due() {
+                self.commit();
+            } else {
+                // Degraded, and the last attempt was moments ago: the new
+                // writes wait with the others; a caller waiting for one
+                // is told now.
+                let why = self.health.degraded().unwrap_or_default();
+                self.ack(|| Err(StoreError::Unavailable(why.clone())));
+                self.health.0.buffered.store(self.pending.len(), Ordering::Relaxed);
+            }
+            self.answer();
+            if !self.health.is_degraded() && Instant::now() >= self.next_purge {
+                self.purge();
             }
         }
-        let mut replies = Vec::new();
-        let res = (|| -> rusqlite::Result<()> {
-            let txn = conn.transaction()?;
-            for op in batch {
-                // One bad write must not roll back the others of the batch.
-                let r = match op {
-                    Op::NewTask { row, prompt_text } => insert_task(&txn, &row, prompt_text),
-                    Op::Transition { task_id, t } => insert_transition(&txn, &task_id, &t),
-                    Op::Finish { meta, error_code, result_text, idempotent_text } => {
-                        finish_task(&txn, &meta, error_code, result_text).and_then(|_| {
-                            pending_requests::drop_request(&txn, &meta.task_id)?;
-                            match idempotent_text {
-                                Some(t) => idempotency::keep_result(&txn, &meta.task_id, &t),
-                                None => Ok(()),
-                            }
-                        })
+    }
+
+    /// Takes an operation off the channel: writes join the pending ones,
+    /// reads wait for the commit.
+    fn take(&mut self, op: Op) {
+        match op {
+            Op::Write(w) => self.buffer(w),
+            Op::Durable(w, ack) => {
+                // Always kept, even over the bound: the caller is told.
+                self.pending.push_back(w);
+                self.acks.push(ack);
+            }
+            Op::Unfinished(tx) => self.replies.push(Reply::Unfinished(tx)),
+            Op::RevokedKeys(tx) => self.replies.push(Reply::RevokedKeys(tx)),
+            Op::Flush(tx) => self.replies.push(Reply::Flush(tx)),
+            Op::Get(id, tx) => self.replies.push(Reply::Get(id, tx)),
+            #[cfg(any(test, feature = "testing"))]
+            Op::Pragma(name, value, tx) => {
+                let value = match (name, value) {
+                    ("max_page_count", 0) => {
+                        self.conn.query_row("PRAGMA page_count", [], |r| r.get::<_, i64>(0)).unwrap_or(1)
                     }
-                    Op::Rejected { row } => insert_rejected(&txn, &row),
-                    Op::Remember { req, ttl_ms } => remember(&txn, &req, ttl_ms, crate::task::now_ms()),
-                    Op::Started(id) => pending_requests::drop_request(&txn, &id),
-                    Op::Forget { tenant, app, key, task_id } => {
-                        idempotency::forget(&txn, &tenant, &app, &key, &task_id)
-                            .and_then(|_| pending_requests::drop_request(&txn, &task_id))
-                    }
-                    Op::Unfinished(tx) => {
-                        replies.push(Reply::Unfinished(tx));
-                        Ok(())
-                    }
-                    Op::SetRevoked { key_sha256, by, revoked } => {
-                        revoked_keys::set_revoked(&txn, &key_sha256, &by, revoked, crate::task::now_ms())
-                    }
-                    Op::RevokedKeys(tx) => {
-                        replies.push(Reply::RevokedKeys(tx));
-                        Ok(())
-                    }
-                    Op::Flush(tx) => {
-                        replies.push(Reply::Flush(tx));
-                        Ok(())
-                    }
-                    Op::Get(id, tx) => {
-                        replies.push(Reply::Get(id, tx));
-                        Ok(())
-                    }
+                    (_, v) => v,
                 };
-                if let Err(e) = r {
+                if let Err(e) = self.conn.pragma_update(None, name, value) {
+                    tracing::error!(error = %e, name, "test pragma failed");
+                }
+                // The "disk" changed: the next write tries at once.
+                self.failed_at = None;
+                let _ = tx.send(());
+            }
+        }
+    }
+
+    fn buffer(&mut self, w: WriteOp) {
+        if self.pending.len() >= self.opts.max_buffered_writes {
+            self.failures.inc();
+            let dropped = self.health.0.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            if dropped.is_power_of_two() {
+                tracing::error!(dropped, "task store write buffer full while the disk refuses writes; writes dropped");
+            }
+            return;
+        }
+        self.pending.push_back(w);
+    }
+
+    /// Writes every pending operation in one transaction. On success the
+    /// buffer is empty and the store healthy; on a storage failure nothing
+    /// is written, everything stays pending and the store is degraded.
+    fn commit(&mut self) {
+        if self.pending.is_empty() {
+            self.ack(|| Ok(()));
+            return;
+        }
+        let failures = &self.failures;
+        let pending = &self.pending;
+        let res = (|| -> rusqlite::Result<()> {
+            let txn = self.conn.transaction()?;
+            for op in pending {
+                if let Err(e) = apply(&txn, op) {
+                    if is_storage_failure(&e) {
+                        return Err(e);
+                    }
+                    // One bad write must not roll back the others.
                     failures.inc();
                     tracing::error!(error = %e, "task store write failed");
                 }
             }
             txn.commit()
         })();
-        if let Err(e) = res {
-            failures.inc();
-            tracing::error!(error = %e, "task store commit failed");
+        match res {
+            Ok(()) => {
+                let written = self.pending.len();
+                self.pending.clear();
+                if self.health.is_degraded() {
+                    tracing::warn!(written, "task store writes succeed again; buffered writes committed");
+                    self.health.set_ok();
+                }
+                self.failed_at = None;
+                self.ack(|| Ok(()));
+            }
+            Err(e) => {
+                self.failures.inc();
+                let reason = e.to_string();
+                if !self.health.is_degraded() {
+                    tracing::error!(error = %reason, buffered = self.pending.len(), "task store cannot write; degraded, retrying");
+                }
+                self.health.set_degraded(reason.clone());
+                self.failed_at = Some(Instant::now());
+                self.ack(|| Err(StoreError::Unavailable(reason.clone())));
+            }
         }
-        for r in replies {
+        self.health.0.buffered.store(self.pending.len(), Ordering::Relaxed);
+    }
+
+    fn ack(&mut self, r: impl Fn() -> Result<(), StoreError>) {
+        for a in self.acks.drain(..) {
+            let _ = a.send(r());
+        }
+    }
+
+    fn answer(&mut self) {
+        for r in std::mem::take(&mut self.replies) {
+            let conn = &self.conn;
             match r {
                 Reply::Flush(tx) => {
                     let _ = tx.send(());
                 }
                 Reply::Get(id, tx) => {
-                    let _ = tx.send(read_task(&conn, &id));
+                    let _ = tx.send(read_task(conn, &id));
                 }
                 Reply::RevokedKeys(tx) => {
-                    let _ = tx.send(revoked_keys::revoked_keys(&conn).unwrap_or_else(|e| {
+                    let _ = tx.send(revoked_keys::revoked_keys(conn).unwrap_or_else(|e| {
                         tracing::error!(error = %e, "reading revoked keys failed");
                         Vec::new()
                     }));
                 }
                 Reply::Unfinished(tx) => {
-                    let _ = tx.send(pending_requests::unfinished(&conn).unwrap_or_else(|e| {
+                    let _ = tx.send(pending_requests::unfinished(conn).unwrap_or_else(|e| {
                         tracing::error!(error = %e, "reading unfinished tasks failed");
                         Vec::new()
                     }));
                 }
             }
+        }
+    }
+
+    /// One bounded retention pass; when it hit its bound, the next comes
+    /// soon (not after a whole interval) so a backlog drains in steps.
+    fn purge(&mut self) {
+        let now = crate::task::now_ms();
+        let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        let tasks_before = self.opts.retention_tasks.map(|d| now.saturating_sub(ms(d)));
+        let rejected_before = self.opts.retention_rejected.map(|d| now.saturating_sub(ms(d)));
+        let batch = self.opts.purge_batch;
+        let res = (|| -> rusqlite::Result<usize> {
+            let txn = self.conn.transaction()?;
+            let n = retention::purge(&txn, now, tasks_before, rejected_before, batch)?;
+            txn.commit()?;
+            Ok(n)
+        })();
+        let full = match res {
+            Ok(n) => {
+                if n > 0 {
+                    tracing::debug!(purged = n, "task store retention pass");
+                }
+                n >= batch
+            }
+            Err(e) => {
+                self.failures.inc();
+                tracing::error!(error = %e, "task store retention pass failed");
+                false
+            }
+        };
+        let next = if full { Duration::from_secs(1).min(self.opts.purge_interval) } else { self.opts.purge_interval };
+        self.next_purge = Instant::now() + next;
+    }
+}
+
+fn apply(txn: &Connection, op: &WriteOp) -> rusqlite::Result<()> {
+    match op {
+        WriteOp::NewTask { row, prompt_text } => insert_task(txn, row, prompt_text.as_deref()),
+        WriteOp::Transition { task_id, t } => insert_transition(txn, task_id, t),
+        WriteOp::Finish { meta, error_code, result_text, idempotent_text } => {
+            finish_task(txn, meta, error_code.as_deref(), result_text.as_deref())?;
+            pending_requests::drop_request(txn, &meta.task_id)?;
+            match idempotent_text {
+                Some(t) => idempotency::keep_result(txn, &meta.task_id, t),
+                None => Ok(()),
+            }
+        }
+        WriteOp::Rejected { row } => insert_rejected(txn, row),
+        WriteOp::Remember { req, ttl_ms, replaces } => {
+            remember(txn, req, *ttl_ms, replaces.as_deref(), crate::task::now_ms())
+        }
+        WriteOp::Started(id) => pending_requests::drop_request(txn, id),
+        WriteOp::Forget { tenant, app, key, task_id } => {
+            idempotency::forget(txn, tenant, app, key, task_id)?;
+            pending_requests::drop_request(txn, task_id)
+        }
+        WriteOp::Handover { tenant, app, key, from, to } => {
+            idempotency::hand_over(txn, tenant, app, key, from, to)?;
+            pending_requests::drop_request(txn, from)
+        }
+        WriteOp::SetRevoked { key_sha256, by, revoked } => {
+            revoked_keys::set_revoked(txn, key_sha256, by, *revoked, crate::task::now_ms())
         }
     }
 }
@@ -521,8 +903,11 @@ enum Reply {
 
 /// Records an idempotency key and the request needed to queue its task
 /// again after a restart (nothing without a key).
-fn remember(c: &Connection, r: &StoredRequest, ttl_ms: i64, now: i64) -> rusqlite::Result<()> {
+fn remember(c: &Connection, r: &StoredRequest, ttl_ms: i64, replaces: Option<&str>, now: i64) -> rusqlite::Result<()> {
     let Some(key) = &r.idempotency_key else { return Ok(()) };
+    if let Some(old) = replaces {
+        idempotency::forget(c, &r.tenant, &r.application, key, old)?;
+    }
     idempotency::remember(c, &r.tenant, &r.application, key, &r.task_id, &r.prompt_sha256, ttl_ms, now)?;
     pending_requests::keep(c, r)
 }
@@ -543,7 +928,7 @@ struct NewTaskRow {
     idempotency_key: Option<String>,
 }
 
-fn insert_task(c: &Connection, r: &NewTaskRow, prompt_text: Option<String>) -> rusqlite::Result<()> {
+fn insert_task(c: &Connection, r: &NewTaskRow, prompt_text: Option<&str>) -> rusqlite::Result<()> {
     let now = r.created_at_ms;
     exec(
         c,
@@ -604,8 +989,8 @@ fn insert_transition(c: &Connection, task_id: &str, t: &Transition) -> rusqlite:
 fn finish_task(
     c: &Connection,
     m: &ResultMeta,
-    error_code: Option<String>,
-    result_text: Option<String>,
+    error_code: Option<&str>,
+    result_text: Option<&str>,
 ) -> rusqlite::Result<()> {
     let json = serde_json::to_string(m).unwrap_or_default();
     exec(
@@ -666,4 +1051,114 @@ fn read_task(c: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError>
         rec.transitions.push(t?);
     }
     Ok(Some(rec))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn transitions(path: &Path) -> i64 {
+        let c = Connection::open(path).unwrap();
+        c.query_row("SELECT COUNT(*) FROM task_transitions", [], |r| r.get(0)).unwrap()
+    }
+
+    /// A disk that fills up (the file may not grow: SQLite's own
+    /// `max_page_count`, which fails writes with SQLITE_FULL as a full disk
+    /// does) degrades the store; the writes of the failed batches stay in
+    /// memory and are all written once there is room again. A write the
+    /// caller waits for is answered with the failure, never as done.
+    #[tokio::test]
+    async fn a_full_disk_degrades_the_store_and_loses_no_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edgeway.db");
+        let opts = StoreOptions { retry_interval: Duration::from_millis(20), ..StoreOptions::default() };
+        let store = Store::open_with(&path, "n1", false, opts).unwrap();
+        store.transition("t0", TaskState::Received, "before", None, "client");
+        store.flush().await;
+        assert!(!store.is_degraded());
+
+        store.set_writer_pragma("max_page_count", 0).await;
+        // Each write needs new pages (12 kB reasons).
+        let big = "x".repeat(12_000);
+        for i in 0..5 {
+            store.transition(&format!("t{i}"), TaskState::Validating, &big, None, "gateway");
+        }
+        store.flush().await;
+        let why = store.health().degraded().expect("degraded");
+        assert!(why.contains("full"), "{why}");
+        assert_eq!(store.health().buffered_writes(), 5);
+        let revoked = store.set_revoked(&"ab".repeat(32), "ops", true).await;
+        assert!(matches!(revoked, Err(StoreError::Unavailable(_))), "{revoked:?}");
+        assert_eq!(transitions(&path), 1, "nothing of the failed batches is half written");
+        assert!(store.write_failures().get() >= 1);
+
+        // Room again: the next attempt writes everything, the revocation too.
+        store.set_writer_pragma("max_page_count", 1 << 30).await;
+        store.flush().await;
+        assert!(!store.is_degraded());
+        assert_eq!(store.health().buffered_writes(), 0);
+        assert_eq!(transitions(&path), 6);
+        assert_eq!(store.revoked_keys().await, vec!["ab".repeat(32)]);
+        assert!(store.set_revoked(&"cd".repeat(32), "ops", true).await.is_ok());
+    }
+
+    /// Writes beyond `max_buffered_writes` while degraded are dropped and
+    /// counted, so a long outage cannot take all memory.
+    #[tokio::test]
+    async fn the_buffer_of_a_degraded_store_is_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edgeway.db");
+        let opts = StoreOptions { max_buffered_writes: 3, ..StoreOptions::default() };
+        let store = Store::open_with(&path, "n1", false, opts).unwrap();
+        store.set_writer_pragma("query_only", 1).await;
+        for i in 0..5 {
+            store.transition(&format!("t{i}"), TaskState::Received, "r", None, "client");
+            store.flush().await;
+        }
+        assert!(store.is_degraded());
+        assert_eq!(store.health().buffered_writes(), 3);
+        assert_eq!(store.health().dropped_writes(), 2);
+        store.set_writer_pragma("query_only", 0).await;
+        store.flush().await;
+        assert!(!store.is_degraded());
+        assert_eq!(transitions(&path), 3);
+    }
+
+    /// The writer purges on its own, every interval, what is past the
+    /// retention (see `retention.rs` for what is kept).
+    #[tokio::test]
+    async fn the_writer_purges_old_finished_tasks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edgeway.db");
+        let opts = StoreOptions {
+            retention_tasks: Some(Duration::ZERO),
+            retention_rejected: Some(Duration::ZERO),
+            purge_interval: Duration::from_millis(10),
+            ..StoreOptions::default()
+        };
+        let store = Store::open_with(&path, "n1", false, opts).unwrap();
+        let who = Identity {
+            tenant: "t".into(),
+            application: "a".into(),
+            user_id: None,
+            max_priority: crate::task::Priority::P0,
+            default_priority: crate::task::Priority::P2,
+            is_admin: false,
+            credential: None,
+            data_class: None,
+        };
+        let id = store.rejected(&who, Ingress::Http, "m", &GatewayError::invalid("no"));
+        store.flush().await;
+        // Purged by a later pass of the writer (no write needed to wake it).
+        let gone = async {
+            loop {
+                if store.get(&id).await.unwrap().is_none() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), gone).await.expect("purged");
+        assert_eq!(transitions(&path), 0);
+    }
 }

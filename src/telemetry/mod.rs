@@ -15,7 +15,7 @@ use prometheus::{
 };
 
 use crate::config::{LogConfig, LogFormat};
-use crate::store::WriteFailures;
+use crate::store::{StoreHealth, WriteFailures};
 
 /// Latency buckets in seconds, from 0.5 ms (gateway overhead) to 10 min.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -202,6 +202,17 @@ impl Metrics {
         self.registry.register(Box::new(StoreErrors { failures, gauge })).expect("unique metric");
     }
 
+    /// Exports whether the store can write as `edgeway_store_degraded`
+    /// (1 while writes fail) and `edgeway_store_buffered_writes` (writes
+    /// kept in memory until they succeed), read at each scrape.
+    pub fn export_store_health(&self, health: StoreHealth) {
+        let degraded = IntGauge::new("store_degraded", "1 while the task store cannot write").expect("valid metric");
+        let buffered =
+            IntGauge::new("store_buffered_writes", "Task store writes kept in memory until the disk takes them")
+                .expect("valid metric");
+        self.registry.register(Box::new(StoreHealthGauges { health, degraded, buffered })).expect("unique metric");
+    }
+
     pub fn render(&self) -> String {
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
@@ -230,6 +241,25 @@ impl Collector for StoreErrors {
     fn collect(&self) -> Vec<MetricFamily> {
         self.gauge.set(i64::try_from(self.failures.get()).unwrap_or(i64::MAX));
         self.gauge.collect()
+    }
+}
+
+/// The store's health as two gauges, set whenever the registry is gathered.
+struct StoreHealthGauges {
+    health: StoreHealth,
+    degraded: IntGauge,
+    buffered: IntGauge,
+}
+
+impl Collector for StoreHealthGauges {
+    fn desc(&self) -> Vec<&Desc> {
+        self.degraded.desc().into_iter().chain(self.buffered.desc()).collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.degraded.set(i64::from(self.health.is_degraded()));
+        self.buffered.set(i64::try_from(self.health.buffered_writes()).unwrap_or(i64::MAX));
+        self.degraded.collect().into_iter().chain(self.buffered.collect()).collect()
     }
 }
 

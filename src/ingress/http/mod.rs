@@ -144,7 +144,8 @@ async fn ready(State(gw): State<AppState>) -> Result<Response, ApiError> {
     let r = gw.readiness().await?;
     let body = json!({
         "ready": r.ready,
-        "store": if r.store_ok { "ok" } else { "not responding" },
+        "store": r.store_state(),
+        "not_ready": r.not_ready,
         "models": r.models,
         "instances": r.instances,
         "queues": r.queues,
