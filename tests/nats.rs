@@ -286,6 +286,86 @@ async fn cancel_ends_the_task_and_frees_the_engine_but_only_for_its_own_applicat
     gw.stop().await;
 }
 
+/// Request ids are the caller's, so guessable: a bus client of an
+/// application must not reach, by request id, a task the same application
+/// started on another ingress (a device's over MQTT, a web app's over
+/// HTTP). Its own NATS task with that id it still cancels.
+#[tokio::test]
+async fn a_nats_cancel_reaches_only_tasks_started_over_nats() {
+    use edgeway::gateway::{Caller, SubmitOptions};
+    use edgeway::task::Ingress;
+    let (_fake, nats, gw) = setup(slow(), "").await;
+    let client = connect(&nats).await;
+    // A device's task, as the MQTT ingress submits it, and a web app's.
+    let mut body = chat_body(true);
+    body["request_id"] = json!("dev-1");
+    let bytes = serde_json::to_vec(&body).unwrap();
+    let device = gw
+        .gateway()
+        .submit(Caller::Credential(Some(DEMO_KEY)), &bytes, Ingress::Mqtt, SubmitOptions::default())
+        .await
+        .unwrap();
+    body["request_id"] = json!("web-1");
+    let url = format!("{}/v1/tasks", gw.base_url);
+    let web = common::client().post(url).bearer_auth(DEMO_KEY).json(&body).send().await.unwrap();
+    let web: Value = web.json().await.unwrap();
+    let web_task = web["task_id"].as_str().unwrap().to_string();
+
+    for rid in ["dev-1", "web-1"] {
+        let v = cancel(&client, DEMO_KEY, rid).await;
+        assert_eq!(v["code"], "INVALID_REQUEST", "{rid}: {v}");
+    }
+    for id in [device.task_id.as_str(), web_task.as_str()] {
+        let e = gw.scheduler().get(id).expect("known");
+        assert!(!e.log.is_ended() && !e.cancel.is_cancelled(), "task {id} untouched");
+    }
+    // The same request id over NATS is the caller's own.
+    let mut call = Call::start(&client, auth(DEMO_KEY), &chat("dev-1")).await;
+    assert_eq!(call.next().await.kind, "accepted");
+    let answer = cancel(&client, DEMO_KEY, "dev-1").await;
+    assert_eq!(answer["cancelled"], true, "{answer}");
+    assert_ne!(answer["task_id"], device.task_id.as_str());
+    assert!(!gw.scheduler().get(&device.task_id).unwrap().cancel.is_cancelled());
+    drop(device);
+    gw.stop().await;
+}
+
+/// edgeway publishes replies with its own bus rights: a request whose reply
+/// subject is not an inbox (here another service's subject, and edgeway's
+/// own lifecycle events) is refused and nothing is published there; a
+/// cancel naming such a reply subject does nothing either.
+#[tokio::test]
+async fn a_reply_subject_that_is_not_an_inbox_is_refused() {
+    let (fake, nats, gw) = setup(slow(), "").await;
+    let client = connect(&nats).await;
+    let mut victims = client.subscribe("victim.>").await.unwrap();
+    let mut forged = client.subscribe("ai.v1.events.demo.SUCCEEDED").await.unwrap();
+    client.flush().await.unwrap();
+    let payload = |v: &Value| -> bytes::Bytes { serde_json::to_vec(v).unwrap().into() };
+    for reply in ["victim.inbox", "ai.v1.events.demo.SUCCEEDED"] {
+        client
+            .publish_with_reply_and_headers("ai.v1.chat", reply, auth(DEMO_KEY), payload(&chat("forged")))
+            .await
+            .unwrap();
+    }
+    let metric = "edgeway_requests_total{ingress=\"nats\",outcome=\"INVALID_REQUEST\"}";
+    wait_metric(&gw, metric, 2).await;
+    // A real call still works, with its inbox.
+    let mut call = Call::start(&client, auth(DEMO_KEY), &chat("mine")).await;
+    assert_eq!(call.next().await.kind, "accepted");
+    let body = payload(&json!({ "request_id": "mine" }));
+    client.publish_with_reply_and_headers("ai.v1.cancel", "victim.cancel", auth(DEMO_KEY), body).await.unwrap();
+    wait_metric(&gw, metric, 3).await;
+    assert_eq!(call.next().await.kind, "delta", "the cancel with a forged reply subject did nothing");
+    assert_eq!(fake.stats.requests.load(SeqCst), 1, "only the real call ran");
+    // Refused before anything was published: nothing arrives.
+    let quiet = Duration::from_millis(300);
+    assert!(tokio::time::timeout(quiet, victims.next()).await.is_err(), "published to a victim subject");
+    assert!(tokio::time::timeout(quiet, forged.next()).await.is_err(), "forged a lifecycle event");
+    drop(call);
+    gw.stop().await;
+}
+
 /// Waits for a task's terminal event through the registry.
 async fn terminal_of(gw: &TestGateway, task_id: &str) -> edgeway::task::TaskEvent {
     let mut s = gw.scheduler().attach(task_id, 0).expect("known task");

@@ -206,7 +206,7 @@ async fn a_submit_dropped_while_queueing_leaves_nothing_behind() {
     let snapshot = gw.scheduler().snapshot().await.unwrap();
     assert!(snapshot.queues.iter().all(|q| q.waiting == 0), "{snapshot:?}");
     assert!(snapshot.instances.iter().all(|i| i.running == 0), "{snapshot:?}");
-    assert!(gw.scheduler().find_by_request("demo", "demo", "gone-1").is_none());
+    assert!(gw.scheduler().find_by_request("demo", "demo", Ingress::Http, "gone-1").is_none());
     assert_eq!(fake.stats.requests.load(SeqCst), 0);
     gw.stop().await;
 }

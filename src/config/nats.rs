@@ -97,9 +97,19 @@ pub struct NatsConfig {
     /// Upper bound of the exponential reconnect backoff.
     pub reconnect_max_delay: Duration,
     pub jetstream: Option<JetStreamConfig>,
+    /// Prefixes a request's reply subject must start with (inboxes): edgeway
+    /// publishes replies with its own bus rights, so a caller must not point
+    /// them at other subjects (`{prefix}.events.…`, another service).
+    pub reply_prefixes: Vec<String>,
 }
 
 impl NatsConfig {
+    /// Whether edgeway may publish a reply to `subject`.
+    pub fn reply_allowed(&self, subject: &str) -> bool {
+        self.reply_prefixes.iter().any(|p| subject.len() > p.len() && subject.starts_with(p.as_str()))
+            && valid_subject(subject)
+    }
+
     pub fn subject(&self, suffix: &str) -> String {
         format!("{}.{suffix}", self.prefix)
     }
@@ -138,6 +148,7 @@ pub struct RawNats {
     pub connect_timeout_ms: u64,
     pub reconnect_max_delay_ms: u64,
     pub jetstream: Option<RawJetStream>,
+    pub reply_prefixes: Vec<String>,
 }
 
 impl Default for RawNats {
@@ -158,6 +169,7 @@ impl Default for RawNats {
             connect_timeout_ms: 2_000,
             reconnect_max_delay_ms: 5_000,
             jetstream: None,
+            reply_prefixes: vec!["_INBOX.".into()],
         }
     }
 }
@@ -221,6 +233,17 @@ pub(super) fn validate(
             p.add(format!("nats.{key}"), format!("must be at least {min}"));
         }
     }
+    if n.reply_prefixes.is_empty() {
+        p.add("nats.reply_prefixes", "must name at least one prefix (the default is [\"_INBOX.\"])");
+    }
+    for r in &n.reply_prefixes {
+        let body = r.strip_suffix('.').unwrap_or(r);
+        if !r.ends_with('.') || !valid_subject(body) {
+            p.add("nats.reply_prefixes", format!("{r:?} is not a subject prefix ending in '.' like \"_INBOX.\""));
+        } else if format!("{}.", n.prefix).starts_with(r.as_str()) || r.starts_with(&format!("{}.", n.prefix)) {
+            p.add("nats.reply_prefixes", format!("{r:?} overlaps edgeway's own subjects ({}.…)", n.prefix));
+        }
+    }
     let jetstream = match n.jetstream {
         None => Some(None),
         Some(j) => jetstream(j, p).map(Some),
@@ -238,6 +261,7 @@ pub(super) fn validate(
         connect_timeout: Duration::from_millis(n.connect_timeout_ms),
         reconnect_max_delay: Duration::from_millis(n.reconnect_max_delay_ms),
         jetstream: jetstream?,
+        reply_prefixes: n.reply_prefixes,
     })
 }
 

@@ -8,7 +8,7 @@
 
 use crate::error::GatewayError;
 use crate::store::TaskRecord;
-use crate::task::{Identity, ResultMeta, TaskEvent, TaskState};
+use crate::task::{Identity, Ingress, ResultMeta, TaskEvent, TaskState};
 
 use super::{Gateway, TaskStream};
 
@@ -98,10 +98,20 @@ impl Gateway {
         Some(CancelOutcome::Live { cancelled: self.scheduler.cancel(task_id, reason, actor) })
     }
 
-    /// Cancels the caller's own application's task by its request id;
-    /// `None` when no such task is known here.
-    pub fn cancel_request(&self, who: &Identity, request_id: &str, reason: &str) -> Option<RequestCancel> {
-        let task = self.scheduler.find_by_request(&who.tenant, &who.application, request_id)?;
+    /// Cancels a task of the caller's own application that came through
+    /// the same `ingress` (NATS `ai.v1.cancel`: only NATS tasks), by its
+    /// request id; `None` when no such task is known here. Request ids are
+    /// chosen by callers and guessable: a device's task (MQTT) or a web
+    /// app's (HTTP) is out of reach of a bus client of the same
+    /// application.
+    pub fn cancel_request(
+        &self,
+        who: &Identity,
+        ingress: Ingress,
+        request_id: &str,
+        reason: &str,
+    ) -> Option<RequestCancel> {
+        let task = self.scheduler.find_by_request(&who.tenant, &who.application, ingress, request_id)?;
         let cancelled = self.scheduler.cancel(&task.task_id, reason, "client");
         let status = task.log.terminal().and_then(|e| match e {
             TaskEvent::Done(m) | TaskEvent::Error { meta: m, .. } => Some(m.status),

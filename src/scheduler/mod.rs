@@ -493,6 +493,7 @@ impl SchedulerHandle {
             request_id: req.request_id.clone(),
             tenant: req.identity.tenant.clone(),
             application: req.identity.application.clone(),
+            ingress: req.ingress,
             idempotency_key: req.idempotency_key.clone(),
             prompt_sha256: req.prompt_sha256.clone(),
             priority: req.priority,
@@ -616,9 +617,16 @@ impl SchedulerHandle {
         }
     }
 
-    /// A known task of this tenant and application by its request id.
-    pub fn find_by_request(&self, tenant: &str, app: &str, request_id: &str) -> Option<Arc<TaskEntry>> {
-        self.shared.registry.by_request(tenant, app, request_id)
+    /// A known task of this tenant and application that came through
+    /// `ingress`, by its request id.
+    pub fn find_by_request(
+        &self,
+        tenant: &str,
+        app: &str,
+        ingress: crate::task::Ingress,
+        request_id: &str,
+    ) -> Option<Arc<TaskEntry>> {
+        self.shared.registry.by_request(tenant, app, ingress, request_id)
     }
 
     /// A known task of this tenant and application by its idempotency key.

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use super::CancelHandle;
 use crate::task::log::{EndedQueue, Reader, RetainedLog};
-use crate::task::TaskEvent;
+use crate::task::{Ingress, TaskEvent};
 
 /// The events of one task, in order; `Done` or `Error` ends it. Kept whole
 /// (no budget of its own): the registry bounds ended logs as a whole.
@@ -123,6 +123,9 @@ pub struct TaskEntry {
     pub request_id: String,
     pub tenant: String,
     pub application: String,
+    /// Where it came from: a cancel by request id reaches only the tasks
+    /// of its own ingress (request ids are the caller's, and guessable).
+    pub ingress: Ingress,
     pub idempotency_key: Option<String>,
     /// To tell a true retry from a different request reusing the key.
     pub prompt_sha256: String,
@@ -137,9 +140,12 @@ pub struct TaskEntry {
 /// application.
 type OwnerKey = (String, String, String);
 
+/// Owner key of request ids: per tenant, application and ingress.
+type RequestKey = (String, String, Ingress, String);
+
 struct RegistryInner {
     tasks: HashMap<String, Arc<TaskEntry>>,
-    by_request: HashMap<OwnerKey, String>,
+    by_request: HashMap<RequestKey, String>,
     by_idempotency: HashMap<OwnerKey, String>,
     /// Ended tasks by id, with what each costs while kept.
     ended: EndedQueue<String>,
@@ -194,8 +200,9 @@ impl Registry {
 
     fn unindex(g: &mut RegistryInner, e: &TaskEntry) {
         let owner = |k: &str| (e.tenant.clone(), e.application.clone(), k.to_string());
-        if g.by_request.get(&owner(&e.request_id)) == Some(&e.task_id) {
-            g.by_request.remove(&owner(&e.request_id));
+        let request = (e.tenant.clone(), e.application.clone(), e.ingress, e.request_id.clone());
+        if g.by_request.get(&request) == Some(&e.task_id) {
+            g.by_request.remove(&request);
         }
         if let Some(k) = &e.idempotency_key {
             if g.by_idempotency.get(&owner(k)) == Some(&e.task_id) {
@@ -211,7 +218,8 @@ impl Registry {
 
     fn insert_locked(g: &mut RegistryInner, e: Arc<TaskEntry>) {
         let owner = |k: &str| (e.tenant.clone(), e.application.clone(), k.to_string());
-        g.by_request.insert(owner(&e.request_id), e.task_id.clone());
+        g.by_request
+            .insert((e.tenant.clone(), e.application.clone(), e.ingress, e.request_id.clone()), e.task_id.clone());
         if let Some(k) = &e.idempotency_key {
             g.by_idempotency.insert(owner(k), e.task_id.clone());
         }
@@ -222,9 +230,9 @@ impl Registry {
         self.inner.lock().expect("registry").tasks.get(task_id).cloned()
     }
 
-    pub fn by_request(&self, tenant: &str, app: &str, request_id: &str) -> Option<Arc<TaskEntry>> {
+    pub fn by_request(&self, tenant: &str, app: &str, ingress: Ingress, request_id: &str) -> Option<Arc<TaskEntry>> {
         let g = self.inner.lock().expect("registry");
-        let id = g.by_request.get(&(tenant.into(), app.into(), request_id.into()))?;
+        let id = g.by_request.get(&(tenant.into(), app.into(), ingress, request_id.into()))?;
         g.tasks.get(id).cloned()
     }
 
@@ -301,6 +309,7 @@ mod tests {
             request_id: format!("r-{task_id}"),
             tenant: "t".into(),
             application: "a".into(),
+            ingress: Ingress::Http,
             idempotency_key: key.map(Into::into),
             prompt_sha256: String::new(),
             priority: crate::task::Priority::P2,
@@ -334,7 +343,7 @@ mod tests {
         // oldest, with its indexes.
         end(&r, &c);
         assert_eq!(r.len(), 2);
-        assert!(r.get("a").is_none() && r.by_request("t", "a", "r-a").is_none());
+        assert!(r.get("a").is_none() && r.by_request("t", "a", Ingress::Http, "r-a").is_none());
         assert!(r.by_idempotency_key("t", "a", "ka").is_none());
         assert!(r.get("b").is_some() && r.get("c").is_some());
         // The same key is free again for a new task.

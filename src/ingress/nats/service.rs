@@ -6,7 +6,10 @@
 //! JSON of [`crate::ingress::render`], contiguous `seq` from 0, one
 //! terminal `done`/`error`) are published in order to the request's reply
 //! subject; each message names its event type in the `Edgeway-Event`
-//! header.
+//! header. The reply subject must be an inbox (`[nats] reply_prefixes`,
+//! `_INBOX.` by default): edgeway publishes with its own bus rights, so a
+//! request naming any other subject (`{prefix}.events.…`, another
+//! service's) is refused and nothing is published to it.
 //!
 //! # Caller liveness
 //! Every non-terminal message is published with a reply subject of
@@ -249,6 +252,26 @@ async fn reject(req: &Request, request_id: Option<&str>, e: &GatewayError) {
     }
 }
 
+/// Whether the request's reply subject (if any) is one edgeway may
+/// publish to: an inbox ([`NatsConfig::reply_allowed`]). A request that
+/// names another subject is refused, counted and logged, and nothing is
+/// published to that subject (not even the refusal: that would be the
+/// very publish the caller must not direct).
+fn reply_refused(ctx: &Ctx, req: &Request) -> bool {
+    let Some(reply) = &req.message.reply else { return false };
+    if ctx.cfg.reply_allowed(reply.as_str()) {
+        return false;
+    }
+    let e = GatewayError::invalid(format!(
+        "the reply subject must be an inbox (one of {:?}); nothing was published",
+        ctx.cfg.reply_prefixes
+    ));
+    ctx.gw.refused(Ingress::Nats, e);
+    let shown: String = reply.as_str().chars().filter(|c| !c.is_control()).take(128).collect();
+    tracing::warn!(subject = %req.message.subject, reply = %shown, "NATS request with a reply subject that is not an inbox refused");
+    true
+}
+
 async fn handle_chat(ctx: Arc<Ctx>, req: Request) {
     let gw = &ctx.gw;
     let Some(reply) = req.message.reply.clone() else {
@@ -257,6 +280,9 @@ async fn handle_chat(ctx: Arc<Ctx>, req: Request) {
         tracing::debug!(subject = %req.message.subject, "NATS chat request without reply subject ignored");
         return;
     };
+    if reply_refused(&ctx, &req) {
+        return;
+    }
     let cred = credential(req.message.headers.as_ref());
     let caller = Caller::Credential(cred.as_deref());
     let call = match gw.prepare(caller, &req.message.payload, Ingress::Nats, SubmitOptions::default()) {
@@ -366,13 +392,17 @@ struct CancelBody {
     request_id: String,
 }
 
-/// `{prefix}.cancel`: cancels a task of the caller's own application by its
-/// request id, wherever the task came from. Answers (when the message has
+/// `{prefix}.cancel`: cancels a task that the caller's own application
+/// started over NATS, by its request id (a device's or a web app's task
+/// with the same id is out of its reach). Answers (when the message has
 /// a reply subject) `{"request_id", "task_id", "cancelled", "status"}`
 /// (`status` is the final state of a task that had already ended), or an
 /// `error` event.
 async fn handle_cancel(ctx: Arc<Ctx>, req: Request) {
     let gw = &ctx.gw;
+    if reply_refused(&ctx, &req) {
+        return;
+    }
     let identity = match gw.authenticate(credential(req.message.headers.as_ref()).as_deref()) {
         Ok(i) => i,
         Err(e) => return reject(&req, None, &e).await,
@@ -385,8 +415,8 @@ async fn handle_cancel(ctx: Arc<Ctx>, req: Request) {
         }
     };
     let rid = body.request_id;
-    let Some(c) = gw.cancel_request(&identity, &rid, "cancelled over NATS") else {
-        let e = GatewayError::invalid(format!("no known task with request_id '{rid}' for this application"));
+    let Some(c) = gw.cancel_request(&identity, Ingress::Nats, &rid, "cancelled over NATS") else {
+        let e = GatewayError::invalid(format!("no known NATS task with request_id '{rid}' for this application"));
         return reject(&req, Some(&rid), &e).await;
     };
     tracing::info!(task_id = %c.task_id, request_id = %rid, cancelled = c.cancelled, "NATS cancel");
