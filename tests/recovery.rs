@@ -419,3 +419,64 @@ async fn after_kill_9_no_task_stays_unfinished() {
     assert_eq!(again["edge"]["task_id"], queued_keyed.as_str());
     assert_eq!(again["edge"]["status"], "SUCCEEDED");
 }
+
+/// SIGTERM to the real binary: the running task finishes within
+/// `[server] drain_timeout_s`, the queued idempotent task is kept and runs
+/// at the next start, and the process exits cleanly.
+#[tokio::test]
+async fn sigterm_drains_the_real_binary() {
+    let fake = FakeEngine::start_with(Knobs::slow(20, 50)).await;
+    let dir = TempDir::new("edgeway-sigterm");
+    let port = free_port();
+    let text = config_toml(&fake.url(), "openai", &dir.0, "\n[server]\ndrain_timeout_s = 20\n")
+        .replace("127.0.0.1:0", &format!("127.0.0.1:{port}"))
+        .replace("max_concurrency = 2", "max_concurrency = 1");
+    let cfg_path = dir.0.join("edgeway.toml");
+    std::fs::write(&cfg_path, text).unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+
+    let mut child = spawn_edgeway(&cfg_path);
+    wait_ready(&base).await;
+    let submit = |body: Value| {
+        let base = base.clone();
+        async move {
+            let r = client().post(format!("{base}/v1/tasks")).bearer_auth(DEMO_KEY).json(&body).send().await.unwrap();
+            r.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_string()
+        }
+    };
+    let running = submit(chat_body(false)).await;
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
+    let mut keyed = chat_body(false);
+    keyed["idempotency_key"] = json!("sigterm-report");
+    let queued = submit(keyed).await;
+    for _ in 0..100 {
+        if task_status(&base, &queued).await["status"] == "QUEUED" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let pid = child.0.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::task::spawn_blocking(move || {
+        let s = child.0.wait();
+        (child, s)
+    });
+    let (_child, status) = tokio::time::timeout(Duration::from_secs(30), status).await.expect("exits").unwrap();
+    assert!(status.unwrap().success());
+    assert_eq!(fake.stats.requests.load(SeqCst), 1, "the queued task did not start");
+    let db = dir.0.join("edgeway.db");
+    assert_eq!(last_transition(&db, &running).0, "SUCCEEDED", "finished within the drain");
+    assert_eq!(last_transition(&db, &queued).0, "QUEUED", "kept for the next start");
+
+    let _child = spawn_edgeway(&cfg_path);
+    wait_ready(&base).await;
+    let mut k = Value::Null;
+    for _ in 0..200 {
+        k = task_status(&base, &queued).await;
+        if k["status"] == "SUCCEEDED" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(k["status"], "SUCCEEDED", "{k}");
+}
