@@ -1,8 +1,8 @@
 //! The server: builds every component from a [`Config`], wires them under
 //! one cancellation tree, opens the listeners of every ingress, and shuts
-//! everything down.
+//! everything down, after a drain ([`RunningGateway::drain_and_shutdown`]).
 //!
-//! Owns: start-up order and shutdown. Does not own: any policy (each
+//! Owns: start-up order, the drain and shutdown. Does not own: any policy (each
 //! component owns its own) or what a call does (the [`Gateway`] facade).
 
 use std::net::SocketAddr;

@@ -397,6 +397,23 @@ mod tests {
     }
 
     #[test]
+    fn reply_subjects_must_be_inboxes() {
+        let on = |extra: &str| load(&format!("[nats]\nurl = \"nats://127.0.0.1:4222\"\n{extra}"), &[]);
+        let n = on("").unwrap().nats.unwrap();
+        assert_eq!(n.reply_prefixes, ["_INBOX."]);
+        assert!(n.reply_allowed("_INBOX.abc.1"));
+        for bad in ["_INBOX.", "ai.v1.events.demo.SUCCEEDED", "victim", "_INBOX.a b", "_INBOX.*", ""] {
+            assert!(!n.reply_allowed(bad), "{bad}");
+        }
+        let n = on("reply_prefixes = [\"_INBOX.\", \"_R_.svc.\"]").unwrap().nats.unwrap();
+        assert!(n.reply_allowed("_R_.svc.x"));
+        for bad in ["[]", "[\"_INBOX\"]", "[\"ai.\"]", "[\"ai.v1.x.\"]", "[\"a*.\"]"] {
+            let e = on(&format!("reply_prefixes = {bad}")).unwrap_err();
+            assert!(e.0.iter().any(|e| e.path == "nats.reply_prefixes"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn urls_are_redacted_for_logs() {
         let mut n = load("", &[("EDGEWAY__NATS__URL", "nats://127.0.0.1:4222")]).unwrap().nats.unwrap();
         n.url = "nats://a:b@h1:4222,tls://h2:4222".into();

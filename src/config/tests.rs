@@ -30,6 +30,22 @@ fn minimal_config_gets_defaults() {
 }
 
 #[test]
+fn store_retention_buffer_and_drain_have_defaults_and_bounds() {
+    let c = parse(MINIMAL, &[]).unwrap();
+    assert_eq!(c.store.max_buffered_writes, 100_000);
+    assert_eq!(c.store.retention_tasks, Some(std::time::Duration::from_secs(720 * 3600)));
+    assert_eq!(c.store.retention_rejected, Some(std::time::Duration::from_secs(168 * 3600)));
+    assert_eq!(c.server.drain_timeout, std::time::Duration::from_secs(30));
+    let keep = parse(&format!("{MINIMAL}\n[store]\nretention_tasks_hours = 0\nretention_rejected_hours = 0\n"), &[]);
+    let keep = keep.unwrap();
+    assert_eq!((keep.store.retention_tasks, keep.store.retention_rejected), (None, None));
+    let e = parse(&format!("{MINIMAL}\n[store]\nmax_buffered_writes = 10\n[server]\ndrain_timeout_s = 7200\n"), &[])
+        .unwrap_err();
+    let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["store.max_buffered_writes", "server.drain_timeout_s"], "{e}");
+}
+
+#[test]
 fn kv_cache_high_water_is_a_fraction() {
     for bad in ["0", "-0.5", "1.5", "nan"] {
         let e = parse(&format!("{MINIMAL}\n[resources]\nkv_cache_high_water = {bad}\n"), &[]).unwrap_err();

@@ -8,7 +8,9 @@
 //! (`idempotency.rs`), the ownership check of a task (`tasks.rs`), counting
 //! refused calls in `edgeway_requests_total` (admitted tasks are counted by
 //! the scheduler's driver when they end), key revocation (`keys.rs`), the
-//! readiness view (`readiness.rs`) and crash recovery (`recovery.rs`).
+//! readiness view (`readiness.rs`), crash recovery (`recovery.rs`), and
+//! refusing new work while the gateway drains (`SHUTTING_DOWN`) or the store
+//! cannot write (`STORE_UNAVAILABLE`).
 //!
 //! Does not own: any protocol (no HTTP, MQTT or NATS type appears here: the
 //! bus state reaches `/ready` through [`BusStatus`]), building the

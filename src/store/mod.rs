@@ -3,7 +3,15 @@
 //! Owns: the database file, its schema and every write to it. Callers send
 //! operations over a channel and never wait for a write on the request path;
 //! writes are batched into one transaction per burst. Reads (and `flush`)
-//! answer through a oneshot.
+//! answer through a oneshot. A write a caller must know is durable (a key
+//! revocation) is answered once committed, or with the failure.
+//!
+//! A failing disk is a state, not a silence: a transaction that cannot
+//! commit (disk full, read-only, I/O error) leaves the store degraded
+//! ([`StoreHealth`], which `/ready`, metrics and the facade read), its
+//! writes stay in memory (bounded) and are written again until a commit
+//! succeeds. The writer also purges what is past the retention
+//! (`retention.rs`).
 //!
 //! The task and transition tables are here; each other table has its own
 //! file: `idempotency.rs` (keys), `pending_requests.rs` (to re-queue after
