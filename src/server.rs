@@ -85,7 +85,13 @@ impl RunningGateway {
         if tokio::time::timeout(grace, self.tracker.wait()).await.is_err() {
             tracing::warn!("shutdown grace period over; some tasks did not drain");
         }
-        self.internals.store.flush().await;
+        let store = &self.internals.store;
+        store.flush().await;
+        if let Some(why) = store.health().degraded() {
+            // Nowhere else to keep them: say what the exit loses.
+            let lost = store.health().buffered_writes();
+            tracing::error!(lost, error = %why, "stopping with task store writes the disk refused; they are lost");
+        }
     }
 
     pub fn shutdown_token(&self) -> CancellationToken {
