@@ -133,3 +133,51 @@ mod tests {
         assert_eq!(ids(&c).len(), 6);
     }
 }
+
+/// How long one bounded pass takes on a large store (run by hand:
+/// `cargo test --lib retention::timing -- --ignored --nocapture`).
+#[cfg(test)]
+mod timing {
+    use super::*;
+
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn one_pass_over_a_large_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Connection::open(dir.path().join("t.db")).unwrap();
+        c.pragma_update(None, "journal_mode", "WAL").unwrap();
+        c.pragma_update(None, "synchronous", "NORMAL").unwrap();
+        c.execute_batch(super::super::SCHEMA).unwrap();
+        for s in [super::super::idempotency::SCHEMA, super::super::pending_requests::SCHEMA] {
+            c.execute_batch(s).unwrap();
+        }
+        let n = 100_000;
+        let t = c.unchecked_transaction().unwrap();
+        for i in 0..n {
+            let id = format!("{i:032x}");
+            t.execute(
+                "INSERT INTO tasks (task_id, request_id, tenant, application, ingress, logical_model, priority, \
+                 state, created_at_ms, updated_at_ms, prompt_sha256) \
+                 VALUES (?1, 'r', 't', 'a', 'http', 'm', 'P2', 'SUCCEEDED', ?2, ?2, '')",
+                params![id, i],
+            )
+            .unwrap();
+            for seq in 0..7 {
+                t.execute(
+                    "INSERT INTO task_transitions (task_id, seq, state, at_ms, reason, node_id, actor) \
+                     VALUES (?1, ?2, 'QUEUED', 0, 'reason text of a transition', 'node', 'scheduler')",
+                    params![id, seq],
+                )
+                .unwrap();
+            }
+        }
+        t.commit().unwrap();
+        for batch in [2000, 2000, 500] {
+            let start = std::time::Instant::now();
+            let t = c.unchecked_transaction().unwrap();
+            let purged = purge(&t, n, Some(n), None, batch).unwrap();
+            t.commit().unwrap();
+            println!("{n} finished tasks × 7 transitions: a pass of {batch} purged {purged} in {:?}", start.elapsed());
+        }
+    }
+}
