@@ -140,7 +140,29 @@ fn http(raw: RawHttp, p: &mut Problems) -> Option<HttpConfig> {
     if raw.max_body_bytes < 1024 {
         p.add("http.max_body_bytes", "must be at least 1024");
     }
-    Some(HttpConfig { listen: listen?, admin_listen: admin_listen?, max_body_bytes: raw.max_body_bytes })
+    for (key, n) in
+        [("http.max_connections", raw.max_connections), ("http.admin_max_connections", raw.admin_max_connections)]
+    {
+        if n == 0 {
+            p.add(key, "must be at least 1");
+        }
+    }
+    for (key, ms) in
+        [("http.header_read_timeout_ms", raw.header_read_timeout_ms), ("http.idle_timeout_ms", raw.idle_timeout_ms)]
+    {
+        if !(100..=3_600_000).contains(&ms) {
+            p.add(key, "must be between 100 and 3600000 (one hour)");
+        }
+    }
+    Some(HttpConfig {
+        listen: listen?,
+        admin_listen: admin_listen?,
+        max_body_bytes: raw.max_body_bytes,
+        max_connections: raw.max_connections,
+        admin_max_connections: raw.admin_max_connections,
+        header_read_timeout: Duration::from_millis(raw.header_read_timeout_ms),
+        idle_timeout: Duration::from_millis(raw.idle_timeout_ms),
+    })
 }
 
 fn store(raw: RawStore) -> StoreConfig {

@@ -3,13 +3,15 @@
 //!
 //! Owns: routes, the OpenAI wire format (chunks, SSE, error bodies), where
 //! HTTP carries a credential (`caller.rs`), the mapping of errors to
-//! responses (`errors.rs`) and client disconnects (dropping a response drops
-//! its task stream, which cancels the task). Does not own: authentication,
+//! responses (`errors.rs`), client disconnects (dropping a response drops
+//! its task stream, which cancels the task) and connections: caps,
+//! header and idle timeouts, graceful shutdown (`listener.rs`). Does not own: authentication,
 //! validation, ownership of tasks or scheduling (the gateway facade).
 
 mod caller;
 mod chat;
 mod errors;
+mod listener;
 mod tasks;
 
 use std::net::SocketAddr;
@@ -20,7 +22,6 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -65,10 +66,16 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> anyhow::Result<(SocketAddr, Option<SocketAddr>)> {
     let cfg = &gw.config().http;
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
+    let metrics = listener::HttpMetrics::new(&gw.metrics().registry);
+    let limits = |max_connections| listener::Limits {
+        max_connections,
+        header_read_timeout: cfg.header_read_timeout,
+        idle_timeout: cfg.idle_timeout,
+    };
+    let main = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {} (http.listen): {e}", cfg.listen))?;
-    let addr = listener.local_addr()?;
+    let addr = main.local_addr()?;
     let mut app = business_routes(gw.clone());
     let admin_addr = match cfg.admin_listen {
         Some(a) => {
@@ -77,13 +84,14 @@ pub async fn serve(
                 .map_err(|e| anyhow::anyhow!("cannot listen on {a} (http.admin_listen): {e}"))?;
             let admin_addr = l.local_addr()?;
             let admin = admin_routes(gw.clone());
-            let sd = shutdown.clone();
-            let l = l.tap_io(no_delay);
-            tracker.spawn(async move {
-                if let Err(e) = axum::serve(l, admin).with_graceful_shutdown(sd.cancelled_owned()).await {
-                    tracing::error!(error = %e, "admin listener failed");
-                }
-            });
+            tracker.spawn(listener::run(
+                "admin",
+                l,
+                admin,
+                limits(cfg.admin_max_connections),
+                metrics.clone(),
+                shutdown.clone(),
+            ));
             Some(admin_addr)
         }
         None => {
@@ -91,21 +99,8 @@ pub async fn serve(
             None
         }
     };
-    // Tokens are small writes: without TCP_NODELAY, Nagle's algorithm and
-    // delayed ACKs hold them back for up to 40 ms.
-    let listener = listener.tap_io(no_delay);
-    tracker.spawn(async move {
-        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await {
-            tracing::error!(error = %e, "HTTP listener failed");
-        }
-    });
+    tracker.spawn(listener::run("main", main, app, limits(cfg.max_connections), metrics, shutdown));
     Ok((addr, admin_addr))
-}
-
-fn no_delay(tcp: &mut tokio::net::TcpStream) {
-    if let Err(e) = tcp.set_nodelay(true) {
-        tracing::debug!(error = %e, "cannot set TCP_NODELAY");
-    }
 }
 
 async fn not_found() -> ApiError {
