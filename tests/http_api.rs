@@ -741,3 +741,58 @@ async fn revoking_a_key_refuses_it_and_cancels_its_tasks() {
     }
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn revoking_a_token_id_refuses_that_token_cancels_its_tasks_and_survives_a_restart() {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    const SECRET: &str = "a-test-hs256-secret-of-32-bytes!";
+    let fake = FakeEngine::start_with(Knobs::slow(1000, 20)).await;
+    let dir = edgeway::testing::TempDir::new("edgeway-jti");
+    let extra = "[auth.jwt]\nhs256_secret_env = \"S\"\nissuer = \"https://auth.test\"\naudience = \"edgeway\"\n";
+    let text = edgeway::testing::config_toml(&fake.url(), "openai", &dir.0, extra);
+    let load = || {
+        let env = [("S".to_string(), SECRET.to_string())];
+        edgeway::config::Config::from_toml_str(&text, env, std::path::Path::new(".")).unwrap()
+    };
+    let token = |jti: &str| {
+        let exp = edgeway::task::now_ms() / 1000 + 600;
+        let claims = json!({"sub": "alice", "app": "demo", "tenant": "demo", "iss": "https://auth.test",
+            "aud": "edgeway", "exp": exp, "jti": jti});
+        encode(&Header::new(Algorithm::HS256), &claims, &EncodingKey::from_secret(SECRET.as_bytes()).unwrap()).unwrap()
+    };
+    let admin = |gw: &TestGateway, what: &str, body: Value| {
+        let url = format!("{}/admin/keys/{what}", gw.base_url);
+        async move { client().post(url).bearer_auth(OPS_KEY).json(&body).send().await.unwrap() }
+    };
+
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let mut running = post_chat(&gw, &token("session-1"), &chat_body(true)).await;
+    assert_eq!(running.status(), 200);
+    running.chunk().await.unwrap();
+    let r = admin(&gw, "revoke", json!({"jti": "session-1"})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["cancelled_tasks"], 1);
+    let (events, _) = read_sse(running).await;
+    assert_eq!(error_code(events.last().unwrap()), "REQUEST_CANCELLED");
+    let refused = post_chat(&gw, &token("session-1"), &chat_body(false)).await;
+    assert_eq!(refused.status(), 401);
+    let v: Value = refused.json().await.unwrap();
+    assert_eq!(error_code(&v), "AUTH_FAILED");
+    assert_eq!(v["error"]["message"], "this token has been revoked");
+    let other = client().get(format!("{}/v1/models", gw.base_url)).bearer_auth(token("session-2")).send().await;
+    assert_eq!(other.unwrap().status(), 200, "another token id is not affected");
+    assert_eq!(admin(&gw, "revoke", json!({"jti": ""})).await.status(), 400);
+    gw.stop().await;
+
+    let gw = TestGateway::start(load()).await;
+    let models = |t: String| {
+        let url = format!("{}/v1/models", gw.base_url);
+        async move { client().get(url).bearer_auth(t).send().await.unwrap().status() }
+    };
+    assert_eq!(models(token("session-1")).await, 401, "still revoked after the restart");
+    let v: Value = admin(&gw, "reinstate", json!({"jti": "session-1"})).await.json().await.unwrap();
+    assert_eq!(v["was_revoked"], true);
+    assert_eq!(models(token("session-1")).await, 200);
+    gw.stop().await;
+}

@@ -335,11 +335,14 @@ fn defaults_are_the_documented_ones() {
     assert_eq!((j.stream.as_str(), j.max_age, j.max_bytes), ("EDGEWAY_EVENTS", Duration::from_secs(86_400), 1 << 30));
     assert_eq!(j.storage, JetStreamStorage::File);
 
-    let jwt = parse(&format!("{MINIMAL}\n[auth.jwt]\nhs256_secret_env = \"S\"\n"), &[("S", "sixteen-bytes-at-least")])
-        .unwrap()
-        .auth
-        .jwt
-        .unwrap();
+    let jwt = parse(
+        &format!("{MINIMAL}\n[auth.jwt]\nhs256_secret_env = \"S\"\n"),
+        &[("S", "thirty-two-bytes-at-the-very-least")],
+    )
+    .unwrap()
+    .auth
+    .jwt
+    .unwrap();
     assert_eq!((jwt.tenant_claim.as_str(), jwt.application_claim.as_str(), jwt.leeway_s), ("tenant", "app", 30));
 }
 
@@ -381,4 +384,13 @@ fn http_connection_limits_have_defaults_and_bounds() {
         paths,
         ["http.max_connections", "http.admin_max_connections", "http.header_read_timeout_ms", "http.idle_timeout_ms"]
     );
+}
+
+#[test]
+fn an_hs256_secret_has_at_least_32_bytes() {
+    let text = format!("{MINIMAL}\n[auth.jwt]\nhs256_secret_env = \"S\"\n");
+    let e = parse(&text, &[("S", &"x".repeat(31))]).unwrap_err();
+    assert_eq!(e.0[0].path, "auth.jwt.hs256_secret_env");
+    assert!(e.to_string().contains("at least 32 bytes"), "{e}");
+    assert!(parse(&text, &[("S", &"x".repeat(32))]).is_ok());
 }

@@ -337,9 +337,10 @@ fn auth(raw: RawAuth, env: &[(String, String)], base_dir: &Path, p: &mut Problem
 fn jwt(j: RawJwt, env: &[(String, String)], base_dir: &Path, p: &mut Problems) -> Option<JwtConfig> {
     let start = p.0.len();
     let hs256_secret = j.hs256_secret_env.as_deref().and_then(|var| match env_var(env, var) {
-        Some(v) if v.len() >= 16 => Some(v.as_bytes().to_vec()),
+        // 256 bits: HS256 is as strong as its secret (RFC 7518 §3.2).
+        Some(v) if v.len() >= 32 => Some(v.as_bytes().to_vec()),
         Some(_) => {
-            p.add("auth.jwt.hs256_secret_env", format!("${var} must hold at least 16 bytes"));
+            p.add("auth.jwt.hs256_secret_env", format!("${var} must hold at least 32 bytes"));
             None
         }
         None => {
