@@ -179,3 +179,19 @@ async fn shutdown_closes_idle_and_half_sent_connections_without_waiting_for_thei
     read_until_closed(&mut idle, Duration::from_secs(1)).await;
     read_until_closed(&mut half, Duration::from_secs(1)).await;
 }
+
+#[tokio::test]
+async fn a_request_body_that_stops_arriving_is_cut_after_the_idle_timeout() {
+    let engine = FakeEngine::start().await;
+    let gw = gateway(&engine, "header_read_timeout_ms = 400\nidle_timeout_ms = 400").await;
+    let mut s = TcpStream::connect(addr(&gw)).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {DEMO_KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"model\": \"general-"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let got = read_until_closed(&mut s, Duration::from_secs(5)).await;
+    assert!(!got.starts_with(b"HTTP/1.1 2"), "{}", String::from_utf8_lossy(&got));
+    assert_eq!(metric(&gw, "edgeway_http_connections_closed_total{listener=\"main\",reason=\"body_timeout\"}"), 1.0);
+    gw.stop().await;
+}

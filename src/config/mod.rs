@@ -122,7 +122,8 @@ pub struct HttpConfig {
     /// wait for the next request on a kept-alive connection as well).
     pub header_read_timeout: std::time::Duration,
     /// A connection with no bytes either way for this long is closed once
-    /// the request in progress, if any, has been answered.
+    /// the request in progress, if any, has been answered; one whose
+    /// request body stopped arriving is closed at once.
     pub idle_timeout: std::time::Duration,
 }
 

@@ -10,21 +10,25 @@
 //! answered, close). Does not own: routes or anything a request means (the
 //! axum router it is given).
 //!
-//! The idle timeout never cuts a request in progress: a connection with no
+//! The idle timeout never cuts an answer in progress: a connection with no
 //! bytes either way for `idle_timeout` is shut down gracefully, which for
 //! HTTP/1.1 closes it at once only between requests, and for HTTP/2 sends
 //! GOAWAY and lets open streams finish. A streamed answer waiting for its
-//! first token (no bytes for a while) is therefore answered in full.
+//! first token (no bytes for a while) is therefore answered in full. Only a
+//! request whose body stopped arriving (a slow POST: the client, not
+//! edgeway, is the one to wait for) is cut.
 
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
+use bytes::Bytes;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
@@ -64,7 +68,7 @@ pub struct HttpMetrics {
     /// Connections refused at the cap.
     pub refused: IntCounterVec,
     /// Connections closed by edgeway, by reason (`header_timeout`, `idle`,
-    /// `shutdown`).
+    /// `body_timeout`, `shutdown`).
     pub closed: IntCounterVec,
     /// `accept` failures (descriptor limit, out of memory), each followed by
     /// a pause.
@@ -98,7 +102,7 @@ impl HttpMetrics {
             ),
             closed: counter(
                 "http_connections_closed_total",
-                "HTTP connections closed by edgeway, by listener and reason (header_timeout, idle, shutdown)",
+                "HTTP connections closed by edgeway, by listener and reason (header_timeout, idle, body_timeout, shutdown)",
                 &["listener", "reason"],
             ),
             accept_errors: counter(
@@ -239,7 +243,7 @@ async fn refuse<Io: AsyncRead + AsyncWrite + Unpin>(mut io: Io, answer: &[u8]) {
 }
 
 /// Serves one connection to its end. Returns why edgeway closed it, when it
-/// did (`header_timeout`, `idle`, `shutdown`).
+/// did (`header_timeout`, `idle`, `body_timeout`, `shutdown`).
 async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     io: Io,
     app: Router,
@@ -253,11 +257,15 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     // starts only once it knows the protocol; a client that sends nothing,
     // or part of the HTTP/2 preface, is bounded by this instead.
     let first_request = Arc::new(AtomicBool::new(false));
+    // Request bodies being received: a client that stops sending one is
+    // not waiting for us, so the idle timeout cuts it.
+    let bodies = Arc::new(AtomicUsize::new(0));
     let svc = {
-        let first_request = first_request.clone();
+        let (first_request, bodies) = (first_request.clone(), bodies.clone());
         let inner = TowerToHyperService::new(app);
-        hyper::service::service_fn(move |req| {
+        hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
             first_request.store(true, Ordering::Relaxed);
+            let req = req.map(|b| WatchedBody::new(b, &bodies));
             hyper::service::Service::call(&inner, req)
         })
     };
@@ -299,6 +307,11 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
                     return Some("header_timeout");
                 }
                 if Instant::now() >= activity.last() + limits.idle_timeout {
+                    if bodies.load(Ordering::Relaxed) > 0 {
+                        // A request body stalled (slow POST): closing
+                        // gracefully would wait for it for ever.
+                        return Some("body_timeout");
+                    }
                     closing = Some("idle");
                     conn.as_mut().graceful_shutdown();
                 }
@@ -309,6 +322,52 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
 
 fn is_header_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
     e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_timeout)
+}
+
+/// A request body, counted in its connection's `bodies` until it has been
+/// received in full (or dropped).
+struct WatchedBody {
+    inner: Incoming,
+    receiving: Option<Receiving>,
+}
+
+struct Receiving(Arc<AtomicUsize>);
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl WatchedBody {
+    fn new(inner: Incoming, bodies: &Arc<AtomicUsize>) -> WatchedBody {
+        let receiving = (!inner.is_end_stream()).then(|| {
+            bodies.fetch_add(1, Ordering::Relaxed);
+            Receiving(bodies.clone())
+        });
+        WatchedBody { inner, receiving }
+    }
+}
+
+impl Body for WatchedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(r, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) || self.inner.is_end_stream() {
+            self.receiving = None;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// When a connection last moved a byte either way.
