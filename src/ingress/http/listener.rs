@@ -49,10 +49,12 @@ pub struct Limits {
     pub idle_timeout: Duration,
 }
 
-/// Connections being refused (503 written, waiting for the client to read
-/// it) at once; beyond this a connection over the cap is closed without an
-/// answer, so a flood of refusals holds few descriptors.
-const REFUSING_AT_ONCE: usize = 64;
+/// Connections being refused (waiting for the request, then for the client
+/// to read the 503) at once, per listener; beyond this a connection over
+/// the cap is closed without an answer (the client sees a reset), so a
+/// flood of refusals holds a bounded number of descriptors, each for at
+/// most `REFUSAL_LINGER`.
+const REFUSING_AT_ONCE: usize = 256;
 /// How long a refused connection may take to send its request and read
 /// the 503.
 const REFUSAL_LINGER: Duration = Duration::from_secs(2);
