@@ -85,7 +85,7 @@ impl EngineError {
     pub fn class(&self) -> String {
         match self {
             EngineError::Unreachable(_) => "engine not reachable".into(),
-            EngineError::ConnectionLost(_) => "engine connection lost before any answer".into(),
+            EngineError::ConnectionLost(_) => "engine connection closed before any answer".into(),
             EngineError::Status { status, .. } => format!("engine answered {status}"),
             EngineError::Remote(_) => "engine reported an error in its stream".into(),
             EngineError::Protocol(_) => "engine broke the protocol".into(),
