@@ -176,7 +176,8 @@ queue_capacity = 256
         wait_http(self.url + "/ready", 60, self.proc, self.log)
 
     def ready(self):
-        return httpx.get(self.url + "/ready", timeout=5).json()
+        # The details need an admin key on the business port.
+        return httpx.get(self.url + "/ready", timeout=5, headers={"Authorization": f"Bearer {OPS_KEY}"}).json()
 
     def stop(self):
         self.proc.terminate()
@@ -416,7 +417,7 @@ def preemption(args, work):
         phases["streamed P4 backlog"] = p0_samples()
         load.stop_ev.set()
         load.stop()
-        metrics = httpx.get(ew.url + "/metrics").text
+        metrics = httpx.get(ew.url + "/metrics", headers={"Authorization": f"Bearer {OPS_KEY}"}).text
         preempted = [l for l in metrics.splitlines() if l.startswith("edgeway_preemptions_total")]
     finally:
         c.close()

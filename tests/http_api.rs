@@ -472,7 +472,7 @@ async fn operational_endpoints() {
     assert_eq!(r.status(), 200);
     let r: Value = r.json().await.unwrap();
     assert_eq!(r["ready"], true);
-    let m = c.get(format!("{}/metrics", gw.base_url)).send().await.unwrap().text().await.unwrap();
+    let m = c.get(format!("{}/metrics", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap().text().await.unwrap();
     for needle in [
         "edgeway_requests_total{ingress=\"http\",outcome=\"ok\"} 1",
         "edgeway_tokens_total{direction=\"output\",model=\"general-chat\"} 5",
@@ -614,10 +614,19 @@ async fn new_work_waits_while_the_engine_reports_a_full_kv_cache() {
     first.chunk().await.unwrap();
     fake.set(|k| k.metrics = Some(edgeway::testing::vllm_metrics(0.99)));
     until_snapshot(&gw, "the engine's KV cache at its high-water mark", |s| s.instances[0].kv_cache_full).await;
-    let m = client().get(format!("{}/metrics", gw.base_url)).send().await.unwrap().text().await.unwrap();
+    let m = client()
+        .get(format!("{}/metrics", gw.base_url))
+        .bearer_auth(OPS_KEY)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let gauge = "edgeway_engine_kv_cache_usage_ratio{engine=\"fake\"} 0.99";
     assert!(m.contains(gauge), "metrics lack {gauge}:\n{m}");
-    let ready: Value = client().get(format!("{}/ready", gw.base_url)).send().await.unwrap().json().await.unwrap();
+    let ready: Value =
+        client().get(format!("{}/ready", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap().json().await.unwrap();
     assert_eq!(ready["instances"][0]["kv_cache_usage"], 0.99);
 
     let mut body = chat_body(false);
@@ -640,7 +649,15 @@ async fn new_work_waits_while_the_engine_reports_a_full_kv_cache() {
     // An engine that stops reporting (no /metrics: 404) sets no limit.
     fake.set(|k| k.metrics = None);
     until_snapshot(&gw, "no KV reading", |s| s.instances[0].kv_cache_usage.is_none()).await;
-    let m = client().get(format!("{}/metrics", gw.base_url)).send().await.unwrap().text().await.unwrap();
+    let m = client()
+        .get(format!("{}/metrics", gw.base_url))
+        .bearer_auth(OPS_KEY)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(!m.contains("edgeway_engine_kv_cache_usage_ratio{"), "a stale gauge stays:\n{m}");
     gw.stop().await;
 }
@@ -739,5 +756,111 @@ async fn revoking_a_key_refuses_it_and_cancels_its_tasks() {
         let chunk = other.chunk().await.unwrap().expect("the ops task still streams");
         assert!(!String::from_utf8_lossy(&chunk).contains("\"error\""));
     }
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn revoking_a_token_id_refuses_that_token_cancels_its_tasks_and_survives_a_restart() {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    const SECRET: &str = "a-test-hs256-secret-of-32-bytes!";
+    let fake = FakeEngine::start_with(Knobs::slow(1000, 20)).await;
+    let dir = edgeway::testing::TempDir::new("edgeway-jti");
+    let extra = "[auth.jwt]\nhs256_secret_env = \"S\"\nissuer = \"https://auth.test\"\naudience = \"edgeway\"\n";
+    let text = edgeway::testing::config_toml(&fake.url(), "openai", &dir.0, extra);
+    let load = || {
+        let env = [("S".to_string(), SECRET.to_string())];
+        edgeway::config::Config::from_toml_str(&text, env, std::path::Path::new(".")).unwrap()
+    };
+    let token = |jti: &str| {
+        let exp = edgeway::task::now_ms() / 1000 + 600;
+        let claims = json!({"sub": "alice", "app": "demo", "tenant": "demo", "iss": "https://auth.test",
+            "aud": "edgeway", "exp": exp, "jti": jti});
+        encode(&Header::new(Algorithm::HS256), &claims, &EncodingKey::from_secret(SECRET.as_bytes()).unwrap()).unwrap()
+    };
+    let admin = |gw: &TestGateway, what: &str, body: Value| {
+        let url = format!("{}/admin/keys/{what}", gw.base_url);
+        async move { client().post(url).bearer_auth(OPS_KEY).json(&body).send().await.unwrap() }
+    };
+
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let mut running = post_chat(&gw, &token("session-1"), &chat_body(true)).await;
+    assert_eq!(running.status(), 200);
+    running.chunk().await.unwrap();
+    let r = admin(&gw, "revoke", json!({"jti": "session-1"})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["cancelled_tasks"], 1);
+    let (events, _) = read_sse(running).await;
+    assert_eq!(error_code(events.last().unwrap()), "REQUEST_CANCELLED");
+    let refused = post_chat(&gw, &token("session-1"), &chat_body(false)).await;
+    assert_eq!(refused.status(), 401);
+    let v: Value = refused.json().await.unwrap();
+    assert_eq!(error_code(&v), "AUTH_FAILED");
+    assert_eq!(v["error"]["message"], "this token has been revoked");
+    let other = client().get(format!("{}/v1/models", gw.base_url)).bearer_auth(token("session-2")).send().await;
+    assert_eq!(other.unwrap().status(), 200, "another token id is not affected");
+    assert_eq!(admin(&gw, "revoke", json!({"jti": ""})).await.status(), 400);
+    gw.stop().await;
+
+    let gw = TestGateway::start(load()).await;
+    let models = |t: String| {
+        let url = format!("{}/v1/models", gw.base_url);
+        async move { client().get(url).bearer_auth(t).send().await.unwrap().status() }
+    };
+    assert_eq!(models(token("session-1")).await, 401, "still revoked after the restart");
+    let v: Value = admin(&gw, "reinstate", json!({"jti": "session-1"})).await.json().await.unwrap();
+    assert_eq!(v["was_revoked"], true);
+    assert_eq!(models(token("session-1")).await, 200);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn on_the_business_port_metrics_and_ready_details_need_an_admin_key() {
+    let (_fake, gw) = gateway_with(Knobs::default(), "").await;
+    let get = |path: &str, key: Option<&str>| {
+        let mut r = client().get(format!("{}{path}", gw.base_url));
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        async move {
+            let r = r.send().await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    // Open for load balancers: liveness and the bare readiness.
+    assert_eq!(get("/health", None).await.0, 200);
+    let (status, body) = get("/ready", None).await;
+    assert_eq!((status, serde_json::from_str::<Value>(&body).unwrap()), (200, json!({"ready": true})));
+    // The details and the metrics: admins only.
+    let (status, body) = get("/ready", Some(OPS_KEY)).await;
+    assert_eq!(status, 200);
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["instances"].is_array(), "{body}");
+    for (key, want) in [(None, 401), (Some("sk-wrong"), 401), (Some(DEMO_KEY), 403)] {
+        let (status, body) = get("/metrics", key).await;
+        assert_eq!(status, want, "{key:?}: {body}");
+        assert!(!body.contains("edgeway_"), "{body}");
+    }
+    assert_eq!(get("/ready", Some(DEMO_KEY)).await.0, 403);
+    let (status, body) = get("/metrics", Some(OPS_KEY)).await;
+    assert_eq!(status, 200);
+    assert!(body.contains("edgeway_engine_up"), "{body}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn on_the_admin_port_operational_endpoints_stay_open_and_leave_the_business_port() {
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        t.replacen("[http]\n", "[http]\nadmin_listen = \"127.0.0.1:0\"\n", 1)
+    })
+    .await;
+    gw.wait_ready().await;
+    let admin = format!("http://{}", gw.running.as_ref().unwrap().admin_addr.unwrap());
+    let m = client().get(format!("{admin}/metrics")).send().await.unwrap();
+    assert_eq!(m.status(), 200);
+    let r: Value = client().get(format!("{admin}/ready")).send().await.unwrap().json().await.unwrap();
+    assert!(r["instances"].is_array(), "{r}");
+    let m = client().get(format!("{}/metrics", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap();
+    assert_eq!(m.status(), 404);
     gw.stop().await;
 }

@@ -499,7 +499,7 @@ async fn wait_metric(gw: &TestGateway, name: &str, want: u64) {
 }
 
 async fn ready(gw: &TestGateway) -> (u16, Value) {
-    let r = client().get(format!("{}/ready", gw.base_url)).send().await.unwrap();
+    let r = client().get(format!("{}/ready", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap();
     (r.status().as_u16(), r.json().await.unwrap())
 }
 

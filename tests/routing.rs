@@ -48,7 +48,7 @@ async fn call(gw: &TestGateway, key: &str, b: &Value) -> (u16, Value) {
 }
 
 async fn metrics_text(gw: &TestGateway) -> String {
-    client().get(format!("{}/metrics", gw.base_url)).send().await.unwrap().text().await.unwrap()
+    client().get(format!("{}/metrics", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap().text().await.unwrap()
 }
 
 /// The sum of the samples of metric `name` whose labels include all of
@@ -63,7 +63,7 @@ fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 }
 
 async fn ready(gw: &TestGateway) -> Value {
-    client().get(format!("{}/ready", gw.base_url)).send().await.unwrap().json().await.unwrap()
+    client().get(format!("{}/ready", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap().json().await.unwrap()
 }
 
 /// The `/ready` entry of instance `name`.

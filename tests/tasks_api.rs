@@ -221,3 +221,38 @@ async fn a_gateway_that_counted_an_illegal_transition_fails_its_test() {
     gw.metrics().illegal_transitions.with_label_values(&["RECEIVED", "RUNNING"]).inc();
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn an_engines_error_text_is_neither_stored_nor_shown_only_its_status() {
+    // Engines echo the prompt and their internals in error bodies.
+    let (_fake, gw) = setup(Knobs {
+        fail_status: Some(500),
+        fail_message: "cannot continue 'my secret prompt' (model /srv/models/x.gguf)".into(),
+        ..Knobs::default()
+    })
+    .await;
+    let mut body = chat_body(false);
+    body["messages"][0]["content"] = "my secret prompt".into();
+    let v: Value = create(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    let id = v["task_id"].as_str().unwrap().to_string();
+    let t = wait_status(&gw, &id, TaskState::Failed).await;
+    let reasons: Vec<&str> = t["transitions"].as_array().unwrap().iter().filter_map(|t| t["reason"].as_str()).collect();
+    assert!(reasons.iter().any(|r| r.contains("engine answered 500")), "{reasons:?}");
+    let events = client().get(format!("{}/v1/tasks/{id}/events", gw.base_url)).bearer_auth(DEMO_KEY).send().await;
+    let events = events.unwrap().text().await.unwrap();
+    for shown in [t.to_string(), events] {
+        assert!(!shown.contains("secret") && !shown.contains("/srv/models"), "{shown}");
+    }
+    // Nor in the store file.
+    gw.store().flush().await;
+    let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+    let stored: Vec<String> = conn
+        .prepare("SELECT COALESCE(reason, '') FROM task_transitions WHERE task_id = ?1")
+        .unwrap()
+        .query_map([&id], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert!(stored.iter().all(|r| !r.contains("secret") && !r.contains("/srv/models")), "{stored:?}");
+    gw.stop().await;
+}

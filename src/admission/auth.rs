@@ -1,6 +1,8 @@
 //! Caller identity: API keys (per application, compared by SHA-256 digest,
-//! never logged) and JWT bearer tokens (HS256 / RS256, with issuer, audience
-//! and expiry checked).
+//! never logged) and JWT bearer tokens (HS256 / RS256, with expiry and
+//! not-before checked, and issuer and audience required and checked when
+//! configured), and revocation of either (keys by digest, tokens by their
+//! `jti` within a tenant, see [`jwt_id_digest`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,8 +18,9 @@ pub struct Authenticator {
     by_key: HashMap<[u8; 32], Arc<ApplicationConfig>>,
     by_name: HashMap<String, Arc<ApplicationConfig>>,
     jwt: Option<JwtVerifier>,
-    /// Keys revoked at run time (`POST /admin/keys/revoke`; kept in the
-    /// store and loaded again at start).
+    /// Keys and token ids ([`jwt_id_digest`]) revoked at run time
+    /// (`POST /admin/keys/revoke`; kept in the store and loaded again at
+    /// start).
     revoked: std::sync::RwLock<std::collections::HashSet<[u8; 32]>>,
 }
 
@@ -31,6 +34,14 @@ fn auth_failed(msg: &str) -> GatewayError {
     GatewayError::new(ErrorCode::AuthFailed, msg)
 }
 
+/// What a revoked token id of `tenant` is recorded as: a digest in the same
+/// set (and store table) as revoked API keys. The tenant is part of it, so
+/// an admin revokes token ids of its own tenant only, and the prefix keeps
+/// it apart from the digest of any API key.
+pub fn jwt_id_digest(tenant: &str, jti: &str) -> [u8; 32] {
+    crate::config::hash_api_key(&format!("jwt-id\n{tenant}\n{jti}"))
+}
+
 impl Authenticator {
     pub fn new(cfg: &Config) -> Authenticator {
         let mut by_key = HashMap::new();
@@ -41,6 +52,18 @@ impl Authenticator {
                 by_key.insert(*k, app.clone());
             }
             by_name.insert(app.name.clone(), app);
+        }
+        if let Some(j) = &cfg.auth.jwt {
+            // Without them a token signed with the key is accepted whoever
+            // issued it and whoever it was meant for: fine for one issuer
+            // that mints tokens for edgeway alone, not for a shared one.
+            if j.issuer.is_none() || j.audience.is_none() {
+                tracing::warn!(
+                    issuer = j.issuer.is_some(),
+                    audience = j.audience.is_some(),
+                    "[auth.jwt] sets no issuer or no audience: tokens are not checked for it"
+                );
+            }
         }
         let jwt = cfg.auth.jwt.as_ref().map(|j| JwtVerifier {
             hs: j.hs256_secret.as_deref().and_then(|s| DecodingKey::from_secret(s).ok()),
@@ -81,7 +104,13 @@ impl Authenticator {
         .ok_or_else(|| auth_failed("token algorithm not accepted"))?;
         let mut v = Validation::new(header.alg);
         v.leeway = j.cfg.leeway_s;
-        v.set_required_spec_claims(&["exp"]);
+        v.validate_nbf = true;
+        // A configured issuer or audience is required, not only checked
+        // when the token happens to carry it.
+        let mut required = vec!["exp"];
+        required.extend(j.cfg.issuer.as_ref().map(|_| "iss"));
+        required.extend(j.cfg.audience.as_ref().map(|_| "aud"));
+        v.set_required_spec_claims(&required);
         match &j.cfg.issuer {
             Some(iss) => v.set_issuer(&[iss]),
             None => v.iss = None,
@@ -94,6 +123,9 @@ impl Authenticator {
             use jsonwebtoken::errors::ErrorKind;
             match e.kind() {
                 ErrorKind::ExpiredSignature => auth_failed("token expired"),
+                ErrorKind::ImmatureSignature => auth_failed("token not valid yet (nbf)"),
+                ErrorKind::MissingRequiredClaim(c) if c == "iss" => auth_failed("token names no issuer"),
+                ErrorKind::MissingRequiredClaim(c) if c == "aud" => auth_failed("token names no audience"),
                 ErrorKind::InvalidIssuer => auth_failed("token issuer not accepted"),
                 ErrorKind::InvalidAudience => auth_failed("token audience not accepted"),
                 _ => auth_failed("invalid token"),
@@ -111,7 +143,14 @@ impl Authenticator {
                 ));
             }
         }
-        Ok(identity(app, claim("sub"), None))
+        // A revoked token id is refused like a revoked key. The digest is
+        // the identity's credential, so revoking it also cancels the tasks
+        // the token submitted.
+        let jti = claim("jti").map(|jti| jwt_id_digest(&app.tenant, &jti));
+        if jti.is_some_and(|d| self.revoked.read().expect("revoked keys").contains(&d)) {
+            return Err(auth_failed("this token has been revoked"));
+        }
+        Ok(identity(app, claim("sub"), jti))
     }
 }
 
@@ -129,7 +168,8 @@ fn identity(app: &ApplicationConfig, user: Option<String>, credential: Option<[u
 }
 
 impl Authenticator {
-    /// Refuses the key from now on. Returns whether it was a known key.
+    /// Refuses the key (or token id digest) from now on. Returns whether it
+    /// was a known key.
     pub fn revoke(&self, digest: [u8; 32]) -> bool {
         self.revoked.write().expect("revoked keys").insert(digest);
         self.by_key.contains_key(&digest)
@@ -256,5 +296,59 @@ instances = ["e"]
         let mut other_tenant = claims(60);
         other_tenant["tenant"] = json!("acme");
         assert_eq!(code(a.authenticate(Some(&hs(&other_tenant)))), ErrorCode::PermissionDenied);
+    }
+
+    #[test]
+    fn not_before_is_checked_with_the_same_leeway_as_expiry() {
+        let a = Authenticator::new(&config());
+        let mut later = claims(7200);
+        later["nbf"] = json!(now() + 3600);
+        let e = a.authenticate(Some(&hs(&later))).unwrap_err();
+        assert_eq!((e.code, e.message.as_str()), (ErrorCode::AuthFailed, "token not valid yet (nbf)"));
+        // Within the leeway (30 s): clocks differ a little.
+        let mut soon = claims(7200);
+        soon["nbf"] = json!(now() + 10);
+        assert!(a.authenticate(Some(&hs(&soon))).is_ok());
+    }
+
+    #[test]
+    fn a_configured_issuer_and_audience_must_be_in_the_token() {
+        let a = Authenticator::new(&config());
+        for (claim, msg) in [("iss", "token names no issuer"), ("aud", "token names no audience")] {
+            let mut c = claims(60);
+            c.as_object_mut().unwrap().remove(claim);
+            for token in [hs(&c), rs(&c)] {
+                let e = a.authenticate(Some(&token)).unwrap_err();
+                assert_eq!((e.code, e.message.as_str()), (ErrorCode::AuthFailed, msg));
+            }
+        }
+    }
+
+    #[test]
+    fn a_revoked_token_id_is_refused_like_a_revoked_key_in_its_tenant_only() {
+        let a = Authenticator::new(&config());
+        let with_jti = |jti: &str| {
+            let mut c = claims(60);
+            c["jti"] = json!(jti);
+            hs(&c)
+        };
+        let id = a.authenticate(Some(&with_jti("t-1"))).unwrap();
+        assert_eq!(id.credential, Some(jwt_id_digest("demo", "t-1")), "its tasks can be found by it");
+        // Another tenant's id of the same name is another id.
+        a.revoke(jwt_id_digest("acme", "t-1"));
+        assert!(a.authenticate(Some(&with_jti("t-1"))).is_ok());
+        a.revoke(jwt_id_digest("demo", "t-1"));
+        for token in [with_jti("t-1"), {
+            let mut c = claims(60);
+            c["jti"] = json!("t-1");
+            rs(&c)
+        }] {
+            let e = a.authenticate(Some(&token)).unwrap_err();
+            assert_eq!((e.code, e.message.as_str()), (ErrorCode::AuthFailed, "this token has been revoked"));
+        }
+        assert!(a.authenticate(Some(&with_jti("t-2"))).is_ok());
+        assert!(a.authenticate(Some(&hs(&claims(60)))).is_ok(), "a token without jti");
+        assert!(a.reinstate(&jwt_id_digest("demo", "t-1")));
+        assert!(a.authenticate(Some(&with_jti("t-1"))).is_ok());
     }
 }

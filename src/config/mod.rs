@@ -115,6 +115,17 @@ pub struct HttpConfig {
     /// business port. They stay on `listen` too unless `admin_only` is set.
     pub admin_listen: Option<SocketAddr>,
     pub max_body_bytes: usize,
+    /// Open connections per listener (`listen`, `admin_listen`); beyond
+    /// them a new connection is answered 503 and closed.
+    pub max_connections: usize,
+    pub admin_max_connections: usize,
+    /// Time a client has to send a request's headers (HTTP/1.1 counts the
+    /// wait for the next request on a kept-alive connection as well).
+    pub header_read_timeout: std::time::Duration,
+    /// A connection with no bytes either way for this long is closed once
+    /// the request in progress, if any, has been answered; one whose
+    /// request body stopped arriving is closed at once.
+    pub idle_timeout: std::time::Duration,
 }
 
 #[derive(Debug, Clone)]

@@ -146,6 +146,10 @@ pub struct RawHttp {
     pub listen: Field<SocketAddr>,
     pub admin_listen: Option<Field<SocketAddr>>,
     pub max_body_bytes: usize,
+    pub max_connections: usize,
+    pub admin_max_connections: usize,
+    pub header_read_timeout_ms: u64,
+    pub idle_timeout_ms: u64,
 }
 
 impl Default for RawHttp {
@@ -154,6 +158,10 @@ impl Default for RawHttp {
             listen: Field::Valid(SocketAddr::from(([127, 0, 0, 1], 8080))),
             admin_listen: None,
             max_body_bytes: 4 * MIB,
+            max_connections: 1024,
+            admin_max_connections: 64,
+            header_read_timeout_ms: 10_000,
+            idle_timeout_ms: 60_000,
         }
     }
 }

@@ -351,11 +351,14 @@ fn defaults_are_the_documented_ones() {
     assert_eq!((j.stream.as_str(), j.max_age, j.max_bytes), ("EDGEWAY_EVENTS", Duration::from_secs(86_400), 1 << 30));
     assert_eq!(j.storage, JetStreamStorage::File);
 
-    let jwt = parse(&format!("{MINIMAL}\n[auth.jwt]\nhs256_secret_env = \"S\"\n"), &[("S", "sixteen-bytes-at-least")])
-        .unwrap()
-        .auth
-        .jwt
-        .unwrap();
+    let jwt = parse(
+        &format!("{MINIMAL}\n[auth.jwt]\nhs256_secret_env = \"S\"\n"),
+        &[("S", "thirty-two-bytes-at-the-very-least")],
+    )
+    .unwrap()
+    .auth
+    .jwt
+    .unwrap();
     assert_eq!((jwt.tenant_claim.as_str(), jwt.application_claim.as_str(), jwt.leeway_s), ("tenant", "app", 30));
 }
 
@@ -380,4 +383,30 @@ fn device_problems_are_reported_with_the_rest() {
     let ok = format!("{MINIMAL}\n[devices.cam-1]\ntenant = \"demo\"\napplication = \"demo\"\nmax_priority = \"P2\"\n");
     let d = &parse(&ok, &[]).unwrap().devices["cam-1"];
     assert_eq!((d.max_priority, d.default_priority, d.password_sha256), (Priority::P2, Priority::P2, None));
+}
+
+#[test]
+fn http_connection_limits_have_defaults_and_bounds() {
+    let c = parse(MINIMAL, &[]).unwrap();
+    assert_eq!((c.http.max_connections, c.http.admin_max_connections), (1024, 64));
+    assert_eq!((c.http.header_read_timeout, c.http.idle_timeout), (Duration::from_secs(10), Duration::from_secs(60)));
+    let text = format!(
+        "{MINIMAL}\n[http]\nmax_connections = 0\nadmin_max_connections = 0\n\
+         header_read_timeout_ms = 10\nidle_timeout_ms = 99999999\n"
+    );
+    let e = parse(&text, &[]).unwrap_err();
+    let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        ["http.max_connections", "http.admin_max_connections", "http.header_read_timeout_ms", "http.idle_timeout_ms"]
+    );
+}
+
+#[test]
+fn an_hs256_secret_has_at_least_32_bytes() {
+    let text = format!("{MINIMAL}\n[auth.jwt]\nhs256_secret_env = \"S\"\n");
+    let e = parse(&text, &[("S", &"x".repeat(31))]).unwrap_err();
+    assert_eq!(e.0[0].path, "auth.jwt.hs256_secret_env");
+    assert!(e.to_string().contains("at least 32 bytes"), "{e}");
+    assert!(parse(&text, &[("S", &"x".repeat(32))]).is_ok());
 }

@@ -145,7 +145,29 @@ fn http(raw: RawHttp, p: &mut Problems) -> Option<HttpConfig> {
     if raw.max_body_bytes < 1024 {
         p.add("http.max_body_bytes", "must be at least 1024");
     }
-    Some(HttpConfig { listen: listen?, admin_listen: admin_listen?, max_body_bytes: raw.max_body_bytes })
+    for (key, n) in
+        [("http.max_connections", raw.max_connections), ("http.admin_max_connections", raw.admin_max_connections)]
+    {
+        if n == 0 {
+            p.add(key, "must be at least 1");
+        }
+    }
+    for (key, ms) in
+        [("http.header_read_timeout_ms", raw.header_read_timeout_ms), ("http.idle_timeout_ms", raw.idle_timeout_ms)]
+    {
+        if !(100..=3_600_000).contains(&ms) {
+            p.add(key, "must be between 100 and 3600000 (one hour)");
+        }
+    }
+    Some(HttpConfig {
+        listen: listen?,
+        admin_listen: admin_listen?,
+        max_body_bytes: raw.max_body_bytes,
+        max_connections: raw.max_connections,
+        admin_max_connections: raw.admin_max_connections,
+        header_read_timeout: Duration::from_millis(raw.header_read_timeout_ms),
+        idle_timeout: Duration::from_millis(raw.idle_timeout_ms),
+    })
 }
 
 fn store(raw: RawStore, p: &mut Problems) -> StoreConfig {
@@ -330,9 +352,10 @@ fn auth(raw: RawAuth, env: &[(String, String)], base_dir: &Path, p: &mut Problem
 fn jwt(j: RawJwt, env: &[(String, String)], base_dir: &Path, p: &mut Problems) -> Option<JwtConfig> {
     let start = p.0.len();
     let hs256_secret = j.hs256_secret_env.as_deref().and_then(|var| match env_var(env, var) {
-        Some(v) if v.len() >= 16 => Some(v.as_bytes().to_vec()),
+        // 256 bits: HS256 is as strong as its secret (RFC 7518 §3.2).
+        Some(v) if v.len() >= 32 => Some(v.as_bytes().to_vec()),
         Some(_) => {
-            p.add("auth.jwt.hs256_secret_env", format!("${var} must hold at least 16 bytes"));
+            p.add("auth.jwt.hs256_secret_env", format!("${var} must hold at least 32 bytes"));
             None
         }
         None => {

@@ -77,6 +77,22 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// What the failure was, for a task's record and events, without any
+    /// of the engine's own text: an engine's error body may echo the
+    /// prompt or internal details (paths, addresses, versions), and the
+    /// record is returned to callers (`GET /v1/tasks/{id}`, events). The
+    /// text itself is logged at debug level only.
+    pub fn class(&self) -> String {
+        match self {
+            EngineError::Unreachable(_) => "engine not reachable".into(),
+            EngineError::ConnectionLost(_) => "engine connection closed before any answer".into(),
+            EngineError::Status { status, .. } => format!("engine answered {status}"),
+            EngineError::Remote(_) => "engine reported an error in its stream".into(),
+            EngineError::Protocol(_) => "engine broke the protocol".into(),
+            EngineError::Truncated => "engine stream ended before the answer was complete".into(),
+        }
+    }
+
     /// Whether the engine itself is likely unusable (so health should be
     /// re-checked), as opposed to this one request failing.
     pub fn is_unreachable(&self) -> bool {

@@ -19,7 +19,8 @@ use crate::engine::{truncate, EngineError, EngineRequest, EngineStream};
 use crate::error::{ErrorCode, GatewayError};
 
 /// An engine failure as the client sees it, with the reason for the record
-/// (the engine's own text stays in edgeway's record and logs).
+/// ([`EngineError::class`]: the record is shown to callers, so the engine's
+/// own text goes to the debug log only).
 #[derive(Debug)]
 pub struct DispatchError {
     pub error: GatewayError,
@@ -65,6 +66,7 @@ impl Router {
     }
 
     fn failed(&self, i: usize, e: EngineError, mid_stream: bool) -> DispatchError {
+        tracing::debug!(engine = %self.instance(i).name, error = %truncate(&e.to_string(), 500), mid_stream, "engine error");
         if e.is_unreachable() {
             self.request_recheck(i);
         }
@@ -105,7 +107,11 @@ impl Router {
         } else {
             GatewayError::internal("the engine failed before answering")
         };
-        DispatchError { error, reason: format!("engine error: {}", truncate(&e.to_string(), 200)), retryable }
+        let mut reason = e.class();
+        if attempt == Some(Attempt::OutOfMemory) {
+            reason.push_str(" (out of memory)");
+        }
+        DispatchError { error, reason, retryable }
     }
 }
 
@@ -168,13 +174,35 @@ mod tests {
 
     #[tokio::test]
     async fn other_failures_are_not_sent_again_and_map_to_public_codes() {
+        // Each engine text carries the prompt back, as engines' errors do.
         let cases = [
-            (EngineError::Unreachable("connection refused".into()), ErrorCode::ModelUnavailable),
-            (EngineError::Status { status: 503, body: "loading".into() }, ErrorCode::ModelUnavailable),
-            (EngineError::Status { status: 400, body: "bad".into() }, ErrorCode::InternalError),
-            (EngineError::Remote("oops".into()), ErrorCode::InternalError),
+            (
+                EngineError::Unreachable("refused: my secret prompt".into()),
+                ErrorCode::ModelUnavailable,
+                "engine not reachable",
+            ),
+            (
+                EngineError::Status { status: 503, body: "loading; my secret prompt".into() },
+                ErrorCode::ModelUnavailable,
+                "engine answered 503",
+            ),
+            (
+                EngineError::Status { status: 400, body: "bad: my secret prompt".into() },
+                ErrorCode::InternalError,
+                "engine answered 400",
+            ),
+            (
+                EngineError::Status { status: 500, body: "CUDA out of memory at my secret prompt".into() },
+                ErrorCode::InternalError,
+                "engine answered 500 (out of memory)",
+            ),
+            (
+                EngineError::Remote("oops: my secret prompt".into()),
+                ErrorCode::InternalError,
+                "engine reported an error in its stream",
+            ),
         ];
-        for (err, code) in cases {
+        for (err, code, reason) in cases {
             let text = err.to_string();
             let unreachable = err.is_unreachable();
             let engine = Arc::new(Scripted::streams(vec![Err(err)]));
@@ -185,9 +213,10 @@ mod tests {
             assert_eq!(rechecked, unreachable, "{text}");
             assert_eq!(e.error.code, code, "{text}");
             assert_eq!(engine.sent.load(Ordering::SeqCst), 1, "{text}");
-            // The engine's text is for the record, never for the client.
-            assert!(e.reason.contains(&text), "{}", e.reason);
-            assert!(!e.error.message.contains(&text), "{}", e.error.message);
+            // The engine's text is for the debug log only: the record is
+            // shown to callers too.
+            assert_eq!(e.reason, reason, "{text}");
+            assert!(!e.error.message.contains("secret"), "{}", e.error.message);
         }
     }
 

@@ -16,7 +16,7 @@ import urllib.request
 import httpx
 import pytest
 
-from conftest import DEMO_KEY, EDGEWAY_BIN, LLAMA_BIN, MODEL, Proc, free_port, slots, wait_http
+from conftest import DEMO_KEY, EDGEWAY_BIN, LLAMA_BIN, MODEL, OPS_KEY, Proc, free_port, slots, wait_http
 
 # A prompt of some 270 tokens: its prefill keeps a request on the engine a
 # while before its first token, so a kill finds requests in both states.
@@ -41,6 +41,12 @@ tenant = "demo"
 api_key_sha256 = ["8c3a625c4e78630afa8fcb625fac7823bbd6589aba01957c3eb8afc8ff83bd1b"]
 max_priority = "P1"
 default_priority = "P2"
+[applications.ops]
+tenant = "demo"
+api_key_sha256 = ["f8774f8bd241508434c3a5ffd8c869c2afad898211c5007971c23c38d4e8db7f"]
+max_priority = "P0"
+default_priority = "P1"
+admin = true
 {engines}
 [models.general-chat]
 instances = ["llama-a", "llama-b"]
@@ -197,16 +203,23 @@ class Load:
             return list(self.outcomes)
 
 
+def admin_get(url):
+    """GET an operational endpoint: on the business port, /metrics and the
+    details of /ready need an admin application's key."""
+    return urllib.request.urlopen(
+        urllib.request.Request(url, headers={"Authorization": f"Bearer {OPS_KEY}"}), timeout=5)
+
+
 def get_json(url):
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with admin_get(url) as r:
             return json.load(r)
     except urllib.error.HTTPError as e:  # 503 while a model has no healthy instance
         return json.load(e)
 
 
 def metric(base, name, label):
-    text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+    text = admin_get(base + "/metrics").read().decode()
     for line in text.splitlines():
         if line.startswith(f"{name}{{") and f'"{label}"' in line:
             return float(line.rsplit(" ", 1)[1])

@@ -39,7 +39,9 @@ def wait_bus(edgeway) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            with urllib.request.urlopen(edgeway.url + "/ready", timeout=5) as r:
+            # The details (nats among them) need an admin key on this port.
+            req = urllib.request.Request(edgeway.url + "/ready", headers={"Authorization": f"Bearer {OPS_KEY}"})
+            with urllib.request.urlopen(req, timeout=5) as r:
                 ready = json.load(r)
         except urllib.error.HTTPError as e:
             assert e.code == 503, e

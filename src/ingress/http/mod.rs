@@ -3,13 +3,15 @@
 //!
 //! Owns: routes, the OpenAI wire format (chunks, SSE, error bodies), where
 //! HTTP carries a credential (`caller.rs`), the mapping of errors to
-//! responses (`errors.rs`) and client disconnects (dropping a response drops
-//! its task stream, which cancels the task). Does not own: authentication,
+//! responses (`errors.rs`), client disconnects (dropping a response drops
+//! its task stream, which cancels the task) and connections: caps,
+//! header and idle timeouts, graceful shutdown (`listener.rs`). Does not own: authentication,
 //! validation, ownership of tasks or scheduling (the gateway facade).
 
 mod caller;
 mod chat;
 mod errors;
+mod listener;
 mod tasks;
 
 use std::net::SocketAddr;
@@ -20,14 +22,15 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
+use axum::Extension;
 use axum::{Json, Router};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::Gateway;
-use caller::Caller;
+use caller::{Caller, Credential};
 use errors::ApiError;
 
 type AppState = Arc<Gateway>;
@@ -46,15 +49,40 @@ fn business_routes(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Operational endpoints: probes and metrics.
-fn admin_routes(state: AppState) -> Router {
+/// Operational endpoints: probes and metrics. On the business port
+/// (`guarded`), reachable by anyone who can reach the API, `/metrics` and
+/// the details of `/ready` (instances, queues, breakers, the bus) need an
+/// admin application's credential: they describe the deployment and its
+/// load. `/health` and the bare `/ready` status stay open for load
+/// balancers. On `admin_listen`, a port for the operator's network only,
+/// all of it is open.
+fn admin_routes(state: AppState, guarded: bool) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/admin/keys/revoke", post(revoke_key))
         .route("/admin/keys/reinstate", post(reinstate_key))
+        .layer(Extension(OpsGuard(guarded)))
         .with_state(state)
+}
+
+/// Whether the operational endpoints need an admin credential.
+#[derive(Clone, Copy)]
+struct OpsGuard(bool);
+
+/// Whether `cred` may see operational details: always when unguarded;
+/// else only an admin application (401 for a bad credential, 403 for
+/// another application's, and `Ok(false)` for none at all).
+fn ops_access(gw: &Gateway, guard: OpsGuard, cred: Option<&str>) -> Result<bool, ApiError> {
+    if !guard.0 {
+        return Ok(true);
+    }
+    let Some(cred) = cred else { return Ok(false) };
+    if !gw.authenticate(Some(cred))?.is_admin {
+        return Err(GatewayError::new(ErrorCode::PermissionDenied, "admin applications only").into());
+    }
+    Ok(true)
 }
 
 /// Binds the listeners and serves until `shutdown`. Returns the bound
@@ -65,10 +93,16 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> anyhow::Result<(SocketAddr, Option<SocketAddr>)> {
     let cfg = &gw.config().http;
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
+    let metrics = listener::HttpMetrics::new(&gw.metrics().registry);
+    let limits = |max_connections| listener::Limits {
+        max_connections,
+        header_read_timeout: cfg.header_read_timeout,
+        idle_timeout: cfg.idle_timeout,
+    };
+    let main = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {} (http.listen): {e}", cfg.listen))?;
-    let addr = listener.local_addr()?;
+    let addr = main.local_addr()?;
     let mut app = business_routes(gw.clone());
     let admin_addr = match cfg.admin_listen {
         Some(a) => {
@@ -76,36 +110,24 @@ pub async fn serve(
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot listen on {a} (http.admin_listen): {e}"))?;
             let admin_addr = l.local_addr()?;
-            let admin = admin_routes(gw.clone());
-            let sd = shutdown.clone();
-            let l = l.tap_io(no_delay);
-            tracker.spawn(async move {
-                if let Err(e) = axum::serve(l, admin).with_graceful_shutdown(sd.cancelled_owned()).await {
-                    tracing::error!(error = %e, "admin listener failed");
-                }
-            });
+            let admin = admin_routes(gw.clone(), false);
+            tracker.spawn(listener::run(
+                "admin",
+                l,
+                admin,
+                limits(cfg.admin_max_connections),
+                metrics.clone(),
+                shutdown.clone(),
+            ));
             Some(admin_addr)
         }
         None => {
-            app = app.merge(admin_routes(gw.clone()));
+            app = app.merge(admin_routes(gw.clone(), true));
             None
         }
     };
-    // Tokens are small writes: without TCP_NODELAY, Nagle's algorithm and
-    // delayed ACKs hold them back for up to 40 ms.
-    let listener = listener.tap_io(no_delay);
-    tracker.spawn(async move {
-        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await {
-            tracing::error!(error = %e, "HTTP listener failed");
-        }
-    });
+    tracker.spawn(listener::run("main", main, app, limits(cfg.max_connections), metrics, shutdown));
     Ok((addr, admin_addr))
-}
-
-fn no_delay(tcp: &mut tokio::net::TcpStream) {
-    if let Err(e) = tcp.set_nodelay(true) {
-        tracing::debug!(error = %e, "cannot set TCP_NODELAY");
-    }
 }
 
 async fn not_found() -> ApiError {
@@ -139,9 +161,19 @@ async fn health() -> Response {
 }
 
 /// Ready when the store answers and every logical model has a healthy
-/// instance. 503 otherwise, with the details.
-async fn ready(State(gw): State<AppState>) -> Result<Response, ApiError> {
+/// instance. 503 otherwise. The details come with it where the caller may
+/// see them ([`ops_access`]); else the body is `{"ready": …}` alone.
+async fn ready(
+    State(gw): State<AppState>,
+    Extension(guard): Extension<OpsGuard>,
+    Credential(cred): Credential,
+) -> Result<Response, ApiError> {
+    let detailed = ops_access(&gw, guard, cred.as_deref())?;
     let r = gw.readiness().await?;
+    let status = if r.ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    if !detailed {
+        return Ok((status, Json(json!({ "ready": r.ready }))).into_response());
+    }
     let body = json!({
         "ready": r.ready,
         "store": r.store_state(),
@@ -153,7 +185,6 @@ async fn ready(State(gw): State<AppState>) -> Result<Response, ApiError> {
         // Reported, but readiness does not depend on the bus.
         "nats": r.bus,
     });
-    let status = if r.ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     Ok((status, Json(body)).into_response())
 }
 
@@ -172,6 +203,17 @@ async fn reinstate_key(State(gw): State<AppState>, Caller(who): Caller, body: By
     Ok(Json(json!({ "revoked": false, "was_revoked": was })).into_response())
 }
 
-async fn metrics(State(gw): State<AppState>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], gw.render_metrics()).into_response()
+async fn metrics(
+    State(gw): State<AppState>,
+    Extension(guard): Extension<OpsGuard>,
+    Credential(cred): Credential,
+) -> Result<Response, ApiError> {
+    if !ops_access(&gw, guard, cred.as_deref())? {
+        return Err(GatewayError::new(
+            ErrorCode::AuthFailed,
+            "metrics on this port need an admin application's key (or set http.admin_listen)",
+        )
+        .into());
+    }
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], gw.render_metrics()).into_response())
 }

@@ -1,0 +1,488 @@
+//! The connection loop of one HTTP listener (business or admin port): what
+//! `axum::serve` does, plus the limits a hostile client must meet.
+//!
+//! Owns: accepting (pausing with a growing back-off when `accept` fails,
+//! e.g. at the descriptor limit, instead of spinning), the connection cap
+//! (beyond it a new connection gets a 503 `RESOURCE_EXHAUSTED` and is
+//! closed), the header read timeout (a client that has not sent a whole
+//! request head in time is disconnected: slowloris), the idle timeout, and
+//! graceful shutdown (stop accepting, let every request in progress be
+//! answered, close). Does not own: routes or anything a request means (the
+//! axum router it is given).
+//!
+//! The idle timeout never cuts an answer in progress: a connection with no
+//! bytes either way for `idle_timeout` is shut down gracefully, which for
+//! HTTP/1.1 closes it at once only between requests, and for HTTP/2 sends
+//! GOAWAY and lets open streams finish. A streamed answer waiting for its
+//! first token (no bytes for a while) is therefore answered in full. Only a
+//! request whose body stopped arriving (a slow POST: the client, not
+//! edgeway, is the one to wait for) is cut.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use bytes::Bytes;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::error::{ErrorCode, GatewayError};
+
+/// The limits of one listener.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+}
+
+/// Connections being refused (waiting for the request, then for the client
+/// to read the 503) at once, per listener; beyond this a connection over
+/// the cap is closed without an answer (the client sees a reset), so a
+/// flood of refusals holds a bounded number of descriptors, each for at
+/// most `REFUSAL_LINGER`.
+const REFUSING_AT_ONCE: usize = 256;
+/// How long a refused connection may take to send its request and read
+/// the 503.
+const REFUSAL_LINGER: Duration = Duration::from_secs(2);
+/// Pauses after a failed `accept`: the first, and the most it grows to.
+const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(10);
+const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
+
+/// The listener metrics, labelled by listener (`main`, `admin`).
+#[derive(Clone)]
+pub struct HttpMetrics {
+    /// Connections open now.
+    pub open: IntGaugeVec,
+    /// Connections refused at the cap.
+    pub refused: IntCounterVec,
+    /// Connections closed by edgeway, by reason (`header_timeout`, `idle`,
+    /// `body_timeout`, `shutdown`).
+    pub closed: IntCounterVec,
+    /// `accept` failures (descriptor limit, out of memory), each followed by
+    /// a pause.
+    pub accept_errors: IntCounterVec,
+}
+
+impl HttpMetrics {
+    pub fn new(registry: &Registry) -> HttpMetrics {
+        fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: T) -> T {
+            // A second gateway in one process (tests) has its own registry;
+            // a failure here only means the metric is already there.
+            let _ = r.register(Box::new(c.clone()));
+            c
+        }
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            reg(registry, IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"))
+        };
+        HttpMetrics {
+            open: reg(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new("http_connections_open", "Open HTTP connections, by listener"),
+                    &["listener"],
+                )
+                .expect("valid metric"),
+            ),
+            refused: counter(
+                "http_connections_refused_total",
+                "HTTP connections refused at the listener's connection cap",
+                &["listener"],
+            ),
+            closed: counter(
+                "http_connections_closed_total",
+                "HTTP connections closed by edgeway, by listener and reason (header_timeout, idle, body_timeout, shutdown)",
+                &["listener", "reason"],
+            ),
+            accept_errors: counter(
+                "http_accept_errors_total",
+                "Failed accepts (e.g. at the descriptor limit), each followed by a pause",
+                &["listener"],
+            ),
+        }
+    }
+}
+
+/// Where connections come from: a TCP listener, or a fake in tests.
+pub trait Accept: Send + 'static {
+    type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    fn accept(&mut self) -> impl Future<Output = io::Result<Self::Io>> + Send;
+}
+
+impl Accept for tokio::net::TcpListener {
+    type Io = tokio::net::TcpStream;
+
+    async fn accept(&mut self) -> io::Result<tokio::net::TcpStream> {
+        let (tcp, _) = tokio::net::TcpListener::accept(self).await?;
+        // Tokens are small writes: without TCP_NODELAY, Nagle's algorithm
+        // and delayed ACKs hold them back for up to 40 ms.
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+        Ok(tcp)
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown`, then waits for the open
+/// connections to finish their requests.
+pub async fn run<L: Accept>(
+    name: &'static str,
+    mut listener: L,
+    app: Router,
+    limits: Limits,
+    metrics: HttpMetrics,
+    shutdown: CancellationToken,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let refusing = Arc::new(Semaphore::new(REFUSING_AT_ONCE));
+    let refusal = Arc::new(refusal_response());
+    let conns = TaskTracker::new();
+    let mut pause = ACCEPT_PAUSE_MIN;
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            r = listener.accept() => r,
+        };
+        let io = match accepted {
+            Ok(io) => {
+                pause = ACCEPT_PAUSE_MIN;
+                io
+            }
+            // The peer gave up before we accepted: nothing to do.
+            Err(e) if is_connection_error(&e) => continue,
+            Err(e) => {
+                // EMFILE/ENFILE/ENOMEM: the pending connection stays in the
+                // backlog and `accept` would fail again at once. Pause, so
+                // closing connections can free descriptors meanwhile.
+                metrics.accept_errors.with_label_values(&[name]).inc();
+                tracing::error!(listener = name, error = %e, pause_ms = pause.as_millis() as u64,
+                    "cannot accept an HTTP connection; pausing");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                pause = (pause * 2).min(ACCEPT_PAUSE_MAX);
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            metrics.refused.with_label_values(&[name]).inc();
+            if let Ok(r) = refusing.clone().try_acquire_owned() {
+                let refusal = refusal.clone();
+                conns.spawn(async move {
+                    refuse(io, &refusal).await;
+                    drop(r);
+                });
+            }
+            continue;
+        };
+        let (app, metrics, shutdown) = (app.clone(), metrics.clone(), shutdown.clone());
+        conns.spawn(async move {
+            let open = metrics.open.with_label_values(&[name]);
+            open.inc();
+            if let Some(reason) = serve_connection(io, app, limits, shutdown).await {
+                metrics.closed.with_label_values(&[name, reason]).inc();
+            }
+            open.dec();
+            drop(slot);
+        });
+    }
+    drop(listener);
+    conns.close();
+    conns.wait().await;
+}
+
+fn is_connection_error(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
+    )
+}
+
+/// The whole HTTP/1.1 answer to a connection over the cap.
+fn refusal_response() -> Vec<u8> {
+    let e = GatewayError::new(ErrorCode::ResourceExhausted, "too many open connections; retry shortly")
+        .with_retry_after(1000);
+    let body = serde_json::json!({ "error": super::errors::error_object(&e) }).to_string();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Writes the 503 and closes. The answer waits for the client's first
+/// bytes (an HTTP client treats an answer before its request as a broken
+/// connection, not as an answer); what the client sends is read and
+/// discarded until it closes, for a moment, because closing a socket with
+/// unread input resets it and the client would lose the answer.
+async fn refuse<Io: AsyncRead + AsyncWrite + Unpin>(mut io: Io, answer: &[u8]) {
+    let _ = tokio::time::timeout(REFUSAL_LINGER, async {
+        let mut sink = [0u8; 4096];
+        if io.read(&mut sink).await? == 0 {
+            return Ok(());
+        }
+        io.write_all(answer).await?;
+        io.shutdown().await?;
+        while io.read(&mut sink).await? > 0 {}
+        Ok::<_, io::Error>(())
+    })
+    .await;
+}
+
+/// Serves one connection to its end. Returns why edgeway closed it, when it
+/// did (`header_timeout`, `idle`, `body_timeout`, `shutdown`).
+async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    io: Io,
+    app: Router,
+    limits: Limits,
+    shutdown: CancellationToken,
+) -> Option<&'static str> {
+    let start = Instant::now();
+    let activity = Arc::new(Activity { start, last_ms: AtomicU64::new(0) });
+    let io = TokioIo::new(Watched { inner: io, activity: activity.clone() });
+    // Whether a request head has arrived. hyper's HTTP/1 header timeout
+    // starts only once it knows the protocol; a client that sends nothing,
+    // or part of the HTTP/2 preface, is bounded by this instead.
+    let first_request = Arc::new(AtomicBool::new(false));
+    // Request bodies being received: a client that stops sending one is
+    // not waiting for us, so the idle timeout cuts it.
+    let bodies = Arc::new(AtomicUsize::new(0));
+    let svc = {
+        let (first_request, bodies) = (first_request.clone(), bodies.clone());
+        let inner = TowerToHyperService::new(app);
+        hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+            first_request.store(true, Ordering::Relaxed);
+            let req = req.map(|b| WatchedBody::new(b, &bodies));
+            hyper::service::Service::call(&inner, req)
+        })
+    };
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);
+    builder.http2().timer(TokioTimer::new());
+    let conn = builder.serve_connection(io, svc);
+    tokio::pin!(conn);
+    let mut closing = None;
+    loop {
+        let deadline = if !first_request.load(Ordering::Relaxed) {
+            start + limits.header_read_timeout
+        } else {
+            activity.last() + limits.idle_timeout
+        };
+        tokio::select! {
+            r = conn.as_mut() => {
+                return match r {
+                    Err(e) if is_header_timeout(&*e) => Some("header_timeout"),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "HTTP connection ended with an error");
+                        closing
+                    }
+                    Ok(()) => closing,
+                };
+            }
+            _ = shutdown.cancelled(), if closing.is_none() => {
+                if !first_request.load(Ordering::Relaxed) {
+                    // Nothing asked yet (hyper would wait for a half-sent
+                    // first head): nothing to finish.
+                    return Some("shutdown");
+                }
+                closing = Some("shutdown");
+                conn.as_mut().graceful_shutdown();
+            }
+            _ = tokio::time::sleep_until(deadline), if closing.is_none() => {
+                if !first_request.load(Ordering::Relaxed) {
+                    // Dropping the connection closes the socket.
+                    return Some("header_timeout");
+                }
+                if Instant::now() >= activity.last() + limits.idle_timeout {
+                    if bodies.load(Ordering::Relaxed) > 0 {
+                        // A request body stalled (slow POST): closing
+                        // gracefully would wait for it for ever.
+                        return Some("body_timeout");
+                    }
+                    closing = Some("idle");
+                    conn.as_mut().graceful_shutdown();
+                }
+            }
+        }
+    }
+}
+
+fn is_header_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_timeout)
+}
+
+/// A request body, counted in its connection's `bodies` until it has been
+/// received in full (or dropped).
+struct WatchedBody {
+    inner: Incoming,
+    receiving: Option<Receiving>,
+}
+
+struct Receiving(Arc<AtomicUsize>);
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl WatchedBody {
+    fn new(inner: Incoming, bodies: &Arc<AtomicUsize>) -> WatchedBody {
+        let receiving = (!inner.is_end_stream()).then(|| {
+            bodies.fetch_add(1, Ordering::Relaxed);
+            Receiving(bodies.clone())
+        });
+        WatchedBody { inner, receiving }
+    }
+}
+
+impl Body for WatchedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(r, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) || self.inner.is_end_stream() {
+            self.receiving = None;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// When a connection last moved a byte either way.
+struct Activity {
+    start: Instant,
+    /// Milliseconds since `start`.
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    fn touch(&self) {
+        self.last_ms.store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Instant {
+        self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
+    }
+}
+
+/// A connection's I/O, recording when bytes move.
+struct Watched<Io> {
+    inner: Io,
+    activity: Arc<Activity>,
+}
+
+impl<Io: AsyncRead + Unpin> AsyncRead for Watched<Io> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.activity.touch();
+        }
+        r
+    }
+}
+
+impl<Io: AsyncWrite + Unpin> AsyncWrite for Watched<Io> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A listener at the descriptor limit: every accept fails with EMFILE.
+    struct Exhausted(Arc<AtomicUsize>);
+
+    impl Accept for Exhausted {
+        type Io = tokio::io::DuplexStream;
+
+        async fn accept(&mut self) -> io::Result<tokio::io::DuplexStream> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Err(io::Error::from_raw_os_error(24)) // EMFILE
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failing_accepts_pause_instead_of_spinning() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let registry = Registry::new();
+        let metrics = HttpMetrics::new(&registry);
+        let shutdown = CancellationToken::new();
+        let limits = Limits {
+            max_connections: 4,
+            header_read_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
+        };
+        let task = tokio::spawn(run(
+            "main",
+            Exhausted(calls.clone()),
+            Router::new(),
+            limits,
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+        // Five seconds of (virtual) time: pauses of 10, 20, 40 … ms, then
+        // 1 s each, are 11 accepts; a loop without pauses makes millions.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let n = calls.load(Ordering::Relaxed);
+        assert!((8..=14).contains(&n), "{n} accepts in 5 s");
+        assert_eq!(metrics.accept_errors.with_label_values(&["main"]).get() as usize, n);
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+}
