@@ -221,3 +221,16 @@ async fn a_client_that_stops_reading_its_stream_is_cut_after_the_idle_timeout() 
     drop(s);
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn http2_without_tls_is_still_served() {
+    let engine = FakeEngine::start().await;
+    let gw = gateway(&engine, "header_read_timeout_ms = 400\nidle_timeout_ms = 400").await;
+    gw.wait_ready().await;
+    edgeway::tls::install_default_provider();
+    let h2 = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    let r = h2.post(format!("{}/v1/chat/completions", gw.base_url)).bearer_auth(DEMO_KEY).json(&chat_body(false));
+    let r = r.send().await.unwrap();
+    assert_eq!((r.version(), r.status().as_u16()), (reqwest::Version::HTTP_2, 200));
+    gw.stop().await;
+}
