@@ -195,3 +195,42 @@ async fn a_request_body_that_stops_arriving_is_cut_after_the_idle_timeout() {
     assert_eq!(metric(&gw, "edgeway_http_connections_closed_total{listener=\"main\",reason=\"body_timeout\"}"), 1.0);
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn a_client_that_stops_reading_its_stream_is_cut_after_the_idle_timeout() {
+    // Some 25 MB of answer: more than the socket buffers hold.
+    let engine =
+        FakeEngine::start_with(Knobs { tokens: 256, token_text: "x".repeat(100_000), ..Knobs::default() }).await;
+    let gw = gateway(&engine, "header_read_timeout_ms = 400\nidle_timeout_ms = 400").await;
+    gw.wait_ready().await;
+    let mut s = TcpStream::connect(addr(&gw)).await.unwrap();
+    let body = chat_body(true).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {DEMO_KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    // Never read: the answer backs up until edgeway's writes block.
+    let reason = "edgeway_http_connections_closed_total{listener=\"main\",reason=\"write_timeout\"}";
+    until(&gw, "the connection cut", |gw| metric(gw, reason) == 1.0).await;
+    assert_eq!(metric(&gw, OPEN), 0.0);
+    // Its task was cancelled: the engine stops generating for nobody.
+    let aborted = engine.wait_for(Duration::from_secs(5), |s| s.aborted.load(std::sync::atomic::Ordering::SeqCst) == 1);
+    assert!(aborted.await, "the engine still generates");
+    drop(s);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn http2_without_tls_is_still_served() {
+    let engine = FakeEngine::start().await;
+    let gw = gateway(&engine, "header_read_timeout_ms = 400\nidle_timeout_ms = 400").await;
+    gw.wait_ready().await;
+    edgeway::tls::install_default_provider();
+    let h2 = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    let r = h2.post(format!("{}/v1/chat/completions", gw.base_url)).bearer_auth(DEMO_KEY).json(&chat_body(false));
+    let r = r.send().await.unwrap();
+    assert_eq!((r.version(), r.status().as_u16()), (reqwest::Version::HTTP_2, 200));
+    gw.stop().await;
+}

@@ -124,7 +124,8 @@ pub struct HttpConfig {
     pub header_read_timeout: std::time::Duration,
     /// A connection with no bytes either way for this long is closed once
     /// the request in progress, if any, has been answered; one whose
-    /// request body stopped arriving is closed at once.
+    /// request body stopped arriving, or whose client stopped reading its
+    /// answer, is closed at once.
     pub idle_timeout: std::time::Duration,
 }
 

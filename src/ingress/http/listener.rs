@@ -14,9 +14,10 @@
 //! bytes either way for `idle_timeout` is shut down gracefully, which for
 //! HTTP/1.1 closes it at once only between requests, and for HTTP/2 sends
 //! GOAWAY and lets open streams finish. A streamed answer waiting for its
-//! first token (no bytes for a while) is therefore answered in full. Only a
-//! request whose body stopped arriving (a slow POST: the client, not
-//! edgeway, is the one to wait for) is cut.
+//! first token (no bytes for a while) is therefore answered in full. Only
+//! where the client is the one to wait for is the connection cut: a request
+//! body that stopped arriving (slow POST), or an answer the client stopped
+//! reading (slow read; its task is cancelled, freeing the engine).
 
 use std::future::Future;
 use std::io;
@@ -70,7 +71,7 @@ pub struct HttpMetrics {
     /// Connections refused at the cap.
     pub refused: IntCounterVec,
     /// Connections closed by edgeway, by reason (`header_timeout`, `idle`,
-    /// `body_timeout`, `shutdown`).
+    /// `body_timeout`, `write_timeout`, `shutdown`).
     pub closed: IntCounterVec,
     /// `accept` failures (descriptor limit, out of memory), each followed by
     /// a pause.
@@ -104,7 +105,7 @@ impl HttpMetrics {
             ),
             closed: counter(
                 "http_connections_closed_total",
-                "HTTP connections closed by edgeway, by listener and reason (header_timeout, idle, body_timeout, shutdown)",
+                "HTTP connections closed by edgeway, by listener and reason (header_timeout, idle, body_timeout, write_timeout, shutdown)",
                 &["listener", "reason"],
             ),
             accept_errors: counter(
@@ -245,7 +246,8 @@ async fn refuse<Io: AsyncRead + AsyncWrite + Unpin>(mut io: Io, answer: &[u8]) {
 }
 
 /// Serves one connection to its end. Returns why edgeway closed it, when it
-/// did (`header_timeout`, `idle`, `body_timeout`, `shutdown`).
+/// did (`header_timeout`, `idle`, `body_timeout`, `write_timeout`,
+/// `shutdown`).
 async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     io: Io,
     app: Router,
@@ -253,7 +255,7 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     shutdown: CancellationToken,
 ) -> Option<&'static str> {
     let start = Instant::now();
-    let activity = Arc::new(Activity { start, last_ms: AtomicU64::new(0) });
+    let activity = Arc::new(Activity { start, last_ms: AtomicU64::new(0), write_blocked: AtomicBool::new(false) });
     let io = TokioIo::new(Watched { inner: io, activity: activity.clone() });
     // Whether a request head has arrived. hyper's HTTP/1 header timeout
     // starts only once it knows the protocol; a client that sends nothing,
@@ -277,11 +279,15 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     let conn = builder.serve_connection(io, svc);
     tokio::pin!(conn);
     let mut closing = None;
+    // When the idle check last found nothing to cut: the next one is an
+    // idle timeout later, also while a graceful close is under way (a
+    // client may stop reading or sending after it began).
+    let mut checked = start;
     loop {
         let deadline = if !first_request.load(Ordering::Relaxed) {
             start + limits.header_read_timeout
         } else {
-            activity.last() + limits.idle_timeout
+            activity.last().max(checked) + limits.idle_timeout
         };
         tokio::select! {
             r = conn.as_mut() => {
@@ -303,19 +309,29 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
                 closing = Some("shutdown");
                 conn.as_mut().graceful_shutdown();
             }
-            _ = tokio::time::sleep_until(deadline), if closing.is_none() => {
+            _ = tokio::time::sleep_until(deadline) => {
                 if !first_request.load(Ordering::Relaxed) {
                     // Dropping the connection closes the socket.
                     return Some("header_timeout");
                 }
-                if Instant::now() >= activity.last() + limits.idle_timeout {
+                let now = Instant::now();
+                if now >= activity.last() + limits.idle_timeout {
+                    if activity.write_blocked.load(Ordering::Relaxed) {
+                        // An answer waits for a client that stopped reading
+                        // (slow read): it would hold the connection, and
+                        // its task an engine slot, for ever.
+                        return Some("write_timeout");
+                    }
                     if bodies.load(Ordering::Relaxed) > 0 {
                         // A request body stalled (slow POST): closing
                         // gracefully would wait for it for ever.
                         return Some("body_timeout");
                     }
-                    closing = Some("idle");
-                    conn.as_mut().graceful_shutdown();
+                    if closing.is_none() {
+                        closing = Some("idle");
+                        conn.as_mut().graceful_shutdown();
+                    }
+                    checked = now;
                 }
             }
         }
@@ -377,6 +393,9 @@ struct Activity {
     start: Instant,
     /// Milliseconds since `start`.
     last_ms: AtomicU64,
+    /// A write is waiting for the client to read (the socket's buffer is
+    /// full).
+    write_blocked: AtomicBool,
 }
 
 impl Activity {
@@ -406,12 +425,22 @@ impl<Io: AsyncRead + Unpin> AsyncRead for Watched<Io> {
     }
 }
 
+impl<Io> Watched<Io> {
+    fn wrote(&self, r: &Poll<io::Result<usize>>) {
+        let blocked = r.is_pending();
+        if self.activity.write_blocked.load(Ordering::Relaxed) != blocked {
+            self.activity.write_blocked.store(blocked, Ordering::Relaxed);
+        }
+        if matches!(r, Poll::Ready(Ok(n)) if *n > 0) {
+            self.activity.touch();
+        }
+    }
+}
+
 impl<Io: AsyncWrite + Unpin> AsyncWrite for Watched<Io> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
-        }
+        self.wrote(&r);
         r
     }
 
@@ -421,9 +450,7 @@ impl<Io: AsyncWrite + Unpin> AsyncWrite for Watched<Io> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
-        }
+        self.wrote(&r);
         r
     }
 
