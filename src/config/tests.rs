@@ -365,3 +365,16 @@ fn device_problems_are_reported_with_the_rest() {
     let d = &parse(&ok, &[]).unwrap().devices["cam-1"];
     assert_eq!((d.max_priority, d.default_priority, d.password_sha256), (Priority::P2, Priority::P2, None));
 }
+
+#[test]
+fn device_password_hashes_must_be_argon2_phc_strings() {
+    let dev = |line: &str| format!("{MINIMAL}\n[devices.cam-1]\ntenant = \"demo\"\napplication = \"demo\"\n{line}\n");
+    let e = parse(&dev("password_hash = \"5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8\""), &[])
+        .unwrap_err();
+    assert!(e.to_string().contains("devices.cam-1.password_hash"), "{e}");
+    let phc = "$argon2id$v=19$m=19456,t=2,p=1$c2FsdHNhbHRzYWx0$Q2nd7vTfEcHG/eFu9jcSbAh4+fcBJhoTY4ue/Ac0O3E";
+    let d = &parse(&dev(&format!("password_hash = \"{phc}\"")), &[]).unwrap().devices["cam-1"];
+    assert_eq!(d.password_hash.as_deref(), Some(phc));
+    let both = format!("password_hash = \"{phc}\"\npassword_sha256 = \"{}\"", "ab".repeat(32));
+    assert!(parse(&dev(&both), &[]).unwrap_err().to_string().contains("not both"));
+}
