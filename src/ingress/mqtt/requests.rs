@@ -19,7 +19,8 @@
 //! task of its own, in order (a cancel after its request). A device with
 //! [`DEVICE_INBOX`] requests and resumes waiting gets `RATE_LIMITED` for
 //! more; cancels are always taken, up to [`DEVICE_INBOX_HARD`] messages.
-//! Resumes are paid for from a per-device byte budget (see
+//! Resumes (and repeats of a request, which send its stream again from the
+//! start) are paid for from a per-device byte budget (see
 //! [`ResumeBudget`]), so a small message cannot replay megabytes over and
 //! over.
 
@@ -233,6 +234,16 @@ fn device_key(mount: &str, key: &str) -> String {
     h.update([0]);
     h.update(key.as_bytes());
     format!("{DEVICE_KEY_PREFIX}{}", &hex::encode(h.finalize())[..40])
+}
+
+/// A resume (or a repeat sent again from the start) the device's resume
+/// budget cannot pay now.
+fn resumed_too_much(wait_ms: u64) -> GatewayError {
+    GatewayError::new(
+        ErrorCode::RateLimited,
+        format!("this device replayed too much at once; resume or repeat again in {wait_ms} ms"),
+    )
+    .with_retry_after(wait_ms)
 }
 
 fn valid_id(s: &str) -> bool {
@@ -518,6 +529,10 @@ impl DeviceIngress {
             // (or the final result, when it is over).
             self.metrics.inbound.with_label_values(&["repeat"]).inc();
             if existing.active_sender_epoch() != Some(epoch) {
+                // Sent again from the start: paid like a resume from 0.
+                if let Err(wait_ms) = self.sessions.charge_resume(device, existing.backlog_bytes(0)) {
+                    return self.refuse(device, Some(&rid), &props, 0, resumed_too_much(wait_ms));
+                }
                 *existing.destination.lock().expect("destination") = dest;
                 streams::start_sender(&existing, 0, epoch, self.out.clone(), &self.tracker, &self.shutdown);
             }
@@ -576,12 +591,7 @@ impl DeviceIngress {
         }
         if let Err(wait_ms) = self.sessions.charge_resume(device, stream.backlog_bytes(from)) {
             outcome("rate_limited");
-            let e = GatewayError::new(
-                ErrorCode::RateLimited,
-                format!("this device resumed too much at once; resume again in {wait_ms} ms"),
-            )
-            .with_retry_after(wait_ms);
-            return self.refuse(device, Some(&rid), &props, from, e);
+            return self.refuse(device, Some(&rid), &props, from, resumed_too_much(wait_ms));
         }
         outcome("ok");
         if props.as_ref().is_some_and(|p| p.response_topic.is_some() || p.correlation_data.is_some()) {
