@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! device ─TCP/TLS/WS─▶ DeviceProtocol ─▶ rumqttd router ─▶ edgeway's link ─▶ requests ─▶ Gateway::submit
-//!        (auth, mount d/{id}/…)                                   ▲                        │
+//!   (auth, mount d/{tenant}/{id}/…)                                   ▲                        │
 //!                                                                 └── senders ◀── pumps ◀──┘ (TaskStream)
 //! ```
 //!
