@@ -378,3 +378,11 @@ fn device_password_hashes_must_be_argon2_phc_strings() {
     let both = format!("password_hash = \"{phc}\"\npassword_sha256 = \"{}\"", "ab".repeat(32));
     assert!(parse(&dev(&both), &[]).unwrap_err().to_string().contains("not both"));
 }
+
+#[test]
+fn the_resume_budget_has_a_default_and_a_floor() {
+    let m = parse(&format!("{MINIMAL}\n[mqtt]\n"), &[]).unwrap().mqtt.unwrap();
+    assert_eq!(m.resume_replay_bytes_per_s, 64 * 1024);
+    let e = parse(&format!("{MINIMAL}\n[mqtt]\nresume_replay_bytes_per_s = 10\n"), &[]).unwrap_err();
+    assert!(e.to_string().contains("mqtt.resume_replay_bytes_per_s"), "{e}");
+}
