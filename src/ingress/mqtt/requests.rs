@@ -17,8 +17,10 @@
 //! messages into per-device inboxes ([`DeviceIngress::dispatch`], no await,
 //! so the reader keeps up with the router's log); each inbox is worked by a
 //! task of its own, in order (a cancel after its request). A device with
-//! [`DEVICE_INBOX`] requests and resumes waiting gets `RATE_LIMITED` for
-//! more; cancels are always taken, up to [`DEVICE_INBOX_HARD`] messages.
+//! [`DEVICE_INBOX`] requests and resumes waiting (or
+//! [`DEVICE_INBOX_REQUESTS_OF_BYTES`] × `max_request_bytes` of payload) gets
+//! `RATE_LIMITED` for more; cancels are always taken, up to
+//! [`DEVICE_INBOX_HARD`] messages.
 //! Resumes (and repeats of a request, which send its stream again from the
 //! start) are paid for from a per-device byte budget (see
 //! [`ResumeBudget`]), so a small message cannot replay megabytes over and
@@ -192,6 +194,12 @@ pub const DEVICE_INBOX: usize = 64;
 /// Messages of any kind (cancels included) that may wait in one device's
 /// inbox; more are dropped and counted.
 pub const DEVICE_INBOX_HARD: usize = 1024;
+/// Payload bytes that may wait in one device's inbox, in units of
+/// `max_request_bytes`; more are answered `RATE_LIMITED`.
+pub const DEVICE_INBOX_REQUESTS_OF_BYTES: usize = 4;
+/// The largest cancel taken (`{"request_id": …}` is far smaller); bigger
+/// ones are dropped unread.
+pub const MAX_CANCEL_BYTES: usize = 4096;
 
 /// One message for a device's inbox.
 pub struct Message {
@@ -200,13 +208,36 @@ pub struct Message {
     props: Option<PublishProperties>,
 }
 
-/// A device's inbox: its messages in order, and how many wait.
+/// What waits in a device's inbox: messages, of those the requests and
+/// resumes, and their payload bytes.
+#[derive(Default)]
+struct Waiting {
+    all: AtomicUsize,
+    work: AtomicUsize,
+    bytes: AtomicUsize,
+}
+
+impl Waiting {
+    fn add(&self, m: &Message, sign: bool) {
+        let op = |a: &AtomicUsize, n: usize| {
+            if sign {
+                a.fetch_add(n, Ordering::SeqCst)
+            } else {
+                a.fetch_sub(n, Ordering::SeqCst)
+            }
+        };
+        op(&self.all, 1);
+        op(&self.bytes, m.payload.len());
+        if m.kind != Inbound::Cancel {
+            op(&self.work, 1);
+        }
+    }
+}
+
+/// A device's inbox: its messages in order, and what waits.
 struct Inbox {
     tx: mpsc::UnboundedSender<Message>,
-    /// Messages sent and not yet handled, and of those the requests and
-    /// resumes.
-    waiting: Arc<AtomicUsize>,
-    waiting_work: Arc<AtomicUsize>,
+    waiting: Arc<Waiting>,
 }
 
 /// The MQTT ingress behind edgeway's link to the broker.
@@ -398,40 +429,44 @@ impl DeviceIngress {
     /// waits: the link's reader must keep up with the router's log.
     pub fn dispatch(self: &Arc<Self>, topic: &str, payload: Bytes, props: Option<PublishProperties>) {
         let Some((device, kind)) = self.topics.parse_inbound(topic) else { return };
-        let work = kind != Inbound::Cancel;
+        if kind == Inbound::Cancel && payload.len() > MAX_CANCEL_BYTES {
+            self.metrics.overflow.inc();
+            tracing::info!(device, bytes = payload.len(), "MQTT: an oversized cancel dropped unread");
+            return;
+        }
+        let m = Message { kind, payload, props };
         let mut g = self.inboxes.lock().expect("inboxes");
         let inbox = g.entry(device.to_string()).or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
-            let inbox =
-                Inbox { tx, waiting: Arc::new(AtomicUsize::new(0)), waiting_work: Arc::new(AtomicUsize::new(0)) };
-            let (waiting, waiting_work) = (inbox.waiting.clone(), inbox.waiting_work.clone());
-            self.tracker.spawn(self.clone().work_inbox(device.to_string(), rx, waiting, waiting_work));
+            let inbox = Inbox { tx, waiting: Arc::new(Waiting::default()) };
+            self.tracker.spawn(self.clone().work_inbox(device.to_string(), rx, inbox.waiting.clone()));
             inbox
         });
-        let waiting = inbox.waiting.load(Ordering::SeqCst);
-        if waiting >= DEVICE_INBOX_HARD || (work && inbox.waiting_work.load(Ordering::SeqCst) >= DEVICE_INBOX) {
+        let w = &inbox.waiting;
+        let all = w.all.load(Ordering::SeqCst);
+        let full_of_work = w.work.load(Ordering::SeqCst) >= DEVICE_INBOX
+            || w.bytes.load(Ordering::SeqCst) + m.payload.len()
+                > DEVICE_INBOX_REQUESTS_OF_BYTES * self.cfg.max_request_bytes;
+        if all >= DEVICE_INBOX_HARD || (m.kind != Inbound::Cancel && full_of_work) {
             drop(g);
             self.metrics.overflow.inc();
-            if work && waiting < DEVICE_INBOX_HARD {
-                let label = if kind == Inbound::Request { "req" } else { "resume" };
-                self.metrics.inbound.with_label_values(&[label]).inc();
-                let e = GatewayError::new(
-                    ErrorCode::RateLimited,
-                    format!("this device has {DEVICE_INBOX} messages waiting to be handled; send fewer at once"),
-                )
-                .with_retry_after(1000);
-                // No time to parse the payload here.
-                return self.refuse(device, scan_request_id(&payload).as_deref(), &props, 0, e);
+            if m.kind == Inbound::Cancel || all >= DEVICE_INBOX_HARD {
+                tracing::warn!(device, "MQTT: a device's inbox is full; message dropped");
+                return;
             }
-            tracing::warn!(device, "MQTT: a device's inbox is full; message dropped");
-            return;
+            let label = if m.kind == Inbound::Request { "req" } else { "resume" };
+            self.metrics.inbound.with_label_values(&[label]).inc();
+            let e = GatewayError::new(
+                ErrorCode::RateLimited,
+                "this device has too many messages waiting to be handled; send fewer at once",
+            )
+            .with_retry_after(1000);
+            // No time to parse the payload here.
+            return self.refuse(device, scan_request_id(&m.payload).as_deref(), &m.props, 0, e);
         }
-        inbox.waiting.fetch_add(1, Ordering::SeqCst);
-        if work {
-            inbox.waiting_work.fetch_add(1, Ordering::SeqCst);
-        }
+        w.add(&m, true);
         // The receiver lives until the entry is removed (under this lock).
-        let _ = inbox.tx.send(Message { kind, payload, props });
+        let _ = inbox.tx.send(m);
     }
 
     /// Handles a device's messages in order, then leaves once its inbox is
@@ -440,19 +475,16 @@ impl DeviceIngress {
         self: Arc<Self>,
         device: String,
         mut rx: mpsc::UnboundedReceiver<Message>,
-        waiting: Arc<AtomicUsize>,
-        waiting_work: Arc<AtomicUsize>,
+        waiting: Arc<Waiting>,
     ) {
         loop {
             while let Ok(m) = rx.try_recv() {
-                let work = m.kind != Inbound::Cancel;
+                // Counted out before it is handled (its payload is then
+                // owned by the handler).
+                waiting.add(&m, false);
                 tokio::select! {
                     _ = self.shutdown.cancelled() => return,
                     _ = self.on_message(&device, m) => {}
-                }
-                waiting.fetch_sub(1, Ordering::SeqCst);
-                if work {
-                    waiting_work.fetch_sub(1, Ordering::SeqCst);
                 }
             }
             let mut g = self.inboxes.lock().expect("inboxes");
