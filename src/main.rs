@@ -1,4 +1,4 @@
-//! The `edgeway` command: `serve`, `check-config`, `hash-key`.
+//! The `edgeway` command: `serve`, `check-config`, `hash-key`, `hash-password`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,6 +25,8 @@ enum Cmd {
     CheckConfig { file: PathBuf },
     /// Print the SHA-256 digest of an API key, for `api_key_sha256`.
     HashKey { key: String },
+    /// Print a salted Argon2id hash of a device password, for `[devices.ID] password_hash`.
+    HashPassword { password: String },
 }
 
 fn main() -> ExitCode {
@@ -42,6 +44,10 @@ fn main() -> ExitCode {
         },
         Cmd::HashKey { key } => {
             println!("{}", hex::encode(edgeway::config::hash_api_key(&key)));
+            ExitCode::SUCCESS
+        }
+        Cmd::HashPassword { password } => {
+            println!("{}", edgeway::ingress::mqtt::auth::hash_password(&password));
             ExitCode::SUCCESS
         }
         Cmd::Serve { config } => {

@@ -77,6 +77,10 @@ pub fn parse_body(bytes: &[u8]) -> Result<ChatRequestBody, GatewayError> {
 
 const MAX_ID_LEN: usize = 128;
 
+/// Idempotency keys with this prefix are the MQTT ingress's (one per device
+/// and request); other callers' keys may not start with it.
+pub const DEVICE_KEY_PREFIX: &str = "mqtt-";
+
 fn check_id(name: &str, v: &str) -> Result<(), GatewayError> {
     if v.is_empty() || v.len() > MAX_ID_LEN || !v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c)) {
         return Err(GatewayError::invalid(format!(
@@ -175,6 +179,14 @@ pub fn admit(
     check_id("request_id", &request_id)?;
     if let Some(k) = &body.idempotency_key {
         check_id("idempotency_key", k)?;
+        // The device key space: only the MQTT ingress makes such keys (from
+        // the device and its request id), so no other caller can claim a
+        // device's future key.
+        if ingress != Ingress::Mqtt && k.starts_with(DEVICE_KEY_PREFIX) {
+            return Err(GatewayError::invalid(format!(
+                "idempotency keys starting with '{DEVICE_KEY_PREFIX}' are reserved for MQTT devices"
+            )));
+        }
     }
     if let Some(s) = &body.session_id {
         check_id("session_id", s)?;

@@ -49,6 +49,9 @@ pub struct MqttConfig {
     pub replay_max_bytes: usize,
     /// Byte budget of one stream's kept messages; older ones are dropped.
     pub stream_replay_max_bytes: usize,
+    /// What a device's resumes may replay, per second (a budget of bytes,
+    /// full at `stream_replay_max_bytes`); more is refused `RATE_LIMITED`.
+    pub resume_replay_bytes_per_s: usize,
     /// Bytes kept per subscription filter in the broker's in-memory log
     /// (what a slow subscriber can lag behind before it misses messages).
     pub filter_log_bytes: usize,
@@ -68,8 +71,12 @@ pub struct DeviceConfig {
     pub tenant: String,
     /// The application whose rights and quotas the device's requests use.
     pub application: String,
-    /// SHA-256 of the device password; `None`: only a JWT is accepted.
+    /// SHA-256 of the device password (deprecated: unsalted; see
+    /// `password_hash`).
     pub password_sha256: Option<[u8; 32]>,
+    /// Argon2 PHC string of the device password (`edgeway hash-password`).
+    /// Neither this nor `password_sha256`: only a JWT is accepted.
+    pub password_hash: Option<String>,
     pub max_priority: Priority,
     pub default_priority: Priority,
     /// The least strict data class of the device's calls.
@@ -96,6 +103,7 @@ pub struct RawMqtt {
     pub replay_retention_ms: u64,
     pub replay_max_bytes: usize,
     pub stream_replay_max_bytes: usize,
+    pub resume_replay_bytes_per_s: usize,
     pub filter_log_bytes: usize,
 }
 
@@ -119,6 +127,7 @@ impl Default for RawMqtt {
             replay_retention_ms: 300_000,
             replay_max_bytes: 64 * 1024 * 1024,
             stream_replay_max_bytes: 1024 * 1024,
+            resume_replay_bytes_per_s: 64 * 1024,
             filter_log_bytes: 256 * 1024,
         }
     }
@@ -130,6 +139,7 @@ pub struct RawDevice {
     pub tenant: Field<String>,
     pub application: Field<String>,
     pub password_sha256: Option<String>,
+    pub password_hash: Option<String>,
     /// Default: its application's.
     pub max_priority: Option<Field<PriorityName>>,
     /// Default: its application's, or `max_priority` if that is less urgent.
@@ -200,6 +210,9 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
     if raw.stream_replay_max_bytes > raw.replay_max_bytes {
         p.add("mqtt.stream_replay_max_bytes", "must not exceed replay_max_bytes");
     }
+    if raw.resume_replay_bytes_per_s < 1024 {
+        p.add("mqtt.resume_replay_bytes_per_s", "must be at least 1024");
+    }
     if raw.filter_log_bytes < 4096 {
         p.add("mqtt.filter_log_bytes", "must be at least 4096");
     }
@@ -219,6 +232,7 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
         replay_retention: Duration::from_millis(raw.replay_retention_ms),
         replay_max_bytes: raw.replay_max_bytes,
         stream_replay_max_bytes: raw.stream_replay_max_bytes,
+        resume_replay_bytes_per_s: raw.resume_replay_bytes_per_s,
         filter_log_bytes: raw.filter_log_bytes,
     })
 }
@@ -262,6 +276,24 @@ fn device(id: &str, d: RawDevice, applications: &Entries<ApplicationConfig>, p: 
             digest.map(Some)
         }
     };
+    let password_hash = match d.password_hash {
+        None => Some(None),
+        Some(_) if d.password_sha256.is_some() => {
+            p.add(format!("{path}.password_hash"), "set password_hash or password_sha256, not both");
+            None
+        }
+        Some(h) => {
+            let argon2 = argon2::password_hash::PasswordHash::new(&h)
+                .is_ok_and(|ph| ["argon2id", "argon2i", "argon2d"].contains(&ph.algorithm.as_str()));
+            if !argon2 {
+                p.add(
+                    format!("{path}.password_hash"),
+                    "must be an Argon2 PHC string ($argon2id$…); `edgeway hash-password PASSWORD` prints one",
+                );
+            }
+            argon2.then_some(Some(h))
+        }
+    };
     let max_priority = optional(d.max_priority, &format!("{path}.max_priority"), p);
     let default_priority = optional(d.default_priority, &format!("{path}.default_priority"), p);
     let data_class = optional(d.data_class, &format!("{path}.data_class"), p);
@@ -290,6 +322,7 @@ fn device(id: &str, d: RawDevice, applications: &Entries<ApplicationConfig>, p: 
         tenant: tenant?,
         application: app.name.clone(),
         password_sha256: password_sha256?,
+        password_hash: password_hash?,
         max_priority,
         default_priority,
         data_class: data_class?,

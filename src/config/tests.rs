@@ -410,3 +410,24 @@ fn an_hs256_secret_has_at_least_32_bytes() {
     assert!(e.to_string().contains("at least 32 bytes"), "{e}");
     assert!(parse(&text, &[("S", &"x".repeat(32))]).is_ok());
 }
+
+#[test]
+fn device_password_hashes_must_be_argon2_phc_strings() {
+    let dev = |line: &str| format!("{MINIMAL}\n[devices.cam-1]\ntenant = \"demo\"\napplication = \"demo\"\n{line}\n");
+    let e = parse(&dev("password_hash = \"5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8\""), &[])
+        .unwrap_err();
+    assert!(e.to_string().contains("devices.cam-1.password_hash"), "{e}");
+    let phc = "$argon2id$v=19$m=19456,t=2,p=1$c2FsdHNhbHRzYWx0$Q2nd7vTfEcHG/eFu9jcSbAh4+fcBJhoTY4ue/Ac0O3E";
+    let d = &parse(&dev(&format!("password_hash = \"{phc}\"")), &[]).unwrap().devices["cam-1"];
+    assert_eq!(d.password_hash.as_deref(), Some(phc));
+    let both = format!("password_hash = \"{phc}\"\npassword_sha256 = \"{}\"", "ab".repeat(32));
+    assert!(parse(&dev(&both), &[]).unwrap_err().to_string().contains("not both"));
+}
+
+#[test]
+fn the_resume_budget_has_a_default_and_a_floor() {
+    let m = parse(&format!("{MINIMAL}\n[mqtt]\n"), &[]).unwrap().mqtt.unwrap();
+    assert_eq!(m.resume_replay_bytes_per_s, 64 * 1024);
+    let e = parse(&format!("{MINIMAL}\n[mqtt]\nresume_replay_bytes_per_s = 10\n"), &[]).unwrap_err();
+    assert!(e.to_string().contains("mqtt.resume_replay_bytes_per_s"), "{e}");
+}

@@ -42,6 +42,7 @@ use crate::telemetry::Metrics;
 // What ingresses need of the layers below, offered here so that they import
 // only the facade.
 pub use crate::admission::request::RequestTimeouts;
+pub use crate::admission::request::DEVICE_KEY_PREFIX;
 /// For an ingress that authenticates at connect time with rules of its own
 /// (MQTT devices may present a JWT).
 pub use crate::admission::Authenticator;

@@ -345,6 +345,19 @@ impl Device {
         }
     }
 
+    /// Messages until the connection ends; returns them and why it ended.
+    /// Panics if it is still open after the usual wait.
+    pub async fn until_closed(&mut self) -> (Vec<Msg>, String) {
+        let mut msgs = Vec::new();
+        loop {
+            match self.next_ev().await {
+                Ev::Msg(m) => msgs.push(m),
+                Ev::Closed(why) => return (msgs, why),
+                _ => {}
+            }
+        }
+    }
+
     /// Whatever messages have arrived by now, without waiting.
     pub fn drain(&mut self) -> Vec<Msg> {
         let mut out: Vec<Msg> = std::mem::take(&mut self.pending)

@@ -1,9 +1,34 @@
 //! Device authentication at CONNECT: the client id names the device, the
 //! user name must repeat it, and the password is the device's password
-//! (compared by SHA-256 digest) or a JWT whose `sub` is the device.
+//! (checked against its salted, slow hash) or a JWT whose `sub` is the
+//! device.
+//!
+//! - **Passwords**: `[devices.ID] password_hash` is an Argon2 PHC string
+//!   (`edgeway hash-password` prints one). The older `password_sha256`
+//!   (an unsalted digest) is still accepted, with a warning at start. A
+//!   password that passed the slow check is remembered (as its SHA-256, in
+//!   memory only), so a device that reconnects does not pay it again; a
+//!   wrong one always does.
+//! - **One tenant per device id**: a registered device belongs to its
+//!   configured tenant (a JWT for it must name that tenant's application);
+//!   a device id that only JWTs name is bound to the tenant of the first
+//!   token accepted for it, and refused for any other tenant until edgeway
+//!   restarts. The binding is kept in memory only: what a device leaves in
+//!   edgeway's MQTT layer (sessions, streams, wills, the router's topics)
+//!   is in memory too and gone after a restart, and its tasks and
+//!   idempotency keys in the store are per tenant anyway. Register a device
+//!   in the config to pin its tenant for good.
+//! - **Token expiry**: a JWT's `exp` is the end of the connection's
+//!   authority ([`Login::expires_at`]); see [`expired`].
+//!
+//! Owns: credentials, the tenant binding. Does not own: what a refusal
+//! looks like on the wire (`codec`), the connection's life (`protocol`).
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use argon2::Argon2;
 use sha2::{Digest, Sha256};
 
 use crate::config::mqtt::valid_device_id;
@@ -32,10 +57,60 @@ impl Refusal {
     }
 }
 
-/// The registered devices and the JWT verifier.
+/// An accepted CONNECT.
+#[derive(Debug, Clone)]
+pub struct Login<'a> {
+    /// The device id (from the client id).
+    pub device: &'a str,
+    /// Who its requests run as.
+    pub identity: Identity,
+    /// Unix ms when the credential stops being valid (a JWT's `exp`);
+    /// `None` for a password.
+    pub expires_at: Option<i64>,
+}
+
+/// Whether a connection's credential has expired by now (`expires_at` from
+/// [`Login`]). A connection past it may not do anything more: the codec
+/// ends it at its next packet either way (MQTT 5 DISCONNECT 0xA0 when
+/// edgeway writes), and the ingress refuses its requests and stops
+/// sending. A device must send something at least every keep-alive, so an
+/// idle connection ends within its keep-alive of the expiry.
+pub fn expired(expires_at: Option<i64>) -> bool {
+    expires_at.is_some_and(|at| crate::task::now_ms() >= at)
+}
+
+/// The MQTT 5 DISCONNECT sent to a connection whose credential expired.
+pub fn expired_disconnect() -> rumqttd::protocol::Packet {
+    use rumqttd::protocol::{Disconnect, DisconnectProperties, DisconnectReasonCode, Packet};
+    // With properties: rumqttd 0.20 writes a wrong remaining length for a
+    // reason code without them.
+    let props = DisconnectProperties {
+        session_expiry_interval: None,
+        reason_string: Some("the token has expired".into()),
+        user_properties: Vec::new(),
+        server_reference: None,
+    };
+    Packet::Disconnect(Disconnect { reason_code: DisconnectReasonCode::MaximumConnectTime }, Some(props))
+}
+
+/// An Argon2id PHC string of a device password, for `[devices.ID]
+/// password_hash` (`edgeway hash-password`).
+pub fn hash_password(password: &str) -> String {
+    let salt = SaltString::generate(&mut argon2::password_hash::rand_core::OsRng);
+    Argon2::default().hash_password(password.as_bytes(), &salt).expect("argon2 with default parameters").to_string()
+}
+
+/// The registered devices, the JWT verifier and the tenant bindings.
 pub struct DeviceDirectory {
     devices: HashMap<String, DeviceConfig>,
     jwt: Option<Authenticator>,
+    /// The JWT leeway, ms: a token is valid until `exp` plus this, as at
+    /// CONNECT.
+    leeway_ms: i64,
+    /// The tenant each JWT-only device id was first accepted for.
+    tenants: Mutex<HashMap<String, String>>,
+    /// SHA-256 of the password that last passed a device's slow check.
+    verified: Mutex<HashMap<String, [u8; 32]>>,
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -44,9 +119,22 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 impl DeviceDirectory {
     pub fn new(cfg: &Config) -> DeviceDirectory {
+        for d in cfg.devices.values() {
+            if d.password_hash.is_none() && d.password_sha256.is_some() {
+                tracing::warn!(
+                    device = %d.id,
+                    "devices.{}.password_sha256 is an unsalted digest and is deprecated: \
+                     replace it with password_hash (`edgeway hash-password PASSWORD`)",
+                    d.id
+                );
+            }
+        }
         DeviceDirectory {
             devices: cfg.devices.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             jwt: cfg.auth.jwt.as_ref().map(|_| Authenticator::new(cfg)),
+            leeway_ms: cfg.auth.jwt.as_ref().map_or(0, |j| j.leeway_s as i64 * 1000),
+            tenants: Mutex::new(HashMap::new()),
+            verified: Mutex::new(HashMap::new()),
         }
     }
 
@@ -71,32 +159,59 @@ impl DeviceDirectory {
         client_id: &'a str,
         user: Option<&str>,
         password: &str,
-    ) -> Result<(&'a str, Identity), Refusal> {
+    ) -> Result<Login<'a>, Refusal> {
         let Some(device) = Self::device_of(client_id) else { return Err(Refusal::ClientIdNotValid) };
-        self.authenticate_device(device, user, password).map(|id| (device, id))
+        let (identity, expires_at) = self.authenticate_device(device, user, password)?;
+        Ok(Login { device, identity, expires_at })
     }
 
-    fn authenticate_device(&self, client_id: &str, user: Option<&str>, password: &str) -> Result<Identity, Refusal> {
+    fn password_ok(&self, d: &DeviceConfig, password: &str) -> bool {
+        let digest: [u8; 32] = Sha256::digest(password.as_bytes()).into();
+        if let Some(phc) = &d.password_hash {
+            if self.verified.lock().expect("verified").get(&d.id).is_some_and(|v| constant_time_eq(v, &digest)) {
+                return true;
+            }
+            // Validated when the config was loaded. Slow on purpose: on a
+            // multi-thread runtime the worker's other tasks move elsewhere
+            // meanwhile (the codec calling this cannot await).
+            let verify = || {
+                PasswordHash::new(phc).is_ok_and(|h| Argon2::default().verify_password(password.as_bytes(), &h).is_ok())
+            };
+            let multi_thread = tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+            let ok = if multi_thread { tokio::task::block_in_place(verify) } else { verify() };
+            if ok {
+                self.verified.lock().expect("verified").insert(d.id.clone(), digest);
+            }
+            return ok;
+        }
+        d.password_sha256.as_ref().is_some_and(|want| constant_time_eq(&digest, want))
+    }
+
+    fn authenticate_device(
+        &self,
+        client_id: &str,
+        user: Option<&str>,
+        password: &str,
+    ) -> Result<(Identity, Option<i64>), Refusal> {
         // The credentials belong to one device: the user name must be it.
         if user != Some(client_id) {
             return Err(Refusal::BadCredentials);
         }
         let device = self.devices.get(client_id);
         if let Some(d) = device {
-            if let Some(want) = &d.password_sha256 {
-                let got: [u8; 32] = Sha256::digest(password.as_bytes()).into();
-                if constant_time_eq(&got, want) {
-                    return Ok(Identity {
-                        tenant: d.tenant.clone(),
-                        application: d.application.clone(),
-                        user_id: Some(client_id.to_string()),
-                        max_priority: d.max_priority,
-                        default_priority: d.default_priority,
-                        is_admin: false,
-                        credential: None,
-                        data_class: d.data_class,
-                    });
-                }
+            if self.password_ok(d, password) {
+                let id = Identity {
+                    tenant: d.tenant.clone(),
+                    application: d.application.clone(),
+                    user_id: Some(client_id.to_string()),
+                    max_priority: d.max_priority,
+                    default_priority: d.default_priority,
+                    is_admin: false,
+                    credential: None,
+                    data_class: d.data_class,
+                };
+                return Ok((id, None));
             }
         }
         // A JWT as the password: `sub` must be this device.
@@ -107,17 +222,66 @@ impl DeviceDirectory {
                     return Err(Refusal::BadCredentials);
                 }
                 if let Some(d) = device {
-                    if d.application != id.application {
+                    if d.application != id.application || d.tenant != id.tenant {
                         return Err(Refusal::BadCredentials);
                     }
                     id.max_priority = id.max_priority.max(d.max_priority);
                     id.default_priority = id.default_priority.max(d.default_priority);
                     id.data_class = d.data_class;
+                } else {
+                    self.bind(client_id, &id.tenant)?;
                 }
                 id.is_admin = false;
-                return Ok(id);
+                return Ok((id, token_expiry(password).map(|at| at + self.leeway_ms)));
             }
         }
         Err(Refusal::BadCredentials)
+    }
+
+    /// Binds a JWT-only device id to `tenant`, or refuses it if it is bound
+    /// to another.
+    fn bind(&self, device: &str, tenant: &str) -> Result<(), Refusal> {
+        let mut g = self.tenants.lock().expect("tenants");
+        match g.get(device) {
+            Some(t) if t != tenant => {
+                tracing::warn!(device, "MQTT CONNECT refused: the device id is bound to another tenant");
+                Err(Refusal::BadCredentials)
+            }
+            Some(_) => Ok(()),
+            None => {
+                g.insert(device.to_string(), tenant.to_string());
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The `exp` of a token the authenticator has just verified (so its
+/// claims can be read without checking the signature again), in unix ms.
+fn token_expiry(token: &str) -> Option<i64> {
+    let claims = jsonwebtoken::dangerous::insecure_decode_claims::<serde_json::Map<String, serde_json::Value>>(token);
+    let exp = claims.ok()?.get("exp")?.as_f64()?;
+    Some((exp * 1000.0) as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn password_hashes_are_salted_and_verify() {
+        let (a, b) = (hash_password("pw"), hash_password("pw"));
+        assert_ne!(a, b, "salted");
+        assert!(a.starts_with("$argon2id$"));
+        let h = PasswordHash::new(&a).unwrap();
+        assert!(Argon2::default().verify_password(b"pw", &h).is_ok());
+        assert!(Argon2::default().verify_password(b"px", &h).is_err());
+    }
+
+    #[test]
+    fn expiry() {
+        assert!(!expired(None));
+        assert!(expired(Some(crate::task::now_ms() - 1)));
+        assert!(!expired(Some(crate::task::now_ms() + 60_000)));
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! device ─TCP/TLS/WS─▶ DeviceProtocol ─▶ rumqttd router ─▶ edgeway's link ─▶ requests ─▶ Gateway::submit
-//!        (auth, mount d/{id}/…)                                   ▲                        │
+//!   (auth, mount d/{tenant}/{id}/…)                                   ▲                        │
 //!                                                                 └── senders ◀── pumps ◀──┘ (TaskStream)
 //! ```
 //!
@@ -20,7 +20,15 @@
 //! - [`topics`]: device-view and router-view topic names.
 //! - [`requests`]: requests, cancels, resumes, disconnect policy.
 //! - [`streams`]: per-request response streams (coalescing, replay).
-//! - [`auth`]: device credentials.
+//! - [`auth`]: device credentials, the tenant a device id belongs to.
+//!
+//! edgeway's own link to the router: a reader ([`link_loop`]) that only
+//! sorts device messages into per-device inboxes, so it keeps up with the
+//! router's log (a reader that falls behind it is skipped ahead by rumqttd
+//! without a word: the reader sees the gap in the log offsets, logs it and
+//! counts it in `mqtt_link_skipped_total`); and a writer thread
+//! ([`Publisher`]) that hands edgeway's publishes to the router, so a full
+//! router channel blocks that thread, never a runtime worker.
 //!
 //! Owns: the broker, device sessions and the MQTT rendering of task events.
 //! Does not own: admission, queues or engines (everything goes through
@@ -37,17 +45,17 @@ pub mod streams;
 pub mod topics;
 pub mod wills;
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::FutureExt;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use rumqttd::local::{LinkRx, LinkTx};
 use rumqttd::protocol::{Packet, Publish, PublishProperties};
 use rumqttd::Notification;
 use serde_json::json;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -75,8 +83,15 @@ pub struct MqttMetrics {
     pub bytes_out: IntCounter,
     /// Requests answered with an error before they became a task, by code.
     pub rejected: IntCounterVec,
-    /// Resumes, by outcome (`ok`, `unknown`, `out_of_range`).
+    /// Resumes, by outcome (`ok`, `unknown`, `out_of_range`,
+    /// `rate_limited`).
     pub resumes: IntCounterVec,
+    /// Messages the router skipped on edgeway's link (it fell further
+    /// behind than the link's log; or a message expired in the log).
+    pub link_skipped: IntCounter,
+    /// Device messages refused or dropped because the device's inbox was
+    /// full.
+    pub overflow: IntCounter,
 }
 
 impl MqttMetrics {
@@ -106,19 +121,72 @@ impl MqttMetrics {
             ),
             rejected: vec("mqtt_rejected_total", "Device requests refused before they became a task", "code"),
             resumes: vec("mqtt_resumes_total", "Stream resumes, by outcome", "outcome"),
+            link_skipped: reg(
+                registry,
+                IntCounter::new("mqtt_link_skipped_total", "Device messages the broker skipped on edgeway's link")
+                    .expect("valid metric"),
+            ),
+            overflow: reg(
+                registry,
+                IntCounter::new("mqtt_inbox_overflow_total", "Device messages refused or dropped: device inbox full")
+                    .expect("valid metric"),
+            ),
         }
     }
 }
 
-/// edgeway's publishing end of its link to the router.
+/// Publishes edgeway sends that may wait in [`Publisher`]'s queue for the
+/// writer thread; a stream sender waits for room beyond it.
+const PUBLISH_QUEUE: usize = 4096;
+
+/// One publish on its way to the router, with the queue room it holds.
+struct Outgoing {
+    packet: Packet,
+    /// Held until the router has the packet.
+    room: Option<OwnedSemaphorePermit>,
+}
+
+/// edgeway's publishing end of its link to the router. The link's `send`
+/// blocks its thread while the router's channel is full, so a thread of
+/// its own does the sending; publishers only queue.
 pub struct Publisher {
-    tx: Mutex<LinkTx>,
+    queue: std::sync::mpsc::Sender<Outgoing>,
+    room: Arc<Semaphore>,
+    closed: Arc<AtomicBool>,
     metrics: MqttMetrics,
 }
 
 impl Publisher {
+    /// Starts the writer thread of `tx`. It ends when the publisher is
+    /// dropped or the router is gone.
+    pub fn start(tx: LinkTx, metrics: MqttMetrics) -> std::io::Result<Publisher> {
+        let (queue, rx) = std::sync::mpsc::channel();
+        let closed = Arc::new(AtomicBool::new(false));
+        let c = closed.clone();
+        std::thread::Builder::new().name("mqtt-publisher".into()).spawn(move || write_loop(tx, rx, c))?;
+        Ok(Publisher { queue, room: Arc::new(Semaphore::new(PUBLISH_QUEUE)), closed, metrics })
+    }
+
+    fn enqueue(
+        &self,
+        topic: &str,
+        payload: Bytes,
+        props: Option<PublishProperties>,
+        retain: bool,
+        room: Option<OwnedSemaphorePermit>,
+    ) -> Result<(), LinkClosed> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(LinkClosed);
+        }
+        self.metrics.messages_out.inc();
+        self.metrics.bytes_out.inc_by(payload.len() as u64);
+        let p = Publish::new(Bytes::copy_from_slice(topic.as_bytes()), payload, retain);
+        self.queue.send(Outgoing { packet: Packet::Publish(p, props), room }).map_err(|_| LinkClosed)
+    }
+
     /// Publishes at QoS 0 into the router (which delivers with the QoS of
-    /// each subscription).
+    /// each subscription). Never waits: for single answers (refusals,
+    /// wills, the catalogue); a stream uses [`Self::publish_queued`].
     pub fn publish(
         &self,
         topic: &str,
@@ -126,15 +194,43 @@ impl Publisher {
         props: Option<PublishProperties>,
         retain: bool,
     ) -> Result<(), LinkClosed> {
-        self.metrics.messages_out.inc();
-        self.metrics.bytes_out.inc_by(payload.len() as u64);
-        let p = Publish::new(Bytes::copy_from_slice(topic.as_bytes()), payload, retain);
-        let mut tx = self.tx.lock().expect("link");
-        // `send` has no await point inside: it completes on first poll.
-        match tx.send(Packet::Publish(p, props)).now_or_never() {
-            Some(Ok(_)) => Ok(()),
-            _ => Err(LinkClosed),
+        self.enqueue(topic, payload, props, retain, None)
+    }
+
+    /// [`Self::publish`], waiting (asynchronously) while edgeway's queue to
+    /// the router is full: back-pressure on the stream senders.
+    pub async fn publish_queued(
+        &self,
+        topic: &str,
+        payload: Bytes,
+        props: Option<PublishProperties>,
+    ) -> Result<(), LinkClosed> {
+        let room = self.room.clone().acquire_owned().await.map_err(|_| LinkClosed)?;
+        self.enqueue(topic, payload, props, false, Some(room))
+    }
+}
+
+/// The writer thread: hands queued publishes to the router, one router
+/// notification per batch.
+fn write_loop(mut tx: LinkTx, rx: std::sync::mpsc::Receiver<Outgoing>, closed: Arc<AtomicBool>) {
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < 256 {
+            match rx.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
+            }
         }
+        let (mut packets, rooms): (Vec<Packet>, Vec<_>) = batch.into_iter().map(|m| (m.packet, m.room)).unzip();
+        let last = packets.pop().expect("a batch has one");
+        tx.buffer().extend(packets);
+        // Blocks this thread (only) while the router's channel is full.
+        if futures::executor::block_on(tx.send(last)).is_err() {
+            closed.store(true, Ordering::SeqCst);
+            return;
+        }
+        // The batch's queue room is freed once the router has it.
+        drop(rooms);
     }
 }
 
@@ -167,7 +263,7 @@ pub async fn serve(
 ) -> anyhow::Result<Option<MqttAddrs>> {
     let Some(cfg) = gw.config().mqtt.clone() else { return Ok(None) };
     let topics = Topics::new(&cfg.topic_prefix);
-    let sessions = Arc::new(Sessions::default());
+    let sessions = Arc::new(Sessions::new(cfg.stream_replay_max_bytes, cfg.resume_replay_bytes_per_s));
     let (presence_tx, presence_rx) = mpsc::unbounded_channel();
     let (wills_tx, wills_rx) = mpsc::unbounded_channel();
     let wills = Arc::new(Wills::new(wills_tx));
@@ -182,11 +278,12 @@ pub async fn serve(
     let (mut tx, rx) = links("@edgeway").map_err(|e| e.context("mqtt: edgeway's link to the broker"))?;
     tx.subscribe(topics.gateway_filter()).map_err(|e| anyhow::anyhow!("mqtt: subscribe: {e}"))?;
     let metrics = MqttMetrics::new(&gw.metrics().registry);
-    let out = Arc::new(Publisher { tx: Mutex::new(tx), metrics: metrics.clone() });
+    let out =
+        Arc::new(Publisher::start(tx, metrics.clone()).map_err(|e| anyhow::anyhow!("mqtt: publisher thread: {e}"))?);
     out.publish(&topics.internal_shared(&topics.catalogue()), catalogue(gw.config()), None, true)
         .map_err(|e| anyhow::anyhow!("mqtt: model catalogue: {e}"))?;
     let streams = Arc::new(Streams::new(cfg.replay_retention, cfg.replay_max_bytes, cfg.stream_replay_max_bytes));
-    let ingress = Arc::new(DeviceIngress {
+    let ingress = Arc::new(DeviceIngress::new(
         gw,
         cfg,
         topics,
@@ -194,9 +291,9 @@ pub async fn serve(
         streams,
         sessions,
         metrics,
-        tracker: tracker.clone(),
-        shutdown: shutdown.clone(),
-    });
+        tracker.clone(),
+        shutdown.clone(),
+    ));
     tracker.spawn(wills::publish_loop(wills, ingress.out.clone(), wills_rx, tracker.clone(), shutdown.clone()));
     tracker.spawn(link_loop(ingress.clone(), rx, shutdown.clone()));
     tracker.spawn(presence_loop(ingress, presence_rx, shutdown));
@@ -204,12 +301,33 @@ pub async fn serve(
     Ok(Some(addrs))
 }
 
-/// Reads what devices publish to edgeway, in order.
+/// Counts the messages the router skipped on edgeway's link: the offsets of
+/// one filter's log are consecutive, so a jump is messages never delivered.
+#[derive(Default)]
+struct GapDetector {
+    last: Option<u64>,
+}
+
+impl GapDetector {
+    /// The messages skipped before the one at `offset`.
+    fn skipped(&mut self, offset: u64) -> u64 {
+        let gap = match self.last {
+            Some(last) if offset > last + 1 => offset - last - 1,
+            _ => 0,
+        };
+        self.last = Some(offset);
+        gap
+    }
+}
+
+/// Reads what devices publish to edgeway, in order, into the devices'
+/// inboxes.
 ///
 /// # Cancel safety
 /// `LinkRx::next` can be dropped at the shutdown arm without losing a
 /// message that matters: the ingress stops with it.
 async fn link_loop(ingress: Arc<DeviceIngress>, mut rx: LinkRx, shutdown: CancellationToken) {
+    let mut gaps = GapDetector::default();
     loop {
         let n = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -217,8 +335,18 @@ async fn link_loop(ingress: Arc<DeviceIngress>, mut rx: LinkRx, shutdown: Cancel
         };
         match n {
             Ok(Some(Notification::Forward(f))) => {
-                let topic = String::from_utf8_lossy(&f.publish.topic).into_owned();
-                ingress.on_message(&topic, f.publish.payload, f.properties).await;
+                if let Some((_, offset)) = f.cursor {
+                    let lost = gaps.skipped(offset);
+                    if lost > 0 {
+                        ingress.metrics.link_skipped.inc_by(lost);
+                        tracing::error!(
+                            lost,
+                            "MQTT: the broker skipped device messages on edgeway's link (it fell behind the log)"
+                        );
+                    }
+                }
+                let topic = String::from_utf8_lossy(&f.publish.topic);
+                ingress.dispatch(&topic, f.publish.payload, f.properties);
             }
             // Our buffer filled up: the router stops delivering until told.
             Ok(Some(Notification::Unschedule)) => {
@@ -251,5 +379,63 @@ async fn presence_loop(
             },
             _ = sweep.tick() => ingress.streams.sweep(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gaps_in_the_link_log_are_counted() {
+        let mut g = GapDetector::default();
+        assert_eq!([g.skipped(7), g.skipped(8), g.skipped(9), g.skipped(15), g.skipped(16)], [0, 0, 0, 5, 0]);
+    }
+
+    /// rumqttd's `LinkTx::send` blocks its thread while the router's
+    /// channel is full. Publishing must not: on a runtime with one worker,
+    /// other tasks (an HTTP call) still run while the router is stalled.
+    #[test]
+    fn a_full_router_channel_blocks_no_runtime_thread() {
+        let (router_tx, router_rx) = flume::bounded(1);
+        // Fill the channel: the router is stalled.
+        let mut filler = LinkTx::new(0, router_tx.clone(), Default::default());
+        filler.publish("t", "x").unwrap();
+        let link = LinkTx::new(1, router_tx, Default::default());
+        let out = Arc::new(Publisher::start(link, MqttMetrics::new(&Registry::new())).unwrap());
+        let (answered_tx, answered_rx) = std::sync::mpsc::channel();
+        let o = out.clone();
+        // The runtime runs on a thread of its own: if publishing blocks it,
+        // this test fails instead of hanging.
+        let runtime = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                let publishing = tokio::spawn(async move {
+                    for i in 0..3 * PUBLISH_QUEUE {
+                        let topic = format!("d/t/dev/r/{i}");
+                        if i % 2 == 0 {
+                            o.publish(&topic, Bytes::from_static(b"p"), None, false).unwrap();
+                        } else {
+                            o.publish_queued(&topic, Bytes::from_static(b"p"), None).await.unwrap();
+                        }
+                    }
+                });
+                tokio::task::yield_now().await;
+                // Another task of this runtime answers meanwhile.
+                tokio::spawn(async {}).await.unwrap();
+                answered_tx.send(publishing.is_finished()).unwrap();
+                publishing.await.unwrap();
+            })
+        });
+        let finished = answered_rx.recv_timeout(Duration::from_secs(20)).expect("the runtime thread was blocked");
+        assert!(!finished, "the stream sender waits for room");
+        // The router drains its channel: everything goes through.
+        let mut notified = 0;
+        while router_rx.recv_timeout(Duration::from_secs(3)).is_ok() {
+            notified += 1;
+        }
+        runtime.join().unwrap();
+        assert!(notified >= 2, "{notified}");
+        drop(out);
     }
 }

@@ -78,11 +78,14 @@ pub struct DeviceProtocol {
     shared: Arc<ProtocolShared>,
     version: Version,
     state: Conn,
+    /// When the connection's credential expires (a JWT's `exp`, unix ms):
+    /// see [`super::auth::expired`].
+    expires_at: Option<i64>,
 }
 
 impl DeviceProtocol {
     pub fn new(shared: Arc<ProtocolShared>) -> Self {
-        DeviceProtocol { shared, version: Version::Unknown, state: Conn::AwaitingConnect }
+        DeviceProtocol { shared, version: Version::Unknown, state: Conn::AwaitingConnect, expires_at: None }
     }
 }
 
@@ -151,13 +154,19 @@ impl DeviceProtocol {
             None => (None, ""),
         };
         let (device, identity) = match self.shared.directory.authenticate(&connect.client_id, user, password) {
-            Ok((device, id)) => (device.to_string(), id),
+            Ok(login) => {
+                self.expires_at = login.expires_at;
+                (login.device.to_string(), login.identity)
+            }
             Err(why) => {
                 tracing::info!(client_id = %connect.client_id, reason = why.reason(), "MQTT CONNECT refused");
                 return self.refuse(why);
             }
         };
         let shared = &self.shared;
+        // Everything below the device view is per tenant: the session,
+        // presence and the router topics use the mount `{tenant}/{device}`.
+        let mount = super::topics::mount_name(&identity.tenant, &device);
         let conn = shared.connections.next_conn();
         let session_expiry = codec::rewrite_connect(&mut connect, &mut props);
         let client_id = connect.client_id.clone();
@@ -165,7 +174,7 @@ impl DeviceProtocol {
         let (broker_id, own_broker_id) = shared.connections.connect(&client_id, conn);
         connect.client_id = broker_id;
         shared.presence.report(Presence::Connected {
-            device: device.clone(),
+            device: mount.clone(),
             client_id: client_id.clone(),
             conn,
             identity,
@@ -173,8 +182,8 @@ impl DeviceProtocol {
         self.state = Conn::Open(Session {
             request_topic: format!("{}req", shared.topics.device_space(&device)),
             // edgeway keeps the will (see `wills`).
-            will: will.map(|w| (codec::mount_will(&device, w), will_props)),
-            device,
+            will: will.map(|w| (codec::mount_will(&mount, w), will_props)),
+            device: mount,
             conn,
             client_id,
             own_broker_id,
@@ -218,6 +227,10 @@ impl Protocol for DeviceProtocol {
             // Nothing after a refused CONNECT: the connection ends.
             return Err(Error::InvalidProtocol);
         }
+        if super::auth::expired(self.expires_at) {
+            tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired, connection closed");
+            return Err(self.end_link());
+        }
         if self.version == Version::Unknown {
             match codec::detect_version(stream, max_size)? {
                 Detected::Supported(v) => self.version = v,
@@ -254,6 +267,14 @@ impl Protocol for DeviceProtocol {
             _ => None,
         };
         let device = self.state.session().map(|s| s.device.as_str());
+        if super::auth::expired(self.expires_at) {
+            // Instead of anything more: an MQTT 5 device is told why (0xA0
+            // Maximum connect time); the next read ends the link.
+            return match self.version {
+                Version::V5 => V5.write(super::auth::expired_disconnect(), write),
+                _ => Err(Error::InvalidProtocol),
+            };
+        }
         let packet = codec::outbound(self.version, refused, device, packet)?;
         match self.version {
             Version::V4 => V4.write(packet, write),

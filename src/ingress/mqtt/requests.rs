@@ -3,28 +3,50 @@
 //! drops.
 //!
 //! A request goes through the [`Gateway`] facade like every other ingress (the
-//! idempotency key is derived from the device and its `request_id`, so a
-//! repeat never starts a second inference and two devices never share a
-//! task); its events go to the device through a [`streams::MqttStream`].
+//! idempotency key is derived from the device's mount and its `request_id`,
+//! in a key space no other ingress may use, so a repeat never starts a
+//! second inference, two devices never share a task and no HTTP or NATS
+//! caller can claim a device's key); its events go to the device through a
+//! [`streams::MqttStream`].
+//!
+//! Devices are known by their *mount*, `{tenant}/{device}`
+//! ([`super::topics::mount_name`]): sessions, streams and resumes are per
+//! tenant.
+//!
+//! **One device does not slow the others**: edgeway's link only sorts
+//! messages into per-device inboxes ([`DeviceIngress::dispatch`], no await,
+//! so the reader keeps up with the router's log); each inbox is worked by a
+//! task of its own, in order (a cancel after its request). A device with
+//! [`DEVICE_INBOX`] requests and resumes waiting (or
+//! [`DEVICE_INBOX_REQUESTS_OF_BYTES`] × `max_request_bytes` of payload) gets
+//! `RATE_LIMITED` for more; cancels are always taken, up to
+//! [`DEVICE_INBOX_HARD`] messages.
+//! Resumes (and repeats of a request, which send its stream again from the
+//! start) are paid for from a per-device byte budget (see
+//! [`ResumeBudget`]), so a small message cannot replay megabytes over and
+//! over.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use bytes::Bytes;
 use rumqttd::protocol::PublishProperties;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::codec::EXPIRES_AT_PROPERTY;
 use super::presence::Presence;
 use super::streams::{self, Coalesce, Destination, OnDisconnect, Streams};
-use super::topics::{Inbound, Topics};
+use super::topics::{device_of_mount, Inbound, Topics};
 use super::{MqttMetrics, Publisher};
 use crate::config::MqttConfig;
 use crate::error::{ErrorCode, GatewayError};
-use crate::gateway::{Caller, Gateway, RequestTimeouts, SubmitOptions};
+use crate::gateway::{Caller, Gateway, RequestTimeouts, SubmitOptions, DEVICE_KEY_PREFIX};
 use crate::ingress::render::rejection_json;
 use crate::task::{Identity, Ingress};
 
@@ -38,6 +60,41 @@ struct Device {
     /// they started in, so a late event never stops what a newer
     /// connection started.
     epoch: u64,
+    resumes: ResumeBudget,
+}
+
+/// What a device's resumes may replay: a token bucket of bytes, full at
+/// `capacity` (one whole kept stream, `stream_replay_max_bytes`), refilled
+/// at `resume_replay_bytes_per_s`. A resume costs the bytes it replays, at
+/// least [`RESUME_MIN_COST`]; one the bucket cannot pay is refused with
+/// `RATE_LIMITED` and the time to wait.
+#[derive(Debug, Clone, Copy)]
+pub struct ResumeBudget {
+    tokens: f64,
+    at: Instant,
+}
+
+/// The least a resume costs, in bytes (a resume of nothing is not free).
+pub const RESUME_MIN_COST: usize = 512;
+
+impl ResumeBudget {
+    fn full(capacity: usize) -> ResumeBudget {
+        ResumeBudget { tokens: capacity as f64, at: Instant::now() }
+    }
+
+    /// Takes `cost` bytes, or says how many ms until it could.
+    fn take(&mut self, cost: usize, capacity: usize, per_s: usize, now: Instant) -> Result<(), u64> {
+        let refill = now.saturating_duration_since(self.at).as_secs_f64() * per_s as f64;
+        self.tokens = (self.tokens + refill).min(capacity as f64);
+        self.at = now;
+        let cost = cost.clamp(RESUME_MIN_COST, capacity) as f64;
+        if self.tokens >= cost {
+            self.tokens -= cost;
+            Ok(())
+        } else {
+            Err(((cost - self.tokens) / per_s.max(1) as f64 * 1000.0).ceil() as u64)
+        }
+    }
 }
 
 /// What a connect or disconnect changed, for the ingress.
@@ -57,22 +114,39 @@ pub enum Change {
     Other,
 }
 
-/// Devices seen since start. Updated by the codec at CONNECT (before the
-/// router sees anything from the connection) and when a connection ends.
-#[derive(Default)]
+/// Devices seen since start, by mount. Updated by the codec at CONNECT
+/// (before the router sees anything from the connection) and when a
+/// connection ends.
 pub struct Sessions {
     devices: Mutex<HashMap<String, Device>>,
+    /// Resume budget: capacity (bytes) and refill (bytes per second).
+    resume_capacity: usize,
+    resume_per_s: usize,
 }
 
 impl Sessions {
+    pub fn new(resume_capacity: usize, resume_per_s: usize) -> Sessions {
+        Sessions { devices: Mutex::new(HashMap::new()), resume_capacity, resume_per_s }
+    }
+
+    /// Charges a resume of `bytes` to the device's budget; `Err(ms)` to
+    /// wait when it cannot pay.
+    pub fn charge_resume(&self, device: &str, bytes: usize) -> Result<(), u64> {
+        let mut g = self.devices.lock().expect("sessions");
+        let Some(d) = g.get_mut(device) else { return Ok(()) };
+        d.resumes.take(bytes, self.resume_capacity, self.resume_per_s, Instant::now())
+    }
+
     pub fn apply(&self, p: &Presence) -> Change {
         let mut g = self.devices.lock().expect("sessions");
         match p {
             Presence::Connected { device, client_id, conn, identity } => {
+                let capacity = self.resume_capacity;
                 let d = g.entry(device.clone()).or_insert_with(|| Device {
                     identity: identity.clone(),
                     live: Vec::new(),
                     epoch: 0,
+                    resumes: ResumeBudget::full(capacity),
                 });
                 d.identity = identity.clone();
                 let takeover = d.live.iter().any(|(_, c)| c == client_id);
@@ -114,6 +188,58 @@ impl Sessions {
     }
 }
 
+/// Requests and resumes that may wait in one device's inbox; more are
+/// answered `RATE_LIMITED` at once.
+pub const DEVICE_INBOX: usize = 64;
+/// Messages of any kind (cancels included) that may wait in one device's
+/// inbox; more are dropped and counted.
+pub const DEVICE_INBOX_HARD: usize = 1024;
+/// Payload bytes that may wait in one device's inbox, in units of
+/// `max_request_bytes`; more are answered `RATE_LIMITED`.
+pub const DEVICE_INBOX_REQUESTS_OF_BYTES: usize = 4;
+/// The largest cancel taken (`{"request_id": …}` is far smaller); bigger
+/// ones are dropped unread.
+pub const MAX_CANCEL_BYTES: usize = 4096;
+
+/// One message for a device's inbox.
+pub struct Message {
+    kind: Inbound,
+    payload: Bytes,
+    props: Option<PublishProperties>,
+}
+
+/// What waits in a device's inbox: messages, of those the requests and
+/// resumes, and their payload bytes.
+#[derive(Default)]
+struct Waiting {
+    all: AtomicUsize,
+    work: AtomicUsize,
+    bytes: AtomicUsize,
+}
+
+impl Waiting {
+    fn add(&self, m: &Message, sign: bool) {
+        let op = |a: &AtomicUsize, n: usize| {
+            if sign {
+                a.fetch_add(n, Ordering::SeqCst)
+            } else {
+                a.fetch_sub(n, Ordering::SeqCst)
+            }
+        };
+        op(&self.all, 1);
+        op(&self.bytes, m.payload.len());
+        if m.kind != Inbound::Cancel {
+            op(&self.work, 1);
+        }
+    }
+}
+
+/// A device's inbox: its messages in order, and what waits.
+struct Inbox {
+    tx: mpsc::UnboundedSender<Message>,
+    waiting: Arc<Waiting>,
+}
+
 /// The MQTT ingress behind edgeway's link to the broker.
 pub struct DeviceIngress {
     pub gw: Arc<Gateway>,
@@ -125,16 +251,30 @@ pub struct DeviceIngress {
     pub metrics: MqttMetrics,
     pub tracker: TaskTracker,
     pub shutdown: CancellationToken,
+    /// Inboxes of the devices with messages waiting, by mount.
+    inboxes: Mutex<HashMap<String, Inbox>>,
 }
 
-/// The idempotency key of a device's request: unique per device, so two
-/// devices of one application never join each other's tasks.
-fn device_key(device: &str, key: &str) -> String {
+/// The idempotency key of a device's request: unique per device and tenant
+/// (`mount`), so two devices of one application never join each other's
+/// tasks, and in the key space only the MQTT ingress may use
+/// ([`DEVICE_KEY_PREFIX`]), so no other caller can take it first.
+fn device_key(mount: &str, key: &str) -> String {
     let mut h = Sha256::new();
-    h.update(device.as_bytes());
+    h.update(mount.as_bytes());
     h.update([0]);
     h.update(key.as_bytes());
-    format!("mqtt-{}", &hex::encode(h.finalize())[..40])
+    format!("{DEVICE_KEY_PREFIX}{}", &hex::encode(h.finalize())[..40])
+}
+
+/// A resume (or a repeat sent again from the start) the device's resume
+/// budget cannot pay now.
+fn resumed_too_much(wait_ms: u64) -> GatewayError {
+    GatewayError::new(
+        ErrorCode::RateLimited,
+        format!("this device replayed too much at once; resume or repeat again in {wait_ms} ms"),
+    )
+    .with_retry_after(wait_ms)
 }
 
 fn valid_id(s: &str) -> bool {
@@ -147,7 +287,12 @@ fn salvage_request_id(payload: &[u8]) -> Option<String> {
     if let Ok(v) = serde_json::from_slice::<Value>(payload) {
         return v.get("request_id").and_then(Value::as_str).filter(|s| valid_id(s)).map(str::to_string);
     }
-    // Not JSON (or cut off): look for `"request_id": "…"` in the text.
+    scan_request_id(payload)
+}
+
+/// `"request_id": "…"` found in the text of a payload, without parsing it
+/// (cut off, not JSON, or no time to parse it).
+fn scan_request_id(payload: &[u8]) -> Option<String> {
     let text = String::from_utf8_lossy(&payload[..payload.len().min(64 * 1024)]);
     let at = text.find("\"request_id\"")?;
     let rest = text[at + 12..].trim_start().strip_prefix(':')?.trim_start().strip_prefix('"')?;
@@ -200,7 +345,35 @@ fn mqtt_fields(extra: &serde_json::Map<String, Value>, cfg: &MqttConfig) -> Resu
     Ok(MqttFields { on_disconnect, expires_at, coalesce: Coalesce { period, max_bytes } })
 }
 
+/// In the methods below, `device` is the device's mount
+/// (`{tenant}/{device}`), as the router and the sessions know it.
 impl DeviceIngress {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        gw: Arc<Gateway>,
+        cfg: MqttConfig,
+        topics: Topics,
+        out: Arc<Publisher>,
+        streams: Arc<Streams>,
+        sessions: Arc<Sessions>,
+        metrics: MqttMetrics,
+        tracker: TaskTracker,
+        shutdown: CancellationToken,
+    ) -> DeviceIngress {
+        DeviceIngress {
+            gw,
+            cfg,
+            topics,
+            out,
+            streams,
+            sessions,
+            metrics,
+            tracker,
+            shutdown,
+            inboxes: Mutex::new(HashMap::new()),
+        }
+    }
+
     /// Router topic and correlation data of the answers to a message from
     /// `device`: the MQTT 5 response topic when it is inside the device's
     /// namespace, else `{prefix}/{device}/res/{request_id}`.
@@ -210,11 +383,12 @@ impl DeviceIngress {
         request_id: Option<&str>,
         props: &Option<PublishProperties>,
     ) -> Option<Destination> {
+        let id = device_of_mount(device);
         let correlation = props.as_ref().and_then(|p| p.correlation_data.clone());
         let asked = props.as_ref().and_then(|p| p.response_topic.as_deref());
         let topic = match (asked, request_id) {
-            (Some(t), _) if self.topics.valid_response_topic(device, t) => t.to_string(),
-            (_, Some(rid)) => self.topics.response(device, rid),
+            (Some(t), _) if self.topics.valid_response_topic(id, t) => t.to_string(),
+            (_, Some(rid)) => self.topics.response(id, rid),
             _ => return None,
         };
         Some(Destination { topic: self.topics.internal(device, &topic), correlation })
@@ -251,14 +425,82 @@ impl DeviceIngress {
         }
     }
 
-    /// One message from edgeway's link.
-    pub async fn on_message(&self, topic: &str, payload: Bytes, props: Option<PublishProperties>) {
+    /// One message from edgeway's link, put in its device's inbox. Never
+    /// waits: the link's reader must keep up with the router's log.
+    pub fn dispatch(self: &Arc<Self>, topic: &str, payload: Bytes, props: Option<PublishProperties>) {
         let Some((device, kind)) = self.topics.parse_inbound(topic) else { return };
-        let device = device.to_string();
-        match kind {
-            Inbound::Request => self.on_request(&device, payload, props).await,
-            Inbound::Cancel => self.on_cancel(&device, &payload),
-            Inbound::Resume => self.on_resume(&device, &payload, props),
+        if kind == Inbound::Cancel && payload.len() > MAX_CANCEL_BYTES {
+            self.metrics.overflow.inc();
+            tracing::info!(device, bytes = payload.len(), "MQTT: an oversized cancel dropped unread");
+            return;
+        }
+        let m = Message { kind, payload, props };
+        let mut g = self.inboxes.lock().expect("inboxes");
+        let inbox = g.entry(device.to_string()).or_insert_with(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let inbox = Inbox { tx, waiting: Arc::new(Waiting::default()) };
+            self.tracker.spawn(self.clone().work_inbox(device.to_string(), rx, inbox.waiting.clone()));
+            inbox
+        });
+        let w = &inbox.waiting;
+        let all = w.all.load(Ordering::SeqCst);
+        let full_of_work = w.work.load(Ordering::SeqCst) >= DEVICE_INBOX
+            || w.bytes.load(Ordering::SeqCst) + m.payload.len()
+                > DEVICE_INBOX_REQUESTS_OF_BYTES * self.cfg.max_request_bytes;
+        if all >= DEVICE_INBOX_HARD || (m.kind != Inbound::Cancel && full_of_work) {
+            drop(g);
+            self.metrics.overflow.inc();
+            if m.kind == Inbound::Cancel || all >= DEVICE_INBOX_HARD {
+                tracing::warn!(device, "MQTT: a device's inbox is full; message dropped");
+                return;
+            }
+            let label = if m.kind == Inbound::Request { "req" } else { "resume" };
+            self.metrics.inbound.with_label_values(&[label]).inc();
+            let e = GatewayError::new(
+                ErrorCode::RateLimited,
+                "this device has too many messages waiting to be handled; send fewer at once",
+            )
+            .with_retry_after(1000);
+            // No time to parse the payload here.
+            return self.refuse(device, scan_request_id(&m.payload).as_deref(), &m.props, 0, e);
+        }
+        w.add(&m, true);
+        // The receiver lives until the entry is removed (under this lock).
+        let _ = inbox.tx.send(m);
+    }
+
+    /// Handles a device's messages in order, then leaves once its inbox is
+    /// empty (checked under the inboxes' lock, so no message is left behind).
+    async fn work_inbox(
+        self: Arc<Self>,
+        device: String,
+        mut rx: mpsc::UnboundedReceiver<Message>,
+        waiting: Arc<Waiting>,
+    ) {
+        loop {
+            while let Ok(m) = rx.try_recv() {
+                // Counted out before it is handled (its payload is then
+                // owned by the handler).
+                waiting.add(&m, false);
+                tokio::select! {
+                    _ = self.shutdown.cancelled() => return,
+                    _ = self.on_message(&device, m) => {}
+                }
+            }
+            let mut g = self.inboxes.lock().expect("inboxes");
+            if rx.is_empty() {
+                g.remove(&device);
+                return;
+            }
+        }
+    }
+
+    /// One message of a device.
+    async fn on_message(&self, device: &str, m: Message) {
+        match m.kind {
+            Inbound::Request => self.on_request(device, m.payload, m.props).await,
+            Inbound::Cancel => self.on_cancel(device, &m.payload),
+            Inbound::Resume => self.on_resume(device, &m.payload, m.props),
         }
     }
 
@@ -319,6 +561,10 @@ impl DeviceIngress {
             // (or the final result, when it is over).
             self.metrics.inbound.with_label_values(&["repeat"]).inc();
             if existing.active_sender_epoch() != Some(epoch) {
+                // Sent again from the start: paid like a resume from 0.
+                if let Err(wait_ms) = self.sessions.charge_resume(device, existing.backlog_bytes(0)) {
+                    return self.refuse(device, Some(&rid), &props, 0, resumed_too_much(wait_ms));
+                }
                 *existing.destination.lock().expect("destination") = dest;
                 streams::start_sender(&existing, 0, epoch, self.out.clone(), &self.tracker, &self.shutdown);
             }
@@ -374,6 +620,10 @@ impl DeviceIngress {
                 terminal.unwrap_or(next)
             ));
             return self.refuse(device, Some(&rid), &props, from, e);
+        }
+        if let Err(wait_ms) = self.sessions.charge_resume(device, stream.backlog_bytes(from)) {
+            outcome("rate_limited");
+            return self.refuse(device, Some(&rid), &props, from, resumed_too_much(wait_ms));
         }
         outcome("ok");
         if props.as_ref().is_some_and(|p| p.response_topic.is_some() || p.correlation_data.is_some()) {
@@ -444,9 +694,30 @@ mod tests {
     }
 
     #[test]
-    fn idempotency_keys_are_per_device() {
-        assert_ne!(device_key("dev1", "r1"), device_key("dev2", "r1"));
-        assert_eq!(device_key("dev1", "r1"), device_key("dev1", "r1"));
+    fn idempotency_keys_are_per_device_and_tenant_in_the_device_key_space() {
+        assert_ne!(device_key("t/dev1", "r1"), device_key("t/dev2", "r1"));
+        assert_ne!(device_key("t1/dev1", "r1"), device_key("t2/dev1", "r1"));
+        assert_eq!(device_key("t/dev1", "r1"), device_key("t/dev1", "r1"));
         assert!(device_key("a", "b").len() <= 128);
+        assert!(device_key("a", "b").starts_with(DEVICE_KEY_PREFIX));
+    }
+
+    #[test]
+    fn the_resume_budget_holds_one_whole_stream_and_refills_at_its_rate() {
+        let t0 = Instant::now();
+        let mut b = ResumeBudget { tokens: 4096.0, at: t0 };
+        assert_eq!(b.take(3000, 4096, 1000, t0), Ok(()));
+        // 1096 left: a 2000-byte resume waits about 904 ms.
+        assert_eq!(b.take(2000, 4096, 1000, t0), Err(904));
+        assert_eq!(b.take(2000, 4096, 1000, t0 + std::time::Duration::from_millis(904)), Ok(()));
+        // Tiny resumes still cost RESUME_MIN_COST; a huge one costs at most
+        // the capacity (it can always be served from a full bucket).
+        let mut b = ResumeBudget { tokens: 4096.0, at: t0 };
+        for _ in 0..(4096 / RESUME_MIN_COST) {
+            assert_eq!(b.take(1, 4096, 1000, t0), Ok(()));
+        }
+        assert!(b.take(1, 4096, 1000, t0).is_err());
+        let mut b = ResumeBudget { tokens: 4096.0, at: t0 };
+        assert_eq!(b.take(1 << 20, 4096, 1000, t0), Ok(()));
     }
 }

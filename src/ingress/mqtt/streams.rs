@@ -99,6 +99,18 @@ impl MqttStream {
         self.log.bytes()
     }
 
+    /// About how many bytes a sender starting at `from` would publish of
+    /// what is kept now (the kept bytes in proportion to the messages).
+    pub fn backlog_bytes(&self, from: u64) -> usize {
+        let (first, next, _) = self.range();
+        let kept = next.saturating_sub(first);
+        if kept == 0 {
+            return 0;
+        }
+        let from = from.clamp(first, next);
+        (self.bytes() as u128 * u128::from(next - from) / u128::from(kept)) as usize
+    }
+
     fn push(&self, msg: Bytes, terminal: bool) {
         if terminal {
             self.log.push_last(msg);
@@ -336,8 +348,17 @@ async fn send_loop(
             ..Default::default()
         });
         for msg in batch {
-            // Checked per message: a replaced sender stops at once.
-            if stop.is_cancelled() || out.publish(&dest.topic, msg, props.clone(), false).is_err() {
+            // Checked per message: a replaced sender stops at once. Waits
+            // while edgeway's outgoing queue to the router is full.
+            if stop.is_cancelled() {
+                return;
+            }
+            let sent = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return,
+                r = out.publish_queued(&dest.topic, msg, props.clone()) => r,
+            };
+            if sent.is_err() {
                 return;
             }
         }

@@ -2,20 +2,28 @@
 //! (`ai/v1/{device}/req`) and what the broker's router sees.
 //!
 //! Every topic and filter of a device is *mounted* under its private
-//! prefix `d/{device}/` before the router sees it, and unmounted again on
-//! the way out ([`super::codec`]). A device can therefore only ever
-//! match topics of its own subtree, whatever wildcards it uses. The
-//! read-only shared topics (`{prefix}/shared/…`, e.g. the model catalogue)
-//! live under `s/`; only edgeway publishes there. A device's topics that
-//! start with `$` are mounted under `x/{device}/` instead, so that, as MQTT
+//! prefix `d/{tenant}/{device}/` before the router sees it, and unmounted
+//! again on the way out ([`super::codec`]). A device can therefore only
+//! ever match topics of its own subtree, whatever wildcards it uses, and a
+//! device id used under two tenants (JWT devices name themselves) would
+//! still get two subtrees. The pair `{tenant}/{device}` is the device's
+//! *mount* ([`mount_name`]): the MQTT ingress knows devices by it, so
+//! sessions, streams and resumes are per tenant too. Devices never see it:
+//! their topics stay `{prefix}/{device}/…`. The read-only shared topics
+//! (`{prefix}/shared/…`, e.g. the model catalogue) live under `s/`; only
+//! edgeway publishes there. A device's topics that start with `$` are
+//! mounted under `x/{tenant}/{device}/` instead, so that, as MQTT
 //! requires, filters starting with a wildcard never match them.
 
-/// Router-side prefix of every device's private subtree: `d/{device}/`.
+use sha2::{Digest, Sha256};
+
+/// Router-side prefix of every device's private subtree:
+/// `d/{tenant}/{device}/`.
 pub const DEVICE_MOUNT: &str = "d/";
 /// Router-side prefix of the read-only shared topics.
 pub const SHARED_MOUNT: &str = "s/";
 /// Router-side prefix of a device's topics that start with `$`:
-/// `x/{device}/$…`.
+/// `x/{tenant}/{device}/$…`.
 pub const DOLLAR_MOUNT: &str = "x/";
 
 /// What a device publishes to edgeway, by the last topic level.
@@ -66,15 +74,18 @@ impl Topics {
     /// `{prefix}/{x}/{kind}` (requests, cancels and resumes in one log, so
     /// their order is kept).
     pub fn gateway_filter(&self) -> String {
-        format!("{DEVICE_MOUNT}+/{}/+/+", self.prefix)
+        format!("{DEVICE_MOUNT}+/+/{}/+/+", self.prefix)
     }
 
-    /// Reads a router topic that edgeway's link received: the device that
-    /// published it and what it is. `None` for anything else, including a
-    /// device publishing into another device's topics.
+    /// Reads a router topic that edgeway's link received: the mount of the
+    /// device that published it (`{tenant}/{device}`) and what it is.
+    /// `None` for anything else, including a device publishing into another
+    /// device's topics.
     pub fn parse_inbound<'a>(&self, internal: &'a str) -> Option<(&'a str, Inbound)> {
         let rest = internal.strip_prefix(DEVICE_MOUNT)?;
+        let (tenant, rest) = rest.split_once('/')?;
         let (device, topic) = rest.split_once('/')?;
+        let mount = &internal[DEVICE_MOUNT.len()..DEVICE_MOUNT.len() + tenant.len() + 1 + device.len()];
         let topic = topic.strip_prefix(self.prefix.as_str())?.strip_prefix('/')?;
         let (owner, kind) = topic.split_once('/')?;
         if owner != device {
@@ -86,13 +97,13 @@ impl Topics {
             "resume" => Inbound::Resume,
             _ => return None,
         };
-        Some((device, kind))
+        Some((mount, kind))
     }
 
-    /// Router topic for a device-view topic of `device` (edgeway publishing
-    /// into a device's subtree).
-    pub fn internal(&self, device: &str, device_topic: &str) -> String {
-        mount_topic(device, device_topic)
+    /// Router topic for a device-view topic of the device mounted at
+    /// `mount` (edgeway publishing into a device's subtree).
+    pub fn internal(&self, mount: &str, device_topic: &str) -> String {
+        mount_topic(mount, device_topic)
     }
 
     /// Router topic of a shared (device-view) topic.
@@ -112,13 +123,31 @@ impl Topics {
     }
 }
 
-/// `d/{device}/{topic}` (`x/{device}/{topic}` for a topic starting with
-/// `$`).
-pub fn mount_topic(device: &str, topic: &str) -> String {
-    let mount = if topic.starts_with('$') { DOLLAR_MOUNT } else { DEVICE_MOUNT };
-    let mut s = String::with_capacity(mount.len() + device.len() + 1 + topic.len());
+/// The mount of a device of a tenant: `{tenant}/{device}`, one topic level
+/// per part. A tenant name that is not a safe topic level (wildcards, `/`,
+/// `$`, very long) is written `={hash}`; `=` never starts a plain one.
+pub fn mount_name(tenant: &str, device: &str) -> String {
+    let plain =
+        (1..=64).contains(&tenant.len()) && tenant.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if plain {
+        format!("{tenant}/{device}")
+    } else {
+        format!("={}/{device}", &hex::encode(Sha256::digest(tenant.as_bytes()))[..32])
+    }
+}
+
+/// The device id of a mount (its last level).
+pub fn device_of_mount(mount: &str) -> &str {
+    mount.rsplit_once('/').map_or(mount, |(_, d)| d)
+}
+
+/// `d/{mount}/{topic}` (`x/{mount}/{topic}` for a topic starting with
+/// `$`); `mount` is [`mount_name`]'s.
+pub fn mount_topic(mount: &str, topic: &str) -> String {
+    let prefix = if topic.starts_with('$') { DOLLAR_MOUNT } else { DEVICE_MOUNT };
+    let mut s = String::with_capacity(prefix.len() + mount.len() + 1 + topic.len());
+    s.push_str(prefix);
     s.push_str(mount);
-    s.push_str(device);
     s.push('/');
     s.push_str(topic);
     s
@@ -139,9 +168,9 @@ pub fn mount_filter(device: &str, shared_prefix: &str, filter: &str) -> String {
     }
 }
 
-/// The device view of a router topic delivered to `device`; `None` if the
-/// topic is neither in its subtree nor shared (which the mounting rules
-/// make impossible).
+/// The device view of a router topic delivered to the device mounted at
+/// `device` ([`mount_name`]); `None` if the topic is neither in its subtree
+/// nor shared (which the mounting rules make impossible).
 pub fn unmount<'a>(device: &str, internal: &'a str) -> Option<&'a str> {
     if let Some(rest) = internal.strip_prefix(DEVICE_MOUNT).or_else(|| internal.strip_prefix(DOLLAR_MOUNT)) {
         let rest = rest.strip_prefix(device)?;
@@ -179,17 +208,40 @@ mod tests {
     #[test]
     fn edgeway_only_reads_a_devices_own_control_topics() {
         let t = Topics::new("ai/v1");
-        assert_eq!(t.gateway_filter(), "d/+/ai/v1/+/+");
-        assert_eq!(t.parse_inbound("d/dev1/ai/v1/dev1/req"), Some(("dev1", Inbound::Request)));
-        assert_eq!(t.parse_inbound("d/dev1/ai/v1/dev1/cancel"), Some(("dev1", Inbound::Cancel)));
-        assert_eq!(t.parse_inbound("d/dev1/ai/v1/dev1/resume"), Some(("dev1", Inbound::Resume)));
-        assert_eq!(t.parse_inbound("d/dev1/ai/v1/dev2/req"), None, "a publish into another device's topics");
-        assert_eq!(t.parse_inbound("d/dev1/ai/v1/dev1/other"), None);
+        assert_eq!(t.gateway_filter(), "d/+/+/ai/v1/+/+");
+        assert_eq!(t.parse_inbound("d/t1/dev1/ai/v1/dev1/req"), Some(("t1/dev1", Inbound::Request)));
+        assert_eq!(t.parse_inbound("d/t1/dev1/ai/v1/dev1/cancel"), Some(("t1/dev1", Inbound::Cancel)));
+        assert_eq!(t.parse_inbound("d/t1/dev1/ai/v1/dev1/resume"), Some(("t1/dev1", Inbound::Resume)));
+        assert_eq!(t.parse_inbound("d/t1/dev1/ai/v1/dev2/req"), None, "a publish into another device's topics");
+        assert_eq!(t.parse_inbound("d/t1/dev1/ai/v1/dev1/other"), None);
+        assert_eq!(t.parse_inbound("d/dev1/ai/v1/dev1/req"), None, "no tenant level");
         assert_eq!(t.parse_inbound("s/ai/v1/dev1/req"), None);
         assert!(t.valid_response_topic("dev1", "ai/v1/dev1/answers/7"));
         assert!(!t.valid_response_topic("dev1", "ai/v1/dev2/res/7"));
         assert!(!t.valid_response_topic("dev1", "ai/v1/dev1/req"));
         assert!(!t.valid_response_topic("dev1", "ai/v1/dev1/res/+"));
         assert!(!t.valid_response_topic("dev1", "ai/v1/dev1/"));
+    }
+
+    #[test]
+    fn one_device_id_under_two_tenants_gets_two_subtrees() {
+        let (a, b) = (mount_name("acme", "cam-1"), mount_name("globex", "cam-1"));
+        assert_eq!(a, "acme/cam-1");
+        assert_ne!(mount_topic(&a, "ai/v1/cam-1/res/r1"), mount_topic(&b, "ai/v1/cam-1/res/r1"));
+        assert_eq!(unmount(&b, &mount_topic(&a, "ai/v1/cam-1/res/r1")), None);
+        let sp = "ai/v1/shared/";
+        assert_eq!(mount_filter(&b, sp, "#"), "d/globex/cam-1/#");
+        // A tenant name that is not a safe topic level is hashed; it still
+        // takes exactly one level and never collides with a plain name.
+        for t in ["a/b", "+", "#", "$x", "", &"t".repeat(65)] {
+            let m = mount_name(t, "cam-1");
+            assert!(m.starts_with('=') && m.matches('/').count() == 1 && !m.contains(['+', '#', '$']), "{m}");
+        }
+        assert_ne!(mount_name("a/b", "d"), mount_name("a+b", "d"));
+        assert_eq!(device_of_mount(&mount_name("a/b", "cam-1")), "cam-1");
+        assert_eq!(
+            Topics::new("ai/v1").parse_inbound(&mount_topic(&mount_name("a/b", "c"), "ai/v1/c/req")).map(|x| x.0),
+            Some(mount_name("a/b", "c").as_str())
+        );
     }
 }

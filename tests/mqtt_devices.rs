@@ -1,0 +1,294 @@
+//! The device layer against hostile or careless devices and callers:
+//! tenants sharing device ids (JWT), device idempotency keys claimed over
+//! HTTP, a flooding device, resume amplification, expired tokens and
+//! device password hashes. Real broker, real sockets, real SQLite file.
+
+mod common;
+mod mqtt_support;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+use mqtt_support::*;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+/// `[auth.jwt]` (RS256, the test key pair, no leeway) and a second tenant
+/// with its application.
+const JWT_TOML: &str = r#"
+[auth.jwt]
+rs256_public_key_file = "tests/fixtures/jwt-test-public.pem"
+leeway_s = 0
+[applications.other]
+tenant = "other"
+max_priority = "P1"
+default_priority = "P2"
+"#;
+
+fn now_s() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64
+}
+
+/// An RS256 token of application `app` for device `sub`, valid for
+/// `valid_s` seconds.
+fn token(sub: &str, app: &str, tenant: &str, valid_s: i64) -> String {
+    let claims = json!({"sub": sub, "app": app, "tenant": tenant, "exp": now_s() + valid_s});
+    let pem = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/jwt-test-private.pem")).unwrap();
+    encode(&Header::new(Algorithm::RS256), &claims, &EncodingKey::from_rsa_pem(&pem).unwrap()).unwrap()
+}
+
+async fn start_jwt(knobs: Knobs, mqtt_extra: &str) -> (FakeEngine, TestGateway, SocketAddr) {
+    let fake = FakeEngine::start_with(knobs).await;
+    let extra = format!("{}{JWT_TOML}", mqtt_toml(mqtt_extra));
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &extra).await;
+    gw.wait_ready().await;
+    let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
+    (fake, gw, addr)
+}
+
+#[tokio::test]
+async fn two_tenants_using_one_device_id_never_see_resume_or_cancel_each_others_streams() {
+    let (fake, gw, addr) = start_jwt(Knobs::slow(20, 40), "coalesce_ms = 0").await;
+    // Tenant demo's device `cam-9`, known only through its JWT.
+    let mut a = connect(addr, V::V5, "cam-9:a", "cam-9", &token("cam-9", "demo", "demo", 600)).await.unwrap();
+    a.subscribe("ai/v1/cam-9/res/#").await;
+    a.publish("ai/v1/cam-9/req", request("r1").to_string()).await;
+    let first = a.msg().await.json();
+    assert_eq!(first["type"], "accepted");
+
+    // Tenant other's token names the same device id.
+    let b = connect(addr, V::V5, "cam-9:b", "cam-9", &token("cam-9", "other", "other", 600)).await;
+    let mut b = match b {
+        Err(refusal) => {
+            assert!(refusal.contains("refused"), "{refusal}");
+            None
+        }
+        Ok(mut b) => {
+            // Whatever it gets in, it must reach nothing of tenant demo.
+            b.subscribe("ai/v1/cam-9/res/#").await;
+            b.publish("ai/v1/cam-9/resume", json!({"request_id": "r1", "from_seq": 0}).to_string()).await;
+            b.publish("ai/v1/cam-9/cancel", json!({"request_id": "r1"}).to_string()).await;
+            Some(b)
+        }
+    };
+    let mut events = vec![first];
+    events.extend(a.stream("ai/v1/cam-9/res/r1").await);
+    assert_eq!(events.last().unwrap()["type"], "done", "tenant demo's stream is its own: {events:?}");
+    check_stream(&events);
+    if let Some(b) = b.as_mut() {
+        let seen = b.drain();
+        assert!(seen.iter().all(|m| !m.topic.ends_with("/r1")), "tenant other read tenant demo's stream: {seen:?}");
+    }
+    // The id stays bound to tenant demo while edgeway runs, even with no
+    // connection of it left.
+    a.disconnect_and_wait().await;
+    let again = connect(addr, V::V4, "cam-9", "cam-9", &token("cam-9", "other", "other", 600)).await;
+    assert!(again.is_err(), "a second tenant may not take the device id over");
+    // Tenant demo itself still can.
+    let mut a = connect(addr, V::V4, "cam-9", "cam-9", &token("cam-9", "demo", "demo", 600)).await.unwrap();
+    a.subscribe("ai/v1/cam-9/res/#").await;
+    a.publish("ai/v1/cam-9/resume", json!({"request_id": "r1", "from_seq": 0}).to_string()).await;
+    assert_eq!(a.stream("ai/v1/cam-9/res/r1").await.last().unwrap()["type"], "done");
+    assert_eq!(fake.stats.requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+    gw.stop().await;
+}
+
+/// The key a device's request had until this fix: anyone who knows the
+/// device id and a request id it will use could compute it.
+fn unsalted_device_key(device: &str, key: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(device.as_bytes());
+    h.update([0]);
+    h.update(key.as_bytes());
+    format!("mqtt-{}", &hex::encode(h.finalize())[..40])
+}
+
+#[tokio::test]
+async fn an_http_caller_cannot_claim_a_devices_idempotency_key() {
+    let (_fake, gw, addr) = start(Knobs::default(), "coalesce_ms = 0").await;
+    let mut body = common::chat_body(false);
+    body["messages"] = json!([{"role": "user", "content": "an attacker's prompt"}]);
+    for forged in [unsalted_device_key(D1.0, "r-claim"), unsalted_device_key("demo/demo-device-1", "r-claim")] {
+        body["idempotency_key"] = json!(forged);
+        let r = common::post_chat(&gw, common::DEMO_KEY, &body).await;
+        // Refused (a reserved key space), or at least not the device's.
+        assert!(r.status() == 400 || r.status() == 200, "{}", r.status());
+    }
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("r-claim").to_string()).await;
+    let e = d.stream(&d.topic("res/r-claim")).await;
+    assert_eq!(e.last().unwrap()["type"], "done", "the device's request is its own: {e:?}");
+    // And a caller never gets a device's answer: keys in the device key
+    // space are refused outright.
+    body["idempotency_key"] = json!("mqtt-0123456789");
+    let r = common::post_chat(&gw, common::DEMO_KEY, &body).await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(common::error_code(&r.json::<Value>().await.unwrap()), "INVALID_REQUEST");
+    gw.stop().await;
+}
+
+/// Time from publishing request `rid` to its first delta, and its stream.
+async fn timed_request(d: &mut Device, rid: &str) -> (Duration, Vec<Value>) {
+    let t0 = Instant::now();
+    d.publish(&d.topic("req"), request(rid).to_string()).await;
+    let topic = d.topic(&format!("res/{rid}"));
+    let mut events = Vec::new();
+    let mut first = None;
+    loop {
+        let m = d.msg().await;
+        if m.topic != topic {
+            continue;
+        }
+        let v = m.json();
+        if first.is_none() && v["type"] == "delta" {
+            first = Some(t0.elapsed());
+        }
+        let end = matches!(v["type"].as_str(), Some("done" | "error"));
+        events.push(v);
+        if end {
+            return (first.unwrap_or_else(|| panic!("{rid}: no delta: {events:?}")), events);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_device_neither_loses_nor_stalls_other_devices_messages() {
+    // A small request log for edgeway's link, so a reader that falls
+    // behind is soon skipped ahead.
+    let extra = "coalesce_ms = 0\nmax_packet_bytes = 4096\nmax_request_bytes = 4096\nfilter_log_bytes = 4096";
+    let (_fake, gw, addr) = start(Knobs::slow(3, 5), extra).await;
+    let mut b = device(addr, V::V4, D2).await;
+    b.subscribe(&b.topic("res/#")).await;
+    let mut quiet = Duration::ZERO;
+    for i in 0..3 {
+        let (t, e) = timed_request(&mut b, &format!("quiet-{i}")).await;
+        assert_eq!(e.last().unwrap()["type"], "done");
+        quiet = quiet.max(t);
+    }
+
+    let mut flooder = device(addr, V::V4, D1).await;
+    flooder.subscribe(&flooder.topic("res/#")).await;
+    let mut req = request("flood");
+    req["messages"][0]["content"] = json!("y".repeat(900));
+    flooder.publish(&flooder.topic("req"), req.to_string()).await;
+    flooder.stream(&flooder.topic("res/flood")).await;
+    let flood = tokio::spawn(async move {
+        // Repeats of a finished request (each one an idempotency lookup
+        // for edgeway, and no queue slot): what a device stuck in a retry
+        // loop sends.
+        for _ in 0..5000 {
+            flooder.publish(&flooder.topic("req"), req.to_string()).await;
+        }
+        flooder
+    });
+    // While it floods: requests and a cancel of the other device all
+    // arrive, and promptly.
+    let mut during = Duration::ZERO;
+    for i in 0..5 {
+        let (t, e) = timed_request(&mut b, &format!("during-{i}")).await;
+        assert_eq!(e.last().unwrap()["type"], "done", "{e:?}");
+        during = during.max(t);
+    }
+    let _flooder = flood.await.unwrap();
+    println!("first delta: quiet {quiet:?}, during the flood {during:?}");
+    assert!(during <= quiet * 10, "quiet {quiet:?}, during the flood {during:?}");
+    let metrics = prometheus::TextEncoder::new().encode_to_string(&gw.metrics().registry.gather()).unwrap();
+    let counter = |name: &str| -> f64 {
+        let line =
+            metrics.lines().find(|l| !l.starts_with('#') && l.contains(name)).unwrap_or_else(|| panic!("no {name}"));
+        line.split_whitespace().last().unwrap().parse().unwrap()
+    };
+    assert_eq!(counter("mqtt_link_skipped_total"), 0.0, "edgeway's link was skipped ahead");
+    println!("flood messages refused or dropped: {}", counter("mqtt_inbox_overflow_total"));
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn resumes_are_rate_limited_so_small_messages_cannot_replay_megabytes() {
+    let extra = "coalesce_ms = 0\nstream_replay_max_bytes = 16384\nresume_replay_bytes_per_s = 1024";
+    let (_fake, gw, addr) = start(Knobs::slow(40, 1), extra).await;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("long").to_string()).await;
+    let all = d.stream(&d.topic("res/long")).await;
+    let bytes: usize = all.iter().map(|v| v.to_string().len()).sum();
+    assert!(bytes > 2048, "{bytes}");
+    let mut replays = 0;
+    let mut limited = None;
+    for _ in 0..20 {
+        d.publish(&d.topic("resume"), json!({"request_id": "long", "from_seq": 0}).to_string()).await;
+        let e = d.stream(&d.topic("res/long")).await;
+        if e.len() == 1 && e[0]["type"] == "error" {
+            limited = Some(e[0].clone());
+            break;
+        }
+        assert_eq!(e, all);
+        replays += 1;
+    }
+    let limited = limited.expect("twenty full replays in a row were all served");
+    assert_eq!(limited["code"], "RATE_LIMITED", "{limited}");
+    assert!(replays * bytes <= 16384 + 4096, "{replays} replays of {bytes} bytes");
+    // A repeat of the finished request would send it all again: it pays the
+    // same.
+    d.publish(&d.topic("req"), request("long").to_string()).await;
+    let e = d.stream(&d.topic("res/long")).await;
+    assert_eq!((e.len(), &e[0]["code"]), (1, &json!("RATE_LIMITED")), "{e:?}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_device_is_disconnected_when_its_token_expires() {
+    let (fake, gw, addr) = start_jwt(Knobs::slow(200, 50), "coalesce_ms = 0").await;
+    // Idle at the expiry: the next packet ends the connection and runs
+    // nothing.
+    let mut idle = connect(addr, V::V5, "jwt-idle", "jwt-idle", &token("jwt-idle", "demo", "demo", 2)).await.unwrap();
+    idle.subscribe("ai/v1/jwt-idle/res/#").await;
+    // Waiting for the clock: the token's `exp` is in whole seconds.
+    tokio::time::sleep(Duration::from_millis(3100)).await;
+    idle.publish("ai/v1/jwt-idle/req", request("late").to_string()).await;
+    let (msgs, why) = idle.until_closed().await;
+    assert!(msgs.is_empty(), "{msgs:?}");
+    println!("idle connection ended: {why}");
+
+    // Streaming at the expiry: the stream stops there, with a DISCONNECT.
+    let mut busy = connect(addr, V::V5, "jwt-busy", "jwt-busy", &token("jwt-busy", "demo", "demo", 2)).await.unwrap();
+    busy.subscribe("ai/v1/jwt-busy/res/#").await;
+    busy.publish("ai/v1/jwt-busy/req", request("long").to_string()).await;
+    let (msgs, why) = busy.until_closed().await;
+    println!("busy connection ended after {} messages: {why}", msgs.len());
+    assert!(why.contains("MaximumConnectTime"), "an MQTT 5 device is told why: {why}");
+    assert!(!msgs.is_empty());
+    assert!(msgs.iter().all(|m| m.json()["type"] != "done"), "the stream outlived the token");
+    assert_eq!(fake.stats.requests.load(std::sync::atomic::Ordering::SeqCst), 1, "the late request never ran");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn device_passwords_are_checked_against_salted_slow_hashes() {
+    use argon2::password_hash::{PasswordHasher, SaltString};
+    // Light parameters: the test runs unoptimised.
+    let params = argon2::Params::new(1024, 1, 1, None).unwrap();
+    let argon = argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params);
+    let salt = SaltString::encode_b64(b"sixteen byte salt").unwrap();
+    let phc = argon.hash_password(b"cam-secret", &salt).unwrap().to_string();
+    let extra = format!(
+        "coalesce_ms = 0\n[devices.cam-h]\ntenant = \"demo\"\napplication = \"demo\"\npassword_hash = \"{phc}\"\n"
+    );
+    let (_fake, gw, addr) = start(Knobs::default(), &extra).await;
+    assert!(connect(addr, V::V4, "cam-h", "cam-h", "wrong").await.is_err());
+    let digest = hex::encode(Sha256::digest(b"cam-secret"));
+    assert!(connect(addr, V::V4, "cam-h", "cam-h", &digest).await.is_err());
+    for _ in 0..2 {
+        let mut d = connect(addr, V::V4, "cam-h", "cam-h", "cam-secret").await.unwrap();
+        d.subscribe(&d.topic("res/#")).await;
+        d.publish(&d.topic("req"), request("r").to_string()).await;
+        assert_eq!(d.stream(&d.topic("res/r")).await.last().unwrap()["type"], "done");
+        d.disconnect_and_wait().await;
+    }
+    // The legacy digests still work (the demo devices use them).
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    gw.stop().await;
+}
