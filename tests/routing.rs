@@ -387,18 +387,28 @@ async fn an_open_breaker_sends_work_to_the_other_instance() {
     let bad = FakeEngine::start_with(Knobs { fail_status: Some(500), ..Knobs::default() }).await;
     let good = FakeEngine::start().await;
     let extra = format!(
-        "{}\n[routing.breaker]\nconsecutive_failures = 2\ncooldown_ms = 60000\n",
+        "{}\n[routing.breaker]\nconsecutive_failures = 1\ncooldown_ms = 60000\n",
         engine("fake2", &good.url(), "fake-model", "")
     );
     let gw = gateway(&bad.url(), &extra, two_instances).await;
     gw.wait_ready().await;
-    // Each call fails once on `fake` (the first in order while idle) and is
-    // answered by `fake2`, until `fake`'s breaker opens.
-    for _ in 0..2 {
+    // A call that goes to `fake` first fails there, opens its breaker and is
+    // answered by `fake2`. One failure opens it: after a failure the picker
+    // prefers the instance with fewer recent errors, so a second failure on
+    // `fake` would depend on when that error reaches the picker. (Which
+    // instance an idle gateway tries first also depends on the probes'
+    // recent latency, so calls go on until one has gone to `fake`.)
+    let mut opened = false;
+    for _ in 0..20 {
         let (status, v) = call(&gw, DEMO_KEY, &chat_body(false)).await;
         assert_eq!(status, 200, "{v}");
+        if instance(&ready(&gw).await, "fake")["breaker"] == "OPEN" {
+            opened = true;
+            break;
+        }
     }
-    until("the breaker open", || async { instance(&ready(&gw).await, "fake")["breaker"] == "OPEN" }).await;
+    assert!(opened, "a failure on fake never opened its breaker: {} requests, {}", bad.requests(), ready(&gw).await);
+    assert_eq!(bad.requests(), 1, "the breaker opened on the first failure");
     let before = bad.requests();
     for _ in 0..3 {
         let (status, v) = call(&gw, DEMO_KEY, &chat_body(false)).await;
@@ -413,7 +423,9 @@ async fn an_open_breaker_sends_work_to_the_other_instance() {
 #[tokio::test]
 async fn a_failed_trial_while_half_open_opens_the_breaker_again() {
     let fake = FakeEngine::start_with(Knobs { fail_status: Some(500), ..Knobs::default() }).await;
-    let extra = "\n[routing]\nmax_attempts = 1\n[routing.breaker]\nconsecutive_failures = 2\ncooldown_ms = 500\n";
+    // A cool-down long enough that a loaded machine still makes the call
+    // after the failed trial before the breaker half-opens again.
+    let extra = "\n[routing]\nmax_attempts = 1\n[routing.breaker]\nconsecutive_failures = 2\ncooldown_ms = 3000\n";
     let gw = gateway(&fake.url(), extra, |t| t.replace("health_interval_ms = 100", "health_interval_ms = 60000")).await;
     gw.wait_ready().await;
     for _ in 0..2 {
