@@ -93,7 +93,7 @@ impl<P: Protocol> RemoteLink<P> {
         // the Will Delay Interval has passed or the Session ends, whichever happens first
         let will_delay_interval = min(session_expiry, delay_interval);
 
-        let (link_tx, link_rx, notification) = LinkBuilder::new(client_id, router_tx)
+        let (link_tx, link_rx, notification) = LinkBuilder::new(client_id, router_tx.clone())
             .tenant_id(tenant_id)
             .clean_session(clean_session)
             .last_will(lastwill)
@@ -110,7 +110,15 @@ impl<P: Protocol> RemoteLink<P> {
                 let mut new_props = props.clone().unwrap_or_default();
                 new_props.assigned_client_identifier = assigned_client_id;
                 *props = Some(new_props);
-                network.write(packet).await?;
+                // The router has registered the connection: if the CONNACK
+                // cannot be written (the client reset the socket right after
+                // CONNECT), tell it the connection is gone, or its slot is
+                // never freed and `max_connections` such clients lock
+                // everyone out. (edgeway patch, see PATCHES.md)
+                if let Err(e) = network.write(packet).await {
+                    router_tx.send((id, Event::Disconnect)).ok();
+                    return Err(e.into());
+                }
             }
         }
 
