@@ -70,7 +70,16 @@ mod raw {
         p
     }
 
-    pub const DISCONNECT: [u8; 2] = [0xE0, 0];
+    /// An MQTT 3.1.1 PUBLISH at QoS 0.
+    pub fn publish(topic: &str, payload: &[u8]) -> Vec<u8> {
+        let mut body = Vec::new();
+        string(topic.as_bytes(), &mut body);
+        body.extend_from_slice(payload);
+        let mut p = vec![0x30];
+        remaining_length(body.len(), &mut p);
+        p.extend_from_slice(&body);
+        p
+    }
 
     /// Sends `packet` and resets the socket at once (SO_LINGER 0: an RST,
     /// not a FIN), before the server can answer.
@@ -192,3 +201,21 @@ async fn rumqttd_a_failed_connack_write_frees_the_router_slot() {
         "a valid client connects after 300 resets"
     );
 }
+
+/// PATCHES.md #2: a connection that fails before its link starts (here:
+/// its CONNACK write) leaves its client id in the listener's will map with
+/// nobody listening. Unpatched, the next connection of that client id
+/// panics on it while holding the map's lock, which poisons the map: from
+/// then on every connection of the listener panics, whatever its id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rumqttd_a_dead_will_entry_neither_panics_nor_poisons_the_listener() {
+    let addr = bare_rumqttd(100).await;
+    for _ in 0..20 {
+        raw::send_and_reset(addr, &raw::connect("same-id", None)).await;
+    }
+    for id in ["same-id", "another-id", "same-id"] {
+        let ack = raw::connack(addr, &raw::connect(id, None)).await.map(|(_, a)| a);
+        assert_eq!(ack, Some(raw::ACCEPTED), "{id} connects");
+    }
+}
+

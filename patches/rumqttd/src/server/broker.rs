@@ -535,20 +535,21 @@ async fn remote<P: Protocol>(
         client_id = format!("{tenant_id}.{client_id}");
     }
 
-    if let Some(sender) = will_handlers.lock().unwrap().remove(&client_id) {
+    // (edgeway patch, see PATCHES.md) The map is taken out of its lock
+    // before anything else: a panic under the lock would poison it for
+    // every later connection of the listener. An entry whose connection is
+    // already gone (it failed before its link started) has no receiver:
+    // there is nobody to tell, which is not an error.
+    let (will_tx, will_rx) = flume::bounded::<AwaitingWill>(1);
+    let previous = lock_wills(&will_handlers).insert(client_id.clone(), will_tx.clone());
+    if let Some(sender) = previous {
         let awaiting_will = if clean_session {
             AwaitingWill::Fire
         } else {
             AwaitingWill::Cancel
         };
-        sender.try_send(awaiting_will).unwrap();
+        sender.try_send(awaiting_will).ok();
     }
-
-    let (will_tx, will_rx) = flume::bounded::<AwaitingWill>(1);
-    will_handlers
-        .lock()
-        .unwrap()
-        .insert(client_id.clone(), will_tx);
 
     // Start the link
     let mut link = match RemoteLink::new(
@@ -564,6 +565,7 @@ async fn remote<P: Protocol>(
         Ok(l) => l,
         Err(e) => {
             error!(error=?e, "Remote link error");
+            forget_will_handler(&will_handlers, &client_id, &will_tx);
             return;
         }
     };
@@ -610,8 +612,9 @@ async fn remote<P: Protocol>(
     {
         Ok(w) => w.is_ok_and(|k| k == AwaitingWill::Fire),
         Err(_) => {
-            // no need to keep the sender after timeout
-            will_handlers.lock().unwrap().remove(&client_id);
+            // no need to keep the sender after timeout (unless it is a newer
+            // connection's)
+            forget_will_handler(&will_handlers, &client_id, &will_tx);
             // as will delay interval has passed, publish the will message
             true
         }
@@ -625,5 +628,27 @@ async fn remote<P: Protocol>(
         // It won't matter in this case as we don't use it
         // but might affect logs?
         router_tx.send((connection_id, message)).ok();
+    }
+}
+
+/// The will handlers of a listener, even if a connection task panicked
+/// while holding the lock (the map itself is always consistent: each
+/// operation is a single insert or remove).
+fn lock_wills(
+    will_handlers: &Mutex<HashMap<String, Sender<AwaitingWill>>>,
+) -> std::sync::MutexGuard<'_, HashMap<String, Sender<AwaitingWill>>> {
+    will_handlers.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Removes the will handler of `client_id` if it is still `ours` (a newer
+/// connection of the same client id may have replaced it).
+fn forget_will_handler(
+    will_handlers: &Mutex<HashMap<String, Sender<AwaitingWill>>>,
+    client_id: &str,
+    ours: &Sender<AwaitingWill>,
+) {
+    let mut handlers = lock_wills(will_handlers);
+    if handlers.get(client_id).is_some_and(|s| s.same_channel(ours)) {
+        handlers.remove(client_id);
     }
 }
