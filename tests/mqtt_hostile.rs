@@ -219,3 +219,48 @@ async fn rumqttd_a_dead_will_entry_neither_panics_nor_poisons_the_listener() {
     }
 }
 
+/// PATCHES.md #3: a link that ends by itself reports "closed" for its
+/// connection id; when the router has already dropped that link (here: a
+/// takeover by a new connection of the same client id, while the old link
+/// was stuck writing to a client that reads nothing) and given the id to
+/// the new connection, the late report must not remove the new one.
+/// Unpatched, the new connection is dropped: its SUBSCRIBE gets no SUBACK.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rumqttd_a_late_closed_report_does_not_remove_the_new_connection() {
+    let addr = bare_rumqttd(100).await;
+    // The old connection subscribes and then reads nothing.
+    let (mut old, ack) = raw::connack(addr, &raw::connect("same-id", None)).await.expect("connects");
+    assert_eq!(ack, raw::ACCEPTED);
+    old.write_all(&raw::subscribe(1, "flood/#")).await.unwrap();
+    assert_eq!(raw::packet(&mut old).await.map(|p| p[0]), Some(0x90), "SUBACK");
+    // Enough data that its link blocks writing (socket buffers full).
+    let (mut publisher, _) = raw::connack(addr, &raw::connect("publisher", None)).await.expect("connects");
+    let chunk = raw::publish("flood/x", &[b'x'; 60 * 1024]);
+    for _ in 0..400 {
+        publisher.write_all(&chunk).await.unwrap();
+    }
+    // A publish the router handles after all of those: the flood is in.
+    let (mut probe, _) = raw::connack(addr, &raw::connect("probe", None)).await.expect("connects");
+    probe.write_all(&raw::subscribe(1, "probe")).await.unwrap();
+    assert_eq!(raw::packet(&mut probe).await.map(|p| p[0]), Some(0x90));
+    publisher.write_all(&raw::publish("probe", b"p")).await.unwrap();
+    assert_eq!(raw::packet(&mut probe).await.map(|p| p[0]), Some(0x30));
+
+    // Takeover: the router drops the old link and gives its id to the new.
+    let (mut new, ack) = raw::connack(addr, &raw::connect("same-id", None)).await.expect("connects");
+    assert_eq!(ack, raw::ACCEPTED);
+    // The old link's write fails now: it reports "closed".
+    let _ = socket2::SockRef::from(&old).set_linger(Some(Duration::ZERO));
+    drop(old);
+    // The new connection keeps working, round after round.
+    new.write_all(&raw::subscribe(1, "echo")).await.unwrap();
+    assert_eq!(raw::packet(&mut new).await.map(|p| p[0]), Some(0x90), "SUBACK");
+    for i in 0..50u16 {
+        new.write_all(&raw::subscribe(i + 2, &format!("echo/{i}"))).await.unwrap();
+        assert_eq!(raw::packet(&mut new).await.map(|p| p[0]), Some(0x90), "SUBACK {i}");
+        tokio::task::yield_now().await;
+    }
+    new.write_all(&raw::publish("echo", b"still here")).await.unwrap();
+    let p = raw::packet(&mut new).await.expect("its own message");
+    assert!(p.ends_with(b"still here"), "{p:?}");
+}

@@ -15,6 +15,7 @@ use parking_lot::{Mutex, RawMutex};
 
 use std::collections::VecDeque;
 use std::mem;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -111,6 +112,9 @@ impl<'a> LinkBuilder<'a> {
         connection
             .last_will(self.last_will, self.last_will_properties)
             .topic_alias_max(self.topic_alias_max);
+        static NEXT_LINK_ID: AtomicU64 = AtomicU64::new(1);
+        let link_id = NEXT_LINK_ID.fetch_add(1, Ordering::Relaxed);
+        connection.link_id = link_id;
         let incoming = Incoming::new(connection.client_id.to_owned());
         let (outgoing, link_rx) = Outgoing::new(connection.client_id.to_owned());
         let outgoing_data_buffer = outgoing.buffer();
@@ -135,7 +139,8 @@ impl<'a> LinkBuilder<'a> {
         };
 
         let tx = LinkTx::new(id, self.router_tx.clone(), incoming_data_buffer);
-        let rx = LinkRx::new(id, self.router_tx, link_rx, outgoing_data_buffer);
+        let mut rx = LinkRx::new(id, self.router_tx, link_rx, outgoing_data_buffer);
+        rx.link_id = link_id;
         Ok((tx, rx, notification))
     }
 }
@@ -322,6 +327,8 @@ pub struct LinkRx {
     router_rx: Receiver<()>,
     send_buffer: Arc<Mutex<VecDeque<Notification>>>,
     cache: VecDeque<Notification>,
+    /// See [`Event::LinkClosed`] (0: not built by a [`LinkBuilder`]).
+    link_id: u64,
 }
 
 impl LinkRx {
@@ -337,11 +344,19 @@ impl LinkRx {
             router_rx,
             send_buffer: outgoing_data_buffer,
             cache: VecDeque::with_capacity(100),
+            link_id: 0,
         }
     }
 
     pub fn id(&self) -> ConnectionId {
         self.connection_id
+    }
+
+    /// What tells this link from a later one that gets the same
+    /// [`id`](Self::id): send [`Event::LinkClosed`] with it when the link
+    /// ends by itself.
+    pub fn link_id(&self) -> u64 {
+        self.link_id
     }
 
     pub fn recv(&mut self) -> Result<Option<Notification>, LinkError> {

@@ -60,6 +60,13 @@ pub struct RemoteLink<P> {
     pub(crate) will_delay_interval: u32,
 }
 
+impl<P> RemoteLink<P> {
+    /// See [`LinkRx::link_id`].
+    pub(crate) fn link_id(&self) -> u64 {
+        self.link_rx.link_id()
+    }
+}
+
 impl<P: Protocol> RemoteLink<P> {
     pub async fn new(
         router_tx: Sender<(ConnectionId, Event)>,
@@ -116,7 +123,7 @@ impl<P: Protocol> RemoteLink<P> {
                 // never freed and `max_connections` such clients lock
                 // everyone out. (edgeway patch, see PATCHES.md)
                 if let Err(e) = network.write(packet).await {
-                    router_tx.send((id, Event::Disconnect)).ok();
+                    router_tx.send((id, Event::LinkClosed(link_rx.link_id()))).ok();
                     return Err(e.into());
                 }
             }

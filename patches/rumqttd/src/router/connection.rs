@@ -33,6 +33,9 @@ pub struct Connection {
     pub(crate) broker_topic_aliases: Option<BrokerAliases>,
     /// subscription IDs for a connection
     pub(crate) subscription_ids: HashMap<Filter, usize>,
+    /// Unique over the process's links, unlike the connection id (a slot
+    /// the router reuses). (edgeway patch)
+    pub(crate) link_id: u64,
 }
 
 impl Connection {
@@ -66,6 +69,7 @@ impl Connection {
             topic_aliases: HashMap::new(),
             broker_topic_aliases: None,
             subscription_ids: HashMap::new(),
+            link_id: 0,
         }
     }
 

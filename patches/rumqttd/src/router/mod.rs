@@ -55,6 +55,12 @@ pub enum Event {
     DeviceData,
     /// Disconnection request
     Disconnect,
+    /// The link with this [`LinkRx::link_id`](crate::local::LinkRx::link_id)
+    /// ended. Unlike `Disconnect`, it is ignored when the connection id has
+    /// meanwhile been given to another link (a late report of a link the
+    /// router already dropped must not remove a new connection that reuses
+    /// its slot). (edgeway patch, see PATCHES.md)
+    LinkClosed(u64),
     /// Shadow
     Shadow(ShadowRequest),
     /// Collect and send alerts to all alerts links

@@ -245,6 +245,13 @@ impl Router {
             Event::NewAlert(tx) => self.handle_new_alert(tx),
             Event::DeviceData => self.handle_device_payload(id),
             Event::Disconnect => self.handle_disconnection(id, None),
+            Event::LinkClosed(link_id) => {
+                if self.connections.get(id).is_some_and(|c| c.link_id == link_id) {
+                    self.handle_disconnection(id, None)
+                } else {
+                    info!(connection_id = id, "late report of a link already gone, ignored");
+                }
+            }
             Event::Ready => self.scheduler.reschedule(id, ScheduleReason::Ready),
             Event::Shadow(request) => {
                 retrieve_shadow(&mut self.datalog, &mut self.obufs[id], request)

@@ -571,6 +571,7 @@ async fn remote<P: Protocol>(
     };
 
     let connection_id = link.connection_id;
+    let link_id = link.link_id();
     let will_delay_interval = link.will_delay_interval;
     let mut send_disconnect = true;
 
@@ -596,7 +597,10 @@ async fn remote<P: Protocol>(
     };
 
     if send_disconnect {
-        let disconnect = Event::Disconnect;
+        // Not `Event::Disconnect`: the router may have dropped this link
+        // already and given its connection id to a new one (a reconnect of
+        // the same client id). (edgeway patch, see PATCHES.md)
+        let disconnect = Event::LinkClosed(link_id);
         let message = (connection_id, disconnect);
         router_tx.send(message).ok();
     }
