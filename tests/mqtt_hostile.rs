@@ -264,3 +264,26 @@ async fn rumqttd_a_late_closed_report_does_not_remove_the_new_connection() {
     let p = raw::packet(&mut new).await.expect("its own message");
     assert!(p.ends_with(b"still here"), "{p:?}");
 }
+
+/// Item 1 of issue 10, as a device sees it: CONNECTs followed at once by a
+/// TCP reset, refused ones (a wrong password) and accepted ones (an
+/// instance of a real device), never lock valid devices out. Checked every
+/// 10 resets, so a failure says after how many it happened. Before the
+/// rumqttd patches, with `max_connections = 20`, a valid device got no
+/// CONNACK after a few dozen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_then_reset_never_locks_devices_out() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_connections = 20").await;
+    let valid = raw::connect(D2.0, Some((D2.0, D2.1)));
+    for i in 0..300 {
+        let id = format!("{}:r{i}", D1.0);
+        let password = if i % 2 == 0 { "wrong" } else { D1.1 };
+        raw::send_and_reset(addr, &raw::connect(&id, Some((D1.0, password)))).await;
+        if i % 10 == 9 {
+            let ok = connects_within(addr, &valid, Duration::from_secs(5)).await;
+            assert!(ok, "a valid device was locked out after {} resets", i + 1);
+        }
+    }
+    gw.stop().await;
+}

@@ -13,7 +13,7 @@
 //!   not per topic) are never enabled; the will is taken out (edgeway
 //!   keeps it, see [`super::wills`]).
 //! - **CONNACK** of a refused CONNECT carries the refusal code (rumqttd
-//!   answered the harmless placeholder that took its place).
+//!   answered the stand-in of [`refused_connect`]).
 //! - MQTT 5 properties never reach a 3.1.1 device; the MQTT 5 message
 //!   expiry of a request is carried to edgeway as an absolute time
 //!   ([`EXPIRES_AT_PROPERTY`]) instead of letting the router drop the
@@ -76,11 +76,12 @@ pub fn detect_version(stream: &BytesMut, max_size: usize) -> Result<Detected, Er
     })
 }
 
-/// The CONNECT rumqttd gets in place of a refused one: a placeholder id
-/// (`@` is not a device id character: no collision with a device), no will,
-/// a clean session.
-pub fn placeholder_connect(placeholder: u64) -> Packet {
-    let connect = Connect { keep_alive: 1, client_id: format!("@refused-{placeholder}"), clean_session: true };
+/// The CONNECT rumqttd gets in place of a refused one: an empty client id
+/// without a clean session, which rumqttd answers with a CONNACK
+/// (`ClientIdentifierNotValid`, rewritten by [`outbound`] to the real
+/// refusal) and closes, without registering anything with its router.
+pub fn refused_connect() -> Packet {
+    let connect = Connect { keep_alive: 1, client_id: String::new(), clean_session: false };
     Packet::Connect(connect, None, None, None, None)
 }
 

@@ -9,33 +9,24 @@
 //!   subtree, rumqttd quirks, refusal CONNACKs);
 //! - [`super::auth`] to check the device id, user name and password (or
 //!   JWT) at CONNECT;
-//! - [`super::connections`] for connection numbers and the id rumqttd
-//!   knows a connection by (takeover, reconnects, spoiled ids);
+//! - [`super::connections`] for connection states and numbers;
 //! - [`super::wills`] and [`super::presence`] when a connection starts and
 //!   when it ends (the codec is dropped with the connection).
 //!
-//! **Authentication with a CONNACK**: a refused CONNECT is replaced by a
-//! harmless placeholder (unique id, no will, clean session) so that
-//! rumqttd answers it, and its CONNACK is rewritten to the refusal code
-//! (rumqttd's own auth hook would close the socket without a CONNACK, and a
-//! device could not tell bad credentials from a bad network).
+//! **Authentication with a CONNACK**: a refused CONNECT is handed to
+//! rumqttd as one it answers itself and never registers with its router (an
+//! empty client id without a clean session, MQTT-3.1.3-8), and its CONNACK
+//! is rewritten to the refusal code (rumqttd's own auth hook would close the
+//! socket without a CONNACK, and a device could not tell bad credentials
+//! from a bad network).
 //!
-//! **Reconnects and wills**: rumqttd's router numbers connections by
-//! reusable slots, and a link that ends by itself reports "closed" for its
-//! slot afterwards. When the same client id reconnects at once, the router
-//! has already dropped the old connection (on its DISCONNECT, or as a
-//! duplicate id) and given the slot to the new one, so the late report
-//! removes the *new* connection: its subscriptions vanish and its SUBSCRIBE
-//! gets no SUBACK (about 1 immediate reconnect in 20 here). So (a)
-//! DISCONNECT never reaches the router: the codec ends the link (one
-//! removal), and (b) a connection whose client id still has an *ending*
-//! connection gets a broker id of its own (see [`super::connections`]). A
-//! second CONNECT on a connection closes it. Wills are therefore kept by
-//! edgeway, not the router ([`super::wills`]). A reconnect under its own
-//! broker id starts a fresh broker session (edgeway's streams resume by
-//! `seq`). What remains: a client that closes its socket without
-//! DISCONNECT and is back before rumqttd has noticed can still meet the
-//! slot race (the codec never sees the socket close).
+//! **Reconnects and wills**: a reconnect of a client id is a plain MQTT
+//! takeover by rumqttd's router (the patched rumqttd makes that safe, see
+//! `patches/rumqttd/PATCHES.md`). DISCONNECT ends the link in the codec,
+//! which drops the will; wills are kept by edgeway, not the router
+//! ([`super::wills`]), because edgeway mounts their topics and follows MQTT
+//! 5's will delay and session expiry, which rumqttd does not. A second
+//! CONNECT on a connection closes it.
 //!
 //! Owns: the per-connection glue. Does not own: any rule above (each is in
 //! its own module).
@@ -49,7 +40,7 @@ use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol};
 
 use super::auth::{DeviceDirectory, Refusal};
 use super::codec::{self, Detected, Version};
-use super::connections::{Conn, Connack, Connections, Session};
+use super::connections::{Conn, Connections, Session};
 use super::presence::{Presence, PresenceReporter};
 use super::topics::Topics;
 use super::wills::Wills;
@@ -97,51 +88,32 @@ impl Clone for DeviceProtocol {
 impl Drop for DeviceProtocol {
     fn drop(&mut self) {
         let shared = &self.shared;
-        match std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
-            Conn::AwaitingConnect => {}
-            Conn::Refused { placeholder, connack, .. } => {
-                if connack == Connack::Pending {
-                    // Ended between CONNECT and its first read: rumqttd's id
-                    // is spoiled (see `connections`).
-                    shared.connections.spoil_placeholder(placeholder);
-                }
+        if let Conn::Open(s) | Conn::Ending(s) = std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
+            if let Some((will, props)) = s.will {
+                shared.wills.arm(&s.client_id, will, props, s.session_expiry);
             }
-            Conn::Open(s) | Conn::Ending(s) => {
-                // (An id of its own is never used again anyway.)
-                if s.connack == Connack::Pending && !s.own_broker_id {
-                    shared.connections.spoil(&s.client_id);
-                }
-                shared.connections.closed(&s.client_id, s.conn);
-                if let Some((will, props)) = s.will {
-                    shared.wills.arm(&s.client_id, will, props, s.session_expiry);
-                }
-                shared.presence.report(Presence::Disconnected { device: s.device, conn: s.conn });
-            }
+            shared.presence.report(Presence::Disconnected { device: s.device, conn: s.conn });
         }
     }
 }
 
 impl DeviceProtocol {
     fn refuse(&mut self, why: Refusal) -> Packet {
-        let placeholder = self.shared.connections.placeholder();
-        self.state = Conn::Refused { why, placeholder, connack: Connack::Pending };
-        codec::placeholder_connect(placeholder)
+        self.state = Conn::Refused(why);
+        codec::refused_connect()
     }
 
-    /// Ends the link (rumqttd closes the connection on a codec error), and
-    /// tells the connection table.
+    /// Ends the link (rumqttd closes the connection on a codec error).
     fn end_link(&mut self) -> Error {
         self.state = match std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
-            Conn::Open(s) => {
-                self.shared.connections.ending(&s.client_id, s.conn);
-                Conn::Ending(s)
-            }
+            Conn::Open(s) => Conn::Ending(s),
             other => other,
         };
         Error::InvalidProtocol
     }
 
-    /// An authenticated CONNECT (or a refused one's placeholder) for rumqttd.
+    /// An authenticated CONNECT (or what stands for a refused one) for
+    /// rumqttd.
     fn connect(&mut self, packet: Packet) -> Packet {
         let Packet::Connect(mut connect, mut props, will, will_props, login) = packet else {
             unreachable!("called with a CONNECT")
@@ -162,8 +134,6 @@ impl DeviceProtocol {
         let session_expiry = codec::rewrite_connect(&mut connect, &mut props);
         let client_id = connect.client_id.clone();
         shared.wills.cancel(&client_id);
-        let (broker_id, own_broker_id) = shared.connections.connect(&client_id, conn);
-        connect.client_id = broker_id;
         shared.presence.report(Presence::Connected {
             device: device.clone(),
             client_id: client_id.clone(),
@@ -177,9 +147,7 @@ impl DeviceProtocol {
             device,
             conn,
             client_id,
-            own_broker_id,
             session_expiry,
-            connack: Connack::Pending,
         });
         Packet::Connect(connect, props, None, None, login)
     }
@@ -191,7 +159,7 @@ impl DeviceProtocol {
             Conn::Open(s) => s,
             // Nothing but a CONNECT before a CONNECT; nothing after the
             // link ended.
-            Conn::AwaitingConnect | Conn::Refused { .. } | Conn::Ending(_) => return Err(Error::InvalidProtocol),
+            Conn::AwaitingConnect | Conn::Refused(_) | Conn::Ending(_) => return Err(Error::InvalidProtocol),
         };
         match packet {
             // A second CONNECT is a protocol violation: the server closes
@@ -201,8 +169,8 @@ impl DeviceProtocol {
                 if d.reason_code != DisconnectReasonCode::DisconnectWithWillMessage {
                     session.will = None;
                 }
-                // Ends the link here: the router then removes the
-                // connection once, when the link reports it closed.
+                // Ends the link here (the router removes the connection
+                // when the link reports it closed).
                 Err(self.end_link())
             }
             other => codec::mount_inbound(&session.device, &self.shared.shared_prefix, &session.request_topic, other),
@@ -212,12 +180,6 @@ impl DeviceProtocol {
 
 impl Protocol for DeviceProtocol {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error> {
-        // rumqttd reads again only after it wrote the CONNACK.
-        self.state.connack_written();
-        if let Conn::Refused { .. } = self.state {
-            // Nothing after a refused CONNECT: the connection ends.
-            return Err(Error::InvalidProtocol);
-        }
         if self.version == Version::Unknown {
             match codec::detect_version(stream, max_size)? {
                 Detected::Supported(v) => self.version = v,
@@ -250,7 +212,7 @@ impl Protocol for DeviceProtocol {
 
     fn write(&self, packet: Packet, write: &mut BytesMut) -> Result<usize, Error> {
         let refused = match &self.state {
-            Conn::Refused { why, .. } => Some(*why),
+            Conn::Refused(why) => Some(*why),
             _ => None,
         };
         let device = self.state.session().map(|s| s.device.as_str());
