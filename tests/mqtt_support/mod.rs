@@ -4,6 +4,8 @@
 //! Schemas in `topics/schemas`.
 #![allow(dead_code)]
 
+pub mod raw;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::OnceLock;

@@ -152,6 +152,10 @@ pub struct ConnectionSettings {
     pub external_auth: Option<AuthHandler>,
     #[serde(default)]
     pub dynamic_filters: bool,
+    /// Bytes each connection's read and write buffers start with (they grow
+    /// as packets need). `None`: 10 KiB. (edgeway patch, see PATCHES.md)
+    #[serde(default)]
+    pub initial_buffer_bytes: Option<usize>,
 }
 
 impl ConnectionSettings {
@@ -177,6 +181,7 @@ impl fmt::Debug for ConnectionSettings {
             .field("auth", &self.auth)
             .field("external_auth", &self.external_auth.is_some())
             .field("dynamic_filters", &self.dynamic_filters)
+            .field("initial_buffer_bytes", &self.initial_buffer_bytes)
             .finish()
     }
 }

@@ -49,10 +49,23 @@ impl<P: Protocol> Network<P> {
         max_connection_buffer_len: usize,
         protocol: P,
     ) -> Network<P> {
+        Self::with_buffers(socket, max_incoming_size, max_connection_buffer_len, protocol, 10 * 1024)
+    }
+
+    /// [`Network::new`] with read and write buffers that start with
+    /// `initial_buffer_bytes` each (they grow as packets need). (edgeway
+    /// patch, see PATCHES.md)
+    pub fn with_buffers(
+        socket: Box<dyn N>,
+        max_incoming_size: usize,
+        max_connection_buffer_len: usize,
+        protocol: P,
+        initial_buffer_bytes: usize,
+    ) -> Network<P> {
         Network {
             socket,
-            read: BytesMut::with_capacity(10 * 1024),
-            write: BytesMut::with_capacity(10 * 1024),
+            read: BytesMut::with_capacity(initial_buffer_bytes),
+            write: BytesMut::with_capacity(initial_buffer_bytes),
             max_incoming_size,
             max_connection_buffer_len,
             // Overwritten by keepalive value in connect packet, otherwise we

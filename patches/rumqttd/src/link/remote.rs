@@ -298,6 +298,7 @@ mod tests {
             auth: None,
             external_auth: None,
             dynamic_filters: false,
+            initial_buffer_bytes: None,
         }
     }
 

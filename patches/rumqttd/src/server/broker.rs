@@ -331,6 +331,10 @@ impl Broker {
     }
 }
 
+/// Backoff of the accept loop after a failed accept() (edgeway patch).
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
 #[derive(Copy, Clone)]
 pub enum LinkType {
     #[cfg(feature = "websocket")]
@@ -383,6 +387,9 @@ impl<P: Protocol + Clone + Send + 'static> Server<P> {
         let listener = TcpListener::bind(&self.config.listen).await?;
         let delay = Duration::from_millis(self.config.next_connection_delay_ms);
         let mut count: usize = 0;
+        // Zero while accept() works; then how long to wait before the next
+        // try (edgeway patch, see PATCHES.md).
+        let mut accept_backoff = Duration::ZERO;
 
         let config = Arc::new(self.config.connections.clone());
         info!(
@@ -393,9 +400,23 @@ impl<P: Protocol + Clone + Send + 'static> Server<P> {
         loop {
             // Await new network connection.
             let (stream, addr) = match listener.accept().await {
-                Ok((s, r)) => (s, r),
+                Ok((s, r)) => {
+                    if !accept_backoff.is_zero() {
+                        info!(name=?self.config.name, "Accepting sockets again");
+                        accept_backoff = Duration::ZERO;
+                    }
+                    (s, r)
+                }
+                // At the descriptor limit (EMFILE, ENFILE) or out of memory,
+                // accept() fails at once for as long as the condition
+                // lasts: retrying at once spins a core and floods the log.
+                // Log once, back off (10 ms doubling up to 1 s).
                 Err(e) => {
-                    error!(error=?e, "Unable to accept socket.");
+                    if accept_backoff.is_zero() {
+                        error!(error=?e, name=?self.config.name, "Unable to accept socket, backing off");
+                    }
+                    accept_backoff = (accept_backoff * 2).clamp(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX);
+                    time::sleep(accept_backoff).await;
                     continue;
                 }
             };
@@ -497,11 +518,12 @@ async fn remote<P: Protocol>(
     protocol: P,
     will_handlers: Arc<Mutex<HashMap<String, Sender<AwaitingWill>>>>,
 ) {
-    let mut network = Network::new(
+    let mut network = Network::with_buffers(
         stream,
         config.max_payload_size,
         config.max_inflight_count,
         protocol,
+        config.initial_buffer_bytes.unwrap_or(10 * 1024),
     );
 
     let dynamic_filters = config.dynamic_filters;
