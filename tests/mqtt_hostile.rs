@@ -14,7 +14,7 @@ mod mqtt_support;
 
 use std::time::Duration;
 
-use mqtt_support::raw::{self, bare_rumqttd, connects_within};
+use mqtt_support::raw::{self, bare_rumqttd, bare_rumqttd_with, connects_within};
 use tokio::io::AsyncWriteExt;
 
 /// PATCHES.md #1: a client that resets its socket right after CONNECT makes
@@ -117,4 +117,99 @@ async fn connect_then_reset_never_locks_devices_out() {
         }
     }
     gw.stop().await;
+}
+
+/// Item 2 of issue 10, MQTT: 1000 sockets that never send CONNECT hold no
+/// device out while they are open (a valid device connects beside them),
+/// and all are closed once `connect_timeout_ms` is over, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_sockets_without_connect_are_closed_at_the_deadline() {
+    use mqtt_support::*;
+    use tokio::io::AsyncReadExt;
+    let (_fake, gw, addr) = start(Knobs::default(), "connect_timeout_ms = 2000").await;
+    let mut idle = Vec::new();
+    for _ in 0..1000 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.expect("accepted"));
+    }
+    let started = std::time::Instant::now();
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("x")).await;
+    // Each idle socket is closed by the broker (EOF), none is left open.
+    let closed = futures::future::join_all(idle.iter_mut().map(|s| async move {
+        let mut b = [0u8; 1];
+        matches!(tokio::time::timeout(Duration::from_secs(30), s.read(&mut b)).await, Ok(Ok(0) | Err(_)))
+    }))
+    .await;
+    let elapsed = started.elapsed();
+    assert_eq!(closed.iter().filter(|c| **c).count(), 1000, "closed by the broker");
+    assert!(elapsed >= Duration::from_millis(1500), "not before the deadline: {elapsed:?}");
+    eprintln!("1000 idle sockets closed {elapsed:?} after they were opened (deadline 2 s)");
+    assert_eq!(metric(&gw, r#"mqtt_connect_timeouts_total{listener="mqtt"}"#), Some(1000.0));
+    // The gauge follows the sockets' close by a moment.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while metric(&gw, r#"mqtt_sockets_awaiting_connect{listener="mqtt"}"#) != Some(0.0) {
+        assert!(tokio::time::Instant::now() < deadline, "no socket left awaiting CONNECT");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    gw.stop().await;
+}
+
+/// At the cap of sockets before CONNECT, a new socket is closed at once
+/// (not held, not queued) and counted; once the idle ones are gone, devices
+/// connect again. Unpatched, rumqttd had no cap at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_cap_of_sockets_before_connect_new_ones_are_closed_at_once() {
+    use mqtt_support::*;
+    use tokio::io::AsyncReadExt;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_pending_connects = 50\nconnect_timeout_ms = 60000").await;
+    let mut idle = Vec::new();
+    for _ in 0..50 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.expect("accepted"));
+    }
+    // Wait until the listener counts them all (accepting is asynchronous).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while metric(&gw, r#"mqtt_sockets_awaiting_connect{listener="mqtt"}"#) != Some(50.0) {
+        assert!(tokio::time::Instant::now() < deadline, "50 sockets awaiting CONNECT");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut extra = tokio::net::TcpStream::connect(addr).await.expect("the kernel accepts");
+    let mut b = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_secs(5), extra.read(&mut b)).await;
+    assert!(matches!(r, Ok(Ok(0) | Err(_))), "closed at once, long before the 60 s deadline: {r:?}");
+    assert_eq!(metric(&gw, r#"mqtt_sockets_refused_total{listener="mqtt"}"#), Some(1.0));
+    drop(idle);
+    assert!(
+        connects_within(addr, &raw::connect(D1.0, Some((D1.0, D1.1))), Duration::from_secs(10)).await,
+        "a device connects once the idle sockets are gone"
+    );
+    gw.stop().await;
+}
+
+/// PATCHES.md #5: a listener caps the sockets that have not sent CONNECT;
+/// past the cap a new socket is closed at once (unpatched: no cap, every
+/// socket is held until the connection timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rumqttd_past_the_cap_a_new_socket_is_closed_at_once() {
+    use tokio::io::AsyncReadExt;
+    let addr = bare_rumqttd_with(100, rumqttd::LinkType::Remote, serde_json::json!({"max_awaiting_connect": 5})).await;
+    let mut idle = Vec::new();
+    for _ in 0..5 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    // The sixth (accepted after the five: the accept loop takes them in
+    // order) is closed long before the 5 s connection timeout.
+    let mut sixth = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut b = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_secs(3), sixth.read(&mut b)).await;
+    assert!(matches!(r, Ok(Ok(0) | Err(_))), "closed at once: {r:?}");
+}
+
+/// PATCHES.md #5: a client that opens a socket to a WebSocket listener and
+/// never sends its HTTP upgrade does not stop the listener (unpatched, the
+/// handshake ran in the accept loop: nobody else got in until it ended).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rumqttd_a_stalled_handshake_does_not_stop_the_listener() {
+    let addr = bare_rumqttd_with(100, rumqttd::LinkType::Websocket, serde_json::json!({})).await;
+    let _stalled = tokio::net::TcpStream::connect(addr).await.unwrap();
+    assert!(raw::websocket_upgrade(addr).await, "another client's upgrade is answered");
 }

@@ -32,6 +32,9 @@ pub struct MqttConfig {
     /// Largest request payload; a bigger one is answered `INVALID_REQUEST`.
     pub max_request_bytes: usize,
     pub max_connections: usize,
+    /// Sockets per listener that have not sent CONNECT yet; one more is
+    /// closed at once.
+    pub max_pending_connects: usize,
     /// QoS 1/2 messages in flight per connection.
     pub max_inflight: usize,
     /// Time a new connection has to send CONNECT.
@@ -88,6 +91,7 @@ pub struct RawMqtt {
     pub max_packet_bytes: usize,
     pub max_request_bytes: usize,
     pub max_connections: usize,
+    pub max_pending_connects: usize,
     pub max_inflight: usize,
     pub connect_timeout_ms: u64,
     pub coalesce_ms: u64,
@@ -111,6 +115,7 @@ impl Default for RawMqtt {
             max_packet_bytes: 1024 * 1024,
             max_request_bytes: 512 * 1024,
             max_connections: 20_000,
+            max_pending_connects: 1024,
             max_inflight: 100,
             connect_timeout_ms: 10_000,
             coalesce_ms: 100,
@@ -188,6 +193,9 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
     if raw.max_connections == 0 {
         p.add("mqtt.max_connections", "must be at least 1");
     }
+    if raw.max_pending_connects == 0 {
+        p.add("mqtt.max_pending_connects", "must be at least 1");
+    }
     if raw.max_inflight == 0 || raw.max_inflight > u16::MAX as usize {
         p.add("mqtt.max_inflight", "must be between 1 and 65535");
     }
@@ -211,6 +219,7 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
         max_packet_bytes: raw.max_packet_bytes,
         max_request_bytes: raw.max_request_bytes,
         max_connections: raw.max_connections,
+        max_pending_connects: raw.max_pending_connects,
         max_inflight: raw.max_inflight,
         connect_timeout: Duration::from_millis(raw.connect_timeout_ms),
         coalesce: Duration::from_millis(raw.coalesce_ms),

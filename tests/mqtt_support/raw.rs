@@ -116,6 +116,12 @@ pub const ACCEPTED: [u8; 4] = [0x20, 2, 0, 0];
 
 /// rumqttd alone: its router and one MQTT 3.1.1 listener on a free port.
 pub async fn bare_rumqttd(max_connections: usize) -> SocketAddr {
+    bare_rumqttd_with(max_connections, LinkType::Remote, serde_json::json!({})).await
+}
+
+/// [`bare_rumqttd`] of a link type, with `listener` merged into the
+/// listener's settings (settings the crate does not know are ignored).
+pub async fn bare_rumqttd_with(max_connections: usize, link_type: LinkType, listener: serde_json::Value) -> SocketAddr {
     let router = Router::new(
         0,
         RouterConfig {
@@ -132,7 +138,7 @@ pub async fn bare_rumqttd(max_connections: usize) -> SocketAddr {
     let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     // From JSON, so that it builds with the unpatched crate too (the
     // patches add settings with defaults).
-    let settings: ServerSettings = serde_json::from_value(serde_json::json!({
+    let mut settings = serde_json::json!({
         "name": "v4",
         "listen": listen,
         "tls": null,
@@ -144,10 +150,13 @@ pub async fn bare_rumqttd(max_connections: usize) -> SocketAddr {
             "auth": null,
             "dynamic_filters": true,
         },
-    }))
-    .expect("listener settings");
+    });
+    for (k, v) in listener.as_object().expect("an object") {
+        settings[k] = v.clone();
+    }
+    let settings: ServerSettings = serde_json::from_value(settings).expect("listener settings");
     let mut server = Server::new(settings, router_tx, V4);
-    let mut accept = Box::pin(async move { server.start(LinkType::Remote).await });
+    let mut accept = Box::pin(async move { server.start(link_type).await });
     // The first poll binds.
     assert!(futures::poll!(accept.as_mut()).is_pending(), "the listener binds");
     tokio::spawn(accept);
@@ -170,4 +179,18 @@ pub async fn connects_within(addr: SocketAddr, connect: &[u8], within: Duration)
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Whether a WebSocket upgrade to `addr` is answered (101) within 5 s.
+pub async fn websocket_upgrade(addr: SocketAddr) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr).await else { return false };
+    let request = "GET /mqtt HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+                   Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
+                   Sec-WebSocket-Protocol: mqtt\r\n\r\n";
+    if s.write_all(request.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    matches!(tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut head)).await, Ok(Ok(_)))
+        && head.ends_with(b"101")
 }

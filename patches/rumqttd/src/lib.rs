@@ -23,7 +23,7 @@ pub use link::local;
 pub use link::meters;
 pub use router::{Alert, Forward, IncomingMeter, Meter, Notification, OutgoingMeter, Router};
 use segments::Storage;
-pub use server::{Broker, LinkType, Server};
+pub use server::{Broker, LinkType, ListenerStats, Server};
 
 pub use self::router::shared_subs::Strategy;
 
@@ -116,6 +116,16 @@ pub struct ServerSettings {
     pub tls: Option<TlsConfig>,
     pub next_connection_delay_ms: u64,
     pub connections: ConnectionSettings,
+    /// Most sockets open at once on this listener, in any state; a new one
+    /// past it is closed at once and counted in
+    /// [`ListenerStats::refused_at_cap`]. `None`: no cap. (edgeway patch,
+    /// see PATCHES.md)
+    #[serde(default)]
+    pub max_connections: Option<usize>,
+    /// Most sockets that have not sent their CONNECT yet (each may hold a
+    /// buffer for one), likewise. `None`: no cap. (edgeway patch)
+    #[serde(default)]
+    pub max_awaiting_connect: Option<usize>,
 }
 
 impl ServerSettings {

@@ -177,7 +177,9 @@ pub async fn serve(
         PresenceReporter::new(sessions.clone(), presence_tx),
         wills.clone(),
     ));
-    let (addrs, links) = broker::start(&cfg, shared, &topics.gateway_filter(), tracker, shutdown.clone()).await?;
+    let (addrs, links) =
+        broker::start(&cfg, shared, &topics.gateway_filter(), &gw.metrics().registry, tracker, shutdown.clone())
+            .await?;
     // '@' is not a device id character: no device can take this link over.
     let (mut tx, rx) = links("@edgeway").map_err(|e| e.context("mqtt: edgeway's link to the broker"))?;
     tx.subscribe(topics.gateway_filter()).map_err(|e| anyhow::anyhow!("mqtt: subscribe: {e}"))?;

@@ -13,6 +13,7 @@ use crate::{meters, ConnectionSettings, Meter};
 use flume::{RecvError, SendError, Sender};
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tracing::{error, field, info, warn, Instrument};
 use uuid::Uuid;
@@ -36,7 +37,7 @@ use std::{io, thread};
 use crate::link::console;
 use crate::link::local::{self, LinkRx, LinkTx};
 use crate::router::{Event, Router};
-use crate::{Config, ConnectionId, ServerSettings};
+use crate::{Config, ConnectionId, ServerSettings, TlsConfig};
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::error::Elapsed;
@@ -353,6 +354,7 @@ pub struct Server<P> {
     router_tx: Sender<(ConnectionId, Event)>,
     protocol: P,
     awaiting_will_handler: Arc<Mutex<HashMap<String, Sender<AwaitingWill>>>>,
+    stats: Arc<ListenerStats>,
 }
 
 impl<P: Protocol + Clone + Send + 'static> Server<P> {
@@ -366,21 +368,13 @@ impl<P: Protocol + Clone + Send + 'static> Server<P> {
             router_tx,
             protocol,
             awaiting_will_handler: Arc::new(Mutex::new(HashMap::default())),
+            stats: Arc::default(),
         }
     }
 
-    // Depending on TLS or not create a new Network
-    async fn tls_accept(&self, stream: TcpStream) -> Result<(Box<dyn N>, Option<String>), Error> {
-        #[cfg(any(feature = "use-rustls", feature = "use-native-tls"))]
-        match &self.config.tls {
-            Some(c) => {
-                let (tenant_id, network) = TLSAcceptor::new(c)?.accept(stream).await?;
-                Ok((network, tenant_id))
-            }
-            None => Ok((Box::new(stream), None)),
-        }
-        #[cfg(not(any(feature = "use-rustls", feature = "use-native-tls")))]
-        Ok((Box::new(stream), None))
+    /// The counters of this listener (edgeway patch).
+    pub fn stats(&self) -> Arc<ListenerStats> {
+        self.stats.clone()
     }
 
     pub async fn start(&mut self, link_type: LinkType) -> Result<(), Error> {
@@ -412,6 +406,7 @@ impl<P: Protocol + Clone + Send + 'static> Server<P> {
                 // lasts: retrying at once spins a core and floods the log.
                 // Log once, back off (10 ms doubling up to 1 s).
                 Err(e) => {
+                    self.stats.accept_errors.fetch_add(1, Ordering::Relaxed);
                     if accept_backoff.is_zero() {
                         error!(error=?e, name=?self.config.name, "Unable to accept socket, backing off");
                     }
@@ -421,69 +416,163 @@ impl<P: Protocol + Clone + Send + 'static> Server<P> {
                 }
             };
 
-            let (network, tenant_id) = match self.tls_accept(stream).await {
-                Ok(o) => o,
-                Err(e) => {
-                    error!(error=?e, "Tls accept error");
-                    continue;
-                }
+            let Some(slot) = ListenerSlot::admit(&self.stats, &self.config) else {
+                // At a cap: closed at once, counted (edgeway patch).
+                self.stats.refused_at_cap.fetch_add(1, Ordering::Relaxed);
+                drop(stream);
+                continue;
             };
-
-            info!(
-                name=?self.config.name, ?addr, count, tenant=?tenant_id, "accept"
-            );
 
             let config = config.clone();
             let router_tx = self.router_tx.clone();
             count += 1;
 
             let protocol = self.protocol.clone();
-            match link_type {
+            let tls = self.config.tls.clone();
+            let will_handlers = self.awaiting_will_handler.clone();
+            let name = self.config.name.clone();
+            let stats = self.stats.clone();
+            let span = match link_type {
                 #[cfg(feature = "websocket")]
-                LinkType::Websocket => {
-                    let stream = match accept_hdr_async(network, WSCallback).await {
-                        Ok(s) => Box::new(WsStream::new(s)),
-                        Err(e) => {
-                            error!(error=?e, "Websocket failed handshake");
-                            continue;
-                        }
+                LinkType::Websocket => tracing::info_span!(
+                    "websocket_link",
+                    client_id = field::Empty,
+                    connection_id = field::Empty
+                ),
+                LinkType::Remote => tracing::error_span!(
+                    "remote_link",
+                    client_id = field::Empty,
+                    connection_id = field::Empty,
+                ),
+            };
+            // The TLS and WebSocket handshakes run in the connection's
+            // task, within the connection timeout: in the accept loop, one
+            // client that stalls its handshake would stop the listener
+            // (edgeway patch, see PATCHES.md).
+            task::spawn(
+                async move {
+                    let handshake_timeout =
+                        Duration::from_millis(config.connection_timeout_ms.into());
+                    let handshake = async {
+                        let (network, tenant_id) = tls_accept(tls.as_ref(), stream).await?;
+                        let network: Box<dyn N> = match link_type {
+                            #[cfg(feature = "websocket")]
+                            LinkType::Websocket => Box::new(WsStream::new(
+                                accept_hdr_async(network, WSCallback)
+                                    .await
+                                    .map_err(|e| Error::Accept(e.to_string()))?,
+                            )),
+                            LinkType::Remote => network,
+                        };
+                        Ok::<_, Error>((network, tenant_id))
                     };
-                    task::spawn(
-                        remote(
-                            config,
-                            tenant_id.clone(),
-                            router_tx,
-                            stream,
-                            protocol,
-                            self.awaiting_will_handler.clone(),
-                        )
-                        .instrument(tracing::info_span!(
-                            "websocket_link",
-                            client_id = field::Empty,
-                            connection_id = field::Empty
-                        )),
-                    )
-                }
-                LinkType::Remote => task::spawn(
+                    let (network, tenant_id) =
+                        match time::timeout(handshake_timeout, handshake).await {
+                            Ok(Ok(o)) => o,
+                            Ok(Err(e)) => {
+                                error!(error=?e, "Handshake error");
+                                return;
+                            }
+                            Err(_) => {
+                                stats.connect_timeouts.fetch_add(1, Ordering::Relaxed);
+                                return;
+                            }
+                        };
+                    info!(?name, ?addr, count, tenant=?tenant_id, "accept");
                     remote(
                         config,
-                        tenant_id.clone(),
+                        tenant_id,
                         router_tx,
                         network,
                         protocol,
-                        self.awaiting_will_handler.clone(),
+                        will_handlers,
+                        slot,
                     )
-                    .instrument(tracing::error_span!(
-                        "remote_link",
-                        ?tenant_id,
-                        client_id = field::Empty,
-                        connection_id = field::Empty,
-                    )),
-                ),
-            };
+                    .await
+                }
+                .instrument(span),
+            );
 
             time::sleep(delay).await;
         }
+    }
+}
+
+// Depending on TLS or not create a new Network
+async fn tls_accept(
+    tls: Option<&TlsConfig>,
+    stream: TcpStream,
+) -> Result<(Box<dyn N>, Option<String>), Error> {
+    #[cfg(any(feature = "use-rustls", feature = "use-native-tls"))]
+    match tls {
+        Some(c) => {
+            let (tenant_id, network) = TLSAcceptor::new(c)?.accept(stream).await?;
+            Ok((network, tenant_id))
+        }
+        None => Ok((Box::new(stream), None)),
+    }
+    #[cfg(not(any(feature = "use-rustls", feature = "use-native-tls")))]
+    {
+        let _ = tls;
+        Ok((Box::new(stream), None))
+    }
+}
+
+/// Counters of one listener, read by the embedding program (edgeway patch,
+/// see PATCHES.md).
+#[derive(Debug, Default)]
+pub struct ListenerStats {
+    /// Sockets accepted and not closed yet, in any state.
+    pub open: AtomicUsize,
+    /// Of those, sockets whose CONNECT has not been read yet.
+    pub awaiting_connect: AtomicUsize,
+    /// Sockets closed at once because a cap of the listener was reached.
+    pub refused_at_cap: AtomicU64,
+    /// Sockets closed because their handshake or CONNECT did not come
+    /// within the connection timeout.
+    pub connect_timeouts: AtomicU64,
+    /// Failed accept() calls (at the descriptor limit, for example).
+    pub accept_errors: AtomicU64,
+}
+
+/// A socket counted in its listener's [`ListenerStats`] until dropped.
+struct ListenerSlot {
+    stats: Arc<ListenerStats>,
+    awaiting_connect: bool,
+}
+
+impl ListenerSlot {
+    /// `None` when a cap of the listener is reached. Only the accept loop
+    /// adds, so a check and its add cannot race with another add.
+    fn admit(stats: &Arc<ListenerStats>, config: &ServerSettings) -> Option<ListenerSlot> {
+        let full = |n: &AtomicUsize, cap: Option<usize>| {
+            cap.is_some_and(|cap| n.load(Ordering::Relaxed) >= cap)
+        };
+        if full(&stats.open, config.max_connections)
+            || full(&stats.awaiting_connect, config.max_awaiting_connect)
+        {
+            return None;
+        }
+        stats.open.fetch_add(1, Ordering::Relaxed);
+        stats.awaiting_connect.fetch_add(1, Ordering::Relaxed);
+        Some(ListenerSlot {
+            stats: stats.clone(),
+            awaiting_connect: true,
+        })
+    }
+
+    /// Its CONNECT was read.
+    fn connected(&mut self) {
+        if std::mem::take(&mut self.awaiting_connect) {
+            self.stats.awaiting_connect.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for ListenerSlot {
+    fn drop(&mut self) {
+        self.connected();
+        self.stats.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -517,6 +606,7 @@ async fn remote<P: Protocol>(
     stream: Box<dyn N>,
     protocol: P,
     will_handlers: Arc<Mutex<HashMap<String, Sender<AwaitingWill>>>>,
+    mut slot: ListenerSlot,
 ) {
     let mut network = Network::with_buffers(
         stream,
@@ -529,7 +619,14 @@ async fn remote<P: Protocol>(
     let dynamic_filters = config.dynamic_filters;
 
     let connect_packet = match mqtt_connect(config, &mut network).await {
-        Ok(p) => p,
+        Ok(p) => {
+            slot.connected();
+            p
+        }
+        Err(remote::Error::Timeout(_)) => {
+            slot.stats.connect_timeouts.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         Err(e) => {
             error!(error=?e, "Error while handling MQTT connect packet");
             return;
@@ -629,6 +726,7 @@ async fn remote<P: Protocol>(
 
     // this is important to stop the connection
     drop(link);
+    drop(slot);
 
     let publish_will = match tokio::time::timeout(
         Duration::from_secs(will_delay_interval as u64),
