@@ -39,6 +39,9 @@ pub struct MqttConfig {
     pub max_inflight: usize,
     /// Time a new connection has to send CONNECT.
     pub connect_timeout: Duration,
+    /// Longest keep-alive, seconds: a client's 0 ("none") or longer one
+    /// becomes this (MQTT 5 clients are told, Server Keep Alive).
+    pub max_keep_alive_s: u16,
     /// Default delta coalescing: at most one delta message per this period…
     pub coalesce: Duration,
     /// …or per this many bytes of text, whichever comes first.
@@ -94,6 +97,7 @@ pub struct RawMqtt {
     pub max_pending_connects: usize,
     pub max_inflight: usize,
     pub connect_timeout_ms: u64,
+    pub max_keep_alive_s: u64,
     pub coalesce_ms: u64,
     pub max_chunk_bytes: usize,
     pub disconnect_grace_ms: u64,
@@ -118,6 +122,7 @@ impl Default for RawMqtt {
             max_pending_connects: 1024,
             max_inflight: 100,
             connect_timeout_ms: 10_000,
+            max_keep_alive_s: DEFAULT_MQTT_MAX_KEEP_ALIVE_S.into(),
             coalesce_ms: 100,
             max_chunk_bytes: 512,
             disconnect_grace_ms: 60_000,
@@ -142,6 +147,10 @@ pub struct RawDevice {
     /// The least strict data class of the device's calls.
     pub data_class: Option<Field<crate::task::DataClass>>,
 }
+
+/// The default of `mqtt.max_keep_alive_s`: a dead device's connection is
+/// noticed within 1.5 × this.
+pub const DEFAULT_MQTT_MAX_KEEP_ALIVE_S: u16 = 600;
 
 /// Device ids become MQTT client ids and topic levels.
 pub fn valid_device_id(id: &str) -> bool {
@@ -202,6 +211,9 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
     if raw.connect_timeout_ms == 0 || raw.connect_timeout_ms > u16::MAX as u64 {
         p.add("mqtt.connect_timeout_ms", "must be between 1 and 65535");
     }
+    if raw.max_keep_alive_s == 0 || raw.max_keep_alive_s > u64::from(u16::MAX) {
+        p.add("mqtt.max_keep_alive_s", "must be between 1 and 65535");
+    }
     if raw.max_chunk_bytes == 0 {
         p.add("mqtt.max_chunk_bytes", "must be at least 1");
     }
@@ -222,6 +234,7 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
         max_pending_connects: raw.max_pending_connects,
         max_inflight: raw.max_inflight,
         connect_timeout: Duration::from_millis(raw.connect_timeout_ms),
+        max_keep_alive_s: u16::try_from(raw.max_keep_alive_s).unwrap_or(u16::MAX),
         coalesce: Duration::from_millis(raw.coalesce_ms),
         max_chunk_bytes: raw.max_chunk_bytes,
         disconnect_grace: Duration::from_millis(raw.disconnect_grace_ms),

@@ -8,8 +8,10 @@
 //! - **Mounting**: every topic, filter and will topic of a device goes
 //!   under its private subtree on the way in and comes out of it on the way
 //!   out (the names are [`super::topics`]'s).
-//! - **CONNECT**: `keep_alive = 0` (refused by rumqttd) becomes the longest
-//!   keep-alive; broker-side topic aliases (rumqttd assigns them per filter,
+//! - **CONNECT**: `keep_alive = 0` (refused by rumqttd, and "no keep-alive"
+//!   would hold a dead connection for ever) and keep-alives above
+//!   `mqtt.max_keep_alive_s` become that maximum (MQTT 5 clients are told in
+//!   the CONNACK's Server Keep Alive); broker-side topic aliases (rumqttd assigns them per filter,
 //!   not per topic) are never enabled; the will is taken out (edgeway
 //!   keeps it, see [`super::wills`]).
 //! - **CONNACK** of a refused CONNECT carries the refusal code (rumqttd
@@ -85,17 +87,55 @@ pub fn refused_connect() -> Packet {
     Packet::Connect(connect, None, None, None, None)
 }
 
-/// Rewrites an authenticated CONNECT for rumqttd (its client id is set by
-/// the caller); returns the MQTT 5 Session Expiry Interval (0 for 3.1.1).
-pub fn rewrite_connect(connect: &mut Connect, props: &mut Option<ConnectProperties>) -> u32 {
-    if connect.keep_alive == 0 {
-        connect.keep_alive = u16::MAX;
+/// What [`rewrite_connect`] found in a CONNECT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectTerms {
+    /// MQTT 5 Session Expiry Interval, seconds (0 for 3.1.1).
+    pub session_expiry: u32,
+    /// The keep-alive the server applies instead of the client's (0 or
+    /// above the maximum), for MQTT 5's Server Keep Alive.
+    pub server_keep_alive: Option<u16>,
+}
+
+/// Rewrites an authenticated CONNECT for rumqttd: a keep-alive of 0 or above
+/// `max_keep_alive` (seconds) becomes `max_keep_alive`.
+pub fn rewrite_connect(
+    connect: &mut Connect,
+    props: &mut Option<ConnectProperties>,
+    max_keep_alive: u16,
+) -> ConnectTerms {
+    let server_keep_alive = (connect.keep_alive == 0 || connect.keep_alive > max_keep_alive).then_some(max_keep_alive);
+    if let Some(k) = server_keep_alive {
+        connect.keep_alive = k;
     }
     let session_expiry = props.as_ref().and_then(|p| p.session_expiry_interval).unwrap_or(0);
     if let Some(p) = props.as_mut() {
         p.topic_alias_max = None;
     }
-    session_expiry
+    ConnectTerms { session_expiry, server_keep_alive }
+}
+
+/// A client id (up to 64 KiB of anything) as it may be logged: at most 64
+/// characters, escaped (no newlines or control characters reach the log),
+/// with the length of what was cut.
+pub fn loggable(client_id: &str) -> String {
+    const SHOWN: usize = 64;
+    let shown: String = client_id.chars().take(SHOWN).flat_map(char::escape_debug).collect();
+    match client_id.chars().nth(SHOWN) {
+        None => shown,
+        Some(_) => format!("{shown}… ({} bytes)", client_id.len()),
+    }
+}
+
+/// Sets MQTT 5's Server Keep Alive on a CONNACK that has properties.
+pub fn with_server_keep_alive(packet: Packet, server_keep_alive: Option<u16>) -> Packet {
+    match (packet, server_keep_alive) {
+        (Packet::ConnAck(ack, Some(mut p)), Some(k)) => {
+            p.server_keep_alive = Some(k);
+            Packet::ConnAck(ack, Some(p))
+        }
+        (packet, _) => packet,
+    }
 }
 
 /// A will with its topic mounted in the device's subtree.
@@ -251,12 +291,36 @@ mod tests {
             authentication_method: None,
             authentication_data: None,
         });
-        assert_eq!(rewrite_connect(&mut c, &mut props), 30);
-        assert_eq!((c.keep_alive, props.unwrap().topic_alias_max), (u16::MAX, None));
+        // keep_alive 0 is not "for ever" (it was 65 535 s): the maximum.
+        assert_eq!(
+            rewrite_connect(&mut c, &mut props, 600),
+            ConnectTerms { session_expiry: 30, server_keep_alive: Some(600) }
+        );
+        assert_eq!((c.keep_alive, props.unwrap().topic_alias_max), (600, None));
         let mut c = Connect { keep_alive: 20, client_id: "d".into(), clean_session: true };
-        assert_eq!((rewrite_connect(&mut c, &mut None), c.keep_alive), (0, 20));
+        let terms = rewrite_connect(&mut c, &mut None, 600);
+        assert_eq!((terms, c.keep_alive), (ConnectTerms { session_expiry: 0, server_keep_alive: None }, 20));
+        let mut c = Connect { keep_alive: 3600, client_id: "d".into(), clean_session: true };
+        assert_eq!((rewrite_connect(&mut c, &mut None, 600).server_keep_alive, c.keep_alive), (Some(600), 600));
+        // MQTT 5 clients are told.
+        let ack = Packet::ConnAck(
+            ConnAck { session_present: false, code: ConnectReturnCode::Success },
+            Some(ConnAckProperties::default()),
+        );
+        let Packet::ConnAck(_, Some(p)) = with_server_keep_alive(ack, Some(600)) else { panic!("a CONNACK") };
+        assert_eq!(p.server_keep_alive, Some(600));
         let will = LastWill { topic: "status".into(), message: Bytes::new(), qos: QoS::AtMostOnce, retain: false };
         assert_eq!(mount_will("dev1", will).topic, mount_topic("dev1", "status"));
+    }
+
+    #[test]
+    fn client_ids_are_logged_bounded_and_escaped() {
+        assert_eq!(loggable("demo-device-1"), "demo-device-1");
+        let hostile = format!("a\nfake log line\r{}", "x".repeat(65_000));
+        let l = loggable(&hostile);
+        assert!(!l.contains(['\n', '\r']), "{l}");
+        assert!(l.starts_with("a\\nfake log line\\r") && l.ends_with("… (65016 bytes)"), "{l}");
+        assert!(l.len() < 120, "{}", l.len());
     }
 
     #[test]

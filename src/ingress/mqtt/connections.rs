@@ -28,6 +28,9 @@ pub struct Session {
     /// MQTT 5 Session Expiry Interval from CONNECT, seconds (0: the session
     /// ends with the connection).
     pub session_expiry: u32,
+    /// The keep-alive applied instead of the client's, told to MQTT 5
+    /// clients in the CONNACK.
+    pub server_keep_alive: Option<u16>,
     /// The connection's will (topic mounted), until a clean DISCONNECT.
     pub will: Option<(LastWill, Option<LastWillProperties>)>,
     /// Device view of its request topic, for the expiry rewrite.

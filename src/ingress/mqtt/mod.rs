@@ -171,12 +171,15 @@ pub async fn serve(
     let (presence_tx, presence_rx) = mpsc::unbounded_channel();
     let (wills_tx, wills_rx) = mpsc::unbounded_channel();
     let wills = Arc::new(Wills::new(wills_tx));
-    let shared = Arc::new(ProtocolShared::new(
-        auth::DeviceDirectory::new(gw.config()),
-        topics.clone(),
-        PresenceReporter::new(sessions.clone(), presence_tx),
-        wills.clone(),
-    ));
+    let shared = Arc::new(
+        ProtocolShared::new(
+            auth::DeviceDirectory::new(gw.config()),
+            topics.clone(),
+            PresenceReporter::new(sessions.clone(), presence_tx),
+            wills.clone(),
+        )
+        .with_max_keep_alive(cfg.max_keep_alive_s),
+    );
     let (addrs, links) =
         broker::start(&cfg, shared, &topics.gateway_filter(), &gw.metrics().registry, tracker, shutdown.clone())
             .await?;

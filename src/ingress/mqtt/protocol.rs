@@ -54,12 +54,28 @@ pub struct ProtocolShared {
     presence: PresenceReporter,
     wills: Arc<Wills>,
     connections: Connections,
+    /// `mqtt.max_keep_alive_s`.
+    max_keep_alive: u16,
 }
 
 impl ProtocolShared {
     pub fn new(directory: DeviceDirectory, topics: Topics, presence: PresenceReporter, wills: Arc<Wills>) -> Self {
         let shared_prefix = topics.shared_prefix();
-        ProtocolShared { directory, topics, shared_prefix, presence, wills, connections: Connections::default() }
+        ProtocolShared {
+            directory,
+            topics,
+            shared_prefix,
+            presence,
+            wills,
+            connections: Connections::default(),
+            max_keep_alive: crate::config::mqtt::DEFAULT_MQTT_MAX_KEEP_ALIVE_S,
+        }
+    }
+
+    /// With `mqtt.max_keep_alive_s` (seconds).
+    pub fn with_max_keep_alive(mut self, seconds: u16) -> Self {
+        self.max_keep_alive = seconds;
+        self
     }
 }
 
@@ -125,13 +141,14 @@ impl DeviceProtocol {
         let (device, identity) = match self.shared.directory.authenticate(&connect.client_id, user, password) {
             Ok((device, id)) => (device.to_string(), id),
             Err(why) => {
-                tracing::info!(client_id = %connect.client_id, reason = why.reason(), "MQTT CONNECT refused");
+                let client_id = codec::loggable(&connect.client_id);
+                tracing::info!(%client_id, reason = why.reason(), "MQTT CONNECT refused");
                 return self.refuse(why);
             }
         };
         let shared = &self.shared;
         let conn = shared.connections.next_conn();
-        let session_expiry = codec::rewrite_connect(&mut connect, &mut props);
+        let terms = codec::rewrite_connect(&mut connect, &mut props, shared.max_keep_alive);
         let client_id = connect.client_id.clone();
         shared.wills.cancel(&client_id);
         shared.presence.report(Presence::Connected {
@@ -147,7 +164,8 @@ impl DeviceProtocol {
             device,
             conn,
             client_id,
-            session_expiry,
+            session_expiry: terms.session_expiry,
+            server_keep_alive: terms.server_keep_alive,
         });
         Packet::Connect(connect, props, None, None, login)
     }
@@ -217,6 +235,7 @@ impl Protocol for DeviceProtocol {
         };
         let device = self.state.session().map(|s| s.device.as_str());
         let packet = codec::outbound(self.version, refused, device, packet)?;
+        let packet = codec::with_server_keep_alive(packet, self.state.session().and_then(|s| s.server_keep_alive));
         match self.version {
             Version::V4 => V4.write(packet, write),
             Version::V5 => V5.write(packet, write),
