@@ -213,3 +213,63 @@ async fn rumqttd_a_stalled_handshake_does_not_stop_the_listener() {
     let _stalled = tokio::net::TcpStream::connect(addr).await.unwrap();
     assert!(raw::websocket_upgrade(addr).await, "another client's upgrade is answered");
 }
+
+/// Item 3: instances (client ids `{device}:{instance}`) per device are
+/// limited, refused with a reason code (MQTT 5 0x97 Quota exceeded, 3.1.1
+/// "server unavailable"); a takeover of an open client id is not a new
+/// instance. Before, any number of instances connected (each could hold a
+/// will and broker state).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_per_device_are_limited_with_a_reason_code() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_instances_per_device = 2").await;
+    let _a = connect(addr, V::V5, "demo-device-1:a", D1.0, D1.1).await.expect("first instance");
+    let _b = connect(addr, V::V4, "demo-device-1:b", D1.0, D1.1).await.expect("second instance");
+    let e = connect(addr, V::V5, "demo-device-1:c", D1.0, D1.1).await.err().expect("third refused");
+    assert!(e.contains("QuotaExceeded"), "{e}");
+    let e = connect(addr, V::V4, "demo-device-1:c", D1.0, D1.1).await.err().expect("third refused");
+    assert!(e.contains("ServiceUnavailable"), "{e}");
+    let _a2 = connect(addr, V::V5, "demo-device-1:a", D1.0, D1.1).await.expect("a takeover is no new instance");
+    let _other = device(addr, V::V4, D2).await;
+    gw.stop().await;
+}
+
+/// Item 3: a will over `max_will_bytes` is refused at CONNECT (MQTT 5 0x95
+/// Packet too large). Before, wills up to `max_packet_bytes` (1 MiB) were
+/// kept until the session ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_will_over_the_limit_is_refused() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_will_bytes = 1000").await;
+    let big = "w".repeat(1001);
+    let e = connect_with_will(addr, V::V5, D1.0, D1.0, D1.1, Some(("ai/v1/demo-device-1/status", &big)))
+        .await
+        .err()
+        .expect("refused");
+    assert!(e.contains("PacketTooLarge"), "{e}");
+    let ok = "w".repeat(1000);
+    connect_with_will(addr, V::V5, D1.0, D1.0, D1.1, Some(("ai/v1/demo-device-1/status", &ok)))
+        .await
+        .expect("a will at the limit");
+    gw.stop().await;
+}
+
+/// Item 12: failed authentications of a device id are rate limited; beyond
+/// the burst even the right password is refused at once (MQTT 5 0x9F
+/// Connection rate exceeded, 3.1.1 "not authorized"), without a password
+/// check; other devices are not affected. Before, every CONNECT ran the
+/// password check, at any rate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_authentications_are_rate_limited_per_device() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "auth_failures_per_s = 0.1").await;
+    // A bucket of 1 (5 × 0.1, at least 1): one failure spends it.
+    let e = connect(addr, V::V4, D1.0, D1.0, "wrong").await.err().expect("refused");
+    assert!(e.contains("BadUserNamePassword"), "{e}");
+    let e = connect(addr, V::V5, D1.0, D1.0, D1.1).await.err().expect("rate limited");
+    assert!(e.contains("ConnectionRateExceeded"), "{e}");
+    let e = connect(addr, V::V4, D1.0, D1.0, D1.1).await.err().expect("rate limited");
+    assert!(e.contains("NotAuthorized"), "{e}");
+    let _other = device(addr, V::V4, D2).await;
+    gw.stop().await;
+}

@@ -42,6 +42,16 @@ pub struct MqttConfig {
     /// Longest keep-alive, seconds: a client's 0 ("none") or longer one
     /// becomes this (MQTT 5 clients are told, Server Keep Alive).
     pub max_keep_alive_s: u16,
+    /// Client ids (`{device}:{instance}`) connected at once per device.
+    pub max_instances_per_device: usize,
+    /// Largest will payload; a CONNECT with a bigger one is refused.
+    pub max_will_bytes: usize,
+    /// Longest a will waits (MQTT 5 will delay / session expiry), seconds.
+    pub max_will_delay_s: u32,
+    /// Failed authentications per second allowed per device id (bursts of
+    /// 5 ×); beyond, CONNECTs of that id are refused without a password
+    /// check.
+    pub auth_failures_per_s: f64,
     /// Default delta coalescing: at most one delta message per this period…
     pub coalesce: Duration,
     /// …or per this many bytes of text, whichever comes first.
@@ -98,6 +108,10 @@ pub struct RawMqtt {
     pub max_inflight: usize,
     pub connect_timeout_ms: u64,
     pub max_keep_alive_s: u64,
+    pub max_instances_per_device: usize,
+    pub max_will_bytes: usize,
+    pub max_will_delay_s: u32,
+    pub auth_failures_per_s: f64,
     pub coalesce_ms: u64,
     pub max_chunk_bytes: usize,
     pub disconnect_grace_ms: u64,
@@ -123,6 +137,10 @@ impl Default for RawMqtt {
             max_inflight: 100,
             connect_timeout_ms: 10_000,
             max_keep_alive_s: DEFAULT_MQTT_MAX_KEEP_ALIVE_S.into(),
+            max_instances_per_device: 8,
+            max_will_bytes: 16 * 1024,
+            max_will_delay_s: 3600,
+            auth_failures_per_s: 2.0,
             coalesce_ms: 100,
             max_chunk_bytes: 512,
             disconnect_grace_ms: 60_000,
@@ -214,6 +232,12 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
     if raw.max_keep_alive_s == 0 || raw.max_keep_alive_s > u64::from(u16::MAX) {
         p.add("mqtt.max_keep_alive_s", "must be between 1 and 65535");
     }
+    if raw.max_instances_per_device == 0 {
+        p.add("mqtt.max_instances_per_device", "must be at least 1");
+    }
+    if !(raw.auth_failures_per_s.is_finite() && raw.auth_failures_per_s > 0.0) {
+        p.add("mqtt.auth_failures_per_s", "must be a number above 0");
+    }
     if raw.max_chunk_bytes == 0 {
         p.add("mqtt.max_chunk_bytes", "must be at least 1");
     }
@@ -235,6 +259,10 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
         max_inflight: raw.max_inflight,
         connect_timeout: Duration::from_millis(raw.connect_timeout_ms),
         max_keep_alive_s: u16::try_from(raw.max_keep_alive_s).unwrap_or(u16::MAX),
+        max_instances_per_device: raw.max_instances_per_device,
+        max_will_bytes: raw.max_will_bytes,
+        max_will_delay_s: raw.max_will_delay_s,
+        auth_failures_per_s: raw.auth_failures_per_s,
         coalesce: Duration::from_millis(raw.coalesce_ms),
         max_chunk_bytes: raw.max_chunk_bytes,
         disconnect_grace: Duration::from_millis(raw.disconnect_grace_ms),

@@ -36,6 +36,54 @@ use super::topics::{mount_filter, mount_topic, unmount};
 /// as unix milliseconds.
 pub const EXPIRES_AT_PROPERTY: &str = "edgeway-expires-at-ms";
 
+/// Why a CONNECT is refused: the device's credentials ([`Refusal`]), or a
+/// limit of `[mqtt]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    Auth(Refusal),
+    /// The device already has `max_instances_per_device` client ids
+    /// connected.
+    TooManyInstances,
+    /// The will's payload is over `max_will_bytes`.
+    WillTooLarge,
+    /// Too many failed authentications of this device id lately
+    /// (`auth_failures_per_s`): refused without checking the password.
+    RateLimited,
+}
+
+impl From<Refusal> for Refused {
+    fn from(r: Refusal) -> Self {
+        Refused::Auth(r)
+    }
+}
+
+impl Refused {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Refused::Auth(r) => r.reason(),
+            Refused::TooManyInstances => "too many connections (instances) of this device",
+            Refused::WillTooLarge => "the will is too large",
+            Refused::RateLimited => "too many failed authentications: retry later",
+        }
+    }
+
+    /// The CONNACK code: MQTT 5 has one per case; 3.1.1 has "server
+    /// unavailable" for a limit and "not authorized" for the rate limit.
+    fn code(self, v5: bool) -> ConnectReturnCode {
+        match (self, v5) {
+            (Refused::Auth(Refusal::ClientIdNotValid), _) => ConnectReturnCode::ClientIdentifierNotValid,
+            (Refused::Auth(Refusal::BadCredentials), _) => ConnectReturnCode::BadUserNamePassword,
+            (Refused::Auth(Refusal::ProtocolVersion), false) => ConnectReturnCode::RefusedProtocolVersion,
+            (Refused::Auth(Refusal::ProtocolVersion), true) => ConnectReturnCode::UnsupportedProtocolVersion,
+            (Refused::TooManyInstances, true) => ConnectReturnCode::QuotaExceeded,
+            (Refused::WillTooLarge, true) => ConnectReturnCode::PacketTooLarge,
+            (Refused::TooManyInstances | Refused::WillTooLarge, false) => ConnectReturnCode::ServiceUnavailable,
+            (Refused::RateLimited, true) => ConnectReturnCode::ConnectionRateExceeded,
+            (Refused::RateLimited, false) => ConnectReturnCode::NotAuthorized,
+        }
+    }
+}
+
 /// The MQTT version of a connection, from the protocol level of its
 /// CONNECT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,7 +233,7 @@ pub fn mount_inbound(device: &str, shared_prefix: &str, request_topic: &str, pac
 /// why); `device`: the authenticated device, whose topics are unmounted.
 pub fn outbound(
     version: Version,
-    refused: Option<Refusal>,
+    refused: Option<Refused>,
     device: Option<&str>,
     packet: Packet,
 ) -> Result<Packet, Error> {
@@ -194,12 +242,7 @@ pub fn outbound(
         Packet::ConnAck(mut ack, props) => match refused {
             Some(why) => {
                 ack.session_present = false;
-                ack.code = match (why, v5) {
-                    (Refusal::ClientIdNotValid, _) => ConnectReturnCode::ClientIdentifierNotValid,
-                    (Refusal::BadCredentials, _) => ConnectReturnCode::BadUserNamePassword,
-                    (Refusal::ProtocolVersion, false) => ConnectReturnCode::RefusedProtocolVersion,
-                    (Refusal::ProtocolVersion, true) => ConnectReturnCode::UnsupportedProtocolVersion,
-                };
+                ack.code = why.code(v5);
                 let props = v5
                     .then(|| ConnAckProperties { reason_string: Some(why.reason().to_string()), ..Default::default() });
                 Packet::ConnAck(ack, props)
@@ -366,15 +409,30 @@ mod tests {
     #[test]
     fn outbound_refusals_unmounting_and_3_1_1_properties() {
         let ack = || Packet::ConnAck(ConnAck { session_present: true, code: ConnectReturnCode::Success }, None);
-        let Ok(Packet::ConnAck(a, None)) = outbound(Version::V4, Some(Refusal::BadCredentials), None, ack()) else {
+        let Ok(Packet::ConnAck(a, None)) = outbound(Version::V4, Some(Refusal::BadCredentials.into()), None, ack())
+        else {
             panic!("a 3.1.1 CONNACK")
         };
         assert_eq!((a.session_present, a.code), (false, ConnectReturnCode::BadUserNamePassword));
-        let Ok(Packet::ConnAck(a, Some(p))) = outbound(Version::V5, Some(Refusal::ProtocolVersion), None, ack()) else {
+        let Ok(Packet::ConnAck(a, Some(p))) = outbound(Version::V5, Some(Refusal::ProtocolVersion.into()), None, ack())
+        else {
             panic!("a 5 CONNACK")
         };
         assert_eq!(a.code, ConnectReturnCode::UnsupportedProtocolVersion);
         assert_eq!(p.reason_string.as_deref(), Some(Refusal::ProtocolVersion.reason()));
+        let limits = [
+            (Refused::TooManyInstances, ConnectReturnCode::QuotaExceeded),
+            (Refused::WillTooLarge, ConnectReturnCode::PacketTooLarge),
+            (Refused::RateLimited, ConnectReturnCode::ConnectionRateExceeded),
+        ];
+        for (why, code) in limits {
+            let Ok(Packet::ConnAck(a, _)) = outbound(Version::V5, Some(why), None, ack()) else { panic!("a CONNACK") };
+            assert_eq!(a.code, code);
+        }
+        let Ok(Packet::ConnAck(a, _)) = outbound(Version::V4, Some(Refused::RateLimited), None, ack()) else {
+            panic!("a CONNACK")
+        };
+        assert_eq!(a.code, ConnectReturnCode::NotAuthorized);
 
         let props = PublishProperties { topic_alias: Some(3), content_type: Some("x".into()), ..Default::default() };
         let pkt = || Packet::Publish(Publish::new(mount_topic("dev1", "a/b"), "p".into(), false), Some(props.clone()));

@@ -178,7 +178,7 @@ pub async fn serve(
             PresenceReporter::new(sessions.clone(), presence_tx),
             wills.clone(),
         )
-        .with_max_keep_alive(cfg.max_keep_alive_s),
+        .with_config(&cfg),
     );
     let (addrs, links) =
         broker::start(&cfg, shared, &topics.gateway_filter(), &gw.metrics().registry, tracker, shutdown.clone())

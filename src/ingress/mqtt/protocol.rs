@@ -39,11 +39,12 @@ use rumqttd::protocol::v5::V5;
 use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol};
 
 use super::auth::{DeviceDirectory, Refusal};
-use super::codec::{self, Detected, Version};
+use super::codec::{self, Detected, Refused, Version};
 use super::connections::{Conn, Connections, Session};
 use super::presence::{Presence, PresenceReporter};
 use super::topics::Topics;
 use super::wills::Wills;
+use crate::config::MqttConfig;
 
 /// What all connections share.
 pub struct ProtocolShared {
@@ -56,6 +57,10 @@ pub struct ProtocolShared {
     connections: Connections,
     /// `mqtt.max_keep_alive_s`.
     max_keep_alive: u16,
+    /// `mqtt.max_will_bytes`.
+    max_will_bytes: usize,
+    /// `mqtt.max_will_delay_s`.
+    max_will_delay_s: u32,
 }
 
 impl ProtocolShared {
@@ -69,12 +74,17 @@ impl ProtocolShared {
             wills,
             connections: Connections::default(),
             max_keep_alive: crate::config::mqtt::DEFAULT_MQTT_MAX_KEEP_ALIVE_S,
+            max_will_bytes: usize::MAX,
+            max_will_delay_s: u32::MAX,
         }
     }
 
-    /// With `mqtt.max_keep_alive_s` (seconds).
-    pub fn with_max_keep_alive(mut self, seconds: u16) -> Self {
-        self.max_keep_alive = seconds;
+    /// With the limits of `[mqtt]`.
+    pub fn with_config(mut self, cfg: &MqttConfig) -> Self {
+        self.max_keep_alive = cfg.max_keep_alive_s;
+        self.max_will_bytes = cfg.max_will_bytes;
+        self.max_will_delay_s = cfg.max_will_delay_s;
+        self.connections = Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s);
         self
     }
 }
@@ -105,8 +115,11 @@ impl Drop for DeviceProtocol {
     fn drop(&mut self) {
         let shared = &self.shared;
         if let Conn::Open(s) | Conn::Ending(s) = std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
+            shared.connections.close(&s.device, &s.client_id);
             if let Some((will, props)) = s.will {
-                shared.wills.arm(&s.client_id, will, props, s.session_expiry);
+                // The will waits the delay or the session, whichever is
+                // first, and never more than `max_will_delay_s`.
+                shared.wills.arm(&s.client_id, will, props, s.session_expiry.min(shared.max_will_delay_s));
             }
             shared.presence.report(Presence::Disconnected { device: s.device, conn: s.conn });
         }
@@ -114,7 +127,7 @@ impl Drop for DeviceProtocol {
 }
 
 impl DeviceProtocol {
-    fn refuse(&mut self, why: Refusal) -> Packet {
+    fn refuse(&mut self, why: Refused) -> Packet {
         self.state = Conn::Refused(why);
         codec::refused_connect()
     }
@@ -138,8 +151,31 @@ impl DeviceProtocol {
             Some(l) => (Some(l.username.as_str()), l.password.as_str()),
             None => (None, ""),
         };
-        let (device, identity) = match self.shared.directory.authenticate(&connect.client_id, user, password) {
-            Ok((device, id)) => (device.to_string(), id),
+        let now = std::time::Instant::now();
+        let claimed = DeviceDirectory::device_of(&connect.client_id);
+        let connections = &self.shared.connections;
+        let authenticated = match claimed {
+            // Too many failures of this device id lately: refused before
+            // the password is checked.
+            Some(d) if !connections.auth_allowed(d, now) => Err(Refused::RateLimited),
+            _ => self.shared.directory.authenticate(&connect.client_id, user, password).map_err(|why| {
+                if let (Refusal::BadCredentials, Some(d)) = (why, claimed) {
+                    connections.auth_failed(d, now);
+                }
+                Refused::from(why)
+            }),
+        };
+        let authenticated = authenticated.and_then(|(device, identity)| {
+            if will.as_ref().is_some_and(|w| w.message.len() > self.shared.max_will_bytes) {
+                Err(Refused::WillTooLarge)
+            } else if !connections.open(device, &connect.client_id) {
+                Err(Refused::TooManyInstances)
+            } else {
+                Ok((device.to_string(), identity))
+            }
+        });
+        let (device, identity) = match authenticated {
+            Ok(a) => a,
             Err(why) => {
                 let client_id = codec::loggable(&connect.client_id);
                 tracing::info!(%client_id, reason = why.reason(), "MQTT CONNECT refused");
@@ -205,7 +241,7 @@ impl Protocol for DeviceProtocol {
                     // MQTT 3.1 ("MQIsdp") and unknown levels: a 3.1.1 refusal.
                     stream.advance(frame);
                     self.version = Version::V4;
-                    return Ok(self.refuse(Refusal::ProtocolVersion));
+                    return Ok(self.refuse(Refusal::ProtocolVersion.into()));
                 }
             }
         }
