@@ -509,10 +509,10 @@ async fn device_connections_are_accepted_with_tcp_nodelay() {
 }
 
 /// A device that sends DISCONNECT and connects again at once, over and
-/// over, always gets its SUBACK and its messages (rumqttd alone loses the
-/// new connection's subscriptions now and then: see `protocol.rs`). A
-/// multi-threaded runtime, as in the binary, so the CONNECT's wait for the
-/// closing connection runs.
+/// over, always gets its SUBACK and its messages (the unpatched rumqttd
+/// lost the new connection's subscriptions now and then: PATCHES.md #3). A
+/// multi-threaded runtime, as in the binary, so the old connection's end
+/// and the new CONNECT race for real.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn immediate_reconnects_after_disconnect_keep_their_subscriptions() {
     let (_fake, gw, addr) = start(Knobs::default(), "").await;

@@ -32,10 +32,26 @@ pub struct MqttConfig {
     /// Largest request payload; a bigger one is answered `INVALID_REQUEST`.
     pub max_request_bytes: usize,
     pub max_connections: usize,
+    /// Sockets per listener that have not sent CONNECT yet; one more is
+    /// closed at once.
+    pub max_pending_connects: usize,
     /// QoS 1/2 messages in flight per connection.
     pub max_inflight: usize,
     /// Time a new connection has to send CONNECT.
     pub connect_timeout: Duration,
+    /// Longest keep-alive, seconds: a client's 0 ("none") or longer one
+    /// becomes this (MQTT 5 clients are told, Server Keep Alive).
+    pub max_keep_alive_s: u16,
+    /// Client ids (`{device}:{instance}`) connected at once per device.
+    pub max_instances_per_device: usize,
+    /// Largest will payload; a CONNECT with a bigger one is refused.
+    pub max_will_bytes: usize,
+    /// Longest a will waits (MQTT 5 will delay / session expiry), seconds.
+    pub max_will_delay_s: u32,
+    /// Failed authentications per second allowed per device id (bursts of
+    /// 5 ×); beyond, CONNECTs of that id are refused without a password
+    /// check.
+    pub auth_failures_per_s: f64,
     /// Default delta coalescing: at most one delta message per this period…
     pub coalesce: Duration,
     /// …or per this many bytes of text, whichever comes first.
@@ -95,8 +111,14 @@ pub struct RawMqtt {
     pub max_packet_bytes: usize,
     pub max_request_bytes: usize,
     pub max_connections: usize,
+    pub max_pending_connects: usize,
     pub max_inflight: usize,
     pub connect_timeout_ms: u64,
+    pub max_keep_alive_s: u64,
+    pub max_instances_per_device: usize,
+    pub max_will_bytes: usize,
+    pub max_will_delay_s: u32,
+    pub auth_failures_per_s: f64,
     pub coalesce_ms: u64,
     pub max_chunk_bytes: usize,
     pub disconnect_grace_ms: u64,
@@ -119,8 +141,14 @@ impl Default for RawMqtt {
             max_packet_bytes: 1024 * 1024,
             max_request_bytes: 512 * 1024,
             max_connections: 20_000,
+            max_pending_connects: 1024,
             max_inflight: 100,
             connect_timeout_ms: 10_000,
+            max_keep_alive_s: DEFAULT_MQTT_MAX_KEEP_ALIVE_S.into(),
+            max_instances_per_device: 8,
+            max_will_bytes: 16 * 1024,
+            max_will_delay_s: 3600,
+            auth_failures_per_s: 2.0,
             coalesce_ms: 100,
             max_chunk_bytes: 512,
             disconnect_grace_ms: 60_000,
@@ -147,6 +175,10 @@ pub struct RawDevice {
     /// The least strict data class of the device's calls.
     pub data_class: Option<Field<crate::task::DataClass>>,
 }
+
+/// The default of `mqtt.max_keep_alive_s`: a dead device's connection is
+/// noticed within 1.5 × this.
+pub const DEFAULT_MQTT_MAX_KEEP_ALIVE_S: u16 = 600;
 
 /// Device ids become MQTT client ids and topic levels.
 pub fn valid_device_id(id: &str) -> bool {
@@ -198,11 +230,23 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
     if raw.max_connections == 0 {
         p.add("mqtt.max_connections", "must be at least 1");
     }
+    if raw.max_pending_connects == 0 {
+        p.add("mqtt.max_pending_connects", "must be at least 1");
+    }
     if raw.max_inflight == 0 || raw.max_inflight > u16::MAX as usize {
         p.add("mqtt.max_inflight", "must be between 1 and 65535");
     }
     if raw.connect_timeout_ms == 0 || raw.connect_timeout_ms > u16::MAX as u64 {
         p.add("mqtt.connect_timeout_ms", "must be between 1 and 65535");
+    }
+    if raw.max_keep_alive_s == 0 || raw.max_keep_alive_s > u64::from(u16::MAX) {
+        p.add("mqtt.max_keep_alive_s", "must be between 1 and 65535");
+    }
+    if raw.max_instances_per_device == 0 {
+        p.add("mqtt.max_instances_per_device", "must be at least 1");
+    }
+    if !(raw.auth_failures_per_s.is_finite() && raw.auth_failures_per_s > 0.0) {
+        p.add("mqtt.auth_failures_per_s", "must be a number above 0");
     }
     if raw.max_chunk_bytes == 0 {
         p.add("mqtt.max_chunk_bytes", "must be at least 1");
@@ -224,8 +268,14 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
         max_packet_bytes: raw.max_packet_bytes,
         max_request_bytes: raw.max_request_bytes,
         max_connections: raw.max_connections,
+        max_pending_connects: raw.max_pending_connects,
         max_inflight: raw.max_inflight,
         connect_timeout: Duration::from_millis(raw.connect_timeout_ms),
+        max_keep_alive_s: u16::try_from(raw.max_keep_alive_s).unwrap_or(u16::MAX),
+        max_instances_per_device: raw.max_instances_per_device,
+        max_will_bytes: raw.max_will_bytes,
+        max_will_delay_s: raw.max_will_delay_s,
+        auth_failures_per_s: raw.auth_failures_per_s,
         coalesce: Duration::from_millis(raw.coalesce_ms),
         max_chunk_bytes: raw.max_chunk_bytes,
         disconnect_grace: Duration::from_millis(raw.disconnect_grace_ms),

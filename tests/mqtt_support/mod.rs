@@ -4,6 +4,8 @@
 //! Schemas in `topics/schemas`.
 #![allow(dead_code)]
 
+pub mod raw;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
@@ -465,4 +467,13 @@ pub async fn recorded_end(
     })
     .await
     .expect("the task's end was recorded in time")
+}
+
+/// The value of one sample of the gateway's metrics, by its name and labels
+/// as rendered (`mqtt_sockets_open{listener="mqtt"}`, without the
+/// `edgeway_` prefix).
+pub fn metric(gw: &TestGateway, sample: &str) -> Option<f64> {
+    let text = gw.metrics().render();
+    let prefix = format!("edgeway_{sample} ");
+    text.lines().find_map(|l| l.strip_prefix(prefix.as_str())).and_then(|v| v.trim().parse().ok())
 }

@@ -11,15 +11,23 @@
 //! - each filter keeps about `filter_log_bytes` in memory; the filter that
 //!   carries requests to edgeway gets a larger log;
 //! - every listener uses [`DeviceProtocol`], which authenticates and
-//!   isolates devices.
+//!   isolates devices;
+//! - every listener caps its sockets (`max_pending_connects` before CONNECT,
+//!   `max_connections` plus those in all) and closes a socket that sends no
+//!   CONNECT within `connect_timeout_ms`; what it refused or timed out is
+//!   counted in `mqtt_sockets_refused_total` and
+//!   `mqtt_connect_timeouts_total` ([`ListenerMetrics`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::Poll;
 
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 use rumqttd::local::{LinkBuilder, LinkRx, LinkTx};
-use rumqttd::{ConnectionSettings, LinkType, Router, RouterConfig, Server, ServerSettings, TlsConfig};
+use rumqttd::{ConnectionSettings, LinkType, ListenerStats, Router, RouterConfig, Server, ServerSettings, TlsConfig};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -40,6 +48,11 @@ pub type LinkFactory = Box<dyn Fn(&str) -> anyhow::Result<(LinkTx, LinkRx)> + Se
 
 /// Local links of edgeway itself, on top of the device connections.
 const LOCAL_LINKS: usize = 8;
+
+/// What each connection's read and write buffers start with (rumqttd's
+/// default is 10 KiB each): device packets are small, and a buffer grows
+/// when a bigger one comes. 20 000 connections hold 160 MiB less.
+const INITIAL_BUFFER_BYTES: usize = 2048;
 
 fn router_config(cfg: &MqttConfig, gateway_filter: &str) -> RouterConfig {
     // A filter keeps `count` segments of `size` bytes.
@@ -72,6 +85,10 @@ fn server_settings(name: &str, listen: SocketAddr, cfg: &MqttConfig, tls: Option
         listen,
         tls,
         next_connection_delay_ms: 0,
+        // Sockets before CONNECT are capped apart (each may hold a buffer
+        // for one); all sockets of a listener at the device cap plus those.
+        max_connections: Some(cfg.max_connections + cfg.max_pending_connects),
+        max_awaiting_connect: Some(cfg.max_pending_connects),
         connections: ConnectionSettings {
             connection_timeout_ms: cfg.connect_timeout.as_millis().min(u16::MAX as u128) as u16,
             max_payload_size: cfg.max_packet_bytes,
@@ -81,6 +98,7 @@ fn server_settings(name: &str, listen: SocketAddr, cfg: &MqttConfig, tls: Option
             auth: None,
             external_auth: None,
             dynamic_filters: false,
+            initial_buffer_bytes: Some(INITIAL_BUFFER_BYTES),
         },
     }
 }
@@ -135,12 +153,77 @@ fn nodelay_on_listener(_addr: SocketAddr) -> bool {
     false
 }
 
-/// Starts the router and the listeners. Returns once every listener is
-/// bound.
+/// The counters of rumqttd's listeners, read at scrape time. The label
+/// `listener` is one of `mqtt`, `mqtt-tls`, `mqtt-ws`.
+struct ListenerMetrics {
+    listeners: Vec<(&'static str, Arc<ListenerStats>)>,
+    refused: IntCounterVec,
+    timeouts: IntCounterVec,
+    accept_errors: IntCounterVec,
+    open: IntGaugeVec,
+    awaiting: IntGaugeVec,
+}
+
+impl ListenerMetrics {
+    fn new(listeners: Vec<(&'static str, Arc<ListenerStats>)>) -> Self {
+        let counter =
+            |name: &str, help: &str| IntCounterVec::new(Opts::new(name, help), &["listener"]).expect("valid metric");
+        let gauge =
+            |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["listener"]).expect("valid metric");
+        ListenerMetrics {
+            listeners,
+            refused: counter("mqtt_sockets_refused_total", "MQTT sockets closed at once at a listener's cap"),
+            timeouts: counter(
+                "mqtt_connect_timeouts_total",
+                "MQTT sockets closed because no CONNECT came within connect_timeout_ms",
+            ),
+            accept_errors: counter("mqtt_accept_errors_total", "Failed accept() calls of MQTT listeners"),
+            open: gauge("mqtt_sockets_open", "Sockets open on an MQTT listener"),
+            awaiting: gauge("mqtt_sockets_awaiting_connect", "Sockets of an MQTT listener that sent no CONNECT yet"),
+        }
+    }
+}
+
+impl Collector for ListenerMetrics {
+    fn desc(&self) -> Vec<&Desc> {
+        [self.refused.desc(), self.timeouts.desc(), self.accept_errors.desc(), self.open.desc(), self.awaiting.desc()]
+            .concat()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        for (name, s) in &self.listeners {
+            for (c, v) in [
+                (&self.refused, s.refused_at_cap.load(Relaxed)),
+                (&self.timeouts, s.connect_timeouts.load(Relaxed)),
+                (&self.accept_errors, s.accept_errors.load(Relaxed)),
+            ] {
+                let c = c.with_label_values(&[name]);
+                c.reset();
+                c.inc_by(v);
+            }
+            self.open.with_label_values(&[name]).set(as_i64(s.open.load(Relaxed)));
+            self.awaiting.with_label_values(&[name]).set(as_i64(s.awaiting_connect.load(Relaxed)));
+        }
+        [
+            self.refused.collect(),
+            self.timeouts.collect(),
+            self.accept_errors.collect(),
+            self.open.collect(),
+            self.awaiting.collect(),
+        ]
+        .concat()
+    }
+}
+
+/// Starts the router and the listeners, whose counters go to `registry`.
+/// Returns once every listener is bound.
 pub async fn start(
     cfg: &MqttConfig,
     shared: Arc<ProtocolShared>,
     gateway_filter: &str,
+    registry: &Registry,
     tracker: &TaskTracker,
     shutdown: CancellationToken,
 ) -> anyhow::Result<(MqttAddrs, LinkFactory)> {
@@ -161,9 +244,11 @@ pub async fn start(
         listeners.push(("mqtt-ws", ws, None, LinkType::Websocket));
     }
     let mut bound = Vec::new();
+    let mut stats = Vec::new();
     for (name, listen, tls, link_type) in listeners {
         let listen = concrete(listen).map_err(|e| anyhow::anyhow!("mqtt listener {name} on {listen}: {e}"))?;
         let mut server = Server::new(server_settings(name, listen, cfg, tls), router_tx.clone(), protocol.clone());
+        stats.push((name, server.stats()));
         let mut accept = Box::pin(async move { server.start(link_type).await });
         // The first poll binds the listener (or fails): after it, clients
         // can connect.
@@ -188,6 +273,9 @@ pub async fn start(
         });
         bound.push(listen);
     }
+    // A second gateway in one process (tests) has its own registry; a
+    // failure here only means the metrics are already there.
+    let _ = registry.register(Box::new(ListenerMetrics::new(stats)));
     let addrs = MqttAddrs {
         mqtt: bound[0],
         tls: cfg.tls.as_ref().map(|_| bound[1]),

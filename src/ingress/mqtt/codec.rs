@@ -8,12 +8,14 @@
 //! - **Mounting**: every topic, filter and will topic of a device goes
 //!   under its private subtree on the way in and comes out of it on the way
 //!   out (the names are [`super::topics`]'s).
-//! - **CONNECT**: `keep_alive = 0` (refused by rumqttd) becomes the longest
-//!   keep-alive; broker-side topic aliases (rumqttd assigns them per filter,
+//! - **CONNECT**: `keep_alive = 0` (refused by rumqttd, and "no keep-alive"
+//!   would hold a dead connection for ever) and keep-alives above
+//!   `mqtt.max_keep_alive_s` become that maximum (MQTT 5 clients are told in
+//!   the CONNACK's Server Keep Alive); broker-side topic aliases (rumqttd assigns them per filter,
 //!   not per topic) are never enabled; the will is taken out (edgeway
 //!   keeps it, see [`super::wills`]).
 //! - **CONNACK** of a refused CONNECT carries the refusal code (rumqttd
-//!   answered the harmless placeholder that took its place).
+//!   answered the stand-in of [`refused_connect`]).
 //! - MQTT 5 properties never reach a 3.1.1 device; the MQTT 5 message
 //!   expiry of a request is carried to edgeway as an absolute time
 //!   ([`EXPIRES_AT_PROPERTY`]) instead of letting the router drop the
@@ -33,6 +35,54 @@ use super::topics::{mount_filter, mount_topic, unmount};
 /// User property that carries a request's MQTT 5 message expiry to edgeway
 /// as unix milliseconds.
 pub const EXPIRES_AT_PROPERTY: &str = "edgeway-expires-at-ms";
+
+/// Why a CONNECT is refused: the device's credentials ([`Refusal`]), or a
+/// limit of `[mqtt]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    Auth(Refusal),
+    /// The device already has `max_instances_per_device` client ids
+    /// connected.
+    TooManyInstances,
+    /// The will's payload is over `max_will_bytes`.
+    WillTooLarge,
+    /// Too many failed authentications of this device id lately
+    /// (`auth_failures_per_s`): refused without checking the password.
+    RateLimited,
+}
+
+impl From<Refusal> for Refused {
+    fn from(r: Refusal) -> Self {
+        Refused::Auth(r)
+    }
+}
+
+impl Refused {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Refused::Auth(r) => r.reason(),
+            Refused::TooManyInstances => "too many connections (instances) of this device",
+            Refused::WillTooLarge => "the will is too large",
+            Refused::RateLimited => "too many failed authentications: retry later",
+        }
+    }
+
+    /// The CONNACK code: MQTT 5 has one per case; 3.1.1 has "server
+    /// unavailable" for a limit and "not authorized" for the rate limit.
+    fn code(self, v5: bool) -> ConnectReturnCode {
+        match (self, v5) {
+            (Refused::Auth(Refusal::ClientIdNotValid), _) => ConnectReturnCode::ClientIdentifierNotValid,
+            (Refused::Auth(Refusal::BadCredentials), _) => ConnectReturnCode::BadUserNamePassword,
+            (Refused::Auth(Refusal::ProtocolVersion), false) => ConnectReturnCode::RefusedProtocolVersion,
+            (Refused::Auth(Refusal::ProtocolVersion), true) => ConnectReturnCode::UnsupportedProtocolVersion,
+            (Refused::TooManyInstances, true) => ConnectReturnCode::QuotaExceeded,
+            (Refused::WillTooLarge, true) => ConnectReturnCode::PacketTooLarge,
+            (Refused::TooManyInstances | Refused::WillTooLarge, false) => ConnectReturnCode::ServiceUnavailable,
+            (Refused::RateLimited, true) => ConnectReturnCode::ConnectionRateExceeded,
+            (Refused::RateLimited, false) => ConnectReturnCode::NotAuthorized,
+        }
+    }
+}
 
 /// The MQTT version of a connection, from the protocol level of its
 /// CONNECT.
@@ -76,25 +126,64 @@ pub fn detect_version(stream: &BytesMut, max_size: usize) -> Result<Detected, Er
     })
 }
 
-/// The CONNECT rumqttd gets in place of a refused one: a placeholder id
-/// (`@` is not a device id character: no collision with a device), no will,
-/// a clean session.
-pub fn placeholder_connect(placeholder: u64) -> Packet {
-    let connect = Connect { keep_alive: 1, client_id: format!("@refused-{placeholder}"), clean_session: true };
+/// The CONNECT rumqttd gets in place of a refused one: an empty client id
+/// without a clean session, which rumqttd answers with a CONNACK
+/// (`ClientIdentifierNotValid`, rewritten by [`outbound`] to the real
+/// refusal) and closes, without registering anything with its router.
+pub fn refused_connect() -> Packet {
+    let connect = Connect { keep_alive: 1, client_id: String::new(), clean_session: false };
     Packet::Connect(connect, None, None, None, None)
 }
 
-/// Rewrites an authenticated CONNECT for rumqttd (its client id is set by
-/// the caller); returns the MQTT 5 Session Expiry Interval (0 for 3.1.1).
-pub fn rewrite_connect(connect: &mut Connect, props: &mut Option<ConnectProperties>) -> u32 {
-    if connect.keep_alive == 0 {
-        connect.keep_alive = u16::MAX;
+/// What [`rewrite_connect`] found in a CONNECT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectTerms {
+    /// MQTT 5 Session Expiry Interval, seconds (0 for 3.1.1).
+    pub session_expiry: u32,
+    /// The keep-alive the server applies instead of the client's (0 or
+    /// above the maximum), for MQTT 5's Server Keep Alive.
+    pub server_keep_alive: Option<u16>,
+}
+
+/// Rewrites an authenticated CONNECT for rumqttd: a keep-alive of 0 or above
+/// `max_keep_alive` (seconds) becomes `max_keep_alive`.
+pub fn rewrite_connect(
+    connect: &mut Connect,
+    props: &mut Option<ConnectProperties>,
+    max_keep_alive: u16,
+) -> ConnectTerms {
+    let server_keep_alive = (connect.keep_alive == 0 || connect.keep_alive > max_keep_alive).then_some(max_keep_alive);
+    if let Some(k) = server_keep_alive {
+        connect.keep_alive = k;
     }
     let session_expiry = props.as_ref().and_then(|p| p.session_expiry_interval).unwrap_or(0);
     if let Some(p) = props.as_mut() {
         p.topic_alias_max = None;
     }
-    session_expiry
+    ConnectTerms { session_expiry, server_keep_alive }
+}
+
+/// A client id (up to 64 KiB of anything) as it may be logged: at most 64
+/// characters, escaped (no newlines or control characters reach the log),
+/// with the length of what was cut.
+pub fn loggable(client_id: &str) -> String {
+    const SHOWN: usize = 64;
+    let shown: String = client_id.chars().take(SHOWN).flat_map(char::escape_debug).collect();
+    match client_id.chars().nth(SHOWN) {
+        None => shown,
+        Some(_) => format!("{shown}… ({} bytes)", client_id.len()),
+    }
+}
+
+/// Sets MQTT 5's Server Keep Alive on a CONNACK that has properties.
+pub fn with_server_keep_alive(packet: Packet, server_keep_alive: Option<u16>) -> Packet {
+    match (packet, server_keep_alive) {
+        (Packet::ConnAck(ack, Some(mut p)), Some(k)) => {
+            p.server_keep_alive = Some(k);
+            Packet::ConnAck(ack, Some(p))
+        }
+        (packet, _) => packet,
+    }
 }
 
 /// A will with its topic mounted in the device's subtree.
@@ -144,7 +233,7 @@ pub fn mount_inbound(device: &str, shared_prefix: &str, request_topic: &str, pac
 /// why); `device`: the authenticated device, whose topics are unmounted.
 pub fn outbound(
     version: Version,
-    refused: Option<Refusal>,
+    refused: Option<Refused>,
     device: Option<&str>,
     packet: Packet,
 ) -> Result<Packet, Error> {
@@ -153,12 +242,7 @@ pub fn outbound(
         Packet::ConnAck(mut ack, props) => match refused {
             Some(why) => {
                 ack.session_present = false;
-                ack.code = match (why, v5) {
-                    (Refusal::ClientIdNotValid, _) => ConnectReturnCode::ClientIdentifierNotValid,
-                    (Refusal::BadCredentials, _) => ConnectReturnCode::BadUserNamePassword,
-                    (Refusal::ProtocolVersion, false) => ConnectReturnCode::RefusedProtocolVersion,
-                    (Refusal::ProtocolVersion, true) => ConnectReturnCode::UnsupportedProtocolVersion,
-                };
+                ack.code = why.code(v5);
                 let props = v5
                     .then(|| ConnAckProperties { reason_string: Some(why.reason().to_string()), ..Default::default() });
                 Packet::ConnAck(ack, props)
@@ -250,12 +334,36 @@ mod tests {
             authentication_method: None,
             authentication_data: None,
         });
-        assert_eq!(rewrite_connect(&mut c, &mut props), 30);
-        assert_eq!((c.keep_alive, props.unwrap().topic_alias_max), (u16::MAX, None));
+        // keep_alive 0 is not "for ever" (it was 65 535 s): the maximum.
+        assert_eq!(
+            rewrite_connect(&mut c, &mut props, 600),
+            ConnectTerms { session_expiry: 30, server_keep_alive: Some(600) }
+        );
+        assert_eq!((c.keep_alive, props.unwrap().topic_alias_max), (600, None));
         let mut c = Connect { keep_alive: 20, client_id: "d".into(), clean_session: true };
-        assert_eq!((rewrite_connect(&mut c, &mut None), c.keep_alive), (0, 20));
+        let terms = rewrite_connect(&mut c, &mut None, 600);
+        assert_eq!((terms, c.keep_alive), (ConnectTerms { session_expiry: 0, server_keep_alive: None }, 20));
+        let mut c = Connect { keep_alive: 3600, client_id: "d".into(), clean_session: true };
+        assert_eq!((rewrite_connect(&mut c, &mut None, 600).server_keep_alive, c.keep_alive), (Some(600), 600));
+        // MQTT 5 clients are told.
+        let ack = Packet::ConnAck(
+            ConnAck { session_present: false, code: ConnectReturnCode::Success },
+            Some(ConnAckProperties::default()),
+        );
+        let Packet::ConnAck(_, Some(p)) = with_server_keep_alive(ack, Some(600)) else { panic!("a CONNACK") };
+        assert_eq!(p.server_keep_alive, Some(600));
         let will = LastWill { topic: "status".into(), message: Bytes::new(), qos: QoS::AtMostOnce, retain: false };
         assert_eq!(mount_will("dev1", will).topic, mount_topic("dev1", "status"));
+    }
+
+    #[test]
+    fn client_ids_are_logged_bounded_and_escaped() {
+        assert_eq!(loggable("demo-device-1"), "demo-device-1");
+        let hostile = format!("a\nfake log line\r{}", "x".repeat(65_000));
+        let l = loggable(&hostile);
+        assert!(!l.contains(['\n', '\r']), "{l}");
+        assert!(l.starts_with("a\\nfake log line\\r") && l.ends_with("… (65016 bytes)"), "{l}");
+        assert!(l.len() < 120, "{}", l.len());
     }
 
     #[test]
@@ -301,15 +409,30 @@ mod tests {
     #[test]
     fn outbound_refusals_unmounting_and_3_1_1_properties() {
         let ack = || Packet::ConnAck(ConnAck { session_present: true, code: ConnectReturnCode::Success }, None);
-        let Ok(Packet::ConnAck(a, None)) = outbound(Version::V4, Some(Refusal::BadCredentials), None, ack()) else {
+        let Ok(Packet::ConnAck(a, None)) = outbound(Version::V4, Some(Refusal::BadCredentials.into()), None, ack())
+        else {
             panic!("a 3.1.1 CONNACK")
         };
         assert_eq!((a.session_present, a.code), (false, ConnectReturnCode::BadUserNamePassword));
-        let Ok(Packet::ConnAck(a, Some(p))) = outbound(Version::V5, Some(Refusal::ProtocolVersion), None, ack()) else {
+        let Ok(Packet::ConnAck(a, Some(p))) = outbound(Version::V5, Some(Refusal::ProtocolVersion.into()), None, ack())
+        else {
             panic!("a 5 CONNACK")
         };
         assert_eq!(a.code, ConnectReturnCode::UnsupportedProtocolVersion);
         assert_eq!(p.reason_string.as_deref(), Some(Refusal::ProtocolVersion.reason()));
+        let limits = [
+            (Refused::TooManyInstances, ConnectReturnCode::QuotaExceeded),
+            (Refused::WillTooLarge, ConnectReturnCode::PacketTooLarge),
+            (Refused::RateLimited, ConnectReturnCode::ConnectionRateExceeded),
+        ];
+        for (why, code) in limits {
+            let Ok(Packet::ConnAck(a, _)) = outbound(Version::V5, Some(why), None, ack()) else { panic!("a CONNACK") };
+            assert_eq!(a.code, code);
+        }
+        let Ok(Packet::ConnAck(a, _)) = outbound(Version::V4, Some(Refused::RateLimited), None, ack()) else {
+            panic!("a CONNACK")
+        };
+        assert_eq!(a.code, ConnectReturnCode::NotAuthorized);
 
         let props = PublishProperties { topic_alias: Some(3), content_type: Some("x".into()), ..Default::default() };
         let pkt = || Packet::Publish(Publish::new(mount_topic("dev1", "a/b"), "p".into(), false), Some(props.clone()));

@@ -267,13 +267,18 @@ pub async fn serve(
     let (presence_tx, presence_rx) = mpsc::unbounded_channel();
     let (wills_tx, wills_rx) = mpsc::unbounded_channel();
     let wills = Arc::new(Wills::new(wills_tx));
-    let shared = Arc::new(ProtocolShared::new(
-        auth::DeviceDirectory::new(gw.config()),
-        topics.clone(),
-        PresenceReporter::new(sessions.clone(), presence_tx),
-        wills.clone(),
-    ));
-    let (addrs, links) = broker::start(&cfg, shared, &topics.gateway_filter(), tracker, shutdown.clone()).await?;
+    let shared = Arc::new(
+        ProtocolShared::new(
+            auth::DeviceDirectory::new(gw.config()),
+            topics.clone(),
+            PresenceReporter::new(sessions.clone(), presence_tx),
+            wills.clone(),
+        )
+        .with_config(&cfg),
+    );
+    let (addrs, links) =
+        broker::start(&cfg, shared, &topics.gateway_filter(), &gw.metrics().registry, tracker, shutdown.clone())
+            .await?;
     // '@' is not a device id character: no device can take this link over.
     let (mut tx, rx) = links("@edgeway").map_err(|e| e.context("mqtt: edgeway's link to the broker"))?;
     tx.subscribe(topics.gateway_filter()).map_err(|e| anyhow::anyhow!("mqtt: subscribe: {e}"))?;

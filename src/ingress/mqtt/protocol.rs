@@ -9,33 +9,24 @@
 //!   subtree, rumqttd quirks, refusal CONNACKs);
 //! - [`super::auth`] to check the device id, user name and password (or
 //!   JWT) at CONNECT;
-//! - [`super::connections`] for connection numbers and the id rumqttd
-//!   knows a connection by (takeover, reconnects, spoiled ids);
+//! - [`super::connections`] for connection states and numbers;
 //! - [`super::wills`] and [`super::presence`] when a connection starts and
 //!   when it ends (the codec is dropped with the connection).
 //!
-//! **Authentication with a CONNACK**: a refused CONNECT is replaced by a
-//! harmless placeholder (unique id, no will, clean session) so that
-//! rumqttd answers it, and its CONNACK is rewritten to the refusal code
-//! (rumqttd's own auth hook would close the socket without a CONNACK, and a
-//! device could not tell bad credentials from a bad network).
+//! **Authentication with a CONNACK**: a refused CONNECT is handed to
+//! rumqttd as one it answers itself and never registers with its router (an
+//! empty client id without a clean session, MQTT-3.1.3-8), and its CONNACK
+//! is rewritten to the refusal code (rumqttd's own auth hook would close the
+//! socket without a CONNACK, and a device could not tell bad credentials
+//! from a bad network).
 //!
-//! **Reconnects and wills**: rumqttd's router numbers connections by
-//! reusable slots, and a link that ends by itself reports "closed" for its
-//! slot afterwards. When the same client id reconnects at once, the router
-//! has already dropped the old connection (on its DISCONNECT, or as a
-//! duplicate id) and given the slot to the new one, so the late report
-//! removes the *new* connection: its subscriptions vanish and its SUBSCRIBE
-//! gets no SUBACK (about 1 immediate reconnect in 20 here). So (a)
-//! DISCONNECT never reaches the router: the codec ends the link (one
-//! removal), and (b) a connection whose client id still has an *ending*
-//! connection gets a broker id of its own (see [`super::connections`]). A
-//! second CONNECT on a connection closes it. Wills are therefore kept by
-//! edgeway, not the router ([`super::wills`]). A reconnect under its own
-//! broker id starts a fresh broker session (edgeway's streams resume by
-//! `seq`). What remains: a client that closes its socket without
-//! DISCONNECT and is back before rumqttd has noticed can still meet the
-//! slot race (the codec never sees the socket close).
+//! **Reconnects and wills**: a reconnect of a client id is a plain MQTT
+//! takeover by rumqttd's router (the patched rumqttd makes that safe, see
+//! `patches/rumqttd/PATCHES.md`). DISCONNECT ends the link in the codec,
+//! which drops the will; wills are kept by edgeway, not the router
+//! ([`super::wills`]), because edgeway mounts their topics and follows MQTT
+//! 5's will delay and session expiry, which rumqttd does not. A second
+//! CONNECT on a connection closes it.
 //!
 //! Owns: the per-connection glue. Does not own: any rule above (each is in
 //! its own module).
@@ -48,11 +39,12 @@ use rumqttd::protocol::v5::V5;
 use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol};
 
 use super::auth::{DeviceDirectory, Refusal};
-use super::codec::{self, Detected, Version};
-use super::connections::{Conn, Connack, Connections, Session};
+use super::codec::{self, Detected, Refused, Version};
+use super::connections::{Conn, Connections, Session};
 use super::presence::{Presence, PresenceReporter};
 use super::topics::Topics;
 use super::wills::Wills;
+use crate::config::MqttConfig;
 
 /// What all connections share.
 pub struct ProtocolShared {
@@ -63,12 +55,37 @@ pub struct ProtocolShared {
     presence: PresenceReporter,
     wills: Arc<Wills>,
     connections: Connections,
+    /// `mqtt.max_keep_alive_s`.
+    max_keep_alive: u16,
+    /// `mqtt.max_will_bytes`.
+    max_will_bytes: usize,
+    /// `mqtt.max_will_delay_s`.
+    max_will_delay_s: u32,
 }
 
 impl ProtocolShared {
     pub fn new(directory: DeviceDirectory, topics: Topics, presence: PresenceReporter, wills: Arc<Wills>) -> Self {
         let shared_prefix = topics.shared_prefix();
-        ProtocolShared { directory, topics, shared_prefix, presence, wills, connections: Connections::default() }
+        ProtocolShared {
+            directory,
+            topics,
+            shared_prefix,
+            presence,
+            wills,
+            connections: Connections::default(),
+            max_keep_alive: crate::config::mqtt::DEFAULT_MQTT_MAX_KEEP_ALIVE_S,
+            max_will_bytes: usize::MAX,
+            max_will_delay_s: u32::MAX,
+        }
+    }
+
+    /// With the limits of `[mqtt]`.
+    pub fn with_config(mut self, cfg: &MqttConfig) -> Self {
+        self.max_keep_alive = cfg.max_keep_alive_s;
+        self.max_will_bytes = cfg.max_will_bytes;
+        self.max_will_delay_s = cfg.max_will_delay_s;
+        self.connections = Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s);
+        self
     }
 }
 
@@ -100,51 +117,35 @@ impl Clone for DeviceProtocol {
 impl Drop for DeviceProtocol {
     fn drop(&mut self) {
         let shared = &self.shared;
-        match std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
-            Conn::AwaitingConnect => {}
-            Conn::Refused { placeholder, connack, .. } => {
-                if connack == Connack::Pending {
-                    // Ended between CONNECT and its first read: rumqttd's id
-                    // is spoiled (see `connections`).
-                    shared.connections.spoil_placeholder(placeholder);
-                }
+        if let Conn::Open(s) | Conn::Ending(s) = std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
+            shared.connections.close(&s.device, &s.client_id);
+            if let Some((will, props)) = s.will {
+                // The will waits the delay or the session, whichever is
+                // first, and never more than `max_will_delay_s`.
+                shared.wills.arm(&s.client_id, will, props, s.session_expiry.min(shared.max_will_delay_s));
             }
-            Conn::Open(s) | Conn::Ending(s) => {
-                // (An id of its own is never used again anyway.)
-                if s.connack == Connack::Pending && !s.own_broker_id {
-                    shared.connections.spoil(&s.client_id);
-                }
-                shared.connections.closed(&s.client_id, s.conn);
-                if let Some((will, props)) = s.will {
-                    shared.wills.arm(&s.client_id, will, props, s.session_expiry);
-                }
-                shared.presence.report(Presence::Disconnected { device: s.device, conn: s.conn });
-            }
+            shared.presence.report(Presence::Disconnected { device: s.device, conn: s.conn });
         }
     }
 }
 
 impl DeviceProtocol {
-    fn refuse(&mut self, why: Refusal) -> Packet {
-        let placeholder = self.shared.connections.placeholder();
-        self.state = Conn::Refused { why, placeholder, connack: Connack::Pending };
-        codec::placeholder_connect(placeholder)
+    fn refuse(&mut self, why: Refused) -> Packet {
+        self.state = Conn::Refused(why);
+        codec::refused_connect()
     }
 
-    /// Ends the link (rumqttd closes the connection on a codec error), and
-    /// tells the connection table.
+    /// Ends the link (rumqttd closes the connection on a codec error).
     fn end_link(&mut self) -> Error {
         self.state = match std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
-            Conn::Open(s) => {
-                self.shared.connections.ending(&s.client_id, s.conn);
-                Conn::Ending(s)
-            }
+            Conn::Open(s) => Conn::Ending(s),
             other => other,
         };
         Error::InvalidProtocol
     }
 
-    /// An authenticated CONNECT (or a refused one's placeholder) for rumqttd.
+    /// An authenticated CONNECT (or what stands for a refused one) for
+    /// rumqttd.
     fn connect(&mut self, packet: Packet) -> Packet {
         let Packet::Connect(mut connect, mut props, will, will_props, login) = packet else {
             unreachable!("called with a CONNECT")
@@ -153,13 +154,37 @@ impl DeviceProtocol {
             Some(l) => (Some(l.username.as_str()), l.password.as_str()),
             None => (None, ""),
         };
-        let (device, identity) = match self.shared.directory.authenticate(&connect.client_id, user, password) {
-            Ok(login) => {
-                self.expires_at = login.expires_at;
-                (login.device.to_string(), login.identity)
+        let now = std::time::Instant::now();
+        let claimed = DeviceDirectory::device_of(&connect.client_id);
+        let connections = &self.shared.connections;
+        let authenticated = match claimed {
+            // Too many failures of this device id lately: refused before
+            // the password is checked.
+            Some(d) if !connections.auth_allowed(d, now) => Err(Refused::RateLimited),
+            _ => self.shared.directory.authenticate(&connect.client_id, user, password).map_err(|why| {
+                if let (Refusal::BadCredentials, Some(d)) = (why, claimed) {
+                    connections.auth_failed(d, now);
+                }
+                Refused::from(why)
+            }),
+        };
+        let authenticated = authenticated.and_then(|login| {
+            if will.as_ref().is_some_and(|w| w.message.len() > self.shared.max_will_bytes) {
+                Err(Refused::WillTooLarge)
+            } else if !connections.open(login.device, &connect.client_id) {
+                Err(Refused::TooManyInstances)
+            } else {
+                Ok((login.device.to_string(), login.identity, login.expires_at))
+            }
+        });
+        let (device, identity) = match authenticated {
+            Ok((device, identity, expires_at)) => {
+                self.expires_at = expires_at;
+                (device, identity)
             }
             Err(why) => {
-                tracing::info!(client_id = %connect.client_id, reason = why.reason(), "MQTT CONNECT refused");
+                let client_id = codec::loggable(&connect.client_id);
+                tracing::info!(%client_id, reason = why.reason(), "MQTT CONNECT refused");
                 return self.refuse(why);
             }
         };
@@ -168,11 +193,9 @@ impl DeviceProtocol {
         // presence and the router topics use the mount `{tenant}/{device}`.
         let mount = super::topics::mount_name(&identity.tenant, &device);
         let conn = shared.connections.next_conn();
-        let session_expiry = codec::rewrite_connect(&mut connect, &mut props);
+        let terms = codec::rewrite_connect(&mut connect, &mut props, shared.max_keep_alive);
         let client_id = connect.client_id.clone();
         shared.wills.cancel(&client_id);
-        let (broker_id, own_broker_id) = shared.connections.connect(&client_id, conn);
-        connect.client_id = broker_id;
         shared.presence.report(Presence::Connected {
             device: mount.clone(),
             client_id: client_id.clone(),
@@ -186,9 +209,8 @@ impl DeviceProtocol {
             device: mount,
             conn,
             client_id,
-            own_broker_id,
-            session_expiry,
-            connack: Connack::Pending,
+            session_expiry: terms.session_expiry,
+            server_keep_alive: terms.server_keep_alive,
         });
         Packet::Connect(connect, props, None, None, login)
     }
@@ -200,7 +222,7 @@ impl DeviceProtocol {
             Conn::Open(s) => s,
             // Nothing but a CONNECT before a CONNECT; nothing after the
             // link ended.
-            Conn::AwaitingConnect | Conn::Refused { .. } | Conn::Ending(_) => return Err(Error::InvalidProtocol),
+            Conn::AwaitingConnect | Conn::Refused(_) | Conn::Ending(_) => return Err(Error::InvalidProtocol),
         };
         match packet {
             // A second CONNECT is a protocol violation: the server closes
@@ -210,8 +232,8 @@ impl DeviceProtocol {
                 if d.reason_code != DisconnectReasonCode::DisconnectWithWillMessage {
                     session.will = None;
                 }
-                // Ends the link here: the router then removes the
-                // connection once, when the link reports it closed.
+                // Ends the link here (the router removes the connection
+                // when the link reports it closed).
                 Err(self.end_link())
             }
             other => codec::mount_inbound(&session.device, &self.shared.shared_prefix, &session.request_topic, other),
@@ -221,12 +243,6 @@ impl DeviceProtocol {
 
 impl Protocol for DeviceProtocol {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error> {
-        // rumqttd reads again only after it wrote the CONNACK.
-        self.state.connack_written();
-        if let Conn::Refused { .. } = self.state {
-            // Nothing after a refused CONNECT: the connection ends.
-            return Err(Error::InvalidProtocol);
-        }
         if super::auth::expired(self.expires_at) {
             tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired, connection closed");
             return Err(self.end_link());
@@ -238,7 +254,7 @@ impl Protocol for DeviceProtocol {
                     // MQTT 3.1 ("MQIsdp") and unknown levels: a 3.1.1 refusal.
                     stream.advance(frame);
                     self.version = Version::V4;
-                    return Ok(self.refuse(Refusal::ProtocolVersion));
+                    return Ok(self.refuse(Refusal::ProtocolVersion.into()));
                 }
             }
         }
@@ -263,7 +279,7 @@ impl Protocol for DeviceProtocol {
 
     fn write(&self, packet: Packet, write: &mut BytesMut) -> Result<usize, Error> {
         let refused = match &self.state {
-            Conn::Refused { why, .. } => Some(*why),
+            Conn::Refused(why) => Some(*why),
             _ => None,
         };
         let device = self.state.session().map(|s| s.device.as_str());
@@ -276,6 +292,7 @@ impl Protocol for DeviceProtocol {
             };
         }
         let packet = codec::outbound(self.version, refused, device, packet)?;
+        let packet = codec::with_server_keep_alive(packet, self.state.session().and_then(|s| s.server_keep_alive));
         match self.version {
             Version::V4 => V4.write(packet, write),
             Version::V5 => V5.write(packet, write),

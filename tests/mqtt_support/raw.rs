@@ -1,0 +1,196 @@
+//! Raw MQTT 3.1.1 packets and sockets, for what a well-behaved client
+//! library will not do (reset right after CONNECT, never send CONNECT,
+//! stop reading), and rumqttd alone (no edgeway) on a free port.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rumqttd::protocol::v4::V4;
+use rumqttd::{LinkType, Router, RouterConfig, Server, ServerSettings};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn remaining_length(mut n: usize, out: &mut Vec<u8>) {
+    loop {
+        let mut b = (n % 128) as u8;
+        n /= 128;
+        if n > 0 {
+            b |= 0x80;
+        }
+        out.push(b);
+        if n == 0 {
+            return;
+        }
+    }
+}
+
+fn string(s: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(&(s.len() as u16).to_be_bytes());
+    out.extend_from_slice(s);
+}
+
+/// An MQTT 3.1.1 CONNECT (clean session, keep-alive 60 s).
+pub fn connect(id: &str, login: Option<(&str, &str)>) -> Vec<u8> {
+    let flags = 0x02 | if login.is_some() { 0xC0 } else { 0 };
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 4, flags, 0, 60];
+    string(id.as_bytes(), &mut body);
+    if let Some((u, p)) = login {
+        string(u.as_bytes(), &mut body);
+        string(p.as_bytes(), &mut body);
+    }
+    let mut p = vec![0x10];
+    remaining_length(body.len(), &mut p);
+    p.extend_from_slice(&body);
+    p
+}
+
+/// An MQTT 3.1.1 SUBSCRIBE of one filter at QoS 0.
+pub fn subscribe(pkid: u16, filter: &str) -> Vec<u8> {
+    let mut body = pkid.to_be_bytes().to_vec();
+    string(filter.as_bytes(), &mut body);
+    body.push(0);
+    let mut p = vec![0x82];
+    remaining_length(body.len(), &mut p);
+    p.extend_from_slice(&body);
+    p
+}
+
+/// An MQTT 3.1.1 PUBLISH at QoS 0.
+pub fn publish(topic: &str, payload: &[u8]) -> Vec<u8> {
+    let mut body = Vec::new();
+    string(topic.as_bytes(), &mut body);
+    body.extend_from_slice(payload);
+    let mut p = vec![0x30];
+    remaining_length(body.len(), &mut p);
+    p.extend_from_slice(&body);
+    p
+}
+
+/// Sends `packet` and resets the socket at once (SO_LINGER 0: an RST,
+/// not a FIN), before the server can answer.
+pub async fn send_and_reset(addr: SocketAddr, packet: &[u8]) {
+    let Ok(mut s) = TcpStream::connect(addr).await else { return };
+    let _ = s.write_all(packet).await;
+    let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
+    drop(s);
+}
+
+/// Sends a CONNECT and returns the CONNACK's 4 bytes, or `None` when
+/// the server closed the socket or said nothing within 5 s.
+pub async fn connack(addr: SocketAddr, connect: &[u8]) -> Option<(TcpStream, [u8; 4])> {
+    let mut s = TcpStream::connect(addr).await.ok()?;
+    s.write_all(connect).await.ok()?;
+    let mut ack = [0u8; 4];
+    match tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut ack)).await {
+        Ok(Ok(_)) => Some((s, ack)),
+        _ => None,
+    }
+}
+
+/// Reads one packet's bytes (fixed header and all), `None` after 5 s or
+/// when the socket closed.
+pub async fn packet(s: &mut TcpStream) -> Option<Vec<u8>> {
+    tokio::time::timeout(Duration::from_secs(5), async {
+        let mut p = vec![s.read_u8().await.ok()?];
+        let (mut len, mut mult) = (0usize, 1usize);
+        loop {
+            let b = s.read_u8().await.ok()?;
+            p.push(b);
+            len += (b & 0x7F) as usize * mult;
+            mult *= 128;
+            if b & 0x80 == 0 {
+                break;
+            }
+        }
+        let mut body = vec![0; len];
+        s.read_exact(&mut body).await.ok()?;
+        p.extend_from_slice(&body);
+        Some(p)
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+pub const ACCEPTED: [u8; 4] = [0x20, 2, 0, 0];
+
+/// rumqttd alone: its router and one MQTT 3.1.1 listener on a free port.
+pub async fn bare_rumqttd(max_connections: usize) -> SocketAddr {
+    bare_rumqttd_with(max_connections, LinkType::Remote, serde_json::json!({})).await
+}
+
+/// [`bare_rumqttd`] of a link type, with `listener` merged into the
+/// listener's settings (settings the crate does not know are ignored).
+pub async fn bare_rumqttd_with(max_connections: usize, link_type: LinkType, listener: serde_json::Value) -> SocketAddr {
+    let router = Router::new(
+        0,
+        RouterConfig {
+            max_connections,
+            max_outgoing_packet_count: 200,
+            max_segment_size: 100 * 1024,
+            max_segment_count: 10,
+            custom_segment: None,
+            initialized_filters: None,
+            shared_subscriptions_strategy: Default::default(),
+        },
+    );
+    let router_tx = router.spawn();
+    let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    // From JSON, so that it builds with the unpatched crate too (the
+    // patches add settings with defaults).
+    let mut settings = serde_json::json!({
+        "name": "v4",
+        "listen": listen,
+        "tls": null,
+        "next_connection_delay_ms": 0,
+        "connections": {
+            "connection_timeout_ms": 5000,
+            "max_payload_size": 64 * 1024,
+            "max_inflight_count": 100,
+            "auth": null,
+            "dynamic_filters": true,
+        },
+    });
+    for (k, v) in listener.as_object().expect("an object") {
+        settings[k] = v.clone();
+    }
+    let settings: ServerSettings = serde_json::from_value(settings).expect("listener settings");
+    let mut server = Server::new(settings, router_tx, V4);
+    let mut accept = Box::pin(async move { server.start(link_type).await });
+    // The first poll binds.
+    assert!(futures::poll!(accept.as_mut()).is_pending(), "the listener binds");
+    tokio::spawn(accept);
+    listen
+}
+
+/// Whether a well-behaved client gets its CONNACK within `within` (a few
+/// connections being torn down may hold slots for a moment; a leak holds
+/// them for good).
+pub async fn connects_within(addr: SocketAddr, connect: &[u8], within: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some((_, ack)) = connack(addr, connect).await {
+            if ack == ACCEPTED {
+                return true;
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether a WebSocket upgrade to `addr` is answered (101) within 5 s.
+pub async fn websocket_upgrade(addr: SocketAddr) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr).await else { return false };
+    let request = "GET /mqtt HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+                   Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
+                   Sec-WebSocket-Protocol: mqtt\r\n\r\n";
+    if s.write_all(request.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    matches!(tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut head)).await, Ok(Ok(_)))
+        && head.ends_with(b"101")
+}
