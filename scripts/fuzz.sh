@@ -10,7 +10,9 @@
 # all). New corpus entries and crash files go to $FUZZ_OUT (default a fresh
 # /tmp dir, removed at the end unless FUZZ_KEEP=1); a crash is copied to
 # fuzz/crashes/<target>/ so that `cargo test` in fuzz/ replays it until it
-# is fixed. Exits 1 when any target found a crash, a leak or a timeout.
+# is fixed: one input per distinct place, named after it. Runs on after a
+# crash (libFuzzer fork mode), so a known bug does not hide the next one.
+# Exits 1 when any target found a crash, a leak or a timeout.
 set -euo pipefail
 
 SECS=${1:-60}
@@ -21,7 +23,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TRIPLE=$(rustc -vV | sed -n 's/^host: //p')
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}/fuzz
 OUT=${FUZZ_OUT:-$(mktemp -d /tmp/edgeway-fuzz.XXXXXX)}
-JOBS=${FUZZ_JOBS:-1}
+JOBS=${FUZZ_JOBS:-1}   # parallel fuzzing processes per target
 
 # cargo-fuzz's instrumentation, without its nightly-only sanitizers: inline
 # 8-bit counters and comparison tracing for libFuzzer; debug assertions and
@@ -43,28 +45,43 @@ for t in "${TARGETS[@]}"; do
   cp "$ROOT/fuzz/corpus/$t/"* "$work/corpus/"
   log=$work/fuzz.log
   echo "== $t: ${SECS}s"
-  # -rss_limit_mb: a target that grows past it is a finding (leak / OOM);
-  # -timeout: one input taking longer than 10 s is a finding (hang).
+  # Fork mode with -ignore_crashes: a known crash does not stop the run
+  # (the other paths keep being fuzzed). -rss_limit_mb: a target that grows
+  # past it is a finding (leak / OOM); -timeout: an input taking longer
+  # than 10 s is a finding (hang).
   set +e
-  "$BIN/$t" "$work/corpus" -max_total_time="$SECS" -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
-    -print_final_stats=1 -artifact_prefix="$work/artifacts/" -jobs="$JOBS" -workers="$JOBS" >"$log" 2>&1
+  (cd "$work" && "$BIN/$t" "$work/corpus" -fork="$JOBS" -ignore_crashes=1 -ignore_timeouts=1 -ignore_ooms=1 \
+    -max_total_time="$SECS" -timeout=10 -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
+    -artifact_prefix="$work/artifacts/" >"$log" 2>&1)
   rc=$?
   set -e
-  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | awk '{s+=$1} END {print s+0}')
-  cov=$(grep -oE 'cov: [0-9]+' "$log" | tail -1 | awk '{print $2}')
+  last=$(grep -E '^#[0-9]+: cov:' "$log" | tail -1)
+  execs=$(sed -E 's/^#([0-9]+):.*/\1/' <<<"$last")
+  cov=$(grep -oE 'cov: [0-9]+' <<<"$last" | awk '{print $2}')
   corpus=$(ls "$work/corpus" | wc -l)
   found=$(ls "$work/artifacts" | wc -l)
-  line="$t: ${SECS}s, $execs executions, coverage ${cov:-?} edges, corpus $corpus, findings $found (exit $rc)"
+  # Findings grouped by where they panic (or how they end), one kept input
+  # per place in fuzz/crashes/<target>/ (the name says where).
+  declare -A where=()
+  for f in "$work/artifacts/"*; do
+    [ -e "$f" ] || continue
+    place=$("$BIN/$t" "$f" 2>&1 | grep -oE 'panicked at [^ ]+|ERROR: libFuzzer: [a-z -]+' | head -1 \
+      | sed -E 's#^panicked at ##; s#.*/registry/src/[^/]+/##; s#^/[^ ]*/wt/[^/]+/##; s#^\./##; s#:$##')
+    place=${place:-$(basename "$f" | cut -d- -f1)}
+    if [ -z "${where[$place]:-}" ]; then
+      where[$place]=$f
+      slug=$(tr -c 'A-Za-z0-9_.' '_' <<<"$place" | sed 's/_*$//')
+      mkdir -p "$ROOT/fuzz/crashes/$t"
+      [ -e "$ROOT/fuzz/crashes/$t/$slug" ] || cp "$f" "$ROOT/fuzz/crashes/$t/$slug"
+      echo "   finding at $place: fuzz/crashes/$t/$slug ($(head -c 48 "$f" | base64 -w0))"
+    fi
+  done
+  distinct=${#where[@]}
+  unset where
+  line="$t: ${SECS}s, ${execs:-0} executions, coverage ${cov:-?} edges, corpus $corpus, findings $found ($distinct distinct)"
   summary+=("$line")
-  if [ "$found" -gt 0 ] || [ "$rc" -ne 0 ]; then
+  if [ "$found" -gt 0 ] || { [ "$rc" -ne 0 ] && [ "$rc" -ne 77 ]; }; then
     failed=1
-    mkdir -p "$ROOT/fuzz/crashes/$t"
-    for f in "$work/artifacts/"*; do
-      [ -e "$f" ] || continue
-      cp "$f" "$ROOT/fuzz/crashes/$t/"
-      echo "   finding: fuzz/crashes/$t/$(basename "$f") ($(head -c 64 "$f" | base64 -w0))"
-    done
-    grep -E "panicked at|ERROR: libFuzzer|SUMMARY" "$log" | head -5 | sed 's/^/   /'
   fi
 done
 
