@@ -55,7 +55,7 @@ for t in "${TARGETS[@]}"; do
     -artifact_prefix="$work/artifacts/" >"$log" 2>&1)
   rc=$?
   set -e
-  last=$(grep -E '^#[0-9]+: cov:' "$log" | tail -1)
+  last=$(grep -E '^#[0-9]+: cov:' "$log" | tail -1 || true)
   execs=$(sed -E 's/^#([0-9]+):.*/\1/' <<<"$last")
   cov=$(grep -oE 'cov: [0-9]+' <<<"$last" | awk '{print $2}')
   corpus=$(ls "$work/corpus" | wc -l)
@@ -66,7 +66,7 @@ for t in "${TARGETS[@]}"; do
   for f in "$work/artifacts/"*; do
     [ -e "$f" ] || continue
     place=$("$BIN/$t" "$f" 2>&1 | grep -oE 'panicked at [^ ]+|ERROR: libFuzzer: [a-z -]+' | head -1 \
-      | sed -E 's#^panicked at ##; s#.*/registry/src/[^/]+/##; s#^/[^ ]*/wt/[^/]+/##; s#^\./##; s#:$##')
+      | sed -E 's#^panicked at ##; s#.*/registry/src/[^/]+/##; s#^/[^ ]*/wt/[^/]+/##; s#^\./##; s#:$##' || true)
     place=${place:-$(basename "$f" | cut -d- -f1)}
     if [ -z "${where[$place]:-}" ]; then
       where[$place]=$f
