@@ -681,6 +681,26 @@ impl DeviceIngress {
     }
 }
 
+/// The private payload rules of [`DeviceIngress::on_message`], for the
+/// `device_payload` fuzz target (`fuzz/`), which has no gateway to drive
+/// them through. Not API: nothing else may call them.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    pub fn salvage_request_id(payload: &[u8]) -> Option<String> {
+        super::salvage_request_id(payload)
+    }
+
+    pub fn mqtt_fields(extra: &serde_json::Map<String, Value>, cfg: &MqttConfig) -> Result<(), GatewayError> {
+        super::mqtt_fields(extra, cfg).map(|_| ())
+    }
+
+    pub fn device_key(device: &str, key: &str) -> String {
+        super::device_key(device, key)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
