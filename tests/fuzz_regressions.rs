@@ -55,7 +55,7 @@ fn the_codec_refuses_server_only_packets_from_an_mqtt5_device_without_panicking(
     let shared = Arc::new(ProtocolShared::new(
         DeviceDirectory::new(&cfg),
         Topics::new("ai/v1"),
-        PresenceReporter::new(Arc::new(Sessions::default()), ctx),
+        PresenceReporter::new(Arc::new(Sessions::new(1 << 20, 64 * 1024)), ctx),
         Arc::new(Wills::new(wtx)),
     ));
     for bad in SERVER_ONLY_V5 {

@@ -96,7 +96,7 @@ fn mqtt() -> &'static Mqtt {
         let prefix = cfg.mqtt.as_ref().map(|m| m.topic_prefix.clone()).unwrap_or_else(|| "ai/v1".into());
         let (ctx, crx) = unbounded_channel();
         let (wtx, wrx) = unbounded_channel();
-        let presence = PresenceReporter::new(Arc::new(Sessions::default()), ctx);
+        let presence = PresenceReporter::new(Arc::new(Sessions::new(1 << 20, 64 * 1024)), ctx);
         let shared =
             ProtocolShared::new(DeviceDirectory::new(cfg), Topics::new(&prefix), presence, Arc::new(Wills::new(wtx)));
         Mqtt { shared: Arc::new(shared), changes: crx.into(), wills: wrx.into() }

@@ -334,7 +334,9 @@ impl Protocol for V4 {
             // v4 Disconnect packet gets handled in the previous check, this branch gets hit when
             // Disconnect packet has properties which is only valid for v5
             PacketType::Disconnect => return Err(Error::InvalidProtocol),
-            _ => unreachable!(),
+            // edgeway patch: any other type (AUTH is v5 only) is a protocol
+            // error of the client, never a panic.
+            _ => return Err(Error::InvalidProtocol),
         };
 
         Ok(packet)

@@ -426,7 +426,10 @@ impl Protocol for V5 {
                 let (pubcomp, properties) = pubcomp::read(fixed_header, packet)?;
                 Packet::PubComp(pubcomp, properties)
             }
-            _ => unreachable!(),
+            // edgeway patch: a packet only a server sends (CONNACK, UNSUBACK)
+            // is a protocol error of the client, not unreachable: it used to
+            // panic the connection's task.
+            _ => return Err(Error::InvalidProtocol),
         };
 
         Ok(packet)
