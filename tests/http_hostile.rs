@@ -92,12 +92,30 @@ async fn half_sent_requests_are_closed_after_the_header_timeout() {
 
 #[tokio::test]
 async fn a_kept_alive_connection_is_closed_once_idle() {
+    // The two timeouts differ, so the reason tells which one closed it.
+    // HTTP/1.1 between requests: the header timeout (the wait for the next
+    // head).
     let engine = FakeEngine::start().await;
-    let gw = gateway(&engine, "header_read_timeout_ms = 400\nidle_timeout_ms = 400").await;
+    let gw = gateway(&engine, "header_read_timeout_ms = 300\nidle_timeout_ms = 60000").await;
     let mut s = TcpStream::connect(addr(&gw)).await.unwrap();
     s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
     let got = read_until_closed(&mut s, Duration::from_secs(5)).await;
     assert!(got.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&got));
+    until(&gw, "closed by the header timeout", |gw| {
+        metric(gw, "edgeway_http_connections_closed_total{listener=\"main\",reason=\"header_timeout\"}") == 1.0
+    })
+    .await;
+    assert_eq!(metric(&gw, "edgeway_http_connections_closed_total{listener=\"main\",reason=\"idle\"}"), 0.0);
+    gw.stop().await;
+    // HTTP/2 has no header timeout after the first request: the idle one.
+    let gw = gateway(&engine, "header_read_timeout_ms = 60000\nidle_timeout_ms = 300").await;
+    let held = ping_until_closed(&gw, Duration::from_secs(10), Duration::from_secs(5)).await;
+    assert!(held >= Duration::from_millis(200), "closed after {held:?}");
+    until(&gw, "closed as idle", |gw| {
+        metric(gw, "edgeway_http_connections_closed_total{listener=\"main\",reason=\"idle\"}") == 1.0
+    })
+    .await;
+    assert_eq!(metric(&gw, "edgeway_http_connections_closed_total{listener=\"main\",reason=\"header_timeout\"}"), 0.0);
     gw.stop().await;
 }
 
@@ -233,4 +251,145 @@ async fn http2_without_tls_is_still_served() {
     let r = r.send().await.unwrap();
     assert_eq!((r.version(), r.status().as_u16()), (reqwest::Version::HTTP_2, 200));
     gw.stop().await;
+}
+
+/// An HTTP/2 (h2c) connection that asked one question, then only PINGs
+/// every `every`; returns how long the server kept it open (panics after
+/// `limit`).
+async fn ping_until_closed(gw: &TestGateway, every: Duration, limit: Duration) -> Duration {
+    let tcp = TcpStream::connect(addr(gw)).await.unwrap();
+    let (mut send, mut conn) = h2::client::handshake(tcp).await.unwrap();
+    let mut pings = conn.ping_pong().unwrap();
+    let mut conn = tokio::spawn(conn);
+    let req = axum::http::Request::get(format!("{}/health", gw.base_url)).body(()).unwrap();
+    let (resp, _) = send.send_request(req, true).unwrap();
+    let resp = resp.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        body.flow_control().release_capacity(chunk.len()).unwrap();
+    }
+    let t = Instant::now();
+    loop {
+        let ponged = tokio::select! {
+            _ = &mut conn => break,
+            r = tokio::time::timeout(Duration::from_secs(1), pings.ping(h2::Ping::opaque())) => matches!(r, Ok(Ok(_))),
+        };
+        if !ponged {
+            break;
+        }
+        tokio::select! {
+            _ = &mut conn => break,
+            _ = tokio::time::sleep(every.min(limit)) => {}
+        }
+        assert!(t.elapsed() < limit, "an h2 connection sending only PINGs was still open after {limit:?}");
+    }
+    // `send` is kept to here: dropping it would end the connection from
+    // the client's side.
+    drop(send);
+    t.elapsed()
+}
+
+#[tokio::test]
+async fn an_http2_connection_sending_only_pings_is_closed_after_the_idle_timeout() {
+    let engine = FakeEngine::start().await;
+    let gw = gateway(&engine, "header_read_timeout_ms = 60000\nidle_timeout_ms = 400").await;
+    gw.wait_ready().await;
+    let held = ping_until_closed(&gw, Duration::from_millis(100), Duration::from_secs(5)).await;
+    assert!(held < Duration::from_secs(2), "{held:?}");
+    until(&gw, "closed as idle", |gw| {
+        metric(gw, "edgeway_http_connections_closed_total{listener=\"main\",reason=\"idle\"}") == 1.0
+    })
+    .await;
+    until(&gw, "the slot freed", |gw| metric(gw, OPEN) == 0.0).await;
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_busy_connection_is_closed_at_its_maximum_age() {
+    let engine = FakeEngine::start().await;
+    let gw = gateway(&engine, "idle_timeout_ms = 60000\nmax_connection_age_ms = 1000").await;
+    gw.wait_ready().await;
+    // Requests every 100 ms keep it busy: only its age closes it.
+    let mut s = TcpStream::connect(addr(&gw)).await.unwrap();
+    let t = Instant::now();
+    let mut buf = vec![0u8; 4096];
+    let closed = loop {
+        assert!(t.elapsed() < Duration::from_secs(5), "still open at 5 s");
+        if s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").await.is_err() {
+            break t.elapsed();
+        }
+        match tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await.unwrap() {
+            Ok(0) | Err(_) => break t.elapsed(),
+            Ok(_) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(closed >= Duration::from_millis(800), "closed at {closed:?}");
+    assert_eq!(metric(&gw, "edgeway_http_connections_closed_total{listener=\"main\",reason=\"max_age\"}"), 1.0);
+    gw.stop().await;
+}
+
+/// Opens an h2c connection and starts `POST /v1/chat/completions` with
+/// `body`; `end` says whether the body is complete.
+async fn h2_chat(
+    gw: &TestGateway,
+    body: &[u8],
+    end: bool,
+) -> (h2::client::SendRequest<bytes::Bytes>, h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>, h2::PingPong) {
+    let tcp = TcpStream::connect(addr(gw)).await.unwrap();
+    let (send, mut conn) = h2::client::handshake(tcp).await.unwrap();
+    let pings = conn.ping_pong().unwrap();
+    tokio::spawn(conn);
+    let mut send = send.ready().await.unwrap();
+    let req = axum::http::Request::post(format!("{}/v1/chat/completions", gw.base_url))
+        .header("authorization", format!("Bearer {DEMO_KEY}"))
+        .header("content-type", "application/json")
+        .body(())
+        .unwrap();
+    let (resp, mut stream) = send.send_request(req, false).unwrap();
+    stream.send_data(bytes::Bytes::copy_from_slice(body), end).unwrap();
+    (send, resp, stream, pings)
+}
+
+#[tokio::test]
+async fn an_http2_client_that_stops_reading_after_its_task_ended_frees_its_slot() {
+    // 500 kB of answer; the client never opens its window past the first
+    // 64 kB, so the answer stays queued in edgeway after the task ended.
+    let engine = FakeEngine::start_with(Knobs { tokens: 5, token_text: "x".repeat(100_000), ..Knobs::default() }).await;
+    let gw = gateway(&engine, "header_read_timeout_ms = 400\nidle_timeout_ms = 400").await;
+    gw.wait_ready().await;
+    let body = chat_body(true).to_string();
+    let (_send, resp, _stream, _pings) = h2_chat(&gw, body.as_bytes(), true).await;
+    let resp = resp.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    // The engine finished: the task is over, its answer unread.
+    assert!(
+        engine.wait_for(Duration::from_secs(5), |s| s.completed.load(std::sync::atomic::Ordering::SeqCst) == 1).await
+    );
+    let reason = "edgeway_http_connections_closed_total{listener=\"main\",reason=\"write_timeout\"}";
+    until(&gw, "the connection cut", |gw| metric(gw, reason) == 1.0).await;
+    assert_eq!(metric(&gw, OPEN), 0.0);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_during_a_stalled_request_body_does_not_wait_for_the_grace() {
+    // Half a request body, then only PINGs: not progress, so the body
+    // timeout still cuts it and the stop does not wait the 5 s grace.
+    let engine = FakeEngine::start().await;
+    let gw = gateway(&engine, "header_read_timeout_ms = 400\nidle_timeout_ms = 400").await;
+    gw.wait_ready().await;
+    let (_send, _resp, _stream, mut pings) = h2_chat(&gw, b"{\"model\": \"general-", false).await;
+    until(&gw, "the request open", |gw| metric(gw, OPEN) == 1.0).await;
+    let pinger = tokio::spawn(async move {
+        while pings.ping(h2::Ping::opaque()).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let t = Instant::now();
+    gw.stop().await;
+    assert!(t.elapsed() < Duration::from_secs(3), "the stop took {:?}", t.elapsed());
+    pinger.abort();
 }

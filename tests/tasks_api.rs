@@ -256,3 +256,32 @@ async fn an_engines_error_text_is_neither_stored_nor_shown_only_its_status() {
     assert!(stored.iter().all(|r| !r.contains("secret") && !r.contains("/srv/models")), "{stored:?}");
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn an_engines_odd_finish_reason_is_not_shown_verbatim() {
+    // An engine's own text (long, with newlines) where a finish reason
+    // belongs: callers see one of the known reasons, never the text.
+    let odd = format!("internal: {}\nsecret=42", "x".repeat(5000));
+    let (_fake, gw) = setup(Knobs { finish_reason: Some(odd), ..Knobs::default() }).await;
+    let resp = create(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(resp.status(), 202);
+    let id = resp.json::<Value>().await.unwrap()["task_id"].as_str().unwrap().to_string();
+    let t = wait_status(&gw, &id, TaskState::Succeeded).await;
+    assert_eq!(t["edge"]["finish_reason"], "other", "{}", t["edge"]);
+    let text = t.to_string();
+    assert!(
+        !text.contains("secret") && !text.contains("xxxxxxxx"),
+        "the engine's text leaked: {}",
+        &text[..text.len().min(500)]
+    );
+    // A known reason is kept as it is.
+    let (_fake2, gw2) = setup(Knobs { finish_reason: Some("tool_calls".into()), ..Knobs::default() }).await;
+    let id = create(&gw2, DEMO_KEY, &chat_body(false)).await.json::<Value>().await.unwrap()["task_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let t = wait_status(&gw2, &id, TaskState::Succeeded).await;
+    assert_eq!(t["edge"]["finish_reason"], "tool_calls");
+    gw.stop().await;
+    gw2.stop().await;
+}

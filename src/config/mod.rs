@@ -122,11 +122,15 @@ pub struct HttpConfig {
     /// Time a client has to send a request's headers (HTTP/1.1 counts the
     /// wait for the next request on a kept-alive connection as well).
     pub header_read_timeout: std::time::Duration,
-    /// A connection with no bytes either way for this long is closed once
-    /// the request in progress, if any, has been answered; one whose
-    /// request body stopped arriving, or whose client stopped reading its
-    /// answer, is closed at once.
+    /// A connection without request progress (a request arriving, a frame
+    /// of a request body or of an answer; HTTP/2 PINGs are none) for this
+    /// long is closed: gracefully when nothing is owed, at once when a
+    /// request body stopped arriving or the client stopped reading its
+    /// answer. An answer edgeway is still working on is never cut by it.
     pub idle_timeout: std::time::Duration,
+    /// A connection is closed gracefully (HTTP/2 GOAWAY) at this age;
+    /// answers still running may finish until twice this age.
+    pub max_connection_age: std::time::Duration,
 }
 
 #[derive(Debug, Clone)]

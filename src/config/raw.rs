@@ -150,6 +150,7 @@ pub struct RawHttp {
     pub admin_max_connections: usize,
     pub header_read_timeout_ms: u64,
     pub idle_timeout_ms: u64,
+    pub max_connection_age_ms: u64,
 }
 
 impl Default for RawHttp {
@@ -162,6 +163,7 @@ impl Default for RawHttp {
             admin_max_connections: 64,
             header_read_timeout_ms: 10_000,
             idle_timeout_ms: 60_000,
+            max_connection_age_ms: 600_000,
         }
     }
 }

@@ -390,15 +390,22 @@ fn http_connection_limits_have_defaults_and_bounds() {
     let c = parse(MINIMAL, &[]).unwrap();
     assert_eq!((c.http.max_connections, c.http.admin_max_connections), (1024, 64));
     assert_eq!((c.http.header_read_timeout, c.http.idle_timeout), (Duration::from_secs(10), Duration::from_secs(60)));
+    assert_eq!(c.http.max_connection_age, Duration::from_secs(600));
     let text = format!(
         "{MINIMAL}\n[http]\nmax_connections = 0\nadmin_max_connections = 0\n\
-         header_read_timeout_ms = 10\nidle_timeout_ms = 99999999\n"
+         header_read_timeout_ms = 10\nidle_timeout_ms = 99999999\nmax_connection_age_ms = 999\n"
     );
     let e = parse(&text, &[]).unwrap_err();
     let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
     assert_eq!(
         paths,
-        ["http.max_connections", "http.admin_max_connections", "http.header_read_timeout_ms", "http.idle_timeout_ms"]
+        [
+            "http.max_connections",
+            "http.admin_max_connections",
+            "http.header_read_timeout_ms",
+            "http.idle_timeout_ms",
+            "http.max_connection_age_ms"
+        ]
     );
 }
 

@@ -159,6 +159,9 @@ fn http(raw: RawHttp, p: &mut Problems) -> Option<HttpConfig> {
             p.add(key, "must be between 100 and 3600000 (one hour)");
         }
     }
+    if !(1_000..=86_400_000).contains(&raw.max_connection_age_ms) {
+        p.add("http.max_connection_age_ms", "must be between 1000 and 86400000 (one day)");
+    }
     Some(HttpConfig {
         listen: listen?,
         admin_listen: admin_listen?,
@@ -167,6 +170,7 @@ fn http(raw: RawHttp, p: &mut Problems) -> Option<HttpConfig> {
         admin_max_connections: raw.admin_max_connections,
         header_read_timeout: Duration::from_millis(raw.header_read_timeout_ms),
         idle_timeout: Duration::from_millis(raw.idle_timeout_ms),
+        max_connection_age: Duration::from_millis(raw.max_connection_age_ms),
     })
 }
 

@@ -568,7 +568,7 @@ impl Driver {
                     p.usage = Some((input_tokens, output_tokens));
                     lease.output_tokens = u64::from(output_tokens);
                 }
-                Some(Ok(EngineChunk::Finish(reason))) => p.finish_reason = Some(reason),
+                Some(Ok(EngineChunk::Finish(reason))) => p.finish_reason = Some(finish_reason(&reason).to_string()),
                 Some(Err(e)) => {
                     drop(stream);
                     let mid_stream = p.first_token_at.is_some();
@@ -716,5 +716,18 @@ impl Driver {
             Some((error, _)) => TaskEvent::Error { error, meta: Box::new(meta) },
         };
         self.log.push(event);
+    }
+}
+
+/// The engine's `finish_reason`, as one of a closed set: it is stored with
+/// the task and shown to callers (`GET /v1/tasks/{id}`, the answer), so
+/// whatever else an engine says (any length, any text) becomes `other`.
+fn finish_reason(engine: &str) -> &'static str {
+    match engine {
+        "stop" => "stop",
+        "length" => "length",
+        "tool_calls" => "tool_calls",
+        "content_filter" => "content_filter",
+        _ => "other",
     }
 }

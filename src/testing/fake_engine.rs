@@ -52,6 +52,9 @@ pub struct Knobs {
     pub metrics: Option<String>,
     /// Whether Ollama's `/api/ps` lists the model as loaded.
     pub resident: bool,
+    /// The `finish_reason` of a whole answer, instead of `stop`/`length`
+    /// (an engine that says something odd).
+    pub finish_reason: Option<String>,
 }
 
 impl Knobs {
@@ -78,6 +81,7 @@ impl Default for Knobs {
             ignore_disconnect: false,
             metrics: None,
             resident: true,
+            finish_reason: None,
         }
     }
 }
@@ -332,7 +336,10 @@ async fn openai_chat(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> R
     }
     let include_usage = body["stream_options"]["include_usage"].as_bool().unwrap_or(false) && !k.omit_usage;
     let text = k.token_text.clone();
-    let finish = if n < k.tokens { "length" } else { "stop" };
+    let finish = match &k.finish_reason {
+        Some(f) => f.clone(),
+        None => (if n < k.tokens { "length" } else { "stop" }).to_string(),
+    };
     let sse = |v: Value| Bytes::from(format!("data: {v}\n\n"));
     let body = generate(k, n, s.stats.clone(), move |i| match i {
         Some(0) => vec![

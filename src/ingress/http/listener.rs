@@ -10,14 +10,25 @@
 //! answered, close). Does not own: routes or anything a request means (the
 //! axum router it is given).
 //!
-//! The idle timeout never cuts an answer in progress: a connection with no
-//! bytes either way for `idle_timeout` is shut down gracefully, which for
-//! HTTP/1.1 closes it at once only between requests, and for HTTP/2 sends
-//! GOAWAY and lets open streams finish. A streamed answer waiting for its
-//! first token (no bytes for a while) is therefore answered in full. Only
-//! where the client is the one to wait for is the connection cut: a request
-//! body that stopped arriving (slow POST), or an answer the client stopped
-//! reading (slow read; its task is cancelled, freeing the engine).
+//! The idle clock restarts only on request progress: a request arriving, a
+//! frame of a request body, a frame of an answer taken by hyper. Bytes that
+//! are none (HTTP/2 PINGs, SETTINGS, WINDOW_UPDATEs, which hyper answers on
+//! its own) do not, or one client could hold a slot for ever. After
+//! `idle_timeout` without progress:
+//! - a request body is still arriving (slow POST): cut (`body_timeout`);
+//! - an answer waits for the client (slow read: a full socket buffer, or an
+//!   HTTP/2 window that stays shut), also after its task ended: cut
+//!   (`write_timeout`; a running task is cancelled);
+//! - an answer waits for edgeway (a stream waiting for its next token):
+//!   nothing; the timeout never cuts an answer edgeway is working on;
+//! - nothing is owed: a graceful close (`idle`; HTTP/1.1 closes, HTTP/2 sends
+//!   GOAWAY), and if the connection is still open an idle timeout later, it
+//!   is dropped. The same hard deadline holds after a graceful close for
+//!   shutdown or age.
+//!
+//! A connection is also closed gracefully at `max_connection_age` (`max_age`),
+//! however busy: answers in progress may finish until twice that age, then
+//! it is dropped.
 
 use std::future::Future;
 use std::io;
@@ -48,6 +59,7 @@ pub struct Limits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
     pub idle_timeout: Duration,
+    pub max_connection_age: Duration,
 }
 
 /// Connections being refused (waiting for the request, then for the client
@@ -71,7 +83,7 @@ pub struct HttpMetrics {
     /// Connections refused at the cap.
     pub refused: IntCounterVec,
     /// Connections closed by edgeway, by reason (`header_timeout`, `idle`,
-    /// `body_timeout`, `write_timeout`, `shutdown`).
+    /// `body_timeout`, `write_timeout`, `max_age`, `shutdown`).
     pub closed: IntCounterVec,
     /// `accept` failures (descriptor limit, out of memory), each followed by
     /// a pause.
@@ -105,7 +117,7 @@ impl HttpMetrics {
             ),
             closed: counter(
                 "http_connections_closed_total",
-                "HTTP connections closed by edgeway, by listener and reason (header_timeout, idle, body_timeout, write_timeout, shutdown)",
+                "HTTP connections closed by edgeway, by listener and reason (header_timeout, idle, body_timeout, write_timeout, max_age, shutdown)",
                 &["listener", "reason"],
             ),
             accept_errors: counter(
@@ -247,7 +259,7 @@ async fn refuse<Io: AsyncRead + AsyncWrite + Unpin>(mut io: Io, answer: &[u8]) {
 
 /// Serves one connection to its end. Returns why edgeway closed it, when it
 /// did (`header_timeout`, `idle`, `body_timeout`, `write_timeout`,
-/// `shutdown`).
+/// `max_age`, `shutdown`).
 async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     io: Io,
     app: Router,
@@ -255,22 +267,28 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     shutdown: CancellationToken,
 ) -> Option<&'static str> {
     let start = Instant::now();
-    let activity = Arc::new(Activity { start, last_ms: AtomicU64::new(0), write_blocked: AtomicBool::new(false) });
-    let io = TokioIo::new(Watched { inner: io, activity: activity.clone() });
-    // Whether a request head has arrived. hyper's HTTP/1 header timeout
-    // starts only once it knows the protocol; a client that sends nothing,
-    // or part of the HTTP/2 preface, is bounded by this instead.
-    let first_request = Arc::new(AtomicBool::new(false));
-    // Request bodies being received: a client that stops sending one is
-    // not waiting for us, so the idle timeout cuts it.
-    let bodies = Arc::new(AtomicUsize::new(0));
+    let conn_state = Arc::new(ConnState::new(start));
+    let io = TokioIo::new(Watched { inner: io, state: conn_state.clone() });
     let svc = {
-        let (first_request, bodies) = (first_request.clone(), bodies.clone());
+        let state = conn_state.clone();
         let inner = TowerToHyperService::new(app);
         hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-            first_request.store(true, Ordering::Relaxed);
-            let req = req.map(|b| WatchedBody::new(b, &bodies));
-            hyper::service::Service::call(&inner, req)
+            if !state.first_request.swap(true, Ordering::Relaxed) {
+                state.first_arrived.notify_one();
+            }
+            state.touch();
+            let req = req.map(|b| WatchedBody::new(b, &state));
+            // The answer is owed from now on; edgeway is the one to wait
+            // for until the handler has answered.
+            let answer = Count::new_in(&state, |s| &s.answers);
+            let handling = Count::new_in(&state, |s| &s.waiting);
+            let call = hyper::service::Service::call(&inner, req);
+            let state = state.clone();
+            async move {
+                let res = call.await?;
+                drop(handling);
+                Ok::<_, std::convert::Infallible>(res.map(|b| WatchedAnswer::new(b, state, answer)))
+            }
         })
     };
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -278,16 +296,22 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     builder.http2().timer(TokioTimer::new());
     let conn = builder.serve_connection(io, svc);
     tokio::pin!(conn);
-    let mut closing = None;
+    let s = &conn_state;
+    // Why and since when edgeway is closing the connection gracefully.
+    let mut closing: Option<(&'static str, Instant)> = None;
     // When the idle check last found nothing to cut: the next one is an
     // idle timeout later, also while a graceful close is under way (a
     // client may stop reading or sending after it began).
     let mut checked = start;
+    let max_age = start + limits.max_connection_age;
+    // Answers still running at `max_age` may finish until then.
+    let hard_age = max_age + limits.max_connection_age;
     loop {
-        let deadline = if !first_request.load(Ordering::Relaxed) {
+        let deadline = if !s.first_request.load(Ordering::Relaxed) {
             start + limits.header_read_timeout
         } else {
-            activity.last().max(checked) + limits.idle_timeout
+            let idle = s.last().max(checked) + limits.idle_timeout;
+            idle.min(if closing.is_none() { max_age } else { hard_age })
         };
         tokio::select! {
             r = conn.as_mut() => {
@@ -295,41 +319,66 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
                     Err(e) if is_header_timeout(&*e) => Some("header_timeout"),
                     Err(e) => {
                         tracing::debug!(error = %e, "HTTP connection ended with an error");
-                        closing
+                        closing.map(|c| c.0)
                     }
-                    Ok(()) => closing,
+                    Ok(()) => closing.map(|c| c.0),
                 };
             }
+            // The deadline changes from the header's to the idle one.
+            _ = s.first_arrived.notified(), if !s.first_request.load(Ordering::Relaxed) => {}
             _ = shutdown.cancelled(), if closing.is_none() => {
-                if !first_request.load(Ordering::Relaxed) {
+                if !s.first_request.load(Ordering::Relaxed) {
                     // Nothing asked yet (hyper would wait for a half-sent
                     // first head): nothing to finish.
                     return Some("shutdown");
                 }
-                closing = Some("shutdown");
+                closing = Some(("shutdown", Instant::now()));
                 conn.as_mut().graceful_shutdown();
             }
             _ = tokio::time::sleep_until(deadline) => {
-                if !first_request.load(Ordering::Relaxed) {
+                if !s.first_request.load(Ordering::Relaxed) {
                     // Dropping the connection closes the socket.
                     return Some("header_timeout");
                 }
                 let now = Instant::now();
-                if now >= activity.last() + limits.idle_timeout {
-                    if activity.write_blocked.load(Ordering::Relaxed) {
+                if now >= hard_age {
+                    return Some(closing.map_or("max_age", |c| c.0));
+                }
+                if closing.is_none() && now >= max_age {
+                    // GOAWAY for HTTP/2, close after the answer for
+                    // HTTP/1.1: the client reconnects, and one connection
+                    // cannot hold a slot for ever however busy it keeps it.
+                    closing = Some(("max_age", now));
+                    conn.as_mut().graceful_shutdown();
+                    checked = now;
+                    continue;
+                }
+                if now >= s.last() + limits.idle_timeout {
+                    let waiting = s.waiting.load(Ordering::Relaxed);
+                    if s.write_blocked.load(Ordering::Relaxed) || s.answers.load(Ordering::Relaxed) > waiting {
                         // An answer waits for a client that stopped reading
-                        // (slow read): it would hold the connection, and
-                        // its task an engine slot, for ever.
+                        // (slow read; HTTP/2: a closed window): it would
+                        // hold the connection, and its task an engine slot,
+                        // for ever.
                         return Some("write_timeout");
                     }
-                    if bodies.load(Ordering::Relaxed) > 0 {
+                    if s.bodies.load(Ordering::Relaxed) > 0 {
                         // A request body stalled (slow POST): closing
                         // gracefully would wait for it for ever.
                         return Some("body_timeout");
                     }
-                    if closing.is_none() {
-                        closing = Some("idle");
-                        conn.as_mut().graceful_shutdown();
+                    if waiting == 0 {
+                        match closing {
+                            None => {
+                                closing = Some(("idle", now));
+                                conn.as_mut().graceful_shutdown();
+                            }
+                            // Closing for an idle timeout already and still
+                            // open (a client ignoring GOAWAY, bytes that
+                            // cannot be flushed): the hard deadline.
+                            Some((reason, since)) if now >= since + limits.idle_timeout => return Some(reason),
+                            Some(_) => {}
+                        }
                     }
                     checked = now;
                 }
@@ -342,28 +391,88 @@ fn is_header_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
     e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_timeout)
 }
 
-/// A request body, counted in its connection's `bodies` until it has been
-/// received in full (or dropped).
-struct WatchedBody {
-    inner: Incoming,
-    receiving: Option<Receiving>,
+/// What one connection is doing, for its limits. Only request progress
+/// restarts the idle clock: a request arriving, a frame of a request body,
+/// a frame of an answer. Bytes that are no progress (HTTP/2 PINGs,
+/// SETTINGS, WINDOW_UPDATEs, which hyper answers on its own) do not, or
+/// one client could hold a slot for ever with a PING every minute.
+struct ConnState {
+    start: Instant,
+    /// Milliseconds since `start` of the last progress.
+    last_ms: AtomicU64,
+    /// A write is waiting for the client to read (the socket's buffer is
+    /// full).
+    write_blocked: AtomicBool,
+    /// Whether a request head has arrived. hyper's HTTP/1 header timeout
+    /// starts only once it knows the protocol; a client that sends nothing,
+    /// or part of the HTTP/2 preface, is bounded by this instead.
+    first_request: AtomicBool,
+    /// Wakes the connection loop to switch from the header deadline to
+    /// the idle one.
+    first_arrived: tokio::sync::Notify,
+    /// Request bodies being received: a client that stops sending one is
+    /// not waiting for us, so the idle timeout cuts it.
+    bodies: AtomicUsize,
+    /// Answers owed: from the request until the answer's last frame.
+    answers: AtomicUsize,
+    /// Of `answers`, those waiting for edgeway (the handler has not
+    /// answered yet, or the body has no next frame yet: a stream waiting
+    /// for its next token). The others wait for the client to take their
+    /// next frame.
+    waiting: AtomicUsize,
 }
 
-struct Receiving(Arc<AtomicUsize>);
+impl ConnState {
+    fn new(start: Instant) -> ConnState {
+        ConnState {
+            start,
+            last_ms: AtomicU64::new(0),
+            write_blocked: AtomicBool::new(false),
+            first_request: AtomicBool::new(false),
+            first_arrived: tokio::sync::Notify::new(),
+            bodies: AtomicUsize::new(0),
+            answers: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+        }
+    }
 
-impl Drop for Receiving {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+    fn touch(&self) {
+        self.last_ms.store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Instant {
+        self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
     }
 }
 
+/// One in a counter, until dropped.
+struct Count(Arc<ConnState>, fn(&ConnState) -> &AtomicUsize);
+
+impl Count {
+    fn new_in(state: &Arc<ConnState>, which: fn(&ConnState) -> &AtomicUsize) -> Count {
+        which(state).fetch_add(1, Ordering::Relaxed);
+        Count(state.clone(), which)
+    }
+}
+
+impl Drop for Count {
+    fn drop(&mut self) {
+        (self.1)(&self.0).fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A request body, counted in its connection's `bodies` until it has been
+/// received in full (or dropped); each frame is progress.
+struct WatchedBody {
+    inner: Incoming,
+    state: Arc<ConnState>,
+    receiving: Option<Count>,
+}
+
 impl WatchedBody {
-    fn new(inner: Incoming, bodies: &Arc<AtomicUsize>) -> WatchedBody {
-        let receiving = (!inner.is_end_stream()).then(|| {
-            bodies.fetch_add(1, Ordering::Relaxed);
-            Receiving(bodies.clone())
-        });
-        WatchedBody { inner, receiving }
+    fn new(inner: Incoming, state: &Arc<ConnState>) -> WatchedBody {
+        let receiving = (!inner.is_end_stream()).then(|| Count::new_in(state, |s| &s.bodies));
+        WatchedBody { inner, state: state.clone(), receiving }
     }
 }
 
@@ -373,6 +482,9 @@ impl Body for WatchedBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = r {
+            self.state.touch();
+        }
         if matches!(r, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) || self.inner.is_end_stream() {
             self.receiving = None;
         }
@@ -388,51 +500,76 @@ impl Body for WatchedBody {
     }
 }
 
-/// When a connection last moved a byte either way.
-struct Activity {
-    start: Instant,
-    /// Milliseconds since `start`.
-    last_ms: AtomicU64,
-    /// A write is waiting for the client to read (the socket's buffer is
-    /// full).
-    write_blocked: AtomicBool,
+/// An answer's body: each frame taken is progress; while it has no next
+/// frame it counts as waiting for edgeway, otherwise for the client.
+struct WatchedAnswer<B> {
+    inner: B,
+    state: Arc<ConnState>,
+    owed: Option<Count>,
+    waiting: Option<Count>,
 }
 
-impl Activity {
-    fn touch(&self) {
-        self.last_ms.store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
-    }
-
-    fn last(&self) -> Instant {
-        self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
+impl<B> WatchedAnswer<B> {
+    fn new(inner: B, state: Arc<ConnState>, owed: Count) -> WatchedAnswer<B> {
+        WatchedAnswer { inner, state, owed: Some(owed), waiting: None }
     }
 }
 
-/// A connection's I/O, recording when bytes move.
+impl<B: Body + Unpin> Body for WatchedAnswer<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        match &r {
+            Poll::Pending => {
+                if self.waiting.is_none() {
+                    self.waiting = Some(Count::new_in(&self.state, |s| &s.waiting));
+                }
+            }
+            Poll::Ready(Some(Ok(_))) => {
+                self.state.touch();
+                self.waiting = None;
+            }
+            Poll::Ready(_) => {
+                self.waiting = None;
+                self.owed = None;
+            }
+        }
+        if self.inner.is_end_stream() {
+            self.waiting = None;
+            self.owed = None;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A connection's I/O, recording whether a write waits for the client.
+/// Bytes moving are not progress by themselves (see `ConnState`).
 struct Watched<Io> {
     inner: Io,
-    activity: Arc<Activity>,
+    state: Arc<ConnState>,
 }
 
 impl<Io: AsyncRead + Unpin> AsyncRead for Watched<Io> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.activity.touch();
-        }
-        r
+        Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
 
 impl<Io> Watched<Io> {
     fn wrote(&self, r: &Poll<io::Result<usize>>) {
         let blocked = r.is_pending();
-        if self.activity.write_blocked.load(Ordering::Relaxed) != blocked {
-            self.activity.write_blocked.store(blocked, Ordering::Relaxed);
-        }
-        if matches!(r, Poll::Ready(Ok(n)) if *n > 0) {
-            self.activity.touch();
+        if self.state.write_blocked.load(Ordering::Relaxed) != blocked {
+            self.state.write_blocked.store(blocked, Ordering::Relaxed);
         }
     }
 }
@@ -494,6 +631,7 @@ mod tests {
             max_connections: 4,
             header_read_timeout: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(1),
+            max_connection_age: Duration::from_secs(600),
         };
         let task = tokio::spawn(run(
             "main",

@@ -98,6 +98,7 @@ pub async fn serve(
         max_connections,
         header_read_timeout: cfg.header_read_timeout,
         idle_timeout: cfg.idle_timeout,
+        max_connection_age: cfg.max_connection_age,
     };
     let main = tokio::net::TcpListener::bind(cfg.listen)
         .await
