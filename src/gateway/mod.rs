@@ -212,6 +212,13 @@ impl Gateway {
         self.auth.authenticate(credential)
     }
 
+    /// Whether a credential (an identity's [`Identity::credential`]) has
+    /// been revoked since it was accepted: for ingresses whose connections
+    /// outlive one call (MQTT).
+    pub fn credential_revoked(&self, digest: &[u8; 32]) -> bool {
+        self.auth.is_revoked(digest)
+    }
+
     /// Authenticates, parses, admits and queues a call: the same path for
     /// every ingress ([`Gateway::prepare`], then [`Gateway::submit_call`]).
     pub async fn submit(

@@ -158,6 +158,8 @@ pub fn outbound(
                     (Refusal::BadCredentials, _) => ConnectReturnCode::BadUserNamePassword,
                     (Refusal::ProtocolVersion, false) => ConnectReturnCode::RefusedProtocolVersion,
                     (Refusal::ProtocolVersion, true) => ConnectReturnCode::UnsupportedProtocolVersion,
+                    (Refusal::ServerBusy, false) => ConnectReturnCode::ServiceUnavailable,
+                    (Refusal::ServerBusy, true) => ConnectReturnCode::ServerBusy,
                 };
                 let props = v5
                     .then(|| ConnAckProperties { reason_string: Some(why.reason().to_string()), ..Default::default() });

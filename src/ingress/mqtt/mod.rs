@@ -268,7 +268,7 @@ pub async fn serve(
     let (wills_tx, wills_rx) = mpsc::unbounded_channel();
     let wills = Arc::new(Wills::new(wills_tx));
     let shared = Arc::new(ProtocolShared::new(
-        auth::DeviceDirectory::new(gw.config()),
+        auth::DeviceDirectory::new(gw.clone()),
         topics.clone(),
         PresenceReporter::new(sessions.clone(), presence_tx),
         wills.clone(),

@@ -81,11 +81,19 @@ pub struct DeviceProtocol {
     /// When the connection's credential expires (a JWT's `exp`, unix ms):
     /// see [`super::auth::expired`].
     expires_at: Option<i64>,
+    /// The login's token id digest, checked for revocation at every read.
+    credential: Option<[u8; 32]>,
 }
 
 impl DeviceProtocol {
     pub fn new(shared: Arc<ProtocolShared>) -> Self {
-        DeviceProtocol { shared, version: Version::Unknown, state: Conn::AwaitingConnect, expires_at: None }
+        DeviceProtocol {
+            shared,
+            version: Version::Unknown,
+            state: Conn::AwaitingConnect,
+            expires_at: None,
+            credential: None,
+        }
     }
 }
 
@@ -156,6 +164,7 @@ impl DeviceProtocol {
         let (device, identity) = match self.shared.directory.authenticate(&connect.client_id, user, password) {
             Ok(login) => {
                 self.expires_at = login.expires_at;
+                self.credential = login.identity.credential;
                 (login.device.to_string(), login.identity)
             }
             Err(why) => {
@@ -227,8 +236,8 @@ impl Protocol for DeviceProtocol {
             // Nothing after a refused CONNECT: the connection ends.
             return Err(Error::InvalidProtocol);
         }
-        if super::auth::expired(self.expires_at) {
-            tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired, connection closed");
+        if self.shared.directory.lapsed(self.expires_at, self.credential) {
+            tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired or revoked, connection closed");
             return Err(self.end_link());
         }
         if self.version == Version::Unknown {
