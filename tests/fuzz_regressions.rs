@@ -41,8 +41,8 @@ const SERVER_ONLY_V5: [&[u8]; 2] = [&[0x20, 3, 0, 0, 0], &[0xB0, 4, 0, 1, 0, 0]]
 /// reaches `unreachable!()` in rumqttd's v5 `read_mut`
 /// (protocol/v5/mod.rs:429), a panic in the connection's codec. It must be
 /// a protocol error that closes the connection.
-#[test]
-fn the_codec_refuses_server_only_packets_from_an_mqtt5_device_without_panicking() {
+#[tokio::test(flavor = "multi_thread")]
+async fn the_codec_refuses_server_only_packets_from_an_mqtt5_device_without_panicking() {
     let dir = edgeway::testing::TempDir::new("fuzz-regression");
     let cfg = edgeway::config::Config::from_toml_str(
         &edgeway::testing::config_toml("http://127.0.0.1:9", "openai", &dir.0, &mqtt_toml("")),
@@ -50,14 +50,20 @@ fn the_codec_refuses_server_only_packets_from_an_mqtt5_device_without_panicking(
         &dir.0,
     )
     .expect("config");
+    let mqtt = cfg.mqtt.clone().expect("[mqtt]");
+    // The device directory checks tokens through a gateway.
+    let gw = edgeway::testing::TestGateway::start(cfg).await;
     let (ctx, _crx) = tokio::sync::mpsc::unbounded_channel();
     let (wtx, _wrx) = tokio::sync::mpsc::unbounded_channel();
-    let shared = Arc::new(ProtocolShared::new(
-        DeviceDirectory::new(&cfg),
-        Topics::new("ai/v1"),
-        PresenceReporter::new(Arc::new(Sessions::new(1 << 20, 64 * 1024)), ctx),
-        Arc::new(Wills::new(wtx)),
-    ));
+    let shared = Arc::new(
+        ProtocolShared::new(
+            DeviceDirectory::new(gw.gateway().clone()),
+            Topics::new("ai/v1"),
+            PresenceReporter::new(Arc::new(Sessions::new(1 << 20, 64 * 1024)), ctx),
+            Arc::new(Wills::new(wtx)),
+        )
+        .with_config(&mqtt),
+    );
     for bad in SERVER_ONLY_V5 {
         let mut codec = DeviceProtocol::new(shared.clone());
         let mut stream = BytesMut::from(&connect_v5()[..]);
@@ -67,6 +73,7 @@ fn the_codec_refuses_server_only_packets_from_an_mqtt5_device_without_panicking(
         let next = next.unwrap_or_else(|_| panic!("the codec panicked on {bad:02x?}"));
         assert!(next.is_err(), "{bad:02x?} must close the connection: {next:?}");
     }
+    gw.stop().await;
 }
 
 /// The same over a real socket: the connection is closed, nothing in the

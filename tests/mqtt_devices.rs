@@ -33,7 +33,11 @@ fn now_s() -> i64 {
 /// An RS256 token of application `app` for device `sub`, valid for
 /// `valid_s` seconds.
 fn token(sub: &str, app: &str, tenant: &str, valid_s: i64) -> String {
-    let claims = json!({"sub": sub, "app": app, "tenant": tenant, "exp": now_s() + valid_s});
+    signed(json!({"sub": sub, "app": app, "tenant": tenant, "exp": now_s() + valid_s}))
+}
+
+/// An RS256 token with the test key and these claims.
+fn signed(claims: Value) -> String {
     let pem = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/jwt-test-private.pem")).unwrap();
     encode(&Header::new(Algorithm::RS256), &claims, &EncodingKey::from_rsa_pem(&pem).unwrap()).unwrap()
 }
@@ -106,7 +110,7 @@ fn unsalted_device_key(device: &str, key: &str) -> String {
 
 #[tokio::test]
 async fn an_http_caller_cannot_claim_a_devices_idempotency_key() {
-    let (_fake, gw, addr) = start(Knobs::default(), "coalesce_ms = 0").await;
+    let (fake, gw, addr) = start(Knobs::default(), "coalesce_ms = 0").await;
     let mut body = common::chat_body(false);
     body["messages"] = json!([{"role": "user", "content": "an attacker's prompt"}]);
     for forged in [unsalted_device_key(D1.0, "r-claim"), unsalted_device_key("demo/demo-device-1", "r-claim")] {
@@ -115,11 +119,15 @@ async fn an_http_caller_cannot_claim_a_devices_idempotency_key() {
         // Refused (a reserved key space), or at least not the device's.
         assert!(r.status() == 400 || r.status() == 200, "{}", r.status());
     }
+    let engine_calls = || fake.stats.requests.load(std::sync::atomic::Ordering::SeqCst);
+    let before = engine_calls();
     let mut d = device(addr, V::V4, D1).await;
     d.subscribe(&d.topic("res/#")).await;
     d.publish(&d.topic("req"), request("r-claim").to_string()).await;
     let e = d.stream(&d.topic("res/r-claim")).await;
     assert_eq!(e.last().unwrap()["type"], "done", "the device's request is its own: {e:?}");
+    // Its own run, not a join of a caller's task under the same key.
+    assert_eq!(engine_calls(), before + 1, "the device's request joined a task it did not start");
     // And a caller never gets a device's answer: keys in the device key
     // space are refused outright.
     body["idempotency_key"] = json!("mqtt-0123456789");
@@ -183,8 +191,8 @@ async fn a_flooding_device_neither_loses_nor_stalls_other_devices_messages() {
         }
         flooder
     });
-    // While it floods: requests and a cancel of the other device all
-    // arrive, and promptly.
+    // While it floods: the other device's requests all arrive, and
+    // promptly.
     let mut during = Duration::ZERO;
     for i in 0..5 {
         let (t, e) = timed_request(&mut b, &format!("during-{i}")).await;
@@ -290,5 +298,104 @@ async fn device_passwords_are_checked_against_salted_slow_hashes() {
     // The legacy digests still work (the demo devices use them).
     let mut d = device(addr, V::V4, D1).await;
     d.subscribe(&d.topic("res/#")).await;
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_token_revoked_over_http_is_refused_over_mqtt_and_ends_its_connections() {
+    let (fake, gw, addr) = start_jwt(Knobs::slow(100, 20), "coalesce_ms = 0").await;
+    let tok = signed(json!({"sub": "cam-r", "app": "demo", "tenant": "demo", "exp": now_s() + 600, "jti": "cam-r-1"}));
+    let other =
+        signed(json!({"sub": "cam-s", "app": "demo", "tenant": "demo", "exp": now_s() + 600, "jti": "cam-s-1"}));
+    let mut live = connect(addr, V::V5, "cam-r:live", "cam-r", &tok).await.unwrap();
+    live.subscribe("ai/v1/cam-r/res/#").await;
+    live.publish("ai/v1/cam-r/req", request("long").to_string()).await;
+    assert_eq!(live.msg().await.json()["type"], "accepted");
+    let mut bystander = connect(addr, V::V5, "cam-s", "cam-s", &other).await.unwrap();
+    bystander.subscribe("ai/v1/cam-s/res/#").await;
+
+    let url = format!("{}/admin/keys/revoke", gw.base_url);
+    let r = reqwest::Client::new().post(&url).bearer_auth(common::OPS_KEY).json(&json!({"jti": "cam-r-1"}));
+    let r = r.send().await.unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+
+    // A new connection with the revoked token is refused.
+    let again = connect(addr, V::V5, "cam-r:again", "cam-r", &tok).await;
+    assert!(again.as_ref().is_err_and(|e| e.contains("refused")), "{:?}", again.as_ref().err());
+    // The live one ends at its next packet (its acknowledgement of the
+    // cancelled stream's last message may be that packet already), and
+    // this request never runs.
+    live.try_publish("ai/v1/cam-r/req", request("after").to_string()).await;
+    let (msgs, why) = live.until_closed().await;
+    println!("revoked connection ended: {why}");
+    assert!(msgs.iter().all(|m| !m.topic.ends_with("/after")), "{msgs:?}");
+    assert!(msgs.iter().all(|m| m.json()["type"] != "done"), "the revoked token's stream ran to its end: {msgs:?}");
+    // Another token's device goes on.
+    bystander.publish("ai/v1/cam-s/req", request("s1").to_string()).await;
+    assert_eq!(bystander.stream("ai/v1/cam-s/res/s1").await.last().unwrap()["type"], "done");
+    assert_eq!(fake.stats.requests.load(std::sync::atomic::Ordering::SeqCst), 2, "'after' never ran");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_passwords_cannot_take_every_core_and_other_devices_still_connect() {
+    use argon2::password_hash::{PasswordHasher, SaltString};
+    // Heavy enough that concurrent checks overlap in a debug build.
+    let params = argon2::Params::new(8192, 2, 1, None).unwrap();
+    let argon = argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params);
+    let salt = SaltString::encode_b64(b"sixteen byte salt").unwrap();
+    let phc = argon.hash_password(b"cam-secret", &salt).unwrap().to_string();
+    let extra = format!(
+        "coalesce_ms = 0\n[devices.cam-h]\ntenant = \"demo\"\napplication = \"demo\"\npassword_hash = \"{phc}\"\n"
+    );
+    let (_fake, gw, addr) = start(Knobs::default(), &extra).await;
+    // One slow check, alone: the unit of time below.
+    let t0 = Instant::now();
+    let e = connect(addr, V::V4, "cam-h", "cam-h", "wrong").await.err().unwrap();
+    let one_check = t0.elapsed();
+    assert!(e.contains("BadUserNamePassword"), "{e}");
+    // cam-h logs in once (its password is then remembered).
+    connect(addr, V::V4, "cam-h", "cam-h", "cam-secret").await.unwrap().disconnect_and_wait().await;
+    let t0 = Instant::now();
+    device(addr, V::V4, D1).await.disconnect_and_wait().await;
+    let quiet = t0.elapsed();
+
+    // A storm of wrong passwords for the registered id, MQTT 5 and 3.1.1.
+    let n = 24;
+    let t0 = Instant::now();
+    let storm: Vec<_> = (0..n)
+        .map(|i| {
+            let v = if i % 2 == 0 { V::V5 } else { V::V4 };
+            tokio::spawn(async move { connect(addr, v, &format!("cam-h:w{i}"), "cam-h", "wrong").await.err() })
+        })
+        .collect();
+    // Meanwhile other devices (and cam-h with its known password) connect.
+    let t1 = Instant::now();
+    let d1 = device(addr, V::V4, D1).await;
+    let h = connect(addr, V::V5, "cam-h:ok", "cam-h", "cam-secret").await;
+    let during = t1.elapsed();
+    let mut busy = 0;
+    for s in storm {
+        let e = s.await.unwrap().expect("a wrong password got in");
+        if e.contains("ServerBusy") || e.contains("ServiceUnavailable") {
+            busy += 1;
+        } else {
+            assert!(e.contains("BadUserNamePassword"), "{e}");
+        }
+    }
+    let storm_time = t0.elapsed();
+    println!("one check {one_check:?}; quiet connect {quiet:?}, during the storm {during:?}; {n} wrong CONNECTs answered in {storm_time:?}, {busy} busy");
+    assert!(h.is_ok(), "a remembered password is not a slow check: {:?}", h.err());
+    assert!(busy > 0, "every wrong password ran its slow check at once");
+    // Not n checks' worth of work: those that found no free check were
+    // refused at once.
+    assert!(storm_time < one_check * (n as u32) / 4, "{storm_time:?} for {n} checks of {one_check:?}");
+    // (At most about one check in progress may be in the way on a busy
+    // machine; not the whole storm.)
+    assert!(during < quiet * 10 + 2 * one_check, "other devices waited: {during:?} (quiet {quiet:?})");
+    drop(d1);
+    // Once the storm is over, a wrong password is told so again.
+    let e = connect(addr, V::V4, "cam-h", "cam-h", "wrong").await.err().unwrap();
+    assert!(e.contains("BadUserNamePassword"), "{e}");
     gw.stop().await;
 }

@@ -77,8 +77,33 @@ fn demo_identity() -> Identity {
     authenticator().authenticate(Some(DEMO_KEY)).expect("the fuzz config's demo key")
 }
 
+/// A gateway started once from the fuzz config (no listeners that could
+/// collide: HTTP on an ephemeral port, no broker, no bus, its store in a
+/// directory of its own), on a runtime of its own: the device directory
+/// checks JWTs and revocations through it, as in edgeway.
+fn gateway() -> Arc<edgeway::gateway::Gateway> {
+    static G: OnceLock<Arc<edgeway::gateway::Gateway>> = OnceLock::new();
+    G.get_or_init(|| {
+        let mut cfg = config().clone();
+        cfg.http.listen = "127.0.0.1:0".parse().expect("address");
+        cfg.http.admin_listen = None;
+        cfg.mqtt = None;
+        cfg.nats = None;
+        cfg.store.data_dir = std::env::temp_dir().join(format!("edgeway-fuzz-{}", std::process::id()));
+        let rt = Box::leak(Box::new(
+            tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime"),
+        ));
+        let running = rt.block_on(edgeway::server::start(cfg)).expect("the fuzz gateway starts");
+        let gw = running.gateway.clone();
+        // Runs until the process ends.
+        std::mem::forget(running);
+        gw
+    })
+    .clone()
+}
+
 fn device_identity() -> Identity {
-    DeviceDirectory::new(config()).authenticate(DEVICE, Some(DEVICE), DEVICE_PASSWORD).expect("the demo device").1
+    DeviceDirectory::new(gateway()).authenticate(DEVICE, Some(DEVICE), DEVICE_PASSWORD).expect("the demo device").identity
 }
 
 /// What the codecs of all connections share, and the receiving ends of
@@ -98,7 +123,8 @@ fn mqtt() -> &'static Mqtt {
         let (wtx, wrx) = unbounded_channel();
         let presence = PresenceReporter::new(Arc::new(Sessions::new(1 << 20, 64 * 1024)), ctx);
         let shared =
-            ProtocolShared::new(DeviceDirectory::new(cfg), Topics::new(&prefix), presence, Arc::new(Wills::new(wtx)));
+            ProtocolShared::new(DeviceDirectory::new(gateway()), Topics::new(&prefix), presence, Arc::new(Wills::new(wtx)))
+                .with_config(cfg.mqtt.as_ref().expect("[mqtt] in the fuzz config"));
         Mqtt { shared: Arc::new(shared), changes: crx.into(), wills: wrx.into() }
     })
 }

@@ -175,6 +175,11 @@ impl Authenticator {
         self.by_key.contains_key(&digest)
     }
 
+    /// Whether the key (or token id digest) is revoked.
+    pub fn is_revoked(&self, digest: &[u8; 32]) -> bool {
+        self.revoked.read().expect("revoked keys").contains(digest)
+    }
+
     /// Accepts a revoked key again. Returns whether it was revoked.
     pub fn reinstate(&self, digest: &[u8; 32]) -> bool {
         self.revoked.write().expect("revoked keys").remove(digest)

@@ -254,6 +254,11 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
     if raw.stream_replay_max_bytes > raw.replay_max_bytes {
         p.add("mqtt.stream_replay_max_bytes", "must not exceed replay_max_bytes");
     }
+    // It is also the resume budget, which must hold the least a resume
+    // costs (the ingress's RESUME_MIN_COST).
+    if raw.stream_replay_max_bytes < 512 {
+        p.add("mqtt.stream_replay_max_bytes", "must be at least 512");
+    }
     if raw.resume_replay_bytes_per_s < 1024 {
         p.add("mqtt.resume_replay_bytes_per_s", "must be at least 1024");
     }

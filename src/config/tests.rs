@@ -437,4 +437,11 @@ fn the_resume_budget_has_a_default_and_a_floor() {
     assert_eq!(m.resume_replay_bytes_per_s, 64 * 1024);
     let e = parse(&format!("{MINIMAL}\n[mqtt]\nresume_replay_bytes_per_s = 10\n"), &[]).unwrap_err();
     assert!(e.to_string().contains("mqtt.resume_replay_bytes_per_s"), "{e}");
+    // The resume budget holds at least one minimal resume (a smaller one
+    // made every resume panic under the sessions' lock).
+    for bytes in [0, 511] {
+        let e = parse(&format!("{MINIMAL}\n[mqtt]\nstream_replay_max_bytes = {bytes}\n"), &[]).unwrap_err();
+        assert!(e.to_string().contains("mqtt.stream_replay_max_bytes"), "{e}");
+    }
+    assert!(parse(&format!("{MINIMAL}\n[mqtt]\nstream_replay_max_bytes = 512\n"), &[]).is_ok());
 }

@@ -123,6 +123,8 @@ pub struct Gateway {
     /// Set when the gateway starts to drain before it stops: new work is
     /// refused (`SHUTTING_DOWN`) and `/ready` answers 503.
     draining: AtomicBool,
+    /// Parts of an ingress that stopped working ([`Gateway::ingress_failed`]).
+    ingress_faults: std::sync::Mutex<Vec<String>>,
 }
 
 /// How long a caller refused for a store that cannot write is told to wait.
@@ -149,6 +151,7 @@ impl Gateway {
             started: Instant::now(),
             bus: p.bus,
             draining: AtomicBool::new(false),
+            ingress_faults: Default::default(),
         }
     }
 
@@ -210,6 +213,13 @@ impl Gateway {
     /// refusal is counted by whoever refuses the call it came with.
     pub fn authenticate(&self, credential: Option<&str>) -> Result<Identity, GatewayError> {
         self.auth.authenticate(credential)
+    }
+
+    /// Whether a credential (an identity's [`Identity::credential`]) has
+    /// been revoked since it was accepted: for ingresses whose connections
+    /// outlive one call (MQTT).
+    pub fn credential_revoked(&self, digest: &[u8; 32]) -> bool {
+        self.auth.is_revoked(digest)
     }
 
     /// Authenticates, parses, admits and queues a call: the same path for

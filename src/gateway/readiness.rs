@@ -1,6 +1,7 @@
 //! The readiness view behind `/ready`: ready when the store answers and
-//! can write, every logical model has a healthy instance, and the gateway
-//! is not draining. The bus is reported but readiness does not depend on
+//! can write, every logical model has a healthy instance, no ingress
+//! reported a lost part ([`Gateway::ingress_failed`]), and the gateway is
+//! not draining. The bus is reported but readiness does not depend on
 //! it.
 //!
 //! Owns: the readiness rule. Does not own: the response format (ingress)
@@ -60,6 +61,13 @@ impl Readiness {
 }
 
 impl Gateway {
+    /// An ingress lost a part it cannot restart (MQTT: the thread that
+    /// hands edgeway's publishes to the broker): `/ready` is not ready
+    /// from now on, saying `why`.
+    pub fn ingress_failed(&self, why: impl Into<String>) {
+        self.ingress_faults.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(why.into());
+    }
+
     /// The readiness view; an error when the scheduler is not running.
     pub async fn readiness(&self) -> Result<Readiness, GatewayError> {
         let Some(snap) = self.scheduler.snapshot().await else {
@@ -89,6 +97,7 @@ impl Gateway {
         if let Some(why) = &store_degraded {
             not_ready.push(format!("the task store cannot write: {why}"));
         }
+        not_ready.extend(self.ingress_faults.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned());
         for m in models.iter().filter(|m| !m.ready) {
             not_ready.push(format!("model {} has no healthy instance", m.model));
         }

@@ -250,6 +250,16 @@ impl Device {
         }
     }
 
+    /// [`Self::publish`] that may find the connection already closed
+    /// (returns whether the client took the message).
+    pub async fn try_publish(&self, topic: &str, payload: impl Into<Vec<u8>>) -> bool {
+        let payload: Vec<u8> = payload.into();
+        match &self.client {
+            Client::V4(c) => c.publish(topic, rumqttc::QoS::AtLeastOnce, false, payload).await.is_ok(),
+            Client::V5(c) => c.publish(topic, rumqttc::v5::mqttbytes::QoS::AtLeastOnce, false, payload).await.is_ok(),
+        }
+    }
+
     /// MQTT 5 only: publish with properties.
     pub async fn publish_v5(
         &self,

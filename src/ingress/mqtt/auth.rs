@@ -13,27 +13,42 @@
 //!   configured tenant (a JWT for it must name that tenant's application);
 //!   a device id that only JWTs name is bound to the tenant of the first
 //!   token accepted for it, and refused for any other tenant until edgeway
-//!   restarts. The binding is kept in memory only: what a device leaves in
+//!   restarts, or until the binding is forgotten: at most
+//!   [`TENANT_BINDINGS`] bindings are kept, and past that the least
+//!   recently used one goes (that device id can then be bound afresh). The
+//!   binding is kept in memory only: what a device leaves in
 //!   edgeway's MQTT layer (sessions, streams, wills, the router's topics)
 //!   is in memory too and gone after a restart, and its tasks and
 //!   idempotency keys in the store are per tenant anyway. Register a device
 //!   in the config to pin its tenant for good.
-//! - **Token expiry**: a JWT's `exp` is the end of the connection's
-//!   authority ([`Login::expires_at`]); see [`expired`].
+//! - **Token expiry and revocation**: a JWT's `exp` is the end of the
+//!   connection's authority ([`Login::expires_at`]); see [`expired`]. JWTs
+//!   are checked by the gateway's own authenticator, so a token id revoked
+//!   over HTTP (`POST /admin/keys/revoke {"jti"}`) or loaded from the store
+//!   is refused at CONNECT, and a connection that logged in with it ends at
+//!   its next packet ([`DeviceDirectory::lapsed`]).
+//! - **Bounded slow checks**: at most [`argon2_permits`] Argon2
+//!   verifications run at once; a CONNECT that finds none free is refused
+//!   as "server busy" (MQTT 5 0x89, 3.1.1 code 3) without running one, so
+//!   wrong passwords cannot take every core and 19 MiB each. A password
+//!   that cannot be a JWT's never reaches the JWT check, and a JWT-shaped
+//!   password of a device with a password hash is tried as a JWT first.
 //!
 //! Owns: credentials, the tenant binding. Does not own: what a refusal
 //! looks like on the wire (`codec`), the connection's life (`protocol`).
 
+use std::collections::BTreeMap;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
 use sha2::{Digest, Sha256};
+use tokio::sync::Semaphore;
 
 use crate::config::mqtt::valid_device_id;
 use crate::config::{Config, DeviceConfig};
-use crate::gateway::Authenticator;
+use crate::gateway::Gateway;
 use crate::task::Identity;
 
 /// Why a CONNECT was refused; each maps to a CONNACK return code.
@@ -45,6 +60,9 @@ pub enum Refusal {
     BadCredentials,
     /// MQTT 3.1 and older: 3.1.1 code 1.
     ProtocolVersion,
+    /// Every slow password check is taken: 3.1.1 code 3 (server
+    /// unavailable), 5 code 0x89 (server busy).
+    ServerBusy,
 }
 
 impl Refusal {
@@ -53,6 +71,7 @@ impl Refusal {
             Refusal::ClientIdNotValid => "the client id is not a device id",
             Refusal::BadCredentials => "bad user name or password",
             Refusal::ProtocolVersion => "only MQTT 3.1.1 and 5 are served",
+            Refusal::ServerBusy => "the server is busy: try again later",
         }
     }
 }
@@ -67,6 +86,16 @@ pub struct Login<'a> {
     /// Unix ms when the credential stops being valid (a JWT's `exp`);
     /// `None` for a password.
     pub expires_at: Option<i64>,
+}
+
+/// How many JWT-only device ids keep their tenant binding (least recently
+/// used first to go).
+pub const TENANT_BINDINGS: usize = 100_000;
+
+/// How many Argon2 verifications may run at once: half the cores, at least
+/// one.
+pub fn argon2_permits() -> usize {
+    (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).max(1)
 }
 
 /// Whether a connection's credential has expired by now (`expires_at` from
@@ -103,12 +132,16 @@ pub fn hash_password(password: &str) -> String {
 /// The registered devices, the JWT verifier and the tenant bindings.
 pub struct DeviceDirectory {
     devices: HashMap<String, DeviceConfig>,
-    jwt: Option<Authenticator>,
+    /// The gateway's authenticator (its revocations are the gateway's),
+    /// when `[auth.jwt]` is configured.
+    jwt: Option<Arc<Gateway>>,
+    /// Argon2 verifications that may start now ([`argon2_permits`]).
+    slow_checks: Semaphore,
     /// The JWT leeway, ms: a token is valid until `exp` plus this, as at
     /// CONNECT.
     leeway_ms: i64,
     /// The tenant each JWT-only device id was first accepted for.
-    tenants: Mutex<HashMap<String, String>>,
+    tenants: Mutex<Bindings>,
     /// SHA-256 of the password that last passed a device's slow check.
     verified: Mutex<HashMap<String, [u8; 32]>>,
 }
@@ -118,7 +151,13 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 impl DeviceDirectory {
-    pub fn new(cfg: &Config) -> DeviceDirectory {
+    /// `gw` checks JWTs (with its revocations).
+    pub fn new(gw: Arc<Gateway>) -> DeviceDirectory {
+        Self::with_limits(gw, argon2_permits(), TENANT_BINDINGS)
+    }
+
+    fn with_limits(gw: Arc<Gateway>, slow_checks: usize, bindings: usize) -> DeviceDirectory {
+        let cfg: &Config = gw.config();
         for d in cfg.devices.values() {
             if d.password_hash.is_none() && d.password_sha256.is_some() {
                 tracing::warn!(
@@ -131,11 +170,20 @@ impl DeviceDirectory {
         }
         DeviceDirectory {
             devices: cfg.devices.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            jwt: cfg.auth.jwt.as_ref().map(|_| Authenticator::new(cfg)),
             leeway_ms: cfg.auth.jwt.as_ref().map_or(0, |j| j.leeway_s as i64 * 1000),
-            tenants: Mutex::new(HashMap::new()),
+            jwt: cfg.auth.jwt.is_some().then(|| gw.clone()),
+            slow_checks: Semaphore::new(slow_checks),
+            tenants: Mutex::new(Bindings::new(bindings)),
             verified: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Whether a connection's credential no longer holds: its `exp` passed
+    /// ([`expired`]) or its token id was revoked since (`credential`: the
+    /// login identity's [`Identity::credential`]). Checked at every packet
+    /// a device sends.
+    pub fn lapsed(&self, expires_at: Option<i64>, credential: Option<[u8; 32]>) -> bool {
+        expired(expires_at) || credential.is_some_and(|c| self.jwt.as_ref().is_some_and(|gw| gw.credential_revoked(&c)))
     }
 
     /// The device a client id names: `{device}` or `{device}:{instance}`
@@ -165,12 +213,18 @@ impl DeviceDirectory {
         Ok(Login { device, identity, expires_at })
     }
 
-    fn password_ok(&self, d: &DeviceConfig, password: &str) -> bool {
+    fn password_ok(&self, d: &DeviceConfig, password: &str) -> Result<bool, Refusal> {
         let digest: [u8; 32] = Sha256::digest(password.as_bytes()).into();
         if let Some(phc) = &d.password_hash {
             if self.verified.lock().expect("verified").get(&d.id).is_some_and(|v| constant_time_eq(v, &digest)) {
-                return true;
+                return Ok(true);
             }
+            // Never queued: a CONNECT that finds every check taken is
+            // refused at once (the device retries later).
+            let Ok(_permit) = self.slow_checks.try_acquire() else {
+                tracing::warn!(device = %d.id, "MQTT CONNECT refused: every Argon2 check is taken");
+                return Err(Refusal::ServerBusy);
+            };
             // Validated when the config was loaded. Slow on purpose: on a
             // multi-thread runtime the worker's other tasks move elsewhere
             // meanwhile (the codec calling this cannot await).
@@ -183,9 +237,9 @@ impl DeviceDirectory {
             if ok {
                 self.verified.lock().expect("verified").insert(d.id.clone(), digest);
             }
-            return ok;
+            return Ok(ok);
         }
-        d.password_sha256.as_ref().is_some_and(|want| constant_time_eq(&digest, want))
+        Ok(d.password_sha256.as_ref().is_some_and(|want| constant_time_eq(&digest, want)))
     }
 
     fn authenticate_device(
@@ -199,8 +253,18 @@ impl DeviceDirectory {
             return Err(Refusal::BadCredentials);
         }
         let device = self.devices.get(client_id);
+        // A JWT-shaped password is tried as one first: a device that logs
+        // in with tokens does not pay Argon2 at every connect.
+        let jwt_shaped = self.jwt.is_some() && looks_like_jwt(password);
+        if jwt_shaped {
+            match self.jwt_login(device, client_id, password) {
+                Ok(login) => return Ok(login),
+                Err(_) if device.is_some() => {}
+                Err(e) => return Err(e),
+            }
+        }
         if let Some(d) = device {
-            if self.password_ok(d, password) {
+            if self.password_ok(d, password)? {
                 let id = Identity {
                     tenant: d.tenant.clone(),
                     application: d.application.clone(),
@@ -214,46 +278,97 @@ impl DeviceDirectory {
                 return Ok((id, None));
             }
         }
-        // A JWT as the password: `sub` must be this device.
-        if password.matches('.').count() == 2 {
-            if let Some(jwt) = &self.jwt {
-                let mut id = jwt.authenticate(Some(password)).map_err(|_| Refusal::BadCredentials)?;
-                if id.user_id.as_deref() != Some(client_id) {
-                    return Err(Refusal::BadCredentials);
-                }
-                if let Some(d) = device {
-                    if d.application != id.application || d.tenant != id.tenant {
-                        return Err(Refusal::BadCredentials);
-                    }
-                    id.max_priority = id.max_priority.max(d.max_priority);
-                    id.default_priority = id.default_priority.max(d.default_priority);
-                    id.data_class = d.data_class;
-                } else {
-                    self.bind(client_id, &id.tenant)?;
-                }
-                id.is_admin = false;
-                return Ok((id, token_expiry(password).map(|at| at + self.leeway_ms)));
-            }
-        }
         Err(Refusal::BadCredentials)
+    }
+
+    /// A JWT as the password: `sub` must be this device.
+    fn jwt_login(
+        &self,
+        device: Option<&DeviceConfig>,
+        client_id: &str,
+        password: &str,
+    ) -> Result<(Identity, Option<i64>), Refusal> {
+        let gw = self.jwt.as_ref().ok_or(Refusal::BadCredentials)?;
+        let mut id = gw.authenticate(Some(password)).map_err(|_| Refusal::BadCredentials)?;
+        if id.user_id.as_deref() != Some(client_id) {
+            return Err(Refusal::BadCredentials);
+        }
+        if let Some(d) = device {
+            if d.application != id.application || d.tenant != id.tenant {
+                return Err(Refusal::BadCredentials);
+            }
+            id.max_priority = id.max_priority.max(d.max_priority);
+            id.default_priority = id.default_priority.max(d.default_priority);
+            id.data_class = d.data_class;
+        } else {
+            self.bind(client_id, &id.tenant)?;
+        }
+        id.is_admin = false;
+        Ok((id, token_expiry(password).map(|at| at + self.leeway_ms)))
     }
 
     /// Binds a JWT-only device id to `tenant`, or refuses it if it is bound
     /// to another.
     fn bind(&self, device: &str, tenant: &str) -> Result<(), Refusal> {
-        let mut g = self.tenants.lock().expect("tenants");
-        match g.get(device) {
-            Some(t) if t != tenant => {
-                tracing::warn!(device, "MQTT CONNECT refused: the device id is bound to another tenant");
-                Err(Refusal::BadCredentials)
-            }
-            Some(_) => Ok(()),
-            None => {
-                g.insert(device.to_string(), tenant.to_string());
-                Ok(())
-            }
+        if self.tenants.lock().expect("tenants").bind(device, tenant) {
+            Ok(())
+        } else {
+            tracing::warn!(device, "MQTT CONNECT refused: the device id is bound to another tenant");
+            Err(Refusal::BadCredentials)
         }
     }
+}
+
+/// The tenant bindings of JWT-only device ids, at most `limit`: past it the
+/// least recently used binding is forgotten.
+struct Bindings {
+    limit: usize,
+    /// Device id → (tenant, last use).
+    by_device: HashMap<String, (String, u64)>,
+    /// Last use → device id, oldest first.
+    by_use: BTreeMap<u64, String>,
+    clock: u64,
+}
+
+impl Bindings {
+    fn new(limit: usize) -> Bindings {
+        Bindings { limit: limit.max(1), by_device: HashMap::new(), by_use: BTreeMap::new(), clock: 0 }
+    }
+
+    /// Whether `device` is (now) bound to `tenant`.
+    fn bind(&mut self, device: &str, tenant: &str) -> bool {
+        self.clock += 1;
+        if let Some((bound, used)) = self.by_device.get_mut(device) {
+            if bound != tenant {
+                return false;
+            }
+            self.by_use.remove(used);
+            *used = self.clock;
+            self.by_use.insert(self.clock, device.to_string());
+            return true;
+        }
+        if self.by_device.len() >= self.limit {
+            if let Some((_, oldest)) = self.by_use.pop_first() {
+                self.by_device.remove(&oldest);
+            }
+        }
+        self.by_device.insert(device.to_string(), (tenant.to_string(), self.clock));
+        self.by_use.insert(self.clock, device.to_string());
+        true
+    }
+}
+
+/// Three non-empty base64url parts, as a compact JWS has: anything else is
+/// no JWT, and is not sent to the JWT check.
+fn looks_like_jwt(password: &str) -> bool {
+    let mut parts = 0;
+    for part in password.split('.') {
+        parts += 1;
+        if part.is_empty() || !part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return false;
+        }
+    }
+    parts == 3
 }
 
 /// The `exp` of a token the authenticator has just verified (so its
@@ -276,6 +391,27 @@ mod tests {
         let h = PasswordHash::new(&a).unwrap();
         assert!(Argon2::default().verify_password(b"pw", &h).is_ok());
         assert!(Argon2::default().verify_password(b"px", &h).is_err());
+    }
+
+    #[test]
+    fn tenant_bindings_are_bounded_least_recently_used_first() {
+        let mut b = Bindings::new(2);
+        assert!(b.bind("a", "t1") && b.bind("b", "t1"));
+        assert!(!b.bind("a", "t2"), "bound to t1");
+        assert!(b.bind("a", "t1"), "used again: b is now the oldest");
+        assert!(b.bind("c", "t2"), "b is forgotten");
+        assert_eq!(b.by_device.len(), 2);
+        assert!(!b.bind("a", "t2"), "a is still bound");
+        assert!(b.bind("b", "t2"), "b can be bound afresh");
+        assert_eq!((b.by_device.len(), b.by_use.len()), (2, 2));
+    }
+
+    #[test]
+    fn only_jwt_shaped_passwords_go_to_the_jwt_check() {
+        assert!(looks_like_jwt("eyJh.eyJz.c2ln-_x"));
+        for p in ["", "a.b", "a.b.c.d", "a..c", "a.b.c=", "pass word.x.y", "sk-edgeway-demo"] {
+            assert!(!looks_like_jwt(p), "{p}");
+        }
     }
 
     #[test]

@@ -75,6 +75,8 @@ impl Refused {
             (Refused::Auth(Refusal::BadCredentials), _) => ConnectReturnCode::BadUserNamePassword,
             (Refused::Auth(Refusal::ProtocolVersion), false) => ConnectReturnCode::RefusedProtocolVersion,
             (Refused::Auth(Refusal::ProtocolVersion), true) => ConnectReturnCode::UnsupportedProtocolVersion,
+            (Refused::Auth(Refusal::ServerBusy), false) => ConnectReturnCode::ServiceUnavailable,
+            (Refused::Auth(Refusal::ServerBusy), true) => ConnectReturnCode::ServerBusy,
             (Refused::TooManyInstances, true) => ConnectReturnCode::QuotaExceeded,
             (Refused::WillTooLarge, true) => ConnectReturnCode::PacketTooLarge,
             (Refused::TooManyInstances | Refused::WillTooLarge, false) => ConnectReturnCode::ServiceUnavailable,

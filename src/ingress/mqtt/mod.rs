@@ -92,6 +92,12 @@ pub struct MqttMetrics {
     /// Device messages refused or dropped because the device's inbox was
     /// full.
     pub overflow: IntCounter,
+    /// Single publishes (refusals, wills) dropped because edgeway's queue
+    /// to the router was full.
+    pub publish_dropped: IntCounter,
+    /// 1 once the writer thread to the router has failed (all MQTT output
+    /// stopped; `/ready` says so too).
+    pub publisher_failed: IntGauge,
 }
 
 impl MqttMetrics {
@@ -123,12 +129,29 @@ impl MqttMetrics {
             resumes: vec("mqtt_resumes_total", "Stream resumes, by outcome", "outcome"),
             link_skipped: reg(
                 registry,
-                IntCounter::new("mqtt_link_skipped_total", "Device messages the broker skipped on edgeway's link")
-                    .expect("valid metric"),
+                IntCounter::new(
+                    "mqtt_link_skipped_total",
+                    "Device messages the broker skipped on edgeway's link (it fell behind, or they expired: \
+                     an MQTT 5 message expiry a device sets counts here too)",
+                )
+                .expect("valid metric"),
             ),
             overflow: reg(
                 registry,
                 IntCounter::new("mqtt_inbox_overflow_total", "Device messages refused or dropped: device inbox full")
+                    .expect("valid metric"),
+            ),
+            publish_dropped: reg(
+                registry,
+                IntCounter::new(
+                    "mqtt_publishes_dropped_total",
+                    "Single publishes to devices (refusals, wills) dropped: edgeway's queue to the broker was full",
+                )
+                .expect("valid metric"),
+            ),
+            publisher_failed: reg(
+                registry,
+                IntGauge::new("mqtt_publisher_failed", "1 once edgeway's writer to the broker has failed")
                     .expect("valid metric"),
             ),
         }
@@ -136,7 +159,10 @@ impl MqttMetrics {
 }
 
 /// Publishes edgeway sends that may wait in [`Publisher`]'s queue for the
-/// writer thread; a stream sender waits for room beyond it.
+/// writer thread; a stream sender waits for room beyond it. Single
+/// publishes have as much room of their own; past it they are dropped and
+/// counted (a flood answered `RATE_LIMITED` while the router is stalled
+/// would otherwise grow the queue without limit).
 const PUBLISH_QUEUE: usize = 4096;
 
 /// One publish on its way to the router, with the queue room it holds.
@@ -152,19 +178,39 @@ struct Outgoing {
 pub struct Publisher {
     queue: std::sync::mpsc::Sender<Outgoing>,
     room: Arc<Semaphore>,
+    /// Room of the single publishes ([`Self::publish`]).
+    single_room: Arc<Semaphore>,
     closed: Arc<AtomicBool>,
     metrics: MqttMetrics,
 }
 
 impl Publisher {
     /// Starts the writer thread of `tx`. It ends when the publisher is
-    /// dropped or the router is gone.
-    pub fn start(tx: LinkTx, metrics: MqttMetrics) -> std::io::Result<Publisher> {
+    /// dropped or the router is gone; `on_failure` runs if it ends on an
+    /// error while the publisher is still in use.
+    pub fn start(
+        tx: LinkTx,
+        metrics: MqttMetrics,
+        on_failure: impl FnOnce() + Send + 'static,
+    ) -> std::io::Result<Publisher> {
         let (queue, rx) = std::sync::mpsc::channel();
         let closed = Arc::new(AtomicBool::new(false));
         let c = closed.clone();
-        std::thread::Builder::new().name("mqtt-publisher".into()).spawn(move || write_loop(tx, rx, c))?;
-        Ok(Publisher { queue, room: Arc::new(Semaphore::new(PUBLISH_QUEUE)), closed, metrics })
+        let m = metrics.clone();
+        std::thread::Builder::new().name("mqtt-publisher".into()).spawn(move || {
+            if write_loop(tx, rx, c).is_err() {
+                tracing::error!("MQTT: edgeway's writer to the broker failed; nothing more reaches devices");
+                m.publisher_failed.set(1);
+                on_failure();
+            }
+        })?;
+        Ok(Publisher {
+            queue,
+            room: Arc::new(Semaphore::new(PUBLISH_QUEUE)),
+            single_room: Arc::new(Semaphore::new(PUBLISH_QUEUE)),
+            closed,
+            metrics,
+        })
     }
 
     fn enqueue(
@@ -194,7 +240,11 @@ impl Publisher {
         props: Option<PublishProperties>,
         retain: bool,
     ) -> Result<(), LinkClosed> {
-        self.enqueue(topic, payload, props, retain, None)
+        let Ok(room) = self.single_room.clone().try_acquire_owned() else {
+            self.metrics.publish_dropped.inc();
+            return Ok(());
+        };
+        self.enqueue(topic, payload, props, retain, Some(room))
     }
 
     /// [`Self::publish`], waiting (asynchronously) while edgeway's queue to
@@ -211,8 +261,12 @@ impl Publisher {
 }
 
 /// The writer thread: hands queued publishes to the router, one router
-/// notification per batch.
-fn write_loop(mut tx: LinkTx, rx: std::sync::mpsc::Receiver<Outgoing>, closed: Arc<AtomicBool>) {
+/// notification per batch. `Err` when the router refused a send.
+fn write_loop(
+    mut tx: LinkTx,
+    rx: std::sync::mpsc::Receiver<Outgoing>,
+    closed: Arc<AtomicBool>,
+) -> Result<(), LinkClosed> {
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         while batch.len() < 256 {
@@ -227,11 +281,12 @@ fn write_loop(mut tx: LinkTx, rx: std::sync::mpsc::Receiver<Outgoing>, closed: A
         // Blocks this thread (only) while the router's channel is full.
         if futures::executor::block_on(tx.send(last)).is_err() {
             closed.store(true, Ordering::SeqCst);
-            return;
+            return Err(LinkClosed);
         }
         // The batch's queue room is freed once the router has it.
         drop(rooms);
     }
+    Ok(())
 }
 
 /// The router is gone (edgeway is shutting down).
@@ -269,7 +324,7 @@ pub async fn serve(
     let wills = Arc::new(Wills::new(wills_tx));
     let shared = Arc::new(
         ProtocolShared::new(
-            auth::DeviceDirectory::new(gw.config()),
+            auth::DeviceDirectory::new(gw.clone()),
             topics.clone(),
             PresenceReporter::new(sessions.clone(), presence_tx),
             wills.clone(),
@@ -283,8 +338,18 @@ pub async fn serve(
     let (mut tx, rx) = links("@edgeway").map_err(|e| e.context("mqtt: edgeway's link to the broker"))?;
     tx.subscribe(topics.gateway_filter()).map_err(|e| anyhow::anyhow!("mqtt: subscribe: {e}"))?;
     let metrics = MqttMetrics::new(&gw.metrics().registry);
-    let out =
-        Arc::new(Publisher::start(tx, metrics.clone()).map_err(|e| anyhow::anyhow!("mqtt: publisher thread: {e}"))?);
+    let failed = {
+        let (gw, shutdown) = (Arc::downgrade(&gw), shutdown.clone());
+        move || {
+            // At shutdown the router goes first: not a failure.
+            if let Some(gw) = gw.upgrade().filter(|_| !shutdown.is_cancelled()) {
+                gw.ingress_failed("the MQTT broker no longer takes edgeway's publishes");
+            }
+        }
+    };
+    let out = Arc::new(
+        Publisher::start(tx, metrics.clone(), failed).map_err(|e| anyhow::anyhow!("mqtt: publisher thread: {e}"))?,
+    );
     out.publish(&topics.internal_shared(&topics.catalogue()), catalogue(gw.config()), None, true)
         .map_err(|e| anyhow::anyhow!("mqtt: model catalogue: {e}"))?;
     let streams = Arc::new(Streams::new(cfg.replay_retention, cfg.replay_max_bytes, cfg.stream_replay_max_bytes));
@@ -311,7 +376,15 @@ pub async fn serve(
 #[derive(Default)]
 struct GapDetector {
     last: Option<u64>,
+    /// When a gap was last logged: at most one line per [`GAP_LOG_EVERY`]
+    /// (a device can cause gaps at will with MQTT 5 message expiries).
+    logged: Option<std::time::Instant>,
+    /// Skipped since the last line.
+    unlogged: u64,
 }
+
+/// The least time between two log lines about gaps.
+const GAP_LOG_EVERY: Duration = Duration::from_secs(10);
 
 impl GapDetector {
     /// The messages skipped before the one at `offset`.
@@ -322,6 +395,17 @@ impl GapDetector {
         };
         self.last = Some(offset);
         gap
+    }
+
+    /// Whether to log `lost` more skipped messages now; `Some(n)`: log `n`
+    /// (those not logged yet included).
+    fn log_now(&mut self, lost: u64, now: std::time::Instant) -> Option<u64> {
+        self.unlogged += lost;
+        if self.logged.is_some_and(|at| now.duration_since(at) < GAP_LOG_EVERY) {
+            return None;
+        }
+        self.logged = Some(now);
+        Some(std::mem::take(&mut self.unlogged))
     }
 }
 
@@ -344,10 +428,13 @@ async fn link_loop(ingress: Arc<DeviceIngress>, mut rx: LinkRx, shutdown: Cancel
                     let lost = gaps.skipped(offset);
                     if lost > 0 {
                         ingress.metrics.link_skipped.inc_by(lost);
-                        tracing::error!(
-                            lost,
-                            "MQTT: the broker skipped device messages on edgeway's link (it fell behind the log)"
-                        );
+                        if let Some(lost) = gaps.log_now(lost, std::time::Instant::now()) {
+                            tracing::error!(
+                                lost,
+                                "MQTT: the broker skipped device messages on edgeway's link (it fell behind the \
+                                 log, or they expired)"
+                            );
+                        }
                     }
                 }
                 let topic = String::from_utf8_lossy(&f.publish.topic);
@@ -397,6 +484,52 @@ mod tests {
         assert_eq!([g.skipped(7), g.skipped(8), g.skipped(9), g.skipped(15), g.skipped(16)], [0, 0, 0, 5, 0]);
     }
 
+    #[test]
+    fn gaps_are_logged_at_most_once_per_period_with_what_was_not_logged() {
+        let mut g = GapDetector::default();
+        let t0 = std::time::Instant::now();
+        assert_eq!(g.log_now(5, t0), Some(5));
+        for i in 1..100 {
+            assert_eq!(g.log_now(1, t0 + Duration::from_millis(i)), None);
+        }
+        assert_eq!(g.log_now(1, t0 + GAP_LOG_EVERY), Some(100));
+    }
+
+    /// Single publishes while the router is stalled are bounded: past the
+    /// queue's room they are dropped and counted, not queued.
+    #[test]
+    fn single_publishes_are_bounded_while_the_router_is_stalled() {
+        let (router_tx, _router_rx) = flume::bounded(1);
+        let mut filler = LinkTx::new(0, router_tx.clone(), Default::default());
+        filler.publish("t", "x").unwrap();
+        let metrics = MqttMetrics::new(&Registry::new());
+        let out = Publisher::start(LinkTx::new(1, router_tx, Default::default()), metrics.clone(), || {}).unwrap();
+        for i in 0..2 * PUBLISH_QUEUE {
+            out.publish(&format!("d/t/dev/r/{i}"), Bytes::from_static(b"p"), None, false).unwrap();
+        }
+        let dropped = metrics.publish_dropped.get();
+        // The writer thread holds one batch of up to 256 at the router.
+        assert!((PUBLISH_QUEUE as u64 - 256..=PUBLISH_QUEUE as u64).contains(&dropped), "{dropped}");
+        drop(filler);
+    }
+
+    /// A writer that fails (the router refused a send) says so: the
+    /// failure hook runs and the metric is set.
+    #[test]
+    fn a_failed_writer_is_reported() {
+        let (router_tx, router_rx) = flume::bounded(8);
+        drop(router_rx);
+        let metrics = MqttMetrics::new(&Registry::new());
+        let (failed_tx, failed_rx) = std::sync::mpsc::channel();
+        let out = Publisher::start(LinkTx::new(1, router_tx, Default::default()), metrics.clone(), move || {
+            failed_tx.send(()).unwrap();
+        })
+        .unwrap();
+        out.publish("d/t/dev/r/1", Bytes::from_static(b"p"), None, false).unwrap();
+        failed_rx.recv_timeout(Duration::from_secs(10)).expect("the failure was reported");
+        assert_eq!(metrics.publisher_failed.get(), 1);
+    }
+
     /// rumqttd's `LinkTx::send` blocks its thread while the router's
     /// channel is full. Publishing must not: on a runtime with one worker,
     /// other tasks (an HTTP call) still run while the router is stalled.
@@ -407,7 +540,7 @@ mod tests {
         let mut filler = LinkTx::new(0, router_tx.clone(), Default::default());
         filler.publish("t", "x").unwrap();
         let link = LinkTx::new(1, router_tx, Default::default());
-        let out = Arc::new(Publisher::start(link, MqttMetrics::new(&Registry::new())).unwrap());
+        let out = Arc::new(Publisher::start(link, MqttMetrics::new(&Registry::new()), || {}).unwrap());
         let (answered_tx, answered_rx) = std::sync::mpsc::channel();
         let o = out.clone();
         // The runtime runs on a thread of its own: if publishing blocks it,

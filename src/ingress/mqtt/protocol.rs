@@ -98,11 +98,19 @@ pub struct DeviceProtocol {
     /// When the connection's credential expires (a JWT's `exp`, unix ms):
     /// see [`super::auth::expired`].
     expires_at: Option<i64>,
+    /// The login's token id digest, checked for revocation at every read.
+    credential: Option<[u8; 32]>,
 }
 
 impl DeviceProtocol {
     pub fn new(shared: Arc<ProtocolShared>) -> Self {
-        DeviceProtocol { shared, version: Version::Unknown, state: Conn::AwaitingConnect, expires_at: None }
+        DeviceProtocol {
+            shared,
+            version: Version::Unknown,
+            state: Conn::AwaitingConnect,
+            expires_at: None,
+            credential: None,
+        }
     }
 }
 
@@ -180,6 +188,7 @@ impl DeviceProtocol {
         let (device, identity) = match authenticated {
             Ok((device, identity, expires_at)) => {
                 self.expires_at = expires_at;
+                self.credential = identity.credential;
                 (device, identity)
             }
             Err(why) => {
@@ -243,8 +252,8 @@ impl DeviceProtocol {
 
 impl Protocol for DeviceProtocol {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error> {
-        if super::auth::expired(self.expires_at) {
-            tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired, connection closed");
+        if self.shared.directory.lapsed(self.expires_at, self.credential) {
+            tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired or revoked, connection closed");
             return Err(self.end_link());
         }
         if self.version == Version::Unknown {

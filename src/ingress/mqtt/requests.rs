@@ -28,7 +28,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -87,7 +87,9 @@ impl ResumeBudget {
         let refill = now.saturating_duration_since(self.at).as_secs_f64() * per_s as f64;
         self.tokens = (self.tokens + refill).min(capacity as f64);
         self.at = now;
-        let cost = cost.clamp(RESUME_MIN_COST, capacity) as f64;
+        // Not `clamp`: it panics for a capacity under the minimum, and this
+        // runs under the sessions' lock.
+        let cost = cost.max(RESUME_MIN_COST).min(capacity) as f64;
         if self.tokens >= cost {
             self.tokens -= cost;
             Ok(())
@@ -238,6 +240,23 @@ impl Waiting {
 struct Inbox {
     tx: mpsc::UnboundedSender<Message>,
     waiting: Arc<Waiting>,
+}
+
+/// Removes a device's inbox entry when its worker ends, if it is still
+/// that worker's (the same `waiting`).
+struct InboxGuard<'a> {
+    inboxes: &'a Mutex<HashMap<String, Inbox>>,
+    device: &'a str,
+    waiting: &'a Arc<Waiting>,
+}
+
+impl Drop for InboxGuard<'_> {
+    fn drop(&mut self) {
+        let mut g = self.inboxes.lock().unwrap_or_else(PoisonError::into_inner);
+        if g.get(self.device).is_some_and(|i| Arc::ptr_eq(&i.waiting, self.waiting)) {
+            g.remove(self.device);
+        }
+    }
 }
 
 /// The MQTT ingress behind edgeway's link to the broker.
@@ -435,13 +454,8 @@ impl DeviceIngress {
             return;
         }
         let m = Message { kind, payload, props };
-        let mut g = self.inboxes.lock().expect("inboxes");
-        let inbox = g.entry(device.to_string()).or_insert_with(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            let inbox = Inbox { tx, waiting: Arc::new(Waiting::default()) };
-            self.tracker.spawn(self.clone().work_inbox(device.to_string(), rx, inbox.waiting.clone()));
-            inbox
-        });
+        let mut g = self.inboxes.lock().unwrap_or_else(PoisonError::into_inner);
+        let inbox = g.entry(device.to_string()).or_insert_with(|| self.start_inbox(device));
         let w = &inbox.waiting;
         let all = w.all.load(Ordering::SeqCst);
         let full_of_work = w.work.load(Ordering::SeqCst) >= DEVICE_INBOX
@@ -465,8 +479,25 @@ impl DeviceIngress {
             return self.refuse(device, scan_request_id(&m.payload).as_deref(), &m.props, 0, e);
         }
         w.add(&m, true);
-        // The receiver lives until the entry is removed (under this lock).
-        let _ = inbox.tx.send(m);
+        // The receiver lives until the entry is removed (under this lock),
+        // also when its worker dies ([`InboxGuard`]); should it be gone
+        // anyway, a fresh worker takes the message.
+        if let Err(mpsc::error::SendError(m)) = inbox.tx.send(m) {
+            w.add(&m, false);
+            tracing::error!(device, "MQTT: a device's inbox had no worker; a new one is started");
+            let fresh = self.start_inbox(device);
+            fresh.waiting.add(&m, true);
+            let _ = fresh.tx.send(m);
+            g.insert(device.to_string(), fresh);
+        }
+    }
+
+    /// A new inbox for `device` and its worker.
+    fn start_inbox(self: &Arc<Self>, device: &str) -> Inbox {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let inbox = Inbox { tx, waiting: Arc::new(Waiting::default()) };
+        self.tracker.spawn(self.clone().work_inbox(device.to_string(), rx, inbox.waiting.clone()));
+        inbox
     }
 
     /// Handles a device's messages in order, then leaves once its inbox is
@@ -477,6 +508,9 @@ impl DeviceIngress {
         mut rx: mpsc::UnboundedReceiver<Message>,
         waiting: Arc<Waiting>,
     ) {
+        // Removes the entry however this ends (a panic in a handler, the
+        // shutdown), unless a newer worker's is there by then.
+        let _guard = InboxGuard { inboxes: &self.inboxes, device: &device, waiting: &waiting };
         loop {
             while let Ok(m) = rx.try_recv() {
                 // Counted out before it is handled (its payload is then
@@ -487,8 +521,9 @@ impl DeviceIngress {
                     _ = self.on_message(&device, m) => {}
                 }
             }
-            let mut g = self.inboxes.lock().expect("inboxes");
+            let mut g = self.inboxes.lock().unwrap_or_else(PoisonError::into_inner);
             if rx.is_empty() {
+                // (The guard then finds no entry of this worker's.)
                 g.remove(&device);
                 return;
             }
@@ -739,5 +774,34 @@ mod tests {
         assert!(b.take(1, 4096, 1000, t0).is_err());
         let mut b = ResumeBudget { tokens: 4096.0, at: t0 };
         assert_eq!(b.take(1 << 20, 4096, 1000, t0), Ok(()));
+    }
+
+    #[test]
+    fn a_resume_budget_below_the_minimum_cost_charges_its_capacity_without_panicking() {
+        let t0 = Instant::now();
+        let mut b = ResumeBudget { tokens: 256.0, at: t0 };
+        assert_eq!(b.take(1, 256, 1024, t0), Ok(()));
+        assert!(b.take(1, 256, 1024, t0).is_err());
+    }
+
+    /// A worker that dies (a panic) takes its inbox entry with it, so the
+    /// next message starts a fresh worker instead of queueing for nobody
+    /// with counters that never go down; a newer entry is left alone.
+    #[test]
+    fn a_dead_inbox_worker_removes_its_own_entry_only() {
+        let inboxes = Mutex::new(HashMap::new());
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let waiting = Arc::new(Waiting::default());
+        inboxes.lock().unwrap().insert("t/d".to_string(), Inbox { tx: tx.clone(), waiting: waiting.clone() });
+        let died = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _guard = InboxGuard { inboxes: &inboxes, device: "t/d", waiting: &waiting };
+            panic!("a handler failed");
+        }));
+        assert!(died.is_err());
+        assert!(inboxes.lock().unwrap().is_empty(), "the dead worker's entry is gone");
+        let newer = Arc::new(Waiting::default());
+        inboxes.lock().unwrap().insert("t/d".to_string(), Inbox { tx, waiting: newer });
+        drop(InboxGuard { inboxes: &inboxes, device: "t/d", waiting: &waiting });
+        assert_eq!(inboxes.lock().unwrap().len(), 1, "a newer worker's entry stays");
     }
 }
