@@ -22,6 +22,10 @@ use crate::store::{Store, StoreOptions};
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
 
+/// The longest a drain waits for calls that passed its check just before
+/// it began to reach the queue, when the drain itself is shorter.
+const ADMISSIONS_SETTLE: Duration = Duration::from_secs(2);
+
 /// A started gateway: its addresses and the handles to stop it.
 pub struct RunningGateway {
     pub http_addr: SocketAddr,
@@ -59,23 +63,53 @@ impl RunningGateway {
     /// 1. New work is refused (`SHUTTING_DOWN`) and `/ready` answers 503,
     ///    at once; the listeners stay open so that running tasks reach
     ///    their callers.
-    /// 2. Waiting tasks that can be queued again at the next start
+    /// 2. Calls that passed the drain check before it began reach the
+    ///    queue. Waiting tasks that can be queued again at the next start
     ///    (idempotent, never started) leave the queue unrecorded, as after
     ///    a crash: the next start runs them (their callers get
-    ///    `SHUTTING_DOWN` and join them by repeating the key).
-    /// 3. Running and other queued tasks may end for up to `drain`.
+    ///    `SHUTTING_DOWN` and join them by repeating the key). While the
+    ///    store cannot write they are cancelled instead (actor `shutdown`):
+    ///    their stored request may be lost at exit.
+    /// 3. Running and other queued tasks may end for up to `drain`
+    ///    (`drain` plus `grace` must fit the service manager's stop
+    ///    timeout: Docker waits 10 s, Kubernetes 30 s, before SIGKILL).
     /// 4. What is left is cancelled, recorded with actor `shutdown` and the
     ///    reason "gateway shutting down" (not as a client that went away).
     /// 5. Everything stops; the wait for it is bounded by `grace`.
     pub async fn drain_and_shutdown(self, drain: Duration, grace: Duration) {
         let gw = &self.gateway;
         gw.begin_drain();
+        // A call that passed the drain check just before it began is queued
+        // (and parked or followed below), not left to meet a stopped
+        // scheduler. Bounded: such a call waits at most for a store read.
+        if tokio::time::timeout(ADMISSIONS_SETTLE.max(drain), gw.admissions_settled()).await.is_err() {
+            tracing::warn!("calls admitted before the drain did not reach the queue in time");
+        }
         let scheduler = &self.internals.scheduler;
-        let parked = scheduler.park_waiting().await;
-        let live = scheduler.follow_live();
-        tracing::info!(parked, live = live.len(), drain_s = drain.as_secs_f64(), "draining");
-        let ended =
-            futures::future::join_all(live.into_iter().map(|mut s| async move { while s.recv().await.is_some() {} }));
+        let store = &self.internals.store;
+        // Parked tasks run at the next start from their stored request; with
+        // a store that cannot write, that request may be one of the writes
+        // the exit loses: they are cancelled now instead (actor `shutdown`),
+        // so that their callers are not promised a run that never comes.
+        let parked = if store.is_degraded() {
+            let cancelled = scheduler.cancel_parkable("gateway shutting down; the task store cannot write").await;
+            tracing::warn!(cancelled, "store degraded: queued idempotent tasks cancelled, not kept for the next start");
+            0
+        } else {
+            scheduler.park_waiting().await
+        };
+        let first = scheduler.follow_live();
+        tracing::info!(parked, live = first.len(), drain_s = drain.as_secs_f64(), "draining");
+        let ended = async move {
+            let mut live = first;
+            while !live.is_empty() {
+                futures::future::join_all(
+                    live.into_iter().map(|mut s| async move { while s.recv().await.is_some() {} }),
+                )
+                .await;
+                live = scheduler.follow_live();
+            }
+        };
         if tokio::time::timeout(drain, ended).await.is_err() {
             let cancelled = scheduler.cancel_all("gateway shutting down", "shutdown");
             tracing::warn!(cancelled, "drain time over; cancelling what is left");
@@ -85,7 +119,6 @@ impl RunningGateway {
         if tokio::time::timeout(grace, self.tracker.wait()).await.is_err() {
             tracing::warn!("shutdown grace period over; some tasks did not drain");
         }
-        let store = &self.internals.store;
         store.flush().await;
         if let Some(why) = store.health().degraded() {
             // Nowhere else to keep them: say what the exit loses.

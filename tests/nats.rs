@@ -366,6 +366,42 @@ async fn a_reply_subject_that_is_not_an_inbox_is_refused() {
     gw.stop().await;
 }
 
+/// The probe subject each event carries is `{edgeway's inbox}.{token}` with
+/// a random 128-bit token (a counter let any bus client guess the next
+/// stream's probe), and a request that names edgeway's own inbox as its
+/// reply subject is refused: nothing runs, nothing is published there.
+#[tokio::test]
+async fn probe_tokens_are_random_and_edgeways_own_inbox_is_no_reply_subject() {
+    let (fake, nats, gw) = setup(slow(), "").await;
+    let client = connect(&nats).await;
+    let mut a = Call::start(&client, auth(DEMO_KEY), &chat("a")).await;
+    let mut b = Call::start(&client, auth(DEMO_KEY), &chat("b")).await;
+    let probe = |m: async_nats::Message| m.reply.expect("a probe subject").to_string();
+    let (pa, pb) = (probe(a.raw_next().await), probe(b.raw_next().await));
+    let (inbox, ta) = pa.rsplit_once('.').unwrap();
+    let (inbox_b, tb) = pb.rsplit_once('.').unwrap();
+    assert_eq!(inbox, inbox_b, "one inbox of edgeway's");
+    let token = |t: &str| {
+        assert_eq!(t.len(), 32, "128 bits in hex: {t}");
+        u128::from_str_radix(t, 16).unwrap()
+    };
+    assert!(token(ta).abs_diff(token(tb)) > 1 << 64, "not a counter: {ta} {tb}");
+
+    let payload = serde_json::to_vec(&chat("forged")).unwrap();
+    for reply in [format!("{inbox}.0"), pb.clone(), inbox.to_string()] {
+        client
+            .publish_with_reply_and_headers("ai.v1.chat", reply, auth(DEMO_KEY), payload.clone().into())
+            .await
+            .unwrap();
+    }
+    let metric = "edgeway_requests_total{ingress=\"nats\",outcome=\"INVALID_REQUEST\"}";
+    wait_metric(&gw, metric, 3).await;
+    assert_eq!(fake.stats.requests.load(SeqCst), 2, "only the two real calls ran");
+    assert_eq!(b.next().await.kind, "delta", "the probed stream goes on");
+    drop((a, b));
+    gw.stop().await;
+}
+
 /// Waits for a task's terminal event through the registry.
 async fn terminal_of(gw: &TestGateway, task_id: &str) -> edgeway::task::TaskEvent {
     let mut s = gw.scheduler().attach(task_id, 0).expect("known task");

@@ -291,6 +291,116 @@ async fn a_graceful_stop_lets_running_work_finish_within_the_drain_time() {
     assert_eq!((state.as_str(), reason.as_str(), actor.as_str()), ("CANCELLED", "gateway shutting down", "shutdown"));
 }
 
+/// Everything a task's followers got, to its end.
+async fn events_to_end(mut s: edgeway::gateway::TaskStream) -> Vec<edgeway::task::TaskEvent> {
+    let mut out = Vec::new();
+    while let Some((_, e)) = tokio::time::timeout(Duration::from_secs(30), s.recv()).await.expect("the task ends") {
+        out.push(e);
+    }
+    out
+}
+
+fn terminals(events: &[edgeway::task::TaskEvent]) -> usize {
+    use edgeway::task::TaskEvent;
+    events.iter().filter(|e| matches!(e, TaskEvent::Done(_) | TaskEvent::Error { .. })).count()
+}
+
+/// A repeat of an idempotency key during a drain joins the task that holds
+/// the key and gets its answer (the task has one terminal event): only a
+/// call that would start a task is refused with `SHUTTING_DOWN`. (Failed
+/// before: the repeat was refused `SHUTTING_DOWN` while its task went on to
+/// succeed, so an MQTT device saw an error and then `done` for one request.)
+#[tokio::test]
+async fn an_idempotent_repeat_during_a_drain_joins_the_running_task() {
+    let fake = FakeEngine::start_with(Knobs::slow(100_000, 50)).await;
+    let dir = TempDir::new("edgeway-drain");
+    let text = config_toml(&fake.url(), "openai", &dir.0, "");
+    let cfg = Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let mut gw = TestGateway::start(cfg).await;
+    gw.wait_ready().await;
+    let db = gw.db_path();
+    let mut keyed = chat_body(false);
+    keyed["max_tokens"] = json!(20);
+    keyed["idempotency_key"] = json!("r1");
+    let task = submit_task(&gw, &keyed).await;
+    gw.wait_for_state(&task, TaskState::Streaming).await;
+    let followed = gw.scheduler().attach(&task, 0).expect("live");
+
+    let running = gw.running.take().unwrap();
+    let base = gw.base_url.clone();
+    let (_, (repeat, fresh), events) = tokio::join!(
+        running.drain_and_shutdown(Duration::from_secs(5), Duration::from_secs(5)),
+        async {
+            for _ in 0..200 {
+                if client().get(format!("{base}/ready")).send().await.unwrap().status() == 503 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let url = format!("{base}/v1/chat/completions");
+            let post = |body: Value| {
+                let url = url.clone();
+                async move {
+                    let r = client().post(url).bearer_auth(DEMO_KEY).json(&body).send().await.unwrap();
+                    (r.status().as_u16(), r.json::<Value>().await.unwrap())
+                }
+            };
+            let mut other = keyed.clone();
+            other["idempotency_key"] = json!("r2");
+            tokio::join!(post(keyed.clone()), post(other))
+        },
+        events_to_end(followed)
+    );
+    assert_eq!(repeat.0, 200, "the repeat joined: {}", repeat.1);
+    assert_eq!(repeat.1["edge"]["task_id"], task.as_str(), "{}", repeat.1);
+    assert_eq!(repeat.1["edge"]["status"], "SUCCEEDED", "{}", repeat.1);
+    assert_eq!((fresh.0, error_code(&fresh.1)), (503, "SHUTTING_DOWN"), "a new key is refused: {}", fresh.1);
+    assert_eq!(terminals(&events), 1, "{events:?}");
+    assert_eq!(last_transition(&db, &task).0, "SUCCEEDED");
+    assert_eq!(fake.stats.requests.load(SeqCst), 1, "ran once");
+}
+
+/// A stop while the store cannot write does not park a queued idempotent
+/// task (its stored request may be among the writes the exit loses, so
+/// "runs after the restart" would be a promise nobody keeps): it is
+/// cancelled by `shutdown` and its caller is told so. (Failed before: the
+/// caller was told `SHUTTING_DOWN`, "stays queued and runs after the
+/// restart".)
+#[tokio::test]
+async fn a_stop_with_a_store_that_cannot_write_cancels_queued_tasks_instead_of_parking_them() {
+    let fake = FakeEngine::start_with(Knobs::slow(100_000, 20)).await;
+    let dir = TempDir::new("edgeway-drain");
+    let text = config_toml(&fake.url(), "openai", &dir.0, "").replace("max_concurrency = 2", "max_concurrency = 1");
+    let cfg = Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let gw = TestGateway::start(cfg).await;
+    gw.wait_ready().await;
+    let running = submit_task(&gw, &chat_body(false)).await;
+    gw.wait_for_state(&running, TaskState::Streaming).await;
+    let mut keyed = chat_body(false);
+    keyed["idempotency_key"] = json!("nightly-report");
+    let queued = submit_task(&gw, &keyed).await;
+    gw.wait_for_state(&queued, TaskState::Queued).await;
+    let followed = gw.scheduler().attach(&queued, 0).expect("live");
+    gw.store().set_writer_pragma("query_only", 1).await;
+    // A refused call is recorded: the write that finds the disk read-only.
+    let mut bad = chat_body(false);
+    bad["model"] = json!("no-such-model");
+    // (503 if a write of the running task found it first.)
+    assert!([400, 503].contains(&post_chat(&gw, DEMO_KEY, &bad).await.status().as_u16()));
+    gw.store().flush().await;
+    assert!(gw.store().is_degraded());
+    gw.stop().await;
+
+    let events = events_to_end(followed).await;
+    match events.last() {
+        Some(edgeway::task::TaskEvent::Error { error, .. }) => {
+            assert_eq!(error.code.as_str(), "REQUEST_CANCELLED", "not parked: {error:?}");
+            assert!(!error.message.contains("after the restart"), "{error:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }

@@ -19,9 +19,19 @@ use edgeway::config::Config;
 use edgeway::testing::{config_toml, TempDir};
 use serde_json::{json, Value};
 
+/// `/ready` with an admin key (its details), after checking that the bare
+/// answer, open to anyone on the business port, has the same status and
+/// says nothing of the store.
 async fn ready(gw: &TestGateway) -> (u16, Value) {
-    let r = client().get(format!("{}/ready", gw.base_url)).send().await.unwrap();
-    (r.status().as_u16(), r.json().await.unwrap())
+    let url = format!("{}/ready", gw.base_url);
+    let bare = client().get(&url).send().await.unwrap();
+    let bare_status = bare.status().as_u16();
+    let bare: Value = bare.json().await.unwrap();
+    assert_eq!(bare.as_object().map(|o| o.len()), Some(1), "only 'ready' without a key: {bare}");
+    let r = client().get(url).bearer_auth(OPS_KEY).send().await.unwrap();
+    let status = r.status().as_u16();
+    assert_eq!(status, bare_status);
+    (status, r.json().await.unwrap())
 }
 
 async fn revoke(gw: &TestGateway, key: &str) -> reqwest::Response {
@@ -83,22 +93,45 @@ async fn a_store_that_cannot_write_is_reported_refuses_new_work_and_loses_nothin
 
 /// A revocation answers only once it is durable: while the store cannot
 /// write it is refused with `STORE_UNAVAILABLE` (not `revoked: true` for a
-/// key that would come back after a restart); asked again once the store
-/// writes, it is done and survives a restart.
+/// key that would come back after a restart) — but it is in force at once
+/// (the key is refused, its running task is cancelled) and the answer says
+/// so; asked again once the store writes, it is done and survives a
+/// restart. (Failed before: the failed write returned before the key's
+/// tasks were cancelled, and the message said only that the store could
+/// not write.)
 #[tokio::test]
-async fn a_revocation_is_reported_done_only_once_it_is_durable() {
-    let fake = FakeEngine::start().await;
+async fn a_revocation_is_in_force_at_once_and_reported_done_only_once_it_is_durable() {
+    let fake = FakeEngine::start_with(Knobs::slow(100_000, 20)).await;
     let dir = TempDir::new("edgeway-revoke");
     let text = config_toml(&fake.url(), "openai", &dir.0, "");
     let load = || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
     let gw = TestGateway::start(load()).await;
     gw.wait_ready().await;
+    let url = format!("{}/v1/tasks", gw.base_url);
+    let v: Value =
+        client().post(url).bearer_auth(DEMO_KEY).json(&chat_body(false)).send().await.unwrap().json().await.unwrap();
+    let task = v["task_id"].as_str().unwrap_or_else(|| panic!("{v}")).to_string();
+    gw.wait_for_state(&task, TaskState::Streaming).await;
+    let mut followed = gw.scheduler().attach(&task, 0).expect("live");
+
     gw.store().set_writer_pragma("query_only", 1).await;
     let r = revoke(&gw, DEMO_KEY).await;
     assert_eq!(r.status(), 503, "not reported as done");
     let v: Value = r.json().await.unwrap();
     assert_eq!(error_code(&v), "STORE_UNAVAILABLE", "{v}");
     assert!(v["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("revoked now") && msg.contains("not yet durable"), "{v}");
+    // In force now: its task is cancelled, the key is refused.
+    let mut last = None;
+    while let Some((_, e)) = tokio::time::timeout(std::time::Duration::from_secs(30), followed.recv()).await.unwrap() {
+        last = Some(e);
+    }
+    match last {
+        Some(edgeway::task::TaskEvent::Error { error, .. }) => assert_eq!(error.code.as_str(), "REQUEST_CANCELLED"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 401, "refused at once");
 
     gw.store().set_writer_pragma("query_only", 0).await;
     let r = revoke(&gw, DEMO_KEY).await;
@@ -108,5 +141,69 @@ async fn a_revocation_is_reported_done_only_once_it_is_durable() {
     let gw = TestGateway::start(load()).await;
     gw.wait_ready().await;
     assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 401, "still revoked");
+    gw.stop().await;
+}
+
+/// A writer thread that has stopped (a panic, a bug) is the degraded state
+/// for good: `/ready` 503 with the reason and new work refused. (Failed
+/// before: writes went nowhere without a word and `/ready` stayed 200,
+/// since a flush on a closed channel returned at once.)
+#[tokio::test]
+async fn a_dead_writer_thread_is_a_degraded_store() {
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    gw.wait_ready().await;
+    gw.store().stop_writer().await;
+    let (status, body) = ready(&gw).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body["store"].as_str().unwrap().contains("writer thread stopped"), "{body}");
+    assert!(gw.gateway().render_metrics().contains("edgeway_store_degraded 1"));
+    let r = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(error_code(&r.json().await.unwrap()), "STORE_UNAVAILABLE");
+    assert_eq!(fake.stats.requests.load(SeqCst), 0, "nothing ran unrecorded");
+    gw.stop().await;
+}
+
+/// While the store cannot write, a repeat of a running task's idempotency
+/// key joins it and gets its answer; only new work is refused. (Failed
+/// before: the repeat was refused `STORE_UNAVAILABLE` while its task went
+/// on to succeed.)
+#[tokio::test]
+async fn a_repeat_while_the_store_cannot_write_joins_its_running_task() {
+    let fake = FakeEngine::start_with(Knobs::slow(20, 40)).await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    gw.wait_ready().await;
+    let mut keyed = chat_body(false);
+    keyed["idempotency_key"] = json!("r1");
+    let mut events = gw.recorder().subscribe();
+    let first = tokio::spawn({
+        let (base, body) = (gw.base_url.clone(), keyed.clone());
+        async move {
+            let url = format!("{base}/v1/chat/completions");
+            client().post(url).bearer_auth(DEMO_KEY).json(&body).send().await.unwrap().json::<Value>().await.unwrap()
+        }
+    });
+    let streaming = next_event(&mut events, "the task streaming", |e| e.state == TaskState::Streaming).await;
+    gw.store().set_writer_pragma("query_only", 1).await;
+    // A refused call is recorded: the write that finds the disk read-only.
+    let mut bad = chat_body(false);
+    bad["model"] = json!("no-such-model");
+    // (503 if a write of the running task found it first.)
+    assert!([400, 503].contains(&post_chat(&gw, DEMO_KEY, &bad).await.status().as_u16()));
+    gw.store().flush().await;
+    assert!(gw.store().is_degraded());
+    let r = post_chat(&gw, DEMO_KEY, &keyed).await;
+    assert_eq!(r.status(), 200);
+    let repeat: Value = r.json().await.unwrap();
+    assert_eq!(repeat["edge"]["task_id"], streaming.task_id.as_str(), "{repeat}");
+    assert_eq!(repeat["edge"]["status"], "SUCCEEDED", "{repeat}");
+    assert_eq!(first.await.unwrap()["edge"]["status"], "SUCCEEDED");
+    let mut other = keyed.clone();
+    other["idempotency_key"] = json!("r2");
+    let r = post_chat(&gw, DEMO_KEY, &other).await;
+    assert_eq!(r.status(), 503, "new work is refused");
+    assert_eq!(fake.stats.requests.load(SeqCst), 1, "ran once");
+    gw.store().set_writer_pragma("query_only", 0).await;
     gw.stop().await;
 }

@@ -3,6 +3,10 @@
 //! store), and every task the key or token submitted is cancelled.
 //! Reinstating accepts it again.
 //!
+//! While the store cannot write, a revocation is still in force at once
+//! (refused, tasks cancelled) but answered `STORE_UNAVAILABLE` with a
+//! message saying so: it is not durable until the store writes again.
+//!
 //! Owns: the admin check for revocation, the body
 //! `{"api_key_sha256": "<hex>"}`, `{"api_key": "<key>"}` or
 //! `{"jti": "<token id>"}`, and the rules that an admin acts only within its
@@ -22,11 +26,28 @@ impl Gateway {
     /// tasks were cancelled.
     pub async fn revoke_key(&self, who: &Identity, body: &[u8]) -> Result<usize, GatewayError> {
         let (digest, what) = self.key_request(who, body)?;
+        // In force at once, whatever the store says: refused from now on and
+        // its tasks cancelled. Only the durability waits for the disk.
         self.auth.revoke(digest);
-        self.store.set_revoked(&hex::encode(digest), &who.application, true).await.map_err(super::store_failed)?;
         let reason = if what == "token" { "the token was revoked" } else { "the API key was revoked" };
         let cancelled = self.scheduler.cancel_where(|e| e.credential == Some(digest), reason);
         tracing::warn!(by = %who.application, what, cancelled, "credential revoked");
+        if let Err(e) = self.store.set_revoked(&hex::encode(digest), &who.application, true).await {
+            // 503, not `revoked: true`: a restart before the store writes
+            // again would bring the credential back. The write stays
+            // buffered and lands once the store can write; repeating the
+            // call confirms it.
+            tracing::error!(error = %e, what, "a revocation is in force but not yet durable");
+            return Err(GatewayError::new(
+                ErrorCode::StoreUnavailable,
+                format!(
+                    "the {what} is revoked now and {cancelled} of its tasks were cancelled, but the revocation is not \
+                     yet durable (the task store cannot write): a restart before it can would undo it; repeat this \
+                     call until it succeeds"
+                ),
+            )
+            .with_retry_after(super::STORE_RETRY_AFTER_MS));
+        }
         Ok(cancelled)
     }
 

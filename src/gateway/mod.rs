@@ -24,11 +24,11 @@ mod recovery;
 mod tasks;
 
 use idempotency::Repeat;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, Notify};
 
 use crate::admission::{self, request::parse_body};
 use crate::config::Config;
@@ -125,6 +125,36 @@ pub struct Gateway {
     draining: AtomicBool,
     /// Parts of an ingress that stopped working ([`Gateway::ingress_failed`]).
     ingress_faults: std::sync::Mutex<Vec<String>>,
+    /// Calls between the drain check and the queue (see [`Gateway::admissions_settled`]).
+    admitting: Admissions,
+}
+
+/// Counts the calls in [`Gateway::submit_call`], so that a drain can wait
+/// for those that passed its check just before it began: they are queued
+/// before the drain parks or follows what is queued, never after.
+#[derive(Default)]
+struct Admissions {
+    count: AtomicUsize,
+    done: Notify,
+}
+
+struct Admitting<'a>(&'a Admissions);
+
+impl Admissions {
+    fn enter(&self) -> Admitting<'_> {
+        // SeqCst with `draining`: either this call sees the drain, or the
+        // drain sees this call.
+        self.count.fetch_add(1, Ordering::SeqCst);
+        Admitting(self)
+    }
+}
+
+impl Drop for Admitting<'_> {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.done.notify_waiters();
+        }
+    }
 }
 
 /// How long a caller refused for a store that cannot write is told to wait.
@@ -152,6 +182,7 @@ impl Gateway {
             bus: p.bus,
             draining: AtomicBool::new(false),
             ingress_faults: Default::default(),
+            admitting: Admissions::default(),
         }
     }
 
@@ -159,11 +190,27 @@ impl Gateway {
     /// `SHUTTING_DOWN` and `/ready` answers 503; tasks already admitted go
     /// on (see `crate::server::RunningGateway::shutdown`).
     pub fn begin_drain(&self) {
-        self.draining.store(true, Ordering::Release);
+        self.draining.store(true, Ordering::SeqCst);
     }
 
     pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Acquire)
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Returns once no call that passed the drain check before
+    /// [`Gateway::begin_drain`] is still on its way to the queue: after it,
+    /// every task such a call started is queued (to be parked) or known
+    /// live (to be followed). Call after `begin_drain`.
+    pub async fn admissions_settled(&self) {
+        loop {
+            let done = self.admitting.done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            if self.admitting.count.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            done.await;
+        }
     }
 
     /// Why no new task may start now, if none may: the gateway is
@@ -266,15 +313,22 @@ impl Gateway {
     /// ends the call's record REJECTED and leaves no queued task behind.
     pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
         let Call { identity, body, ingress, request_id_hint } = call;
-        if let Some(e) = self.closed_to_new_work() {
-            // Counted, not recorded: the store may be what is failing.
-            return Err(self.refused(ingress, e));
-        }
+        // Held until the call is queued (or refused): a drain waits for
+        // every call that passed the check below before it began.
+        let _admitting = self.admitting.enter();
+        // While closed, a repeat still joins the task its key already has
+        // (one terminal event for it); only a call that would start a task
+        // is refused, counted and not recorded (the store may be what is
+        // failing).
+        let closed = self.closed_to_new_work();
         let model = body.model.clone();
         let request_id = body.request_id.clone().or(request_id_hint.clone());
-        let refuse = |e: GatewayError| {
-            self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
-            self.refused(ingress, e)
+        let refuse = |e: GatewayError| match &closed {
+            Some(c) => self.refused(ingress, c.clone()),
+            None => {
+                self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
+                self.refused(ingress, e)
+            }
         };
         let req = admission::admit(&self.config, identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
         let retry_of = match self.known_repeat(&req).await {
@@ -282,6 +336,9 @@ impl Gateway {
             Ok(Repeat::Run { retry_of }) => retry_of,
             Err(e) => return Err(refuse(e)),
         };
+        if let Some(e) = closed {
+            return Err(self.refused(ingress, e));
+        }
         self.recorder.received(&req);
         let admitted = match &retry_of {
             // The record links the new run to the one whose end it retries.

@@ -213,10 +213,11 @@ enum Cmd {
         parkable: bool,
     },
     /// The gateway is stopping: every waiting task that can be queued
-    /// again at the next start leaves the queue ([`SlotGrant::Parked`]);
-    /// answers how many.
+    /// again at the next start leaves the queue ([`SlotGrant::Parked`]),
+    /// or with `park: false` is only named; answers their ids.
     Park {
-        reply: oneshot::Sender<usize>,
+        park: bool,
+        reply: oneshot::Sender<Vec<String>>,
     },
     /// A running task goes back to the front of its queue: an attempt
     /// failed before any output (`avoid`: the instance it failed on), or
@@ -671,10 +672,23 @@ impl SchedulerHandle {
     /// QUEUED with its request, as after a crash. Returns how many.
     pub async fn park_waiting(&self) -> usize {
         let (tx, rx) = oneshot::channel();
-        if self.tx.send(Cmd::Park { reply: tx }).is_err() {
+        if self.tx.send(Cmd::Park { park: true, reply: tx }).is_err() {
             return 0;
         }
-        rx.await.unwrap_or(0)
+        rx.await.map(|ids| ids.len()).unwrap_or(0)
+    }
+
+    /// Cancels, with `reason` and actor `shutdown`, every waiting task that
+    /// [`Self::park_waiting`] would park: for a stop that cannot keep its
+    /// promise to run them at the next start (a store that cannot write).
+    /// Returns how many.
+    pub async fn cancel_parkable(&self, reason: &str) -> usize {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Cmd::Park { park: false, reply: tx }).is_err() {
+            return 0;
+        }
+        let ids = rx.await.unwrap_or_default();
+        ids.iter().filter(|id| self.cancel(id, reason, "shutdown")).count()
     }
 
     /// Cancels a live task by id. Returns false if it is not running here.
@@ -894,17 +908,17 @@ impl Actor {
             Cmd::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
             }
-            Cmd::Park { reply } => {
+            Cmd::Park { park, reply } => {
                 let ids: Vec<String> =
                     self.grants.iter().filter(|(_, w)| w.parkable).map(|(id, _)| id.clone()).collect();
-                for id in &ids {
+                for id in ids.iter().filter(|_| park) {
                     self.policy.withdraw(id);
                     if let Some(w) = self.grants.remove(id) {
                         self.dec_depth(w.model, w.priority);
                         let _ = w.grant.send(SlotGrant::Parked);
                     }
                 }
-                let _ = reply.send(ids.len());
+                let _ = reply.send(ids);
             }
         }
     }

@@ -154,7 +154,13 @@ enum Op {
     /// `max_page_count` for a full disk, `query_only` for a read-only one).
     #[cfg(any(test, feature = "testing"))]
     Pragma(&'static str, i64, oneshot::Sender<()>),
+    /// Test support: the writer thread returns at once, as a dead one.
+    #[cfg(any(test, feature = "testing"))]
+    Exit(oneshot::Sender<()>),
 }
+
+/// Why the store is degraded once its writer thread is gone.
+const WRITER_GONE: &str = "the writer thread stopped";
 
 /// What the reader thread answers.
 enum ReadOp {
@@ -388,7 +394,19 @@ impl Store {
     }
 
     fn write(&self, op: WriteOp) {
-        let _ = self.tx.send(Op::Write(op));
+        if self.tx.send(Op::Write(op)).is_err() {
+            self.writer_gone();
+        }
+    }
+
+    /// The writer thread has stopped (it panicked or returned): nothing can
+    /// be written any more, which is the degraded state for good.
+    fn writer_gone(&self) {
+        self.failures.inc();
+        if !self.health.is_degraded() {
+            tracing::error!("the task store's writer thread stopped; nothing more can be written");
+        }
+        self.health.set_degraded(WRITER_GONE.to_string());
     }
 
     /// The counter of failed writes (shared: it keeps counting).
@@ -478,7 +496,16 @@ impl Store {
     /// Resolves once everything sent before it is written.
     pub async fn flush(&self) {
         let (tx, rx) = oneshot::channel();
-        if self.tx.send(Op::Flush(tx)).is_ok() {
+        if self.tx.send(Op::Flush(tx)).is_err() || rx.await.is_err() {
+            self.writer_gone();
+        }
+    }
+
+    /// Test support: the writer thread returns as if it had died.
+    #[cfg(any(test, feature = "testing"))]
+    pub async fn stop_writer(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Op::Exit(tx)).is_ok() {
             let _ = rx.await;
         }
     }
@@ -645,6 +672,9 @@ struct Writer {
     /// `retry_interval`, so that a large buffer is not rewritten for every
     /// new write.
     failed_at: Option<Instant>,
+    /// Test support: asked to stop as a dead writer would.
+    #[cfg(any(test, feature = "testing"))]
+    exit: Option<oneshot::Sender<()>>,
 }
 
 impl Writer {
@@ -660,6 +690,8 @@ impl Writer {
             opts,
             next_purge,
             failed_at: None,
+            #[cfg(any(test, feature = "testing"))]
+            exit: None,
         }
     }
 
@@ -697,6 +729,12 @@ impl Writer {
                     }
                     return;
                 }
+            }
+            #[cfg(any(test, feature = "testing"))]
+            if let Some(tx) = self.exit.take() {
+                drop(rx);
+                let _ = tx.send(());
+                return;
             }
             if self.due() {
                 self.commit();
@@ -744,6 +782,8 @@ impl Writer {
                 self.failed_at = None;
                 let _ = tx.send(());
             }
+            #[cfg(any(test, feature = "testing"))]
+            Op::Exit(tx) => self.exit = Some(tx),
         }
     }
 

@@ -13,7 +13,8 @@
 //!
 //! # Caller liveness
 //! Every non-terminal message is published with a reply subject of
-//! edgeway's own (`{inbox}.{n}`). When the caller has stopped listening (it
+//! edgeway's own (`{inbox}.{token}`, a random 128-bit token per stream; a
+//! request whose reply subject lies under edgeway's own inbox is refused). When the caller has stopped listening (it
 //! unsubscribed from its inbox or its connection closed), the NATS server
 //! answers such a message at once with a `503 no responders` status, and
 //! the task is cancelled: the engine is freed at the next event. While a
@@ -28,7 +29,6 @@
 //! is cancelled, so no engine keeps generating for nobody.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -54,21 +54,37 @@ pub const EVENT_HEADER: &str = "Edgeway-Event";
 
 /// Reply streams in flight, by the token of their probe reply subject: a
 /// `no responders` answer to `{inbox}.{token}` cancels that stream.
+///
+/// A token is 128 random bits, never a counter: every event carries its
+/// probe subject, and a bus client able to answer a guessed one with a
+/// `503` status would cancel another caller's stream.
 #[derive(Default)]
 struct Streams {
-    next: AtomicU64,
-    gone: Mutex<HashMap<u64, CancellationToken>>,
+    gone: Mutex<HashMap<u128, CancellationToken>>,
+}
+
+/// 128 random bits: two v4 UUIDs (122 random bits each) with their fixed
+/// version and variant bits moved apart, so that every bit of the XOR is
+/// random.
+fn random_token() -> u128 {
+    uuid::Uuid::new_v4().as_u128() ^ uuid::Uuid::new_v4().as_u128().rotate_left(7)
 }
 
 impl Streams {
-    fn register(self: &Arc<Self>) -> (u64, CancellationToken, StreamGuard) {
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
+    fn register(self: &Arc<Self>) -> (u128, CancellationToken, StreamGuard) {
         let token = CancellationToken::new();
-        self.gone.lock().expect("streams").insert(n, token.clone());
+        let mut gone = self.gone.lock().expect("streams");
+        let n = loop {
+            let n = random_token();
+            if !gone.contains_key(&n) {
+                break n;
+            }
+        };
+        gone.insert(n, token.clone());
         (n, token, StreamGuard { streams: self.clone(), n })
     }
 
-    fn caller_gone(&self, n: u64) {
+    fn caller_gone(&self, n: u128) {
         if let Some(t) = self.gone.lock().expect("streams").get(&n) {
             t.cancel();
         }
@@ -82,7 +98,7 @@ impl Streams {
 /// Removes a stream from [`Streams`] when its relay ends, however it ends.
 struct StreamGuard {
     streams: Arc<Streams>,
-    n: u64,
+    n: u128,
 }
 
 impl Drop for StreamGuard {
@@ -98,7 +114,7 @@ struct Ctx {
     status: NatsStatus,
     cfg: NatsConfig,
     client: async_nats::Client,
-    /// `{inbox}`: probe replies come back on `{inbox}.{n}`.
+    /// `{inbox}`: probe replies come back on `{inbox}.{token}`.
     probe_inbox: String,
     streams: Arc<Streams>,
     shutdown: CancellationToken,
@@ -183,7 +199,8 @@ pub async fn run(
             }
             Some(msg) = probes.next() => {
                 if msg.status == Some(StatusCode::NO_RESPONDERS) {
-                    if let Some(n) = msg.subject.rsplit('.').next().and_then(|n| n.parse().ok()) {
+                    let token = msg.subject.rsplit('.').next().and_then(|n| u128::from_str_radix(n, 16).ok());
+                    if let Some(n) = token {
                         ctx.streams.caller_gone(n);
                     }
                 }
@@ -259,11 +276,15 @@ async fn reject(req: &Request, request_id: Option<&str>, e: &GatewayError) {
 /// very publish the caller must not direct).
 fn reply_refused(ctx: &Ctx, req: &Request) -> bool {
     let Some(reply) = &req.message.reply else { return false };
-    if ctx.cfg.reply_allowed(reply.as_str()) {
+    // edgeway's own inbox (its probe replies) is an inbox too, but never
+    // the caller's: a reply stream pointed there would answer edgeway's
+    // own liveness probes.
+    let own = reply.as_str().strip_prefix(ctx.probe_inbox.as_str()).is_some_and(|r| r.is_empty() || r.starts_with('.'));
+    if !own && ctx.cfg.reply_allowed(reply.as_str()) {
         return false;
     }
     let e = GatewayError::invalid(format!(
-        "the reply subject must be an inbox (one of {:?}); nothing was published",
+        "the reply subject must be an inbox of the caller (one of {:?}); nothing was published",
         ctx.cfg.reply_prefixes
     ));
     ctx.gw.refused(Ingress::Nats, e);
@@ -309,7 +330,7 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
     let (n, gone, _guard) = ctx.streams.register();
     // A Subject: cloning it per message shares its bytes (a String would
     // be copied for every delta).
-    let probe_reply = Subject::from(format!("{}.{n}", ctx.probe_inbox));
+    let probe_reply = Subject::from(format!("{}.{n:032x}", ctx.probe_inbox));
     let cfg = &ctx.cfg;
     let mut last_sent = Instant::now();
     let mut shutting_down = false;
