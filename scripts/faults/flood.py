@@ -104,7 +104,7 @@ async def latencies(devs, n):
 
 def handled(run):
     """Device messages edgeway has handled (`[edgeway_]mqtt_messages_in_total`)."""
-    with h.urllib.request.urlopen(run.url + "/metrics", timeout=5) as r:
+    with run.admin_get("/metrics") as r:
         text = r.read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(("mqtt_messages_in_total{", "edgeway_mqtt_messages_in_total{")))
 

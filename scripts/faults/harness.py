@@ -30,6 +30,9 @@ from conftest import NATS_BIN, Proc, free_port, wait_http  # noqa: E402
 import httpx  # noqa: E402
 
 DEMO_KEY = "sk-edgeway-demo"
+# An admin application's key: /metrics and the details of /ready need one on
+# the business port.
+OPS_KEY = "sk-edgeway-ops"
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 
@@ -138,6 +141,7 @@ class Run:
             "[resources]", "gpu = false",
             "[applications.demo]", 'tenant = "demo"', f'api_key_sha256 = ["{sha256(DEMO_KEY)}"]',
             'max_priority = "P1"', 'default_priority = "P2"',
+            "[applications.ops]", 'tenant = "demo"', f'api_key_sha256 = ["{sha256(OPS_KEY)}"]', "admin = true",
             "[mqtt]", f'listen = "127.0.0.1:{self.mqtt_port}"', 'topic_prefix = "ai/v1"', "coalesce_ms = 0",
         ]
         for d in devices:
@@ -184,9 +188,14 @@ class Run:
     def db(self):
         return self.data_dir / "edgeway.db"
 
+    def admin_get(self, path: str, timeout=5):
+        """GET `path` with the admin key (`/metrics`, `/ready`'s details)."""
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {OPS_KEY}"})
+        return urllib.request.urlopen(req, timeout=timeout)
+
     def ready(self):
         try:
-            with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+            with self.admin_get("/ready", timeout=2) as r:
                 return r.status, json.load(r)
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
