@@ -216,9 +216,17 @@ async fn a_request_body_that_stops_arriving_is_cut_after_the_idle_timeout() {
 
 #[tokio::test]
 async fn a_client_that_stops_reading_its_stream_is_cut_after_the_idle_timeout() {
-    // Some 25 MB of answer: more than the socket buffers hold.
-    let engine =
-        FakeEngine::start_with(Knobs { tokens: 256, token_text: "x".repeat(100_000), ..Knobs::default() }).await;
+    // Up to 100 MB of answer, 10 MB/s: the socket buffers fill within a
+    // second or so, and the engine is still generating (for about 10 s) when
+    // the connection is cut. (All at once, a fast machine's engine could
+    // finish before the cut, and then there is nothing left to abort.)
+    let engine = FakeEngine::start_with(Knobs {
+        tokens: 1000,
+        token_text: "x".repeat(100_000),
+        token_delay: Duration::from_millis(10),
+        ..Knobs::default()
+    })
+    .await;
     let gw = gateway(&engine, "header_read_timeout_ms = 400\nidle_timeout_ms = 400").await;
     gw.wait_ready().await;
     let mut s = TcpStream::connect(addr(&gw)).await.unwrap();
