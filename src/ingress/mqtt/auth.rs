@@ -111,8 +111,8 @@ pub fn expired(expires_at: Option<i64>) -> bool {
 /// The MQTT 5 DISCONNECT sent to a connection whose credential expired.
 pub fn expired_disconnect() -> rumqttd::protocol::Packet {
     use rumqttd::protocol::{Disconnect, DisconnectProperties, DisconnectReasonCode, Packet};
-    // With properties: rumqttd 0.20 writes a wrong remaining length for a
-    // reason code without them.
+    // The reason string tells the device why (a DISCONNECT without
+    // properties is written right too since PATCHES.md 7).
     let props = DisconnectProperties {
         session_expiry_interval: None,
         reason_string: Some("the token has expired".into()),

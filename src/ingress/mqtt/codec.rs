@@ -450,4 +450,22 @@ mod tests {
         assert_eq!(outbound(Version::V5, None, Some("dev2"), pkt()), Err(Error::InvalidProtocol));
         assert_eq!(outbound(Version::V5, None, None, pkt()), Err(Error::InvalidProtocol));
     }
+
+    /// rumqttd 0.20 wrote an MQTT 5 DISCONNECT with a reason code and no
+    /// properties with a remaining length one short (patches/rumqttd,
+    /// PATCHES.md 7): what is written must read back as one whole packet.
+    #[test]
+    fn an_mqtt5_disconnect_without_properties_reads_back_whole() {
+        use rumqttd::protocol::v5::V5;
+        use rumqttd::protocol::{Disconnect, DisconnectReasonCode, Protocol};
+        let mut buf = BytesMut::new();
+        let d = Disconnect { reason_code: DisconnectReasonCode::MaximumConnectTime };
+        let written = V5.write(Packet::Disconnect(d, None), &mut buf).unwrap();
+        assert_eq!(written, buf.len(), "the size returned is what was written");
+        match V5.read_mut(&mut buf, 1024).unwrap() {
+            Packet::Disconnect(d, None) => assert_eq!(d.reason_code, DisconnectReasonCode::MaximumConnectTime),
+            other => panic!("{other:?}"),
+        }
+        assert!(buf.is_empty(), "left unread: {buf:02x?}");
+    }
 }

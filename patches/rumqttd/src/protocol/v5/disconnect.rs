@@ -18,7 +18,10 @@ fn len(disconnect: &Disconnect, properties: &Option<DisconnectProperties>) -> us
         let properties_len_len = len_len(properties_len);
         length += properties_len_len + properties_len;
     } else {
-        length += 1;
+        // edgeway patch: `write` puts the reason code and a zero property
+        // length; counting only the reason code made the remaining length one
+        // short, and the client read the 0x00 as the start of a next packet.
+        length += 1 + 1;
     }
 
     length
@@ -69,7 +72,10 @@ pub fn write(
 
     let length = len(disconnect, properties);
 
-    if length == 2 {
+    // edgeway patch: the short form is chosen by what it means, not by
+    // `length == 2`, which a reason code with an empty property list also
+    // has (see `len`).
+    if disconnect.reason_code == DisconnectReasonCode::NormalDisconnection && properties.is_none() {
         buffer.put_u8(0x00);
         return Ok(length);
     }
