@@ -250,10 +250,7 @@ async fn a_queued_idempotent_task_survives_a_graceful_stop_and_runs_after_restar
 async fn a_graceful_stop_lets_running_work_finish_within_the_drain_time() {
     // 50 ms a token: the short task needs 0.5 s, the long one 12.5 s.
     let fake = FakeEngine::start_with(Knobs::slow(100_000, 50)).await;
-    let dir = TempDir::new("edgeway-drain");
-    let text = config_toml(&fake.url(), "openai", &dir.0, "");
-    let cfg = Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
-    let mut gw = TestGateway::start(cfg).await;
+    let mut gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
     gw.wait_ready().await;
     let db = gw.db_path();
     let mut short_body = chat_body(false);
@@ -313,10 +310,7 @@ fn terminals(events: &[edgeway::task::TaskEvent]) -> usize {
 #[tokio::test]
 async fn an_idempotent_repeat_during_a_drain_joins_the_running_task() {
     let fake = FakeEngine::start_with(Knobs::slow(100_000, 50)).await;
-    let dir = TempDir::new("edgeway-drain");
-    let text = config_toml(&fake.url(), "openai", &dir.0, "");
-    let cfg = Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
-    let mut gw = TestGateway::start(cfg).await;
+    let mut gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
     gw.wait_ready().await;
     let db = gw.db_path();
     let mut keyed = chat_body(false);
@@ -369,10 +363,10 @@ async fn an_idempotent_repeat_during_a_drain_joins_the_running_task() {
 #[tokio::test]
 async fn a_stop_with_a_store_that_cannot_write_cancels_queued_tasks_instead_of_parking_them() {
     let fake = FakeEngine::start_with(Knobs::slow(100_000, 20)).await;
-    let dir = TempDir::new("edgeway-drain");
-    let text = config_toml(&fake.url(), "openai", &dir.0, "").replace("max_concurrency = 2", "max_concurrency = 1");
-    let cfg = Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
-    let gw = TestGateway::start(cfg).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        t.replace("max_concurrency = 2", "max_concurrency = 1")
+    })
+    .await;
     gw.wait_ready().await;
     let running = submit_task(&gw, &chat_body(false)).await;
     gw.wait_for_state(&running, TaskState::Streaming).await;
