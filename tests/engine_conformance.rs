@@ -58,6 +58,7 @@ fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig
         reserved_realtime_slots: 0,
         memory_budget_bytes: None,
         exclusive: true,
+        tools: true,
     }
 }
 
@@ -87,6 +88,7 @@ impl Setup {
             messages: vec![ChatMessage { role: "user".into(), content: json!("Say something."), extra: Map::new() }],
             params: SamplingParams::default(),
             max_output_tokens,
+            tools: None,
         }
     }
 
@@ -130,6 +132,8 @@ struct Answer {
     text: String,
     usage: Vec<(u32, u32)>,
     finish: String,
+    /// Tool-call pieces, in order.
+    calls: Vec<edgeway::task::ToolCallDelta>,
 }
 
 fn answer(items: Vec<Result<EngineChunk, EngineError>>) -> Answer {
@@ -141,6 +145,7 @@ fn answer(items: Vec<Result<EngineChunk, EngineError>>) -> Answer {
     let mut text = String::new();
     let mut usage = Vec::new();
     let mut seen_usage = false;
+    let mut calls = Vec::new();
     for c in &chunks[..chunks.len() - 1] {
         match c {
             EngineChunk::Delta(t) => {
@@ -152,10 +157,14 @@ fn answer(items: Vec<Result<EngineChunk, EngineError>>) -> Answer {
                 seen_usage = true;
                 usage.push((*input_tokens, *output_tokens));
             }
+            EngineChunk::ToolCall(d) => {
+                assert!(!seen_usage, "ToolCall after Usage: {chunks:?}");
+                calls.push(d.clone());
+            }
             EngineChunk::Finish(_) => panic!("Finish before the end: {chunks:?}"),
         }
     }
-    Answer { text, usage, finish }
+    Answer { text, usage, finish, calls }
 }
 
 /// A normal answer: deltas that add up to the text, usage, then `stop`.
@@ -176,6 +185,35 @@ async fn answer_has_deltas_usage_and_finish(kind: EngineKind, stream: bool) {
     assert_eq!(req["stream"], stream);
     assert_eq!(req["messages"][0]["role"], "user");
     assert_eq!(req["messages"][0]["content"], "Say something.");
+}
+
+/// A request with tools: they reach the engine in its protocol, and the
+/// calls the engine makes come back as pieces that add up to each whole
+/// call (id and name on a call's first piece), finishing `tool_calls`.
+async fn tool_calls_come_back_as_pieces(kind: EngineKind, stream: bool) {
+    let args = r#"{"city": "Oslo", "days": 3}"#;
+    let s = Setup::new(kind, stream, knobs(|k| k.tool_calls = vec![("get_weather".into(), args.into())])).await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    let mut req = s.request(256);
+    req.tools = edgeway::task::ToolSet::parse(Some(&tools), Some(&json!("auto")), None).unwrap();
+    let r = tokio::time::timeout(LIMIT, s.engine.stream(&req)).await.expect("resolves").expect("stream opens");
+    let a = answer(collect(r).await);
+    assert_eq!(a.finish, "tool_calls");
+    assert!(a.text.is_empty(), "{:?}", a.text);
+    let first = &a.calls[0];
+    assert_eq!((first.index, first.name.as_deref()), (0, Some("get_weather")));
+    assert!(a.calls[1..].iter().all(|c| c.index == 0 && c.name.is_none()), "{:?}", a.calls);
+    let whole: String = a.calls.iter().map(|c| c.arguments.as_str()).collect();
+    let whole: serde_json::Value = serde_json::from_str(&whole).unwrap();
+    assert_eq!(whole, serde_json::from_str::<serde_json::Value>(args).unwrap());
+    let sent = s.last_request();
+    assert_eq!(sent["tools"], tools);
+    if kind == EngineKind::OpenAi {
+        assert_eq!(sent["tool_choice"], "auto");
+        if stream {
+            assert!(a.calls.len() > 2, "arguments in pieces: {:?}", a.calls);
+        }
+    }
 }
 
 /// `max_output_tokens` below what the engine would generate: `length`, and
@@ -253,6 +291,7 @@ async fn closed_port_is_unreachable(kind: EngineKind) {
             messages: vec![ChatMessage { role: "user".into(), content: json!("Hi"), extra: Map::new() }],
             params: SamplingParams::default(),
             max_output_tokens: 16,
+            tools: None,
         };
         let r = tokio::time::timeout(LIMIT, engine.stream(&req)).await.expect("stream() resolves");
         let e = match r {
@@ -513,6 +552,10 @@ conformance! {
     answer_has_deltas_usage_and_finish(WHOLE)
         => openai_whole_answer_has_deltas_usage_and_finish,
            ollama_whole_answer_has_deltas_usage_and_finish;
+    tool_calls_come_back_as_pieces(STREAM)
+        => openai_streamed_tool_calls_come_back_as_pieces, ollama_streamed_tool_calls_come_back_as_pieces;
+    tool_calls_come_back_as_pieces(WHOLE)
+        => openai_whole_tool_calls_come_back_as_pieces, ollama_whole_tool_calls_come_back_as_pieces;
     max_output_tokens_finishes_with_length(STREAM)
         => openai_streamed_max_output_tokens_finishes_with_length,
            ollama_streamed_max_output_tokens_finishes_with_length;

@@ -10,7 +10,7 @@ use crate::config::{ApplicationConfig, Config};
 use crate::context::{self, Fit};
 use crate::error::{ErrorCode, GatewayError};
 use crate::task::{
-    ChatMessage, DataClass, Identity, Ingress, Priority, Routing, SamplingParams, TaskRequest, Timeouts,
+    ChatMessage, DataClass, Identity, Ingress, Priority, Routing, SamplingParams, TaskRequest, Timeouts, ToolSet,
 };
 
 /// OpenAI chat fields plus the edge fields of DESIGN.md. Unknown OpenAI
@@ -39,6 +39,10 @@ pub struct ChatRequestBody {
     pub metadata: Option<Map<String, Value>>,
     /// OpenAI's `user` field: the end user, when metadata has none.
     pub user: Option<String>,
+    /// Tool calling (checked by [`ToolSet::parse`]).
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<Value>,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
@@ -133,9 +137,13 @@ pub fn admit(
     ingress: Ingress,
     request_id_hint: Option<String>,
 ) -> Result<TaskRequest, GatewayError> {
-    for unsupported in ["tools", "functions", "tool_choice", "function_call"] {
-        if body.extra.get(unsupported).is_some_and(|v| !v.is_null()) {
-            return Err(GatewayError::invalid(format!("'{unsupported}' is not supported by this gateway yet")));
+    // The deprecated forms of `tools`/`tool_choice`: refused rather than
+    // dropped, so a client never believes a function was offered.
+    for deprecated in ["functions", "function_call"] {
+        if body.extra.get(deprecated).is_some_and(|v| !v.is_null()) {
+            return Err(GatewayError::invalid(format!(
+                "'{deprecated}' is not supported; declare the functions in 'tools' (and use 'tool_choice')"
+            )));
         }
     }
     if body.extra.get("logprobs").and_then(Value::as_bool) == Some(true) {
@@ -157,7 +165,16 @@ pub fn admit(
         if !(m.content.is_string() || m.content.is_array() || (m.content.is_null() && m.role == "assistant")) {
             return Err(GatewayError::invalid(format!("messages[{i}].content must be a string or content parts")));
         }
+        // A tool result answers one call of an earlier assistant message.
+        if m.role == "tool" && !m.extra.get("tool_call_id").is_some_and(Value::is_string) {
+            return Err(GatewayError::invalid(format!("messages[{i}] (role \"tool\") needs a 'tool_call_id' string")));
+        }
+        if m.extra.get("tool_calls").is_some_and(|c| !c.is_array() && !c.is_null()) {
+            return Err(GatewayError::invalid(format!("messages[{i}].tool_calls must be an array")));
+        }
     }
+    let tools = ToolSet::parse(body.tools.as_ref(), body.tool_choice.as_ref(), body.parallel_tool_calls.as_ref())
+        .map_err(GatewayError::invalid)?;
     let priority = match &body.priority {
         Some(p) => {
             Priority::parse(p).ok_or_else(|| GatewayError::invalid(format!("'priority' must be P0..P4, not {p:?}")))?
@@ -252,7 +269,29 @@ pub fn admit(
     // Kept with the request, so a task queued again after a restart is
     // routed under the class it was admitted with.
     routing.data_class = Some(data_class);
-    let allow_smaller_model = routing.allow_smaller_model || app.is_some_and(|a| a.allow_smaller_model);
+    let mut allow_smaller_model = routing.allow_smaller_model || app.is_some_and(|a| a.allow_smaller_model);
+    if let Some(tools) = &tools {
+        if let Some(allowed) = app.and_then(|a| a.allowed_tools.as_ref()) {
+            if let Some(name) = tools.names().find(|n| !allowed.iter().any(|a| a == n)) {
+                return Err(GatewayError::new(
+                    ErrorCode::PermissionDenied,
+                    format!("application '{}' may not declare tool '{name}'", identity.application),
+                ));
+            }
+        }
+        if let Some(instance) = without_tools(cfg, &model.instances, data_class) {
+            return Err(GatewayError::invalid(format!(
+                "model '{}' cannot take 'tools': its instance '{instance}' does not support tool calling \
+                 (engines.{instance}.tools = false)",
+                model.name
+            )));
+        }
+        // Never a smaller model that would drop the tools.
+        allow_smaller_model &= model
+            .fallback_models
+            .iter()
+            .all(|m| cfg.models.get(m).is_some_and(|fm| without_tools(cfg, &fm.instances, data_class).is_none()));
+    }
     if !model.instances.iter().any(|i| cfg.engines[i].max_data_class >= data_class) {
         return Err(GatewayError::new(
             ErrorCode::PolicyBlocked,
@@ -302,5 +341,17 @@ pub fn admit(
         received_at: Instant::now(),
         received_wall: SystemTime::now(),
         degrade_reason,
+        tools,
     })
+}
+
+/// The first instance of `instances` that may receive `class` data and
+/// cannot do tools: a request with tools could be routed there, and its
+/// tools would be lost. Cloud instances count even when cloud is off now
+/// (the setting can change while the task waits).
+fn without_tools<'a>(cfg: &Config, instances: &'a [String], class: DataClass) -> Option<&'a str> {
+    instances
+        .iter()
+        .find(|i| cfg.engines.get(*i).is_some_and(|e| e.max_data_class >= class && !e.tools))
+        .map(String::as_str)
 }

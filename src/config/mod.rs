@@ -311,6 +311,11 @@ pub struct ApplicationConfig {
     pub data_class: Option<DataClass>,
     /// Its calls may be answered by a smaller model.
     pub allow_smaller_model: bool,
+    /// The tools its requests may declare; `None`: any.
+    pub allowed_tools: Option<Vec<String>>,
+    /// Tools whose calls come back marked `requires_confirmation` (and are
+    /// logged and counted as high-risk).
+    pub high_risk_tools: Vec<String>,
 }
 
 /// Limits of one application against the others (all optional). The
@@ -404,6 +409,9 @@ pub struct EngineConfig {
     pub memory_budget_bytes: Option<u64>,
     /// No other client uses the engine (enables the cancel grace check).
     pub exclusive: bool,
+    /// The engine takes `tools` and returns tool calls. Requests with tools
+    /// go only to models whose every instance does.
+    pub tools: bool,
 }
 
 #[derive(Debug, Clone)]

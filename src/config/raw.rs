@@ -389,6 +389,10 @@ pub struct RawApplication {
     /// Which of its tasks a P0 task may preempt: "P3" (P3 and P4), "P4",
     /// or "never".
     pub preemptible: Field<Preemptible>,
+    /// The tools its requests may declare; absent: any.
+    pub allowed_tools: Option<Vec<String>>,
+    /// Tools whose calls come back marked `requires_confirmation`.
+    pub high_risk_tools: Vec<String>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -426,6 +430,8 @@ impl Default for RawApplication {
             data_class: None,
             allow_smaller_model: false,
             preemptible: Field::Valid(Preemptible(Some(Priority::P3))),
+            allowed_tools: None,
+            high_risk_tools: Vec::new(),
         }
     }
 }
@@ -464,6 +470,9 @@ pub struct RawEngine {
     /// Memory the engine has for its tasks' KV cache, when there is no GPU
     /// to ask (or to cap what edgeway may use of it).
     pub memory_budget_mb: Option<u64>,
+    /// The engine takes `tools` (llama-server started with `--jinja`, vLLM
+    /// with `--enable-auto-tool-choice`, an Ollama model with tools).
+    pub tools: bool,
 }
 
 impl Default for RawEngine {
@@ -486,6 +495,7 @@ impl Default for RawEngine {
             reserved_realtime_slots: 0,
             exclusive: true,
             memory_budget_mb: None,
+            tools: false,
         }
     }
 }

@@ -448,6 +448,15 @@ fn application(
     }
     let data_class = optional(a.data_class, &format!("{path}.data_class"), p);
     let preemptible = a.preemptible.get(&format!("{path}.preemptible"), p);
+    for (key, names) in
+        [("allowed_tools", a.allowed_tools.as_deref().unwrap_or_default()), ("high_risk_tools", &a.high_risk_tools[..])]
+    {
+        for (i, n) in names.iter().enumerate() {
+            if !crate::task::tools::valid_tool_name(n) {
+                p.add(format!("{path}.{key}[{i}]"), "must be a tool name: 1..64 characters of a-z A-Z 0-9 _ -");
+            }
+        }
+    }
     Some(ApplicationConfig {
         name: name.to_string(),
         tenant: tenant?,
@@ -467,6 +476,8 @@ fn application(
         },
         data_class: data_class?,
         allow_smaller_model: a.allow_smaller_model,
+        allowed_tools: a.allowed_tools,
+        high_risk_tools: a.high_risk_tools,
     })
 }
 
@@ -593,6 +604,7 @@ fn engine(
         reserved_realtime_slots: e.reserved_realtime_slots,
         exclusive: e.exclusive,
         memory_budget_bytes: memory_budget_bytes?,
+        tools: e.tools,
     })
 }
 

@@ -26,7 +26,7 @@ use async_trait::async_trait;
 use futures::stream::BoxStream;
 
 use crate::config::{EngineConfig, EngineKind};
-use crate::task::{ChatMessage, SamplingParams};
+use crate::task::{ChatMessage, SamplingParams, ToolCallDelta, ToolSet};
 
 /// What an engine is asked to do: the engine-side model name and the chat.
 #[derive(Debug, Clone)]
@@ -35,12 +35,18 @@ pub struct EngineRequest {
     pub messages: Vec<ChatMessage>,
     pub params: SamplingParams,
     pub max_output_tokens: u32,
+    /// Tools the model may call (only sent to instances configured with
+    /// `tools = true`; admission sees to that).
+    pub tools: Option<ToolSet>,
 }
 
 /// One piece of an engine's answer, in the order the engine sent it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineChunk {
     Delta(String),
+    /// A piece of a tool call (OpenAI-style engines stream them; Ollama
+    /// sends each call whole, as one piece).
+    ToolCall(ToolCallDelta),
     /// Token counts reported by the engine itself.
     Usage {
         input_tokens: u32,

@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 use super::wire::{decode_lines, LineDecoder};
 use super::{truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineRequest, EngineStream};
 use crate::config::{EngineConfig, EngineKind};
-use crate::task::ChatMessage;
+use crate::task::{ChatMessage, ToolCallDelta};
 
 pub struct OllamaEngine {
     cfg: EngineConfig,
@@ -54,6 +54,12 @@ struct WireMessage<'a> {
     content: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     images: Option<&'a Value>,
+    /// An assistant turn's calls, arguments as objects (Ollama's form).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<Value>>,
+    /// A tool result's tool, which Ollama matches calls by.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_name: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -64,6 +70,9 @@ struct WireRequest<'a> {
     options: Map<String, Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     keep_alive: Option<&'a str>,
+    /// The same `{"type": "function", …}` declarations as OpenAI's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<&'a [Value]>,
 }
 
 #[derive(Deserialize)]
@@ -81,6 +90,10 @@ struct WireLine {
 struct WireContent {
     #[serde(default)]
     content: String,
+    /// Whole calls: `{"function": {"name", "arguments": {…}}}` (newer
+    /// versions add `id` and `index`).
+    #[serde(default)]
+    tool_calls: Vec<Value>,
 }
 
 impl TryFrom<WireLine> for Vec<EngineChunk> {
@@ -119,7 +132,13 @@ fn content_text(m: &ChatMessage) -> String {
     }
 }
 
-struct NdjsonDecoder;
+/// NDJSON decoder. Counts the tool calls (Ollama sends each whole, without
+/// an index in older versions) and reports `tool_calls` as the finish
+/// reason of an answer that made some, as OpenAI-style engines do.
+#[derive(Default)]
+struct NdjsonDecoder {
+    calls: u32,
+}
 
 impl LineDecoder for NdjsonDecoder {
     fn line(&mut self, line: &str, out: &mut VecDeque<EngineChunk>) -> Result<bool, EngineError> {
@@ -127,12 +146,74 @@ impl LineDecoder for NdjsonDecoder {
         if line.is_empty() {
             return Ok(false);
         }
-        let l: WireLine = serde_json::from_str(line)
+        let mut l: WireLine = serde_json::from_str(line)
             .map_err(|e| EngineError::Protocol(format!("bad NDJSON line ({e}): {}", truncate(line, 120))))?;
         let done = l.done;
-        out.extend(Vec::<EngineChunk>::try_from(l)?);
+        let calls = l.message.as_mut().map(|m| std::mem::take(&mut m.tool_calls)).unwrap_or_default();
+        let mut chunks = Vec::<EngineChunk>::try_from(l)?;
+        // Calls come before the finish (and usage) of the same line.
+        let at = chunks.iter().position(|c| !matches!(c, EngineChunk::Delta(_))).unwrap_or(chunks.len());
+        let mut pieces = Vec::with_capacity(calls.len());
+        for call in calls {
+            let f = call.get("function").cloned().unwrap_or(Value::Null);
+            let arguments = match f.get("arguments") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Null) | None => String::new(),
+                Some(v) => v.to_string(),
+            };
+            pieces.push(EngineChunk::ToolCall(ToolCallDelta {
+                index: self.calls,
+                id: call.get("id").and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_string),
+                name: f.get("name").and_then(Value::as_str).map(str::to_string),
+                arguments,
+            }));
+            self.calls += 1;
+        }
+        chunks.splice(at..at, pieces);
+        if self.calls > 0 {
+            for c in &mut chunks {
+                if let EngineChunk::Finish(r) = c {
+                    if r == "stop" {
+                        *r = "tool_calls".into();
+                    }
+                }
+            }
+        }
+        out.extend(chunks);
         Ok(done)
     }
+}
+
+/// An OpenAI assistant turn's `tool_calls` in Ollama's form: arguments as
+/// a JSON object, not a string.
+fn ollama_tool_calls(m: &ChatMessage) -> Option<Vec<Value>> {
+    let calls = m.extra.get("tool_calls")?.as_array()?;
+    Some(
+        calls
+            .iter()
+            .map(|c| {
+                let f = c.get("function").cloned().unwrap_or(Value::Null);
+                let args = match f.get("arguments") {
+                    Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
+                    Some(v) => v.clone(),
+                    None => Value::Object(Map::new()),
+                };
+                serde_json::json!({"function": {"name": f.get("name").cloned().unwrap_or(Value::Null), "arguments": args}})
+            })
+            .collect(),
+    )
+}
+
+/// The tool a `role: "tool"` message answers: the name of the call with its
+/// `tool_call_id` in an earlier assistant turn.
+fn answered_tool(messages: &[ChatMessage], m: &ChatMessage) -> Option<String> {
+    if m.role != "tool" {
+        return None;
+    }
+    let id = m.extra.get("tool_call_id")?.as_str()?;
+    messages.iter().filter_map(|a| a.extra.get("tool_calls")?.as_array()).flatten().find_map(|c| {
+        (c.get("id")?.as_str()? == id).then(|| c.get("function")?.get("name")?.as_str().map(str::to_string))?
+    })
 }
 
 #[async_trait]
@@ -163,11 +244,18 @@ impl Engine for OllamaEngine {
             messages: req
                 .messages
                 .iter()
-                .map(|m| WireMessage { role: &m.role, content: content_text(m), images: m.extra.get("images") })
+                .map(|m| WireMessage {
+                    role: &m.role,
+                    content: content_text(m),
+                    images: m.extra.get("images"),
+                    tool_calls: ollama_tool_calls(m),
+                    tool_name: answered_tool(&req.messages, m),
+                })
                 .collect(),
             stream: self.cfg.stream,
             options,
             keep_alive: self.cfg.keep_alive.as_deref(),
+            tools: req.tools.as_ref().map(|t| t.tools.as_slice()),
         };
         let resp = super::send(self.client.post(self.url("/api/chat")).json(&body)).await?;
         let status = resp.status();
@@ -176,7 +264,7 @@ impl Engine for OllamaEngine {
             return Err(EngineError::Status { status: status.as_u16(), body: truncate(&text, 300) });
         }
         // A non-streamed answer is one NDJSON line with `done: true`.
-        Ok(decode_lines(resp.bytes_stream(), NdjsonDecoder))
+        Ok(decode_lines(resp.bytes_stream(), NdjsonDecoder::default()))
     }
 
     async fn health(&self) -> EngineHealth {
@@ -212,8 +300,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn whole_tool_calls_become_pieces_and_finish_as_tool_calls() {
+        let mut d = NdjsonDecoder::default();
+        let mut out = VecDeque::new();
+        assert!(d
+            .line(r#"{"message":{"role":"assistant","content":"","tool_calls":[{"function":{"name":"get_weather","arguments":{"city":"Oslo"}}},{"function":{"name":"ping","arguments":{}}}]},"done":true,"done_reason":"stop","eval_count":9}"#, &mut out)
+            .unwrap());
+        let out: Vec<_> = out.into_iter().collect();
+        assert_eq!(
+            out[0],
+            EngineChunk::ToolCall(ToolCallDelta {
+                index: 0,
+                id: None,
+                name: Some("get_weather".into()),
+                arguments: r#"{"city":"Oslo"}"#.into()
+            })
+        );
+        assert!(matches!(&out[1], EngineChunk::ToolCall(c) if c.index == 1 && c.arguments == "{}"));
+        assert_eq!(out.last(), Some(&EngineChunk::Finish("tool_calls".into())));
+    }
+
+    #[test]
     fn final_line_carries_usage_and_reason() {
-        let mut d = NdjsonDecoder;
+        let mut d = NdjsonDecoder::default();
         let mut out = VecDeque::new();
         assert!(!d.line(r#"{"message":{"role":"assistant","content":"Hel"},"done":false}"#, &mut out).unwrap());
         assert!(d

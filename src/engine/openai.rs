@@ -22,7 +22,7 @@ use super::{
     truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineLoad, EngineRequest, EngineStream,
 };
 use crate::config::{EngineConfig, EngineKind};
-use crate::task::{ChatMessage, SamplingParams};
+use crate::task::{ChatMessage, SamplingParams, ToolCallDelta};
 
 /// Limit of one `/slots` or `/metrics` request: a probe must not hang on
 /// an engine that is slow to report.
@@ -98,6 +98,12 @@ struct WireRequest<'a> {
     max_tokens: u32,
     #[serde(flatten)]
     params: &'a SamplingParams,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<&'a [Value]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<&'a Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parallel_tool_calls: Option<bool>,
 }
 
 #[derive(Serialize)]
@@ -133,6 +139,23 @@ struct WireChoice {
 #[derive(Deserialize)]
 struct WireMessage {
     content: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<WireToolCall>>,
+}
+
+/// A tool call of a message (whole) or of a delta (a piece). A whole
+/// message's calls may lack `index`: their position is it.
+#[derive(Deserialize)]
+struct WireToolCall {
+    index: Option<u32>,
+    id: Option<String>,
+    function: Option<WireFunction>,
+}
+
+#[derive(Deserialize)]
+struct WireFunction {
+    name: Option<String>,
+    arguments: Option<String>,
 }
 
 impl TryFrom<WireChunk> for Vec<EngineChunk> {
@@ -145,9 +168,25 @@ impl TryFrom<WireChunk> for Vec<EngineChunk> {
         }
         let mut out = Vec::new();
         if let Some(choice) = c.choices.into_iter().next() {
-            let text = choice.delta.or(choice.message).and_then(|m| m.content);
+            let (text, calls) = match choice.delta.or(choice.message) {
+                Some(m) => (m.content, m.tool_calls.unwrap_or_default()),
+                None => (None, Vec::new()),
+            };
             if let Some(t) = text.filter(|t| !t.is_empty()) {
                 out.push(EngineChunk::Delta(t));
+            }
+            for (i, call) in calls.into_iter().enumerate() {
+                let (name, arguments) = match call.function {
+                    Some(f) => (f.name.filter(|n| !n.is_empty()), f.arguments.unwrap_or_default()),
+                    None => (None, String::new()),
+                };
+                let index = call.index.unwrap_or(i as u32);
+                out.push(EngineChunk::ToolCall(ToolCallDelta {
+                    index,
+                    id: call.id.filter(|id| !id.is_empty()),
+                    name,
+                    arguments,
+                }));
             }
             if let Some(r) = choice.finish_reason {
                 out.push(EngineChunk::Finish(r));
@@ -229,6 +268,9 @@ impl Engine for OpenAiEngine {
             stream_options: stream.then_some(StreamOptions { include_usage: true }),
             max_tokens: req.max_output_tokens,
             params: &req.params,
+            tools: req.tools.as_ref().map(|t| t.tools.as_slice()),
+            tool_choice: req.tools.as_ref().and_then(|t| t.tool_choice.as_ref()),
+            parallel_tool_calls: req.tools.as_ref().and_then(|t| t.parallel_tool_calls),
         };
         let resp = super::send(self.post(&body)).await?;
         let status = resp.status();
@@ -317,6 +359,33 @@ mod tests {
                 EngineChunk::Delta("Hi".into()),
                 EngineChunk::Usage { input_tokens: 5, output_tokens: 1 },
                 EngineChunk::Finish("length".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn tool_call_pieces_are_decoded_in_order() {
+        let (chunks, _) = decode(&[
+            r#"data: {"choices":[{"delta":{"role":"assistant","content":null,"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"get_weather","arguments":""}}]}}]}"#,
+            r#"data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"city\":"}}]}}]}"#,
+            r#"data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\"Oslo\"}"}}]},"finish_reason":"tool_calls"}]}"#,
+            "data: [DONE]",
+        ]);
+        let piece = |id: Option<&str>, name: Option<&str>, a: &str| {
+            EngineChunk::ToolCall(ToolCallDelta {
+                index: 0,
+                id: id.map(str::to_string),
+                name: name.map(str::to_string),
+                arguments: a.into(),
+            })
+        };
+        assert_eq!(
+            chunks,
+            vec![
+                piece(Some("call_1"), Some("get_weather"), ""),
+                piece(None, None, "{\"city\":"),
+                piece(None, None, "\"Oslo\"}"),
+                EngineChunk::Finish("tool_calls".into())
             ]
         );
     }

@@ -141,6 +141,15 @@ impl Gateway {
         let meta = rec
             .result
             .unwrap_or_else(|| ResultMeta::bare(&rec.request_id, &rec.task_id, rec.state, "", &self.config.node_id));
+        // The calls come back whole, one piece each, as they were kept.
+        for c in &meta.tool_calls {
+            events.push(TaskEvent::ToolCallDelta(crate::task::ToolCallDelta {
+                index: c.index,
+                id: Some(c.id.clone()),
+                name: Some(c.name.clone()),
+                arguments: c.arguments.clone(),
+            }));
+        }
         let code = rec.error_code.as_deref().and_then(parse_code);
         match (rec.state, code) {
             (TaskState::Succeeded, _) => events.push(TaskEvent::Done(Box::new(meta))),
@@ -178,5 +187,6 @@ fn stored_request(r: &TaskRequest) -> StoredRequest {
         prompt_sha256: r.prompt_sha256.clone(),
         input_tokens_estimate: r.input_tokens_estimate,
         degrade_reason: r.degrade_reason.clone(),
+        tools: r.tools.clone(),
     }
 }

@@ -20,6 +20,21 @@ pub fn event_json(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
             "seq": seq, "type": "queued", "request_id": request_id, "position": position,
         }),
         TaskEvent::Delta { text } => json!({ "seq": seq, "type": "delta", "request_id": request_id, "text": text }),
+        // The first piece of each call carries `id` and `name`; every piece
+        // a fragment of the JSON `arguments`, to be concatenated by `index`.
+        TaskEvent::ToolCallDelta(d) => {
+            let mut v = json!({
+                "seq": seq, "type": "tool_call", "request_id": request_id,
+                "index": d.index, "arguments": d.arguments,
+            });
+            if let Some(id) = &d.id {
+                v["id"] = id.as_str().into();
+            }
+            if let Some(name) = &d.name {
+                v["name"] = name.as_str().into();
+            }
+            v
+        }
         TaskEvent::Done(meta) => json!({
             "seq": seq, "type": "done", "request_id": request_id,
             "result": serde_json::to_value(&**meta).unwrap_or(Value::Null),

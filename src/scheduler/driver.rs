@@ -22,6 +22,7 @@ use crate::engine::{EngineChunk, EngineRequest};
 use crate::error::{ErrorCode, GatewayError};
 use crate::router::breaker::Attempt;
 use crate::router::DispatchError;
+use crate::task::tools::ToolCallAssembler;
 use crate::task::{FallbackStep, ResultMeta, Route, RouteHop, TaskEvent, TaskRequest, TaskState, Timing, Usage};
 
 /// The outcome of a time limit that passed.
@@ -87,6 +88,8 @@ struct Progress {
     deltas: u32,
     finish_reason: Option<String>,
     text: String,
+    /// The tool calls the model made, put together from their pieces.
+    tool_calls: ToolCallAssembler,
     /// The instance the task ran on (the router's index), for the
     /// post-cancel grace check.
     instance_index: Option<usize>,
@@ -110,6 +113,7 @@ impl Progress {
         self.deltas = 0;
         self.finish_reason = None;
         self.text.clear();
+        self.tool_calls = ToolCallAssembler::default();
     }
 
     fn hop(&mut self, step: FallbackStep, model: &str, instance: Option<&str>, reason: impl Into<String>) {
@@ -465,6 +469,7 @@ impl Driver {
             messages: r.messages.clone(),
             params: r.params.clone(),
             max_output_tokens: lease.max_output_tokens,
+            tools: r.tools.clone(),
         };
         let mut stream = tokio::select! {
             biased;
@@ -538,7 +543,7 @@ impl Driver {
                 c = stream.next() => c,
             };
             match chunk {
-                Some(Ok(EngineChunk::Delta(text))) => {
+                Some(Ok(piece @ (EngineChunk::Delta(_) | EngineChunk::ToolCall(_)))) => {
                     last_token = tokio::time::Instant::now();
                     if p.first_token_at.is_none() {
                         p.first_token_at = Some(Instant::now());
@@ -559,10 +564,21 @@ impl Driver {
                     }
                     p.deltas += 1;
                     lease.output_tokens += 1;
-                    if self.keep_text {
-                        p.text.push_str(&text);
+                    match piece {
+                        EngineChunk::ToolCall(d) => {
+                            // Every call's first piece carries an id and
+                            // its name; later pieces only arguments.
+                            let d = p.tool_calls.push(d, &r.task_id);
+                            self.log.push(TaskEvent::ToolCallDelta(d));
+                        }
+                        EngineChunk::Delta(text) => {
+                            if self.keep_text {
+                                p.text.push_str(&text);
+                            }
+                            self.log.push(TaskEvent::Delta { text });
+                        }
+                        _ => {}
                     }
-                    self.log.push(TaskEvent::Delta { text });
                 }
                 Some(Ok(EngineChunk::Usage { input_tokens, output_tokens })) => {
                     p.usage = Some((input_tokens, output_tokens));
@@ -614,6 +630,22 @@ impl Driver {
         self.log.push(TaskEvent::Error { error: e, meta: Box::new(meta) });
     }
 
+    /// Counts the calls (`edgeway_tool_calls_total`) and logs the
+    /// high-risk ones: someone must confirm them before they run.
+    fn count_tool_calls(&self, calls: &[crate::task::ToolCall]) {
+        let r = &self.req;
+        for c in calls {
+            let valid = if c.valid { "true" } else { "false" };
+            let high_risk = if c.requires_confirmation { "true" } else { "false" };
+            self.shared.metrics.tool_calls.with_label_values(&[r.logical_model.as_str(), valid, high_risk]).inc();
+            if c.requires_confirmation {
+                tracing::warn!(task_id = %r.task_id, application = %r.identity.application, tool = %c.name, valid = c.valid, "high-risk tool call: requires confirmation");
+            } else if !c.valid {
+                tracing::info!(task_id = %r.task_id, tool = %c.name, error = c.error.as_deref().unwrap_or(""), "invalid tool call");
+            }
+        }
+    }
+
     fn withdraw(&self) {
         let _ = self.tx.send(Cmd::Withdraw { task_id: self.req.task_id.clone() });
     }
@@ -647,6 +679,30 @@ impl Driver {
             None => Usage::default(),
         };
         let route_degraded = p.step.is_some_and(|s| s != FallbackStep::SameModel);
+        let high_risk = self
+            .shared
+            .config
+            .applications
+            .get(&r.identity.application)
+            .map(|a| a.high_risk_tools.as_slice())
+            .unwrap_or_default();
+        let tool_calls = p.tool_calls.finish(r.tools.as_ref(), high_risk);
+        let mut outcome = outcome;
+        if !tool_calls.is_empty() {
+            self.count_tool_calls(&tool_calls);
+            let invalid = tool_calls.iter().filter(|c| !c.valid).count();
+            let confirm = tool_calls.iter().filter(|c| c.requires_confirmation).count();
+            // The record says so too: it is the audit of what the model asked for.
+            outcome.reason = format!("{}; {} tool call(s), {invalid} invalid", outcome.reason, tool_calls.len());
+            if confirm > 0 {
+                outcome.reason = format!("{}, {confirm} high-risk (requires confirmation)", outcome.reason);
+            }
+        }
+        let mut finish_reason = p.finish_reason.clone();
+        // OpenAI's clients look for `tool_calls` to run the calls.
+        if !tool_calls.is_empty() && finish_reason.as_deref().is_none_or(|f| f == "stop") {
+            finish_reason = Some("tool_calls".into());
+        }
         let meta = ResultMeta {
             request_id: r.request_id.clone(),
             task_id: r.task_id.clone(),
@@ -663,7 +719,7 @@ impl Driver {
                 total_ms: ms(r.received_at, end),
             },
             finish_reason: match state {
-                TaskState::Succeeded => Some(p.finish_reason.clone().unwrap_or_else(|| "stop".into())),
+                TaskState::Succeeded => Some(finish_reason.unwrap_or_else(|| "stop".into())),
                 _ => None,
             },
             degraded: r.degrade_reason.is_some() || route_degraded,
@@ -685,11 +741,20 @@ impl Driver {
                 hops: p.hops,
                 degraded: route_degraded,
             },
+            tool_calls_valid: (!tool_calls.is_empty()).then(|| tool_calls.iter().all(|c| c.valid)),
+            tool_calls,
         };
         let error_code = outcome.error.as_ref().map(|(e, _)| e.code.as_str());
+        // The arguments are answer text: stored only where the text is.
+        let mut stored = None;
+        if !self.keep_text && !meta.tool_calls.is_empty() {
+            let mut m = meta.clone();
+            m.tool_calls.iter_mut().for_each(|c| c.arguments.clear());
+            stored = Some(m);
+        }
         self.shared.recorder.finished(
             r,
-            &meta,
+            stored.as_ref().unwrap_or(&meta),
             &outcome.reason,
             p.instance.as_deref(),
             actor,

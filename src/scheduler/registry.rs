@@ -44,6 +44,11 @@ fn event_bytes(e: &TaskEvent) -> usize {
             TaskEvent::Accepted { task_id, .. } => task_id.capacity(),
             TaskEvent::Queued { .. } => 0,
             TaskEvent::Delta { text } => text.capacity(),
+            TaskEvent::ToolCallDelta(d) => {
+                d.arguments.capacity()
+                    + d.id.as_ref().map_or(0, String::capacity)
+                    + d.name.as_ref().map_or(0, String::capacity)
+            }
             TaskEvent::Done(_) => RESULT_META_BYTES,
             TaskEvent::Error { error, .. } => error.message.capacity() + RESULT_META_BYTES,
         }

@@ -40,6 +40,9 @@ pub struct StoredRequest {
     pub prompt_sha256: String,
     pub input_tokens_estimate: u32,
     pub degrade_reason: Option<String>,
+    /// The request's tools (absent in requests kept before tool calling).
+    #[serde(default)]
+    pub tools: Option<crate::task::ToolSet>,
 }
 
 /// A task that was not terminal when the gateway stopped.

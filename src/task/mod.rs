@@ -8,6 +8,7 @@
 //! (see `scheduler`).
 
 pub mod log;
+pub mod tools;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -15,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::GatewayError;
+pub use tools::{ToolCall, ToolCallDelta, ToolSet};
 
 /// P0 (alarms) is the most urgent, P4 (batch) the least. `Ord` follows
 /// urgency: `P0 < P4`, so the smallest value runs first.
@@ -446,6 +448,9 @@ pub struct TaskRequest {
     /// Set when admission served less than asked (e.g. output budget cut to
     /// fit the context); reported as `degraded` in the result.
     pub degrade_reason: Option<String>,
+    /// The tools the request declares (passed to the engine, and what the
+    /// model's calls are checked against).
+    pub tools: Option<ToolSet>,
 }
 
 /// Token counts. `estimated` is true when the engine did not report them
@@ -487,6 +492,14 @@ pub struct ResultMeta {
     /// was reported.
     #[serde(default)]
     pub route: Route,
+    /// The tool calls of the answer, each with its verdict. Absent when
+    /// the model called none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// Whether every tool call is valid (declared tool, arguments that
+    /// match its schema); absent when the model called none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls_valid: Option<bool>,
 }
 
 impl ResultMeta {
@@ -507,6 +520,8 @@ impl ResultMeta {
             degraded: false,
             degrade_reason: None,
             route: Route { requested_model: logical_model.to_string(), ..Route::default() },
+            tool_calls: Vec::new(),
+            tool_calls_valid: None,
         }
     }
 }
@@ -527,6 +542,9 @@ pub enum TaskEvent {
     Delta {
         text: String,
     },
+    /// A piece of a tool call the model makes (the first piece of each call
+    /// carries its id and name).
+    ToolCallDelta(ToolCallDelta),
     Done(Box<ResultMeta>),
     Error {
         error: GatewayError,

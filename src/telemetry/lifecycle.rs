@@ -209,7 +209,15 @@ impl Recorder {
             self.store.finish(meta, error_code, result_text, req.idempotency_key.is_some());
         });
         if recorded {
-            self.publish(req, meta.status, reason, instance, actor, error_code, Some(meta));
+            // Lifecycle events carry no answer text, and tool-call
+            // arguments are answer text.
+            let mut public = None;
+            if meta.tool_calls.iter().any(|c| !c.arguments.is_empty()) {
+                let mut m = meta.clone();
+                m.tool_calls.iter_mut().for_each(|c| c.arguments.clear());
+                public = Some(m);
+            }
+            self.publish(req, meta.status, reason, instance, actor, error_code, Some(public.as_ref().unwrap_or(meta)));
         }
     }
 
@@ -333,6 +341,7 @@ mod tests {
             received_at: Instant::now(),
             received_wall: SystemTime::now(),
             degrade_reason: None,
+            tools: None,
         }
     }
 

@@ -31,6 +31,9 @@ pub struct Metrics {
     pub tasks_finished: IntCounterVec,
     /// Tokens by model and direction (`input`/`output`).
     pub tokens: IntCounterVec,
+    /// Tool calls models made, by model, `valid` (declared tool, arguments
+    /// match its schema) and `high_risk` (needs confirmation).
+    pub tool_calls: IntCounterVec,
     pub queue_wait: HistogramVec,
     pub first_token: HistogramVec,
     pub task_duration: HistogramVec,
@@ -144,6 +147,11 @@ impl Metrics {
                 &["model", "state"],
             ),
             tokens: counter("tokens_total", "Tokens processed, by model and direction", &["model", "direction"]),
+            tool_calls: counter(
+                "tool_calls_total",
+                "Tool calls made by models, by model, validity and whether the tool is high-risk",
+                &["model", "valid", "high_risk"],
+            ),
             queue_wait: hist("queue_wait_seconds", "Time from admission to dispatch", &["model", "priority"]),
             first_token: hist("first_token_seconds", "Time from receipt to the first token", &["model", "priority"]),
             task_duration: hist("task_duration_seconds", "Time from receipt to the end", &["model", "state"]),

@@ -55,7 +55,15 @@ pub struct Knobs {
     /// The `finish_reason` of a whole answer, instead of `stop`/`length`
     /// (an engine that says something odd).
     pub finish_reason: Option<String>,
+    /// Calls `(name, arguments JSON text)` the fake makes instead of
+    /// writing text, when the request declares `tools`. OpenAI-style, the
+    /// arguments stream in pieces of [`TOOL_ARGS_PIECE`] bytes, one piece
+    /// per token; Ollama-style, each call comes whole.
+    pub tool_calls: Vec<(String, String)>,
 }
+
+/// Bytes of a tool call's arguments per streamed piece.
+pub const TOOL_ARGS_PIECE: usize = 5;
 
 impl Knobs {
     /// `tokens` per answer, one every `delay_ms` milliseconds.
@@ -82,6 +90,7 @@ impl Default for Knobs {
             metrics: None,
             resident: true,
             finish_reason: None,
+            tool_calls: Vec::new(),
         }
     }
 }
@@ -313,11 +322,78 @@ fn generate(
     Body::from_stream(frames)
 }
 
+/// The streamed pieces of the calls, OpenAI-style: per call a first piece
+/// with id, type, name and empty arguments, then the arguments split.
+fn tool_call_pieces(calls: &[(String, String)]) -> Vec<Value> {
+    let mut out = Vec::new();
+    for (i, (name, args)) in calls.iter().enumerate() {
+        out.push(json!({"index": i, "id": format!("call_fake_{i}"), "type": "function", "function": {"name": name, "arguments": ""}}));
+        let chars: Vec<char> = args.chars().collect();
+        for piece in chars.chunks(TOOL_ARGS_PIECE) {
+            out.push(json!({"index": i, "function": {"arguments": piece.iter().collect::<String>()}}));
+        }
+    }
+    out
+}
+
+/// The fake's tool-call answer (OpenAI form), when the knobs and the
+/// request ask for one.
+async fn openai_tool_calls(s: &Shared, k: Knobs, body: &Value) -> Response {
+    let model = body["model"].as_str().unwrap_or("fake").to_string();
+    let pt = prompt_tokens(body);
+    let pieces = tool_call_pieces(&k.tool_calls);
+    let n = pieces.len() as u32;
+    let usage = json!({"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n});
+    if !body["stream"].as_bool().unwrap_or(false) {
+        let mut g = Generation::start(&s.stats);
+        tokio::time::sleep(k.first_token_delay).await;
+        g.complete();
+        let calls: Vec<Value> = k
+            .tool_calls
+            .iter()
+            .enumerate()
+            .map(|(i, (name, args))| json!({"id": format!("call_fake_{i}"), "type": "function", "function": {"name": name, "arguments": args}}))
+            .collect();
+        return Json(json!({
+            "id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": null, "tool_calls": calls}, "finish_reason": "tool_calls"}],
+            "usage": usage,
+        }))
+        .into_response();
+    }
+    let sse = |v: Value| Bytes::from(format!("data: {v}\n\n"));
+    let chunk = move |delta: Value, finish: Option<&str>| json!({"id": "c", "object": "chat.completion.chunk", "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+    let body = generate(k, n, s.stats.clone(), move |i| match i {
+        Some(i) => {
+            let mut delta = json!({"tool_calls": [pieces[i as usize].clone()]});
+            if i == 0 {
+                delta["role"] = "assistant".into();
+                delta["content"] = Value::Null;
+            }
+            vec![sse(chunk(delta, None))]
+        }
+        None => vec![
+            sse(chunk(json!({}), Some("tool_calls"))),
+            sse(json!({"id": "c", "object": "chat.completion.chunk", "choices": [], "usage": usage})),
+            Bytes::from_static(b"data: [DONE]\n\n"),
+        ],
+    });
+    ([("content-type", "text/event-stream")], body).into_response()
+}
+
+/// Whether the fake answers `body` with tool calls.
+fn wants_tool_calls(k: &Knobs, body: &Value) -> bool {
+    !k.tool_calls.is_empty() && body["tools"].as_array().is_some_and(|t| !t.is_empty())
+}
+
 async fn openai_chat(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
     let k = match begin(&s, &body).await {
         Ok(k) => k,
         Err(r) => return r,
     };
+    if wants_tool_calls(&k, &body) {
+        return openai_tool_calls(&s, k, &body).await;
+    }
     let n = token_count(&k, body["max_tokens"].as_u64());
     let model = body["model"].as_str().unwrap_or("fake").to_string();
     let pt = prompt_tokens(&body);
@@ -379,6 +455,31 @@ async fn ollama_chat(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> R
     let text = k.token_text.clone();
     let finish = if n < k.tokens { "length" } else { "stop" };
     let line = |v: Value| Bytes::from(format!("{v}\n"));
+    if wants_tool_calls(&k, &body) {
+        // Ollama's form: whole calls, arguments as objects, `stop`.
+        let calls: Vec<Value> = k
+            .tool_calls
+            .iter()
+            .map(|(name, args)| {
+                let args: Value = serde_json::from_str(args).unwrap_or(Value::String(args.clone()));
+                json!({"function": {"name": name, "arguments": args}})
+            })
+            .collect();
+        let n = calls.len() as u32;
+        let last = json!({"model": model, "message": {"role": "assistant", "content": ""}, "done": true, "done_reason": "stop", "prompt_eval_count": pt, "eval_count": n});
+        if !body["stream"].as_bool().unwrap_or(true) {
+            let mut v = last;
+            v["message"]["tool_calls"] = Value::Array(calls);
+            return Json(v).into_response();
+        }
+        let body = generate(k, n, s.stats.clone(), move |i| match i {
+            Some(i) => vec![line(
+                json!({"model": model, "message": {"role": "assistant", "content": "", "tool_calls": [calls[i as usize].clone()]}, "done": false}),
+            )],
+            None => vec![line(last.clone())],
+        });
+        return ([("content-type", "application/x-ndjson")], body).into_response();
+    }
     if !body["stream"].as_bool().unwrap_or(true) {
         let mut g = Generation::start(&s.stats);
         tokio::time::sleep(k.first_token_delay + k.token_delay * n.saturating_sub(1)).await;

@@ -435,7 +435,7 @@ pub fn validate_message(m: &Msg) {
         return validate("models", &v);
     }
     if let Some(t) = v["type"].as_str() {
-        if ["accepted", "queued", "delta", "done", "error"].contains(&t) {
+        if ["accepted", "queued", "delta", "tool_call", "done", "error"].contains(&t) {
             validate(&format!("event-{t}"), &v);
         }
     }

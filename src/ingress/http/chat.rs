@@ -14,7 +14,7 @@ use super::caller::{header_text, id_headers, Credential};
 use super::errors::{error_object, ApiError};
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::{Caller, Gateway, SubmitOptions, TaskStream};
-use crate::task::{Ingress, ResultMeta, TaskEvent};
+use crate::task::{Ingress, ResultMeta, TaskEvent, ToolCallDelta};
 
 /// The submission options of an HTTP chat call: the `x-request-id` hint,
 /// and the `Idempotency-Key` header for a body that names no
@@ -49,6 +49,20 @@ fn chunk(id: &str, created: i64, model: &str, delta: Value, finish: Option<&str>
         "system_fingerprint": null,
         "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish }],
     })
+}
+
+/// One piece of a tool call in OpenAI's chunk form: the first piece of a
+/// call (the one with its id) carries `id`, `type` and `function.name`,
+/// later ones only `index` and an `arguments` fragment, so the SDKs'
+/// accumulation by `index` works unchanged.
+fn tool_call_piece(d: &ToolCallDelta) -> Value {
+    match &d.id {
+        Some(id) => json!({
+            "index": d.index, "id": id, "type": "function",
+            "function": { "name": d.name.as_deref().unwrap_or_default(), "arguments": d.arguments },
+        }),
+        None => json!({ "index": d.index, "function": { "arguments": d.arguments } }),
+    }
 }
 
 fn usage_json(m: &ResultMeta) -> Value {
@@ -112,6 +126,9 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
                 TaskEvent::Delta { text } => {
                     sse(&chunk(&st.id, st.created, &st.model, json!({ "content": text }), None))
                 }
+                TaskEvent::ToolCallDelta(d) => {
+                    sse(&chunk(&st.id, st.created, &st.model, json!({ "tool_calls": [tool_call_piece(&d)] }), None))
+                }
                 TaskEvent::Done(meta) => {
                     st.finished = true;
                     let edge = serde_json::to_value(&*meta).unwrap_or(Value::Null);
@@ -155,9 +172,23 @@ async fn whole_response(mut task: TaskStream, model: String) -> Response {
     let created = crate::task::now_ms() / 1000;
     while let Some((_, ev)) = task.recv().await {
         match ev {
-            TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } => {}
+            // The whole calls are in the result, checked.
+            TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::ToolCallDelta(_) => {}
             TaskEvent::Delta { text: t } => text.push_str(&t),
             TaskEvent::Done(meta) => {
+                let mut message = json!({ "role": "assistant", "content": text, "refusal": null });
+                if !meta.tool_calls.is_empty() {
+                    let calls: Vec<Value> = meta
+                        .tool_calls
+                        .iter()
+                        .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+                        .collect();
+                    message["tool_calls"] = Value::Array(calls);
+                    // OpenAI's form: no text beside the calls is null.
+                    if text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                }
                 let body = json!({
                     "id": format!("chatcmpl-{}", meta.task_id),
                     "object": "chat.completion",
@@ -166,7 +197,7 @@ async fn whole_response(mut task: TaskStream, model: String) -> Response {
                     "system_fingerprint": null,
                     "choices": [{
                         "index": 0,
-                        "message": { "role": "assistant", "content": text, "refusal": null },
+                        "message": message,
                         "logprobs": null,
                         "finish_reason": meta.finish_reason,
                     }],

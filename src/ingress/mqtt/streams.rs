@@ -273,7 +273,7 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
                     flush(&mut pending, &mut seq, &mut last_flush);
                 }
             }
-            Some((_, e @ (TaskEvent::Accepted { .. } | TaskEvent::Queued { .. }))) => {
+            Some((_, e @ (TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::ToolCallDelta(_)))) => {
                 flush(&mut pending, &mut seq, &mut last_flush);
                 stream.push(render(seq, &e), false);
                 seq += 1;

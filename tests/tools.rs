@@ -1,0 +1,419 @@
+//! Tool calling end to end against fake engines: `tools` pass through to
+//! the engine, tool-call deltas come back in OpenAI's chunk format (and
+//! whole in a non-streamed message), arguments are checked against the
+//! declared schema, applications' allowed and high-risk tools, engines
+//! without tool support, and the same calls as events on MQTT and NATS.
+
+mod common;
+mod mqtt_support;
+
+use std::time::Duration;
+
+use common::*;
+use edgeway::ingress::nats::BusState;
+use edgeway::testing::NatsServer;
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+const ARGS: &str = r#"{"city": "Oslo", "days": 3}"#;
+
+fn weather_tool() -> Value {
+    json!({
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather at a place",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+                "required": ["city"],
+            },
+        },
+    })
+}
+
+fn ping_tool() -> Value {
+    json!({"type": "function", "function": {"name": "ping"}})
+}
+
+/// A fake that answers requests with tools by calling `calls`.
+fn calling(calls: &[(&str, &str)]) -> Knobs {
+    Knobs { tool_calls: calls.iter().map(|(n, a)| (n.to_string(), a.to_string())).collect(), ..Knobs::default() }
+}
+
+/// The engine declared able to do tools, and `app_extra` added to the
+/// `demo` application.
+fn tools_on(app_extra: &'static str) -> impl FnOnce(String) -> String {
+    move |t| {
+        t.replace("health_interval_ms = 100", "health_interval_ms = 100\ntools = true")
+            .replace("default_priority = \"P2\"", &format!("default_priority = \"P2\"\n{app_extra}"))
+    }
+}
+
+async fn gateway(knobs: Knobs, kind: &str, app_extra: &'static str) -> (FakeEngine, TestGateway) {
+    let fake = FakeEngine::start_with(knobs).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), kind, "", tools_on(app_extra)).await;
+    gw.wait_ready().await;
+    (fake, gw)
+}
+
+fn body_with_tools(stream: bool) -> Value {
+    let mut body = chat_body(stream);
+    body["tools"] = json!([weather_tool(), ping_tool()]);
+    body["tool_choice"] = json!("auto");
+    body["parallel_tool_calls"] = json!(false);
+    body
+}
+
+fn metric(gw: &TestGateway, sample: &str) -> Option<f64> {
+    mqtt_support::metric(gw, sample)
+}
+
+#[tokio::test]
+async fn tools_are_passed_to_the_engine_not_refused() {
+    let (fake, gw) = gateway(Knobs::default(), "openai", "").await;
+    let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await;
+    let status = resp.status();
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    let seen = fake.stats.last_request.lock().unwrap().clone().unwrap();
+    assert_eq!(seen["tools"], json!([weather_tool(), ping_tool()]));
+    assert_eq!(seen["tool_choice"], "auto");
+    assert_eq!(seen["parallel_tool_calls"], false);
+    // The model answered with text: no tool calls anywhere.
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none(), "{v}");
+    assert!(v["edge"].get("tool_calls_valid").is_none(), "{v}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn non_streamed_tool_call_is_in_the_message_and_checked() {
+    for kind in ["openai", "ollama"] {
+        let (_fake, gw) = gateway(calling(&[("get_weather", ARGS)]), kind, "").await;
+        let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await;
+        assert_eq!(resp.status(), 200);
+        let v: Value = resp.json().await.unwrap();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{kind}: {v}");
+        let msg = &choice["message"];
+        assert_eq!(msg["content"], Value::Null, "{kind}: {v}");
+        let call = &msg["tool_calls"][0];
+        assert_eq!(call["type"], "function");
+        assert_eq!(call["function"]["name"], "get_weather");
+        let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args, json!({"city": "Oslo", "days": 3}));
+        assert!(call["id"].as_str().is_some_and(|id| !id.is_empty()), "{kind}: {v}");
+        assert_eq!(msg["tool_calls"].as_array().unwrap().len(), 1);
+        assert_eq!(v["edge"]["tool_calls_valid"], true, "{kind}: {v}");
+        assert_eq!(v["edge"]["tool_calls"][0]["valid"], true);
+        assert_eq!(v["edge"]["tool_calls"][0]["id"], call["id"]);
+        assert_eq!(v["edge"]["finish_reason"], "tool_calls");
+        gw.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn streamed_tool_call_arrives_in_openai_chunks() {
+    let (_fake, gw) = gateway(calling(&[("get_weather", ARGS)]), "openai", "").await;
+    let mut body = body_with_tools(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 200);
+    let (events, done) = read_sse(resp).await;
+    assert!(done, "ends with [DONE]");
+    let pieces: Vec<&Value> =
+        events.iter().filter_map(|e| e["choices"][0]["delta"]["tool_calls"].as_array()).flatten().collect();
+    assert!(pieces.len() > 2, "arguments arrive in pieces: {events:#?}");
+    // The first piece of the call: what openai-python's accumulation needs.
+    let first = pieces[0];
+    assert_eq!(first["index"], 0);
+    assert_eq!(first["type"], "function");
+    assert_eq!(first["function"]["name"], "get_weather");
+    assert_eq!(first["function"]["arguments"], "");
+    assert_eq!(first["id"], "call_fake_0");
+    for p in &pieces[1..] {
+        assert_eq!(p["index"], 0);
+        assert!(p.get("id").is_none() && p["function"].get("name").is_none(), "later pieces: {p}");
+    }
+    let args: String = pieces.iter().map(|p| p["function"]["arguments"].as_str().unwrap()).collect();
+    assert_eq!(args, ARGS);
+    let finishes: Vec<&Value> =
+        events.iter().map(|e| &e["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
+    assert_eq!(finishes, [&json!("tool_calls")]);
+    let last = events.last().unwrap();
+    assert_eq!(last["edge"]["tool_calls_valid"], true, "{last}");
+    assert_eq!(last["edge"]["tool_calls"][0]["arguments"], ARGS);
+    assert_eq!(last["usage"]["completion_tokens"], pieces.len() as u64);
+    assert_eq!(metric(&gw, r#"tool_calls_total{high_risk="false",model="general-chat",valid="true"}"#), Some(1.0));
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_tool_result_turn_reaches_the_engine_as_sent() {
+    let (fake, gw) = gateway(Knobs::default(), "openai", "").await;
+    let turn = json!([
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 4}"},
+    ]);
+    let mut body = body_with_tools(false);
+    body["messages"] = turn.clone();
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 200);
+    let seen = fake.stats.last_request.lock().unwrap().clone().unwrap();
+    assert_eq!(seen["messages"], turn);
+
+    // Ollama: the same turn in its own form (arguments as an object, the
+    // tool result naming its tool).
+    let (fake, gw2) = gateway(Knobs::default(), "ollama", "").await;
+    let resp = post_chat(&gw2, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 200);
+    let seen = fake.stats.last_request.lock().unwrap().clone().unwrap();
+    assert_eq!(seen["tools"], json!([weather_tool(), ping_tool()]));
+    let call = &seen["messages"][1]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather");
+    assert_eq!(call["arguments"], json!({"city": "Oslo", "days": 3}));
+    assert_eq!(seen["messages"][2]["role"], "tool");
+    assert_eq!(seen["messages"][2]["tool_name"], "get_weather");
+    assert_eq!(seen["messages"][2]["content"], "{\"temp\": 4}");
+
+    // A tool result without the call it answers is refused.
+    body["messages"][2].as_object_mut().unwrap().remove("tool_call_id");
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("tool_call_id"), "{v}");
+    gw.stop().await;
+    gw2.stop().await;
+}
+
+#[tokio::test]
+async fn schema_violations_and_unknown_tools_are_marked_invalid() {
+    let calls = [("get_weather", r#"{"city": 5}"#), ("launch_rocket", "{}"), ("get_weather", "{\"city\": ")];
+    let (_fake, gw) = gateway(calling(&calls), "openai", "").await;
+    for stream in [false, true] {
+        let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(stream)).await;
+        assert_eq!(resp.status(), 200);
+        let edge = if stream {
+            let (events, _) = read_sse(resp).await;
+            events.last().unwrap()["edge"].clone()
+        } else {
+            let v: Value = resp.json().await.unwrap();
+            // Invalid calls are still given to the client, marked.
+            assert_eq!(v["choices"][0]["message"]["tool_calls"].as_array().unwrap().len(), 3, "{v}");
+            v["edge"].clone()
+        };
+        assert_eq!(edge["tool_calls_valid"], false, "{edge}");
+        let calls = edge["tool_calls"].as_array().unwrap();
+        assert_eq!(calls[0]["error"], "schema_mismatch", "{edge}");
+        assert!(calls[0]["error_detail"].as_str().unwrap().starts_with("arguments/city"), "{edge}");
+        assert_eq!(calls[1]["error"], "unknown_tool");
+        assert_eq!(calls[2]["error"], "invalid_json");
+        assert!(calls.iter().all(|c| c["valid"] == false));
+    }
+    assert_eq!(metric(&gw, r#"tool_calls_total{high_risk="false",model="general-chat",valid="false"}"#), Some(6.0));
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn an_application_may_declare_only_its_allowed_tools() {
+    let (fake, gw) = gateway(Knobs::default(), "openai", "allowed_tools = [\"get_weather\"]").await;
+    let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await;
+    assert_eq!(resp.status(), 403);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(error_code(&v), "PERMISSION_DENIED");
+    assert!(v["error"]["message"].as_str().unwrap().contains("'ping'"), "{v}");
+    assert_eq!(fake.requests(), 0, "never reached the engine");
+    let mut body = body_with_tools(false);
+    body["tools"] = json!([weather_tool()]);
+    assert_eq!(post_chat(&gw, DEMO_KEY, &body).await.status(), 200);
+    // Another application of the config has no list: any tool.
+    assert_eq!(post_chat(&gw, OPS_KEY, &body_with_tools(false)).await.status(), 200);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn high_risk_calls_come_back_marked_for_confirmation() {
+    let knobs = calling(&[("get_weather", ARGS), ("ping", "")]);
+    let (_fake, gw) = gateway(knobs, "openai", "high_risk_tools = [\"ping\"]").await;
+    let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await;
+    assert_eq!(resp.status(), 200);
+    let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    let v: Value = resp.json().await.unwrap();
+    let calls = v["edge"]["tool_calls"].as_array().unwrap();
+    assert!(calls[0].get("requires_confirmation").is_none(), "{v}");
+    assert_eq!(calls[1]["name"], "ping");
+    assert_eq!(calls[1]["requires_confirmation"], true, "{v}");
+    assert_eq!(v["edge"]["tool_calls_valid"], true);
+    assert_eq!(metric(&gw, r#"tool_calls_total{high_risk="true",model="general-chat",valid="true"}"#), Some(1.0));
+    // The task's record says so (the audit of what the model asked for).
+    let rec = gw.store().get(&task_id).await.unwrap().unwrap();
+    let last = rec.transitions.last().unwrap();
+    assert!(last.reason.contains("1 high-risk (requires confirmation)"), "{:?}", last.reason);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_model_without_tool_support_refuses_tools_by_name() {
+    let fake = FakeEngine::start_with(calling(&[("get_weather", ARGS)])).await;
+    // `tools` is off by default.
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    gw.wait_ready().await;
+    let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(true)).await;
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(error_code(&v), "INVALID_REQUEST");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("'general-chat'") && msg.contains("'fake'"), "{msg}");
+    assert_eq!(fake.requests(), 0);
+    // Without tools the same model answers.
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200);
+    gw.stop().await;
+
+    // One instance of two without tools: never routed there, so refused.
+    let other = FakeEngine::start().await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        tools_on("")(t).replace("instances = [\"fake\"]", "instances = [\"fake\", \"plain\"]")
+            + &format!("[engines.plain]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"m\"\n", other.url())
+    })
+    .await;
+    let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await;
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("'plain'"), "{v}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn bad_tool_declarations_are_invalid_requests() {
+    let (fake, gw) = gateway(Knobs::default(), "openai", "").await;
+    let cases = [
+        (json!({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}), "tools[0].function.name"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "nope"}}}]}),
+            "JSON schema",
+        ),
+        (
+            json!({"tools": [ping_tool()], "tool_choice": {"type": "function", "function": {"name": "other"}}}),
+            "does not declare",
+        ),
+        (json!({"tools": [ping_tool()], "parallel_tool_calls": "yes"}), "parallel_tool_calls"),
+        (json!({"functions": [{"name": "a"}]}), "'functions'"),
+    ];
+    for (extra, want) in cases {
+        let mut body = chat_body(false);
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let resp = post_chat(&gw, DEMO_KEY, &body).await;
+        assert_eq!(resp.status(), 400, "{extra}");
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(error_code(&v), "INVALID_REQUEST");
+        assert!(v["error"]["message"].as_str().unwrap().contains(want), "{extra}: {v}");
+    }
+    assert_eq!(fake.requests(), 0);
+    gw.stop().await;
+}
+
+/// The task's event log carries the pieces: a client that follows the task
+/// later (`GET /v1/tasks/{id}/events`) gets them in order, as MQTT/NATS do.
+#[tokio::test]
+async fn the_task_event_log_replays_tool_call_pieces() {
+    let (_fake, gw) = gateway(calling(&[("get_weather", ARGS)]), "openai", "").await;
+    let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await;
+    let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    assert_eq!(resp.status(), 200);
+    let resp =
+        client().get(format!("{}/v1/tasks/{task_id}/events", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let (events, _) = read_sse(resp).await;
+    let pieces: Vec<&Value> = events.iter().filter(|e| e["type"] == "tool_call").collect();
+    for e in &events {
+        mqtt_support::validate(&format!("event-{}", e["type"].as_str().unwrap()), e);
+    }
+    assert_eq!(pieces[0]["name"], "get_weather");
+    let args: String = pieces.iter().map(|p| p["arguments"].as_str().unwrap()).collect();
+    assert_eq!(args, ARGS);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn mqtt_devices_get_tool_call_events_and_the_checked_calls() {
+    use mqtt_support::{check_stream, device, mqtt_toml, request, D1, V};
+    let fake = FakeEngine::start_with(calling(&[("get_weather", r#"{"city": 1}"#)])).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", &mqtt_toml("coalesce_ms = 0"), tools_on("")).await;
+    gw.wait_ready().await;
+    let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut req = request("tools-1");
+    req["tools"] = json!([weather_tool()]);
+    mqtt_support::validate("request", &req);
+    d.publish(&d.topic("req"), req.to_string()).await;
+    // Every message is checked against topics/schemas on arrival.
+    let events = d.stream(&d.topic("res/tools-1")).await;
+    check_stream(&events);
+    let pieces: Vec<&Value> = events.iter().filter(|e| e["type"] == "tool_call").collect();
+    assert!(pieces.len() > 1, "{events:#?}");
+    assert_eq!((pieces[0]["id"].as_str(), pieces[0]["name"].as_str()), (Some("call_fake_0"), Some("get_weather")));
+    let args: String = pieces.iter().map(|p| p["arguments"].as_str().unwrap()).collect();
+    assert_eq!(args, r#"{"city": 1}"#);
+    let done = events.last().unwrap();
+    assert_eq!(done["type"], "done");
+    assert_eq!(done["result"]["tool_calls_valid"], false);
+    assert_eq!(done["result"]["tool_calls"][0]["error"], "schema_mismatch");
+    assert_eq!(done["result"]["finish_reason"], "tool_calls");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn nats_callers_get_tool_call_events_and_the_checked_calls() {
+    let nats = NatsServer::start(false).await;
+    let fake = FakeEngine::start_with(calling(&[("get_weather", ARGS)])).await;
+    let extra = format!("\n[nats]\nurl = \"{}\"\n", nats.url());
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", &extra, tools_on("")).await;
+    gw.wait_ready().await;
+    gw.nats().wait_for(BusState::Connected).await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Authorization", format!("Bearer {DEMO_KEY}").as_str());
+    let mut req = mqtt_support::request("nats-tools-1");
+    req["tools"] = json!([weather_tool()]);
+    let mut events = Vec::new();
+    'call: for _ in 0..200 {
+        let inbox = client.new_inbox();
+        let mut sub = client.subscribe(inbox.clone()).await.unwrap();
+        let payload = serde_json::to_vec(&req).unwrap().into();
+        client.publish_with_reply_and_headers("ai.v1.chat", inbox, headers.clone(), payload).await.unwrap();
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(20), sub.next()).await.expect("an answer").unwrap();
+            if m.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+                // Not subscribed yet right after the connect: ask again.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue 'call;
+            }
+            let kind = m.headers.as_ref().and_then(|h| h.get("Edgeway-Event")).map(|v| v.as_str().to_string());
+            if kind.as_deref() == Some("keepalive") {
+                continue;
+            }
+            let v: Value = serde_json::from_slice(&m.payload).unwrap();
+            assert_eq!(kind.as_deref(), v["type"].as_str(), "the header names the event");
+            mqtt_support::validate(&format!("event-{}", v["type"].as_str().unwrap()), &v);
+            let end = v["type"] == "done" || v["type"] == "error";
+            events.push(v);
+            if end {
+                break 'call;
+            }
+        }
+    }
+    mqtt_support::check_stream(&events);
+    let pieces: Vec<&Value> = events.iter().filter(|e| e["type"] == "tool_call").collect();
+    let args: String = pieces.iter().map(|p| p["arguments"].as_str().unwrap()).collect();
+    assert_eq!(args, ARGS);
+    let done = events.last().unwrap();
+    assert_eq!(done["result"]["tool_calls_valid"], true, "{done}");
+    assert_eq!(done["result"]["tool_calls"][0]["arguments"], ARGS);
+    gw.stop().await;
+}
