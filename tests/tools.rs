@@ -417,3 +417,54 @@ async fn nats_callers_get_tool_call_events_and_the_checked_calls() {
     assert_eq!(done["result"]["tool_calls"][0]["arguments"], ARGS);
     gw.stop().await;
 }
+
+/// A queued idempotent task keeps its tools across a restart (they are in
+/// its stored request) and runs with them; if the restarted gateway's
+/// engine no longer does tools, the task ends failed instead of running
+/// without them.
+#[tokio::test]
+async fn a_queued_task_keeps_its_tools_across_a_restart() {
+    use edgeway::config::Config;
+    use edgeway::testing::{config_toml, TempDir};
+    for tools_after in [true, false] {
+        let fake = FakeEngine::start_with(Knobs::slow(100_000, 20)).await;
+        let dir = TempDir::new("edgeway-tools-restart");
+        let text = tools_on("")(config_toml(&fake.url(), "openai", &dir.0, ""))
+            .replace("max_concurrency = 2", "max_concurrency = 1");
+        let after = if tools_after { text.clone() } else { text.replace("tools = true", "tools = false") };
+        let load = |t: &str| Config::from_toml_str(t, std::iter::empty(), std::path::Path::new(".")).unwrap();
+        let gw = TestGateway::start(load(&text)).await;
+        gw.wait_ready().await;
+        let submit = |body: Value| {
+            let url = format!("{}/v1/tasks", gw.base_url);
+            async move {
+                let v: Value =
+                    client().post(url).bearer_auth(DEMO_KEY).json(&body).send().await.unwrap().json().await.unwrap();
+                v["task_id"].as_str().unwrap_or_else(|| panic!("{v}")).to_string()
+            }
+        };
+        let running = submit(chat_body(false)).await;
+        gw.wait_for_state(&running, TaskState::Streaming).await;
+        let mut keyed = body_with_tools(false);
+        keyed["idempotency_key"] = json!("tools-after-restart");
+        let queued = submit(keyed).await;
+        gw.wait_for_state(&queued, TaskState::Queued).await;
+        gw.stop().await;
+
+        fake.set(|k| *k = calling(&[("get_weather", ARGS)]));
+        let gw = TestGateway::start(load(&after)).await;
+        if tools_after {
+            gw.wait_for_state(&queued, TaskState::Succeeded).await;
+            let seen = fake.stats.last_request.lock().unwrap().clone().unwrap();
+            assert_eq!(seen["tools"], json!([weather_tool(), ping_tool()]));
+            gw.store().flush().await;
+            let rec = gw.store().get(&queued).await.unwrap().unwrap();
+            let result = serde_json::to_value(rec.result.unwrap()).unwrap();
+            assert_eq!(result["tool_calls_valid"], true, "{result}");
+        } else {
+            gw.wait_for_state(&queued, TaskState::Failed).await;
+            assert_eq!(fake.requests(), 1, "only the first, cancelled task reached the engine");
+        }
+        gw.stop().await;
+    }
+}

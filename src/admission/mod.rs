@@ -12,4 +12,4 @@ pub mod gpu_watch;
 pub mod request;
 
 pub use auth::Authenticator;
-pub use request::{admit, data_class, ChatRequestBody};
+pub use request::{admit, data_class, without_tools, ChatRequestBody};

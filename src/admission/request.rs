@@ -349,7 +349,7 @@ pub fn admit(
 /// cannot do tools: a request with tools could be routed there, and its
 /// tools would be lost. Cloud instances count even when cloud is off now
 /// (the setting can change while the task waits).
-fn without_tools<'a>(cfg: &Config, instances: &'a [String], class: DataClass) -> Option<&'a str> {
+pub fn without_tools<'a>(cfg: &Config, instances: &'a [String], class: DataClass) -> Option<&'a str> {
     instances
         .iter()
         .find(|i| cfg.engines.get(*i).is_some_and(|e| e.max_data_class >= class && !e.tools))

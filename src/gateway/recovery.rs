@@ -57,6 +57,13 @@ impl Gateway {
         let app = self.config.applications.get(&r.application)?;
         let model = self.config.models.get(&r.logical_model)?;
         let priority = Priority::parse(&r.priority)?;
+        // Its tools must still reach every instance it may be routed to
+        // (the config may have changed since): else it ends failed rather
+        // than run without them.
+        let class = r.routing.data_class.unwrap_or(self.config.routing.default_data_class);
+        if r.tools.is_some() && crate::admission::without_tools(&self.config, &model.instances, class).is_some() {
+            return None;
+        }
         let ingress = match r.ingress.as_str() {
             "mqtt" => Ingress::Mqtt,
             "nats" => Ingress::Nats,
