@@ -8,6 +8,13 @@ Serves POST /v1/chat/completions (streaming and not), GET /health,
 its text), so a script can tell how often the engine ran each task, across
 edgeway restarts. Streams --tokens tokens, one every --delay-ms.
 
+Tool calls: a request that declares `tools` and whose last message holds
+`TOOL_CALLS=[["name", "arguments JSON"], …]` (to the end of its text) is
+answered with those calls, streamed OpenAI-style in pieces of 5 characters
+of arguments (the first piece of a call with its id, type and name) or
+whole. --last-request PATH keeps the body of the latest chat request there
+(for tests of what reached the engine).
+
 Owns: the fake engine and its request log. Does not own: any judgement
 (the fault scripts read the log).
 """
@@ -18,6 +25,8 @@ import re
 import sys
 
 NONCE = re.compile(r"nonce=([A-Za-z0-9_.:-]+)")
+TOOL_CALLS = re.compile(r"TOOL_CALLS=(\[.*\])\s*$", re.S)
+PIECE = 5
 
 
 def parse_args():
@@ -27,6 +36,7 @@ def parse_args():
     p.add_argument("--tokens", type=int, default=20)
     p.add_argument("--delay-ms", type=float, default=50)
     p.add_argument("--log", required=True)
+    p.add_argument("--last-request", default=None)
     return p.parse_args()
 
 
@@ -47,12 +57,65 @@ async def write_json(w, status, obj):
     await w.drain()
 
 
+def requested_calls(body):
+    """The [name, arguments] calls the request's last message asks for."""
+    msgs = body.get("messages") or []
+    if not body.get("tools") or not msgs or not isinstance(msgs[-1].get("content"), str):
+        return None
+    m = TOOL_CALLS.search(msgs[-1]["content"])
+    return json.loads(m.group(1)) if m else None
+
+
+async def tool_calls(w, body, calls):
+    if not body.get("stream"):
+        await write_json(w, "200 OK", {
+            "id": "c", "object": "chat.completion", "model": ARGS.model,
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": None,
+                "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                               for i, (n, a) in enumerate(calls)]}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": len(calls), "total_tokens": 10 + len(calls)}})
+        return
+    w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+
+    async def send(obj):
+        data = f"data: {obj}\n\n".encode() if isinstance(obj, str) else f"data: {json.dumps(obj)}\n\n".encode()
+        w.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        await w.drain()
+
+    pieces = 0
+    for i, (name, args) in enumerate(calls):
+        first = {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": ""}}
+        delta = {"tool_calls": [first]}
+        if i == 0:
+            delta.update({"role": "assistant", "content": None})
+        await send(chunk(delta))
+        for at in range(0, len(args), PIECE):
+            await asyncio.sleep(ARGS.delay_ms / 1000)
+            await send(chunk({"tool_calls": [{"index": i, "function": {"arguments": args[at:at + PIECE]}}]}))
+            pieces += 1
+    await send(chunk({}, "tool_calls"))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        await send({"id": "c", "object": "chat.completion.chunk", "model": ARGS.model, "choices": [],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": pieces, "total_tokens": 10 + pieces}})
+    await send("[DONE]")
+    w.write(b"0\r\n\r\n")
+    await w.drain()
+
+
 async def chat(w, body):
     global ACTIVE
     text = json.dumps(body.get("messages", []))
     m = NONCE.search(text)
     LOG.write((m.group(1) if m else "-") + "\n")
     LOG.flush()
+    if ARGS.last_request:
+        with open(ARGS.last_request, "w") as f:
+            json.dump(body, f)
+    calls = requested_calls(body)
+    if calls:
+        await tool_calls(w, body, calls)
+        return
     n = min(ARGS.tokens, int(body.get("max_tokens") or ARGS.tokens))
     delay = ARGS.delay_ms / 1000
     ACTIVE += 1
