@@ -147,17 +147,24 @@ impl<P: Protocol> RemoteLink<P> {
         // Shouldn't result in bounded queue deadlocks because of blocking n/w send
         loop {
             select! {
-                o = self.network.read() => {
+                // Every packet goes through the codec's screen; what it
+                // answered itself is written after the batch, and what it
+                // refused never reaches the router. (edgeway patch, see
+                // PATCHES.md)
+                o = self.network.read_screened() => {
                     let packet = o?;
                     let len = {
                         let mut buffer = self.link_tx.buffer();
-                        buffer.push_back(packet);
+                        buffer.extend(packet);
                         self.network.readv(&mut buffer)?;
                         buffer.len()
                     };
 
                     trace!("Packets read from network, count = {}", len);
-                    self.link_tx.notify().await?;
+                    if len > 0 {
+                        self.link_tx.notify().await?;
+                    }
+                    self.network.flush_answers().await?;
                 }
                 // Receive from router when previous when state isn't in collision
                 // due to previously received data request
