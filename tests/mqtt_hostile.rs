@@ -273,3 +273,126 @@ async fn failed_authentications_are_rate_limited_per_device() {
     let _other = device(addr, V::V4, D2).await;
     gw.stop().await;
 }
+
+/// Sends `packet` and returns the next packet's type and reason code
+/// (see [`raw::reason`]), `None` when the connection closed first.
+async fn answer(s: &mut tokio::net::TcpStream, packet: &[u8]) -> Option<(u8, u8)> {
+    s.write_all(packet).await.ok()?;
+    raw::packet(s).await.map(|p| (p[0] & 0xF0, raw::reason(&p)))
+}
+
+/// Item 3 of issue 10: retained messages per device. Before, every
+/// retained publish was acknowledged and kept by the router (one per
+/// topic, no limit): a device could fill the broker's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retained_messages_over_the_device_quota_are_refused_and_not_stored() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_retained_per_device = 3").await;
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    let mut codes = Vec::new();
+    for i in 0..6u16 {
+        let (kind, code) = answer(&mut s, &raw::publish_with(true, &format!("r/{i}"), b"kept", 1, true, i + 1))
+            .await
+            .expect("a PUBACK");
+        assert_eq!(kind, 0x40);
+        codes.push(code);
+    }
+    assert_eq!(codes, [0, 0, 0, 0x97, 0x97, 0x97], "0x97 Quota exceeded past 3");
+    // An empty payload deletes one and frees its place.
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "r/0", b"", 1, true, 10)).await, Some((0x40, 0)));
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "r/5", b"kept", 1, true, 11)).await, Some((0x40, 0)));
+
+    // What the broker kept: r/1, r/2, r/5 and nothing refused.
+    let (mut sub, _) = raw::session(addr, true, &format!("{}:sub", D1.0), D1).await;
+    assert_eq!(answer(&mut sub, &raw::subscribe_with(true, 1, "r/#")).await, Some((0x90, 0)));
+    s.write_all(&raw::publish_with(true, "r/end", b"marker", 0, false, 0)).await.unwrap();
+    let mut retained = Vec::new();
+    loop {
+        let p = raw::packet(&mut sub).await.expect("the retained messages, then the marker");
+        let topic = raw::publish_topic(&p);
+        if topic == "r/end" {
+            break;
+        }
+        retained.push(topic);
+    }
+    retained.sort();
+    assert_eq!(retained, ["r/1", "r/2", "r/5"]);
+
+    // 3.1.1 has no reason code in PUBACK: the connection is closed.
+    let (mut v4, _) = raw::session(addr, false, &format!("{}:v4", D1.0), D1).await;
+    v4.write_all(&raw::publish_with(false, "r/9", b"kept", 1, true, 1)).await.unwrap();
+    assert_eq!(raw::packet(&mut v4).await, None, "no PUBACK");
+    assert!(raw::closed(&mut v4).await);
+    // Another device is not limited by this one.
+    let (mut other, _) = raw::session(addr, false, D2.0, D2).await;
+    assert_eq!(answer(&mut other, &raw::publish_with(false, "r/0", b"kept", 1, true, 1)).await, Some((0x40, 0)));
+    gw.stop().await;
+}
+
+/// Item 3 of issue 10: QoS 2 publishes never released. The router keeps
+/// each one until its PUBREL; before, a device could leave any number
+/// pending. Now MQTT 5 devices are told the Receive Maximum
+/// (`max_inflight`) in the CONNACK, and one past it ends the connection
+/// (DISCONNECT 0x93; 3.1.1: closed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qos2_publishes_never_released_past_the_receive_maximum_end_the_connection() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_inflight = 4").await;
+    let (mut s, ack) = raw::session(addr, true, D1.0, D1).await;
+    assert!(ack.windows(3).any(|w| w == [0x21, 0, 4]), "Receive Maximum 4 in the CONNACK: {ack:02x?}");
+    for pkid in 1..=4 {
+        assert_eq!(answer(&mut s, &raw::publish_with(true, "q", b"x", 2, false, pkid)).await, Some((0x50, 0)));
+    }
+    // A PUBREL frees its place.
+    assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0)));
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "q", b"x", 2, false, 5)).await, Some((0x50, 0)));
+    // A resend of a pending one is not one more.
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "q", b"x", 2, false, 5)).await, Some((0x50, 0)));
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "q", b"x", 2, false, 6)).await, Some((0xE0, 0x93)));
+    assert!(raw::closed(&mut s).await);
+
+    let (mut v4, _) = raw::session(addr, false, D2.0, D2).await;
+    for pkid in 1..=4 {
+        assert_eq!(answer(&mut v4, &raw::publish_with(false, "q", b"x", 2, false, pkid)).await, Some((0x50, 0)));
+    }
+    assert_eq!(answer(&mut v4, &raw::publish_with(false, "q", b"x", 2, false, 5)).await, None);
+    assert!(raw::closed(&mut v4).await);
+    // The device connects again and goes on.
+    let (mut again, _) = raw::session(addr, true, D1.0, D1).await;
+    assert_eq!(answer(&mut again, &raw::publish_with(true, "q", b"x", 2, false, 1)).await, Some((0x50, 0)));
+    gw.stop().await;
+}
+
+/// Item 3 of issue 10: topic names and filters (the router caches each for
+/// good) per device, and subscriptions per connection. Before, any number
+/// was accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topics_and_subscriptions_over_their_limits_are_refused() {
+    use mqtt_support::*;
+    let limits = "max_topics_per_device = 5\nmax_subscriptions_per_connection = 3";
+    let (_fake, gw, addr) = start(Knobs::default(), limits).await;
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    for i in 0..3u16 {
+        assert_eq!(answer(&mut s, &raw::subscribe_with(true, i + 1, &format!("f/{i}"))).await, Some((0x90, 0)));
+    }
+    // A fourth subscription on this connection.
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 4, "f/3")).await, Some((0x90, 0x97)));
+    assert_eq!(answer(&mut s, &raw::unsubscribe_with(true, 5, "f/0")).await.map(|a| a.0), Some(0xB0));
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 6, "f/3")).await, Some((0x90, 0)));
+    // Four filters and one topic name make the device's five.
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "t/0", b"x", 1, false, 7)).await, Some((0x40, 0)));
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "t/1", b"x", 1, false, 8)).await, Some((0x40, 0x97)));
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "t/0", b"x", 1, false, 9)).await, Some((0x40, 0)));
+
+    // 3.1.1: SUBACK 0x80; a publish to a sixth topic closes.
+    let (mut v4, _) = raw::session(addr, false, &format!("{}:v4", D1.0), D1).await;
+    assert_eq!(answer(&mut v4, &raw::subscribe_with(false, 1, "f/9")).await, Some((0x90, 0x80)));
+    assert_eq!(answer(&mut v4, &raw::subscribe_with(false, 2, "f/1")).await, Some((0x90, 0)), "a known filter");
+    v4.write_all(&raw::publish_with(false, "t/9", b"x", 0, false, 0)).await.unwrap();
+    assert!(raw::closed(&mut v4).await);
+    // Another device is not limited by this one.
+    let (mut other, _) = raw::session(addr, true, D2.0, D2).await;
+    assert_eq!(answer(&mut other, &raw::subscribe_with(true, 1, "f/9")).await, Some((0x90, 0)));
+    assert_eq!(answer(&mut other, &raw::publish_with(true, "t/9", b"x", 1, false, 2)).await, Some((0x40, 0)));
+    gw.stop().await;
+}

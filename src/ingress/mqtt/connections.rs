@@ -12,12 +12,19 @@
 //! ([`Connections::auth_allowed`], a token bucket: beyond it a CONNECT is
 //! refused before its password is checked).
 //!
+//! What a device leaves in rumqttd's router ([`DeviceQuotas`]): retained
+//! messages (count and bytes), and topic names and filters (the router
+//! caches every topic published and keeps a log per filter subscribed, for
+//! as long as it runs). The codec asks before a PUBLISH or SUBSCRIBE
+//! reaches the router and refuses one over a limit with a reason code.
+//!
 //! Owns: connection numbers and states, the instance table, the failure
-//! buckets. Does not own: packets
+//! buckets, the per-device quotas. Does not own: packets
 //! ([`super::codec`]), wills ([`super::wills`]), presence
 //! ([`super::presence`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -206,5 +213,167 @@ mod tests {
         assert!(!c.auth_allowed("d", t0), "10 failures at once: the burst is spent");
         assert!(c.auth_allowed("e", t0), "another device is not limited");
         assert!(c.auth_allowed("d", t0 + Duration::from_secs(1)), "2 per second come back");
+    }
+}
+
+/// Which per-device limit a packet would exceed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quota {
+    /// `max_retained_per_device`.
+    Retained,
+    /// `max_retained_bytes_per_device`.
+    RetainedBytes,
+    /// `max_topics_per_device`.
+    Topics,
+    /// `max_subscriptions_per_connection`.
+    Subscriptions,
+}
+
+impl Quota {
+    /// The reason string an MQTT 5 device is told.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Quota::Retained => "too many retained messages for this device",
+            Quota::RetainedBytes => "too many bytes of retained messages for this device",
+            Quota::Topics => "too many distinct topic names and filters for this device",
+            Quota::Subscriptions => "too many subscriptions on this connection",
+        }
+    }
+}
+
+/// The per-device limits of [`DeviceQuotas`].
+#[derive(Debug, Clone, Copy)]
+pub struct QuotaLimits {
+    pub retained: usize,
+    pub retained_bytes: usize,
+    pub topics: usize,
+}
+
+/// What one device keeps in the router. Topics and filters are kept as
+/// keyed 64-bit hashes (a name may be 64 KiB; a collision only counts two
+/// names as one).
+#[derive(Default)]
+struct Book {
+    /// Retained topic → its bytes (topic and payload).
+    retained: HashMap<u64, usize>,
+    retained_bytes: usize,
+    /// Every topic name published and filter subscribed.
+    topics: HashSet<u64>,
+}
+
+/// What every device keeps in the router, counted against
+/// [`QuotaLimits`]. Mirrors the router: a retained message is kept per
+/// topic until a publish with an empty payload to that topic (rumqttd
+/// deletes on any empty payload), and topics and filters are never
+/// forgotten while edgeway runs. A retained message that the router drops
+/// at its MQTT 5 message expiry stays counted until the device deletes it.
+pub struct DeviceQuotas {
+    limits: QuotaLimits,
+    hasher: RandomState,
+    books: Mutex<HashMap<String, Book>>,
+}
+
+impl DeviceQuotas {
+    pub fn new(limits: QuotaLimits) -> Self {
+        DeviceQuotas { limits, hasher: RandomState::new(), books: Mutex::default() }
+    }
+
+    /// The key of a topic name or filter (also for per-connection sets).
+    pub fn key(&self, name: &[u8]) -> u64 {
+        self.hasher.hash_one(name)
+    }
+
+    /// A PUBLISH of `device` (its mount) to `topic` (mounted): counted if
+    /// it is within the limits, else which one it would exceed (nothing
+    /// counted).
+    pub fn publish(&self, device: &str, topic: &[u8], retain: bool, payload_len: usize) -> Result<(), Quota> {
+        let key = self.key(topic);
+        let mut books = self.books.lock().expect("quotas");
+        let book = books.entry(device.to_string()).or_default();
+        let new_topic = !book.topics.contains(&key);
+        if new_topic && book.topics.len() >= self.limits.topics {
+            return Err(Quota::Topics);
+        }
+        if payload_len == 0 {
+            if let Some(freed) = book.retained.remove(&key) {
+                book.retained_bytes -= freed;
+            }
+        } else if retain {
+            let old = book.retained.get(&key).copied();
+            if old.is_none() && book.retained.len() >= self.limits.retained {
+                return Err(Quota::Retained);
+            }
+            let size = topic.len() + payload_len;
+            let total = book.retained_bytes - old.unwrap_or(0) + size;
+            if total > self.limits.retained_bytes {
+                return Err(Quota::RetainedBytes);
+            }
+            book.retained.insert(key, size);
+            book.retained_bytes = total;
+        }
+        if new_topic {
+            book.topics.insert(key);
+        }
+        Ok(())
+    }
+
+    /// The filters (mounted) of a SUBSCRIBE of `device`: counted if the
+    /// device stays within `max_topics_per_device`, else nothing is.
+    pub fn subscribe(&self, device: &str, filters: &[u64]) -> Result<(), Quota> {
+        let mut books = self.books.lock().expect("quotas");
+        let book = books.entry(device.to_string()).or_default();
+        let new: HashSet<u64> = filters.iter().filter(|k| !book.topics.contains(k)).copied().collect();
+        if book.topics.len() + new.len() > self.limits.topics {
+            return Err(Quota::Topics);
+        }
+        book.topics.extend(new);
+        Ok(())
+    }
+
+    /// Retained messages and their bytes kept for `device`.
+    pub fn retained(&self, device: &str) -> (usize, usize) {
+        let books = self.books.lock().expect("quotas");
+        books.get(device).map_or((0, 0), |b| (b.retained.len(), b.retained_bytes))
+    }
+}
+
+#[cfg(test)]
+mod quota_tests {
+    use super::*;
+
+    fn quotas() -> DeviceQuotas {
+        DeviceQuotas::new(QuotaLimits { retained: 2, retained_bytes: 100, topics: 4 })
+    }
+
+    #[test]
+    fn retained_messages_are_limited_per_device_and_an_empty_payload_frees_one() {
+        let q = quotas();
+        assert_eq!(q.publish("d", b"a", true, 10), Ok(()));
+        assert_eq!(q.publish("d", b"b", true, 10), Ok(()));
+        assert_eq!(q.publish("d", b"c", true, 10), Err(Quota::Retained));
+        assert_eq!(q.publish("d", b"a", true, 20), Ok(()), "a replacement is not one more");
+        assert_eq!(q.publish("d", b"c", false, 10), Ok(()), "not retained");
+        assert_eq!(q.publish("e", b"c", true, 10), Ok(()), "another device");
+        assert_eq!(q.retained("d"), (2, 11 + 21));
+        assert_eq!(q.publish("d", b"a", false, 0), Ok(()), "an empty payload deletes");
+        assert_eq!(q.retained("d"), (1, 11));
+        assert_eq!(q.publish("d", b"c", true, 90), Err(Quota::RetainedBytes));
+        assert_eq!(q.publish("d", b"c", true, 80), Ok(()));
+        assert_eq!(q.retained("d"), (2, 92));
+    }
+
+    #[test]
+    fn topics_and_filters_are_limited_per_device() {
+        let q = quotas();
+        for t in [&b"a"[..], b"b", b"c"] {
+            assert_eq!(q.publish("d", t, false, 1), Ok(()));
+        }
+        assert_eq!(q.publish("d", b"a", false, 1), Ok(()), "a known topic");
+        assert_eq!(q.subscribe("d", &[q.key(b"f"), q.key(b"g")]), Err(Quota::Topics));
+        assert_eq!(q.subscribe("d", &[q.key(b"f"), q.key(b"a")]), Ok(()));
+        assert_eq!(q.publish("d", b"x", false, 1), Err(Quota::Topics));
+        assert_eq!(q.publish("d", b"x", true, 1), Err(Quota::Topics), "and nothing retained");
+        assert_eq!(q.retained("d"), (0, 0));
+        assert_eq!(q.publish("e", b"x", false, 1), Ok(()), "another device");
     }
 }

@@ -9,7 +9,13 @@
 //!   subtree, rumqttd quirks, refusal CONNACKs);
 //! - [`super::auth`] to check the device id, user name and password (or
 //!   JWT) at CONNECT;
-//! - [`super::connections`] for connection states and numbers;
+//! - [`super::connections`] for connection states and numbers, and the
+//!   per-device quotas that [`Protocol::screen`] (a hook of the patched
+//!   rumqttd) applies to every PUBLISH and SUBSCRIBE before the router sees
+//!   it: retained messages, topic names and filters per device,
+//!   subscriptions per connection, and QoS 2 publishes awaiting PUBREL per
+//!   connection (at most the Receive Maximum told in the CONNACK,
+//!   `mqtt.max_inflight`);
 //! - [`super::wills`] and [`super::presence`] when a connection starts and
 //!   when it ends (the codec is dropped with the connection).
 //!
@@ -31,16 +37,17 @@
 //! Owns: the per-connection glue. Does not own: any rule above (each is in
 //! its own module).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use bytes::{Buf, BytesMut};
 use rumqttd::protocol::v4::V4;
 use rumqttd::protocol::v5::V5;
-use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol};
+use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol, QoS, Verdict};
 
 use super::auth::{DeviceDirectory, Refusal};
 use super::codec::{self, Detected, Refused, Version};
-use super::connections::{Conn, Connections, Session};
+use super::connections::{Conn, Connections, DeviceQuotas, Quota, QuotaLimits, Session};
 use super::presence::{Presence, PresenceReporter};
 use super::topics::Topics;
 use super::wills::Wills;
@@ -61,6 +68,13 @@ pub struct ProtocolShared {
     max_will_bytes: usize,
     /// `mqtt.max_will_delay_s`.
     max_will_delay_s: u32,
+    /// Retained messages, topics and filters per device.
+    quotas: DeviceQuotas,
+    /// `mqtt.max_subscriptions_per_connection`.
+    max_subscriptions: usize,
+    /// The Receive Maximum told to MQTT 5 devices (`mqtt.max_inflight`):
+    /// QoS 2 publishes awaiting PUBREL per connection.
+    receive_max: u16,
 }
 
 impl ProtocolShared {
@@ -76,6 +90,13 @@ impl ProtocolShared {
             max_keep_alive: crate::config::mqtt::DEFAULT_MQTT_MAX_KEEP_ALIVE_S,
             max_will_bytes: usize::MAX,
             max_will_delay_s: u32::MAX,
+            quotas: DeviceQuotas::new(QuotaLimits {
+                retained: usize::MAX,
+                retained_bytes: usize::MAX,
+                topics: usize::MAX,
+            }),
+            max_subscriptions: usize::MAX,
+            receive_max: u16::MAX,
         }
     }
 
@@ -85,6 +106,13 @@ impl ProtocolShared {
         self.max_will_bytes = cfg.max_will_bytes;
         self.max_will_delay_s = cfg.max_will_delay_s;
         self.connections = Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s);
+        self.quotas = DeviceQuotas::new(QuotaLimits {
+            retained: cfg.max_retained_per_device,
+            retained_bytes: cfg.max_retained_bytes_per_device,
+            topics: cfg.max_topics_per_device,
+        });
+        self.max_subscriptions = cfg.max_subscriptions_per_connection;
+        self.receive_max = u16::try_from(cfg.max_inflight).unwrap_or(u16::MAX).max(1);
         self
     }
 }
@@ -100,6 +128,10 @@ pub struct DeviceProtocol {
     expires_at: Option<i64>,
     /// The login's token id digest, checked for revocation at every read.
     credential: Option<[u8; 32]>,
+    /// Keys ([`DeviceQuotas::key`]) of the filters this connection holds.
+    subscriptions: HashSet<u64>,
+    /// Packet ids of QoS 2 publishes awaiting their PUBREL.
+    awaiting_pubrel: HashSet<u16>,
 }
 
 impl DeviceProtocol {
@@ -110,6 +142,8 @@ impl DeviceProtocol {
             state: Conn::AwaitingConnect,
             expires_at: None,
             credential: None,
+            subscriptions: HashSet::new(),
+            awaiting_pubrel: HashSet::new(),
         }
     }
 }
@@ -250,7 +284,89 @@ impl DeviceProtocol {
     }
 }
 
+impl DeviceProtocol {
+    /// A PUBLISH (mounted) within the device's quotas and the Receive
+    /// Maximum goes on; else its refusal.
+    fn screen_publish(&mut self, device: &str, packet: Packet) -> Verdict {
+        let Packet::Publish(publish, _) = &packet else { unreachable!("called with a PUBLISH") };
+        let (qos, pkid) = (publish.qos(), publish.pkid());
+        let awaiting = qos == QoS::ExactlyOnce && !self.awaiting_pubrel.contains(&pkid);
+        if awaiting && self.awaiting_pubrel.len() >= usize::from(self.shared.receive_max) {
+            tracing::info!(
+                device,
+                "MQTT: more QoS 2 publishes awaiting PUBREL than the Receive Maximum, connection closed"
+            );
+            self.end_link();
+            return codec::receive_maximum_exceeded(self.version);
+        }
+        let counted = self.shared.quotas.publish(device, &publish.topic, publish.retain, publish.payload.len());
+        match counted {
+            Ok(()) => {
+                if awaiting {
+                    self.awaiting_pubrel.insert(pkid);
+                }
+                Verdict::Forward(packet)
+            }
+            Err(quota) => {
+                tracing::debug!(device, reason = quota.reason(), "MQTT: PUBLISH refused");
+                let verdict = codec::refuse_publish(self.version, qos, pkid, quota);
+                if matches!(verdict, Verdict::Close(_)) {
+                    tracing::info!(device, reason = quota.reason(), "MQTT: PUBLISH refused, connection closed");
+                    self.end_link();
+                }
+                verdict
+            }
+        }
+    }
+
+    /// A SUBSCRIBE (mounted) within the connection's subscriptions and the
+    /// device's topics goes on; else it is refused whole.
+    fn screen_subscribe(&mut self, device: &str, packet: Packet) -> Verdict {
+        let Packet::Subscribe(subscribe, _) = &packet else { unreachable!("called with a SUBSCRIBE") };
+        let keys: Vec<u64> = subscribe.filters.iter().map(|f| self.shared.quotas.key(f.path.as_bytes())).collect();
+        let new: HashSet<u64> = keys.iter().filter(|k| !self.subscriptions.contains(k)).copied().collect();
+        let counted = if self.subscriptions.len() + new.len() > self.shared.max_subscriptions {
+            Err(Quota::Subscriptions)
+        } else {
+            self.shared.quotas.subscribe(device, &keys)
+        };
+        match counted {
+            Ok(()) => {
+                self.subscriptions.extend(new);
+                Verdict::Forward(packet)
+            }
+            Err(quota) => {
+                tracing::debug!(device, reason = quota.reason(), "MQTT: SUBSCRIBE refused");
+                Verdict::Answer(codec::refuse_subscribe(self.version, subscribe.pkid, keys.len(), quota))
+            }
+        }
+    }
+}
+
 impl Protocol for DeviceProtocol {
+    /// Every packet after CONNECT, mounted, before the router sees it: the
+    /// limits that rumqttd does not have.
+    fn screen(&mut self, packet: Packet) -> Verdict {
+        let Some(device) = self.state.session().map(|s| s.device.clone()) else {
+            return Verdict::Forward(packet);
+        };
+        match packet {
+            Packet::Publish(..) => self.screen_publish(&device, packet),
+            Packet::Subscribe(..) => self.screen_subscribe(&device, packet),
+            Packet::Unsubscribe(ref unsub, _) => {
+                for f in &unsub.filters {
+                    self.subscriptions.remove(&self.shared.quotas.key(f.as_bytes()));
+                }
+                Verdict::Forward(packet)
+            }
+            Packet::PubRel(ref rel, _) => {
+                self.awaiting_pubrel.remove(&rel.pkid);
+                Verdict::Forward(packet)
+            }
+            other => Verdict::Forward(other),
+        }
+    }
+
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error> {
         if self.shared.directory.lapsed(self.expires_at, self.credential) {
             tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired or revoked, connection closed");
@@ -302,6 +418,10 @@ impl Protocol for DeviceProtocol {
         }
         let packet = codec::outbound(self.version, refused, device, packet)?;
         let packet = codec::with_server_keep_alive(packet, self.state.session().and_then(|s| s.server_keep_alive));
+        let packet = match refused {
+            None => codec::with_receive_maximum(packet, self.shared.receive_max),
+            Some(_) => packet,
+        };
         match self.version {
             Version::V4 => V4.write(packet, write),
             Version::V5 => V5.write(packet, write),
