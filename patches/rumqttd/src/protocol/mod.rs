@@ -780,4 +780,9 @@ pub trait Protocol {
     fn screen(&mut self, packet: Packet) -> Verdict {
         Verdict::Forward(packet)
     }
+
+    /// Called once on the copy of the listener's codec that serves a new
+    /// socket, with the socket's peer address, before anything is read.
+    /// The default ignores it. (edgeway patch, see PATCHES.md)
+    fn peer(&mut self, _addr: std::net::SocketAddr) {}
 }
