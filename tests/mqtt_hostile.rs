@@ -396,3 +396,32 @@ async fn topics_and_subscriptions_over_their_limits_are_refused() {
     assert_eq!(answer(&mut other, &raw::publish_with(true, "t/9", b"x", 1, false, 2)).await, Some((0x40, 0)));
     gw.stop().await;
 }
+
+/// Item 12 of issue 10: failed logins were limited per device id only, so
+/// an attacker rotating device ids was never slowed. Now per source address
+/// too; a device from another address still connects meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_logins_are_rate_limited_per_source_address_whatever_the_device_id() {
+    use mqtt_support::*;
+    let limits = "auth_failures_per_s = 1000\nauth_failures_per_ip_per_s = 0.2";
+    let (_fake, gw, addr) = start(Knobs::default(), limits).await;
+    let attacker: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+    let other: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    // The burst (5 × 0.2 = 1 failure), then every id is refused unchecked.
+    let first = raw::connack_code_from(attacker, addr, &raw::connect("rot-0", Some(("rot-0", "guess")))).await;
+    assert_eq!(first, Some(4), "bad user name or password");
+    for i in 1..4 {
+        let id = format!("rot-{i}");
+        let code = raw::connack_code_from(attacker, addr, &raw::connect(&id, Some((&id, "guess")))).await;
+        assert_eq!(code, Some(5), "{id}: not authorized, without a password check");
+    }
+    let code = raw::connack_code_from(attacker, addr, &raw::connect_v5("rot-9", Some(("rot-9", "guess")))).await;
+    assert_eq!(code, Some(0x9F), "MQTT 5: Connection rate exceeded");
+    // Even good credentials from that address wait for the bucket…
+    let code = raw::connack_code_from(attacker, addr, &raw::connect(D1.0, Some(D1))).await;
+    assert_eq!(code, Some(5));
+    // …while a device from another address connects.
+    let code = raw::connack_code_from(other, addr, &raw::connect(D2.0, Some(D2))).await;
+    assert_eq!(code, Some(0), "another address is not limited");
+    gw.stop().await;
+}

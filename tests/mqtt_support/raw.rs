@@ -301,3 +301,14 @@ pub fn publish_topic(p: &[u8]) -> String {
     let len = u16::from_be_bytes([p[i + 1], p[i + 2]]) as usize;
     String::from_utf8_lossy(&p[i + 3..i + 3 + len]).into_owned()
 }
+
+/// The CONNACK code of `connect` (3.1.1 or 5) sent from the local address
+/// `from` (any of 127.0.0.0/8 on Linux), `None` without a CONNACK.
+pub async fn connack_code_from(from: std::net::IpAddr, addr: SocketAddr, connect: &[u8]) -> Option<u8> {
+    let socket = tokio::net::TcpSocket::new_v4().ok()?;
+    socket.bind(SocketAddr::new(from, 0)).ok()?;
+    let mut s = socket.connect(addr).await.ok()?;
+    s.write_all(connect).await.ok()?;
+    let ack = packet(&mut s).await?;
+    (ack[0] == 0x20).then_some(ack[3])
+}

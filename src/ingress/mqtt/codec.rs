@@ -57,8 +57,10 @@ pub enum Refused {
     TooManyInstances,
     /// The will's payload is over `max_will_bytes`.
     WillTooLarge,
-    /// Too many failed authentications of this device id lately
-    /// (`auth_failures_per_s`): refused without checking the password.
+    /// Too many failed authentications of this device id
+    /// (`auth_failures_per_s`) or from this source address
+    /// (`auth_failures_per_ip_per_s`) lately: refused without checking the
+    /// password.
     RateLimited,
 }
 

@@ -9,8 +9,9 @@
 //!
 //! Limits per device: distinct client ids (`{device}:{instance}`) open at
 //! once ([`Connections::open`]), and failed authentications per device id
-//! ([`Connections::auth_allowed`], a token bucket: beyond it a CONNECT is
-//! refused before its password is checked).
+//! and per source IP address ([`Connections::auth_allowed`], token
+//! buckets: beyond either a CONNECT is refused before its password is
+//! checked; the per-address one slows an attacker who rotates device ids).
 //!
 //! What a device leaves in rumqttd's router ([`DeviceQuotas`]): retained
 //! messages (count and bytes), and topic names and filters (the router
@@ -24,7 +25,8 @@
 //! ([`super::presence`]).
 
 use std::collections::{HashMap, HashSet};
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, Hash, RandomState};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -86,30 +88,31 @@ pub struct Connections {
     next_conn: AtomicU64,
     /// Most client ids open at once per device.
     max_instances: usize,
-    /// Failed authentications per second allowed per device id (the
-    /// bucket holds `5 ×` that).
-    auth_failures_per_s: f64,
     /// Device → client id → its open connections (a takeover briefly has
     /// two of one client id).
     open: Mutex<HashMap<String, HashMap<String, usize>>>,
-    /// Device id → (tokens, when last refilled).
-    failures: Mutex<HashMap<String, (f64, Instant)>>,
+    /// Failed authentications per device id.
+    failures: Buckets<String>,
+    /// Failed authentications per source address.
+    ip_failures: Buckets<IpAddr>,
 }
 
 impl Default for Connections {
     fn default() -> Self {
-        Connections::new(8, 2.0)
+        Connections::new(8, 2.0, 10.0)
     }
 }
 
 impl Connections {
-    pub fn new(max_instances: usize, auth_failures_per_s: f64) -> Self {
+    /// `auth_failures_per_s` per device id, `per_ip_per_s` per source
+    /// address (each bucket holds `5 ×` its rate).
+    pub fn new(max_instances: usize, auth_failures_per_s: f64, per_ip_per_s: f64) -> Self {
         Connections {
             next_conn: AtomicU64::new(1),
             max_instances,
-            auth_failures_per_s,
             open: Mutex::default(),
-            failures: Mutex::default(),
+            failures: Buckets::new(auth_failures_per_s),
+            ip_failures: Buckets::new(per_ip_per_s),
         }
     }
 
@@ -147,37 +150,73 @@ impl Connections {
         }
     }
 
-    fn capacity(&self) -> f64 {
-        (self.auth_failures_per_s * 5.0).max(1.0)
+    /// Whether a CONNECT of `device` (when the client id names one) from
+    /// `peer` (when known) may be authenticated now: false while the
+    /// failures of either are over their rate.
+    pub fn auth_allowed(&self, device: Option<&str>, peer: Option<IpAddr>, now: Instant) -> bool {
+        device.is_none_or(|d| self.failures.allowed(d, now)) && peer.is_none_or(|ip| self.ip_failures.allowed(&ip, now))
     }
 
-    /// Whether a CONNECT of `device` may be authenticated now: false while
-    /// its failures are over the rate.
-    pub fn auth_allowed(&self, device: &str, now: Instant) -> bool {
-        let mut f = self.failures.lock().expect("failures");
+    /// An authentication of `device` from `peer` failed.
+    pub fn auth_failed(&self, device: Option<&str>, peer: Option<IpAddr>, now: Instant) {
+        if let Some(d) = device {
+            self.failures.failed(d, now);
+        }
+        if let Some(ip) = peer {
+            self.ip_failures.failed(&ip, now);
+        }
+    }
+}
+
+/// Token buckets of failures per key, at most [`MAX_BUCKETS`] of them.
+struct Buckets<K> {
+    /// Failures per second allowed (the bucket holds `5 ×` that).
+    rate: f64,
+    /// Key → (tokens, when last refilled).
+    map: Mutex<HashMap<K, (f64, Instant)>>,
+}
+
+impl<K: Hash + Eq> Buckets<K> {
+    fn new(rate: f64) -> Self {
+        Buckets { rate, map: Mutex::default() }
+    }
+
+    fn capacity(&self) -> f64 {
+        (self.rate * 5.0).max(1.0)
+    }
+
+    fn allowed<Q>(&self, key: &Q, now: Instant) -> bool
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let mut f = self.map.lock().expect("failures");
         let cap = self.capacity();
-        match f.get_mut(device) {
+        match f.get_mut(key) {
             None => true,
             Some((tokens, at)) => {
-                *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * self.auth_failures_per_s).min(cap);
+                *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * self.rate).min(cap);
                 *at = now;
                 *tokens >= 1.0
             }
         }
     }
 
-    /// An authentication of `device` failed.
-    pub fn auth_failed(&self, device: &str, now: Instant) {
-        let mut f = self.failures.lock().expect("failures");
-        let (cap, rate) = (self.capacity(), self.auth_failures_per_s);
-        if f.len() >= MAX_BUCKETS && !f.contains_key(device) {
+    fn failed<Q>(&self, key: &Q, now: Instant)
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized + ToOwned<Owned = K>,
+    {
+        let mut f = self.map.lock().expect("failures");
+        let (cap, rate) = (self.capacity(), self.rate);
+        if f.len() >= MAX_BUCKETS && !f.contains_key(key) {
             // Forget the buckets that refilled: they limit nothing.
             f.retain(|_, (t, at)| *t + now.duration_since(*at).as_secs_f64() * rate < cap);
             if f.len() >= MAX_BUCKETS {
                 return;
             }
         }
-        let (tokens, at) = f.entry(device.to_string()).or_insert((cap, now));
+        let (tokens, at) = f.entry(key.to_owned()).or_insert((cap, now));
         *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * rate).min(cap) - 1.0;
         *at = now;
     }
@@ -191,7 +230,7 @@ mod tests {
 
     #[test]
     fn instances_per_device_are_limited_but_a_takeover_is_not() {
-        let c = Connections::new(2, 1.0);
+        let c = Connections::new(2, 1.0, 1.0);
         assert!(c.open("d", "d:a") && c.open("d", "d:b"));
         assert!(!c.open("d", "d:c"), "a third client id");
         assert!(c.open("d", "d:a"), "a takeover of an open client id");
@@ -204,15 +243,44 @@ mod tests {
 
     #[test]
     fn failed_authentications_are_rate_limited_per_device() {
-        let c = Connections::new(8, 2.0);
+        let c = Connections::new(8, 2.0, 1000.0);
         let t0 = Instant::now();
         for _ in 0..10 {
-            assert!(c.auth_allowed("d", t0));
-            c.auth_failed("d", t0);
+            assert!(c.auth_allowed(Some("d"), None, t0));
+            c.auth_failed(Some("d"), None, t0);
         }
-        assert!(!c.auth_allowed("d", t0), "10 failures at once: the burst is spent");
-        assert!(c.auth_allowed("e", t0), "another device is not limited");
-        assert!(c.auth_allowed("d", t0 + Duration::from_secs(1)), "2 per second come back");
+        assert!(!c.auth_allowed(Some("d"), None, t0), "10 failures at once: the burst is spent");
+        assert!(c.auth_allowed(Some("e"), None, t0), "another device is not limited");
+        assert!(c.auth_allowed(Some("d"), None, t0 + Duration::from_secs(1)), "2 per second come back");
+    }
+
+    #[test]
+    fn failed_authentications_are_rate_limited_per_address_whatever_the_device() {
+        let c = Connections::new(8, 1000.0, 2.0);
+        let (a, b): (IpAddr, IpAddr) = ("127.0.0.1".parse().unwrap(), "127.0.0.2".parse().unwrap());
+        let t0 = Instant::now();
+        for i in 0..10 {
+            let d = format!("d{i}");
+            assert!(c.auth_allowed(Some(&d), Some(a), t0));
+            c.auth_failed(Some(&d), Some(a), t0);
+        }
+        assert!(!c.auth_allowed(Some("fresh"), Some(a), t0), "a fresh device id from the same address");
+        assert!(!c.auth_allowed(None, Some(a), t0), "no device id at all");
+        assert!(c.auth_allowed(Some("fresh"), Some(b), t0), "another address");
+        assert!(c.auth_allowed(Some("fresh"), Some(a), t0 + Duration::from_secs(1)), "2 per second come back");
+    }
+
+    #[test]
+    fn failure_buckets_are_bounded() {
+        let b: Buckets<IpAddr> = Buckets::new(1.0);
+        let t0 = Instant::now();
+        for i in 0..(MAX_BUCKETS as u32 + 100) {
+            b.failed(&IpAddr::from(i.to_be_bytes()), t0);
+        }
+        assert_eq!(b.map.lock().unwrap().len(), MAX_BUCKETS, "none refilled: the newest are not tracked");
+        // Once the old ones refilled they are forgotten for new ones.
+        b.failed(&IpAddr::from([10, 0, 0, 1]), t0 + Duration::from_secs(60));
+        assert_eq!(b.map.lock().unwrap().len(), 1);
     }
 }
 

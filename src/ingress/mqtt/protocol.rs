@@ -105,7 +105,8 @@ impl ProtocolShared {
         self.max_keep_alive = cfg.max_keep_alive_s;
         self.max_will_bytes = cfg.max_will_bytes;
         self.max_will_delay_s = cfg.max_will_delay_s;
-        self.connections = Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s);
+        self.connections =
+            Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s, cfg.auth_failures_per_ip_per_s);
         self.quotas = DeviceQuotas::new(QuotaLimits {
             retained: cfg.max_retained_per_device,
             retained_bytes: cfg.max_retained_bytes_per_device,
@@ -132,6 +133,9 @@ pub struct DeviceProtocol {
     subscriptions: HashSet<u64>,
     /// Packet ids of QoS 2 publishes awaiting their PUBREL.
     awaiting_pubrel: HashSet<u16>,
+    /// The source address of the socket (patched rumqttd's
+    /// `Protocol::peer`), for the failed-login limit per address.
+    peer: Option<std::net::IpAddr>,
 }
 
 impl DeviceProtocol {
@@ -144,6 +148,7 @@ impl DeviceProtocol {
             credential: None,
             subscriptions: HashSet::new(),
             awaiting_pubrel: HashSet::new(),
+            peer: None,
         }
     }
 }
@@ -199,16 +204,17 @@ impl DeviceProtocol {
         let now = std::time::Instant::now();
         let claimed = DeviceDirectory::device_of(&connect.client_id);
         let connections = &self.shared.connections;
-        let authenticated = match claimed {
-            // Too many failures of this device id lately: refused before
-            // the password is checked.
-            Some(d) if !connections.auth_allowed(d, now) => Err(Refused::RateLimited),
-            _ => self.shared.directory.authenticate(&connect.client_id, user, password).map_err(|why| {
-                if let (Refusal::BadCredentials, Some(d)) = (why, claimed) {
-                    connections.auth_failed(d, now);
+        // Too many failures of this device id, or from this address,
+        // lately: refused before the password is checked.
+        let authenticated = if !connections.auth_allowed(claimed, self.peer, now) {
+            Err(Refused::RateLimited)
+        } else {
+            self.shared.directory.authenticate(&connect.client_id, user, password).map_err(|why| {
+                if why == Refusal::BadCredentials {
+                    connections.auth_failed(claimed, self.peer, now);
                 }
                 Refused::from(why)
-            }),
+            })
         };
         let authenticated = authenticated.and_then(|login| {
             if will.as_ref().is_some_and(|w| w.message.len() > self.shared.max_will_bytes) {
@@ -344,6 +350,12 @@ impl DeviceProtocol {
 }
 
 impl Protocol for DeviceProtocol {
+    fn peer(&mut self, addr: std::net::SocketAddr) {
+        // An IPv4 client of a dual-stack listener is one address, however
+        // it is written.
+        self.peer = Some(addr.ip().to_canonical());
+    }
+
     /// Every packet after CONNECT, mounted, before the router sees it: the
     /// limits that rumqttd does not have.
     fn screen(&mut self, packet: Packet) -> Verdict {
