@@ -158,6 +158,11 @@ impl<P: Protocol> Network<P> {
         }
     }
 
+    /// See [`Protocol::ending`]. (edgeway patch, see PATCHES.md)
+    pub fn ending(&self) -> Option<protocol::Ending> {
+        self.protocol.ending()
+    }
+
     /// Writes what the codec answered itself; an error once the codec
     /// closed the connection. (edgeway patch, see PATCHES.md)
     pub async fn flush_answers(&mut self) -> Result<(), Error> {

@@ -142,6 +142,13 @@ impl<P: Protocol> RemoteLink<P> {
 
     pub async fn start(&mut self) -> Result<(), Error> {
         self.network.set_keepalive(self.connect.keep_alive);
+        // The codec may end the connection on its own (an expired or
+        // revoked credential), without waiting for the client to send
+        // something. (edgeway patch, see PATCHES.md)
+        let mut ending = self
+            .network
+            .ending()
+            .unwrap_or_else(|| Box::pin(std::future::pending()));
 
         // Note:
         // Shouldn't result in bounded queue deadlocks because of blocking n/w send
@@ -185,6 +192,12 @@ impl<P: Protocol> RemoteLink<P> {
                     if unscheduled {
                         self.link_rx.wake().await?;
                     }
+                }
+                last = &mut ending => {
+                    if let Some(packet) = last {
+                        self.network.write(packet).await?;
+                    }
+                    return Err(network::Error::ClosedByCodec.into());
                 }
             }
         }

@@ -785,4 +785,17 @@ pub trait Protocol {
     /// socket, with the socket's peer address, before anything is read.
     /// The default ignores it. (edgeway patch, see PATCHES.md)
     fn peer(&mut self, _addr: std::net::SocketAddr) {}
+
+    /// Called once when a remote link starts (after CONNECT): a future that
+    /// resolves when the server must end the connection on its own (its
+    /// credential expired or was revoked), even if the client sends
+    /// nothing, with the packet to write first (an MQTT 5 DISCONNECT with a
+    /// reason code), if any. The default, `None`: never. (edgeway patch,
+    /// see PATCHES.md)
+    fn ending(&self) -> Option<Ending> {
+        None
+    }
 }
+
+/// See [`Protocol::ending`] (edgeway patch).
+pub type Ending = std::pin::Pin<Box<dyn std::future::Future<Output = Option<Packet>> + Send>>;
