@@ -350,6 +350,49 @@ impl DeviceProtocol {
 }
 
 impl Protocol for DeviceProtocol {
+    /// Ends the connection at its token's expiry (MQTT 5 DISCONNECT 0xA0)
+    /// or as soon as its token is revoked (0x87), even if the device only
+    /// listens: patched rumqttd's link waits on this next to the socket.
+    /// Revocations are announced (`DeviceDirectory::revocations`), not
+    /// polled; 3.1.1 has no server DISCONNECT: the socket is closed.
+    fn ending(&self) -> Option<rumqttd::protocol::Ending> {
+        let (expires_at, credential) = (self.expires_at, self.credential);
+        let revocations = credential.and_then(|_| self.shared.directory.revocations());
+        if expires_at.is_none() && revocations.is_none() {
+            return None;
+        }
+        let shared = self.shared.clone();
+        let device = self.state.session().map(|s| s.device.clone());
+        let v5 = self.version == Version::V5;
+        Some(Box::pin(async move {
+            let expiry = async {
+                match expires_at {
+                    Some(at) => {
+                        let wait = u64::try_from(at - crate::task::now_ms()).unwrap_or(0);
+                        tokio::time::sleep(std::time::Duration::from_millis(wait)).await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            let revoked = async {
+                let Some(mut changes) = revocations else { return std::future::pending().await };
+                // A revocation between the CONNECT and now is seen here;
+                // later ones are announced.
+                while !shared.directory.lapsed(None, credential) {
+                    if changes.changed().await.is_err() {
+                        return std::future::pending().await;
+                    }
+                }
+            };
+            let last = tokio::select! {
+                _ = expiry => super::auth::expired_disconnect(),
+                _ = revoked => super::auth::revoked_disconnect(),
+            };
+            tracing::info!(?device, "MQTT: token expired or revoked, connection closed");
+            v5.then_some(last)
+        }))
+    }
+
     fn peer(&mut self, addr: std::net::SocketAddr) {
         // An IPv4 client of a dual-stack listener is one address, however
         // it is written.
