@@ -425,3 +425,40 @@ async fn failed_logins_are_rate_limited_per_source_address_whatever_the_device_i
     assert_eq!(code, Some(0), "another address is not limited");
     gw.stop().await;
 }
+
+/// A retained will is a retained publish of the device: before, edgeway
+/// published it for the device with no quota, so reconnecting with wills
+/// on new topics kept any number of retained messages. Over the quota it
+/// still reaches current subscribers, but is not kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_will_over_the_quota_is_delivered_but_not_kept() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_retained_per_device = 1").await;
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "w/0", b"kept", 1, true, 1)).await, Some((0x40, 0)));
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 2, "w/#")).await, Some((0x90, 0)));
+    assert_eq!(raw::packet(&mut s).await.map(|p| raw::publish_topic(&p)).as_deref(), Some("w/0"), "retained");
+    // A connection with a retained will goes away: its will is published.
+    let will = raw::connect_with_will(&format!("{}:w", D1.0), D1, "w/1", b"gone", true);
+    let (mut w, ack) = raw::connack(addr, &will).await.expect("a CONNACK");
+    assert_eq!(ack, raw::ACCEPTED);
+    let _ = socket2::SockRef::from(&w).set_linger(Some(Duration::ZERO));
+    let _ = w.shutdown().await;
+    drop(w);
+    let p = raw::packet(&mut s).await.expect("the will, to a current subscriber");
+    assert_eq!(raw::publish_topic(&p), "w/1");
+    // What is kept: only w/0.
+    let (mut late, _) = raw::session(addr, true, &format!("{}:late", D1.0), D1).await;
+    assert_eq!(answer(&mut late, &raw::subscribe_with(true, 1, "w/#")).await, Some((0x90, 0)));
+    s.write_all(&raw::publish_with(true, "w/end", b"marker", 0, false, 0)).await.unwrap();
+    let mut kept = Vec::new();
+    loop {
+        let topic = raw::publish_topic(&raw::packet(&mut late).await.expect("retained, then the marker"));
+        if topic == "w/end" {
+            break;
+        }
+        kept.push(topic);
+    }
+    assert_eq!(kept, ["w/0"]);
+    gw.stop().await;
+}

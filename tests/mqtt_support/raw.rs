@@ -312,3 +312,16 @@ pub async fn connack_code_from(from: std::net::IpAddr, addr: SocketAddr, connect
     let ack = packet(&mut s).await?;
     (ack[0] == 0x20).then_some(ack[3])
 }
+
+/// An MQTT 3.1.1 CONNECT with a will (QoS 0) on `topic`, retained when
+/// `retain`.
+pub fn connect_with_will(id: &str, login: (&str, &str), topic: &str, message: &[u8], retain: bool) -> Vec<u8> {
+    let flags = 0x02 | 0x04 | if retain { 0x20 } else { 0 } | 0xC0;
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 4, flags, 0, 60];
+    string(id.as_bytes(), &mut body);
+    string(topic.as_bytes(), &mut body);
+    string(message, &mut body);
+    string(login.0.as_bytes(), &mut body);
+    string(login.1.as_bytes(), &mut body);
+    frame(0x10, &body)
+}

@@ -166,10 +166,26 @@ impl Drop for DeviceProtocol {
         let shared = &self.shared;
         if let Conn::Open(s) | Conn::Ending(s) = std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
             shared.connections.close(&s.device, &s.client_id);
-            if let Some((will, props)) = s.will {
-                // The will waits the delay or the session, whichever is
-                // first, and never more than `max_will_delay_s`.
-                shared.wills.arm(&s.client_id, will, props, s.session_expiry.min(shared.max_will_delay_s));
+            if let Some((mut will, props)) = s.will {
+                // A will is a publish of the device: within its quotas. A
+                // retained one over the retained quota still goes to
+                // current subscribers, not kept; one to a topic over the
+                // topic quota does not go (nobody is left to tell).
+                let quotas = &shared.quotas;
+                let len = will.message.len();
+                let mut counted = quotas.publish(&s.device, &will.topic, will.retain, len);
+                if let Err(Quota::Retained | Quota::RetainedBytes) = counted {
+                    will.retain = false;
+                    counted = quotas.publish(&s.device, &will.topic, false, len);
+                }
+                match counted {
+                    // The will waits the delay or the session, whichever is
+                    // first, and never more than `max_will_delay_s`.
+                    Ok(()) => {
+                        shared.wills.arm(&s.client_id, will, props, s.session_expiry.min(shared.max_will_delay_s))
+                    }
+                    Err(quota) => tracing::info!(device = %s.device, reason = quota.reason(), "MQTT: will dropped"),
+                }
             }
             shared.presence.report(Presence::Disconnected { device: s.device, conn: s.conn });
         }
