@@ -706,6 +706,11 @@ async fn remote<P: Protocol>(
             error!(error=?e, "router-drop");
             send_disconnect = false;
         }
+        // The codec ended it (a limit, an expired credential): it logs why.
+        // (edgeway patch, see PATCHES.md)
+        Err(remote::Error::Network(network::Error::ClosedByCodec)) => {
+            info!("closed by the codec");
+        }
         // Connection was closed by peer
         Err(remote::Error::Network(network::Error::Io(err)) | remote::Error::Io(err))
             if err.kind() == io::ErrorKind::ConnectionAborted =>
