@@ -249,16 +249,18 @@ async fn resumes_are_rate_limited_so_small_messages_cannot_replay_megabytes() {
 #[tokio::test]
 async fn a_device_is_disconnected_when_its_token_expires() {
     let (fake, gw, addr) = start_jwt(Knobs::slow(200, 50), "coalesce_ms = 0").await;
-    // Idle at the expiry: the next packet ends the connection and runs
-    // nothing.
+    // Idle at the expiry (it only listens): the broker ends the connection
+    // at the expiry itself, without waiting for a packet from the device.
+    let t0 = Instant::now();
     let mut idle = connect(addr, V::V5, "jwt-idle", "jwt-idle", &token("jwt-idle", "demo", "demo", 2)).await.unwrap();
     idle.subscribe("ai/v1/jwt-idle/res/#").await;
-    // Waiting for the clock: the token's `exp` is in whole seconds.
-    tokio::time::sleep(Duration::from_millis(3100)).await;
-    idle.publish("ai/v1/jwt-idle/req", request("late").to_string()).await;
     let (msgs, why) = idle.until_closed().await;
+    // The token's `exp` is in whole seconds: 1 to 2 s after it was made.
+    assert!(t0.elapsed() < Duration::from_millis(3500), "ended {:?} after the CONNECT", t0.elapsed());
     assert!(msgs.is_empty(), "{msgs:?}");
-    println!("idle connection ended: {why}");
+    assert!(why.contains("MaximumConnectTime"), "an MQTT 5 device is told why: {why}");
+    // A request it sends now goes nowhere.
+    idle.try_publish("ai/v1/jwt-idle/req", request("late").to_string()).await;
 
     // Streaming at the expiry: the stream stops there, with a DISCONNECT.
     let mut busy = connect(addr, V::V5, "jwt-busy", "jwt-busy", &token("jwt-busy", "demo", "demo", 2)).await.unwrap();
@@ -334,6 +336,41 @@ async fn a_token_revoked_over_http_is_refused_over_mqtt_and_ends_its_connections
     bystander.publish("ai/v1/cam-s/req", request("s1").to_string()).await;
     assert_eq!(bystander.stream("ai/v1/cam-s/res/s1").await.last().unwrap()["type"], "done");
     assert_eq!(fake.stats.requests.load(std::sync::atomic::Ordering::SeqCst), 2, "'after' never ran");
+    gw.stop().await;
+}
+
+/// Issue 10 item 12: a revoked token's connection used to end only at its
+/// next packet, so a device that only listens (here: keep-alive 30 s) kept
+/// its session, and would have kept receiving, long after the revocation.
+/// Now the broker ends it within a moment, MQTT 5 with DISCONNECT 0x87.
+#[tokio::test]
+async fn a_listen_only_device_is_disconnected_promptly_when_its_token_is_revoked() {
+    let (_fake, gw, addr) = start_jwt(Knobs::default(), "").await;
+    let claims = |sub: &str| json!({"sub": sub, "app": "demo", "tenant": "demo", "exp": now_s() + 600, "jti": sub});
+    let mut v5 = connect(addr, V::V5, "cam-l5", "cam-l5", &signed(claims("cam-l5"))).await.unwrap();
+    v5.subscribe("ai/v1/cam-l5/res/#").await;
+    let mut v4 = connect(addr, V::V4, "cam-l4", "cam-l4", &signed(claims("cam-l4"))).await.unwrap();
+    v4.subscribe("ai/v1/cam-l4/res/#").await;
+    let mut bystander = connect(addr, V::V5, "cam-b", "cam-b", &signed(claims("cam-b"))).await.unwrap();
+    bystander.subscribe("ai/v1/cam-b/res/#").await;
+
+    let url = format!("{}/admin/keys/revoke", gw.base_url);
+    let http = reqwest::Client::new();
+    let t0 = Instant::now();
+    for jti in ["cam-l5", "cam-l4"] {
+        let r = http.post(&url).bearer_auth(common::OPS_KEY).json(&json!({ "jti": jti })).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    }
+    let (_, why) = v5.until_closed().await;
+    let v5_after = t0.elapsed();
+    assert!(why.contains("NotAuthorized"), "an MQTT 5 device is told why: {why}");
+    let (_, why4) = v4.until_closed().await;
+    let v4_after = t0.elapsed();
+    println!("revoked listeners ended after {v5_after:?} (5: {why}) and {v4_after:?} (3.1.1: {why4})");
+    assert!(v5_after < Duration::from_secs(2) && v4_after < Duration::from_secs(2), "{v5_after:?} {v4_after:?}");
+    // Another token's device goes on.
+    bystander.publish("ai/v1/cam-b/req", request("b1").to_string()).await;
+    assert_eq!(bystander.stream("ai/v1/cam-b/res/b1").await.last().unwrap()["type"], "done");
     gw.stop().await;
 }
 

@@ -273,3 +273,192 @@ async fn failed_authentications_are_rate_limited_per_device() {
     let _other = device(addr, V::V4, D2).await;
     gw.stop().await;
 }
+
+/// Sends `packet` and returns the next packet's type and reason code
+/// (see [`raw::reason`]), `None` when the connection closed first.
+async fn answer(s: &mut tokio::net::TcpStream, packet: &[u8]) -> Option<(u8, u8)> {
+    s.write_all(packet).await.ok()?;
+    raw::packet(s).await.map(|p| (p[0] & 0xF0, raw::reason(&p)))
+}
+
+/// Item 3 of issue 10: retained messages per device. Before, every
+/// retained publish was acknowledged and kept by the router (one per
+/// topic, no limit): a device could fill the broker's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retained_messages_over_the_device_quota_are_refused_and_not_stored() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_retained_per_device = 3").await;
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    let mut codes = Vec::new();
+    for i in 0..6u16 {
+        let (kind, code) = answer(&mut s, &raw::publish_with(true, &format!("r/{i}"), b"kept", 1, true, i + 1))
+            .await
+            .expect("a PUBACK");
+        assert_eq!(kind, 0x40);
+        codes.push(code);
+    }
+    assert_eq!(codes, [0, 0, 0, 0x97, 0x97, 0x97], "0x97 Quota exceeded past 3");
+    // An empty payload deletes one and frees its place.
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "r/0", b"", 1, true, 10)).await, Some((0x40, 0)));
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "r/5", b"kept", 1, true, 11)).await, Some((0x40, 0)));
+
+    // What the broker kept: r/1, r/2, r/5 and nothing refused.
+    let (mut sub, _) = raw::session(addr, true, &format!("{}:sub", D1.0), D1).await;
+    assert_eq!(answer(&mut sub, &raw::subscribe_with(true, 1, "r/#")).await, Some((0x90, 0)));
+    s.write_all(&raw::publish_with(true, "r/end", b"marker", 0, false, 0)).await.unwrap();
+    let mut retained = Vec::new();
+    loop {
+        let p = raw::packet(&mut sub).await.expect("the retained messages, then the marker");
+        let topic = raw::publish_topic(&p);
+        if topic == "r/end" {
+            break;
+        }
+        retained.push(topic);
+    }
+    retained.sort();
+    assert_eq!(retained, ["r/1", "r/2", "r/5"]);
+
+    // 3.1.1 has no reason code in PUBACK: the connection is closed.
+    let (mut v4, _) = raw::session(addr, false, &format!("{}:v4", D1.0), D1).await;
+    v4.write_all(&raw::publish_with(false, "r/9", b"kept", 1, true, 1)).await.unwrap();
+    assert_eq!(raw::packet(&mut v4).await, None, "no PUBACK");
+    assert!(raw::closed(&mut v4).await);
+    // Another device is not limited by this one.
+    let (mut other, _) = raw::session(addr, false, D2.0, D2).await;
+    assert_eq!(answer(&mut other, &raw::publish_with(false, "r/0", b"kept", 1, true, 1)).await, Some((0x40, 0)));
+    gw.stop().await;
+}
+
+/// Item 3 of issue 10: QoS 2 publishes never released. The router keeps
+/// each one until its PUBREL; before, a device could leave any number
+/// pending. Now MQTT 5 devices are told the Receive Maximum
+/// (`max_inflight`) in the CONNACK, and one past it ends the connection
+/// (DISCONNECT 0x93; 3.1.1: closed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qos2_publishes_never_released_past_the_receive_maximum_end_the_connection() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_inflight = 4").await;
+    let (mut s, ack) = raw::session(addr, true, D1.0, D1).await;
+    assert!(ack.windows(3).any(|w| w == [0x21, 0, 4]), "Receive Maximum 4 in the CONNACK: {ack:02x?}");
+    for pkid in 1..=4 {
+        assert_eq!(answer(&mut s, &raw::publish_with(true, "q", b"x", 2, false, pkid)).await, Some((0x50, 0)));
+    }
+    // A PUBREL frees its place.
+    assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0)));
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "q", b"x", 2, false, 5)).await, Some((0x50, 0)));
+    // A resend of a pending one is not one more.
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "q", b"x", 2, false, 5)).await, Some((0x50, 0)));
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "q", b"x", 2, false, 6)).await, Some((0xE0, 0x93)));
+    assert!(raw::closed(&mut s).await);
+
+    let (mut v4, _) = raw::session(addr, false, D2.0, D2).await;
+    for pkid in 1..=4 {
+        assert_eq!(answer(&mut v4, &raw::publish_with(false, "q", b"x", 2, false, pkid)).await, Some((0x50, 0)));
+    }
+    assert_eq!(answer(&mut v4, &raw::publish_with(false, "q", b"x", 2, false, 5)).await, None);
+    assert!(raw::closed(&mut v4).await);
+    // The device connects again and goes on.
+    let (mut again, _) = raw::session(addr, true, D1.0, D1).await;
+    assert_eq!(answer(&mut again, &raw::publish_with(true, "q", b"x", 2, false, 1)).await, Some((0x50, 0)));
+    gw.stop().await;
+}
+
+/// Item 3 of issue 10: topic names and filters (the router caches each for
+/// good) per device, and subscriptions per connection. Before, any number
+/// was accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topics_and_subscriptions_over_their_limits_are_refused() {
+    use mqtt_support::*;
+    let limits = "max_topics_per_device = 5\nmax_subscriptions_per_connection = 3";
+    let (_fake, gw, addr) = start(Knobs::default(), limits).await;
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    for i in 0..3u16 {
+        assert_eq!(answer(&mut s, &raw::subscribe_with(true, i + 1, &format!("f/{i}"))).await, Some((0x90, 0)));
+    }
+    // A fourth subscription on this connection.
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 4, "f/3")).await, Some((0x90, 0x97)));
+    assert_eq!(answer(&mut s, &raw::unsubscribe_with(true, 5, "f/0")).await.map(|a| a.0), Some(0xB0));
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 6, "f/3")).await, Some((0x90, 0)));
+    // Four filters and one topic name make the device's five.
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "t/0", b"x", 1, false, 7)).await, Some((0x40, 0)));
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "t/1", b"x", 1, false, 8)).await, Some((0x40, 0x97)));
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "t/0", b"x", 1, false, 9)).await, Some((0x40, 0)));
+
+    // 3.1.1: SUBACK 0x80; a publish to a sixth topic closes.
+    let (mut v4, _) = raw::session(addr, false, &format!("{}:v4", D1.0), D1).await;
+    assert_eq!(answer(&mut v4, &raw::subscribe_with(false, 1, "f/9")).await, Some((0x90, 0x80)));
+    assert_eq!(answer(&mut v4, &raw::subscribe_with(false, 2, "f/1")).await, Some((0x90, 0)), "a known filter");
+    v4.write_all(&raw::publish_with(false, "t/9", b"x", 0, false, 0)).await.unwrap();
+    assert!(raw::closed(&mut v4).await);
+    // Another device is not limited by this one.
+    let (mut other, _) = raw::session(addr, true, D2.0, D2).await;
+    assert_eq!(answer(&mut other, &raw::subscribe_with(true, 1, "f/9")).await, Some((0x90, 0)));
+    assert_eq!(answer(&mut other, &raw::publish_with(true, "t/9", b"x", 1, false, 2)).await, Some((0x40, 0)));
+    gw.stop().await;
+}
+
+/// Item 12 of issue 10: failed logins were limited per device id only, so
+/// an attacker rotating device ids was never slowed. Now per source address
+/// too; a device from another address still connects meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_logins_are_rate_limited_per_source_address_whatever_the_device_id() {
+    use mqtt_support::*;
+    let limits = "auth_failures_per_s = 1000\nauth_failures_per_ip_per_s = 0.2";
+    let (_fake, gw, addr) = start(Knobs::default(), limits).await;
+    let attacker: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+    let other: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    // The burst (5 × 0.2 = 1 failure), then every id is refused unchecked.
+    let first = raw::connack_code_from(attacker, addr, &raw::connect("rot-0", Some(("rot-0", "guess")))).await;
+    assert_eq!(first, Some(4), "bad user name or password");
+    for i in 1..4 {
+        let id = format!("rot-{i}");
+        let code = raw::connack_code_from(attacker, addr, &raw::connect(&id, Some((&id, "guess")))).await;
+        assert_eq!(code, Some(5), "{id}: not authorized, without a password check");
+    }
+    let code = raw::connack_code_from(attacker, addr, &raw::connect_v5("rot-9", Some(("rot-9", "guess")))).await;
+    assert_eq!(code, Some(0x9F), "MQTT 5: Connection rate exceeded");
+    // Even good credentials from that address wait for the bucket…
+    let code = raw::connack_code_from(attacker, addr, &raw::connect(D1.0, Some(D1))).await;
+    assert_eq!(code, Some(5));
+    // …while a device from another address connects.
+    let code = raw::connack_code_from(other, addr, &raw::connect(D2.0, Some(D2))).await;
+    assert_eq!(code, Some(0), "another address is not limited");
+    gw.stop().await;
+}
+
+/// A retained will is a retained publish of the device: before, edgeway
+/// published it for the device with no quota, so reconnecting with wills
+/// on new topics kept any number of retained messages. Over the quota it
+/// still reaches current subscribers, but is not kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_will_over_the_quota_is_delivered_but_not_kept() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_retained_per_device = 1").await;
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "w/0", b"kept", 1, true, 1)).await, Some((0x40, 0)));
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 2, "w/#")).await, Some((0x90, 0)));
+    assert_eq!(raw::packet(&mut s).await.map(|p| raw::publish_topic(&p)).as_deref(), Some("w/0"), "retained");
+    // A connection with a retained will goes away: its will is published.
+    let will = raw::connect_with_will(&format!("{}:w", D1.0), D1, "w/1", b"gone", true);
+    let (mut w, ack) = raw::connack(addr, &will).await.expect("a CONNACK");
+    assert_eq!(ack, raw::ACCEPTED);
+    let _ = socket2::SockRef::from(&w).set_linger(Some(Duration::ZERO));
+    let _ = w.shutdown().await;
+    drop(w);
+    let p = raw::packet(&mut s).await.expect("the will, to a current subscriber");
+    assert_eq!(raw::publish_topic(&p), "w/1");
+    // What is kept: only w/0.
+    let (mut late, _) = raw::session(addr, true, &format!("{}:late", D1.0), D1).await;
+    assert_eq!(answer(&mut late, &raw::subscribe_with(true, 1, "w/#")).await, Some((0x90, 0)));
+    s.write_all(&raw::publish_with(true, "w/end", b"marker", 0, false, 0)).await.unwrap();
+    let mut kept = Vec::new();
+    loop {
+        let topic = raw::publish_topic(&raw::packet(&mut late).await.expect("retained, then the marker"));
+        if topic == "w/end" {
+            break;
+        }
+        kept.push(topic);
+    }
+    assert_eq!(kept, ["w/0"]);
+    gw.stop().await;
+}

@@ -22,6 +22,9 @@ pub struct Authenticator {
     /// (`POST /admin/keys/revoke`; kept in the store and loaded again at
     /// start).
     revoked: std::sync::RwLock<std::collections::HashSet<[u8; 32]>>,
+    /// Counts revocations, so that holders of long-lived sessions (MQTT)
+    /// check theirs when one happens instead of polling.
+    revocations: tokio::sync::watch::Sender<u64>,
 }
 
 struct JwtVerifier {
@@ -70,7 +73,7 @@ impl Authenticator {
             rs: j.rs256_public_key_pem.as_deref().and_then(|p| DecodingKey::from_rsa_pem(p).ok()),
             cfg: j.clone(),
         });
-        Authenticator { by_key, by_name, jwt, revoked: Default::default() }
+        Authenticator { by_key, by_name, jwt, revoked: Default::default(), revocations: Default::default() }
     }
 
     /// Identifies the caller from a bearer credential (API key or JWT).
@@ -172,7 +175,13 @@ impl Authenticator {
     /// was a known key.
     pub fn revoke(&self, digest: [u8; 32]) -> bool {
         self.revoked.write().expect("revoked keys").insert(digest);
+        self.revocations.send_modify(|n| *n += 1);
         self.by_key.contains_key(&digest)
+    }
+
+    /// Changes after every revocation (see [`Authenticator::is_revoked`]).
+    pub fn revocations(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.revocations.subscribe()
     }
 
     /// Whether the key (or token id digest) is revoked.

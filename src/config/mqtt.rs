@@ -52,6 +52,20 @@ pub struct MqttConfig {
     /// 5 ×); beyond, CONNECTs of that id are refused without a password
     /// check.
     pub auth_failures_per_s: f64,
+    /// Failed authentications per second allowed per source IP address
+    /// (bursts of 5 ×), whatever device ids it names; beyond, CONNECTs from
+    /// that address are refused without a password check.
+    pub auth_failures_per_ip_per_s: f64,
+    /// Retained messages a device may keep in the broker; one more is
+    /// refused (MQTT 5 0x97 Quota exceeded).
+    pub max_retained_per_device: usize,
+    /// Bytes (topic and payload) of a device's retained messages.
+    pub max_retained_bytes_per_device: usize,
+    /// Distinct topic names and filters a device may use while edgeway
+    /// runs (the broker keeps each in caches that never shrink).
+    pub max_topics_per_device: usize,
+    /// Subscriptions (filters) one connection holds at once.
+    pub max_subscriptions_per_connection: usize,
     /// Default delta coalescing: at most one delta message per this period…
     pub coalesce: Duration,
     /// …or per this many bytes of text, whichever comes first.
@@ -119,6 +133,11 @@ pub struct RawMqtt {
     pub max_will_bytes: usize,
     pub max_will_delay_s: u32,
     pub auth_failures_per_s: f64,
+    pub auth_failures_per_ip_per_s: f64,
+    pub max_retained_per_device: usize,
+    pub max_retained_bytes_per_device: usize,
+    pub max_topics_per_device: usize,
+    pub max_subscriptions_per_connection: usize,
     pub coalesce_ms: u64,
     pub max_chunk_bytes: usize,
     pub disconnect_grace_ms: u64,
@@ -149,6 +168,11 @@ impl Default for RawMqtt {
             max_will_bytes: 16 * 1024,
             max_will_delay_s: 3600,
             auth_failures_per_s: 2.0,
+            auth_failures_per_ip_per_s: 10.0,
+            max_retained_per_device: 100,
+            max_retained_bytes_per_device: 1024 * 1024,
+            max_topics_per_device: 1000,
+            max_subscriptions_per_connection: 100,
             coalesce_ms: 100,
             max_chunk_bytes: 512,
             disconnect_grace_ms: 60_000,
@@ -248,6 +272,17 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
     if !(raw.auth_failures_per_s.is_finite() && raw.auth_failures_per_s > 0.0) {
         p.add("mqtt.auth_failures_per_s", "must be a number above 0");
     }
+    if !(raw.auth_failures_per_ip_per_s.is_finite() && raw.auth_failures_per_ip_per_s > 0.0) {
+        p.add("mqtt.auth_failures_per_ip_per_s", "must be a number above 0");
+    }
+    for (key, v) in [
+        ("mqtt.max_topics_per_device", raw.max_topics_per_device),
+        ("mqtt.max_subscriptions_per_connection", raw.max_subscriptions_per_connection),
+    ] {
+        if v == 0 {
+            p.add(key, "must be at least 1");
+        }
+    }
     if raw.max_chunk_bytes == 0 {
         p.add("mqtt.max_chunk_bytes", "must be at least 1");
     }
@@ -281,6 +316,11 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
         max_will_bytes: raw.max_will_bytes,
         max_will_delay_s: raw.max_will_delay_s,
         auth_failures_per_s: raw.auth_failures_per_s,
+        auth_failures_per_ip_per_s: raw.auth_failures_per_ip_per_s,
+        max_retained_per_device: raw.max_retained_per_device,
+        max_retained_bytes_per_device: raw.max_retained_bytes_per_device,
+        max_topics_per_device: raw.max_topics_per_device,
+        max_subscriptions_per_connection: raw.max_subscriptions_per_connection,
         coalesce: Duration::from_millis(raw.coalesce_ms),
         max_chunk_bytes: raw.max_chunk_bytes,
         disconnect_grace: Duration::from_millis(raw.disconnect_grace_ms),

@@ -269,6 +269,12 @@ impl Gateway {
         self.auth.is_revoked(digest)
     }
 
+    /// Changes after every revocation: a connection that outlives one call
+    /// checks [`Gateway::credential_revoked`] then.
+    pub fn revocations(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.auth.revocations()
+    }
+
     /// Authenticates, parses, admits and queues a call: the same path for
     /// every ingress ([`Gateway::prepare`], then [`Gateway::submit_call`]).
     pub async fn submit(

@@ -194,3 +194,134 @@ pub async fn websocket_upgrade(addr: SocketAddr) -> bool {
     matches!(tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut head)).await, Ok(Ok(_)))
         && head.ends_with(b"101")
 }
+
+fn frame(first: u8, body: &[u8]) -> Vec<u8> {
+    let mut p = vec![first];
+    remaining_length(body.len(), &mut p);
+    p.extend_from_slice(body);
+    p
+}
+
+/// An MQTT 5 CONNECT (clean start, keep-alive 60 s, no properties).
+pub fn connect_v5(id: &str, login: Option<(&str, &str)>) -> Vec<u8> {
+    let flags = 0x02 | if login.is_some() { 0xC0 } else { 0 };
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 5, flags, 0, 60, 0];
+    string(id.as_bytes(), &mut body);
+    if let Some((u, p)) = login {
+        string(u.as_bytes(), &mut body);
+        string(p.as_bytes(), &mut body);
+    }
+    frame(0x10, &body)
+}
+
+/// A PUBLISH at `qos` (packet id `pkid` unless QoS 0); MQTT 5 when `v5`
+/// (no properties).
+pub fn publish_with(v5: bool, topic: &str, payload: &[u8], qos: u8, retain: bool, pkid: u16) -> Vec<u8> {
+    let mut body = Vec::new();
+    string(topic.as_bytes(), &mut body);
+    if qos > 0 {
+        body.extend_from_slice(&pkid.to_be_bytes());
+    }
+    if v5 {
+        body.push(0);
+    }
+    body.extend_from_slice(payload);
+    frame(0x30 | (qos << 1) | u8::from(retain), &body)
+}
+
+/// A SUBSCRIBE of one filter at QoS 0; MQTT 5 when `v5`.
+pub fn subscribe_with(v5: bool, pkid: u16, filter: &str) -> Vec<u8> {
+    let mut body = pkid.to_be_bytes().to_vec();
+    if v5 {
+        body.push(0);
+    }
+    string(filter.as_bytes(), &mut body);
+    body.push(0);
+    frame(0x82, &body)
+}
+
+/// An UNSUBSCRIBE of one filter; MQTT 5 when `v5`.
+pub fn unsubscribe_with(v5: bool, pkid: u16, filter: &str) -> Vec<u8> {
+    let mut body = pkid.to_be_bytes().to_vec();
+    if v5 {
+        body.push(0);
+    }
+    string(filter.as_bytes(), &mut body);
+    frame(0xA2, &body)
+}
+
+/// A PUBREL (success, the short form both versions read).
+pub fn pubrel(pkid: u16) -> Vec<u8> {
+    frame(0x62, &pkid.to_be_bytes())
+}
+
+/// An authenticated raw connection (MQTT 5 when `v5`) and its CONNACK;
+/// panics unless accepted.
+pub async fn session(addr: SocketAddr, v5: bool, id: &str, login: (&str, &str)) -> (TcpStream, Vec<u8>) {
+    let connect = if v5 { connect_v5(id, Some(login)) } else { connect(id, Some(login)) };
+    let mut s = TcpStream::connect(addr).await.expect("connects");
+    s.write_all(&connect).await.unwrap();
+    let ack = packet(&mut s).await.expect("a CONNACK");
+    assert_eq!((ack[0], ack[3]), (0x20, 0), "accepted: {ack:02x?}");
+    (s, ack)
+}
+
+/// The reason code of an acknowledgement (PUBACK, PUBREC, PUBCOMP: 0 when
+/// left out; SUBACK: its last code), or of a DISCONNECT.
+pub fn reason(p: &[u8]) -> u8 {
+    match p[0] & 0xF0 {
+        0x90 => *p.last().expect("a code"),
+        0xE0 => p.get(2).copied().unwrap_or(0),
+        _ => p.get(4).copied().unwrap_or(0),
+    }
+}
+
+/// Whether the server closed `s` (EOF or reset) within 5 s, reading past
+/// anything it sent first.
+pub async fn closed(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return true,
+                Ok(_) => continue,
+            }
+        }
+    })
+    .await
+    .unwrap_or(false)
+}
+
+/// The topic of a PUBLISH's bytes.
+pub fn publish_topic(p: &[u8]) -> String {
+    let mut i = 1;
+    while p[i] & 0x80 != 0 {
+        i += 1;
+    }
+    let len = u16::from_be_bytes([p[i + 1], p[i + 2]]) as usize;
+    String::from_utf8_lossy(&p[i + 3..i + 3 + len]).into_owned()
+}
+
+/// The CONNACK code of `connect` (3.1.1 or 5) sent from the local address
+/// `from` (any of 127.0.0.0/8 on Linux), `None` without a CONNACK.
+pub async fn connack_code_from(from: std::net::IpAddr, addr: SocketAddr, connect: &[u8]) -> Option<u8> {
+    let socket = tokio::net::TcpSocket::new_v4().ok()?;
+    socket.bind(SocketAddr::new(from, 0)).ok()?;
+    let mut s = socket.connect(addr).await.ok()?;
+    s.write_all(connect).await.ok()?;
+    let ack = packet(&mut s).await?;
+    (ack[0] == 0x20).then_some(ack[3])
+}
+
+/// An MQTT 3.1.1 CONNECT with a will (QoS 0) on `topic`, retained when
+/// `retain`.
+pub fn connect_with_will(id: &str, login: (&str, &str), topic: &str, message: &[u8], retain: bool) -> Vec<u8> {
+    let flags = 0x02 | 0x04 | if retain { 0x20 } else { 0 } | 0xC0;
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 4, flags, 0, 60];
+    string(id.as_bytes(), &mut body);
+    string(topic.as_bytes(), &mut body);
+    string(message, &mut body);
+    string(login.0.as_bytes(), &mut body);
+    string(login.1.as_bytes(), &mut body);
+    frame(0x10, &body)
+}

@@ -25,8 +25,10 @@
 //!   connection's authority ([`Login::expires_at`]); see [`expired`]. JWTs
 //!   are checked by the gateway's own authenticator, so a token id revoked
 //!   over HTTP (`POST /admin/keys/revoke {"jti"}`) or loaded from the store
-//!   is refused at CONNECT, and a connection that logged in with it ends at
-//!   its next packet ([`DeviceDirectory::lapsed`]).
+//!   is refused at CONNECT, and a connection that logged in with it ends
+//!   as soon as the token is revoked (MQTT 5 DISCONNECT 0x87), even if the
+//!   device only listens ([`DeviceDirectory::revocations`],
+//!   [`DeviceDirectory::lapsed`]).
 //! - **Bounded slow checks**: at most [`argon2_permits`] Argon2
 //!   verifications run at once; a CONNECT that finds none free is refused
 //!   as "server busy" (MQTT 5 0x89, 3.1.1 code 3) without running one, so
@@ -100,12 +102,25 @@ pub fn argon2_permits() -> usize {
 
 /// Whether a connection's credential has expired by now (`expires_at` from
 /// [`Login`]). A connection past it may not do anything more: the codec
-/// ends it at its next packet either way (MQTT 5 DISCONNECT 0xA0 when
-/// edgeway writes), and the ingress refuses its requests and stops
-/// sending. A device must send something at least every keep-alive, so an
-/// idle connection ends within its keep-alive of the expiry.
+/// ends it at its expiry even if the device sends nothing (MQTT 5
+/// DISCONNECT 0xA0; see `protocol`'s `Protocol::ending`), or at its next
+/// packet or write should that come first, and the ingress refuses its
+/// requests and stops sending.
 pub fn expired(expires_at: Option<i64>) -> bool {
     expires_at.is_some_and(|at| crate::task::now_ms() >= at)
+}
+
+/// The MQTT 5 DISCONNECT sent to a connection whose token was revoked:
+/// 0x87 Not authorized.
+pub fn revoked_disconnect() -> rumqttd::protocol::Packet {
+    use rumqttd::protocol::{Disconnect, DisconnectProperties, DisconnectReasonCode, Packet};
+    let props = DisconnectProperties {
+        session_expiry_interval: None,
+        reason_string: Some("the token was revoked".into()),
+        user_properties: Vec::new(),
+        server_reference: None,
+    };
+    Packet::Disconnect(Disconnect { reason_code: DisconnectReasonCode::NotAuthorized }, Some(props))
 }
 
 /// The MQTT 5 DISCONNECT sent to a connection whose credential expired.
@@ -182,6 +197,12 @@ impl DeviceDirectory {
     /// ([`expired`]) or its token id was revoked since (`credential`: the
     /// login identity's [`Identity::credential`]). Checked at every packet
     /// a device sends.
+    /// Changes after every revocation (`None` without `[auth.jwt]`: no
+    /// token to revoke).
+    pub fn revocations(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.jwt.as_ref().map(|gw| gw.revocations())
+    }
+
     pub fn lapsed(&self, expires_at: Option<i64>, credential: Option<[u8; 32]>) -> bool {
         expired(expires_at) || credential.is_some_and(|c| self.jwt.as_ref().is_some_and(|gw| gw.credential_revoked(&c)))
     }

@@ -16,6 +16,14 @@
 //!   keeps it, see [`super::wills`]).
 //! - **CONNACK** of a refused CONNECT carries the refusal code (rumqttd
 //!   answered the stand-in of [`refused_connect`]).
+//! - **Refusals after CONNECT** ([`refuse_publish`], [`refuse_subscribe`],
+//!   [`receive_maximum_exceeded`]): what the link writes instead of passing
+//!   a packet over a limit to the router (patched rumqttd's
+//!   `Protocol::screen`). MQTT 5: PUBACK/PUBREC/SUBACK 0x97 Quota exceeded,
+//!   DISCONNECT 0x93 Receive Maximum exceeded, DISCONNECT 0x97 for a QoS 0
+//!   publish (which has no acknowledgement). 3.1.1 has no reason code in
+//!   PUBACK: a refused publish closes the connection; a refused SUBSCRIBE
+//!   gets SUBACK 0x80 Failure.
 //! - MQTT 5 properties never reach a 3.1.1 device; the MQTT 5 message
 //!   expiry of a request is carried to edgeway as an absolute time
 //!   ([`EXPIRES_AT_PROPERTY`]) instead of letting the router drop the
@@ -26,10 +34,13 @@
 
 use bytes::BytesMut;
 use rumqttd::protocol::{
-    ConnAckProperties, Connect, ConnectProperties, ConnectReturnCode, Error, LastWill, Packet, PublishProperties,
+    ConnAckProperties, Connect, ConnectProperties, ConnectReturnCode, Disconnect, DisconnectProperties,
+    DisconnectReasonCode, Error, LastWill, Packet, PubAck, PubAckProperties, PubAckReason, PubRec, PubRecProperties,
+    PubRecReason, PublishProperties, QoS, SubAck, SubAckProperties, SubscribeReasonCode, Verdict,
 };
 
 use super::auth::Refusal;
+use super::connections::Quota;
 use super::topics::{mount_filter, mount_topic, unmount};
 
 /// User property that carries a request's MQTT 5 message expiry to edgeway
@@ -46,8 +57,10 @@ pub enum Refused {
     TooManyInstances,
     /// The will's payload is over `max_will_bytes`.
     WillTooLarge,
-    /// Too many failed authentications of this device id lately
-    /// (`auth_failures_per_s`): refused without checking the password.
+    /// Too many failed authentications of this device id
+    /// (`auth_failures_per_s`) or from this source address
+    /// (`auth_failures_per_ip_per_s`) lately: refused without checking the
+    /// password.
     RateLimited,
 }
 
@@ -185,6 +198,75 @@ pub fn with_server_keep_alive(packet: Packet, server_keep_alive: Option<u16>) ->
             Packet::ConnAck(ack, Some(p))
         }
         (packet, _) => packet,
+    }
+}
+
+/// Sets MQTT 5's Receive Maximum on a CONNACK that has properties: the
+/// QoS 1 and 2 publishes a device may have unacknowledged at once.
+pub fn with_receive_maximum(packet: Packet, receive_max: u16) -> Packet {
+    match packet {
+        Packet::ConnAck(ack, Some(mut p)) => {
+            p.receive_max = Some(receive_max);
+            Packet::ConnAck(ack, Some(p))
+        }
+        packet => packet,
+    }
+}
+
+/// MQTT 5 DISCONNECT with `code` and a reason string.
+fn disconnect(code: DisconnectReasonCode, why: &str) -> Packet {
+    let props = DisconnectProperties {
+        session_expiry_interval: None,
+        reason_string: Some(why.to_string()),
+        user_properties: Vec::new(),
+        server_reference: None,
+    };
+    Packet::Disconnect(Disconnect { reason_code: code }, Some(props))
+}
+
+/// What answers a PUBLISH (QoS `qos`, packet id `pkid`) over a quota: MQTT
+/// 5 PUBACK or PUBREC 0x97; a QoS 0 publish (no acknowledgement) or any
+/// 3.1.1 one closes the connection (MQTT 5 with DISCONNECT 0x97).
+pub fn refuse_publish(version: Version, qos: QoS, pkid: u16, quota: Quota) -> Verdict {
+    let reason_string = Some(quota.reason().to_string());
+    match (version, qos) {
+        (Version::V5, QoS::AtLeastOnce) => Verdict::Answer(Packet::PubAck(
+            PubAck { pkid, reason: PubAckReason::QuotaExceeded },
+            Some(PubAckProperties { reason_string, user_properties: Vec::new() }),
+        )),
+        (Version::V5, QoS::ExactlyOnce) => Verdict::Answer(Packet::PubRec(
+            PubRec { pkid, reason: PubRecReason::QuotaExceeded },
+            Some(PubRecProperties { reason_string, user_properties: Vec::new() }),
+        )),
+        (Version::V5, QoS::AtMostOnce) => {
+            Verdict::Close(Some(disconnect(DisconnectReasonCode::QuotaExceeded, quota.reason())))
+        }
+        _ => Verdict::Close(None),
+    }
+}
+
+/// The SUBACK of a SUBSCRIBE (`filters` of them) refused whole: 0x97
+/// Quota exceeded for each (3.1.1: 0x80 Failure).
+pub fn refuse_subscribe(version: Version, pkid: u16, filters: usize, quota: Quota) -> Packet {
+    let (code, props) = match version {
+        Version::V5 => (
+            SubscribeReasonCode::QuotaExceeded,
+            Some(SubAckProperties { reason_string: Some(quota.reason().to_string()), user_properties: Vec::new() }),
+        ),
+        _ => (SubscribeReasonCode::Failure, None),
+    };
+    Packet::SubAck(SubAck { pkid, return_codes: vec![code; filters] }, props)
+}
+
+/// A QoS 2 publish beyond the Receive Maximum (more awaiting PUBREL than
+/// the CONNACK allowed): MQTT 5 DISCONNECT 0x93; 3.1.1 closes.
+pub fn receive_maximum_exceeded(version: Version) -> Verdict {
+    match version {
+        Version::V5 => Verdict::Close(Some(disconnect(
+            DisconnectReasonCode::ReceiveMaximumExceeded,
+            "more QoS 2 publishes awaiting PUBREL than the Receive Maximum",
+        ))),
+        _ => Verdict::Close(None),
     }
 }
 

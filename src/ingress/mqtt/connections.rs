@@ -9,15 +9,24 @@
 //!
 //! Limits per device: distinct client ids (`{device}:{instance}`) open at
 //! once ([`Connections::open`]), and failed authentications per device id
-//! ([`Connections::auth_allowed`], a token bucket: beyond it a CONNECT is
-//! refused before its password is checked).
+//! and per source IP address ([`Connections::auth_allowed`], token
+//! buckets: beyond either a CONNECT is refused before its password is
+//! checked; the per-address one slows an attacker who rotates device ids).
+//!
+//! What a device leaves in rumqttd's router ([`DeviceQuotas`]): retained
+//! messages (count and bytes), and topic names and filters (the router
+//! caches every topic published and keeps a log per filter subscribed, for
+//! as long as it runs). The codec asks before a PUBLISH or SUBSCRIBE
+//! reaches the router and refuses one over a limit with a reason code.
 //!
 //! Owns: connection numbers and states, the instance table, the failure
-//! buckets. Does not own: packets
+//! buckets, the per-device quotas. Does not own: packets
 //! ([`super::codec`]), wills ([`super::wills`]), presence
 //! ([`super::presence`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasher, Hash, RandomState};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -79,30 +88,31 @@ pub struct Connections {
     next_conn: AtomicU64,
     /// Most client ids open at once per device.
     max_instances: usize,
-    /// Failed authentications per second allowed per device id (the
-    /// bucket holds `5 ×` that).
-    auth_failures_per_s: f64,
     /// Device → client id → its open connections (a takeover briefly has
     /// two of one client id).
     open: Mutex<HashMap<String, HashMap<String, usize>>>,
-    /// Device id → (tokens, when last refilled).
-    failures: Mutex<HashMap<String, (f64, Instant)>>,
+    /// Failed authentications per device id.
+    failures: Buckets<String>,
+    /// Failed authentications per source address.
+    ip_failures: Buckets<IpAddr>,
 }
 
 impl Default for Connections {
     fn default() -> Self {
-        Connections::new(8, 2.0)
+        Connections::new(8, 2.0, 10.0)
     }
 }
 
 impl Connections {
-    pub fn new(max_instances: usize, auth_failures_per_s: f64) -> Self {
+    /// `auth_failures_per_s` per device id, `per_ip_per_s` per source
+    /// address (each bucket holds `5 ×` its rate).
+    pub fn new(max_instances: usize, auth_failures_per_s: f64, per_ip_per_s: f64) -> Self {
         Connections {
             next_conn: AtomicU64::new(1),
             max_instances,
-            auth_failures_per_s,
             open: Mutex::default(),
-            failures: Mutex::default(),
+            failures: Buckets::new(auth_failures_per_s),
+            ip_failures: Buckets::new(per_ip_per_s),
         }
     }
 
@@ -140,37 +150,73 @@ impl Connections {
         }
     }
 
-    fn capacity(&self) -> f64 {
-        (self.auth_failures_per_s * 5.0).max(1.0)
+    /// Whether a CONNECT of `device` (when the client id names one) from
+    /// `peer` (when known) may be authenticated now: false while the
+    /// failures of either are over their rate.
+    pub fn auth_allowed(&self, device: Option<&str>, peer: Option<IpAddr>, now: Instant) -> bool {
+        device.is_none_or(|d| self.failures.allowed(d, now)) && peer.is_none_or(|ip| self.ip_failures.allowed(&ip, now))
     }
 
-    /// Whether a CONNECT of `device` may be authenticated now: false while
-    /// its failures are over the rate.
-    pub fn auth_allowed(&self, device: &str, now: Instant) -> bool {
-        let mut f = self.failures.lock().expect("failures");
+    /// An authentication of `device` from `peer` failed.
+    pub fn auth_failed(&self, device: Option<&str>, peer: Option<IpAddr>, now: Instant) {
+        if let Some(d) = device {
+            self.failures.failed(d, now);
+        }
+        if let Some(ip) = peer {
+            self.ip_failures.failed(&ip, now);
+        }
+    }
+}
+
+/// Token buckets of failures per key, at most [`MAX_BUCKETS`] of them.
+struct Buckets<K> {
+    /// Failures per second allowed (the bucket holds `5 ×` that).
+    rate: f64,
+    /// Key → (tokens, when last refilled).
+    map: Mutex<HashMap<K, (f64, Instant)>>,
+}
+
+impl<K: Hash + Eq> Buckets<K> {
+    fn new(rate: f64) -> Self {
+        Buckets { rate, map: Mutex::default() }
+    }
+
+    fn capacity(&self) -> f64 {
+        (self.rate * 5.0).max(1.0)
+    }
+
+    fn allowed<Q>(&self, key: &Q, now: Instant) -> bool
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let mut f = self.map.lock().expect("failures");
         let cap = self.capacity();
-        match f.get_mut(device) {
+        match f.get_mut(key) {
             None => true,
             Some((tokens, at)) => {
-                *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * self.auth_failures_per_s).min(cap);
+                *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * self.rate).min(cap);
                 *at = now;
                 *tokens >= 1.0
             }
         }
     }
 
-    /// An authentication of `device` failed.
-    pub fn auth_failed(&self, device: &str, now: Instant) {
-        let mut f = self.failures.lock().expect("failures");
-        let (cap, rate) = (self.capacity(), self.auth_failures_per_s);
-        if f.len() >= MAX_BUCKETS && !f.contains_key(device) {
+    fn failed<Q>(&self, key: &Q, now: Instant)
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized + ToOwned<Owned = K>,
+    {
+        let mut f = self.map.lock().expect("failures");
+        let (cap, rate) = (self.capacity(), self.rate);
+        if f.len() >= MAX_BUCKETS && !f.contains_key(key) {
             // Forget the buckets that refilled: they limit nothing.
             f.retain(|_, (t, at)| *t + now.duration_since(*at).as_secs_f64() * rate < cap);
             if f.len() >= MAX_BUCKETS {
                 return;
             }
         }
-        let (tokens, at) = f.entry(device.to_string()).or_insert((cap, now));
+        let (tokens, at) = f.entry(key.to_owned()).or_insert((cap, now));
         *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * rate).min(cap) - 1.0;
         *at = now;
     }
@@ -184,7 +230,7 @@ mod tests {
 
     #[test]
     fn instances_per_device_are_limited_but_a_takeover_is_not() {
-        let c = Connections::new(2, 1.0);
+        let c = Connections::new(2, 1.0, 1.0);
         assert!(c.open("d", "d:a") && c.open("d", "d:b"));
         assert!(!c.open("d", "d:c"), "a third client id");
         assert!(c.open("d", "d:a"), "a takeover of an open client id");
@@ -197,14 +243,205 @@ mod tests {
 
     #[test]
     fn failed_authentications_are_rate_limited_per_device() {
-        let c = Connections::new(8, 2.0);
+        let c = Connections::new(8, 2.0, 1000.0);
         let t0 = Instant::now();
         for _ in 0..10 {
-            assert!(c.auth_allowed("d", t0));
-            c.auth_failed("d", t0);
+            assert!(c.auth_allowed(Some("d"), None, t0));
+            c.auth_failed(Some("d"), None, t0);
         }
-        assert!(!c.auth_allowed("d", t0), "10 failures at once: the burst is spent");
-        assert!(c.auth_allowed("e", t0), "another device is not limited");
-        assert!(c.auth_allowed("d", t0 + Duration::from_secs(1)), "2 per second come back");
+        assert!(!c.auth_allowed(Some("d"), None, t0), "10 failures at once: the burst is spent");
+        assert!(c.auth_allowed(Some("e"), None, t0), "another device is not limited");
+        assert!(c.auth_allowed(Some("d"), None, t0 + Duration::from_secs(1)), "2 per second come back");
+    }
+
+    #[test]
+    fn failed_authentications_are_rate_limited_per_address_whatever_the_device() {
+        let c = Connections::new(8, 1000.0, 2.0);
+        let (a, b): (IpAddr, IpAddr) = ("127.0.0.1".parse().unwrap(), "127.0.0.2".parse().unwrap());
+        let t0 = Instant::now();
+        for i in 0..10 {
+            let d = format!("d{i}");
+            assert!(c.auth_allowed(Some(&d), Some(a), t0));
+            c.auth_failed(Some(&d), Some(a), t0);
+        }
+        assert!(!c.auth_allowed(Some("fresh"), Some(a), t0), "a fresh device id from the same address");
+        assert!(!c.auth_allowed(None, Some(a), t0), "no device id at all");
+        assert!(c.auth_allowed(Some("fresh"), Some(b), t0), "another address");
+        assert!(c.auth_allowed(Some("fresh"), Some(a), t0 + Duration::from_secs(1)), "2 per second come back");
+    }
+
+    #[test]
+    fn failure_buckets_are_bounded() {
+        let b: Buckets<IpAddr> = Buckets::new(1.0);
+        let t0 = Instant::now();
+        for i in 0..(MAX_BUCKETS as u32 + 100) {
+            b.failed(&IpAddr::from(i.to_be_bytes()), t0);
+        }
+        assert_eq!(b.map.lock().unwrap().len(), MAX_BUCKETS, "none refilled: the newest are not tracked");
+        // Once the old ones refilled they are forgotten for new ones.
+        b.failed(&IpAddr::from([10, 0, 0, 1]), t0 + Duration::from_secs(60));
+        assert_eq!(b.map.lock().unwrap().len(), 1);
+    }
+}
+
+/// Which per-device limit a packet would exceed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quota {
+    /// `max_retained_per_device`.
+    Retained,
+    /// `max_retained_bytes_per_device`.
+    RetainedBytes,
+    /// `max_topics_per_device`.
+    Topics,
+    /// `max_subscriptions_per_connection`.
+    Subscriptions,
+}
+
+impl Quota {
+    /// The reason string an MQTT 5 device is told.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Quota::Retained => "too many retained messages for this device",
+            Quota::RetainedBytes => "too many bytes of retained messages for this device",
+            Quota::Topics => "too many distinct topic names and filters for this device",
+            Quota::Subscriptions => "too many subscriptions on this connection",
+        }
+    }
+}
+
+/// The per-device limits of [`DeviceQuotas`].
+#[derive(Debug, Clone, Copy)]
+pub struct QuotaLimits {
+    pub retained: usize,
+    pub retained_bytes: usize,
+    pub topics: usize,
+}
+
+/// What one device keeps in the router. Topics and filters are kept as
+/// keyed 64-bit hashes (a name may be 64 KiB; a collision only counts two
+/// names as one).
+#[derive(Default)]
+struct Book {
+    /// Retained topic → its bytes (topic and payload).
+    retained: HashMap<u64, usize>,
+    retained_bytes: usize,
+    /// Every topic name published and filter subscribed.
+    topics: HashSet<u64>,
+}
+
+/// What every device keeps in the router, counted against
+/// [`QuotaLimits`]. Mirrors the router: a retained message is kept per
+/// topic until a publish with an empty payload to that topic (rumqttd
+/// deletes on any empty payload), and topics and filters are never
+/// forgotten while edgeway runs. A retained message that the router drops
+/// at its MQTT 5 message expiry stays counted until the device deletes it.
+pub struct DeviceQuotas {
+    limits: QuotaLimits,
+    hasher: RandomState,
+    books: Mutex<HashMap<String, Book>>,
+}
+
+impl DeviceQuotas {
+    pub fn new(limits: QuotaLimits) -> Self {
+        DeviceQuotas { limits, hasher: RandomState::new(), books: Mutex::default() }
+    }
+
+    /// The key of a topic name or filter (also for per-connection sets).
+    pub fn key(&self, name: &[u8]) -> u64 {
+        self.hasher.hash_one(name)
+    }
+
+    /// A PUBLISH of `device` (its mount) to `topic` (mounted): counted if
+    /// it is within the limits, else which one it would exceed (nothing
+    /// counted).
+    pub fn publish(&self, device: &str, topic: &[u8], retain: bool, payload_len: usize) -> Result<(), Quota> {
+        let key = self.key(topic);
+        let mut books = self.books.lock().expect("quotas");
+        let book = books.entry(device.to_string()).or_default();
+        let new_topic = !book.topics.contains(&key);
+        if new_topic && book.topics.len() >= self.limits.topics {
+            return Err(Quota::Topics);
+        }
+        if payload_len == 0 {
+            if let Some(freed) = book.retained.remove(&key) {
+                book.retained_bytes -= freed;
+            }
+        } else if retain {
+            let old = book.retained.get(&key).copied();
+            if old.is_none() && book.retained.len() >= self.limits.retained {
+                return Err(Quota::Retained);
+            }
+            let size = topic.len() + payload_len;
+            let total = book.retained_bytes - old.unwrap_or(0) + size;
+            if total > self.limits.retained_bytes {
+                return Err(Quota::RetainedBytes);
+            }
+            book.retained.insert(key, size);
+            book.retained_bytes = total;
+        }
+        if new_topic {
+            book.topics.insert(key);
+        }
+        Ok(())
+    }
+
+    /// The filters (mounted) of a SUBSCRIBE of `device`: counted if the
+    /// device stays within `max_topics_per_device`, else nothing is.
+    pub fn subscribe(&self, device: &str, filters: &[u64]) -> Result<(), Quota> {
+        let mut books = self.books.lock().expect("quotas");
+        let book = books.entry(device.to_string()).or_default();
+        let new: HashSet<u64> = filters.iter().filter(|k| !book.topics.contains(k)).copied().collect();
+        if book.topics.len() + new.len() > self.limits.topics {
+            return Err(Quota::Topics);
+        }
+        book.topics.extend(new);
+        Ok(())
+    }
+
+    /// Retained messages and their bytes kept for `device`.
+    pub fn retained(&self, device: &str) -> (usize, usize) {
+        let books = self.books.lock().expect("quotas");
+        books.get(device).map_or((0, 0), |b| (b.retained.len(), b.retained_bytes))
+    }
+}
+
+#[cfg(test)]
+mod quota_tests {
+    use super::*;
+
+    fn quotas() -> DeviceQuotas {
+        DeviceQuotas::new(QuotaLimits { retained: 2, retained_bytes: 100, topics: 4 })
+    }
+
+    #[test]
+    fn retained_messages_are_limited_per_device_and_an_empty_payload_frees_one() {
+        let q = quotas();
+        assert_eq!(q.publish("d", b"a", true, 10), Ok(()));
+        assert_eq!(q.publish("d", b"b", true, 10), Ok(()));
+        assert_eq!(q.publish("d", b"c", true, 10), Err(Quota::Retained));
+        assert_eq!(q.publish("d", b"a", true, 20), Ok(()), "a replacement is not one more");
+        assert_eq!(q.publish("d", b"c", false, 10), Ok(()), "not retained");
+        assert_eq!(q.publish("e", b"c", true, 10), Ok(()), "another device");
+        assert_eq!(q.retained("d"), (2, 11 + 21));
+        assert_eq!(q.publish("d", b"a", false, 0), Ok(()), "an empty payload deletes");
+        assert_eq!(q.retained("d"), (1, 11));
+        assert_eq!(q.publish("d", b"c", true, 90), Err(Quota::RetainedBytes));
+        assert_eq!(q.publish("d", b"c", true, 80), Ok(()));
+        assert_eq!(q.retained("d"), (2, 92));
+    }
+
+    #[test]
+    fn topics_and_filters_are_limited_per_device() {
+        let q = quotas();
+        for t in [&b"a"[..], b"b", b"c"] {
+            assert_eq!(q.publish("d", t, false, 1), Ok(()));
+        }
+        assert_eq!(q.publish("d", b"a", false, 1), Ok(()), "a known topic");
+        assert_eq!(q.subscribe("d", &[q.key(b"f"), q.key(b"g")]), Err(Quota::Topics));
+        assert_eq!(q.subscribe("d", &[q.key(b"f"), q.key(b"a")]), Ok(()));
+        assert_eq!(q.publish("d", b"x", false, 1), Err(Quota::Topics));
+        assert_eq!(q.publish("d", b"x", true, 1), Err(Quota::Topics), "and nothing retained");
+        assert_eq!(q.retained("d"), (0, 0));
+        assert_eq!(q.publish("e", b"x", false, 1), Ok(()), "another device");
     }
 }

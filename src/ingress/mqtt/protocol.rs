@@ -9,7 +9,13 @@
 //!   subtree, rumqttd quirks, refusal CONNACKs);
 //! - [`super::auth`] to check the device id, user name and password (or
 //!   JWT) at CONNECT;
-//! - [`super::connections`] for connection states and numbers;
+//! - [`super::connections`] for connection states and numbers, and the
+//!   per-device quotas that [`Protocol::screen`] (a hook of the patched
+//!   rumqttd) applies to every PUBLISH and SUBSCRIBE before the router sees
+//!   it: retained messages, topic names and filters per device,
+//!   subscriptions per connection, and QoS 2 publishes awaiting PUBREL per
+//!   connection (at most the Receive Maximum told in the CONNACK,
+//!   `mqtt.max_inflight`);
 //! - [`super::wills`] and [`super::presence`] when a connection starts and
 //!   when it ends (the codec is dropped with the connection).
 //!
@@ -31,16 +37,17 @@
 //! Owns: the per-connection glue. Does not own: any rule above (each is in
 //! its own module).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use bytes::{Buf, BytesMut};
 use rumqttd::protocol::v4::V4;
 use rumqttd::protocol::v5::V5;
-use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol};
+use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol, QoS, Verdict};
 
 use super::auth::{DeviceDirectory, Refusal};
 use super::codec::{self, Detected, Refused, Version};
-use super::connections::{Conn, Connections, Session};
+use super::connections::{Conn, Connections, DeviceQuotas, Quota, QuotaLimits, Session};
 use super::presence::{Presence, PresenceReporter};
 use super::topics::Topics;
 use super::wills::Wills;
@@ -61,6 +68,13 @@ pub struct ProtocolShared {
     max_will_bytes: usize,
     /// `mqtt.max_will_delay_s`.
     max_will_delay_s: u32,
+    /// Retained messages, topics and filters per device.
+    quotas: DeviceQuotas,
+    /// `mqtt.max_subscriptions_per_connection`.
+    max_subscriptions: usize,
+    /// The Receive Maximum told to MQTT 5 devices (`mqtt.max_inflight`):
+    /// QoS 2 publishes awaiting PUBREL per connection.
+    receive_max: u16,
 }
 
 impl ProtocolShared {
@@ -76,6 +90,13 @@ impl ProtocolShared {
             max_keep_alive: crate::config::mqtt::DEFAULT_MQTT_MAX_KEEP_ALIVE_S,
             max_will_bytes: usize::MAX,
             max_will_delay_s: u32::MAX,
+            quotas: DeviceQuotas::new(QuotaLimits {
+                retained: usize::MAX,
+                retained_bytes: usize::MAX,
+                topics: usize::MAX,
+            }),
+            max_subscriptions: usize::MAX,
+            receive_max: u16::MAX,
         }
     }
 
@@ -84,7 +105,15 @@ impl ProtocolShared {
         self.max_keep_alive = cfg.max_keep_alive_s;
         self.max_will_bytes = cfg.max_will_bytes;
         self.max_will_delay_s = cfg.max_will_delay_s;
-        self.connections = Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s);
+        self.connections =
+            Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s, cfg.auth_failures_per_ip_per_s);
+        self.quotas = DeviceQuotas::new(QuotaLimits {
+            retained: cfg.max_retained_per_device,
+            retained_bytes: cfg.max_retained_bytes_per_device,
+            topics: cfg.max_topics_per_device,
+        });
+        self.max_subscriptions = cfg.max_subscriptions_per_connection;
+        self.receive_max = u16::try_from(cfg.max_inflight).unwrap_or(u16::MAX).max(1);
         self
     }
 }
@@ -100,6 +129,13 @@ pub struct DeviceProtocol {
     expires_at: Option<i64>,
     /// The login's token id digest, checked for revocation at every read.
     credential: Option<[u8; 32]>,
+    /// Keys ([`DeviceQuotas::key`]) of the filters this connection holds.
+    subscriptions: HashSet<u64>,
+    /// Packet ids of QoS 2 publishes awaiting their PUBREL.
+    awaiting_pubrel: HashSet<u16>,
+    /// The source address of the socket (patched rumqttd's
+    /// `Protocol::peer`), for the failed-login limit per address.
+    peer: Option<std::net::IpAddr>,
 }
 
 impl DeviceProtocol {
@@ -110,6 +146,9 @@ impl DeviceProtocol {
             state: Conn::AwaitingConnect,
             expires_at: None,
             credential: None,
+            subscriptions: HashSet::new(),
+            awaiting_pubrel: HashSet::new(),
+            peer: None,
         }
     }
 }
@@ -127,10 +166,26 @@ impl Drop for DeviceProtocol {
         let shared = &self.shared;
         if let Conn::Open(s) | Conn::Ending(s) = std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
             shared.connections.close(&s.device, &s.client_id);
-            if let Some((will, props)) = s.will {
-                // The will waits the delay or the session, whichever is
-                // first, and never more than `max_will_delay_s`.
-                shared.wills.arm(&s.client_id, will, props, s.session_expiry.min(shared.max_will_delay_s));
+            if let Some((mut will, props)) = s.will {
+                // A will is a publish of the device: within its quotas. A
+                // retained one over the retained quota still goes to
+                // current subscribers, not kept; one to a topic over the
+                // topic quota does not go (nobody is left to tell).
+                let quotas = &shared.quotas;
+                let len = will.message.len();
+                let mut counted = quotas.publish(&s.device, &will.topic, will.retain, len);
+                if let Err(Quota::Retained | Quota::RetainedBytes) = counted {
+                    will.retain = false;
+                    counted = quotas.publish(&s.device, &will.topic, false, len);
+                }
+                match counted {
+                    // The will waits the delay or the session, whichever is
+                    // first, and never more than `max_will_delay_s`.
+                    Ok(()) => {
+                        shared.wills.arm(&s.client_id, will, props, s.session_expiry.min(shared.max_will_delay_s))
+                    }
+                    Err(quota) => tracing::info!(device = %s.device, reason = quota.reason(), "MQTT: will dropped"),
+                }
             }
             shared.presence.report(Presence::Disconnected { device: s.device, conn: s.conn });
         }
@@ -165,16 +220,17 @@ impl DeviceProtocol {
         let now = std::time::Instant::now();
         let claimed = DeviceDirectory::device_of(&connect.client_id);
         let connections = &self.shared.connections;
-        let authenticated = match claimed {
-            // Too many failures of this device id lately: refused before
-            // the password is checked.
-            Some(d) if !connections.auth_allowed(d, now) => Err(Refused::RateLimited),
-            _ => self.shared.directory.authenticate(&connect.client_id, user, password).map_err(|why| {
-                if let (Refusal::BadCredentials, Some(d)) = (why, claimed) {
-                    connections.auth_failed(d, now);
+        // Too many failures of this device id, or from this address,
+        // lately: refused before the password is checked.
+        let authenticated = if !connections.auth_allowed(claimed, self.peer, now) {
+            Err(Refused::RateLimited)
+        } else {
+            self.shared.directory.authenticate(&connect.client_id, user, password).map_err(|why| {
+                if why == Refusal::BadCredentials {
+                    connections.auth_failed(claimed, self.peer, now);
                 }
                 Refused::from(why)
-            }),
+            })
         };
         let authenticated = authenticated.and_then(|login| {
             if will.as_ref().is_some_and(|w| w.message.len() > self.shared.max_will_bytes) {
@@ -250,7 +306,138 @@ impl DeviceProtocol {
     }
 }
 
+impl DeviceProtocol {
+    /// A PUBLISH (mounted) within the device's quotas and the Receive
+    /// Maximum goes on; else its refusal.
+    fn screen_publish(&mut self, device: &str, packet: Packet) -> Verdict {
+        let Packet::Publish(publish, _) = &packet else { unreachable!("called with a PUBLISH") };
+        let (qos, pkid) = (publish.qos(), publish.pkid());
+        let awaiting = qos == QoS::ExactlyOnce && !self.awaiting_pubrel.contains(&pkid);
+        if awaiting && self.awaiting_pubrel.len() >= usize::from(self.shared.receive_max) {
+            tracing::info!(
+                device,
+                "MQTT: more QoS 2 publishes awaiting PUBREL than the Receive Maximum, connection closed"
+            );
+            self.end_link();
+            return codec::receive_maximum_exceeded(self.version);
+        }
+        let counted = self.shared.quotas.publish(device, &publish.topic, publish.retain, publish.payload.len());
+        match counted {
+            Ok(()) => {
+                if awaiting {
+                    self.awaiting_pubrel.insert(pkid);
+                }
+                Verdict::Forward(packet)
+            }
+            Err(quota) => {
+                tracing::debug!(device, reason = quota.reason(), "MQTT: PUBLISH refused");
+                let verdict = codec::refuse_publish(self.version, qos, pkid, quota);
+                if matches!(verdict, Verdict::Close(_)) {
+                    tracing::info!(device, reason = quota.reason(), "MQTT: PUBLISH refused, connection closed");
+                    self.end_link();
+                }
+                verdict
+            }
+        }
+    }
+
+    /// A SUBSCRIBE (mounted) within the connection's subscriptions and the
+    /// device's topics goes on; else it is refused whole.
+    fn screen_subscribe(&mut self, device: &str, packet: Packet) -> Verdict {
+        let Packet::Subscribe(subscribe, _) = &packet else { unreachable!("called with a SUBSCRIBE") };
+        let keys: Vec<u64> = subscribe.filters.iter().map(|f| self.shared.quotas.key(f.path.as_bytes())).collect();
+        let new: HashSet<u64> = keys.iter().filter(|k| !self.subscriptions.contains(k)).copied().collect();
+        let counted = if self.subscriptions.len() + new.len() > self.shared.max_subscriptions {
+            Err(Quota::Subscriptions)
+        } else {
+            self.shared.quotas.subscribe(device, &keys)
+        };
+        match counted {
+            Ok(()) => {
+                self.subscriptions.extend(new);
+                Verdict::Forward(packet)
+            }
+            Err(quota) => {
+                tracing::debug!(device, reason = quota.reason(), "MQTT: SUBSCRIBE refused");
+                Verdict::Answer(codec::refuse_subscribe(self.version, subscribe.pkid, keys.len(), quota))
+            }
+        }
+    }
+}
+
 impl Protocol for DeviceProtocol {
+    /// Ends the connection at its token's expiry (MQTT 5 DISCONNECT 0xA0)
+    /// or as soon as its token is revoked (0x87), even if the device only
+    /// listens: patched rumqttd's link waits on this next to the socket.
+    /// Revocations are announced (`DeviceDirectory::revocations`), not
+    /// polled; 3.1.1 has no server DISCONNECT: the socket is closed.
+    fn ending(&self) -> Option<rumqttd::protocol::Ending> {
+        let (expires_at, credential) = (self.expires_at, self.credential);
+        let revocations = credential.and_then(|_| self.shared.directory.revocations());
+        if expires_at.is_none() && revocations.is_none() {
+            return None;
+        }
+        let shared = self.shared.clone();
+        let device = self.state.session().map(|s| s.device.clone());
+        let v5 = self.version == Version::V5;
+        Some(Box::pin(async move {
+            let expiry = async {
+                match expires_at {
+                    Some(at) => {
+                        let wait = u64::try_from(at - crate::task::now_ms()).unwrap_or(0);
+                        tokio::time::sleep(std::time::Duration::from_millis(wait)).await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            let revoked = async {
+                let Some(mut changes) = revocations else { return std::future::pending().await };
+                // A revocation between the CONNECT and now is seen here;
+                // later ones are announced.
+                while !shared.directory.lapsed(None, credential) {
+                    if changes.changed().await.is_err() {
+                        return std::future::pending().await;
+                    }
+                }
+            };
+            let last = tokio::select! {
+                _ = expiry => super::auth::expired_disconnect(),
+                _ = revoked => super::auth::revoked_disconnect(),
+            };
+            tracing::info!(?device, "MQTT: token expired or revoked, connection closed");
+            v5.then_some(last)
+        }))
+    }
+
+    fn peer(&mut self, addr: std::net::SocketAddr) {
+        // An IPv4 client of a dual-stack listener is one address, however
+        // it is written.
+        self.peer = Some(addr.ip().to_canonical());
+    }
+
+    /// Every packet after CONNECT, mounted, before the router sees it: the
+    /// limits that rumqttd does not have.
+    fn screen(&mut self, packet: Packet) -> Verdict {
+        let Some(device) = self.state.session().map(|s| s.device.clone()) else {
+            return Verdict::Forward(packet);
+        };
+        match packet {
+            Packet::Publish(..) => self.screen_publish(&device, packet),
+            Packet::Subscribe(..) => self.screen_subscribe(&device, packet),
+            Packet::Unsubscribe(ref unsub, _) => {
+                for f in &unsub.filters {
+                    self.subscriptions.remove(&self.shared.quotas.key(f.as_bytes()));
+                }
+                Verdict::Forward(packet)
+            }
+            Packet::PubRel(ref rel, _) => {
+                self.awaiting_pubrel.remove(&rel.pkid);
+                Verdict::Forward(packet)
+            }
+            other => Verdict::Forward(other),
+        }
+    }
+
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error> {
         if self.shared.directory.lapsed(self.expires_at, self.credential) {
             tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired or revoked, connection closed");
@@ -302,6 +489,10 @@ impl Protocol for DeviceProtocol {
         }
         let packet = codec::outbound(self.version, refused, device, packet)?;
         let packet = codec::with_server_keep_alive(packet, self.state.session().and_then(|s| s.server_keep_alive));
+        let packet = match refused {
+            None => codec::with_receive_maximum(packet, self.shared.receive_max),
+            Some(_) => packet,
+        };
         match self.version {
             Version::V4 => V4.write(packet, write),
             Version::V5 => V5.write(packet, write),

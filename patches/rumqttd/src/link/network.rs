@@ -10,7 +10,7 @@ use std::{
 };
 use tokio::time::{error::Elapsed, Duration};
 
-use crate::protocol::{self, Packet, Protocol};
+use crate::protocol::{self, Packet, Protocol, Verdict};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -20,6 +20,9 @@ pub enum Error {
     Protocol(#[from] protocol::Error),
     #[error["Keep alive timeout"]]
     KeepAlive(#[from] Elapsed),
+    /// The codec closed the connection ([`Verdict::Close`]).
+    #[error("Closed by the codec")]
+    ClosedByCodec,
 }
 
 /// Network transforms packets <-> frames efficiently. It takes
@@ -40,6 +43,10 @@ pub struct Network<P> {
     keepalive: Duration,
     /// Protocol
     protocol: P,
+    /// What the codec answered itself ([`Verdict`]), not written yet.
+    answers: VecDeque<Packet>,
+    /// The codec closed the connection: nothing more is read.
+    closing: bool,
 }
 
 impl<P: Protocol> Network<P> {
@@ -73,6 +80,8 @@ impl<P: Protocol> Network<P> {
             // when we call read.
             keepalive: Duration::MAX,
             protocol,
+            answers: VecDeque::new(),
+            closing: false,
         }
     }
 
@@ -123,15 +132,66 @@ impl<P: Protocol> Network<P> {
         }
     }
 
+    /// [`Network::read`] after CONNECT: the packet goes through the codec's
+    /// [`Protocol::screen`]; `None` when the codec answered it itself (see
+    /// [`Network::flush_answers`]). (edgeway patch, see PATCHES.md)
+    pub async fn read_screened(&mut self) -> Result<Option<Packet>, Error> {
+        if self.closing {
+            return Err(Error::ClosedByCodec);
+        }
+        let packet = self.read().await?;
+        Ok(self.screen(packet))
+    }
+
+    fn screen(&mut self, packet: Packet) -> Option<Packet> {
+        match self.protocol.screen(packet) {
+            Verdict::Forward(packet) => Some(packet),
+            Verdict::Answer(answer) => {
+                self.answers.push_back(answer);
+                None
+            }
+            Verdict::Close(last) => {
+                self.answers.extend(last);
+                self.closing = true;
+                None
+            }
+        }
+    }
+
+    /// See [`Protocol::ending`]. (edgeway patch, see PATCHES.md)
+    pub fn ending(&self) -> Option<protocol::Ending> {
+        self.protocol.ending()
+    }
+
+    /// Writes what the codec answered itself; an error once the codec
+    /// closed the connection. (edgeway patch, see PATCHES.md)
+    pub async fn flush_answers(&mut self) -> Result<(), Error> {
+        if !self.answers.is_empty() {
+            let answers = std::mem::take(&mut self.answers);
+            self.writev(answers).await?;
+        }
+        match self.closing {
+            true => Err(Error::ClosedByCodec),
+            false => Ok(()),
+        }
+    }
+
     /// Read packets in bulk. This allow replies to be in bulk. This method is used
-    /// after the connection is established to read a bunch of incoming packets
+    /// after the connection is established to read a bunch of incoming packets.
+    /// Each goes through [`Protocol::screen`] (edgeway patch).
     pub fn readv(&mut self, packets: &mut VecDeque<Packet>) -> Result<usize, Error> {
         loop {
+            if self.closing {
+                return Ok(packets.len());
+            }
             match self
                 .protocol
                 .read_mut(&mut self.read, self.max_incoming_size)
             {
                 Ok(packet) => {
+                    let Some(packet) = self.screen(packet) else {
+                        continue;
+                    };
                     packets.push_back(packet);
                     let connection_buffer_length = packets.len();
                     if connection_buffer_length >= self.max_connection_buffer_len {

@@ -142,22 +142,36 @@ impl<P: Protocol> RemoteLink<P> {
 
     pub async fn start(&mut self) -> Result<(), Error> {
         self.network.set_keepalive(self.connect.keep_alive);
+        // The codec may end the connection on its own (an expired or
+        // revoked credential), without waiting for the client to send
+        // something. (edgeway patch, see PATCHES.md)
+        let mut ending = self
+            .network
+            .ending()
+            .unwrap_or_else(|| Box::pin(std::future::pending()));
 
         // Note:
         // Shouldn't result in bounded queue deadlocks because of blocking n/w send
         loop {
             select! {
-                o = self.network.read() => {
+                // Every packet goes through the codec's screen; what it
+                // answered itself is written after the batch, and what it
+                // refused never reaches the router. (edgeway patch, see
+                // PATCHES.md)
+                o = self.network.read_screened() => {
                     let packet = o?;
                     let len = {
                         let mut buffer = self.link_tx.buffer();
-                        buffer.push_back(packet);
+                        buffer.extend(packet);
                         self.network.readv(&mut buffer)?;
                         buffer.len()
                     };
 
                     trace!("Packets read from network, count = {}", len);
-                    self.link_tx.notify().await?;
+                    if len > 0 {
+                        self.link_tx.notify().await?;
+                    }
+                    self.network.flush_answers().await?;
                 }
                 // Receive from router when previous when state isn't in collision
                 // due to previously received data request
@@ -178,6 +192,12 @@ impl<P: Protocol> RemoteLink<P> {
                     if unscheduled {
                         self.link_rx.wake().await?;
                     }
+                }
+                last = &mut ending => {
+                    if let Some(packet) = last {
+                        self.network.write(packet).await?;
+                    }
+                    return Err(network::Error::ClosedByCodec.into());
                 }
             }
         }

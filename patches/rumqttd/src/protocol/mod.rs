@@ -191,6 +191,16 @@ impl Publish {
         }
     }
 
+    /// Its QoS, for [`Protocol::screen`] (edgeway patch, see PATCHES.md).
+    pub fn qos(&self) -> QoS {
+        self.qos
+    }
+
+    /// Its packet id (0 at QoS 0), for [`Protocol::screen`] (edgeway patch).
+    pub fn pkid(&self) -> u16 {
+        self.pkid
+    }
+
     pub fn is_empty(&self) -> bool {
         false
     }
@@ -745,7 +755,47 @@ pub enum Error {
     InsufficientBytes(usize),
 }
 
+/// What a link does with a packet its codec read after CONNECT (edgeway
+/// patch, see PATCHES.md): a codec may refuse a packet with an MQTT reason
+/// code instead of passing it to the router.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// To the router, as always.
+    Forward(Packet),
+    /// Not to the router: the link writes this answer to the client (a
+    /// PUBACK, PUBREC or SUBACK with a failure reason code) and reads on.
+    Answer(Packet),
+    /// Not to the router: the link writes this packet, if any (an MQTT 5
+    /// DISCONNECT with a reason code), and ends the connection.
+    Close(Option<Packet>),
+}
+
 pub trait Protocol {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error>;
     fn write(&self, packet: Packet, write: &mut BytesMut) -> Result<usize, Error>;
+
+    /// Called by a remote link for every packet read after CONNECT, before
+    /// the router sees it. The default forwards every packet. (edgeway
+    /// patch, see PATCHES.md)
+    fn screen(&mut self, packet: Packet) -> Verdict {
+        Verdict::Forward(packet)
+    }
+
+    /// Called once on the copy of the listener's codec that serves a new
+    /// socket, with the socket's peer address, before anything is read.
+    /// The default ignores it. (edgeway patch, see PATCHES.md)
+    fn peer(&mut self, _addr: std::net::SocketAddr) {}
+
+    /// Called once when a remote link starts (after CONNECT): a future that
+    /// resolves when the server must end the connection on its own (its
+    /// credential expired or was revoked), even if the client sends
+    /// nothing, with the packet to write first (an MQTT 5 DISCONNECT with a
+    /// reason code), if any. The default, `None`: never. (edgeway patch,
+    /// see PATCHES.md)
+    fn ending(&self) -> Option<Ending> {
+        None
+    }
 }
+
+/// See [`Protocol::ending`] (edgeway patch).
+pub type Ending = std::pin::Pin<Box<dyn std::future::Future<Output = Option<Packet>> + Send>>;

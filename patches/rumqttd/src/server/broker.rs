@@ -427,7 +427,10 @@ impl<P: Protocol + Clone + Send + 'static> Server<P> {
             let router_tx = self.router_tx.clone();
             count += 1;
 
-            let protocol = self.protocol.clone();
+            // The codec of this socket learns who is at the other end
+            // (edgeway patch, see PATCHES.md).
+            let mut protocol = self.protocol.clone();
+            protocol.peer(addr);
             let tls = self.config.tls.clone();
             let will_handlers = self.awaiting_will_handler.clone();
             let name = self.config.name.clone();
@@ -702,6 +705,11 @@ async fn remote<P: Protocol>(
         Err(remote::Error::Link(e)) => {
             error!(error=?e, "router-drop");
             send_disconnect = false;
+        }
+        // The codec ended it (a limit, an expired credential): it logs why.
+        // (edgeway patch, see PATCHES.md)
+        Err(remote::Error::Network(network::Error::ClosedByCodec)) => {
+            info!("closed by the codec");
         }
         // Connection was closed by peer
         Err(remote::Error::Network(network::Error::Io(err)) | remote::Error::Io(err))
