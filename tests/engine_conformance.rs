@@ -87,6 +87,7 @@ impl Setup {
             messages: vec![ChatMessage { role: "user".into(), content: json!("Say something."), extra: Map::new() }],
             params: SamplingParams::default(),
             max_output_tokens,
+            operation: Default::default(),
         }
     }
 
@@ -153,6 +154,7 @@ fn answer(items: Vec<Result<EngineChunk, EngineError>>) -> Answer {
                 usage.push((*input_tokens, *output_tokens));
             }
             EngineChunk::Finish(_) => panic!("Finish before the end: {chunks:?}"),
+            EngineChunk::Embedding { .. } => panic!("an embedding in a chat answer: {chunks:?}"),
         }
     }
     Answer { text, usage, finish }
@@ -253,6 +255,7 @@ async fn closed_port_is_unreachable(kind: EngineKind) {
             messages: vec![ChatMessage { role: "user".into(), content: json!("Hi"), extra: Map::new() }],
             params: SamplingParams::default(),
             max_output_tokens: 16,
+            operation: Default::default(),
         };
         let r = tokio::time::timeout(LIMIT, engine.stream(&req)).await.expect("stream() resolves");
         let e = match r {

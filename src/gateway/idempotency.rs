@@ -178,5 +178,6 @@ fn stored_request(r: &TaskRequest) -> StoredRequest {
         prompt_sha256: r.prompt_sha256.clone(),
         input_tokens_estimate: r.input_tokens_estimate,
         degrade_reason: r.degrade_reason.clone(),
+        operation: r.operation.clone(),
     }
 }

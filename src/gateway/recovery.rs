@@ -94,6 +94,7 @@ impl Gateway {
             received_at: std::time::Instant::now(),
             received_wall: std::time::SystemTime::now(),
             degrade_reason: r.degrade_reason.clone(),
+            operation: r.operation.clone(),
         })
     }
 }

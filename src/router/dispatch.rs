@@ -149,6 +149,7 @@ mod tests {
             messages: Vec::new(),
             params: SamplingParams::default(),
             max_output_tokens: 4,
+            operation: Default::default(),
         }
     }
 

@@ -44,6 +44,7 @@ fn event_bytes(e: &TaskEvent) -> usize {
             TaskEvent::Accepted { task_id, .. } => task_id.capacity(),
             TaskEvent::Queued { .. } => 0,
             TaskEvent::Delta { text } => text.capacity(),
+            TaskEvent::Embedding { vector, .. } => vector.capacity() * std::mem::size_of::<f32>(),
             TaskEvent::Done(_) => RESULT_META_BYTES,
             TaskEvent::Error { error, .. } => error.message.capacity() + RESULT_META_BYTES,
         }

@@ -10,7 +10,7 @@ use rusqlite::{params, Connection};
 use serde::{Deserialize, Serialize};
 
 use super::exec;
-use crate::task::{ChatMessage, Routing, SamplingParams, TaskState};
+use crate::task::{ChatMessage, Operation, Routing, SamplingParams, TaskState};
 
 pub const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS pending_requests (
@@ -40,6 +40,9 @@ pub struct StoredRequest {
     pub prompt_sha256: String,
     pub input_tokens_estimate: u32,
     pub degrade_reason: Option<String>,
+    /// A chat in requests kept before operations were.
+    #[serde(default)]
+    pub operation: Operation,
 }
 
 /// A task that was not terminal when the gateway stopped.

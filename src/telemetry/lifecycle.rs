@@ -333,6 +333,7 @@ mod tests {
             received_at: Instant::now(),
             received_wall: SystemTime::now(),
             degrade_reason: None,
+            operation: Default::default(),
         }
     }
 

@@ -51,7 +51,7 @@ fn chunk(id: &str, created: i64, model: &str, delta: Value, finish: Option<&str>
     })
 }
 
-fn usage_json(m: &ResultMeta) -> Value {
+pub(super) fn usage_json(m: &ResultMeta) -> Value {
     json!({
         "prompt_tokens": m.usage.input_tokens,
         "completion_tokens": m.usage.output_tokens,
@@ -59,7 +59,7 @@ fn usage_json(m: &ResultMeta) -> Value {
     })
 }
 
-fn sse(v: &Value) -> Bytes {
+pub(super) fn sse(v: &Value) -> Bytes {
     let mut s = String::with_capacity(128);
     s.push_str("data: ");
     s.push_str(&v.to_string());
@@ -112,6 +112,8 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
                 TaskEvent::Delta { text } => {
                     sse(&chunk(&st.id, st.created, &st.model, json!({ "content": text }), None))
                 }
+                // A chat task has none (embeddings have their own endpoint).
+                TaskEvent::Embedding { .. } => Bytes::new(),
                 TaskEvent::Done(meta) => {
                     st.finished = true;
                     let edge = serde_json::to_value(&*meta).unwrap_or(Value::Null);
@@ -155,7 +157,7 @@ async fn whole_response(mut task: TaskStream, model: String) -> Response {
     let created = crate::task::now_ms() / 1000;
     while let Some((_, ev)) = task.recv().await {
         match ev {
-            TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } => {}
+            TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::Embedding { .. } => {}
             TaskEvent::Delta { text: t } => text.push_str(&t),
             TaskEvent::Done(meta) => {
                 let body = json!({

@@ -356,13 +356,17 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
                         let _ = req.respond_with_headers(Ok(body), error_headers(error)).await;
                         break None;
                     }
-                    TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::Delta { .. } => {
+                    TaskEvent::Accepted { .. }
+                    | TaskEvent::Queued { .. }
+                    | TaskEvent::Delta { .. }
+                    | TaskEvent::Embedding { .. } => {
                         if ctx.status.unavailable_for().is_some_and(|d| d >= cfg.caller_timeout) {
                             break Some(Lost::BusUnavailable);
                         }
                         let kind = match ev {
                             TaskEvent::Accepted { .. } => "accepted",
                             TaskEvent::Queued { .. } => "queued",
+                            TaskEvent::Embedding { .. } => "embedding",
                             _ => "delta",
                         };
                         let publish = ctx.client.publish_with_reply_and_headers(
