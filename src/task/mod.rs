@@ -435,16 +435,6 @@ pub enum Operation {
     },
 }
 
-impl Operation {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Operation::Chat => "chat",
-            Operation::Completion { .. } => "completion",
-            Operation::Embedding { .. } => "embedding",
-        }
-    }
-}
-
 /// A validated call, the same whatever ingress it came from.
 #[derive(Debug, Clone)]
 pub struct TaskRequest {
