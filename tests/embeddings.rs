@@ -278,3 +278,29 @@ async fn a_queued_chat_is_granted_before_queued_embeddings() {
     }
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn the_task_events_show_one_embedding_per_input() {
+    let chat = FakeEngine::start().await;
+    let emb = FakeEngine::start().await;
+    let gw = TestGateway::with_engine(&chat.url(), "openai", &embed_section(&emb.url(), "openai", "")).await;
+    gw.wait_ready().await;
+    let (status, v) =
+        post(&gw, "/v1/embeddings", Some(DEMO_KEY), &json!({"model": "embed", "input": ["a", "b"]})).await;
+    assert_eq!(status, 200, "{v}");
+    let task_id = v["edge"]["task_id"].as_str().unwrap();
+    let resp =
+        client().get(format!("{}/v1/tasks/{task_id}/events", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
+    let (events, _) = read_sse(resp).await;
+    let types: Vec<_> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["accepted", "embedding", "embedding", "done"], "{events:?}");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("topics/schemas/event-embedding.json");
+    let schema: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    for (i, e) in events[1..3].iter().enumerate() {
+        assert!(validator.is_valid(e), "{e}");
+        assert_eq!(e["index"], i);
+        assert_eq!(floats(&e["embedding"]), floats(&v["data"][i]["embedding"]));
+    }
+    gw.stop().await;
+}
