@@ -485,6 +485,10 @@ async fn cancel_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mu
         .env("EDGEWAY__HTTP__LISTEN", format!("127.0.0.1:{gw_port}"))
         .env("EDGEWAY__STORE__DATA_DIR", tmp.0.join("data"))
         .env("EDGEWAY__ENGINES__LLAMA_LOCAL__BASE_URL", &llama_url)
+        // /ready waits for every model of the config; the embeddings
+        // engine is not measured here, and a chat llama-server answers its
+        // health probe just the same.
+        .env("EDGEWAY__ENGINES__LLAMA_EMBED__BASE_URL", &llama_url)
         .env("EDGEWAY__LOG__LEVEL", "warn")
         // edgeway takes an engine out of dispatch when, a grace period after
         // it cancelled a request, the engine runs more generations than

@@ -15,7 +15,7 @@ use edgeway::config::{EngineConfig, EngineKind};
 use edgeway::engine::{Capabilities, Engine, EngineChunk, EngineError, EngineLoad, EngineRequest, EngineStream};
 use edgeway::error::ErrorCode;
 use edgeway::router::{Instance, Router};
-use edgeway::task::{ChatMessage, SamplingParams};
+use edgeway::task::{ChatMessage, Operation, SamplingParams};
 use edgeway::testing::{FakeEngine, Knobs};
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
@@ -89,6 +89,7 @@ impl Setup {
             params: SamplingParams::default(),
             max_output_tokens,
             tools: None,
+            operation: Default::default(),
         }
     }
 
@@ -162,6 +163,7 @@ fn answer(items: Vec<Result<EngineChunk, EngineError>>) -> Answer {
                 calls.push(d.clone());
             }
             EngineChunk::Finish(_) => panic!("Finish before the end: {chunks:?}"),
+            EngineChunk::Embedding { .. } => panic!("an embedding in a chat answer: {chunks:?}"),
         }
     }
     Answer { text, usage, finish, calls }
@@ -292,6 +294,7 @@ async fn closed_port_is_unreachable(kind: EngineKind) {
             params: SamplingParams::default(),
             max_output_tokens: 16,
             tools: None,
+            operation: Default::default(),
         };
         let r = tokio::time::timeout(LIMIT, engine.stream(&req)).await.expect("stream() resolves");
         let e = match r {
@@ -529,6 +532,72 @@ async fn load_reports_what_the_engine_tells(kind: EngineKind) {
     assert_eq!(s.fake.stats.requests.load(SeqCst), 0);
 }
 
+impl Setup {
+    /// Runs `operation` (a completion or embeddings) with `max_output_tokens`
+    /// and no messages, as the driver sends it.
+    async fn run(&self, operation: Operation, max_output_tokens: u32) -> Result<EngineStream, EngineError> {
+        let req = EngineRequest {
+            model: self.cfg.model.clone(),
+            messages: Vec::new(),
+            params: SamplingParams::default(),
+            max_output_tokens,
+            tools: None,
+            operation,
+        };
+        tokio::time::timeout(LIMIT, self.engine.stream(&req)).await.expect("stream() resolves")
+    }
+}
+
+/// A legacy completion: the prompt reaches the engine's own completion
+/// endpoint as it is (no messages, no chat template), and the answer keeps
+/// the chunk contract of a chat.
+async fn completion_sends_the_prompt_as_it_is(kind: EngineKind, stream: bool) {
+    let s = Setup::new(kind, stream, knobs(|k| k.tokens = 10)).await;
+    let op = Operation::Completion { prompt: "Once upon".into() };
+    let a = answer(collect(s.run(op, 3).await.expect("stream()")).await);
+    assert_eq!(a.text, "tok ".repeat(3));
+    assert_eq!(a.finish, "length");
+    assert_eq!(a.usage.len(), 1, "one Usage chunk");
+    let req = s.last_request();
+    assert_eq!(req["prompt"], "Once upon", "{req}");
+    assert!(req.get("messages").is_none(), "{req}");
+    match kind {
+        EngineKind::OpenAi => assert_eq!(s.fake.posts(), vec!["/v1/completions"]),
+        EngineKind::Ollama => {
+            assert_eq!(s.fake.posts(), vec!["/api/generate"]);
+            assert_eq!(req["raw"], true, "no template: {req}");
+        }
+    }
+}
+
+/// Embeddings: the whole list in one call, one vector per input in input
+/// order, the engine's token count, then `stop`; a failed call fails
+/// `stream()` itself, before any chunk.
+async fn embeddings_come_whole_in_input_order(kind: EngineKind) {
+    let s = Setup::new(kind, STREAM, knobs(|k| k.embedding_dim = 4)).await;
+    let inputs = vec!["one two".to_string(), "three".to_string()];
+    let op = Operation::Embedding { input: inputs.clone(), dimensions: None };
+    let chunks: Vec<EngineChunk> =
+        collect(s.run(op.clone(), 1).await.expect("stream()")).await.into_iter().map(Result::unwrap).collect();
+    let want = vec![
+        EngineChunk::Embedding { index: 0, vector: edgeway::testing::fake_embedding("one two", 4) },
+        EngineChunk::Embedding { index: 1, vector: edgeway::testing::fake_embedding("three", 4) },
+        EngineChunk::Usage { input_tokens: 3, output_tokens: 0 },
+        EngineChunk::Finish("stop".into()),
+    ];
+    assert_eq!(chunks, want);
+    let path = if kind == EngineKind::OpenAi { "/v1/embeddings" } else { "/api/embed" };
+    assert_eq!(s.fake.posts(), vec![path], "one engine call");
+    assert_eq!(s.last_request()["input"], json!(inputs));
+
+    s.fake.set(|k| k.fail_status = Some(503));
+    match s.run(op, 1).await {
+        Err(EngineError::Status { status: 503, .. }) => {}
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("a failed embeddings call must fail stream()"),
+    }
+}
+
 /// Instantiates each generic test once per adapter, under the names given.
 macro_rules! conformance {
     ($($test:ident($($arg:expr),*) => $openai:ident, $ollama:ident;)*) => {
@@ -595,6 +664,14 @@ conformance! {
         => openai_reports_kind_and_capabilities, ollama_reports_kind_and_capabilities;
     load_reports_what_the_engine_tells()
         => openai_load_reports_what_the_engine_tells, ollama_load_reports_nothing_it_cannot_read;
+    completion_sends_the_prompt_as_it_is(STREAM)
+        => openai_streamed_completion_sends_the_prompt_as_it_is,
+           ollama_streamed_completion_sends_the_prompt_as_it_is;
+    completion_sends_the_prompt_as_it_is(WHOLE)
+        => openai_whole_completion_sends_the_prompt_as_it_is,
+           ollama_whole_completion_sends_the_prompt_as_it_is;
+    embeddings_come_whole_in_input_order()
+        => openai_embeddings_come_whole_in_input_order, ollama_embeddings_come_whole_in_input_order;
 }
 
 /// OpenAI-compatible only: an engine without `/metrics` (404) is not asked

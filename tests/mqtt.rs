@@ -681,3 +681,31 @@ async fn a_device_may_keep_several_connections_under_instance_names() {
     assert!(e.contains("BadUserNamePassword"), "{e}");
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn the_catalogue_lists_only_what_a_device_can_ask_for() {
+    // An embedding model serves `POST /v1/embeddings` only: devices send
+    // chat, so it is not theirs to see, and a request naming it is refused
+    // by name.
+    let fake = FakeEngine::start().await;
+    let embed = format!(
+        "[engines.emb]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"e\"\nhealth_interval_ms = 100\n[models.embed]\nkind = \"embedding\"\ninstances = [\"emb\"]\n",
+        fake.url()
+    );
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &(mqtt_toml("") + &embed)).await;
+    gw.wait_ready().await;
+    let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe("ai/v1/shared/models").await;
+    let ids: Vec<_> = d.msg().await.json()["models"].as_array().unwrap().iter().map(|m| m["id"].clone()).collect();
+    assert_eq!(ids, vec![json!("general-chat")]);
+    let mut r = request("embed-1");
+    r["model"] = json!("embed");
+    d.subscribe(&d.topic("res/embed-1")).await;
+    d.publish(&d.topic("req"), r.to_string()).await;
+    let events = d.stream(&d.topic("res/embed-1")).await;
+    let last = events.last().unwrap();
+    assert_eq!((last["type"].as_str(), last["code"].as_str()), (Some("error"), Some("INVALID_REQUEST")), "{last}");
+    assert!(last["message"].as_str().unwrap().contains("'embed'"), "{last}");
+    gw.stop().await;
+}

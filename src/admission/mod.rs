@@ -9,6 +9,7 @@
 
 pub mod auth;
 pub mod gpu_watch;
+pub mod operation;
 pub mod request;
 
 pub use auth::Authenticator;

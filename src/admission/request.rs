@@ -10,7 +10,8 @@ use crate::config::{ApplicationConfig, Config};
 use crate::context::{self, Fit};
 use crate::error::{ErrorCode, GatewayError};
 use crate::task::{
-    ChatMessage, DataClass, Identity, Ingress, Priority, Routing, SamplingParams, TaskRequest, Timeouts, ToolSet,
+    ChatMessage, DataClass, Identity, Ingress, Operation, Priority, Routing, SamplingParams, TaskRequest, Timeouts,
+    ToolSet,
 };
 
 /// OpenAI chat fields plus the edge fields of DESIGN.md. Unknown OpenAI
@@ -45,6 +46,10 @@ pub struct ChatRequestBody {
     pub parallel_tool_calls: Option<Value>,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+    /// What the engine is asked: set by the endpoint that read the body
+    /// (see [`super::operation`]), never by the body itself.
+    #[serde(skip)]
+    pub operation: Operation,
 }
 
 #[derive(Debug, Deserialize)]
@@ -155,6 +160,7 @@ pub fn admit(
     let model = cfg.models.get(&body.model).ok_or_else(|| {
         GatewayError::invalid(format!("unknown model '{}'; GET /v1/models lists the models", body.model))
     })?;
+    super::operation::check_model(model, &body.operation, body.idempotency_key.as_deref())?;
     if body.messages.is_empty() {
         return Err(GatewayError::invalid("'messages' must not be empty"));
     }
@@ -230,7 +236,14 @@ pub fn admit(
         degrade_reason = Some(format!("output budget capped at the model's {} tokens", model.max_output_tokens));
     }
     let input_tokens_estimate = context::estimate_tokens(&body.messages);
-    match context::fit(input_tokens_estimate, max_output_tokens, model.context_tokens) {
+    let fit = match &body.operation {
+        // Each input is embedded on its own and nothing is generated.
+        Operation::Embedding { .. } => {
+            super::operation::embedding_inputs_fit(model, &body.messages).map(|_| Fit::Fits)?
+        }
+        _ => context::fit(input_tokens_estimate, max_output_tokens, model.context_tokens),
+    };
+    match fit {
         Fit::Fits => {}
         Fit::ReduceOutput(n) => {
             max_output_tokens = n;
@@ -317,7 +330,10 @@ pub fn admit(
         identity.user_id = declared.map(|(_, u)| u);
     }
     metadata.insert("application".into(), Value::String(identity.application.clone()));
-    let prompt_sha256 = hex::encode(Sha256::digest(serde_json::to_vec(&body.messages).unwrap_or_default()));
+    let prompt_sha256 = match &body.operation {
+        Operation::Chat => hex::encode(Sha256::digest(serde_json::to_vec(&body.messages).unwrap_or_default())),
+        op => super::operation::digest(op),
+    };
 
     Ok(TaskRequest {
         task_id: crate::task::new_task_id(),
@@ -342,6 +358,7 @@ pub fn admit(
         received_wall: SystemTime::now(),
         degrade_reason,
         tools,
+        operation: body.operation,
     })
 }
 

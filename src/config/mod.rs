@@ -372,6 +372,28 @@ pub enum EngineKind {
     Ollama,
 }
 
+/// What a logical model serves, written `kind = "chat"` (the default) or
+/// `kind = "embedding"`. An engine started for embeddings (llama-server
+/// `--embeddings`) serves no chat, so the two never share a model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// Chat and legacy text completions.
+    #[default]
+    Chat,
+    /// `POST /v1/embeddings` only.
+    Embedding,
+}
+
+impl ModelKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelKind::Chat => "chat",
+            ModelKind::Embedding => "embedding",
+        }
+    }
+}
+
 impl EngineKind {
     pub fn as_str(self) -> &'static str {
         match self {
@@ -432,6 +454,11 @@ pub struct ModelConfig {
     pub fallback_models: Vec<String>,
     /// The answer given when no engine step can take a request.
     pub canned_answer: Option<String>,
+    /// Chat (and completions) or embeddings.
+    pub kind: ModelKind,
+    /// The engine honours an embedding request's `dimensions` (vLLM with a
+    /// Matryoshka model); otherwise a request naming it is refused.
+    pub supports_dimensions: bool,
 }
 
 impl EngineConfig {

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use serde::de::{DeserializeOwned, Deserializer, Error as _};
 use serde::Deserialize;
 
-use super::{ConfigError, ConfigErrors, EngineKind, LogFormat, Problems};
+use super::{ConfigError, ConfigErrors, EngineKind, LogFormat, ModelKind, Problems};
 use crate::task::{DataClass, Location, Priority};
 
 /// One typed key of the file.
@@ -526,6 +526,10 @@ pub struct RawModel {
     /// A fixed answer given when no engine step of the chain can take a
     /// request (marked degraded).
     pub canned_answer: Option<String>,
+    /// `chat` (default) or `embedding`.
+    pub kind: Option<Field<ModelKind>>,
+    /// The engine honours an embedding request's `dimensions`.
+    pub supports_dimensions: bool,
 }
 
 impl Default for RawModel {
@@ -543,6 +547,8 @@ impl Default for RawModel {
             memory_margin_percent: 10.0,
             fallback_models: Vec::new(),
             canned_answer: None,
+            kind: None,
+            supports_dimensions: false,
         }
     }
 }

@@ -445,3 +445,21 @@ fn the_resume_budget_has_a_default_and_a_floor() {
     }
     assert!(parse(&format!("{MINIMAL}\n[mqtt]\nstream_replay_max_bytes = 512\n"), &[]).is_ok());
 }
+
+#[test]
+fn model_kinds_are_checked_against_fallbacks_and_options() {
+    let embed = "\n[models.embed]\ninstances = [\"llama\"]\nkind = \"embedding\"\ncontext_tokens = 512\n";
+    let c = parse(&format!("{MINIMAL}{embed}"), &[]).unwrap();
+    assert_eq!(c.models["embed"].kind, ModelKind::Embedding);
+    // Nothing is generated: no output budget to fit the window.
+    assert_eq!(c.models["embed"].max_output_tokens, 1);
+    assert_eq!(c.models["general-chat"].kind, ModelKind::Chat);
+    let bad = format!(
+        "{MINIMAL}{embed}fallback_models = [\"general-chat\"]\ncanned_answer = \"no\"\n[models.other]\ninstances = [\"llama\"]\nkind = \"vectors\"\nsupports_dimensions = true\n"
+    );
+    let e = parse(&bad, &[]).unwrap_err();
+    let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["models.embed.fallback_models[0]", "models.embed.canned_answer", "models.other.kind"], "{e}");
+    let e = parse(&format!("{MINIMAL}supports_dimensions = true\n"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "models.general-chat.supports_dimensions", "{e}");
+}

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::raw::{
-    optional, RawApplication, RawArchitecture, RawAuth, RawConfig, RawEngine, RawHttp, RawJwt, RawLog, RawModel,
+    optional, Field, RawApplication, RawArchitecture, RawAuth, RawConfig, RawEngine, RawHttp, RawJwt, RawLog, RawModel,
     RawResources, RawRouting, RawScheduler, RawStore, RawTenant, RawTimeouts,
 };
 use super::*;
@@ -618,9 +618,23 @@ fn models(
     if raw.is_empty() {
         p.add("models", "define at least one logical model");
     }
+    // Kinds as written (a wrong one is reported where the model is read),
+    // for the fallback check: a fallback serves what its model serves.
+    let kinds: BTreeMap<String, ModelKind> = raw
+        .iter()
+        .map(|(n, m)| {
+            (
+                n.clone(),
+                match &m.kind {
+                    Some(Field::Valid(k)) => *k,
+                    _ => ModelKind::Chat,
+                },
+            )
+        })
+        .collect();
     raw.into_iter()
         .map(|(name, m)| {
-            let model = model(&name, m, engine_names, model_names, default_queue_capacity, p);
+            let model = model(&name, m, engine_names, model_names, &kinds, default_queue_capacity, p);
             (name, model)
         })
         .collect()
@@ -631,10 +645,12 @@ fn model(
     m: RawModel,
     engine_names: &BTreeSet<String>,
     model_names: &BTreeSet<String>,
+    kinds: &BTreeMap<String, ModelKind>,
     default_queue_capacity: usize,
     p: &mut Problems,
 ) -> Option<ModelConfig> {
     let path = format!("models.{name}");
+    let kind = optional(m.kind, &format!("{path}.kind"), p).map(Option::unwrap_or_default);
     let instances = m.instances.get(&format!("{path}.instances"), p);
     if let Some(instances) = &instances {
         if instances.is_empty() {
@@ -649,7 +665,9 @@ fn model(
     if m.context_tokens < 16 {
         p.add(format!("{path}.context_tokens"), "must be at least 16");
     }
-    if m.max_output_tokens == 0 || m.max_output_tokens >= m.context_tokens {
+    // An embedding model generates nothing: its output budget is not read.
+    let embedding = kind == Some(ModelKind::Embedding);
+    if !embedding && (m.max_output_tokens == 0 || m.max_output_tokens >= m.context_tokens) {
         p.add(format!("{path}.max_output_tokens"), "must be between 1 and context_tokens - 1");
     }
     if m.queue_capacity == Some(0) {
@@ -679,11 +697,25 @@ fn model(
     if m.canned_answer.as_ref().is_some_and(|a| a.trim().is_empty()) {
         p.add(format!("{path}.canned_answer"), "must not be empty (leave it out for none)");
     }
+    if let Some(kind) = kind {
+        for (i, f) in m.fallback_models.iter().enumerate() {
+            if kinds.get(f).is_some_and(|k| *k != kind) {
+                p.add(format!("{path}.fallback_models[{i}]"), format!("{f:?} is not a {} model", kind.as_str()));
+            }
+        }
+        if kind == ModelKind::Embedding && m.canned_answer.is_some() {
+            p.add(format!("{path}.canned_answer"), "an embedding model has no canned answer");
+        }
+        if kind == ModelKind::Chat && m.supports_dimensions {
+            p.add(format!("{path}.supports_dimensions"), "only for kind = \"embedding\"");
+        }
+    }
     Some(ModelConfig {
         name: name.to_string(),
         instances: instances?,
         context_tokens: m.context_tokens,
-        max_output_tokens: m.max_output_tokens,
+        // One token of budget: what admission charges an embedding task.
+        max_output_tokens: if embedding { 1 } else { m.max_output_tokens },
         queue_capacity: m.queue_capacity.unwrap_or(default_queue_capacity),
         description: m.description,
         max_running: m.max_running,
@@ -692,6 +724,8 @@ fn model(
         memory_margin: m.memory_margin_percent / 100.0,
         fallback_models: m.fallback_models,
         canned_answer: m.canned_answer,
+        kind: kind?,
+        supports_dimensions: m.supports_dimensions,
     })
 }
 

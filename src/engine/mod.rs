@@ -14,6 +14,7 @@
 //! the connection, which is how llama.cpp, vLLM and Ollama learn that the
 //! client is gone and stop generating. There is no separate cancel call.
 
+mod embed;
 mod metrics;
 pub mod ollama;
 pub mod openai;
@@ -26,9 +27,10 @@ use async_trait::async_trait;
 use futures::stream::BoxStream;
 
 use crate::config::{EngineConfig, EngineKind};
-use crate::task::{ChatMessage, SamplingParams, ToolCallDelta, ToolSet};
+use crate::task::{ChatMessage, Operation, SamplingParams, ToolCallDelta, ToolSet};
 
-/// What an engine is asked to do: the engine-side model name and the chat.
+/// What an engine is asked to do: the engine-side model name and the chat
+/// (or, by `operation`, a text completion or embeddings).
 #[derive(Debug, Clone)]
 pub struct EngineRequest {
     pub model: String,
@@ -38,6 +40,8 @@ pub struct EngineRequest {
     /// Tools the model may call (only sent to instances configured with
     /// `tools = true`; admission sees to that).
     pub tools: Option<ToolSet>,
+    /// `Chat` uses `messages`; the others carry their own input.
+    pub operation: Operation,
 }
 
 /// One piece of an engine's answer, in the order the engine sent it.
@@ -55,6 +59,13 @@ pub enum EngineChunk {
     /// Why generation ended (`stop`, `length`, …). The stream ends after it
     /// (possibly after a `Usage`).
     Finish(String),
+    /// The vector of input `index` of an embedding request. All of them
+    /// come at once, after the engine's whole answer was read, so an
+    /// engine that fails never leaves part of them behind.
+    Embedding {
+        index: u32,
+        vector: Vec<f32>,
+    },
 }
 
 pub type EngineStream = BoxStream<'static, Result<EngineChunk, EngineError>>;

@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 use super::wire::{decode_lines, LineDecoder};
 use super::{truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineRequest, EngineStream};
 use crate::config::{EngineConfig, EngineKind};
-use crate::task::{ChatMessage, ToolCallDelta};
+use crate::task::{ChatMessage, Operation, ToolCallDelta};
 
 pub struct OllamaEngine {
     cfg: EngineConfig,
@@ -65,7 +65,15 @@ struct WireMessage<'a> {
 #[derive(Serialize)]
 struct WireRequest<'a> {
     model: &'a str,
+    /// Empty for a legacy completion (the driver sends it no messages).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     messages: Vec<WireMessage<'a>>,
+    /// A legacy completion's prompt (`/api/generate`), sent `raw`: no chat
+    /// template around it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt: Option<&'a str>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    raw: bool,
     stream: bool,
     options: Map<String, Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -78,6 +86,8 @@ struct WireRequest<'a> {
 #[derive(Deserialize)]
 struct WireLine {
     message: Option<WireContent>,
+    /// `/api/generate`'s text.
+    response: Option<String>,
     #[serde(default)]
     done: bool,
     done_reason: Option<String>,
@@ -106,6 +116,9 @@ impl TryFrom<WireLine> for Vec<EngineChunk> {
         let mut out = Vec::new();
         if let Some(m) = l.message.filter(|m| !m.content.is_empty()) {
             out.push(EngineChunk::Delta(m.content));
+        }
+        if let Some(t) = l.response.filter(|t| !t.is_empty()) {
+            out.push(EngineChunk::Delta(t));
         }
         if l.done {
             if l.prompt_eval_count.is_some() || l.eval_count.is_some() {
@@ -231,6 +244,13 @@ impl Engine for OllamaEngine {
     }
 
     async fn stream(&self, req: &EngineRequest) -> Result<EngineStream, EngineError> {
+        let prompt = match &req.operation {
+            Operation::Chat => None,
+            Operation::Completion { prompt } => Some(prompt.as_str()),
+            Operation::Embedding { input, dimensions } => {
+                return super::embed::ollama(&self.client, &self.cfg, &req.model, input, *dimensions).await
+            }
+        };
         let mut options = Map::new();
         options.insert("num_predict".into(), req.max_output_tokens.into());
         let p = serde_json::to_value(&req.params).unwrap_or_default();
@@ -252,12 +272,15 @@ impl Engine for OllamaEngine {
                     tool_name: answered_tool(&req.messages, m),
                 })
                 .collect(),
+            prompt,
+            raw: prompt.is_some(),
             stream: self.cfg.stream,
             options,
             keep_alive: self.cfg.keep_alive.as_deref(),
             tools: req.tools.as_ref().map(|t| t.tools.as_slice()),
         };
-        let resp = super::send(self.client.post(self.url("/api/chat")).json(&body)).await?;
+        let path = if prompt.is_some() { "/api/generate" } else { "/api/chat" };
+        let resp = super::send(self.client.post(self.url(path)).json(&body)).await?;
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().await.unwrap_or_default();

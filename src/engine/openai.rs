@@ -22,7 +22,7 @@ use super::{
     truncate, Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineLoad, EngineRequest, EngineStream,
 };
 use crate::config::{EngineConfig, EngineKind};
-use crate::task::{ChatMessage, SamplingParams, ToolCallDelta};
+use crate::task::{ChatMessage, Operation, SamplingParams, ToolCallDelta};
 
 /// Limit of one `/slots` or `/metrics` request: a probe must not hang on
 /// an engine that is slow to report.
@@ -32,6 +32,8 @@ pub struct OpenAiEngine {
     cfg: EngineConfig,
     client: reqwest::Client,
     url: String,
+    /// Legacy text completions (`/v1/completions`).
+    completions_url: String,
     slots: Mutex<Backoff>,
     metrics: Mutex<Backoff>,
 }
@@ -39,7 +41,8 @@ pub struct OpenAiEngine {
 impl OpenAiEngine {
     pub fn new(cfg: EngineConfig, client: reqwest::Client) -> Self {
         let url = format!("{}/v1/chat/completions", cfg.base_url);
-        OpenAiEngine { cfg, client, url, slots: Mutex::default(), metrics: Mutex::default() }
+        let completions_url = format!("{}/v1/completions", cfg.base_url);
+        OpenAiEngine { cfg, client, url, completions_url, slots: Mutex::default(), metrics: Mutex::default() }
     }
 
     /// GETs an optional load endpoint (`/slots`, `/metrics`) and reads it
@@ -79,8 +82,8 @@ impl OpenAiEngine {
         value
     }
 
-    fn post(&self, body: &WireRequest<'_>) -> reqwest::RequestBuilder {
-        let mut rb = self.client.post(&self.url).json(body);
+    fn post(&self, url: &str, body: &WireRequest<'_>) -> reqwest::RequestBuilder {
+        let mut rb = self.client.post(url).json(body);
         if let Some(key) = &self.cfg.api_key {
             rb = rb.bearer_auth(key);
         }
@@ -91,7 +94,12 @@ impl OpenAiEngine {
 #[derive(Serialize)]
 struct WireRequest<'a> {
     model: &'a str,
+    /// Empty for a legacy completion (the driver sends it no messages).
+    #[serde(skip_serializing_if = "<[ChatMessage]>::is_empty")]
     messages: &'a [ChatMessage],
+    /// A legacy completion's prompt, instead of `messages`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt: Option<&'a str>,
     stream: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     stream_options: Option<StreamOptions>,
@@ -133,6 +141,9 @@ struct WireChoice {
     delta: Option<WireMessage>,
     #[serde(default)]
     message: Option<WireMessage>,
+    /// A legacy completion's text (`/v1/completions`).
+    #[serde(default)]
+    text: Option<String>,
     finish_reason: Option<String>,
 }
 
@@ -172,6 +183,8 @@ impl TryFrom<WireChunk> for Vec<EngineChunk> {
                 Some(m) => (m.content, m.tool_calls.unwrap_or_default()),
                 None => (None, Vec::new()),
             };
+            // Legacy completions answer in `text`, not in a message.
+            let text = text.or(choice.text);
             if let Some(t) = text.filter(|t| !t.is_empty()) {
                 out.push(EngineChunk::Delta(t));
             }
@@ -260,10 +273,18 @@ impl Engine for OpenAiEngine {
     }
 
     async fn stream(&self, req: &EngineRequest) -> Result<EngineStream, EngineError> {
+        let prompt = match &req.operation {
+            Operation::Chat => None,
+            Operation::Completion { prompt } => Some(prompt.as_str()),
+            Operation::Embedding { input, dimensions } => {
+                return super::embed::openai(&self.client, &self.cfg, &req.model, input, *dimensions).await
+            }
+        };
         let stream = self.cfg.stream;
         let body = WireRequest {
             model: &req.model,
             messages: &req.messages,
+            prompt,
             stream,
             stream_options: stream.then_some(StreamOptions { include_usage: true }),
             max_tokens: req.max_output_tokens,
@@ -272,7 +293,8 @@ impl Engine for OpenAiEngine {
             tool_choice: req.tools.as_ref().and_then(|t| t.tool_choice.as_ref()),
             parallel_tool_calls: req.tools.as_ref().and_then(|t| t.parallel_tool_calls),
         };
-        let resp = super::send(self.post(&body)).await?;
+        let url = if prompt.is_some() { &self.completions_url } else { &self.url };
+        let resp = super::send(self.post(url, &body)).await?;
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().await.unwrap_or_default();

@@ -188,5 +188,6 @@ fn stored_request(r: &TaskRequest) -> StoredRequest {
         input_tokens_estimate: r.input_tokens_estimate,
         degrade_reason: r.degrade_reason.clone(),
         tools: r.tools.clone(),
+        operation: r.operation.clone(),
     }
 }

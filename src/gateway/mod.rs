@@ -41,6 +41,8 @@ use crate::telemetry::Metrics;
 
 // What ingresses need of the layers below, offered here so that they import
 // only the facade.
+/// The request shapes besides chat, read into the shared body.
+pub use crate::admission::operation::{parse_completion, parse_embeddings, EncodingFormat};
 pub use crate::admission::request::RequestTimeouts;
 pub use crate::admission::request::DEVICE_KEY_PREFIX;
 /// For an ingress that authenticates at connect time with rules of its own
@@ -308,6 +310,28 @@ impl Gateway {
             body.idempotency_key = opts.idempotency_key;
         }
         Ok(Call { identity, body, ingress, request_id_hint: opts.request_id_hint })
+    }
+
+    /// [`Gateway::prepare`] for a body of another shape than chat (a legacy
+    /// completion, embeddings): `parse` reads it into the shared body with
+    /// its operation, and whatever else the ingress needs of it (`T`).
+    pub fn prepare_as<T>(
+        &self,
+        caller: Caller<'_>,
+        body: &[u8],
+        ingress: Ingress,
+        opts: SubmitOptions,
+        parse: impl FnOnce(&[u8]) -> Result<(ChatRequestBody, T), GatewayError>,
+    ) -> Result<(Call, T), GatewayError> {
+        let identity = match caller {
+            Caller::Identity(i) => i,
+            Caller::Credential(c) => self.auth.authenticate(c).map_err(|e| self.refused(ingress, e))?,
+        };
+        let (mut body, extra) = parse(body).map_err(|e| self.refused(ingress, e))?;
+        if body.idempotency_key.is_none() {
+            body.idempotency_key = opts.idempotency_key;
+        }
+        Ok((Call { identity, body, ingress, request_id_hint: opts.request_id_hint }, extra))
     }
 
     /// The second half of [`Gateway::submit`]: admission, idempotency and

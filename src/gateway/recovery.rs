@@ -102,6 +102,7 @@ impl Gateway {
             received_wall: std::time::SystemTime::now(),
             degrade_reason: r.degrade_reason.clone(),
             tools: r.tools.clone(),
+            operation: r.operation.clone(),
         })
     }
 }

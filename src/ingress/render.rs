@@ -35,6 +35,11 @@ pub fn event_json(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
             }
             v
         }
+        // Only embedding tasks (`POST /v1/embeddings`) have them; the task
+        // API's event stream shows them like any other event.
+        TaskEvent::Embedding { index, vector } => json!({
+            "seq": seq, "type": "embedding", "request_id": request_id, "index": index, "embedding": vector,
+        }),
         TaskEvent::Done(meta) => json!({
             "seq": seq, "type": "done", "request_id": request_id,
             "result": serde_json::to_value(&**meta).unwrap_or(Value::Null),

@@ -150,6 +150,7 @@ mod tests {
             params: SamplingParams::default(),
             max_output_tokens: 4,
             tools: None,
+            operation: Default::default(),
         }
     }
 

@@ -23,7 +23,9 @@ use crate::error::{ErrorCode, GatewayError};
 use crate::router::breaker::Attempt;
 use crate::router::DispatchError;
 use crate::task::tools::ToolCallAssembler;
-use crate::task::{FallbackStep, ResultMeta, Route, RouteHop, TaskEvent, TaskRequest, TaskState, Timing, Usage};
+use crate::task::{
+    FallbackStep, Operation, ResultMeta, Route, RouteHop, TaskEvent, TaskRequest, TaskState, Timing, Usage,
+};
 
 /// The outcome of a time limit that passed.
 fn timeout_outcome(code: ErrorCode, what: &str) -> Outcome {
@@ -466,10 +468,13 @@ impl Driver {
 
         let engine_req = EngineRequest {
             model: lease.engine_model.clone(),
-            messages: r.messages.clone(),
+            // A completion's or embedding's text is in its operation; its
+            // messages are only for estimates and recovery.
+            messages: if r.operation == Operation::Chat { r.messages.clone() } else { Vec::new() },
             params: r.params.clone(),
             max_output_tokens: lease.max_output_tokens,
             tools: r.tools.clone(),
+            operation: r.operation.clone(),
         };
         let mut stream = tokio::select! {
             biased;
@@ -579,6 +584,28 @@ impl Driver {
                         }
                         _ => {}
                     }
+                }
+                Some(Ok(EngineChunk::Embedding { index, vector })) => {
+                    // The whole answer arrives at once: its first vector is
+                    // the first token, for the record, breaker and metrics.
+                    if p.first_token_at.is_none() {
+                        p.first_token_at = Some(Instant::now());
+                        router.attempt_ended(lease.instance, Attempt::Success { ttft: now.elapsed() });
+                        first_of_attempt = false;
+                        self.shared
+                            .metrics
+                            .first_token
+                            .with_label_values(&[r.logical_model.as_str(), r.priority.as_str()])
+                            .observe(r.received_at.elapsed().as_secs_f64());
+                        self.shared.recorder.transition(
+                            r,
+                            TaskState::Streaming,
+                            "first token",
+                            Some(&lease.instance_name),
+                            "engine",
+                        );
+                    }
+                    self.log.push(TaskEvent::Embedding { index, vector });
                 }
                 Some(Ok(EngineChunk::Usage { input_tokens, output_tokens })) => {
                     p.usage = Some((input_tokens, output_tokens));

@@ -49,6 +49,7 @@ fn event_bytes(e: &TaskEvent) -> usize {
                     + d.id.as_ref().map_or(0, String::capacity)
                     + d.name.as_ref().map_or(0, String::capacity)
             }
+            TaskEvent::Embedding { vector, .. } => vector.capacity() * std::mem::size_of::<f32>(),
             TaskEvent::Done(_) => RESULT_META_BYTES,
             TaskEvent::Error { error, .. } => error.message.capacity() + RESULT_META_BYTES,
         }

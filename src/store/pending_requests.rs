@@ -10,7 +10,7 @@ use rusqlite::{params, Connection};
 use serde::{Deserialize, Serialize};
 
 use super::exec;
-use crate::task::{ChatMessage, Routing, SamplingParams, TaskState};
+use crate::task::{ChatMessage, Operation, Routing, SamplingParams, TaskState};
 
 pub const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS pending_requests (
@@ -43,6 +43,9 @@ pub struct StoredRequest {
     /// The request's tools (absent in requests kept before tool calling).
     #[serde(default)]
     pub tools: Option<crate::task::ToolSet>,
+    /// A chat in requests kept before operations were.
+    #[serde(default)]
+    pub operation: Operation,
 }
 
 /// A task that was not terminal when the gateway stopped.

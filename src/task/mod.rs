@@ -416,6 +416,27 @@ pub struct Route {
     pub degraded: bool,
 }
 
+/// What a task asks of its engine. A chat is what every ingress sends; the
+/// others come from their own HTTP endpoints (`/v1/completions`,
+/// `/v1/embeddings`) and run through the same pipeline.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Operation {
+    /// Chat completion of `messages`, the engine applying its chat template.
+    #[default]
+    Chat,
+    /// Legacy text completion: `prompt` goes to the engine as it is, never
+    /// wrapped into a chat template.
+    Completion { prompt: String },
+    /// One vector per input, in one engine call.
+    Embedding {
+        input: Vec<String>,
+        /// Output size asked for, where the model supports it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        dimensions: Option<u32>,
+    },
+}
+
 /// A validated call, the same whatever ingress it came from.
 #[derive(Debug, Clone)]
 pub struct TaskRequest {
@@ -451,6 +472,10 @@ pub struct TaskRequest {
     /// The tools the request declares (passed to the engine, and what the
     /// model's calls are checked against).
     pub tools: Option<ToolSet>,
+    /// What the engine is asked to do (a chat unless an endpoint of its own
+    /// says otherwise). For the others, `messages` holds their text as user
+    /// messages, for estimates and recovery.
+    pub operation: Operation,
 }
 
 /// Token counts. `estimated` is true when the engine did not report them
@@ -545,6 +570,12 @@ pub enum TaskEvent {
     /// A piece of a tool call the model makes (the first piece of each call
     /// carries its id and name).
     ToolCallDelta(ToolCallDelta),
+    /// The vector of input `index` of an embedding task (all of them come
+    /// before `Done`, in input order).
+    Embedding {
+        index: u32,
+        vector: Vec<f32>,
+    },
     Done(Box<ResultMeta>),
     Error {
         error: GatewayError,

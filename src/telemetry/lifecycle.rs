@@ -342,6 +342,7 @@ mod tests {
             received_wall: SystemTime::now(),
             degrade_reason: None,
             tools: None,
+            operation: Default::default(),
         }
     }
 

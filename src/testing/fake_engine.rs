@@ -60,6 +60,8 @@ pub struct Knobs {
     /// arguments stream in pieces of [`TOOL_ARGS_PIECE`] bytes, one piece
     /// per token; Ollama-style, each call comes whole.
     pub tool_calls: Vec<(String, String)>,
+    /// Length of the vectors of `/v1/embeddings` and `/api/embed`.
+    pub embedding_dim: usize,
 }
 
 /// Bytes of a tool call's arguments per streamed piece.
@@ -91,6 +93,7 @@ impl Default for Knobs {
             resident: true,
             finish_reason: None,
             tool_calls: Vec::new(),
+            embedding_dim: 8,
         }
     }
 }
@@ -107,6 +110,8 @@ pub struct Stats {
     pub last_request: Mutex<Option<Value>>,
     /// Requests for `/metrics`.
     pub metrics_requests: AtomicU64,
+    /// The path of every POST, in order (which endpoint an adapter used).
+    pub posts: Mutex<Vec<String>>,
     changed: Notify,
 }
 
@@ -134,6 +139,10 @@ impl FakeEngine {
         let shared = Arc::new(Shared { knobs: Mutex::new(knobs), stats: stats.clone() });
         let app = Router::new()
             .route("/v1/chat/completions", post(openai_chat))
+            .route("/v1/completions", post(openai_completion))
+            .route("/v1/embeddings", post(openai_embeddings))
+            .route("/api/generate", post(ollama_generate))
+            .route("/api/embed", post(ollama_embed))
             .route("/v1/models", get(openai_models))
             .route("/health", get(health))
             .route("/slots", get(slots))
@@ -141,6 +150,7 @@ impl FakeEngine {
             .route("/api/tags", get(ollama_tags))
             .route("/api/ps", get(ollama_ps))
             .route("/metrics", get(metrics))
+            .layer(axum::middleware::from_fn_with_state(shared.clone(), record_post))
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind fake engine");
         let addr = listener.local_addr().expect("local addr");
@@ -559,4 +569,164 @@ async fn ollama_ps(State(s): State<Arc<Shared>>) -> Response {
 
 async fn ollama_tags(State(s): State<Arc<Shared>>) -> Response {
     (health_status(&s), Json(json!({"models": [{"name": "fake:latest", "model": "fake:latest"}]}))).into_response()
+}
+
+/// A vector for `text` that depends on the text alone (as a real
+/// embedding model's does), so that the same input gives the same vector
+/// on every instance.
+pub fn fake_embedding(text: &str, dim: usize) -> Vec<f32> {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(text.as_bytes());
+    (0..dim).map(|i| (f32::from(digest[i % digest.len()]) - 127.5) / 128.0 + i as f32 / 1024.0).collect()
+}
+
+/// The inputs of an embedding request (a string or a list of strings).
+fn embedding_inputs(body: &Value) -> Vec<String> {
+    match &body["input"] {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(a) => a.iter().map(|v| v.as_str().unwrap_or_default().to_string()).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Embeds every input after the configured first-token delay (the whole
+/// answer at once, as real engines send it).
+async fn embed(s: &Shared, body: &Value) -> Result<(Vec<Vec<f32>>, u32, Knobs), Response> {
+    let k = begin(s, body).await?;
+    let inputs = embedding_inputs(body);
+    let mut g = Generation::start(&s.stats);
+    tokio::time::sleep(k.first_token_delay).await;
+    g.complete();
+    let tokens: u32 = inputs.iter().map(|t| t.split_whitespace().count().max(1) as u32).sum();
+    Ok((inputs.iter().map(|t| fake_embedding(t, k.embedding_dim)).collect(), tokens, k))
+}
+
+async fn openai_embeddings(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let (vectors, tokens, k) = match embed(&s, &body).await {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let data: Vec<Value> = vectors
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| json!({"object": "embedding", "index": i, "embedding": v}))
+        .collect();
+    let mut v = json!({"object": "list", "model": body["model"], "data": data});
+    if !k.omit_usage {
+        v["usage"] = json!({"prompt_tokens": tokens, "total_tokens": tokens});
+    }
+    Json(v).into_response()
+}
+
+async fn ollama_embed(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let (vectors, tokens, k) = match embed(&s, &body).await {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let mut v = json!({"model": body["model"], "embeddings": vectors});
+    if !k.omit_usage {
+        v["prompt_eval_count"] = tokens.into();
+    }
+    Json(v).into_response()
+}
+
+/// A legacy completion: the `/v1/completions` shape (`choices[].text`).
+async fn openai_completion(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let k = match begin(&s, &body).await {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    let n = token_count(&k, body["max_tokens"].as_u64());
+    let model = body["model"].as_str().unwrap_or("fake").to_string();
+    let pt = body["prompt"].as_str().map(|p| p.split_whitespace().count() as u32 + 1).unwrap_or(0);
+    let finish = if n < k.tokens { "length" } else { "stop" };
+    if !body["stream"].as_bool().unwrap_or(false) {
+        let mut g = Generation::start(&s.stats);
+        tokio::time::sleep(k.first_token_delay + k.token_delay * n.saturating_sub(1)).await;
+        g.complete();
+        let mut v = json!({
+            "id": "cmpl-fake", "object": "text_completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "text": k.token_text.repeat(n as usize), "logprobs": null, "finish_reason": finish}],
+        });
+        if !k.omit_usage {
+            v["usage"] = json!({"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n});
+        }
+        return Json(v).into_response();
+    }
+    let include_usage = body["stream_options"]["include_usage"].as_bool().unwrap_or(false) && !k.omit_usage;
+    let text = k.token_text.clone();
+    let sse = |v: Value| Bytes::from(format!("data: {v}\n\n"));
+    let body = generate(k, n, s.stats.clone(), move |i| match i {
+        Some(_) => vec![sse(
+            json!({"id": "c", "object": "text_completion", "model": model, "choices": [{"index": 0, "text": text, "finish_reason": null}]}),
+        )],
+        None => {
+            let mut v = vec![sse(
+                json!({"id": "c", "object": "text_completion", "model": model, "choices": [{"index": 0, "text": "", "finish_reason": finish}]}),
+            )];
+            if include_usage {
+                v.push(sse(json!({"id": "c", "object": "text_completion", "model": model, "choices": [], "usage": {"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n}})));
+            }
+            v.push(Bytes::from_static(b"data: [DONE]\n\n"));
+            v
+        }
+    });
+    ([("content-type", "text/event-stream")], body).into_response()
+}
+
+/// Ollama's `/api/generate` (`response` text per NDJSON line).
+async fn ollama_generate(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let k = match begin(&s, &body).await {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    let n = token_count(&k, body["options"]["num_predict"].as_u64());
+    let model = body["model"].as_str().unwrap_or("fake").to_string();
+    let pt = body["prompt"].as_str().map(|p| p.split_whitespace().count() as u32 + 1).unwrap_or(0);
+    let omit_usage = k.omit_usage;
+    let text = k.token_text.clone();
+    let finish = if n < k.tokens { "length" } else { "stop" };
+    let line = |v: Value| Bytes::from(format!("{v}\n"));
+    let last = move |response: String| {
+        let mut v = json!({"model": model, "response": response, "done": true, "done_reason": finish});
+        if !omit_usage {
+            v["prompt_eval_count"] = pt.into();
+            v["eval_count"] = n.into();
+        }
+        v
+    };
+    if !body["stream"].as_bool().unwrap_or(true) {
+        let mut g = Generation::start(&s.stats);
+        tokio::time::sleep(k.first_token_delay + k.token_delay * n.saturating_sub(1)).await;
+        g.complete();
+        return Json(last(text.repeat(n as usize))).into_response();
+    }
+    let body = generate(k, n, s.stats.clone(), move |i| match i {
+        Some(_) => vec![line(json!({"response": text, "done": false}))],
+        None => vec![line(last(String::new()))],
+    });
+    ([("content-type", "application/x-ndjson")], body).into_response()
+}
+
+async fn record_post(
+    State(s): State<Arc<Shared>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if req.method() == axum::http::Method::POST {
+        s.stats.posts.lock().expect("posts").push(req.uri().path().to_string());
+    }
+    next.run(req).await
+}
+
+impl FakeEngine {
+    /// The paths POSTed to so far.
+    pub fn posts(&self) -> Vec<String> {
+        self.stats.posts.lock().expect("posts").clone()
+    }
+
+    /// The body of the last generation or embedding request.
+    pub fn last_request(&self) -> Option<Value> {
+        self.stats.last_request.lock().expect("last").clone()
+    }
 }

@@ -22,7 +22,7 @@ use crate::task::TaskState;
 use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
 
-pub use fake_engine::{vllm_metrics, FakeEngine, Knobs};
+pub use fake_engine::{fake_embedding, vllm_metrics, FakeEngine, Knobs};
 pub use nats_server::NatsServer;
 
 /// API keys of the test configs (the same as the example config's).

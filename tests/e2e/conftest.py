@@ -137,6 +137,24 @@ def llama(workdir):
         proc.stop()
 
 
+@pytest.fixture(scope="session")
+def llama_embed(workdir):
+    """URL of a second llama-server, started with --embeddings (recent
+    llama.cpp serves nothing else on it): scripts/run-embed-engine.sh on a
+    free port, as config/edgeway.toml's engine llama-embed."""
+    assert LLAMA_BIN.exists(), f"{LLAMA_BIN} missing: run scripts/setup-deps.sh"
+    port = free_port()
+    log = workdir / "llama-embed.log"
+    proc = Proc(["bash", str(ROOT / "scripts" / "run-embed-engine.sh"), str(port)],
+                dict(os.environ, EDGEWAY_CACHE=str(CACHE), LLAMA_THREADS="1"), log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", 180, proc.p, log)
+        yield url
+    finally:
+        proc.stop()
+
+
 class Edgeway:
     def __init__(self, url: str, db: Path):
         self.url = url
@@ -163,8 +181,9 @@ class Edgeway:
 
 
 @pytest.fixture(scope="session")
-def edgeway(llama, nats, workdir):
-    """The edgeway binary with config/edgeway.toml, pointed at `llama`."""
+def edgeway(llama, llama_embed, nats, workdir):
+    """The edgeway binary with config/edgeway.toml, pointed at `llama` and
+    `llama_embed`."""
     assert EDGEWAY_BIN.exists(), f"{EDGEWAY_BIN} missing: cargo build"
     port = free_port()
     mqtt_port = free_port()
@@ -176,6 +195,7 @@ def edgeway(llama, nats, workdir):
         "EDGEWAY__STORE__DATA_DIR": str(data),
         "EDGEWAY__ENGINES__LLAMA_LOCAL__BASE_URL": llama,
         "EDGEWAY__ENGINES__LLAMA_LOCAL__HEALTH_INTERVAL_MS": "500",
+        "EDGEWAY__ENGINES__LLAMA_EMBED__BASE_URL": llama_embed,
         "EDGEWAY__LOG__FORMAT": "json",
         "EDGEWAY__NATS__URL": nats,
     })

@@ -56,7 +56,7 @@ def test_raw_response_headers_carry_ids(edgeway):
 
 def test_models_list(edgeway):
     ids = sorted(m.id for m in client(edgeway).models.list())
-    assert ids == ["fast-chat", "general-chat"]
+    assert ids == ["embed", "fast-chat", "general-chat"]
 
 
 def test_bad_key_is_authentication_error(edgeway):

@@ -134,12 +134,14 @@ def test_each_timeout(edgeway, llama, timeouts, code, busy):
     idle(llama)
 
 
-def start_own(llama, workdir, data, port):
+def start_own(llama, llama_embed, workdir, data, port):
     env = dict(os.environ)
     env.update({
         "EDGEWAY__HTTP__LISTEN": f"127.0.0.1:{port}",
         "EDGEWAY__STORE__DATA_DIR": str(data),
         "EDGEWAY__ENGINES__LLAMA_LOCAL__BASE_URL": llama,
+        # /ready waits for every model of the config, embeddings included.
+        "EDGEWAY__ENGINES__LLAMA_EMBED__BASE_URL": llama_embed,
         "EDGEWAY__ENGINES__LLAMA_LOCAL__HEALTH_INTERVAL_MS": "500",
     })
     # Its own broker port; no NATS.
@@ -151,12 +153,12 @@ def start_own(llama, workdir, data, port):
     return p
 
 
-def test_idempotency_across_restart_and_recovery_after_kill_9(llama, workdir):
+def test_idempotency_across_restart_and_recovery_after_kill_9(llama, llama_embed, workdir):
     idle(llama)
     data = workdir / "own-data"
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    p = start_own(llama, workdir, data, port)
+    p = start_own(llama, llama_embed, workdir, data, port)
     try:
         first = call("POST", base + "/v1/chat/completions", DEMO_KEY, {
             "model": "general-chat", "messages": PROMPT, "max_tokens": 8, "idempotency_key": "e2e-key-1"})[1]
@@ -172,7 +174,7 @@ def test_idempotency_across_restart_and_recovery_after_kill_9(llama, workdir):
     finally:
         p.stop()
     idle(llama)  # llama-server notices the dropped connections
-    p = start_own(llama, workdir, data, port)
+    p = start_own(llama, llama_embed, workdir, data, port)
     try:
         for r in running:
             t = task(base, r)

@@ -65,7 +65,7 @@ fn tool_call_piece(d: &ToolCallDelta) -> Value {
     }
 }
 
-fn usage_json(m: &ResultMeta) -> Value {
+pub(super) fn usage_json(m: &ResultMeta) -> Value {
     json!({
         "prompt_tokens": m.usage.input_tokens,
         "completion_tokens": m.usage.output_tokens,
@@ -73,7 +73,7 @@ fn usage_json(m: &ResultMeta) -> Value {
     })
 }
 
-fn sse(v: &Value) -> Bytes {
+pub(super) fn sse(v: &Value) -> Bytes {
     let mut s = String::with_capacity(128);
     s.push_str("data: ");
     s.push_str(&v.to_string());
@@ -129,6 +129,8 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
                 TaskEvent::ToolCallDelta(d) => {
                     sse(&chunk(&st.id, st.created, &st.model, json!({ "tool_calls": [tool_call_piece(&d)] }), None))
                 }
+                // A chat task has none (embeddings have their own endpoint).
+                TaskEvent::Embedding { .. } => Bytes::new(),
                 TaskEvent::Done(meta) => {
                     st.finished = true;
                     let edge = serde_json::to_value(&*meta).unwrap_or(Value::Null);
@@ -173,7 +175,10 @@ async fn whole_response(mut task: TaskStream, model: String) -> Response {
     while let Some((_, ev)) = task.recv().await {
         match ev {
             // The whole calls are in the result, checked.
-            TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::ToolCallDelta(_) => {}
+            TaskEvent::Accepted { .. }
+            | TaskEvent::Queued { .. }
+            | TaskEvent::ToolCallDelta(_)
+            | TaskEvent::Embedding { .. } => {}
             TaskEvent::Delta { text: t } => text.push_str(&t),
             TaskEvent::Done(meta) => {
                 let mut message = json!({ "role": "assistant", "content": text, "refusal": null });

@@ -10,6 +10,8 @@
 
 mod caller;
 mod chat;
+mod completions;
+mod embeddings;
 mod errors;
 mod listener;
 mod tasks;
@@ -40,6 +42,8 @@ fn business_routes(state: AppState) -> Router {
     let limit = state.config().http.max_body_bytes;
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/models", get(list_models))
         .route("/v1/tasks", post(tasks::create))
         .route("/v1/tasks/{id}", get(tasks::get).delete(tasks::cancel))
@@ -151,6 +155,8 @@ async fn list_models(State(gw): State<AppState>, _: Caller) -> Response {
                 "context_window": m.context_tokens,
                 "max_output_tokens": m.max_output_tokens,
                 "description": m.description,
+                // `chat` (chat and text completions) or `embedding`.
+                "kind": m.kind.as_str(),
             })
         })
         .collect();

@@ -67,7 +67,7 @@ use streams::Streams;
 use topics::Topics;
 use wills::Wills;
 
-use crate::config::Config;
+use crate::config::{Config, ModelKind};
 use crate::gateway::Gateway;
 
 /// Metrics of the MQTT ingress. Labels are closed sets.
@@ -294,11 +294,13 @@ fn write_loop(
 #[error("the MQTT router is gone")]
 pub struct LinkClosed;
 
-/// The retained model catalogue on `{prefix}/shared/models`.
+/// The retained model catalogue on `{prefix}/shared/models`: the models a
+/// device can ask for (chat; embedding models serve HTTP only).
 fn catalogue(cfg: &Config) -> Bytes {
     let models: Vec<_> = cfg
         .models
         .values()
+        .filter(|m| m.kind == ModelKind::Chat)
         .map(|m| {
             json!({
                 "id": m.name, "description": m.description,

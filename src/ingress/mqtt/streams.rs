@@ -273,7 +273,15 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
                     flush(&mut pending, &mut seq, &mut last_flush);
                 }
             }
-            Some((_, e @ (TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::ToolCallDelta(_)))) => {
+            // Embeddings are never a device's task (chat models only take
+            // chat); not an end of the stream either way.
+            Some((
+                _,
+                e @ (TaskEvent::Accepted { .. }
+                | TaskEvent::Queued { .. }
+                | TaskEvent::ToolCallDelta(_)
+                | TaskEvent::Embedding { .. }),
+            )) => {
                 flush(&mut pending, &mut seq, &mut last_flush);
                 stream.push(render(seq, &e), false);
                 seq += 1;

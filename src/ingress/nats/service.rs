@@ -356,7 +356,11 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
                         let _ = req.respond_with_headers(Ok(body), error_headers(error)).await;
                         break None;
                     }
-                    TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::Delta { .. } | TaskEvent::ToolCallDelta(_) => {
+                    TaskEvent::Accepted { .. }
+                    | TaskEvent::Queued { .. }
+                    | TaskEvent::Delta { .. }
+                    | TaskEvent::ToolCallDelta(_)
+                    | TaskEvent::Embedding { .. } => {
                         if ctx.status.unavailable_for().is_some_and(|d| d >= cfg.caller_timeout) {
                             break Some(Lost::BusUnavailable);
                         }
@@ -364,6 +368,7 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
                             TaskEvent::Accepted { .. } => "accepted",
                             TaskEvent::Queued { .. } => "queued",
                             TaskEvent::ToolCallDelta(_) => "tool_call",
+                            TaskEvent::Embedding { .. } => "embedding",
                             _ => "delta",
                         };
                         let publish = ctx.client.publish_with_reply_and_headers(
