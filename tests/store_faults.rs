@@ -13,6 +13,7 @@
 //! [`on_small_tmpfs`]).
 
 mod common;
+mod mqtt_support;
 
 use std::sync::atomic::Ordering::SeqCst;
 
@@ -357,5 +358,42 @@ async fn a_stop_waits_for_writes_the_full_disk_refused() {
     let gw = TestGateway::start(load()).await;
     let rec = gw.store().get(&task).await.unwrap().expect("stored");
     assert_eq!(rec.state, TaskState::Succeeded, "{:?}", rec.transitions);
+    gw.stop().await;
+}
+
+/// The same for a device (review finding M2): while the store cannot write,
+/// a device that reconnects and publishes its request again (same
+/// `request_id`) gets its running task's stream; a new request is refused
+/// `STORE_UNAVAILABLE`. (Passed before: kept so that the MQTT path stays
+/// covered.)
+#[tokio::test]
+async fn a_device_repeat_while_the_store_cannot_write_joins_its_running_task() {
+    use mqtt_support::{device, request, D1, V};
+    let (fake, gw, addr) = mqtt_support::start(Knobs::slow(30, 40), "").await;
+    let mut events = gw.recorder().subscribe();
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("m2-repeat").to_string()).await;
+    let streaming = next_event(&mut events, "the task streaming", |e| e.state == TaskState::Streaming).await;
+    gw.store().set_writer_pragma("query_only", 1).await;
+    // A refused call is recorded: the write that finds the store read-only.
+    let mut bad = chat_body(false);
+    bad["model"] = json!("no-such-model");
+    assert!([400, 503].contains(&post_chat(&gw, DEMO_KEY, &bad).await.status().as_u16()));
+    gw.store().flush().await;
+    assert!(gw.store().is_degraded());
+
+    d.disconnect_and_wait().await;
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("m2-repeat").to_string()).await;
+    let stream = d.stream(&d.topic("res/m2-repeat")).await;
+    assert_eq!(stream[0]["task_id"], streaming.task_id.as_str(), "{stream:?}");
+    assert_eq!(stream.last().unwrap()["type"], "done", "{stream:?}");
+    d.publish(&d.topic("req"), request("m2-new").to_string()).await;
+    let refused = d.stream(&d.topic("res/m2-new")).await;
+    assert_eq!(refused.last().unwrap()["code"], "STORE_UNAVAILABLE", "{refused:?}");
+    assert_eq!(fake.stats.requests.load(SeqCst), 1, "ran once");
+    gw.store().set_writer_pragma("query_only", 0).await;
     gw.stop().await;
 }
