@@ -392,10 +392,7 @@ impl Store {
             // Started on a full disk: degraded (new work refused) until the
             // reserve can be set aside; the writer tries again.
             tracing::error!(error = %e, bytes = opts.reserve_bytes, "cannot set aside the task store's reserve");
-            health.set_degraded(format!(
-                "disk full: cannot set aside the store's reserve of {} bytes ({e})",
-                opts.reserve_bytes
-            ));
+            health.set_degraded(format!("cannot set aside the store's reserve of {} bytes: {e}", opts.reserve_bytes));
         }
         let writer = Writer::new(conn, failures.clone(), health.clone(), opts, reserve);
         let spawn_err = |e| StoreError::Dir { path: path.to_path_buf(), source: e };

@@ -57,6 +57,16 @@ impl Reserve {
             self.held = true;
             return Ok(());
         }
+        // Asked again every second while the disk is full: a look first, so
+        // that a full disk (an SD card, say) is not written to for nothing.
+        if let Some(free) = self.path.parent().and_then(free_bytes) {
+            if free < self.bytes + margin {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::StorageFull,
+                    format!("{free} bytes free, {} needed", self.bytes + margin),
+                ));
+            }
+        }
         let r = self.write(self.bytes + margin);
         if r.is_err() {
             let _ = std::fs::remove_file(&self.path);
@@ -96,6 +106,21 @@ impl Reserve {
             }
         }
     }
+}
+
+/// Bytes an unprivileged process may still write on the file system of
+/// `dir` (`None` if it cannot be asked).
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a writable
+    // statvfs that the call fills in before it is read.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
 }
 
 /// 64 KiB of pseudo-random bytes (xorshift): a file of zeros may be stored
