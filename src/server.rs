@@ -76,7 +76,11 @@ impl RunningGateway {
     /// 4. What is left is cancelled, recorded with actor `shutdown` and the
     ///    reason "gateway shutting down" (not as a client that went away).
     /// 5. Everything stops; the wait for it is bounded by `grace`.
+    /// 6. Writes the store still holds in memory (the disk refused them,
+    ///    its reserve spent) are waited for until `drain` plus `grace` from
+    ///    the start of the stop: space freed meanwhile still saves them.
     pub async fn drain_and_shutdown(self, drain: Duration, grace: Duration) {
+        let deadline = tokio::time::Instant::now() + drain + grace;
         let gw = &self.gateway;
         gw.begin_drain();
         // A call that passed the drain check just before it began is queued
@@ -119,10 +123,14 @@ impl RunningGateway {
         if tokio::time::timeout(grace, self.tracker.wait()).await.is_err() {
             tracing::warn!("shutdown grace period over; some tasks did not drain");
         }
+        if tokio::time::timeout_at(deadline, store.settled()).await.is_err() {
+            tracing::warn!("stop time over with task store writes still refused by the disk");
+        }
         store.flush().await;
-        if let Some(why) = store.health().degraded() {
+        let lost = store.health().buffered_writes();
+        if lost > 0 {
             // Nowhere else to keep them: say what the exit loses.
-            let lost = store.health().buffered_writes();
+            let why = store.health().degraded().unwrap_or_default();
             tracing::error!(lost, error = %why, "stopping with task store writes the disk refused; they are lost");
         }
     }
@@ -142,6 +150,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         max_buffered_writes: config.store.max_buffered_writes,
         retention_tasks: config.store.retention_tasks,
         retention_rejected: config.store.retention_rejected,
+        reserve_bytes: config.store.reserve_bytes,
         ..StoreOptions::default()
     };
     let store = Store::open_with(&config.store.db_path(), &config.node_id, config.store.store_prompts, opts)?;

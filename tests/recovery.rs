@@ -4,6 +4,7 @@
 //! graceful stop.
 
 mod common;
+mod mqtt_support;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering::SeqCst;
@@ -583,4 +584,142 @@ async fn sigterm_drains_the_real_binary() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(k["status"], "SUCCEEDED", "{k}");
+}
+
+/// The task of `request_id` in the file (a running binary's store, read
+/// beside it), with its state.
+fn stored_task(db: &std::path::Path, request_id: &str) -> Option<(String, String)> {
+    let conn = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
+    conn.query_row("SELECT task_id, state FROM tasks WHERE request_id = ?1", [request_id], |r| {
+        Ok((r.get(0)?, r.get(1)?))
+    })
+    .ok()
+}
+
+/// Waits until the task of `request_id` is stored in `state`; its id.
+async fn wait_stored(db: &std::path::Path, request_id: &str, state: &str) -> String {
+    for _ in 0..1000 {
+        if let Some((id, s)) = stored_task(db, request_id) {
+            if s == state {
+                return id;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{request_id} never stored {state}: {:?}", stored_task(db, request_id));
+}
+
+/// One NATS chat call with its own inbox: publishes `body` (retrying while
+/// the service is not subscribed yet) and returns the reply stream's
+/// events, to the terminal one, as `(Edgeway-Event, JSON)`.
+async fn nats_call(client: &async_nats::Client, body: &Value) -> Vec<(String, Value)> {
+    use futures::StreamExt;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Authorization", format!("Bearer {DEMO_KEY}").as_str());
+    'publish: for _ in 0..200 {
+        let inbox = client.new_inbox();
+        let mut sub = client.subscribe(inbox.clone()).await.unwrap();
+        let payload = serde_json::to_vec(body).unwrap().into();
+        client.publish_with_reply_and_headers("ai.v1.chat", inbox, headers.clone(), payload).await.unwrap();
+        let mut out = Vec::new();
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(20), sub.next()).await.expect("an answer").unwrap();
+            if m.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue 'publish;
+            }
+            let kind = m.headers.as_ref().and_then(|h| h.get("Edgeway-Event")).map(|v| v.as_str().to_string());
+            let kind = kind.unwrap_or_default();
+            if kind == "keepalive" {
+                continue;
+            }
+            let end = kind == "done" || kind == "error";
+            out.push((kind, serde_json::from_slice(&m.payload).unwrap()));
+            if end {
+                return out;
+            }
+        }
+    }
+    panic!("the edgeway service never answered");
+}
+
+/// After `kill -9`, a device that publishes its request again (same
+/// `request_id`, after reconnecting) and a NATS caller that repeats its
+/// call (same `idempotency_key`) get the outcome of the task recovery
+/// re-queued for them, and the engine runs each request once: the repeat
+/// neither runs it a second time nor is refused. (Passed before: kept as
+/// the proof the issue asks for.)
+#[tokio::test]
+async fn after_kill_9_a_device_and_a_nats_caller_that_repeat_get_the_recovered_task() {
+    use mqtt_support::{device, mqtt_toml, request, D1, V};
+    let nats = edgeway::testing::NatsServer::start(false).await;
+    let fake = FakeEngine::start_with(Knobs::slow(1000, 20)).await;
+    let dir = TempDir::new("edgeway-kill9-repeat");
+    let (port, mqtt_port) = (free_port(), free_port());
+    let extra = format!(
+        "{}\n[nats]\nurl = \"{}\"\n",
+        mqtt_toml("").replace("127.0.0.1:0", &format!("127.0.0.1:{mqtt_port}")),
+        nats.url()
+    );
+    let text = config_toml(&fake.url(), "openai", &dir.0, &extra)
+        .replace("127.0.0.1:0", &format!("127.0.0.1:{port}"))
+        .replace("max_concurrency = 2", "max_concurrency = 1");
+    let cfg_path = dir.0.join("edgeway.toml");
+    std::fs::write(&cfg_path, text).unwrap();
+    let (base, db) = (format!("http://127.0.0.1:{port}"), dir.0.join("edgeway.db"));
+    let mqtt: std::net::SocketAddr = format!("127.0.0.1:{mqtt_port}").parse().unwrap();
+
+    let child = spawn_edgeway(&cfg_path);
+    wait_ready(&base).await;
+    // The engine's one slot is taken: what follows waits in the queue.
+    let mut hog = chat_body(false);
+    hog["request_id"] = json!("hog");
+    let url = format!("{base}/v1/tasks");
+    client().post(url).bearer_auth(DEMO_KEY).json(&hog).send().await.unwrap();
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 1).await);
+
+    let mut d = device(mqtt, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("dev-r1").to_string()).await;
+    let bus = async_nats::connect(nats.url()).await.unwrap();
+    let mut nats_body = chat_body(true);
+    nats_body["request_id"] = json!("nats-r1");
+    nats_body["idempotency_key"] = json!("nats-k1");
+    let waiting = tokio::spawn({
+        let (bus, body) = (bus.clone(), nats_body.clone());
+        async move { nats_call(&bus, &body).await }
+    });
+    let dev_task = wait_stored(&db, "dev-r1", "QUEUED").await;
+    let nats_task = wait_stored(&db, "nats-r1", "QUEUED").await;
+    drop(child); // SIGKILL
+    waiting.abort();
+    drop(d);
+    assert!(fake.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0).await, "engine freed by the crash");
+    assert_eq!(fake.stats.requests.load(SeqCst), 1, "only the hog ran before the kill");
+
+    fake.set(|k| {
+        k.tokens = 3;
+        k.token_delay = Duration::ZERO;
+    });
+    let _child = spawn_edgeway(&cfg_path);
+    wait_ready(&base).await;
+    // Recovery ran both again, once each.
+    assert_eq!(wait_stored(&db, "dev-r1", "SUCCEEDED").await, dev_task);
+    assert_eq!(wait_stored(&db, "nats-r1", "SUCCEEDED").await, nats_task);
+    assert_eq!(fake.stats.requests.load(SeqCst), 3);
+
+    // The device is back and asks again: it gets the recovered task's stream.
+    let mut d = device(mqtt, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("dev-r1").to_string()).await;
+    let events = d.stream(&d.topic("res/dev-r1")).await;
+    assert_eq!(events.last().unwrap()["type"], "done", "{events:?}");
+    assert_eq!(events[0]["task_id"], dev_task.as_str(), "{events:?}");
+    assert_eq!(events.last().unwrap()["result"]["task_id"], dev_task.as_str(), "{events:?}");
+    // So does the NATS caller.
+    let events = nats_call(&bus, &nats_body).await;
+    let (kind, last) = events.last().unwrap();
+    assert_eq!(kind, "done", "{events:?}");
+    assert_eq!(last["result"]["task_id"], nats_task.as_str(), "{last}");
+    assert_eq!(fake.stats.requests.load(SeqCst), 3, "no request ran twice");
 }

@@ -46,6 +46,17 @@ fn store_retention_buffer_and_drain_have_defaults_and_bounds() {
 }
 
 #[test]
+fn store_reserve_defaults_to_8_mib_and_is_bounded() {
+    assert_eq!(parse(MINIMAL, &[]).unwrap().store.reserve_bytes, 8 << 20);
+    let none = parse(&format!("{MINIMAL}\n[store]\nreserve_bytes = 0\n"), &[]).unwrap();
+    assert_eq!(none.store.reserve_bytes, 0);
+    for bad in ["1000", "2000000000"] {
+        let e = parse(&format!("{MINIMAL}\n[store]\nreserve_bytes = {bad}\n"), &[]).unwrap_err();
+        assert_eq!(e.0[0].path, "store.reserve_bytes", "{bad}: {e}");
+    }
+}
+
+#[test]
 fn kv_cache_high_water_is_a_fraction() {
     for bad in ["0", "-0.5", "1.5", "nan"] {
         let e = parse(&format!("{MINIMAL}\n[resources]\nkv_cache_high_water = {bad}\n"), &[]).unwrap_err();

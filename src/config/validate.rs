@@ -178,6 +178,9 @@ fn store(raw: RawStore, p: &mut Problems) -> StoreConfig {
     if raw.max_buffered_writes < 1000 {
         p.add("store.max_buffered_writes", "must be at least 1000");
     }
+    if raw.reserve_bytes != 0 && !(64 << 10..=1 << 30).contains(&raw.reserve_bytes) {
+        p.add("store.reserve_bytes", "must be 0 (none) or from 65536 (64 KiB) to 1073741824 (1 GiB)");
+    }
     let hours = |h: u64| (h > 0).then(|| Duration::from_secs(h.saturating_mul(3600)));
     StoreConfig {
         data_dir: raw.data_dir,
@@ -185,6 +188,7 @@ fn store(raw: RawStore, p: &mut Problems) -> StoreConfig {
         max_buffered_writes: raw.max_buffered_writes,
         retention_tasks: hours(raw.retention_tasks_hours),
         retention_rejected: hours(raw.retention_rejected_hours),
+        reserve_bytes: raw.reserve_bytes,
     }
 }
 

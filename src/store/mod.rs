@@ -10,8 +10,12 @@
 //! commit (disk full, read-only, I/O error) leaves the store degraded
 //! ([`StoreHealth`], which `/ready`, metrics and the facade read), its
 //! writes stay in memory (bounded) and are written again until a commit
-//! succeeds. The writer also purges what is past the retention
-//! (`retention.rs`).
+//! succeeds. A full disk is met with the store's reserve (`reserve.rs`):
+//! the space set aside is given back, so that what running tasks record is
+//! committed at once rather than held in memory, where a stop before the
+//! disk has room again would lose it; new work stays refused until the
+//! reserve can be set aside again. The writer also purges what is past the
+//! retention (`retention.rs`).
 //!
 //! The task and transition tables are here; each other table has its own
 //! file: `idempotency.rs` (keys), `pending_requests.rs` (to re-queue after
@@ -23,6 +27,7 @@
 
 mod idempotency;
 mod pending_requests;
+mod reserve;
 mod retention;
 mod revoked_keys;
 
@@ -150,6 +155,9 @@ enum Op {
     RevokedKeys(oneshot::Sender<Vec<String>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
+    /// Answered once no write is buffered (every write sent before it is
+    /// committed): the last thing a stop waits for.
+    Settled(oneshot::Sender<()>),
     /// Test support: runs a pragma on the writer's connection (a tiny
     /// `max_page_count` for a full disk, `query_only` for a read-only one).
     #[cfg(any(test, feature = "testing"))]
@@ -212,8 +220,12 @@ pub struct StoreOptions {
     /// for long (2000 tasks of 7 transitions took about 150 ms in a debug
     /// build on 2 busy cores, see `retention::timing`).
     pub purge_batch: usize,
-    /// How often a failed batch is written again while degraded.
+    /// How often a failed batch is written again while degraded (and a
+    /// released reserve is tried again).
     pub retry_interval: Duration,
+    /// Space set aside next to the database and given back when the disk
+    /// fills up (`reserve.rs`); 0: none.
+    pub reserve_bytes: u64,
 }
 
 impl Default for StoreOptions {
@@ -225,6 +237,9 @@ impl Default for StoreOptions {
             purge_interval: Duration::from_secs(60),
             purge_batch: 1000,
             retry_interval: Duration::from_secs(1),
+            // The config's default is 8 MiB; a store opened without options
+            // (tools, unit tests) leaves no file beside the database.
+            reserve_bytes: 0,
         }
     }
 }
@@ -372,7 +387,14 @@ impl Store {
         let (tx, rx) = mpsc::channel();
         let failures = WriteFailures::default();
         let health = StoreHealth::default();
-        let writer = Writer::new(conn, failures.clone(), health.clone(), opts);
+        let mut reserve = reserve::Reserve::new(path, opts.reserve_bytes);
+        if let Err(e) = reserve.take(0) {
+            // Started on a full disk: degraded (new work refused) until the
+            // reserve can be set aside; the writer tries again.
+            tracing::error!(error = %e, bytes = opts.reserve_bytes, "cannot set aside the task store's reserve");
+            health.set_degraded(format!("cannot set aside the store's reserve of {} bytes: {e}", opts.reserve_bytes));
+        }
+        let writer = Writer::new(conn, failures.clone(), health.clone(), opts, reserve);
         let spawn_err = |e| StoreError::Dir { path: path.to_path_buf(), source: e };
         std::thread::Builder::new().name("edgeway-store".into()).spawn(move || writer.run(rx)).map_err(spawn_err)?;
         let (reads, read_rx) = mpsc::channel();
@@ -497,6 +519,15 @@ impl Store {
     pub async fn flush(&self) {
         let (tx, rx) = oneshot::channel();
         if self.tx.send(Op::Flush(tx)).is_err() || rx.await.is_err() {
+            self.writer_gone();
+        }
+    }
+
+    /// Resolves once no write is buffered: at once while the disk takes
+    /// writes, else when a retry commits them (bound it with a timeout).
+    pub async fn settled(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Op::Settled(tx)).is_err() || rx.await.is_err() {
             self.writer_gone();
         }
     }
@@ -657,6 +688,12 @@ fn is_storage_failure(e: &rusqlite::Error) -> bool {
 /// `max_buffered_writes`), new ones join them, and the whole lot is written
 /// again every `retry_interval` until a commit succeeds. Nothing is dropped
 /// while the buffer has room. Reads are answered from what is committed.
+///
+/// A commit that fails for a full disk (SQLITE_FULL) while the reserve is
+/// held releases it and is tried again at once: the writes of running
+/// tasks go to disk, the store stays degraded (new work refused), and
+/// every `retry_interval` the reserve is set aside again with as much room
+/// to spare; once it is, the store is healthy.
 struct Writer {
     conn: Connection,
     /// Writes not yet committed, oldest first.
@@ -672,14 +709,26 @@ struct Writer {
     /// `retry_interval`, so that a large buffer is not rewritten for every
     /// new write.
     failed_at: Option<Instant>,
+    reserve: reserve::Reserve,
+    /// When a reserve not held is tried again.
+    reserve_retry_at: Option<Instant>,
+    /// Callers waiting until nothing is buffered.
+    settled: Vec<oneshot::Sender<()>>,
     /// Test support: asked to stop as a dead writer would.
     #[cfg(any(test, feature = "testing"))]
     exit: Option<oneshot::Sender<()>>,
 }
 
 impl Writer {
-    fn new(conn: Connection, failures: WriteFailures, health: StoreHealth, opts: StoreOptions) -> Writer {
+    fn new(
+        conn: Connection,
+        failures: WriteFailures,
+        health: StoreHealth,
+        opts: StoreOptions,
+        reserve: reserve::Reserve,
+    ) -> Writer {
         let next_purge = Instant::now() + opts.purge_interval;
+        let reserve_retry_at = (!reserve.is_held()).then(|| Instant::now() + opts.retry_interval);
         Writer {
             conn,
             pending: VecDeque::new(),
@@ -690,6 +739,9 @@ impl Writer {
             opts,
             next_purge,
             failed_at: None,
+            reserve,
+            reserve_retry_at,
+            settled: Vec::new(),
             #[cfg(any(test, feature = "testing"))]
             exit: None,
         }
@@ -702,11 +754,12 @@ impl Writer {
 
     fn run(mut self, rx: mpsc::Receiver<Op>) {
         loop {
-            let wait = if let Some(t) = self.failed_at {
-                (t + self.opts.retry_interval).saturating_duration_since(Instant::now())
-            } else {
-                self.next_purge.saturating_duration_since(Instant::now())
+            let next = match self.failed_at {
+                Some(t) => t + self.opts.retry_interval,
+                None => self.next_purge,
             };
+            let next = self.reserve_retry_at.map_or(next, |r| r.min(next));
+            let wait = next.saturating_duration_since(Instant::now());
             match rx.recv_timeout(wait) {
                 Ok(first) => {
                     self.take(first);
@@ -746,7 +799,13 @@ impl Writer {
                 self.ack(|| Err(StoreError::Unavailable(why.clone())));
                 self.health.0.buffered.store(self.pending.len(), Ordering::Relaxed);
             }
+            self.mend_reserve();
             self.answer();
+            if self.pending.is_empty() {
+                for s in self.settled.drain(..) {
+                    let _ = s.send(());
+                }
+            }
             if !self.health.is_degraded() && Instant::now() >= self.next_purge {
                 self.purge();
             }
@@ -767,6 +826,7 @@ impl Writer {
             Op::RevokedKeys(tx) => self.replies.push(Reply::RevokedKeys(tx)),
             Op::Flush(tx) => self.replies.push(Reply::Flush(tx)),
             Op::Get(id, tx) => self.replies.push(Reply::Get(id, tx)),
+            Op::Settled(tx) => self.settled.push(tx),
             #[cfg(any(test, feature = "testing"))]
             Op::Pragma(name, value, tx) => {
                 let value = match (name, value) {
@@ -780,6 +840,7 @@ impl Writer {
                 }
                 // The "disk" changed: the next write tries at once.
                 self.failed_at = None;
+                self.reserve_retry_at = self.reserve_retry_at.map(|_| Instant::now());
                 let _ = tx.send(());
             }
             #[cfg(any(test, feature = "testing"))]
@@ -807,27 +868,33 @@ impl Writer {
             self.ack(|| Ok(()));
             return;
         }
-        let failures = &self.failures;
-        let pending = &self.pending;
-        let res = (|| -> rusqlite::Result<()> {
-            let txn = self.conn.transaction()?;
-            for op in pending {
-                if let Err(e) = apply(&txn, op) {
-                    if is_storage_failure(&e) {
-                        return Err(e);
-                    }
-                    // One bad write must not roll back the others.
-                    failures.inc();
-                    tracing::error!(error = %e, "task store write failed");
-                }
+        let mut res = self.write_pending();
+        if let Err(e) = &res {
+            if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) && self.reserve.release() {
+                tracing::error!(
+                    error = %e,
+                    buffered = self.pending.len(),
+                    reserve_bytes = self.reserve.bytes(),
+                    "task store disk full: reserve released for the writes of running tasks; new work refused until there is room again"
+                );
+                self.health
+                    .set_degraded(format!("{e}; writing into the store's reserve until the disk has room again"));
+                self.reserve_retry_at = Some(Instant::now() + self.opts.retry_interval);
+                res = self.write_pending();
             }
-            txn.commit()
-        })();
+        }
         match res {
             Ok(()) => {
                 let written = self.pending.len();
                 self.pending.clear();
-                if self.health.is_degraded() {
+                if !self.reserve.is_held() {
+                    // Living on the reserve: a checkpoint after each commit
+                    // lets the next one reuse the WAL from its start instead
+                    // of growing it (up to the 4 MiB autocheckpoint).
+                    if let Err(e) = self.conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                        tracing::debug!(error = %e, "checkpoint on the reserve failed");
+                    }
+                } else if self.health.is_degraded() {
                     tracing::warn!(written, "task store writes succeed again; buffered writes committed");
                     self.health.set_ok();
                 }
@@ -846,6 +913,48 @@ impl Writer {
             }
         }
         self.health.0.buffered.store(self.pending.len(), Ordering::Relaxed);
+    }
+
+    /// Sets a released (or never taken) reserve aside again, when due and
+    /// while commits succeed, with as much room again to spare: only then
+    /// does the disk have room, and the store is healthy.
+    fn mend_reserve(&mut self) {
+        let Some(at) = self.reserve_retry_at else { return };
+        if Instant::now() < at || self.failed_at.is_some() || !self.pending.is_empty() {
+            return;
+        }
+        match self.reserve.take(self.reserve.bytes()) {
+            Ok(()) => {
+                self.reserve_retry_at = None;
+                if self.health.is_degraded() {
+                    tracing::warn!(
+                        reserve_bytes = self.reserve.bytes(),
+                        "task store disk has room again; reserve set aside, new work admitted"
+                    );
+                    self.health.set_ok();
+                }
+            }
+            Err(_) => self.reserve_retry_at = Some(Instant::now() + self.opts.retry_interval),
+        }
+    }
+
+    /// Writes every pending operation in one transaction (nothing of it on
+    /// a storage failure).
+    fn write_pending(&mut self) -> rusqlite::Result<()> {
+        let failures = &self.failures;
+        let pending = &self.pending;
+        let txn = self.conn.transaction()?;
+        for op in pending {
+            if let Err(e) = apply(&txn, op) {
+                if is_storage_failure(&e) {
+                    return Err(e);
+                }
+                // One bad write must not roll back the others.
+                failures.inc();
+                tracing::error!(error = %e, "task store write failed");
+            }
+        }
+        txn.commit()
     }
 
     fn ack(&mut self, r: impl Fn() -> Result<(), StoreError>) {
