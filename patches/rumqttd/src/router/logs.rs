@@ -43,6 +43,9 @@ impl Storage for PublishData {
     }
 }
 
+/// Topics whose matching filters [`DataLog::matches`] keeps (edgeway patch).
+pub(crate) const MAX_CACHED_TOPICS: usize = 4096;
+
 /// Stores 'device' data and 'actions' data in native commitlog
 /// organized by subscription filter. Device data is replicated
 /// while actions data is not
@@ -136,6 +139,15 @@ impl DataLog {
                     .collect();
 
                 if !v.is_empty() {
+                    // edgeway patch: the cache is bounded. Upstream kept an
+                    // entry for every topic name ever published for the
+                    // router's life; a topic per request (edgeway's response
+                    // topics, or a device inventing names) grew it without
+                    // limit. Past the bound it starts again empty: a miss only
+                    // costs the match above, and the topics in use come back.
+                    if self.publish_filters.len() >= MAX_CACHED_TOPICS {
+                        self.publish_filters = HashMap::new();
+                    }
                     self.publish_filters.insert(topic.to_owned(), v.clone());
                 }
 

@@ -1,5 +1,5 @@
 use std::{
-    collections::{HashMap, HashSet, VecDeque},
+    collections::{HashSet, VecDeque},
     fmt,
 };
 
@@ -12,7 +12,7 @@ use crate::{
         PubAckProperties, PubComp, PubCompProperties, PubRec, PubRecProperties, PubRel,
         PubRelProperties, Publish, PublishProperties, SubAck, SubAckProperties, UnsubAck,
     },
-    ConnectionId, Filter, RouterId, Topic,
+    ConnectionId, Filter, RouterId,
 };
 
 mod alertlog;
@@ -347,30 +347,24 @@ pub struct MeterData {
     pub size: usize,
 }
 
+// edgeway patch: no meter per topic. Upstream kept a `MeterData` per topic
+// name a connection ever published to, for the connection's life, and
+// nothing read them (`get_topic_meters` had no caller): a long-lived link
+// that publishes to a new topic per request (edgeway's response topics)
+// grew it by one entry per request, without limit. Only the totals remain.
 #[derive(Debug, Default, Clone)]
 pub struct IncomingMeter {
-    publishes: HashMap<Topic, MeterData>,
     subscribes: HashSet<Filter>,
     total_publishes: MeterData,
 }
 
 impl IncomingMeter {
     pub fn register_publish(&mut self, publish: &Publish) -> Result<(), std::str::Utf8Error> {
-        let meter = {
-            let topic = std::str::from_utf8(&publish.topic)?.to_string();
-            self.publishes.entry(topic).or_default()
-        };
-        meter.count += 1;
-        meter.size += publish.len();
-
+        std::str::from_utf8(&publish.topic)?;
         self.total_publishes.count += 1;
         self.total_publishes.size += publish.len();
 
         Ok(())
-    }
-
-    pub fn get_topic_meters(&self) -> &HashMap<Topic, MeterData> {
-        &self.publishes
     }
 
     pub fn register_subscription(&mut self, filter: Filter) -> bool {
