@@ -64,6 +64,9 @@ def fake_edgeway(workdir):
         "EDGEWAY__STORE__DATA_DIR": str(d / "data"),
         "EDGEWAY__ENGINES__LLAMA_LOCAL__BASE_URL": f"http://127.0.0.1:{engine_port}",
         "EDGEWAY__ENGINES__LLAMA_LOCAL__HEALTH_INTERVAL_MS": "200",
+        # /ready waits for every model of the config: the embedding model's
+        # engine is the fake too (these tests never ask it for embeddings).
+        "EDGEWAY__ENGINES__LLAMA_EMBED__BASE_URL": f"http://127.0.0.1:{engine_port}",
         "EDGEWAY__APPLICATIONS__DEMO__ALLOWED_TOOLS": '["get_weather", "ping"]',
         "EDGEWAY__APPLICATIONS__DEMO__HIGH_RISK_TOOLS": '["ping"]',
     })
