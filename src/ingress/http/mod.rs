@@ -12,6 +12,7 @@ mod caller;
 mod chat;
 mod errors;
 mod listener;
+mod responses;
 mod tasks;
 
 use std::net::SocketAddr;
@@ -40,6 +41,7 @@ fn business_routes(state: AppState) -> Router {
     let limit = state.config().http.max_body_bytes;
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/responses", post(responses::create))
         .route("/v1/models", get(list_models))
         .route("/v1/tasks", post(tasks::create))
         .route("/v1/tasks/{id}", get(tasks::get).delete(tasks::cancel))
