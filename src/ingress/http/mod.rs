@@ -14,6 +14,7 @@ mod errors;
 mod listener;
 mod responses;
 mod tasks;
+mod ws;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -42,6 +43,7 @@ fn business_routes(state: AppState) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/responses", post(responses::create))
+        .route("/v1/ws", get(ws::upgrade))
         .route("/v1/models", get(list_models))
         .route("/v1/tasks", post(tasks::create))
         .route("/v1/tasks/{id}", get(tasks::get).delete(tasks::cancel))
