@@ -259,3 +259,78 @@ async fn the_upgrade_needs_a_key_in_a_header_or_a_subprotocol() {
     assert_eq!(until_end(&mut ws, "p1").await.last().unwrap()["type"], "done");
     gw.stop().await;
 }
+
+/// The next frame that is not a ping or pong, as it is.
+async fn next_frame(ws: &mut Ws) -> Option<Message> {
+    let wait = async {
+        loop {
+            match ws.next().await {
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                Some(Ok(m)) => return Some(m),
+                Some(Err(e)) => {
+                    eprintln!("socket error: {e}");
+                    return None;
+                }
+                None => return None,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), wait).await.expect("a frame within 30 s")
+}
+
+fn is_going_away(m: &Option<Message>) -> bool {
+    match m {
+        Some(Message::Close(Some(f))) => u16::from(f.code) == 1001,
+        _ => false,
+    }
+}
+
+#[tokio::test]
+async fn a_silent_client_is_closed_and_its_request_cancelled_a_live_one_stays() {
+    let fake = FakeEngine::start_with(Knobs::slow(1000, 20)).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        t.replacen("[http]\n", "[http]\nidle_timeout_ms = 300\n", 1)
+    })
+    .await;
+    gw.wait_ready().await;
+    let mut live = connect(&gw).await;
+    let mut silent = connect(&gw).await;
+    silent.send(request("s1", json!({}))).await.unwrap();
+    // The live client reads (tungstenite answers the pings as it does) for
+    // well over an idle timeout and hears nothing else.
+    assert!(tokio::time::timeout(Duration::from_millis(1200), next(&mut live)).await.is_err());
+    // The silent one answered no ping: closed, its request cancelled.
+    let mut task_id = None;
+    let end = loop {
+        match next_frame(&mut silent).await {
+            Some(Message::Text(t)) => {
+                let v: Value = serde_json::from_str(t.as_str()).unwrap();
+                if v["type"] == "accepted" {
+                    task_id = v["task_id"].as_str().map(str::to_string);
+                }
+            }
+            other => break other,
+        }
+    };
+    // The close frame may not be read: tungstenite answers the pings it
+    // reads first on a socket that is already shut (broken pipe).
+    assert!(end.is_none() || is_going_away(&end), "{end:?}");
+    gw.wait_for_state(&task_id.unwrap(), TaskState::Cancelled).await;
+    live.send(request("l1", json!({"max_tokens": 2}))).await.unwrap();
+    assert_eq!(until_end(&mut live, "l1").await.last().unwrap()["type"], "done");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn at_shutdown_a_socket_sends_the_last_events_then_closes() {
+    let (_fake, gw) = gateway(Knobs::slow(1000, 20)).await;
+    let mut ws = connect(&gw).await;
+    ws.send(request("z1", json!({}))).await.unwrap();
+    assert_eq!(next(&mut ws).await["type"], "accepted");
+    let stop = tokio::spawn(gw.stop());
+    let evs = until_end(&mut ws, "z1").await;
+    assert_eq!(evs.last().unwrap()["type"], "error", "{evs:#?}");
+    let end = next_frame(&mut ws).await;
+    assert!(is_going_away(&end), "{end:?}");
+    stop.await.unwrap();
+}

@@ -108,7 +108,8 @@ pub async fn serve(
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {} (http.listen): {e}", cfg.listen))?;
     let addr = main.local_addr()?;
-    let mut app = business_routes(gw.clone());
+    // WebSockets outlive their HTTP connection: they close on this token.
+    let mut app = business_routes(gw.clone()).layer(Extension(ws::Shutdown(shutdown.clone())));
     let admin_addr = match cfg.admin_listen {
         Some(a) => {
             let l = tokio::net::TcpListener::bind(a)

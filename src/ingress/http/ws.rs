@@ -25,20 +25,27 @@
 //! Owns: the framing and the socket's requests. Does not own:
 //! authentication, validation, tasks (the gateway facade), the event JSON
 //! (`ingress::render`). After the upgrade a socket is no longer an HTTP
-//! connection: the listener's connection cap and idle timeouts do not
-//! apply to it.
+//! connection: the listener's connection cap does not count it. Instead a
+//! socket is pinged every half `http.idle_timeout` and closed when nothing
+//! (not even a pong) came from its client for a whole one (a dead peer, or
+//! a client that stopped reading: its `cancel` requests are cancelled). At
+//! shutdown, after the drain, each socket sends its requests' last events
+//! and closes with 1001.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
+use axum::Extension;
 use futures::{SinkExt, StreamExt};
 use serde_json::{Map, Value};
 use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinSet};
+use tokio::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
 use super::caller::Credential;
 use super::errors::ApiError;
@@ -56,6 +63,13 @@ const KEY_PROTOCOL_PREFIX: &str = "bearer.";
 /// requests' streams here, then back (the tasks wait, nothing is lost).
 const OUTBOX: usize = 64;
 
+/// How long a closing socket may take to send what it still owes.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// The server's shutdown, after the drain (see `http::serve`).
+#[derive(Clone)]
+pub struct Shutdown(pub CancellationToken);
+
 /// A key offered as a subprotocol.
 fn protocol_key(headers: &HeaderMap) -> Option<String> {
     let offered = headers.get("sec-websocket-protocol")?.to_str().ok()?;
@@ -64,6 +78,7 @@ fn protocol_key(headers: &HeaderMap) -> Option<String> {
 
 pub async fn upgrade(
     State(gw): State<Arc<Gateway>>,
+    Extension(Shutdown(shutdown)): Extension<Shutdown>,
     Credential(cred): Credential,
     headers: HeaderMap,
     ws: WebSocketUpgrade,
@@ -75,7 +90,7 @@ pub async fn upgrade(
         .protocols([PROTOCOL])
         .max_message_size(max)
         .max_frame_size(max)
-        .on_upgrade(move |socket| Socket::new(gw, identity).run(socket)))
+        .on_upgrade(move |socket| Socket::new(gw, identity).run(socket, shutdown)))
 }
 
 /// What happens to a request when its socket closes.
@@ -127,7 +142,7 @@ impl Socket {
         }
     }
 
-    async fn run(mut self, socket: WebSocket) {
+    async fn run(mut self, socket: WebSocket, shutdown: CancellationToken) {
         let (mut sink, mut frames) = socket.split();
         let mut outbox = self.outbox.take().expect("run once");
         let writer = tokio::spawn(async move {
@@ -138,9 +153,22 @@ impl Socket {
             }
             let _ = sink.close().await;
         });
+        let idle = self.gw.config().http.idle_timeout;
+        let mut ping = tokio::time::interval(idle / 2);
+        ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut heard = Instant::now();
+        // Set at shutdown: the socket ends once its streams have.
+        let mut closing: Option<Instant> = None;
+        let mut close = None;
         loop {
+            if closing.is_some() && self.forwarders.is_empty() {
+                close = Some((1001, "edgeway is shutting down"));
+                break;
+            }
             tokio::select! {
-                frame = frames.next() => match frame {
+                frame = frames.next(), if closing.is_none() => {
+                    heard = Instant::now();
+                    match frame {
                     Some(Ok(Message::Text(t))) => {
                         if !self.frame(t.as_str()).await {
                             break;
@@ -152,7 +180,21 @@ impl Socket {
                     // tungstenite answers pings itself.
                     Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
                     Some(Ok(Message::Close(_))) | Some(Err(_)) | None => break,
+                    }
                 },
+                _ = ping.tick() => {
+                    if heard.elapsed() >= idle {
+                        close = Some((1001, "nothing heard from the client within http.idle_timeout"));
+                        break;
+                    }
+                    // Never waits: a full outbox already means a silent client.
+                    let _ = self.out.try_send(Message::Ping(Default::default()));
+                }
+                _ = shutdown.cancelled(), if closing.is_none() => closing = Some(Instant::now() + CLOSE_GRACE),
+                _ = tokio::time::sleep_until(closing.unwrap_or_else(Instant::now)), if closing.is_some() => {
+                    close = Some((1001, "edgeway is shutting down"));
+                    break;
+                }
                 Some(done) = self.forwarders.join_next(), if !self.forwarders.is_empty() => {
                     if let Ok((rid, no)) = done {
                         if self.flights.get(&rid).is_some_and(|f| f.no == no) {
@@ -163,8 +205,15 @@ impl Socket {
             }
         }
         self.closed();
+        if let Some((code, reason)) = close {
+            let _ = self.out.try_send(Message::Close(Some(CloseFrame { code, reason: reason.into() })));
+        }
         drop(self.out);
-        let _ = writer.await;
+        // A client that stopped reading would hold the writer for ever.
+        let abort = writer.abort_handle();
+        if tokio::time::timeout(CLOSE_GRACE, writer).await.is_err() {
+            abort.abort();
+        }
     }
 
     /// The socket is gone: each request follows its `on_disconnect`.
@@ -178,8 +227,11 @@ impl Socket {
         }
     }
 
+    /// An answer to a frame. Never waits, so a client that stopped reading
+    /// cannot stall the socket's loop (the idle check closes it); with the
+    /// outbox full the answer is dropped.
     async fn send(&self, v: Value) {
-        let _ = self.out.send(text(&v)).await;
+        let _ = self.out.try_send(text(&v));
     }
 
     /// Handles one client frame; `false` closes the socket.
