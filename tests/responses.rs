@@ -247,3 +247,22 @@ async fn a_client_that_goes_away_cancels_its_response() {
     gw.wait_for_state(&task_id, TaskState::Cancelled).await;
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn an_idempotency_key_header_returns_the_same_response() {
+    let (fake, gw) = gateway(Knobs::default()).await;
+    let call = || {
+        client()
+            .post(format!("{}/v1/responses", gw.base_url))
+            .bearer_auth(DEMO_KEY)
+            .header("Idempotency-Key", "resp-idem-1")
+            .json(&json!({"model": "general-chat", "input": "hi"}))
+            .send()
+    };
+    let a: Value = call().await.unwrap().json().await.unwrap();
+    let b: Value = call().await.unwrap().json().await.unwrap();
+    assert_eq!(a["id"], b["id"], "{a}\n{b}");
+    assert_eq!(b["output"][0]["content"][0]["text"], a["output"][0]["content"][0]["text"]);
+    assert_eq!(fake.requests(), 1, "one inference");
+    gw.stop().await;
+}
