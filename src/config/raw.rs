@@ -151,6 +151,7 @@ pub struct RawHttp {
     pub header_read_timeout_ms: u64,
     pub idle_timeout_ms: u64,
     pub max_connection_age_ms: u64,
+    pub ws_max_in_flight: usize,
 }
 
 impl Default for RawHttp {
@@ -164,6 +165,7 @@ impl Default for RawHttp {
             header_read_timeout_ms: 10_000,
             idle_timeout_ms: 60_000,
             max_connection_age_ms: 600_000,
+            ws_max_in_flight: 16,
         }
     }
 }

@@ -421,6 +421,15 @@ fn http_connection_limits_have_defaults_and_bounds() {
 }
 
 #[test]
+fn ws_max_in_flight_has_a_default_and_bounds() {
+    assert_eq!(parse(MINIMAL, &[]).unwrap().http.ws_max_in_flight, 16);
+    for bad in [0, 1025] {
+        let e = parse(&format!("{MINIMAL}\n[http]\nws_max_in_flight = {bad}\n"), &[]).unwrap_err();
+        assert_eq!(e.0[0].path, "http.ws_max_in_flight", "{bad}");
+    }
+}
+
+#[test]
 fn an_hs256_secret_has_at_least_32_bytes() {
     let text = format!("{MINIMAL}\n[auth.jwt]\nhs256_secret_env = \"S\"\n");
     let e = parse(&text, &[("S", &"x".repeat(31))]).unwrap_err();

@@ -159,6 +159,9 @@ fn http(raw: RawHttp, p: &mut Problems) -> Option<HttpConfig> {
             p.add(key, "must be between 100 and 3600000 (one hour)");
         }
     }
+    if !(1..=1024).contains(&raw.ws_max_in_flight) {
+        p.add("http.ws_max_in_flight", "must be between 1 and 1024");
+    }
     if !(1_000..=86_400_000).contains(&raw.max_connection_age_ms) {
         p.add("http.max_connection_age_ms", "must be between 1000 and 86400000 (one day)");
     }
@@ -171,6 +174,7 @@ fn http(raw: RawHttp, p: &mut Problems) -> Option<HttpConfig> {
         header_read_timeout: Duration::from_millis(raw.header_read_timeout_ms),
         idle_timeout: Duration::from_millis(raw.idle_timeout_ms),
         max_connection_age: Duration::from_millis(raw.max_connection_age_ms),
+        ws_max_in_flight: raw.ws_max_in_flight,
     })
 }
 

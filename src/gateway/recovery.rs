@@ -67,6 +67,7 @@ impl Gateway {
         let ingress = match r.ingress.as_str() {
             "mqtt" => Ingress::Mqtt,
             "nats" => Ingress::Nats,
+            "ws" => Ingress::Ws,
             _ => Ingress::Http,
         };
         Some(TaskRequest {

@@ -120,6 +120,15 @@ impl Gateway {
         Some(RequestCancel { task_id: task.task_id.clone(), cancelled, status })
     }
 
+    /// A live (or recently ended) task of the caller's own application that
+    /// came through `ingress`, by its request id: for the WebSocket, whose
+    /// clients resume by request id on a new socket. Like
+    /// [`Gateway::cancel_request`], only tasks of that ingress.
+    pub fn find_request(&self, who: &Identity, ingress: Ingress, request_id: &str) -> Option<LiveTask> {
+        let t = self.scheduler.find_by_request(&who.tenant, &who.application, ingress, request_id)?;
+        Some(LiveTask { task_id: t.task_id.clone(), request_id: t.request_id.clone() })
+    }
+
     /// Whether the caller may follow a task's events, and where they are.
     pub async fn lookup(&self, who: &Identity, task_id: &str) -> TaskLookup {
         let Some(entry) = self.scheduler.get(task_id) else {

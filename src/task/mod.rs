@@ -164,6 +164,8 @@ pub enum Ingress {
     Http,
     Mqtt,
     Nats,
+    /// The WebSocket channel (`/v1/ws`).
+    Ws,
 }
 
 impl Ingress {
@@ -172,6 +174,7 @@ impl Ingress {
             Ingress::Http => "http",
             Ingress::Mqtt => "mqtt",
             Ingress::Nats => "nats",
+            Ingress::Ws => "ws",
         }
     }
 }

@@ -294,7 +294,8 @@ async fn serve_connection<Io: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);
     builder.http2().timer(TokioTimer::new());
-    let conn = builder.serve_connection(io, svc);
+    // With upgrades: `/v1/ws` takes the connection over after its 101.
+    let conn = builder.serve_connection_with_upgrades(io, svc);
     tokio::pin!(conn);
     let s = &conn_state;
     // Why and since when edgeway is closing the connection gracefully.

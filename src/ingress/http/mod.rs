@@ -14,7 +14,9 @@ mod completions;
 mod embeddings;
 mod errors;
 mod listener;
+mod responses;
 mod tasks;
+mod ws;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,6 +46,8 @@ fn business_routes(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/embeddings", post(embeddings::embeddings))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/ws", get(ws::upgrade))
         .route("/v1/models", get(list_models))
         .route("/v1/tasks", post(tasks::create))
         .route("/v1/tasks/{id}", get(tasks::get).delete(tasks::cancel))
@@ -108,7 +112,8 @@ pub async fn serve(
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {} (http.listen): {e}", cfg.listen))?;
     let addr = main.local_addr()?;
-    let mut app = business_routes(gw.clone());
+    // WebSockets outlive their HTTP connection: they close on this token.
+    let mut app = business_routes(gw.clone()).layer(Extension(ws::Shutdown(shutdown.clone())));
     let admin_addr = match cfg.admin_listen {
         Some(a) => {
             let l = tokio::net::TcpListener::bind(a)

@@ -1,0 +1,554 @@
+//! `POST /v1/responses`: OpenAI's Responses API, the form newer SDK code
+//! (`client.responses.create`) defaults to, streamed (SSE events with
+//! `type` and `sequence_number`) and not.
+//!
+//! Owns: the Responses wire format, both ways: a request is translated
+//! into the chat body the gateway already understands (input items to
+//! messages, `instructions` to a system message, function tools to chat
+//! tools), so it takes the very same path as a chat call (authentication,
+//! admission, idempotency, scheduling, the store, cancellation when the
+//! client goes away); the task's events are rendered as a Response object
+//! or as its stream of events. Does not own: validation of what the chat
+//! body carries (admission), the task (the gateway facade).
+//!
+//! Not supported, refused with `INVALID_REQUEST` naming the field:
+//! `previous_response_id` (it needs sessions, which the gateway does not
+//! have yet), background responses, reasoning options, built-in tools, and
+//! any other field this file does not know. `GET /v1/responses/{id}` is
+//! not served: a response is not kept apart from its task record (see
+//! `/v1/tasks/{id}`).
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Map, Value};
+
+use super::caller::{id_headers, Credential};
+use super::chat::submit_options;
+use super::errors::ApiError;
+use crate::error::{ErrorCode, GatewayError};
+use crate::gateway::{Caller, Gateway, TaskStream};
+use crate::task::{Ingress, ResultMeta, TaskEvent};
+
+/// Fields of the Responses API passed on to the chat body as they are.
+const SAME_AS_CHAT: &[&str] =
+    &["model", "temperature", "top_p", "max_output_tokens", "metadata", "user", "parallel_tool_calls"];
+
+/// Edgeway's own request fields (see the chat API), accepted here too.
+const EDGE_FIELDS: &[&str] =
+    &["request_id", "idempotency_key", "session_id", "priority", "context_policy", "timeouts", "routing"];
+
+/// Fields read here and not passed on as they are.
+const HANDLED: &[&str] = &["input", "instructions", "tools", "tool_choice", "stream", "stream_options", "store"];
+
+fn invalid(msg: impl Into<String>) -> GatewayError {
+    GatewayError::invalid(msg)
+}
+
+/// What the Response object echoes of the request.
+#[derive(Default)]
+struct Echo {
+    instructions: Value,
+    tools: Value,
+    tool_choice: Value,
+    parallel_tool_calls: Value,
+    temperature: Value,
+    top_p: Value,
+    max_output_tokens: Value,
+    metadata: Value,
+    user: Value,
+    store: Value,
+}
+
+/// A Responses request as a chat request body (JSON), whether it streams,
+/// and what the answer echoes.
+fn to_chat(body: &[u8]) -> Result<(Value, bool, Echo), GatewayError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| invalid(format!("body is not valid JSON: {e}")))?;
+    let Value::Object(req) = v else { return Err(invalid("invalid request: expected a JSON object")) };
+    let mut chat = Map::new();
+    for (k, val) in &req {
+        // An explicit null is the same as leaving the field out (the SDKs
+        // send some that way).
+        if val.is_null() || SAME_AS_CHAT.contains(&k.as_str()) || EDGE_FIELDS.contains(&k.as_str()) {
+            if !val.is_null() {
+                chat.insert(k.clone(), val.clone());
+            }
+            continue;
+        }
+        if HANDLED.contains(&k.as_str()) {
+            continue;
+        }
+        let off = match k.as_str() {
+            "previous_response_id" | "conversation" => {
+                return Err(invalid(format!(
+                    "'{k}' is not supported until the gateway has sessions; send the whole conversation in 'input'"
+                )))
+            }
+            // The defaults say nothing that needs supporting.
+            "background" => val == &Value::Bool(false),
+            "truncation" => val == "disabled",
+            "text" => val.get("format").is_none_or(|f| f.get("type").is_some_and(|t| t == "text")),
+            _ => false,
+        };
+        if !off {
+            return Err(invalid(format!("'{k}' is not supported by /v1/responses on this gateway")));
+        }
+    }
+    let mut messages = Vec::new();
+    if let Some(i) = req.get("instructions").filter(|v| !v.is_null()) {
+        let Some(text) = i.as_str() else { return Err(invalid("invalid field 'instructions': expected a string")) };
+        messages.push(json!({"role": "system", "content": text}));
+    }
+    match req.get("input") {
+        Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
+        Some(Value::Array(items)) => {
+            for (i, item) in items.iter().enumerate() {
+                input_item(i, item, &mut messages)?;
+            }
+        }
+        None | Some(Value::Null) => return Err(invalid("missing field 'input'")),
+        Some(_) => return Err(invalid("invalid field 'input': expected a string or a list of input items")),
+    }
+    chat.insert("messages".into(), Value::Array(messages));
+    if let Some(tools) = req.get("tools").filter(|v| !v.is_null()) {
+        chat.insert("tools".into(), chat_tools(tools)?);
+    }
+    if let Some(choice) = req.get("tool_choice").filter(|v| !v.is_null()) {
+        chat.insert("tool_choice".into(), chat_tool_choice(choice)?);
+    }
+    let stream = match req.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(invalid("invalid field 'stream': expected a boolean")),
+    };
+    chat.insert("stream".into(), stream.into());
+    let get = |k: &str| req.get(k).cloned().unwrap_or(Value::Null);
+    let echo = Echo {
+        instructions: get("instructions"),
+        tools: req.get("tools").filter(|v| !v.is_null()).cloned().unwrap_or(json!([])),
+        tool_choice: req.get("tool_choice").filter(|v| !v.is_null()).cloned().unwrap_or(json!("auto")),
+        parallel_tool_calls: req.get("parallel_tool_calls").filter(|v| !v.is_null()).cloned().unwrap_or(json!(true)),
+        temperature: get("temperature"),
+        top_p: get("top_p"),
+        max_output_tokens: get("max_output_tokens"),
+        metadata: req.get("metadata").filter(|v| !v.is_null()).cloned().unwrap_or(json!({})),
+        user: get("user"),
+        store: req.get("store").filter(|v| !v.is_null()).cloned().unwrap_or(json!(true)),
+    };
+    Ok((Value::Object(chat), stream, echo))
+}
+
+/// The text of a message's `content`: a string, or a list of text parts.
+fn content_text(at: &str, content: &Value) -> Result<String, GatewayError> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                let kind = p.get("type").and_then(Value::as_str).unwrap_or("<none>");
+                match (kind, p.get("text").and_then(Value::as_str)) {
+                    ("input_text" | "output_text" | "text", Some(t)) => text.push_str(t),
+                    ("input_text" | "output_text" | "text", None) => {
+                        return Err(invalid(format!("invalid field '{at}.content[{j}].text': expected a string")))
+                    }
+                    _ => {
+                        return Err(invalid(format!(
+                            "'{at}.content[{j}]': content of type '{kind}' is not supported (text only)"
+                        )))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(invalid(format!("invalid field '{at}.content': expected a string or a list of parts"))),
+    }
+}
+
+/// One item of `input` as chat messages: a message, a function call the
+/// model made earlier (joined to the assistant message before it) or the
+/// output of one (a `tool` message).
+fn input_item(i: usize, item: &Value, messages: &mut Vec<Value>) -> Result<(), GatewayError> {
+    let at = format!("input[{i}]");
+    let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
+    let str_field = |k: &str| {
+        item.get(k)
+            .and_then(Value::as_str)
+            .ok_or_else(|| invalid(format!("invalid field '{at}.{k}': expected a string")))
+    };
+    match kind {
+        "message" => {
+            let role = match str_field("role")? {
+                "developer" | "system" => "system",
+                r @ ("user" | "assistant") => r,
+                r => return Err(invalid(format!("invalid field '{at}.role': unknown role '{r}'"))),
+            };
+            let text = content_text(&at, item.get("content").unwrap_or(&Value::Null))?;
+            messages.push(json!({"role": role, "content": text}));
+        }
+        "function_call" => {
+            let call = json!({
+                "id": str_field("call_id")?, "type": "function",
+                "function": {"name": str_field("name")?, "arguments": str_field("arguments")?},
+            });
+            // Parallel calls are one assistant message with several calls.
+            match messages.last_mut() {
+                Some(m) if m["role"] == "assistant" && m["tool_calls"].is_array() => {
+                    m["tool_calls"].as_array_mut().expect("checked").push(call)
+                }
+                _ => messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+            }
+        }
+        "function_call_output" => {
+            let output = content_text(&at, item.get("output").unwrap_or(&Value::Null))?;
+            messages.push(json!({"role": "tool", "tool_call_id": str_field("call_id")?, "content": output}));
+        }
+        k => return Err(invalid(format!("'{at}': input items of type '{k}' are not supported"))),
+    }
+    Ok(())
+}
+
+/// Responses function tools (`{"type":"function","name",…}`) as chat tools
+/// (`{"type":"function","function":{"name",…}}`).
+fn chat_tools(tools: &Value) -> Result<Value, GatewayError> {
+    let Some(list) = tools.as_array() else { return Err(invalid("invalid field 'tools': expected a list")) };
+    let mut out = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        match t.get("type").and_then(Value::as_str) {
+            Some("function") => {}
+            Some(other) => {
+                return Err(invalid(format!(
+                    "'tools[{i}]': built-in tools ('{other}') are not supported; function tools only"
+                )))
+            }
+            None => return Err(invalid(format!("invalid field 'tools[{i}].type': expected \"function\""))),
+        }
+        let Some(name) = t.get("name").and_then(Value::as_str) else {
+            return Err(invalid(format!("invalid field 'tools[{i}].name': expected a string")));
+        };
+        let mut f = json!({ "name": name });
+        for k in ["description", "parameters", "strict"] {
+            if let Some(v) = t.get(k).filter(|v| !v.is_null()) {
+                f[k] = v.clone();
+            }
+        }
+        out.push(json!({"type": "function", "function": f}));
+    }
+    Ok(Value::Array(out))
+}
+
+fn chat_tool_choice(choice: &Value) -> Result<Value, GatewayError> {
+    match choice {
+        Value::String(_) => Ok(choice.clone()),
+        Value::Object(o) if o.get("type").is_some_and(|t| t == "function") => match o.get("name") {
+            Some(Value::String(n)) => Ok(json!({"type": "function", "function": {"name": n}})),
+            _ => Err(invalid("invalid field 'tool_choice.name': expected a string")),
+        },
+        _ => Err(invalid("'tool_choice': only \"none\", \"auto\", \"required\" or a function are supported")),
+    }
+}
+
+pub async fn create(
+    State(gw): State<Arc<Gateway>>,
+    Credential(cred): Credential,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    // Who is calling comes before what the body says, as for chat.
+    let identity = gw.authenticate(cred.as_deref()).map_err(|e| gw.refused(Ingress::Http, e))?;
+    let (chat, stream, echo) = to_chat(&body).map_err(|e| gw.refused(Ingress::Http, e))?;
+    let chat = serde_json::to_vec(&chat).map_err(|e| GatewayError::internal(e.to_string()))?;
+    let call = gw.prepare(Caller::Identity(identity), &chat, Ingress::Http, submit_options(&headers))?;
+    let model = call.body().model.clone();
+    let task = gw.submit_call(call).await?;
+    let out = Output::new(&task.task_id, model, echo);
+    Ok(if stream { sse_response(task, out) } else { whole_response(task, out).await })
+}
+
+/// One function call of the answer, as it streams in.
+struct Call {
+    index: u32,
+    call_id: String,
+    name: String,
+    arguments: String,
+    output_index: usize,
+}
+
+/// The answer so far, and what is needed to render it as a Response.
+struct Output {
+    id: String,
+    task_id: String,
+    created_at: i64,
+    model: String,
+    echo: Echo,
+    text: String,
+    /// The message item's `output_index`, once it has one.
+    message: Option<usize>,
+    calls: Vec<Call>,
+    items: usize,
+}
+
+impl Output {
+    fn new(task_id: &str, model: String, echo: Echo) -> Output {
+        Output {
+            id: format!("resp_{task_id}"),
+            task_id: task_id.to_string(),
+            created_at: crate::task::now_ms() / 1000,
+            model,
+            echo,
+            text: String::new(),
+            message: None,
+            calls: Vec::new(),
+            items: 0,
+        }
+    }
+
+    fn message_id(&self) -> String {
+        format!("msg_{}", self.task_id)
+    }
+
+    fn call_id(&self, c: &Call) -> String {
+        format!("fc_{}_{}", self.task_id, c.index)
+    }
+
+    fn text_part(&self) -> Value {
+        json!({"type": "output_text", "text": self.text, "annotations": [], "logprobs": []})
+    }
+
+    fn message_item(&self, status: &str) -> Value {
+        let content = if status == "in_progress" { json!([]) } else { json!([self.text_part()]) };
+        json!({"id": self.message_id(), "type": "message", "role": "assistant", "status": status, "content": content})
+    }
+
+    fn call_item(&self, c: &Call, status: &str) -> Value {
+        json!({
+            "id": self.call_id(c), "type": "function_call", "status": status,
+            "call_id": c.call_id, "name": c.name, "arguments": c.arguments,
+        })
+    }
+
+    /// Every output item in `output_index` order.
+    fn items(&self, status: &str) -> Vec<Value> {
+        let mut items: Vec<(usize, Value)> =
+            self.calls.iter().map(|c| (c.output_index, self.call_item(c, status))).collect();
+        if let Some(i) = self.message {
+            items.push((i, self.message_item(status)));
+        }
+        items.sort_by_key(|(i, _)| *i);
+        items.into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// The Response object. `meta` is the task's result, once there is one.
+    fn response(&self, status: &str, meta: Option<&ResultMeta>, error: Option<&GatewayError>) -> Value {
+        let item_status = match status {
+            "completed" => "completed",
+            "in_progress" => "in_progress",
+            _ => "incomplete",
+        };
+        let e = &self.echo;
+        let mut r = json!({
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "error": error.map(|e| json!({"code": e.code.as_str(), "message": e.message})),
+            "incomplete_details": if status == "incomplete" { json!({"reason": "max_output_tokens"}) } else { Value::Null },
+            "instructions": e.instructions, "max_output_tokens": e.max_output_tokens, "model": self.model,
+            "output": if status == "in_progress" { json!([]) } else { Value::Array(self.items(item_status)) },
+            "parallel_tool_calls": e.parallel_tool_calls, "temperature": e.temperature, "top_p": e.top_p,
+            "tool_choice": e.tool_choice, "tools": e.tools, "metadata": e.metadata, "user": e.user,
+            "store": e.store, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "usage": Value::Null,
+        });
+        if let Some(m) = meta {
+            r["usage"] = json!({
+                "input_tokens": m.usage.input_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": m.usage.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": m.usage.total_tokens,
+            });
+            r["edge"] = serde_json::to_value(m).unwrap_or(Value::Null);
+        }
+        r
+    }
+
+    /// Takes in one event; returns the stream events it makes (without
+    /// `sequence_number`, which the stream adds).
+    fn take(&mut self, ev: &TaskEvent) -> Vec<Value> {
+        let mut out = Vec::new();
+        match ev {
+            TaskEvent::Accepted { .. } => {
+                out.push(json!({"type": "response.created", "response": self.response("in_progress", None, None)}));
+                out.push(json!({"type": "response.in_progress", "response": self.response("in_progress", None, None)}));
+            }
+            // A Responses task is a chat: it never has embeddings.
+            TaskEvent::Queued { .. } | TaskEvent::Embedding { .. } => {}
+            TaskEvent::Delta { text } => {
+                let idx = match self.message {
+                    Some(i) => i,
+                    None => {
+                        let i = self.items;
+                        self.items += 1;
+                        self.message = Some(i);
+                        out.push(json!({"type": "response.output_item.added", "output_index": i,
+                            "item": self.message_item("in_progress")}));
+                        out.push(json!({"type": "response.content_part.added", "output_index": i,
+                            "item_id": self.message_id(), "content_index": 0, "part": self.text_part()}));
+                        i
+                    }
+                };
+                self.text.push_str(text);
+                out.push(json!({"type": "response.output_text.delta", "output_index": idx,
+                    "item_id": self.message_id(), "content_index": 0, "delta": text, "logprobs": []}));
+            }
+            TaskEvent::ToolCallDelta(d) => {
+                let pos = match self.calls.iter().position(|c| c.index == d.index) {
+                    Some(p) => p,
+                    None => {
+                        let c = Call {
+                            index: d.index,
+                            call_id: d.id.clone().unwrap_or_default(),
+                            name: d.name.clone().unwrap_or_default(),
+                            arguments: String::new(),
+                            output_index: self.items,
+                        };
+                        self.items += 1;
+                        out.push(json!({"type": "response.output_item.added", "output_index": c.output_index,
+                            "item": self.call_item(&c, "in_progress")}));
+                        self.calls.push(c);
+                        self.calls.len() - 1
+                    }
+                };
+                let c = &mut self.calls[pos];
+                c.arguments.push_str(&d.arguments);
+                if !d.arguments.is_empty() {
+                    let c = &self.calls[pos];
+                    out.push(json!({"type": "response.function_call_arguments.delta", "output_index": c.output_index,
+                        "item_id": self.call_id(c), "delta": d.arguments}));
+                }
+            }
+            TaskEvent::Done(meta) => {
+                let status = if meta.finish_reason.as_deref() == Some("length") { "incomplete" } else { "completed" };
+                let item_status = if status == "completed" { "completed" } else { "incomplete" };
+                let mut closing: Vec<(usize, Vec<Value>)> = Vec::new();
+                if let Some(i) = self.message {
+                    let id = self.message_id();
+                    closing.push((
+                        i,
+                        vec![
+                            json!({"type": "response.output_text.done", "output_index": i, "item_id": id,
+                                "content_index": 0, "text": self.text, "logprobs": []}),
+                            json!({"type": "response.content_part.done", "output_index": i, "item_id": id,
+                                "content_index": 0, "part": self.text_part()}),
+                            json!({"type": "response.output_item.done", "output_index": i,
+                                "item": self.message_item(item_status)}),
+                        ],
+                    ));
+                }
+                for c in &self.calls {
+                    closing.push((
+                        c.output_index,
+                        vec![
+                            json!({"type": "response.function_call_arguments.done", "output_index": c.output_index,
+                                "item_id": self.call_id(c), "name": c.name, "arguments": c.arguments}),
+                            json!({"type": "response.output_item.done", "output_index": c.output_index,
+                                "item": self.call_item(c, item_status)}),
+                        ],
+                    ));
+                }
+                closing.sort_by_key(|(i, _)| *i);
+                out.extend(closing.into_iter().flat_map(|(_, evs)| evs));
+                out.push(
+                    json!({"type": format!("response.{status}"), "response": self.response(status, Some(meta), None)}),
+                );
+            }
+            TaskEvent::Error { error, meta } => {
+                out.push(
+                    json!({"type": "response.failed", "response": self.response("failed", Some(meta), Some(error))}),
+                );
+            }
+        }
+        out
+    }
+}
+
+/// State of one SSE response. Owns the task stream: when the client goes
+/// away, hyper drops the body, this is dropped, and the task is cancelled.
+struct SseState {
+    task: TaskStream,
+    out: Output,
+    seq: u64,
+    finished: bool,
+}
+
+/// `event: <type>` and `data: <json>` with the next `sequence_number`.
+fn push_event(buf: &mut Vec<u8>, seq: &mut u64, mut v: Value) {
+    v["sequence_number"] = (*seq).into();
+    *seq += 1;
+    buf.extend_from_slice(b"event: ");
+    buf.extend_from_slice(v["type"].as_str().unwrap_or("message").as_bytes());
+    buf.extend_from_slice(b"\ndata: ");
+    buf.extend_from_slice(v.to_string().as_bytes());
+    buf.extend_from_slice(b"\n\n");
+}
+
+fn sse_response(task: TaskStream, out: Output) -> Response {
+    let (request_id, task_id) = (task.request_id.clone(), task.task_id.clone());
+    let st = SseState { task, out, seq: 0, finished: false };
+    let body = futures::stream::unfold(st, |mut st| async move {
+        if st.finished {
+            return None;
+        }
+        let mut buf = Vec::with_capacity(256);
+        match st.task.recv().await {
+            Some((_, ev)) => {
+                if let TaskEvent::Queued { position } = &ev {
+                    // A comment: the SDKs skip it; it shows the wait and
+                    // keeps idle-closing proxies from dropping the stream.
+                    buf.extend_from_slice(format!(": queued position {position}\n\n").as_bytes());
+                }
+                st.finished = matches!(ev, TaskEvent::Done(_) | TaskEvent::Error { .. });
+                for v in st.out.take(&ev) {
+                    push_event(&mut buf, &mut st.seq, v);
+                }
+            }
+            None => {
+                // The driver always sends a final event; be safe anyway.
+                st.finished = true;
+                let e = GatewayError::internal("the task ended without a result");
+                let v = json!({"type": "response.failed", "response": st.out.response("failed", None, Some(&e))});
+                push_event(&mut buf, &mut st.seq, v);
+            }
+        }
+        Some((Ok::<_, std::convert::Infallible>(Bytes::from(buf)), st))
+    });
+    let mut resp = Response::new(Body::from_stream(body));
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    id_headers(h, &request_id, &task_id);
+    resp
+}
+
+/// Waits for the whole answer. If the client disconnects, hyper drops this
+/// future, the task stream is dropped and the task is cancelled.
+async fn whole_response(mut task: TaskStream, mut out: Output) -> Response {
+    while let Some((_, ev)) = task.recv().await {
+        match &ev {
+            TaskEvent::Done(meta) => {
+                out.take(&ev);
+                let status = if meta.finish_reason.as_deref() == Some("length") { "incomplete" } else { "completed" };
+                let mut resp = (StatusCode::OK, Json(out.response(status, Some(meta), None))).into_response();
+                id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
+                return resp;
+            }
+            TaskEvent::Error { error, meta } => {
+                return ApiError::Gateway(error.clone(), Some(meta.clone())).into_response()
+            }
+            _ => {
+                out.take(&ev);
+            }
+        }
+    }
+    ApiError::from(GatewayError::new(ErrorCode::InternalError, "the task ended without a result")).into_response()
+}

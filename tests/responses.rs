@@ -1,0 +1,268 @@
+//! `POST /v1/responses` end to end against the fake engine: the request
+//! is translated onto the chat pipeline (instructions, message items,
+//! function tools), the Response object and its stream of events in
+//! OpenAI's shape, errors (unsupported fields, engine failure, a bad key),
+//! tool calls as `function_call` items, and cancellation when the client
+//! goes away.
+
+mod common;
+
+use common::*;
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+const ARGS: &str = r#"{"city": "Oslo"}"#;
+
+async fn post(gw: &TestGateway, key: &str, body: &Value) -> reqwest::Response {
+    client().post(format!("{}/v1/responses", gw.base_url)).bearer_auth(key).json(body).send().await.unwrap()
+}
+
+async fn gateway(knobs: Knobs) -> (FakeEngine, TestGateway) {
+    let fake = FakeEngine::start_with(knobs).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        t.replace("health_interval_ms = 100", "health_interval_ms = 100\ntools = true")
+    })
+    .await;
+    gw.wait_ready().await;
+    (fake, gw)
+}
+
+/// Every event's `type`, in order.
+fn types(events: &[Value]) -> Vec<&str> {
+    events.iter().map(|e| e["type"].as_str().unwrap()).collect()
+}
+
+#[tokio::test]
+async fn a_text_input_with_instructions_gets_a_response_object() {
+    let (fake, gw) = gateway(Knobs::default()).await;
+    let body = json!({
+        "model": "general-chat", "input": "Say hello", "instructions": "Be brief",
+        "max_output_tokens": 50, "temperature": 0.5, "metadata": {"k": "v"}, "store": false,
+    });
+    let resp = post(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 200);
+    let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["id"], format!("resp_{task_id}"));
+    assert_eq!(v["status"], "completed", "{v}");
+    assert_eq!(v["model"], "general-chat");
+    assert_eq!(v["instructions"], "Be brief");
+    assert_eq!(v["metadata"], json!({"k": "v"}));
+    let out = v["output"].as_array().unwrap();
+    assert_eq!(out.len(), 1, "{v}");
+    assert_eq!(out[0]["type"], "message");
+    assert_eq!(out[0]["role"], "assistant");
+    assert_eq!(out[0]["status"], "completed");
+    assert_eq!(out[0]["content"][0]["type"], "output_text");
+    assert_eq!(out[0]["content"][0]["text"], "tok tok tok tok tok ");
+    assert_eq!(v["usage"]["output_tokens"], 5);
+    assert_eq!(v["usage"]["total_tokens"].as_u64().unwrap(), v["usage"]["input_tokens"].as_u64().unwrap() + 5);
+    assert_eq!(v["edge"]["task_id"], task_id.as_str());
+    // What the engine was asked: the chat form of the same request.
+    let seen = fake.stats.last_request.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        seen["messages"],
+        json!([{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Say hello"}])
+    );
+    assert_eq!(seen["temperature"], 0.5);
+    assert_eq!(stored_states(&gw, &task_id).await.last().map(String::as_str), Some("SUCCEEDED"));
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn message_items_and_a_tool_turn_become_chat_messages() {
+    let (fake, gw) = gateway(Knobs::default()).await;
+    let body = json!({
+        "model": "general-chat",
+        "input": [
+            {"role": "developer", "content": "Use tools"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text", "text": "Oslo?"}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": ARGS},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        ],
+        "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+    });
+    let resp = post(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+    let seen = fake.stats.last_request.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        seen["messages"],
+        json!([
+            {"role": "system", "content": "Use tools"},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ])
+    );
+    assert_eq!(
+        seen["tools"],
+        json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])
+    );
+    assert_eq!(seen["tool_choice"], json!({"type": "function", "function": {"name": "get_weather"}}));
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_streamed_response_sends_openais_events_in_order() {
+    let (_fake, gw) = gateway(Knobs::default()).await;
+    let resp = post(&gw, DEMO_KEY, &json!({"model": "general-chat", "input": "Say hello", "stream": true})).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let (events, _) = read_sse(resp).await;
+    let t = types(&events);
+    assert_eq!(
+        t[..4],
+        ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    );
+    assert_eq!(
+        t[t.len() - 4..],
+        ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    );
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e["sequence_number"], i, "{e}");
+    }
+    let deltas: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, "tok tok tok tok tok ");
+    assert_eq!(events[t.len() - 4]["text"], deltas.as_str());
+    let done = events.last().unwrap();
+    assert_eq!(done["response"]["status"], "completed");
+    assert_eq!(done["response"]["output"][0]["content"][0]["text"], deltas.as_str());
+    assert_eq!(done["response"]["usage"]["output_tokens"], 5);
+    assert_eq!(events[0]["response"]["id"], done["response"]["id"]);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_tool_call_is_a_function_call_item_streamed_or_not() {
+    let knobs = Knobs { tool_calls: vec![("get_weather".into(), ARGS.into())], ..Knobs::default() };
+    let (_fake, gw) = gateway(knobs).await;
+    let tools = json!([{"type": "function", "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]);
+    let body = json!({"model": "general-chat", "input": "Weather?", "tools": tools});
+    let v: Value = post(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    let call = &v["output"][0];
+    assert_eq!(call["type"], "function_call", "{v}");
+    assert_eq!(call["name"], "get_weather");
+    assert_eq!(call["call_id"], "call_fake_0");
+    assert_eq!(call["arguments"], ARGS);
+    assert_eq!(v["edge"]["tool_calls_valid"], true);
+    assert_eq!(v["tools"], tools, "echoed in the Responses shape");
+
+    let mut body = body;
+    body["stream"] = true.into();
+    let (events, _) = read_sse(post(&gw, DEMO_KEY, &body).await).await;
+    let added = events.iter().find(|e| e["type"] == "response.output_item.added").unwrap();
+    assert_eq!(added["item"]["type"], "function_call");
+    assert_eq!(added["item"]["name"], "get_weather");
+    let args: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.function_call_arguments.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(args, ARGS);
+    let done = events.iter().find(|e| e["type"] == "response.function_call_arguments.done").unwrap();
+    assert_eq!(done["arguments"], ARGS);
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "response.completed");
+    assert_eq!(last["response"]["output"][0]["arguments"], ARGS);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn unsupported_fields_are_refused_by_name() {
+    let (fake, gw) = gateway(Knobs::default()).await;
+    let cases = [
+        (json!({"previous_response_id": "resp_x"}), "sessions"),
+        (json!({"reasoning": {"effort": "low"}}), "'reasoning'"),
+        (json!({"background": true}), "'background'"),
+        (json!({"tools": [{"type": "web_search"}]}), "web_search"),
+        (json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}), "input_image"),
+        (json!({"input": 3}), "'input'"),
+    ];
+    for (extra, says) in cases {
+        let mut body = json!({"model": "general-chat", "input": "hi"});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let resp = post(&gw, DEMO_KEY, &body).await;
+        assert_eq!(resp.status(), 400, "{body}");
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(error_code(&v), "INVALID_REQUEST", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{says}: {v}");
+    }
+    // Defaults that mean nothing unsupported are fine.
+    let body = json!({"model": "general-chat", "input": "hi", "background": false, "truncation": "disabled",
+        "text": {"format": {"type": "text"}}, "user": "u1"});
+    assert_eq!(post(&gw, DEMO_KEY, &body).await.status(), 200);
+    assert_eq!(fake.requests(), 1, "refused calls never reach the engine");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_bad_key_is_refused_before_the_body_is_read() {
+    let (_fake, gw) = gateway(Knobs::default()).await;
+    let resp = post(&gw, "wrong-key", &json!({"reasoning": {}})).await;
+    assert_eq!(resp.status(), 401);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(error_code(&v), "AUTH_FAILED", "{v}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn an_engine_failure_ends_the_stream_with_response_failed() {
+    let (_fake, gw) = gateway(Knobs { fail_status: Some(500), ..Knobs::default() }).await;
+    let resp = post(&gw, DEMO_KEY, &json!({"model": "general-chat", "input": "hi", "stream": true})).await;
+    let (events, _) = read_sse(resp).await;
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "response.failed", "{events:#?}");
+    assert_eq!(last["response"]["status"], "failed");
+    let code = last["response"]["error"]["code"].as_str().unwrap();
+    assert!(code.chars().all(|c| c.is_ascii_uppercase() || c == '_'), "a gateway code: {code}");
+    assert!(!last["response"]["error"]["message"].as_str().unwrap().contains("secret"), "{last}");
+    // Not streamed: the gateway's error body and status.
+    let resp = post(&gw, DEMO_KEY, &json!({"model": "general-chat", "input": "hi"})).await;
+    assert!(resp.status().is_server_error(), "{}", resp.status());
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(error_code(&v), code);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_cancels_its_response() {
+    let (_fake, gw) = gateway(Knobs::slow(1000, 20)).await;
+    let resp = post(&gw, DEMO_KEY, &json!({"model": "general-chat", "input": "hi", "stream": true})).await;
+    let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    let mut body = resp.bytes_stream();
+    // Wait for the first delta, then hang up.
+    let mut seen = String::new();
+    while !seen.contains("response.output_text.delta") {
+        seen.push_str(&String::from_utf8_lossy(&body.next().await.unwrap().unwrap()));
+    }
+    drop(body);
+    gw.wait_for_state(&task_id, TaskState::Cancelled).await;
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn an_idempotency_key_header_returns_the_same_response() {
+    let (fake, gw) = gateway(Knobs::default()).await;
+    let call = || {
+        client()
+            .post(format!("{}/v1/responses", gw.base_url))
+            .bearer_auth(DEMO_KEY)
+            .header("Idempotency-Key", "resp-idem-1")
+            .json(&json!({"model": "general-chat", "input": "hi"}))
+            .send()
+    };
+    let a: Value = call().await.unwrap().json().await.unwrap();
+    let b: Value = call().await.unwrap().json().await.unwrap();
+    assert_eq!(a["id"], b["id"], "{a}\n{b}");
+    assert_eq!(b["output"][0]["content"][0]["text"], a["output"][0]["content"][0]["text"]);
+    assert_eq!(fake.requests(), 1, "one inference");
+    gw.stop().await;
+}
