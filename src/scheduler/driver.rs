@@ -449,7 +449,14 @@ impl Driver {
         // engine: a limit the caller lowered, or the total limit, ends the
         // task without a verdict on the instance (or any caller could open
         // every breaker with a 1 ms limit) and without a retry.
-        let own_limit = t.first_token >= self.shared.config.timeouts.first_token;
+        //
+        // An embedding call answers all at once: its "first token" is the
+        // whole batch, slow anywhere when the batch is big, so its timeout
+        // is no verdict on the instance either, and another instance would
+        // time out the same (each retry counted failed would open every
+        // embedding instance's breaker).
+        let embedding = matches!(r.operation, Operation::Embedding { .. });
+        let own_limit = t.first_token >= self.shared.config.timeouts.first_token && !embedding;
         let first_token_timeout = |d: tokio::time::Instant| -> AttemptEnd {
             let outcome = deadline_code(d, true);
             if own_limit && d == first_token_raw && d != total_deadline {
