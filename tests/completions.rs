@@ -94,6 +94,13 @@ async fn what_cannot_be_honoured_is_refused_clearly() {
         (json!({"model": "general-chat", "prompt": ["a", "b"]}), "one per request"),
         (json!({"model": "general-chat", "prompt": "a", "max_tokens": 0}), "at least 1"),
         (json!({"model": "nope", "prompt": "a"}), "unknown model 'nope'"),
+        // Review L3: tool calling is a chat feature.
+        (
+            json!({"model": "general-chat", "prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "'tools' is not supported by /v1/completions",
+        ),
+        (json!({"model": "general-chat", "prompt": "a", "tool_choice": "auto"}), "'tool_choice'"),
+        (json!({"model": "general-chat", "prompt": "a", "parallel_tool_calls": false}), "'parallel_tool_calls'"),
     ] {
         let resp = post(&gw, &body, None).await;
         let status = resp.status().as_u16();

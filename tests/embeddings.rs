@@ -304,3 +304,28 @@ async fn the_task_events_show_one_embedding_per_input() {
     }
     gw.stop().await;
 }
+
+/// Review M6: an embedding call that outlasts the gateway's first-token
+/// limit says nothing about the instance (a big batch is slow anywhere):
+/// it is not retried on every instance, each counted failed, which would
+/// open every embedding instance's breaker; the task ends with the timeout.
+#[tokio::test]
+async fn an_embedding_timeout_is_not_an_instance_failure() {
+    let chat = FakeEngine::start().await;
+    let slow = || Knobs { first_token_delay: Duration::from_millis(1500), ..Knobs::default() };
+    let a = FakeEngine::start_with(slow()).await;
+    let b = FakeEngine::start_with(slow()).await;
+    let section =
+        embed_section(&a.url(), "openai", "").replace("instances = [\"emb\"]", "instances = [\"emb\", \"emb2\"]")
+            + &format!(
+            "[engines.emb2]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-embed\"\nhealth_interval_ms = 100\n",
+            b.url()
+        ) + "[timeouts]\nfirst_token_ms = 300\n";
+    let gw = TestGateway::with_engine(&chat.url(), "openai", &section).await;
+    gw.wait_ready().await;
+    let inputs: Vec<String> = (0..64).map(|i| format!("input {i}")).collect();
+    let (status, v) = post(&gw, "/v1/embeddings", Some(DEMO_KEY), &json!({"model": "embed", "input": inputs})).await;
+    assert_eq!(status, 504, "{v}");
+    assert_eq!(a.requests() + b.requests(), 1, "one engine call, not one per instance: {v}");
+    gw.stop().await;
+}

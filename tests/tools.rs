@@ -61,7 +61,7 @@ fn body_with_tools(stream: bool) -> Value {
     let mut body = chat_body(stream);
     body["tools"] = json!([weather_tool(), ping_tool()]);
     body["tool_choice"] = json!("auto");
-    body["parallel_tool_calls"] = json!(false);
+    body["parallel_tool_calls"] = json!(true);
     body
 }
 
@@ -72,7 +72,9 @@ fn metric(gw: &TestGateway, sample: &str) -> Option<f64> {
 #[tokio::test]
 async fn tools_are_passed_to_the_engine_not_refused() {
     let (fake, gw) = gateway(Knobs::default(), "openai", "").await;
-    let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await;
+    let mut body = body_with_tools(false);
+    body["parallel_tool_calls"] = json!(false);
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
     let status = resp.status();
     let v: Value = resp.json().await.unwrap();
     assert_eq!(status, 200, "{v}");
@@ -214,6 +216,89 @@ async fn schema_violations_and_unknown_tools_are_marked_invalid() {
         assert!(calls.iter().all(|c| c["valid"] == false));
     }
     assert_eq!(metric(&gw, r#"tool_calls_total{high_risk="false",model="general-chat",valid="false"}"#), Some(6.0));
+    gw.stop().await;
+}
+
+/// Review M4: the stored record (this gateway keeps no answer text) holds
+/// no argument value, not even inside the verdict's detail, and the
+/// model's name of an undeclared tool only escaped and cut.
+#[tokio::test]
+async fn the_record_of_an_invalid_call_holds_no_argument_value() {
+    let bad_name = format!("launch\nrocket-{}", "y".repeat(300));
+    let calls = [("get_weather", r#"{"city": "x", "days": "Oslo-secret"}"#), (bad_name.as_str(), "{}")];
+    let (_fake, gw) = gateway(calling(&calls), "openai", "").await;
+    let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await;
+    assert_eq!(resp.status(), 200);
+    let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["edge"]["tool_calls"][0]["error"], "schema_mismatch", "{v}");
+    gw.store().flush().await;
+    let rec = gw.store().get(&task_id).await.unwrap().unwrap();
+    let result = serde_json::to_value(rec.result.unwrap()).unwrap();
+    let calls = &result["tool_calls"];
+    assert!(!calls.to_string().contains("Oslo-secret"), "{calls}");
+    assert_eq!(calls[0]["error_detail"], "arguments/days: fails 'type' (schema /properties/days/type)", "{calls}");
+    let name = calls[1]["name"].as_str().unwrap();
+    assert!(!name.contains('\n') && name.len() < 70 && name.starts_with("launch\\nrocket-"), "{name:?}");
+    assert!(!calls[1]["error_detail"].as_str().unwrap().contains("rocket"), "{calls}");
+    gw.stop().await;
+}
+
+/// Review M5: `tool_choice` and `parallel_tool_calls` are held to: a call
+/// they forbid is marked `tool_choice_violation`, and a required call the
+/// model did not make leaves `tool_calls_valid` false.
+#[tokio::test]
+async fn calls_that_break_tool_choice_are_marked_invalid() {
+    let (fake, gw) = gateway(calling(&[("get_weather", ARGS), ("ping", "")]), "openai", "").await;
+    let cases = [
+        (json!("none"), true, [false, false]),
+        (json!({"type": "function", "function": {"name": "ping"}}), true, [false, true]),
+        (json!("auto"), false, [true, false]),
+        (json!("required"), true, [true, true]),
+    ];
+    for (choice, parallel, valid) in cases {
+        let mut body = body_with_tools(false);
+        body["tool_choice"] = choice.clone();
+        body["parallel_tool_calls"] = json!(parallel);
+        let v: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+        let calls = v["edge"]["tool_calls"].as_array().unwrap_or_else(|| panic!("{v}"));
+        for (c, want) in calls.iter().zip(valid) {
+            assert_eq!(c["valid"], want, "{choice} {parallel}: {v}");
+            if !want {
+                assert_eq!(c["error"], "tool_choice_violation", "{choice}: {v}");
+            }
+        }
+        assert_eq!(v["edge"]["tool_calls_valid"], valid.iter().all(|x| *x), "{choice}: {v}");
+    }
+    // "required", and the model answers with text only.
+    fake.set(|k| *k = Knobs::default());
+    let mut body = body_with_tools(false);
+    body["tool_choice"] = json!("required");
+    let v: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    assert_eq!(v["edge"]["tool_calls_valid"], false, "{v}");
+    gw.stop().await;
+}
+
+/// Review M5: Ollama's API has no `tool_choice` nor `parallel_tool_calls`;
+/// a request that sets them to anything but the default is refused naming
+/// the model, not run with them dropped.
+#[tokio::test]
+async fn an_ollama_model_refuses_a_tool_choice_it_would_drop() {
+    let (fake, gw) = gateway(calling(&[("get_weather", ARGS)]), "ollama", "").await;
+    for (field, value) in
+        [("tool_choice", json!("required")), ("tool_choice", json!("none")), ("parallel_tool_calls", json!(false))]
+    {
+        let mut body = body_with_tools(false);
+        body[field] = value.clone();
+        let resp = post_chat(&gw, DEMO_KEY, &body).await;
+        assert_eq!(resp.status(), 400, "{field}={value}");
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(error_code(&v), "INVALID_REQUEST");
+        assert!(v["error"]["message"].as_str().unwrap().contains("model 'general-chat'"), "{v}");
+    }
+    assert_eq!(fake.requests(), 0);
+    // The defaults pass.
+    assert_eq!(post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await.status(), 200);
     gw.stop().await;
 }
 
@@ -467,4 +552,191 @@ async fn a_queued_task_keeps_its_tools_across_a_restart() {
         }
         gw.stop().await;
     }
+}
+
+/// Review M3: a task queued with tools is held, after a restart, to
+/// admission's rules under the config of the new run: it never runs on a
+/// fallback model whose engine does no tools (admission would have kept
+/// it off smaller models), and a tool its application may no longer
+/// declare ends it FAILED saying why.
+#[tokio::test]
+async fn a_recovered_task_with_tools_keeps_admissions_rules() {
+    use edgeway::config::Config;
+    use edgeway::testing::{config_toml, TempDir};
+    for case in ["fallback", "allowed"] {
+        let fake = FakeEngine::start_with(Knobs::slow(100_000, 20)).await;
+        let small = FakeEngine::start().await;
+        let dir = TempDir::new("edgeway-tools-recover");
+        let text = tools_on("")(config_toml(&fake.url(), "openai", &dir.0, ""))
+            .replace("max_concurrency = 2", "max_concurrency = 1");
+        let after = match case {
+            // A smaller model whose engine does no tools (tools = false by default).
+            "fallback" => format!(
+                "{}fallback_models = [\"small-chat\"]\n[engines.small]\ntype = \"openai\"\nbase_url = \"{}\"\n\
+                 model = \"small-model\"\n[models.small-chat]\ninstances = [\"small\"]\ncontext_tokens = 2048\n\
+                 max_output_tokens = 256\n",
+                text.replace("default_priority = \"P2\"", "default_priority = \"P2\"\nallow_smaller_model = true"),
+                small.url()
+            ),
+            _ => text
+                .replace("default_priority = \"P2\"", "default_priority = \"P2\"\nallowed_tools = [\"get_weather\"]"),
+        };
+        let load = |t: &str| Config::from_toml_str(t, std::iter::empty(), std::path::Path::new(".")).unwrap();
+        let gw = TestGateway::start(load(&text)).await;
+        gw.wait_ready().await;
+        let submit = |body: Value| {
+            let url = format!("{}/v1/tasks", gw.base_url);
+            async move {
+                let v: Value =
+                    client().post(url).bearer_auth(DEMO_KEY).json(&body).send().await.unwrap().json().await.unwrap();
+                v["task_id"].as_str().unwrap_or_else(|| panic!("{v}")).to_string()
+            }
+        };
+        let running = submit(chat_body(false)).await;
+        gw.wait_for_state(&running, TaskState::Streaming).await;
+        let mut keyed = body_with_tools(false);
+        keyed["idempotency_key"] = json!("tools-recovered");
+        let queued = submit(keyed).await;
+        gw.wait_for_state(&queued, TaskState::Queued).await;
+        gw.stop().await;
+
+        // The big model's engine is down and fails every call: only a
+        // smaller model could answer.
+        if case == "fallback" {
+            fake.set(|k| *k = Knobs { healthy: false, fail_status: Some(500), ..Knobs::default() });
+        }
+        let gw = TestGateway::start(load(&after)).await;
+        gw.wait_for_state(&queued, TaskState::Failed).await;
+        assert_eq!(small.requests(), 0, "{case}: the tools never went to an engine without tool support");
+        if case == "allowed" {
+            assert_eq!(fake.requests(), 1, "only the first, cancelled task reached the engine");
+            let rec = gw.store().get(&queued).await.unwrap().unwrap();
+            let last = rec.transitions.last().unwrap();
+            assert!(last.reason.contains("may no longer declare tool 'ping'"), "{:?}", last.reason);
+        }
+        gw.stop().await;
+    }
+}
+
+/// Review L7: the tool calls of earlier assistant turns and the tool
+/// results are checked: their shape, and their names against the
+/// application's `allowed_tools` (a history naming a forbidden tool is as
+/// much a use of it as declaring it).
+#[tokio::test]
+async fn earlier_tool_calls_and_results_are_checked() {
+    let (fake, gw) = gateway(Knobs::default(), "openai", "allowed_tools = [\"get_weather\"]").await;
+    let call = |name: &str| json!({"id": "c1", "type": "function", "function": {"name": name, "arguments": "{}"}});
+    let with = |messages: Value| {
+        let mut body = chat_body(false);
+        body["tools"] = json!([weather_tool()]);
+        body["messages"] = messages;
+        body
+    };
+    let user = json!({"role": "user", "content": "hi"});
+    let result = json!({"role": "tool", "tool_call_id": "c1", "content": "sunny"});
+    let cases = [
+        (
+            json!([user, {"role": "assistant", "content": null, "tool_calls": [call("launch_rocket")]}, result]),
+            403,
+            "'launch_rocket'",
+        ),
+        (
+            json!([user, {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function"}]}, result]),
+            400,
+            "tool_calls[0].function",
+        ),
+        (
+            json!([user, {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "x"}}}]}, result]),
+            400,
+            "arguments",
+        ),
+        (
+            json!([user, {"role": "assistant", "content": null, "tool_calls": [{"id": 5, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}, result]),
+            400,
+            "tool_calls[0].id",
+        ),
+        (json!([{"role": "user", "content": "hi", "tool_calls": [call("get_weather")]}]), 400, "only an assistant"),
+        (
+            json!([user, {"role": "assistant", "content": null, "tool_calls": [call("get_weather")]}, {"role": "tool", "tool_call_id": "c1", "name": "launch_rocket", "content": "x"}]),
+            403,
+            "'launch_rocket'",
+        ),
+    ];
+    for (messages, status, says) in cases {
+        let resp = post_chat(&gw, DEMO_KEY, &with(messages.clone())).await;
+        assert_eq!(resp.status(), status, "{messages}");
+        let v: Value = resp.json().await.unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{says}: {v}");
+    }
+    assert_eq!(fake.requests(), 0);
+    let ok = json!([user, {"role": "assistant", "content": null, "tool_calls": [call("get_weather")]}, result]);
+    assert_eq!(post_chat(&gw, DEMO_KEY, &with(ok)).await.status(), 200);
+    gw.stop().await;
+}
+
+/// Review L6: client schemas that refer to themselves without end, or nest
+/// past any use, are refused at admission (before they are compiled or a
+/// call is checked against them), and the gateway goes on serving.
+#[tokio::test]
+async fn self_referencing_and_deep_schemas_are_refused() {
+    let (fake, gw) = gateway(calling(&[("get_weather", ARGS)]), "openai", "").await;
+    let mut deep = json!({"type": "object"});
+    for _ in 0..40 {
+        deep = json!({"type": "object", "properties": {"a": deep}});
+    }
+    let schemas = [
+        json!({"$ref": "#"}),
+        json!({"$ref": ""}),
+        json!({"type": "object", "$defs": {"a": {"$ref": "#/$defs/a"}}, "properties": {"city": {"$ref": "#/$defs/a"}}}),
+        json!({"allOf": [{"$ref": "#"}]}),
+        deep,
+    ];
+    for schema in schemas {
+        let mut body = chat_body(false);
+        body["tools"] = json!([{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]);
+        let resp = post_chat(&gw, DEMO_KEY, &body).await;
+        let status = resp.status();
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(status, 400, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("tools[0].function.parameters"), "{v}");
+    }
+    assert_eq!(fake.requests(), 0);
+    // A recursive schema that consumes the arguments as it recurses is fine.
+    let tree = json!({"type": "object", "properties": {"city": {"type": "string"}, "next": {"$ref": "#"}}});
+    let mut body = chat_body(false);
+    body["tools"] = json!([{"type": "function", "function": {"name": "get_weather", "parameters": tree}}]);
+    let v: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    assert_eq!(v["edge"]["tool_calls_valid"], true, "{v}");
+    gw.stop().await;
+}
+
+/// Review L2: a repeated idempotency key replays the calls as they were
+/// made, arguments included: a keyed task keeps its answer text (and so
+/// its calls' arguments) whatever `store_prompts` says, so no call comes
+/// back with `arguments: ""` marked valid. Passed before the review's fix
+/// list: kept as the proof (a keyed task that stopped keeping its text
+/// would fail it).
+#[tokio::test]
+async fn an_idempotent_repeat_replays_the_calls_with_their_arguments() {
+    let (fake, gw) = gateway(calling(&[("get_weather", ARGS)]), "openai", "").await;
+    let mut body = body_with_tools(false);
+    body["idempotency_key"] = json!("tools-replay");
+    let first: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    gw.store().flush().await;
+    for stream in [false, true] {
+        body["stream"] = json!(stream);
+        let resp = post_chat(&gw, DEMO_KEY, &body).await;
+        assert_eq!(resp.status(), 200);
+        let edge = if stream {
+            read_sse(resp).await.0.last().unwrap()["edge"].clone()
+        } else {
+            let v: Value = resp.json().await.unwrap();
+            assert_eq!(v["choices"][0]["message"]["tool_calls"], first["choices"][0]["message"]["tool_calls"], "{v}");
+            v["edge"].clone()
+        };
+        assert_eq!(edge["tool_calls"][0]["arguments"], ARGS, "{edge}");
+        assert_eq!(edge["tool_calls"][0]["valid"], true, "{edge}");
+    }
+    assert_eq!(fake.requests(), 1, "the repeats were replayed, not run");
+    gw.stop().await;
 }

@@ -13,4 +13,4 @@ pub mod operation;
 pub mod request;
 
 pub use auth::Authenticator;
-pub use request::{admit, data_class, without_tools, ChatRequestBody};
+pub use request::{admit, data_class, disallowed_tool, tools_route, without_tools, ChatRequestBody};

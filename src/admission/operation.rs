@@ -68,6 +68,17 @@ pub fn parse_completion(bytes: &[u8]) -> Result<ChatRequestBody, GatewayError> {
             ("messages", "send chat to /v1/chat/completions"),
         ],
     )?;
+    // Tool calling is a chat feature: a legacy completion has no messages
+    // to carry the calls back, so any of its fields is refused (even
+    // `parallel_tool_calls: false`, which `refuse_present` would pass).
+    for field in ["tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"] {
+        if m.get(field).is_some_and(|v| !v.is_null()) {
+            return Err(GatewayError::invalid(format!(
+                "'{field}' is not supported by /v1/completions: tool calling is a chat feature \
+                 (POST /v1/chat/completions)"
+            )));
+        }
+    }
     for (field, what) in [("best_of", "best_of"), ("n", "n")] {
         match m.get(field) {
             None | Some(Value::Null) => {}

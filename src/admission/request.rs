@@ -6,7 +6,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use crate::config::{ApplicationConfig, Config};
+use crate::config::{ApplicationConfig, Config, EngineKind, ModelConfig};
 use crate::context::{self, Fit};
 use crate::error::{ErrorCode, GatewayError};
 use crate::task::{
@@ -175,9 +175,7 @@ pub fn admit(
         if m.role == "tool" && !m.extra.get("tool_call_id").is_some_and(Value::is_string) {
             return Err(GatewayError::invalid(format!("messages[{i}] (role \"tool\") needs a 'tool_call_id' string")));
         }
-        if m.extra.get("tool_calls").is_some_and(|c| !c.is_array() && !c.is_null()) {
-            return Err(GatewayError::invalid(format!("messages[{i}].tool_calls must be an array")));
-        }
+        check_history_tools(i, m, app_of(cfg, &identity))?;
     }
     let tools = ToolSet::parse(body.tools.as_ref(), body.tool_choice.as_ref(), body.parallel_tool_calls.as_ref())
         .map_err(GatewayError::invalid)?;
@@ -284,26 +282,13 @@ pub fn admit(
     routing.data_class = Some(data_class);
     let mut allow_smaller_model = routing.allow_smaller_model || app.is_some_and(|a| a.allow_smaller_model);
     if let Some(tools) = &tools {
-        if let Some(allowed) = app.and_then(|a| a.allowed_tools.as_ref()) {
-            if let Some(name) = tools.names().find(|n| !allowed.iter().any(|a| a == n)) {
-                return Err(GatewayError::new(
-                    ErrorCode::PermissionDenied,
-                    format!("application '{}' may not declare tool '{name}'", identity.application),
-                ));
-            }
+        if let Some(name) = disallowed_tool(app, tools) {
+            return Err(GatewayError::new(
+                ErrorCode::PermissionDenied,
+                format!("application '{}' may not declare tool '{name}'", identity.application),
+            ));
         }
-        if let Some(instance) = without_tools(cfg, &model.instances, data_class) {
-            return Err(GatewayError::invalid(format!(
-                "model '{}' cannot take 'tools': its instance '{instance}' does not support tool calling \
-                 (engines.{instance}.tools = false)",
-                model.name
-            )));
-        }
-        // Never a smaller model that would drop the tools.
-        allow_smaller_model &= model
-            .fallback_models
-            .iter()
-            .all(|m| cfg.models.get(m).is_some_and(|fm| without_tools(cfg, &fm.instances, data_class).is_none()));
+        allow_smaller_model &= tools_route(cfg, model, tools, data_class).map_err(GatewayError::invalid)?;
     }
     if !model.instances.iter().any(|i| cfg.engines[i].max_data_class >= data_class) {
         return Err(GatewayError::new(
@@ -360,6 +345,128 @@ pub fn admit(
         tools,
         operation: body.operation,
     })
+}
+
+fn app_of<'a>(cfg: &'a Config, identity: &Identity) -> Option<&'a ApplicationConfig> {
+    cfg.applications.get(&identity.application)
+}
+
+/// The tool calls of an earlier assistant turn (`tool_calls`) and the name
+/// a tool result may carry: their shape, and their names against the
+/// application's `allowed_tools` (a history that names a forbidden tool
+/// uses it as much as declaring it does).
+fn check_history_tools(i: usize, m: &ChatMessage, app: Option<&ApplicationConfig>) -> Result<(), GatewayError> {
+    let forbidden = |name: &str| {
+        app.and_then(|a| a.allowed_tools.as_ref()).is_some_and(|allowed| !allowed.iter().any(|a| a == name))
+    };
+    let denied = |at: String, name: &str| {
+        GatewayError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "{at} names tool '{name}', which application '{}' may not use",
+                app.map(|a| a.name.as_str()).unwrap_or_default()
+            ),
+        )
+    };
+    if m.role == "tool" {
+        if let Some(name) = m.extra.get("name").filter(|n| !n.is_null()) {
+            let Some(name) = name.as_str().filter(|n| crate::task::tools::valid_tool_name(n)) else {
+                return Err(GatewayError::invalid(format!("messages[{i}].name must be a tool name")));
+            };
+            if forbidden(name) {
+                return Err(denied(format!("messages[{i}]"), name));
+            }
+        }
+    }
+    let calls = match m.extra.get("tool_calls") {
+        None | Some(Value::Null) => return Ok(()),
+        Some(Value::Array(a)) => a,
+        Some(_) => return Err(GatewayError::invalid(format!("messages[{i}].tool_calls must be an array"))),
+    };
+    if m.role != "assistant" {
+        return Err(GatewayError::invalid(format!(
+            "messages[{i}].tool_calls: only an assistant message makes tool calls"
+        )));
+    }
+    for (j, c) in calls.iter().enumerate() {
+        let at = format!("messages[{i}].tool_calls[{j}]");
+        if !c.get("id").is_some_and(Value::is_string) {
+            return Err(GatewayError::invalid(format!("{at}.id must be a string")));
+        }
+        if c.get("type").is_some_and(|t| t != "function") {
+            return Err(GatewayError::invalid(format!("{at}.type must be \"function\"")));
+        }
+        let Some(f) = c.get("function").and_then(Value::as_object) else {
+            return Err(GatewayError::invalid(format!("{at}.function must be an object with 'name' and 'arguments'")));
+        };
+        let Some(name) = f.get("name").and_then(Value::as_str).filter(|n| crate::task::tools::valid_tool_name(n))
+        else {
+            return Err(GatewayError::invalid(format!(
+                "{at}.function.name must be 1..64 characters of a-z A-Z 0-9 _ -"
+            )));
+        };
+        if f.get("arguments").is_some_and(|a| !a.is_string()) {
+            return Err(GatewayError::invalid(format!("{at}.function.arguments must be a string (JSON text)")));
+        }
+        if forbidden(name) {
+            return Err(denied(at, name));
+        }
+    }
+    Ok(())
+}
+
+/// The first tool `tools` declares that `app`'s `allowed_tools` leaves
+/// out, if it has such a list.
+pub fn disallowed_tool<'a>(app: Option<&ApplicationConfig>, tools: &'a ToolSet) -> Option<&'a str> {
+    let allowed = app.and_then(|a| a.allowed_tools.as_ref())?;
+    tools.names().find(|n| !allowed.iter().any(|a| a == n))
+}
+
+/// Where a request with `tools` may run, the one rule for admission and
+/// for a task queued again after a restart (the config may have changed):
+/// `Err` (the reason, for an `INVALID_REQUEST`) when `model` itself cannot
+/// honour them, `Ok(false)` when some fallback model could not (so no
+/// smaller model for this task), `Ok(true)` otherwise.
+pub fn tools_route(cfg: &Config, model: &ModelConfig, tools: &ToolSet, class: DataClass) -> Result<bool, String> {
+    if let Some(instance) = without_tools(cfg, &model.instances, class) {
+        return Err(format!(
+            "model '{}' cannot take 'tools': its instance '{instance}' does not support tool calling \
+             (engines.{instance}.tools = false)",
+            model.name
+        ));
+    }
+    if let Some(instance) = drops_tool_choice(cfg, &model.instances, tools, class) {
+        return Err(format!(
+            "model '{}' cannot honour 'tool_choice' {} or 'parallel_tool_calls' false: its instance '{instance}' \
+             is an Ollama engine, whose API has neither (leave them out, or use \"auto\")",
+            model.name,
+            tools
+                .tool_choice
+                .as_ref()
+                .map_or_else(|| "(default)".to_string(), |c| crate::task::tools::short(&c.to_string(), 80)),
+        ));
+    }
+    // Never a smaller model that would drop the tools or their options.
+    Ok(model.fallback_models.iter().all(|m| {
+        cfg.models.get(m).is_some_and(|fm| {
+            without_tools(cfg, &fm.instances, class).is_none()
+                && drops_tool_choice(cfg, &fm.instances, tools, class).is_none()
+        })
+    }))
+}
+
+/// The first instance of `instances` that may receive `class` data and
+/// would silently drop `tools`' `tool_choice` (other than `auto`) or
+/// `parallel_tool_calls: false`: Ollama's API has neither.
+fn drops_tool_choice<'a>(cfg: &Config, instances: &'a [String], tools: &ToolSet, class: DataClass) -> Option<&'a str> {
+    let default_choice = tools.tool_choice.as_ref().is_none_or(|c| c == "auto");
+    if default_choice && tools.parallel_tool_calls != Some(false) {
+        return None;
+    }
+    instances
+        .iter()
+        .find(|i| cfg.engines.get(*i).is_some_and(|e| e.max_data_class >= class && e.kind == EngineKind::Ollama))
+        .map(String::as_str)
 }
 
 /// The first instance of `instances` that may receive `class` data and

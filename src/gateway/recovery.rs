@@ -26,20 +26,26 @@ impl Gateway {
             // has no pending request left, see `Store::started`).
             let waiting = matches!(u.state, TaskState::Validating | TaskState::Queued);
             let rebuilt = match (&u.request, waiting) {
-                (Some(r), true) => self.rebuild(r),
+                (Some(r), true) => Some(self.rebuild(r)),
                 _ => None,
             };
-            if let Some(req) = rebuilt {
-                match self.scheduler.resubmit(req).await {
+            let mut why = None;
+            match rebuilt {
+                Some(Ok(req)) => match self.scheduler.resubmit(req).await {
                     Ok(()) => {
                         requeued += 1;
                         continue;
                     }
                     Err(e) => tracing::warn!(task_id = %u.task_id, error = %e, "could not re-queue task"),
-                }
+                },
+                Some(Err(e)) => why = Some(e),
+                None => {}
             }
             failed += 1;
-            let reason = format!("gateway restarted while the task was {}", u.state.as_str());
+            let mut reason = format!("gateway restarted while the task was {}", u.state.as_str());
+            if let Some(why) = why {
+                reason = format!("{reason}; not queued again: {why}");
+            }
             let mut meta =
                 ResultMeta::bare(&u.request_id, &u.task_id, TaskState::Failed, &u.logical_model, &self.config.node_id);
             meta.session_id = u.session_id.clone();
@@ -51,18 +57,35 @@ impl Gateway {
         (requeued, failed)
     }
 
-    /// A task request again from what the store kept, if its application
-    /// and model still exist.
-    fn rebuild(&self, r: &StoredRequest) -> Option<TaskRequest> {
-        let app = self.config.applications.get(&r.application)?;
-        let model = self.config.models.get(&r.logical_model)?;
-        let priority = Priority::parse(&r.priority)?;
-        // Its tools must still reach every instance it may be routed to
-        // (the config may have changed since): else it ends failed rather
-        // than run without them.
+    /// A task request again from what the store kept, if admission's rules
+    /// under the config of this run still let it run: its application and
+    /// model exist, the model serves its operation, and its tools are
+    /// allowed and reach every model it may be routed to. `Err` says why
+    /// not (the task then ends FAILED with it).
+    fn rebuild(&self, r: &StoredRequest) -> Result<TaskRequest, String> {
+        let app = self
+            .config
+            .applications
+            .get(&r.application)
+            .ok_or_else(|| format!("application '{}' is no longer configured", r.application))?;
+        let model = self
+            .config
+            .models
+            .get(&r.logical_model)
+            .ok_or_else(|| format!("model '{}' is no longer configured", r.logical_model))?;
+        let priority = Priority::parse(&r.priority).ok_or_else(|| format!("unknown priority {:?}", r.priority))?;
+        crate::admission::operation::check_model(model, &r.operation, r.idempotency_key.as_deref())
+            .map_err(|e| e.message)?;
+        // Its tools must still be allowed and reach every instance it may
+        // be routed to (the config may have changed since): else it ends
+        // failed rather than run without them.
         let class = r.routing.data_class.unwrap_or(self.config.routing.default_data_class);
-        if r.tools.is_some() && crate::admission::without_tools(&self.config, &model.instances, class).is_some() {
-            return None;
+        let mut allow_smaller_model = r.routing.allow_smaller_model || app.allow_smaller_model;
+        if let Some(tools) = &r.tools {
+            if let Some(name) = crate::admission::disallowed_tool(Some(app), tools) {
+                return Err(format!("application '{}' may no longer declare tool '{name}'", app.name));
+            }
+            allow_smaller_model &= crate::admission::tools_route(&self.config, model, tools, class)?;
         }
         let ingress = match r.ingress.as_str() {
             "mqtt" => Ingress::Mqtt,
@@ -70,7 +93,7 @@ impl Gateway {
             "ws" => Ingress::Ws,
             _ => Ingress::Http,
         };
-        Some(TaskRequest {
+        Ok(TaskRequest {
             task_id: r.task_id.clone(),
             request_id: r.request_id.clone(),
             identity: Identity {
@@ -95,7 +118,7 @@ impl Gateway {
             idempotency_key: r.idempotency_key.clone(),
             routing: r.routing.clone(),
             data_class: crate::admission::data_class(&self.config, &app.tenant, Some(app), None, &r.routing),
-            allow_smaller_model: r.routing.allow_smaller_model || app.allow_smaller_model,
+            allow_smaller_model,
             metadata: r.metadata.clone(),
             input_tokens_estimate: r.input_tokens_estimate,
             prompt_sha256: r.prompt_sha256.clone(),

@@ -449,7 +449,14 @@ impl Driver {
         // engine: a limit the caller lowered, or the total limit, ends the
         // task without a verdict on the instance (or any caller could open
         // every breaker with a 1 ms limit) and without a retry.
-        let own_limit = t.first_token >= self.shared.config.timeouts.first_token;
+        //
+        // An embedding call answers all at once: its "first token" is the
+        // whole batch, slow anywhere when the batch is big, so its timeout
+        // is no verdict on the instance either, and another instance would
+        // time out the same (each retry counted failed would open every
+        // embedding instance's breaker).
+        let embedding = matches!(r.operation, Operation::Embedding { .. });
+        let own_limit = t.first_token >= self.shared.config.timeouts.first_token && !embedding;
         let first_token_timeout = |d: tokio::time::Instant| -> AttemptEnd {
             let outcome = deadline_code(d, true);
             if own_limit && d == first_token_raw && d != total_deadline {
@@ -662,13 +669,15 @@ impl Driver {
     fn count_tool_calls(&self, calls: &[crate::task::ToolCall]) {
         let r = &self.req;
         for c in calls {
+            // The name is the model's text: escaped and cut for the log.
+            let tool = crate::task::tools::safe_name(&c.name);
             let valid = if c.valid { "true" } else { "false" };
             let high_risk = if c.requires_confirmation { "true" } else { "false" };
             self.shared.metrics.tool_calls.with_label_values(&[r.logical_model.as_str(), valid, high_risk]).inc();
             if c.requires_confirmation {
-                tracing::warn!(task_id = %r.task_id, application = %r.identity.application, tool = %c.name, valid = c.valid, "high-risk tool call: requires confirmation");
+                tracing::warn!(task_id = %r.task_id, application = %r.identity.application, tool = %tool, valid = c.valid, "high-risk tool call: requires confirmation");
             } else if !c.valid {
-                tracing::info!(task_id = %r.task_id, tool = %c.name, error = c.error.as_deref().unwrap_or(""), "invalid tool call");
+                tracing::info!(task_id = %r.task_id, tool = %tool, error = c.error.as_deref().unwrap_or(""), "invalid tool call");
             }
         }
     }
@@ -725,6 +734,15 @@ impl Driver {
                 outcome.reason = format!("{}, {confirm} high-risk (requires confirmation)", outcome.reason);
             }
         }
+        // `tool_choice` "required" (or a named tool) and the model answered
+        // with text only: the answer breaks the request's rule.
+        let missing_call = tool_calls.is_empty()
+            && outcome.error.is_none()
+            && r.tools.as_ref().is_some_and(crate::task::ToolSet::requires_call);
+        if missing_call {
+            outcome.reason =
+                format!("{}; tool_choice_violation: the request requires a tool call, none made", outcome.reason);
+        }
         let mut finish_reason = p.finish_reason.clone();
         // OpenAI's clients look for `tool_calls` to run the calls.
         if !tool_calls.is_empty() && finish_reason.as_deref().is_none_or(|f| f == "stop") {
@@ -768,15 +786,20 @@ impl Driver {
                 hops: p.hops,
                 degraded: route_degraded,
             },
-            tool_calls_valid: (!tool_calls.is_empty()).then(|| tool_calls.iter().all(|c| c.valid)),
+            tool_calls_valid: if missing_call {
+                Some(false)
+            } else {
+                (!tool_calls.is_empty()).then(|| tool_calls.iter().all(|c| c.valid))
+            },
             tool_calls,
         };
         let error_code = outcome.error.as_ref().map(|(e, _)| e.code.as_str());
-        // The arguments are answer text: stored only where the text is.
+        // The arguments are answer text: stored only where the text is;
+        // the names as the model wrote them only made safe.
         let mut stored = None;
-        if !self.keep_text && !meta.tool_calls.is_empty() {
+        if !meta.tool_calls.is_empty() {
             let mut m = meta.clone();
-            m.tool_calls.iter_mut().for_each(|c| c.arguments.clear());
+            m.tool_calls = meta.tool_calls.iter().map(|c| c.for_record(self.keep_text)).collect();
             stored = Some(m);
         }
         self.shared.recorder.finished(

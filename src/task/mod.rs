@@ -525,7 +525,9 @@ pub struct ResultMeta {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCall>,
     /// Whether every tool call is valid (declared tool, arguments that
-    /// match its schema); absent when the model called none.
+    /// match its schema, allowed by `tool_choice` / `parallel_tool_calls`);
+    /// absent when the model called none, except `false` when the request's
+    /// `tool_choice` required a call and the model made none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_calls_valid: Option<bool>,
 }

@@ -96,6 +96,9 @@ impl ToolSet {
             match f.get("parameters") {
                 None | Some(Value::Null) => {}
                 Some(p @ Value::Object(_)) => {
+                    if let Err(why) = schema_shape(p) {
+                        return Err(format!("'{at}.function.parameters' {why}"));
+                    }
                     if let Err(e) = jsonschema::validator_for(p) {
                         return Err(format!(
                             "'{at}.function.parameters' is not a usable JSON schema: {}",
@@ -150,16 +153,45 @@ impl ToolSet {
             .map(|f| f.get("parameters").filter(|p| !p.is_null()))
     }
 
+    /// The one tool `tool_choice` names, if it names one.
+    fn forced(&self) -> Option<&str> {
+        self.tool_choice.as_ref()?.get("function")?.get("name")?.as_str()
+    }
+
+    /// Whether `tool_choice` asks for at least one call (`"required"` or
+    /// a named tool): an answer without one breaks it.
+    pub fn requires_call(&self) -> bool {
+        self.forced().is_some() || self.tool_choice.as_ref().is_some_and(|c| c == "required")
+    }
+
+    /// The request's `tool_choice` / `parallel_tool_calls` against call
+    /// number `position` (0-based, in index order) to tool `name`: the
+    /// engine may ignore them (Ollama's API has neither, a model may not
+    /// follow them), so the gateway holds the calls to them.
+    fn choice_verdict(&self, position: usize, name: &str) -> Result<(), String> {
+        if self.tool_choice.as_ref().is_some_and(|c| c == "none") {
+            return Err("'tool_choice' is \"none\": the model may call no tool".into());
+        }
+        if let Some(forced) = self.forced() {
+            if forced != name {
+                return Err(format!("'tool_choice' names tool '{forced}'; the model called another"));
+            }
+        }
+        if position > 0 && self.parallel_tool_calls == Some(false) {
+            return Err("'parallel_tool_calls' is false: only the first call may be made".into());
+        }
+        Ok(())
+    }
+
     /// Checks one whole call: the tool is declared, its arguments are a
     /// JSON object, and they match the tool's schema. `Err` is the short,
     /// stable reason (`unknown_tool`, `invalid_json`, `schema_mismatch`)
     /// and a detail.
     pub fn check(&self, name: &str, arguments: &str) -> Result<(), (&'static str, String)> {
+        // The name is the model's text: it stays out of the detail (which
+        // is stored and published); the call's own `name` field carries it.
         let Some(schema) = self.parameters(name) else {
-            return Err((
-                "unknown_tool",
-                format!("the model called '{}', which the request does not declare", short(name, 64)),
-            ));
+            return Err(("unknown_tool", "the model called a tool the request does not declare".to_string()));
         };
         // An empty string is what some engines send for a call without
         // arguments.
@@ -168,6 +200,7 @@ impl ToolSet {
         } else {
             match serde_json::from_str(arguments) {
                 Ok(v) => v,
+                // serde_json's syntax errors name a position, not the text.
                 Err(e) => return Err(("invalid_json", format!("arguments are not JSON: {e}"))),
             }
         };
@@ -181,13 +214,122 @@ impl ToolSet {
         let verdict = match validator.iter_errors(&args).next() {
             None => Ok(()),
             Some(e) => {
+                // Only where (the instance path) and which rule (the schema
+                // keyword that failed): jsonschema's message quotes the
+                // offending value, and the arguments are answer text, kept
+                // out of records and events where the text is.
                 let path = e.instance_path().to_string();
                 let at = if path.is_empty() { "arguments".to_string() } else { format!("arguments{path}") };
-                Err(("schema_mismatch", short(&format!("{at}: {e}"), 200)))
+                let schema_path = e.schema_path().to_string();
+                let keyword = schema_path.rsplit('/').next().filter(|k| !k.is_empty()).unwrap_or("schema");
+                Err(("schema_mismatch", short(&format!("{at}: fails '{keyword}' (schema {schema_path})"), 200)))
             }
         };
         verdict
     }
+}
+
+/// Most levels of nesting (objects and arrays) of one tool's parameters
+/// schema: far more than a tool's arguments need, and a bound on the
+/// recursion of every pass over the schema.
+pub const MAX_SCHEMA_DEPTH: usize = 64;
+
+/// Checks a client's schema before jsonschema compiles it: nested at most
+/// [`MAX_SCHEMA_DEPTH`] levels, `$ref`s only local JSON pointers
+/// (`""`, `"#"`, `"#/…"`) that resolve, and no loop of references that
+/// checks the same value again without stepping into it (`{"$ref": "#"}`,
+/// `{"allOf": [{"$ref": "#"}]}`, a `$defs` entry referring to itself): a
+/// client's schema must not be able to send validation round in circles.
+/// A reference below `properties`, `items` and the like steps into the
+/// arguments, which are finite: allowed (recursive trees).
+fn schema_shape(schema: &Value) -> Result<(), String> {
+    fn depth(v: &Value, level: usize) -> Result<(), String> {
+        if level > MAX_SCHEMA_DEPTH {
+            return Err(format!("nests deeper than {MAX_SCHEMA_DEPTH} levels"));
+        }
+        match v {
+            Value::Object(m) => m.values().try_for_each(|c| depth(c, level + 1)),
+            Value::Array(a) => a.iter().try_for_each(|c| depth(c, level + 1)),
+            _ => Ok(()),
+        }
+    }
+    depth(schema, 1)?;
+    // Every subschema, by JSON pointer, and the subschemas that check the
+    // same value (in-place applicators and references).
+    let mut all = Vec::new();
+    fn walk(v: &Value, at: String, all: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                all.push(at.clone());
+                for (k, c) in m {
+                    walk(c, format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")), all);
+                }
+            }
+            Value::Array(a) => a.iter().enumerate().for_each(|(i, c)| walk(c, format!("{at}/{i}"), all)),
+            _ => {}
+        }
+    }
+    walk(schema, String::new(), &mut all);
+    let same_value = |at: &str| -> Result<Vec<String>, String> {
+        let Some(node) = schema.pointer(at).and_then(Value::as_object) else {
+            return Ok(Vec::new());
+        };
+        let mut next = Vec::new();
+        for k in ["allOf", "anyOf", "oneOf"] {
+            if let Some(a) = node.get(k).and_then(Value::as_array) {
+                next.extend((0..a.len()).map(|i| format!("{at}/{k}/{i}")));
+            }
+        }
+        for k in ["not", "if", "then", "else"] {
+            if node.contains_key(k) {
+                next.push(format!("{at}/{k}"));
+            }
+        }
+        for k in ["$ref", "$dynamicRef", "$recursiveRef"] {
+            let Some(r) = node.get(k) else { continue };
+            let target = r.as_str().and_then(|r| r.strip_prefix('#').or((r.is_empty()).then_some("")));
+            match target {
+                Some(t) if t.is_empty() || (t.starts_with('/') && schema.pointer(t).is_some()) => {
+                    next.push(t.to_string())
+                }
+                _ => {
+                    return Err(format!(
+                        "has {k} {}: only local JSON pointers that resolve (\"#/$defs/…\") are allowed",
+                        short(&r.to_string(), 64)
+                    ))
+                }
+            }
+        }
+        Ok(next)
+    };
+    // Depth-first search for a cycle over "checks the same value" edges.
+    let mut state: std::collections::HashMap<String, u8> = Default::default();
+    for start in &all {
+        if state.contains_key(start) {
+            continue;
+        }
+        let mut stack = vec![(start.clone(), same_value(start)?, 0usize)];
+        state.insert(start.clone(), 1);
+        while let Some((node, next, i)) = stack.last_mut() {
+            if *i == next.len() {
+                state.insert(node.clone(), 2);
+                stack.pop();
+                continue;
+            }
+            let n = next[*i].clone();
+            *i += 1;
+            match state.get(&n) {
+                Some(1) => return Err("refers to itself without stepping into the value (a $ref loop)".into()),
+                Some(_) => {}
+                None => {
+                    let more = same_value(&n)?;
+                    state.insert(n.clone(), 1);
+                    stack.push((n, more, 0));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One piece of a tool call, as an engine streams it: the first piece of a
@@ -218,7 +360,9 @@ pub struct ToolCall {
     pub arguments: String,
     /// The tool is declared and the arguments match its schema.
     pub valid: bool,
-    /// Why not: `unknown_tool`, `invalid_json` or `schema_mismatch`.
+    /// Why not: `unknown_tool`, `invalid_json`, `schema_mismatch` or
+    /// `tool_choice_violation` (the request's `tool_choice` or
+    /// `parallel_tool_calls: false` forbids this call).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// Where the arguments broke the schema, for a person.
@@ -228,6 +372,30 @@ pub struct ToolCall {
     /// should ask a person first.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub requires_confirmation: bool,
+}
+
+impl ToolCall {
+    /// The call as records, lifecycle events and logs may hold it: the
+    /// name made safe ([`safe_name`]), and the arguments (answer text)
+    /// left out unless `keep_arguments`.
+    pub fn for_record(&self, keep_arguments: bool) -> ToolCall {
+        let mut c = self.clone();
+        c.name = safe_name(&self.name);
+        if !keep_arguments {
+            c.arguments.clear();
+        }
+        c
+    }
+}
+
+/// A tool name fit for a log line or a record: a valid name as it is;
+/// anything else (a model may write any text there) escaped to printable
+/// ASCII and cut to [`MAX_TOOL_NAME_LEN`] bytes.
+pub fn safe_name(name: &str) -> String {
+    if valid_tool_name(name) {
+        return name.to_string();
+    }
+    short(&name.escape_default().to_string(), MAX_TOOL_NAME_LEN)
 }
 
 /// Puts streamed [`ToolCallDelta`]s together, call by call.
@@ -299,6 +467,18 @@ impl ToolCallAssembler {
             })
             .collect();
         calls.sort_by_key(|c| c.index);
+        if let Some(t) = tools {
+            for (position, c) in calls.iter_mut().enumerate() {
+                if !c.valid {
+                    continue;
+                }
+                if let Err(detail) = t.choice_verdict(position, &c.name) {
+                    c.valid = false;
+                    c.error = Some("tool_choice_violation".into());
+                    c.error_detail = Some(detail);
+                }
+            }
+        }
         calls
     }
 }
@@ -375,5 +555,25 @@ mod tests {
         assert!(calls[2].valid && calls[2].requires_confirmation && !calls[0].requires_confirmation);
         assert_eq!(set().check("get_weather", "{\"city\": \"Oslo\"}"), Ok(()));
         assert_eq!(set().check("get_weather", "{\"city\"").unwrap_err().0, "invalid_json");
+    }
+
+    /// Review M4: the detail of a verdict is stored and published where the
+    /// arguments are not; it names the place and the rule, never a value
+    /// or the model's tool name.
+    #[test]
+    fn verdict_details_hold_no_argument_value_or_model_name() {
+        let (code, detail) = set().check("get_weather", r#"{"city": ["Oslo-secret"]}"#).unwrap_err();
+        assert_eq!(code, "schema_mismatch");
+        assert!(!detail.contains("secret"), "{detail}");
+        assert!(detail.starts_with("arguments/city: fails 'type'"), "{detail}");
+        let (_, detail) = set().check("get_weather", r#"{"town": "Oslo-secret"}"#).unwrap_err();
+        assert!(!detail.contains("secret") && detail.contains("'required'"), "{detail}");
+        let (code, detail) = set().check("exfiltrate_secret\n", "{}").unwrap_err();
+        assert_eq!(code, "unknown_tool");
+        assert!(!detail.contains("secret"), "{detail}");
+        let long = format!("bad name\n{}", "x".repeat(500));
+        let safe = safe_name(&long);
+        assert!(safe.len() <= MAX_TOOL_NAME_LEN + '…'.len_utf8() && !safe.contains('\n'), "{safe}");
+        assert_eq!(safe_name("get_weather"), "get_weather");
     }
 }

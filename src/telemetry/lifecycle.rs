@@ -210,11 +210,11 @@ impl Recorder {
         });
         if recorded {
             // Lifecycle events carry no answer text, and tool-call
-            // arguments are answer text.
+            // arguments are answer text; names are made safe.
             let mut public = None;
-            if meta.tool_calls.iter().any(|c| !c.arguments.is_empty()) {
+            if !meta.tool_calls.is_empty() {
                 let mut m = meta.clone();
-                m.tool_calls.iter_mut().for_each(|c| c.arguments.clear());
+                m.tool_calls = meta.tool_calls.iter().map(|c| c.for_record(false)).collect();
                 public = Some(m);
             }
             self.publish(req, meta.status, reason, instance, actor, error_code, Some(public.as_ref().unwrap_or(meta)));

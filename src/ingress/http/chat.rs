@@ -53,15 +53,23 @@ fn chunk(id: &str, created: i64, model: &str, delta: Value, finish: Option<&str>
 
 /// One piece of a tool call in OpenAI's chunk form: the first piece of a
 /// call (the one with its id) carries `id`, `type` and `function.name`,
-/// later ones only `index` and an `arguments` fragment, so the SDKs'
-/// accumulation by `index` works unchanged.
+/// later ones `index` and an `arguments` fragment, so the SDKs'
+/// accumulation by `index` works unchanged. A name that comes after the
+/// first piece (the assembler passes it on once) goes out in the piece it
+/// came with: the SDKs concatenate name fragments, so the call is named.
 fn tool_call_piece(d: &ToolCallDelta) -> Value {
+    let mut function = json!({ "arguments": d.arguments });
+    if let Some(name) = &d.name {
+        function["name"] = json!(name);
+    }
     match &d.id {
-        Some(id) => json!({
-            "index": d.index, "id": id, "type": "function",
-            "function": { "name": d.name.as_deref().unwrap_or_default(), "arguments": d.arguments },
-        }),
-        None => json!({ "index": d.index, "function": { "arguments": d.arguments } }),
+        Some(id) => {
+            if d.name.is_none() {
+                function["name"] = json!("");
+            }
+            json!({ "index": d.index, "id": id, "type": "function", "function": function })
+        }
+        None => json!({ "index": d.index, "function": function }),
     }
 }
 
@@ -217,4 +225,29 @@ async fn whole_response(mut task: TaskStream, model: String) -> Response {
         }
     }
     ApiError::from(GatewayError::new(ErrorCode::InternalError, "the task ended without a result")).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::task::tools::ToolCallAssembler;
+
+    /// Review L1: an engine that names the call only in a later piece (the
+    /// assembler keeps the name) must still give the client the name, or
+    /// the SDK's accumulation builds a call named "".
+    #[test]
+    fn a_tool_name_that_comes_late_still_reaches_the_client() {
+        let mut a = ToolCallAssembler::default();
+        let pieces = [
+            ToolCallDelta { index: 0, id: Some("c1".into()), name: None, arguments: "{\"ci".into() },
+            ToolCallDelta { index: 0, id: None, name: Some("get_weather".into()), arguments: "ty\": 1}".into() },
+            ToolCallDelta { index: 0, id: None, name: Some("get_weather".into()), arguments: String::new() },
+        ];
+        let out: Vec<Value> = pieces.into_iter().map(|d| tool_call_piece(&a.push(d, "t"))).collect();
+        // What openai-python does: concatenate the name fragments by index.
+        let name: String = out.iter().filter_map(|p| p["function"]["name"].as_str()).collect();
+        assert_eq!(name, "get_weather", "{out:?}");
+        assert_eq!(out[0]["id"], "c1");
+        assert!(out[1].get("id").is_none(), "{out:?}");
+    }
 }
