@@ -360,6 +360,21 @@ impl Driver {
         rx
     }
 
+    /// The attempt begun at `attempt_start` gave its first token (text, a
+    /// tool-call piece or an embedding): for the record, the breaker and the
+    /// first-token metric.
+    fn first_token(&self, p: &mut Progress, lease: &SlotLease, attempt_start: Instant) {
+        let r = &self.req;
+        p.first_token_at = Some(Instant::now());
+        self.shared.router.attempt_ended(lease.instance, Attempt::Success { ttft: attempt_start.elapsed() });
+        self.shared
+            .metrics
+            .first_token
+            .with_label_values(&[r.logical_model.as_str(), r.priority.as_str()])
+            .observe(r.received_at.elapsed().as_secs_f64());
+        self.shared.recorder.transition(r, TaskState::Streaming, "first token", Some(&lease.instance_name), "engine");
+    }
+
     /// One engine attempt on the slot `lease` names.
     async fn attempt(
         &self,
@@ -558,21 +573,8 @@ impl Driver {
                 Some(Ok(piece @ (EngineChunk::Delta(_) | EngineChunk::ToolCall(_)))) => {
                     last_token = tokio::time::Instant::now();
                     if p.first_token_at.is_none() {
-                        p.first_token_at = Some(Instant::now());
-                        router.attempt_ended(lease.instance, Attempt::Success { ttft: now.elapsed() });
+                        self.first_token(p, lease, now);
                         first_of_attempt = false;
-                        self.shared
-                            .metrics
-                            .first_token
-                            .with_label_values(&[r.logical_model.as_str(), r.priority.as_str()])
-                            .observe(r.received_at.elapsed().as_secs_f64());
-                        self.shared.recorder.transition(
-                            r,
-                            TaskState::Streaming,
-                            "first token",
-                            Some(&lease.instance_name),
-                            "engine",
-                        );
                     }
                     p.deltas += 1;
                     lease.output_tokens += 1;
@@ -596,21 +598,8 @@ impl Driver {
                     // The whole answer arrives at once: its first vector is
                     // the first token, for the record, breaker and metrics.
                     if p.first_token_at.is_none() {
-                        p.first_token_at = Some(Instant::now());
-                        router.attempt_ended(lease.instance, Attempt::Success { ttft: now.elapsed() });
+                        self.first_token(p, lease, now);
                         first_of_attempt = false;
-                        self.shared
-                            .metrics
-                            .first_token
-                            .with_label_values(&[r.logical_model.as_str(), r.priority.as_str()])
-                            .observe(r.received_at.elapsed().as_secs_f64());
-                        self.shared.recorder.transition(
-                            r,
-                            TaskState::Streaming,
-                            "first token",
-                            Some(&lease.instance_name),
-                            "engine",
-                        );
                     }
                     self.log.push(TaskEvent::Embedding { index, vector });
                 }
