@@ -8,9 +8,11 @@
 
 use std::sync::Arc;
 
+use axum::body::Body;
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue};
+use axum::response::Response;
 
 use super::errors::ApiError;
 use crate::gateway::Gateway;
@@ -55,6 +57,18 @@ pub fn id_headers(h: &mut HeaderMap, request_id: &str, task_id: &str) {
     if let Ok(v) = HeaderValue::from_str(task_id) {
         h.insert("x-task-id", v);
     }
+}
+
+/// A streamed answer: server-sent events, never cached or buffered by a
+/// proxy (`x-accel-buffering: no` for nginx), with the call's ids.
+pub fn event_stream(body: Body, request_id: &str, task_id: &str) -> Response {
+    let mut resp = Response::new(body);
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    id_headers(h, request_id, task_id);
+    resp
 }
 
 /// A header's value as text, if it is present and readable.

@@ -11,12 +11,12 @@ use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::caller::{id_headers, Credential};
+use super::caller::{event_stream, id_headers, Credential};
 use super::chat::{sse, submit_options, usage_json};
 use super::errors::{error_object, ApiError};
 use crate::error::{ErrorCode, GatewayError};
@@ -120,13 +120,7 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
         };
         Some((Ok(out), st))
     });
-    let mut resp = Response::new(Body::from_stream(body));
-    let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    id_headers(h, &request_id, &task_id);
-    resp
+    event_stream(Body::from_stream(body), &request_id, &task_id)
 }
 
 /// Waits for the whole answer. If the client disconnects, hyper drops this
