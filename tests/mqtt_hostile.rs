@@ -462,3 +462,44 @@ async fn a_retained_will_over_the_quota_is_delivered_but_not_kept() {
     assert_eq!(kept, ["w/0"]);
     gw.stop().await;
 }
+
+/// Review finding H1 (PATCHES.md 11): a QoS 2 PUBLISH that reuses the
+/// packet id of one awaiting its PUBREL is a resend, not one more: the
+/// broker keeps one message per pending id. Before, rumqttd kept every
+/// resend whole (a device looping PUBLISH QoS 2 with id 1 and no PUBREL grew
+/// the broker's memory without bound, the Receive Maximum did not count
+/// them) and each later PUBREL, whatever its id, delivered one of them:
+/// what the subscriber receives here counts what the broker held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qos2_resends_of_one_packet_id_are_kept_once() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_inflight = 4").await;
+    let (mut sub, _) = raw::session(addr, true, &format!("{}:sub", D1.0), D1).await;
+    assert_eq!(answer(&mut sub, &raw::subscribe_with(true, 1, "h1/#")).await, Some((0x90, 0)));
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    for i in 0..20 {
+        let p = raw::publish_with(true, "h1/x", format!("copy {i}").as_bytes(), 2, false, 1);
+        assert_eq!(answer(&mut s, &p).await, Some((0x50, 0)), "PUBREC of resend {i}");
+    }
+    // One PUBREL releases the one message; the others name no pending id
+    // (MQTT 5: PUBCOMP 0x92 Packet Identifier not found), and nothing more.
+    assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0)));
+    for _ in 0..3 {
+        assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0x92)));
+    }
+    s.write_all(&raw::publish_with(true, "h1/end", b"marker", 0, false, 0)).await.unwrap();
+    let mut got = Vec::new();
+    loop {
+        let p = raw::packet(&mut sub).await.expect("the released messages, then the marker");
+        if raw::publish_topic(&p) == "h1/end" {
+            break;
+        }
+        got.push(p);
+    }
+    assert_eq!(got.len(), 1, "one message held for packet id 1, not one per resend");
+    assert!(got[0].ends_with(b"copy 19"), "the last resend is the one kept");
+    // The connection goes on: a new QoS 2 publish with that id.
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "h1/x", b"again", 2, false, 1)).await, Some((0x50, 0)));
+    assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0)));
+    gw.stop().await;
+}
