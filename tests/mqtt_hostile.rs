@@ -503,3 +503,51 @@ async fn qos2_resends_of_one_packet_id_are_kept_once() {
     assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0)));
     gw.stop().await;
 }
+
+/// Review finding H2a: topic aliases. A device set an alias with a plain
+/// publish (one topic counted, nothing retained), then published retained
+/// messages by the alias alone, an empty topic: the quota counted them all
+/// as one on "", the router stored one per aliased topic. Before, the six
+/// retained publishes below were all acknowledged 0x00 and stored. Now the
+/// codec resolves aliases itself (the router never sees one), advertises
+/// the maximum it keeps, and ends a connection that uses an alias it does
+/// not know or past that maximum (DISCONNECT 0x94).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topic_aliases_do_not_bypass_the_retained_quota() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_retained_per_device = 3").await;
+    let (mut s, ack) = raw::session(addr, true, D1.0, D1).await;
+    let max = ack.windows(3).find(|w| w[0] == 0x22).map(|w| u16::from_be_bytes([w[1], w[2]]));
+    assert!(max.is_some_and(|m| (6..=64).contains(&m)), "edgeway's Topic Alias Maximum in the CONNACK: {ack:02x?}");
+    let mut codes = Vec::new();
+    for i in 0..6u16 {
+        s.write_all(&raw::publish_aliased(&format!("r/{i}"), b"set", 0, false, 0, i + 1)).await.unwrap();
+        let (kind, code) =
+            answer(&mut s, &raw::publish_aliased("", b"kept", 1, true, i + 1, i + 1)).await.expect("a PUBACK");
+        assert_eq!(kind, 0x40);
+        codes.push(code);
+    }
+    assert_eq!(codes, [0, 0, 0, 0x97, 0x97, 0x97], "0x97 Quota exceeded past 3");
+    let (mut sub, _) = raw::session(addr, true, &format!("{}:sub", D1.0), D1).await;
+    assert_eq!(answer(&mut sub, &raw::subscribe_with(true, 1, "r/#")).await, Some((0x90, 0)));
+    s.write_all(&raw::publish_with(true, "r/end", b"marker", 0, false, 0)).await.unwrap();
+    let mut retained = Vec::new();
+    loop {
+        let p = raw::packet(&mut sub).await.expect("the retained messages, then the marker");
+        let topic = raw::publish_topic(&p);
+        if topic == "r/end" {
+            break;
+        }
+        retained.push(topic);
+    }
+    retained.sort();
+    assert_eq!(retained, ["r/0", "r/1", "r/2"]);
+    // An alias never set, and one past the maximum, end the connection.
+    assert_eq!(answer(&mut s, &raw::publish_aliased("", b"x", 1, false, 9, 40)).await, Some((0xE0, 0x94)));
+    assert!(raw::closed(&mut s).await);
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    let past = max.unwrap() + 1;
+    assert_eq!(answer(&mut s, &raw::publish_aliased("r/x", b"x", 1, false, 1, past)).await, Some((0xE0, 0x94)));
+    assert!(raw::closed(&mut s).await);
+    gw.stop().await;
+}

@@ -325,3 +325,17 @@ pub fn connect_with_will(id: &str, login: (&str, &str), topic: &str, message: &[
     string(login.1.as_bytes(), &mut body);
     frame(0x10, &body)
 }
+
+/// An MQTT 5 PUBLISH with a Topic Alias property (`topic` may be empty to
+/// use the alias alone).
+pub fn publish_aliased(topic: &str, payload: &[u8], qos: u8, retain: bool, pkid: u16, alias: u16) -> Vec<u8> {
+    let mut body = Vec::new();
+    string(topic.as_bytes(), &mut body);
+    if qos > 0 {
+        body.extend_from_slice(&pkid.to_be_bytes());
+    }
+    body.extend_from_slice(&[3, 0x23]);
+    body.extend_from_slice(&alias.to_be_bytes());
+    body.extend_from_slice(payload);
+    frame(0x30 | (qos << 1) | u8::from(retain), &body)
+}

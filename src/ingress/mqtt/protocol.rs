@@ -37,10 +37,10 @@
 //! Owns: the per-connection glue. Does not own: any rule above (each is in
 //! its own module).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use rumqttd::protocol::v4::V4;
 use rumqttd::protocol::v5::V5;
 use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol, QoS, Verdict};
@@ -133,6 +133,9 @@ pub struct DeviceProtocol {
     subscriptions: HashSet<u64>,
     /// Packet ids of QoS 2 publishes awaiting their PUBREL.
     awaiting_pubrel: HashSet<u16>,
+    /// MQTT 5 topic aliases the device set (device view), resolved by the
+    /// codec ([`codec::resolve_alias`]).
+    aliases: HashMap<u16, Bytes>,
     /// The source address of the socket (patched rumqttd's
     /// `Protocol::peer`), for the failed-login limit per address.
     peer: Option<std::net::IpAddr>,
@@ -148,6 +151,7 @@ impl DeviceProtocol {
             credential: None,
             subscriptions: HashSet::new(),
             awaiting_pubrel: HashSet::new(),
+            aliases: HashMap::new(),
             peer: None,
         }
     }
@@ -301,7 +305,10 @@ impl DeviceProtocol {
                 // when the link reports it closed).
                 Err(self.end_link())
             }
-            other => codec::mount_inbound(&session.device, &self.shared.shared_prefix, &session.request_topic, other),
+            other => {
+                let other = codec::resolve_alias(&mut self.aliases, other);
+                codec::mount_inbound(&session.device, &self.shared.shared_prefix, &session.request_topic, other)
+            }
         }
     }
 }
@@ -312,6 +319,11 @@ impl DeviceProtocol {
     fn screen_publish(&mut self, device: &str, packet: Packet) -> Verdict {
         let Packet::Publish(publish, _) = &packet else { unreachable!("called with a PUBLISH") };
         let (qos, pkid) = (publish.qos(), publish.pkid());
+        if publish.topic.is_empty() {
+            tracing::info!(device, "MQTT: topic alias invalid, connection closed");
+            self.end_link();
+            return codec::topic_alias_invalid(self.version);
+        }
         let awaiting = qos == QoS::ExactlyOnce && !self.awaiting_pubrel.contains(&pkid);
         if awaiting && self.awaiting_pubrel.len() >= usize::from(self.shared.receive_max) {
             tracing::info!(
@@ -490,7 +502,7 @@ impl Protocol for DeviceProtocol {
         let packet = codec::outbound(self.version, refused, device, packet)?;
         let packet = codec::with_server_keep_alive(packet, self.state.session().and_then(|s| s.server_keep_alive));
         let packet = match refused {
-            None => codec::with_receive_maximum(packet, self.shared.receive_max),
+            None => codec::with_topic_alias_max(codec::with_receive_maximum(packet, self.shared.receive_max)),
             Some(_) => packet,
         };
         match self.version {
