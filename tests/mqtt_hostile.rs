@@ -551,3 +551,39 @@ async fn topic_aliases_do_not_bypass_the_retained_quota() {
     assert!(raw::closed(&mut s).await);
     gw.stop().await;
 }
+
+/// Review finding H2b: the broker applies a QoS 2 publish at its PUBREL,
+/// not at the PUBLISH. A retained QoS 2 publish counted at its PUBLISH,
+/// then an empty publish to the same topic (which freed it in the quota),
+/// then the PUBREL: the broker kept the message and the quota counted
+/// nothing. Before, the retained publish below, past the bytes quota with
+/// what the broker held, was acknowledged 0x00 and stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_qos2_publish_counts_when_it_is_released() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_retained_bytes_per_device = 1000").await;
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    let big = [b'x'; 900];
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "b/a", &big, 2, true, 1)).await, Some((0x50, 0)));
+    s.write_all(&raw::publish_with(true, "b/a", b"", 0, true, 0)).await.unwrap();
+    assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0)));
+    // The broker holds 900 bytes on b/a: 900 more do not fit.
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "b/b", &big, 1, true, 2)).await, Some((0x40, 0x97)));
+    let (mut sub, _) = raw::session(addr, true, &format!("{}:sub", D1.0), D1).await;
+    assert_eq!(answer(&mut sub, &raw::subscribe_with(true, 1, "b/#")).await, Some((0x90, 0)));
+    s.write_all(&raw::publish_with(true, "b/end", b"marker", 0, false, 0)).await.unwrap();
+    let mut retained = Vec::new();
+    loop {
+        let p = raw::packet(&mut sub).await.expect("the retained messages, then the marker");
+        let topic = raw::publish_topic(&p);
+        if topic == "b/end" {
+            break;
+        }
+        retained.push(topic);
+    }
+    assert_eq!(retained, ["b/a"]);
+    // Deleting it frees the quota.
+    s.write_all(&raw::publish_with(true, "b/a", b"", 0, true, 0)).await.unwrap();
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "b/b", &big, 1, true, 3)).await, Some((0x40, 0)));
+    gw.stop().await;
+}

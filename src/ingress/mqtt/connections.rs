@@ -355,11 +355,26 @@ impl DeviceQuotas {
     /// it is within the limits, else which one it would exceed (nothing
     /// counted).
     pub fn publish(&self, device: &str, topic: &[u8], retain: bool, payload_len: usize) -> Result<(), Quota> {
+        self.apply(device, topic, retain, payload_len, true)
+    }
+
+    /// A QoS 2 PUBLISH counted by [`DeviceQuotas::publish`] is released
+    /// (its PUBREL): the router applies it only now, so it is applied to the
+    /// book again, whatever the limits (the broker keeps it; something the
+    /// device published in between, e.g. an empty payload to the topic, may
+    /// have changed the book). A device over a limit this way is refused
+    /// until it frees enough.
+    pub fn release(&self, device: &str, topic: &[u8], retain: bool, payload_len: usize) {
+        // Cannot fail without limits.
+        let _ = self.apply(device, topic, retain, payload_len, false);
+    }
+
+    fn apply(&self, device: &str, topic: &[u8], retain: bool, payload_len: usize, limit: bool) -> Result<(), Quota> {
         let key = self.key(topic);
         let mut books = self.books.lock().expect("quotas");
         let book = books.entry(device.to_string()).or_default();
         let new_topic = !book.topics.contains(&key);
-        if new_topic && book.topics.len() >= self.limits.topics {
+        if limit && new_topic && book.topics.len() >= self.limits.topics {
             return Err(Quota::Topics);
         }
         if payload_len == 0 {
@@ -368,12 +383,12 @@ impl DeviceQuotas {
             }
         } else if retain {
             let old = book.retained.get(&key).copied();
-            if old.is_none() && book.retained.len() >= self.limits.retained {
+            if limit && old.is_none() && book.retained.len() >= self.limits.retained {
                 return Err(Quota::Retained);
             }
             let size = topic.len() + payload_len;
             let total = book.retained_bytes - old.unwrap_or(0) + size;
-            if total > self.limits.retained_bytes {
+            if limit && total > self.limits.retained_bytes {
                 return Err(Quota::RetainedBytes);
             }
             book.retained.insert(key, size);
@@ -428,6 +443,18 @@ mod quota_tests {
         assert_eq!(q.publish("d", b"c", true, 90), Err(Quota::RetainedBytes));
         assert_eq!(q.publish("d", b"c", true, 80), Ok(()));
         assert_eq!(q.retained("d"), (2, 92));
+    }
+
+    #[test]
+    fn a_released_qos2_publish_is_applied_again_whatever_the_limits() {
+        let q = quotas();
+        assert_eq!(q.publish("d", b"a", true, 80), Ok(()), "the QoS 2 PUBLISH");
+        assert_eq!(q.publish("d", b"a", true, 0), Ok(()), "an empty one frees it");
+        q.release("d", b"a", true, 80);
+        assert_eq!(q.retained("d"), (1, 81), "the broker applied it at the PUBREL");
+        assert_eq!(q.publish("d", b"b", true, 30), Err(Quota::RetainedBytes));
+        q.release("d", b"b", true, 30);
+        assert_eq!(q.retained("d"), (2, 112), "over the limit: counted as the broker keeps it");
     }
 
     #[test]

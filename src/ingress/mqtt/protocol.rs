@@ -131,14 +131,22 @@ pub struct DeviceProtocol {
     credential: Option<[u8; 32]>,
     /// Keys ([`DeviceQuotas::key`]) of the filters this connection holds.
     subscriptions: HashSet<u64>,
-    /// Packet ids of QoS 2 publishes awaiting their PUBREL.
-    awaiting_pubrel: HashSet<u16>,
+    /// QoS 2 publishes awaiting their PUBREL, by packet id: what the router
+    /// applies at the PUBREL, counted again then ([`DeviceQuotas::release`]).
+    awaiting_pubrel: HashMap<u16, Pending>,
     /// MQTT 5 topic aliases the device set (device view), resolved by the
     /// codec ([`codec::resolve_alias`]).
     aliases: HashMap<u16, Bytes>,
     /// The source address of the socket (patched rumqttd's
     /// `Protocol::peer`), for the failed-login limit per address.
     peer: Option<std::net::IpAddr>,
+}
+
+/// A QoS 2 publish awaiting its PUBREL, as the quotas count it.
+struct Pending {
+    topic: Bytes,
+    retain: bool,
+    len: usize,
 }
 
 impl DeviceProtocol {
@@ -150,7 +158,7 @@ impl DeviceProtocol {
             expires_at: None,
             credential: None,
             subscriptions: HashSet::new(),
-            awaiting_pubrel: HashSet::new(),
+            awaiting_pubrel: HashMap::new(),
             aliases: HashMap::new(),
             peer: None,
         }
@@ -324,7 +332,7 @@ impl DeviceProtocol {
             self.end_link();
             return codec::topic_alias_invalid(self.version);
         }
-        let awaiting = qos == QoS::ExactlyOnce && !self.awaiting_pubrel.contains(&pkid);
+        let awaiting = qos == QoS::ExactlyOnce && !self.awaiting_pubrel.contains_key(&pkid);
         if awaiting && self.awaiting_pubrel.len() >= usize::from(self.shared.receive_max) {
             tracing::info!(
                 device,
@@ -336,8 +344,11 @@ impl DeviceProtocol {
         let counted = self.shared.quotas.publish(device, &publish.topic, publish.retain, publish.payload.len());
         match counted {
             Ok(()) => {
-                if awaiting {
-                    self.awaiting_pubrel.insert(pkid);
+                if qos == QoS::ExactlyOnce {
+                    // A resend replaces (the router keeps one per id).
+                    let pending =
+                        Pending { topic: publish.topic.clone(), retain: publish.retain, len: publish.payload.len() };
+                    self.awaiting_pubrel.insert(pkid, pending);
                 }
                 Verdict::Forward(packet)
             }
@@ -443,7 +454,9 @@ impl Protocol for DeviceProtocol {
                 Verdict::Forward(packet)
             }
             Packet::PubRel(ref rel, _) => {
-                self.awaiting_pubrel.remove(&rel.pkid);
+                if let Some(p) = self.awaiting_pubrel.remove(&rel.pkid) {
+                    self.shared.quotas.release(&device, &p.topic, p.retain, p.len);
+                }
                 Verdict::Forward(packet)
             }
             other => Verdict::Forward(other),
