@@ -587,3 +587,38 @@ async fn a_retained_qos2_publish_counts_when_it_is_released() {
     assert_eq!(answer(&mut s, &raw::publish_with(true, "b/b", &big, 1, true, 3)).await, Some((0x40, 0)));
     gw.stop().await;
 }
+
+/// Review finding M2: rumqttd restores the subscriptions of a session
+/// resumed with Clean Start 0, so a limit per connection reset on every
+/// reconnect let a device pile up subscriptions in the broker. Before, the
+/// fourth subscription below, on a resumed session that already held three,
+/// got SUBACK 0x00. Now they are counted per client id while its session
+/// lasts (a clean start forgets them, as the broker does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_are_counted_across_resumed_sessions() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_subscriptions_per_connection = 3").await;
+    let resume = || async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(&raw::without_clean_start(raw::connect_v5(D1.0, Some(D1)))).await.unwrap();
+        let ack = raw::packet(&mut s).await.expect("a CONNACK");
+        (s, ack)
+    };
+    let (mut s, ack) = resume().await;
+    assert_eq!(ack[3], 0);
+    for i in 1..=3u16 {
+        assert_eq!(answer(&mut s, &raw::subscribe_with(true, i, &format!("m/{i}"))).await, Some((0x90, 0)));
+    }
+    s.write_all(&[0xE0, 0]).await.unwrap();
+    assert!(raw::closed(&mut s).await);
+    let (mut s, ack) = resume().await;
+    assert_eq!((ack[2], ack[3]), (1, 0), "the session is resumed");
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 4, "m/4")).await, Some((0x90, 0x97)));
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 5, "m/1")).await, Some((0x90, 0)), "one it holds");
+    s.write_all(&[0xE0, 0]).await.unwrap();
+    assert!(raw::closed(&mut s).await);
+    // A clean start ends the session and its subscriptions.
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 1, "m/4")).await, Some((0x90, 0)));
+    gw.stop().await;
+}

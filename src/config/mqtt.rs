@@ -64,7 +64,8 @@ pub struct MqttConfig {
     /// Distinct topic names and filters a device may use while edgeway
     /// runs (the broker keeps each in caches that never shrink).
     pub max_topics_per_device: usize,
-    /// Subscriptions (filters) one connection holds at once.
+    /// Subscriptions (filters) one connection holds at once (with those a
+    /// session resumed with Clean Start 0 restores).
     pub max_subscriptions_per_connection: usize,
     /// Default delta coalescing: at most one delta message per this period…
     pub coalesce: Duration,

@@ -339,3 +339,13 @@ pub fn publish_aliased(topic: &str, payload: &[u8], qos: u8, retain: bool, pkid:
     body.extend_from_slice(payload);
     frame(0x30 | (qos << 1) | u8::from(retain), &body)
 }
+
+/// `connect` (either version) with Clean Start / Clean Session off.
+pub fn without_clean_start(mut connect: Vec<u8>) -> Vec<u8> {
+    let mut header = 2;
+    while connect[header - 1] & 0x80 != 0 {
+        header += 1;
+    }
+    connect[header + 7] &= !0x02;
+    connect
+}

@@ -284,6 +284,79 @@ mod tests {
     }
 }
 
+/// The filters each client id holds in the router, counted against
+/// `max_subscriptions_per_connection`. Kept per client id, not per
+/// connection, because the router restores the subscriptions of a session
+/// resumed with Clean Start 0 (it keeps them for as long as it runs, and so
+/// does this table); a clean start, or the end of a clean-start connection,
+/// forgets them, as the router does.
+#[derive(Default)]
+pub struct SessionFilters {
+    held: Mutex<HashMap<String, Held>>,
+}
+
+/// What one client id holds.
+struct Held {
+    /// The connection that holds them now (a takeover hands them on).
+    conn: u64,
+    /// Whether that connection started clean (its session ends with it).
+    clean: bool,
+    filters: HashSet<u64>,
+}
+
+impl SessionFilters {
+    /// Connection `conn` of `client_id` starts: it resumes what the client
+    /// id held unless it or the session it takes over started clean.
+    pub fn connected(&self, client_id: &str, conn: u64, clean: bool) {
+        let mut held = self.held.lock().expect("filters");
+        match held.get_mut(client_id) {
+            Some(h) if !clean && !h.clean => h.conn = conn,
+            _ => {
+                held.insert(client_id.to_string(), Held { conn, clean, filters: HashSet::new() });
+            }
+        }
+    }
+
+    /// Connection `conn` of `client_id` ended: a clean session ends with it
+    /// (unless a newer connection already took the client id over).
+    pub fn closed(&self, client_id: &str, conn: u64) {
+        let mut held = self.held.lock().expect("filters");
+        if held.get(client_id).is_some_and(|h| h.conn == conn && h.clean) {
+            held.remove(client_id);
+        }
+    }
+
+    /// The filters (keys) of a SUBSCRIBE of `client_id`: counted if the
+    /// client id holds at most `max` then and `also` agrees, else nothing
+    /// is.
+    pub fn subscribe(
+        &self,
+        client_id: &str,
+        keys: &[u64],
+        max: usize,
+        also: impl FnOnce() -> Result<(), Quota>,
+    ) -> Result<(), Quota> {
+        let mut held = self.held.lock().expect("filters");
+        let Some(h) = held.get_mut(client_id) else { return Err(Quota::Subscriptions) };
+        let new: HashSet<u64> = keys.iter().filter(|k| !h.filters.contains(k)).copied().collect();
+        if h.filters.len() + new.len() > max {
+            return Err(Quota::Subscriptions);
+        }
+        also()?;
+        h.filters.extend(new);
+        Ok(())
+    }
+
+    /// The filters (keys) of an UNSUBSCRIBE of `client_id`.
+    pub fn unsubscribe(&self, client_id: &str, keys: impl IntoIterator<Item = u64>) {
+        if let Some(h) = self.held.lock().expect("filters").get_mut(client_id) {
+            for k in keys {
+                h.filters.remove(&k);
+            }
+        }
+    }
+}
+
 /// Which per-device limit a packet would exceed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Quota {

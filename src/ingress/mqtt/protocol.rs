@@ -13,7 +13,7 @@
 //!   per-device quotas that [`Protocol::screen`] (a hook of the patched
 //!   rumqttd) applies to every PUBLISH and SUBSCRIBE before the router sees
 //!   it: retained messages, topic names and filters per device,
-//!   subscriptions per connection, and QoS 2 publishes awaiting PUBREL per
+//!   subscriptions per client id (a resumed session keeps its own), and QoS 2 publishes awaiting PUBREL per
 //!   connection (at most the Receive Maximum told in the CONNACK,
 //!   `mqtt.max_inflight`);
 //! - [`super::wills`] and [`super::presence`] when a connection starts and
@@ -37,7 +37,7 @@
 //! Owns: the per-connection glue. Does not own: any rule above (each is in
 //! its own module).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -47,7 +47,7 @@ use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol, QoS, Verd
 
 use super::auth::{DeviceDirectory, Refusal};
 use super::codec::{self, Detected, Refused, Version};
-use super::connections::{Conn, Connections, DeviceQuotas, Quota, QuotaLimits, Session};
+use super::connections::{Conn, Connections, DeviceQuotas, Quota, QuotaLimits, Session, SessionFilters};
 use super::presence::{Presence, PresenceReporter};
 use super::topics::Topics;
 use super::wills::Wills;
@@ -72,6 +72,8 @@ pub struct ProtocolShared {
     quotas: DeviceQuotas,
     /// `mqtt.max_subscriptions_per_connection`.
     max_subscriptions: usize,
+    /// The filters each client id holds, across resumed sessions.
+    filters: SessionFilters,
     /// The Receive Maximum told to MQTT 5 devices (`mqtt.max_inflight`):
     /// QoS 2 publishes awaiting PUBREL per connection.
     receive_max: u16,
@@ -96,6 +98,7 @@ impl ProtocolShared {
                 topics: usize::MAX,
             }),
             max_subscriptions: usize::MAX,
+            filters: SessionFilters::default(),
             receive_max: u16::MAX,
         }
     }
@@ -129,8 +132,6 @@ pub struct DeviceProtocol {
     expires_at: Option<i64>,
     /// The login's token id digest, checked for revocation at every read.
     credential: Option<[u8; 32]>,
-    /// Keys ([`DeviceQuotas::key`]) of the filters this connection holds.
-    subscriptions: HashSet<u64>,
     /// QoS 2 publishes awaiting their PUBREL, by packet id: what the router
     /// applies at the PUBREL, counted again then ([`DeviceQuotas::release`]).
     awaiting_pubrel: HashMap<u16, Pending>,
@@ -157,7 +158,6 @@ impl DeviceProtocol {
             state: Conn::AwaitingConnect,
             expires_at: None,
             credential: None,
-            subscriptions: HashSet::new(),
             awaiting_pubrel: HashMap::new(),
             aliases: HashMap::new(),
             peer: None,
@@ -178,6 +178,7 @@ impl Drop for DeviceProtocol {
         let shared = &self.shared;
         if let Conn::Open(s) | Conn::Ending(s) = std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
             shared.connections.close(&s.device, &s.client_id);
+            shared.filters.closed(&s.client_id, s.conn);
             if let Some((mut will, props)) = s.will {
                 // A will is a publish of the device: within its quotas. A
                 // retained one over the retained quota still goes to
@@ -272,6 +273,7 @@ impl DeviceProtocol {
         let conn = shared.connections.next_conn();
         let terms = codec::rewrite_connect(&mut connect, &mut props, shared.max_keep_alive);
         let client_id = connect.client_id.clone();
+        shared.filters.connected(&client_id, conn, connect.clean_session);
         shared.wills.cancel(&client_id);
         shared.presence.report(Presence::Connected {
             device: mount.clone(),
@@ -368,18 +370,16 @@ impl DeviceProtocol {
     /// device's topics goes on; else it is refused whole.
     fn screen_subscribe(&mut self, device: &str, packet: Packet) -> Verdict {
         let Packet::Subscribe(subscribe, _) = &packet else { unreachable!("called with a SUBSCRIBE") };
-        let keys: Vec<u64> = subscribe.filters.iter().map(|f| self.shared.quotas.key(f.path.as_bytes())).collect();
-        let new: HashSet<u64> = keys.iter().filter(|k| !self.subscriptions.contains(k)).copied().collect();
-        let counted = if self.subscriptions.len() + new.len() > self.shared.max_subscriptions {
-            Err(Quota::Subscriptions)
-        } else {
-            self.shared.quotas.subscribe(device, &keys)
+        let Some(client_id) = self.state.session().map(|s| s.client_id.as_str()) else {
+            unreachable!("screened after CONNECT")
         };
+        let shared = &self.shared;
+        let keys: Vec<u64> = subscribe.filters.iter().map(|f| shared.quotas.key(f.path.as_bytes())).collect();
+        let counted = shared
+            .filters
+            .subscribe(client_id, &keys, shared.max_subscriptions, || shared.quotas.subscribe(device, &keys));
         match counted {
-            Ok(()) => {
-                self.subscriptions.extend(new);
-                Verdict::Forward(packet)
-            }
+            Ok(()) => Verdict::Forward(packet),
             Err(quota) => {
                 tracing::debug!(device, reason = quota.reason(), "MQTT: SUBSCRIBE refused");
                 Verdict::Answer(codec::refuse_subscribe(self.version, subscribe.pkid, keys.len(), quota))
@@ -448,8 +448,9 @@ impl Protocol for DeviceProtocol {
             Packet::Publish(..) => self.screen_publish(&device, packet),
             Packet::Subscribe(..) => self.screen_subscribe(&device, packet),
             Packet::Unsubscribe(ref unsub, _) => {
-                for f in &unsub.filters {
-                    self.subscriptions.remove(&self.shared.quotas.key(f.as_bytes()));
+                if let Some(s) = self.state.session() {
+                    let keys = unsub.filters.iter().map(|f| self.shared.quotas.key(f.as_bytes()));
+                    self.shared.filters.unsubscribe(&s.client_id, keys);
                 }
                 Verdict::Forward(packet)
             }
