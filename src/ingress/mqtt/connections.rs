@@ -11,7 +11,8 @@
 //! once ([`Connections::open`]), and failed authentications per device id
 //! and per source IP address ([`Connections::auth_allowed`], token
 //! buckets: beyond either a CONNECT is refused before its password is
-//! checked; the per-address one slows an attacker who rotates device ids).
+//! checked; the per-address one, by /64 for IPv6, slows an attacker who
+//! rotates device ids).
 //!
 //! What a device leaves in rumqttd's router ([`DeviceQuotas`]): retained
 //! messages (count and bytes), and topic names and filters (the router
@@ -24,7 +25,7 @@
 //! ([`super::codec`]), wills ([`super::wills`]), presence
 //! ([`super::presence`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{BuildHasher, Hash, RandomState};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -80,7 +81,7 @@ impl Conn {
     }
 }
 
-/// Failure buckets kept at most; past it, full buckets are forgotten.
+/// Failure buckets kept at most; past it, the least recently used goes.
 const MAX_BUCKETS: usize = 10_000;
 
 /// What every codec shares about connections.
@@ -154,29 +155,56 @@ impl Connections {
     /// `peer` (when known) may be authenticated now: false while the
     /// failures of either are over their rate.
     pub fn auth_allowed(&self, device: Option<&str>, peer: Option<IpAddr>, now: Instant) -> bool {
-        device.is_none_or(|d| self.failures.allowed(d, now)) && peer.is_none_or(|ip| self.ip_failures.allowed(&ip, now))
+        device.is_none_or(|d| self.failures.allowed(&d.to_string(), now))
+            && peer.is_none_or(|ip| self.ip_failures.allowed(&address_key(ip), now))
     }
 
     /// An authentication of `device` from `peer` failed.
     pub fn auth_failed(&self, device: Option<&str>, peer: Option<IpAddr>, now: Instant) {
         if let Some(d) = device {
-            self.failures.failed(d, now);
+            self.failures.failed(&d.to_string(), now);
         }
         if let Some(ip) = peer {
-            self.ip_failures.failed(&ip, now);
+            self.ip_failures.failed(&address_key(ip), now);
         }
     }
 }
 
-/// Token buckets of failures per key, at most [`MAX_BUCKETS`] of them.
+/// Token buckets of failures per key, at most [`MAX_BUCKETS`] of them: a
+/// new key in a full table takes the place of the least recently used one
+/// (O(log n); a full table never stops tracking new keys).
 struct Buckets<K> {
     /// Failures per second allowed (the bucket holds `5 ×` that).
     rate: f64,
-    /// Key → (tokens, when last refilled).
-    map: Mutex<HashMap<K, (f64, Instant)>>,
+    map: Mutex<BucketMap<K>>,
 }
 
-impl<K: Hash + Eq> Buckets<K> {
+struct BucketMap<K> {
+    /// Key → (tokens, when last refilled, its stamp in `by_use`).
+    buckets: HashMap<K, (f64, Instant, u64)>,
+    /// Stamp of last use → key, oldest first.
+    by_use: BTreeMap<u64, K>,
+    next_stamp: u64,
+}
+
+impl<K> Default for BucketMap<K> {
+    fn default() -> Self {
+        BucketMap { buckets: HashMap::new(), by_use: BTreeMap::new(), next_stamp: 0 }
+    }
+}
+
+#[cfg(test)]
+impl<K: Hash + Eq> BucketMap<K> {
+    fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    fn contains_key(&self, key: &K) -> bool {
+        self.buckets.contains_key(key)
+    }
+}
+
+impl<K: Hash + Eq + Clone> Buckets<K> {
     fn new(rate: f64) -> Self {
         Buckets { rate, map: Mutex::default() }
     }
@@ -185,16 +213,12 @@ impl<K: Hash + Eq> Buckets<K> {
         (self.rate * 5.0).max(1.0)
     }
 
-    fn allowed<Q>(&self, key: &Q, now: Instant) -> bool
-    where
-        K: std::borrow::Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
+    fn allowed(&self, key: &K, now: Instant) -> bool {
         let mut f = self.map.lock().expect("failures");
         let cap = self.capacity();
-        match f.get_mut(key) {
+        match f.buckets.get_mut(key) {
             None => true,
-            Some((tokens, at)) => {
+            Some((tokens, at, _)) => {
                 *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * self.rate).min(cap);
                 *at = now;
                 *tokens >= 1.0
@@ -202,23 +226,35 @@ impl<K: Hash + Eq> Buckets<K> {
         }
     }
 
-    fn failed<Q>(&self, key: &Q, now: Instant)
-    where
-        K: std::borrow::Borrow<Q>,
-        Q: Hash + Eq + ?Sized + ToOwned<Owned = K>,
-    {
-        let mut f = self.map.lock().expect("failures");
+    fn failed(&self, key: &K, now: Instant) {
+        let mut guard = self.map.lock().expect("failures");
+        let f = &mut *guard;
         let (cap, rate) = (self.capacity(), self.rate);
-        if f.len() >= MAX_BUCKETS && !f.contains_key(key) {
-            // Forget the buckets that refilled: they limit nothing.
-            f.retain(|_, (t, at)| *t + now.duration_since(*at).as_secs_f64() * rate < cap);
-            if f.len() >= MAX_BUCKETS {
-                return;
+        let stamp = f.next_stamp;
+        f.next_stamp += 1;
+        if !f.buckets.contains_key(key) && f.buckets.len() >= MAX_BUCKETS {
+            if let Some((_, oldest)) = f.by_use.pop_first() {
+                f.buckets.remove(&oldest);
             }
         }
-        let (tokens, at) = f.entry(key.to_owned()).or_insert((cap, now));
+        let (tokens, at, used) = f.buckets.entry(key.clone()).or_insert((cap, now, stamp));
+        if *used != stamp {
+            f.by_use.remove(used);
+        }
         *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * rate).min(cap) - 1.0;
         *at = now;
+        *used = stamp;
+        f.by_use.insert(stamp, key.clone());
+    }
+}
+
+/// The key of a source address for the failed-login limit: an IPv6 address
+/// by its /64 (one subscriber's prefix; rotating addresses within it is
+/// free), an IPv4 address as it is.
+fn address_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into()),
+        v4 => v4,
     }
 }
 
@@ -271,16 +307,38 @@ mod tests {
     }
 
     #[test]
-    fn failure_buckets_are_bounded() {
+    fn failure_buckets_are_bounded_and_the_oldest_goes_first() {
         let b: Buckets<IpAddr> = Buckets::new(1.0);
         let t0 = Instant::now();
         for i in 0..(MAX_BUCKETS as u32 + 100) {
             b.failed(&IpAddr::from(i.to_be_bytes()), t0);
         }
-        assert_eq!(b.map.lock().unwrap().len(), MAX_BUCKETS, "none refilled: the newest are not tracked");
-        // Once the old ones refilled they are forgotten for new ones.
-        b.failed(&IpAddr::from([10, 0, 0, 1]), t0 + Duration::from_secs(60));
-        assert_eq!(b.map.lock().unwrap().len(), 1);
+        assert_eq!(b.map.lock().unwrap().len(), MAX_BUCKETS);
+        // A full table still tracks a new address (before: not tracked at
+        // all, so it was never limited): the least recently used goes.
+        let fresh = IpAddr::from([10, 0, 0, 1]);
+        for _ in 0..5 {
+            assert!(b.allowed(&fresh, t0));
+            b.failed(&fresh, t0);
+        }
+        assert!(!b.allowed(&fresh, t0), "a new address is limited in a full table");
+        assert_eq!(b.map.lock().unwrap().len(), MAX_BUCKETS);
+        assert!(b.map.lock().unwrap().contains_key(&IpAddr::from((MAX_BUCKETS as u32 + 99).to_be_bytes())));
+        assert!(!b.map.lock().unwrap().contains_key(&IpAddr::from(100u32.to_be_bytes())), "the oldest went");
+    }
+
+    #[test]
+    fn failed_authentications_are_limited_per_ipv6_64_prefix() {
+        let c = Connections::new(8, 1000.0, 2.0);
+        let t0 = Instant::now();
+        let ip = |last: u16| IpAddr::from([0x2001, 0xdb8, 0, 1, 0xdead, 0xbeef, 0, last]);
+        for i in 0..10 {
+            assert!(c.auth_allowed(None, Some(ip(i)), t0));
+            c.auth_failed(None, Some(ip(i)), t0);
+        }
+        assert!(!c.auth_allowed(None, Some(ip(999)), t0), "another address of the same /64");
+        let other = IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1]);
+        assert!(c.auth_allowed(None, Some(other), t0), "another /64");
     }
 }
 
