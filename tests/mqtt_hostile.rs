@@ -622,3 +622,25 @@ async fn subscriptions_are_counted_across_resumed_sessions() {
     assert_eq!(answer(&mut s, &raw::subscribe_with(true, 1, "m/4")).await, Some((0x90, 0)));
     gw.stop().await;
 }
+
+/// Review finding H2c: a will counts against the quotas when it is
+/// published, not when it is armed: a delayed will cancelled by a reconnect
+/// is never published. Before, it was counted when its connection went and
+/// stayed counted: here the retained quota of 1 was spent by a will that was
+/// never kept, and the device's one retained publish got PUBACK 0x97.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_will_cancelled_by_a_reconnect_does_not_count() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_retained_per_device = 1").await;
+    let connect = raw::connect_v5_with_will(D1.0, D1, ("w/1", b"gone", true), 60, 60);
+    let mut w = tokio::net::TcpStream::connect(addr).await.unwrap();
+    w.write_all(&connect).await.unwrap();
+    assert_eq!(raw::packet(&mut w).await.map(|p| (p[0], p[3])), Some((0x20, 0)));
+    let _ = socket2::SockRef::from(&w).set_linger(Some(Duration::ZERO));
+    drop(w);
+    assert!(until_devices_connected(&gw, 0).await, "the connection went (its will armed, 60 s delay)");
+    // The device is back before the delay: the will is never published.
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "w/0", b"kept", 1, true, 1)).await, Some((0x40, 0)));
+    gw.stop().await;
+}

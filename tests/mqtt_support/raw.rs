@@ -349,3 +349,26 @@ pub fn without_clean_start(mut connect: Vec<u8>) -> Vec<u8> {
     connect[header + 7] &= !0x02;
     connect
 }
+
+/// An MQTT 5 CONNECT (clean start) with a Session Expiry Interval and a
+/// will (QoS 0, retained when `retain`) with a Will Delay Interval.
+pub fn connect_v5_with_will(
+    id: &str,
+    login: (&str, &str),
+    will: (&str, &[u8], bool),
+    delay_s: u32,
+    session_expiry_s: u32,
+) -> Vec<u8> {
+    let (topic, message, retain) = will;
+    let flags = 0x02 | 0x04 | if retain { 0x20 } else { 0 } | 0xC0;
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 5, flags, 0, 60, 5, 0x11];
+    body.extend_from_slice(&session_expiry_s.to_be_bytes());
+    string(id.as_bytes(), &mut body);
+    body.extend_from_slice(&[5, 0x18]);
+    body.extend_from_slice(&delay_s.to_be_bytes());
+    string(topic.as_bytes(), &mut body);
+    string(message, &mut body);
+    string(login.0.as_bytes(), &mut body);
+    string(login.1.as_bytes(), &mut body);
+    frame(0x10, &body)
+}

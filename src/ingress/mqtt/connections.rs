@@ -472,6 +472,12 @@ pub struct DeviceQuotas {
     books: Mutex<HashMap<String, Book>>,
 }
 
+impl std::fmt::Debug for DeviceQuotas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceQuotas").field("limits", &self.limits).finish_non_exhaustive()
+    }
+}
+
 impl DeviceQuotas {
     pub fn new(limits: QuotaLimits) -> Self {
         DeviceQuotas { limits, hasher: RandomState::new(), books: Mutex::default() }

@@ -47,7 +47,7 @@ use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol, QoS, Verd
 
 use super::auth::{DeviceDirectory, Refusal};
 use super::codec::{self, Detected, Refused, Version};
-use super::connections::{Conn, Connections, DeviceQuotas, Quota, QuotaLimits, Session, SessionFilters};
+use super::connections::{Conn, Connections, DeviceQuotas, QuotaLimits, Session, SessionFilters};
 use super::presence::{Presence, PresenceReporter};
 use super::topics::Topics;
 use super::wills::Wills;
@@ -68,8 +68,9 @@ pub struct ProtocolShared {
     max_will_bytes: usize,
     /// `mqtt.max_will_delay_s`.
     max_will_delay_s: u32,
-    /// Retained messages, topics and filters per device.
-    quotas: DeviceQuotas,
+    /// Retained messages, topics and filters per device (shared with the
+    /// wills, which count when they are published).
+    quotas: Arc<DeviceQuotas>,
     /// `mqtt.max_subscriptions_per_connection`.
     max_subscriptions: usize,
     /// The filters each client id holds, across resumed sessions.
@@ -92,11 +93,11 @@ impl ProtocolShared {
             max_keep_alive: crate::config::mqtt::DEFAULT_MQTT_MAX_KEEP_ALIVE_S,
             max_will_bytes: usize::MAX,
             max_will_delay_s: u32::MAX,
-            quotas: DeviceQuotas::new(QuotaLimits {
+            quotas: Arc::new(DeviceQuotas::new(QuotaLimits {
                 retained: usize::MAX,
                 retained_bytes: usize::MAX,
                 topics: usize::MAX,
-            }),
+            })),
             max_subscriptions: usize::MAX,
             filters: SessionFilters::default(),
             receive_max: u16::MAX,
@@ -110,11 +111,11 @@ impl ProtocolShared {
         self.max_will_delay_s = cfg.max_will_delay_s;
         self.connections =
             Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s, cfg.auth_failures_per_ip_per_s);
-        self.quotas = DeviceQuotas::new(QuotaLimits {
+        self.quotas = Arc::new(DeviceQuotas::new(QuotaLimits {
             retained: cfg.max_retained_per_device,
             retained_bytes: cfg.max_retained_bytes_per_device,
             topics: cfg.max_topics_per_device,
-        });
+        }));
         self.max_subscriptions = cfg.max_subscriptions_per_connection;
         self.receive_max = u16::try_from(cfg.max_inflight).unwrap_or(u16::MAX).max(1);
         self
@@ -179,26 +180,12 @@ impl Drop for DeviceProtocol {
         if let Conn::Open(s) | Conn::Ending(s) = std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
             shared.connections.close(&s.device, &s.client_id);
             shared.filters.closed(&s.client_id, s.conn);
-            if let Some((mut will, props)) = s.will {
-                // A will is a publish of the device: within its quotas. A
-                // retained one over the retained quota still goes to
-                // current subscribers, not kept; one to a topic over the
-                // topic quota does not go (nobody is left to tell).
-                let quotas = &shared.quotas;
-                let len = will.message.len();
-                let mut counted = quotas.publish(&s.device, &will.topic, will.retain, len);
-                if let Err(Quota::Retained | Quota::RetainedBytes) = counted {
-                    will.retain = false;
-                    counted = quotas.publish(&s.device, &will.topic, false, len);
-                }
-                match counted {
-                    // The will waits the delay or the session, whichever is
-                    // first, and never more than `max_will_delay_s`.
-                    Ok(()) => {
-                        shared.wills.arm(&s.client_id, will, props, s.session_expiry.min(shared.max_will_delay_s))
-                    }
-                    Err(quota) => tracing::info!(device = %s.device, reason = quota.reason(), "MQTT: will dropped"),
-                }
+            if let Some((will, props)) = s.will {
+                // The will waits the delay or the session, whichever is
+                // first, and never more than `max_will_delay_s`; it counts
+                // against the device's quotas when it goes (`wills`).
+                let expiry = s.session_expiry.min(shared.max_will_delay_s);
+                shared.wills.arm(&s.client_id, (&s.device, &shared.quotas), will, props, expiry);
             }
             shared.presence.report(Presence::Disconnected { device: s.device, conn: s.conn });
         }
