@@ -644,3 +644,36 @@ async fn a_will_cancelled_by_a_reconnect_does_not_count() {
     assert_eq!(answer(&mut s, &raw::publish_with(true, "w/0", b"kept", 1, true, 1)).await, Some((0x40, 0)));
     gw.stop().await;
 }
+
+/// Review finding M1: QoS 2 publishes awaiting PUBREL were bounded by
+/// count per connection only (`max_inflight` × `max_instances_per_device`
+/// × `max_packet_bytes`: 800 MiB per device by default). Now their bytes
+/// are bounded per device, over all its connections
+/// (`max_inflight_bytes_per_device`; DISCONNECT 0x97). Before, the third
+/// publish below was acknowledged PUBREC 0x00.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qos2_bytes_awaiting_pubrel_are_bounded_per_device() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_inflight_bytes_per_device = 3000").await;
+    let kb = [b'x'; 1000];
+    let (mut a, _) = raw::session(addr, true, D1.0, D1).await;
+    for pkid in 1..=2 {
+        assert_eq!(answer(&mut a, &raw::publish_with(true, "q", &kb, 2, false, pkid)).await, Some((0x50, 0)));
+    }
+    // A resend of a pending one replaces it: not more bytes.
+    assert_eq!(answer(&mut a, &raw::publish_with(true, "q", &kb, 2, false, 2)).await, Some((0x50, 0)));
+    let (mut b, _) = raw::session(addr, true, &format!("{}:b", D1.0), D1).await;
+    assert_eq!(answer(&mut b, &raw::publish_with(true, "q", &kb, 2, false, 1)).await, Some((0xE0, 0x97)));
+    assert!(raw::closed(&mut b).await);
+    // A PUBREL frees its bytes, and so does the end of a connection.
+    assert_eq!(answer(&mut a, &raw::pubrel(1)).await, Some((0x70, 0)));
+    let (mut b, _) = raw::session(addr, true, &format!("{}:b", D1.0), D1).await;
+    assert_eq!(answer(&mut b, &raw::publish_with(true, "q", &kb, 2, false, 1)).await, Some((0x50, 0)));
+    assert_eq!(answer(&mut b, &raw::publish_with(true, "q", &kb, 2, false, 2)).await, Some((0xE0, 0x97)));
+    drop(a);
+    assert!(until_devices_connected(&gw, 0).await);
+    let (mut c, _) = raw::session(addr, true, &format!("{}:c", D1.0), D1).await;
+    assert_eq!(answer(&mut c, &raw::publish_with(true, "q", &kb, 2, false, 1)).await, Some((0x50, 0)));
+    assert_eq!(answer(&mut c, &raw::publish_with(true, "q", &kb, 2, false, 2)).await, Some((0x50, 0)));
+    gw.stop().await;
+}

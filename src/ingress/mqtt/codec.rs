@@ -281,6 +281,15 @@ fn disconnect(code: DisconnectReasonCode, why: &str) -> Packet {
     Packet::Disconnect(Disconnect { reason_code: code }, Some(props))
 }
 
+/// A publish over a quota that ends the connection: MQTT 5 DISCONNECT
+/// 0x97 with the quota's reason; 3.1.1 closes.
+pub fn quota_disconnect(version: Version, quota: Quota) -> Verdict {
+    match version {
+        Version::V5 => Verdict::Close(Some(disconnect(DisconnectReasonCode::QuotaExceeded, quota.reason()))),
+        _ => Verdict::Close(None),
+    }
+}
+
 /// What answers a PUBLISH (QoS `qos`, packet id `pkid`) over a quota: MQTT
 /// 5 PUBACK or PUBREC 0x97; a QoS 0 publish (no acknowledgement) or any
 /// 3.1.1 one closes the connection (MQTT 5 with DISCONNECT 0x97).

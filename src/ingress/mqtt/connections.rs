@@ -415,6 +415,59 @@ impl SessionFilters {
     }
 }
 
+/// Bytes of QoS 2 publishes awaiting PUBREL per device, over all its
+/// connections (the router keeps each whole until its PUBREL or the end of
+/// its connection), against `max_inflight_bytes_per_device`.
+pub struct InflightBytes {
+    limit: usize,
+    held: Mutex<HashMap<String, usize>>,
+}
+
+impl InflightBytes {
+    pub fn new(limit: usize) -> Self {
+        InflightBytes { limit, held: Mutex::default() }
+    }
+
+    /// A pending publish of `old` bytes (0: a new one) becomes `new`
+    /// bytes: counted if the device stays within the limit, else nothing
+    /// changes.
+    pub fn replace(&self, device: &str, old: usize, new: usize) -> bool {
+        self.change(device, old, new, true)
+    }
+
+    /// Undoes a [`InflightBytes::replace`] of `old` by `new` (the publish
+    /// was refused after all).
+    pub fn undo(&self, device: &str, old: usize, new: usize) {
+        self.change(device, new, old, false);
+    }
+
+    fn change(&self, device: &str, old: usize, new: usize, limit: bool) -> bool {
+        let mut held = self.held.lock().expect("inflight");
+        let n = held.entry(device.to_string()).or_default();
+        let total = *n - old.min(*n) + new;
+        if limit && new > old && total > self.limit {
+            return false;
+        }
+        *n = total;
+        if *n == 0 {
+            held.remove(device);
+        }
+        true
+    }
+
+    /// `bytes` of the device are no longer pending (a PUBREL, or the end of
+    /// the connection that held them).
+    pub fn release(&self, device: &str, bytes: usize) {
+        let mut held = self.held.lock().expect("inflight");
+        if let Some(n) = held.get_mut(device) {
+            *n -= bytes.min(*n);
+            if *n == 0 {
+                held.remove(device);
+            }
+        }
+    }
+}
+
 /// Which per-device limit a packet would exceed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Quota {
@@ -426,6 +479,8 @@ pub enum Quota {
     Topics,
     /// `max_subscriptions_per_connection`.
     Subscriptions,
+    /// `max_inflight_bytes_per_device`.
+    InflightBytes,
 }
 
 impl Quota {
@@ -436,6 +491,7 @@ impl Quota {
             Quota::RetainedBytes => "too many bytes of retained messages for this device",
             Quota::Topics => "too many distinct topic names and filters for this device",
             Quota::Subscriptions => "too many subscriptions on this connection",
+            Quota::InflightBytes => "too many bytes of QoS 2 publishes awaiting PUBREL for this device",
         }
     }
 }

@@ -15,7 +15,8 @@
 //!   it: retained messages, topic names and filters per device,
 //!   subscriptions per client id (a resumed session keeps its own), and QoS 2 publishes awaiting PUBREL per
 //!   connection (at most the Receive Maximum told in the CONNACK,
-//!   `mqtt.max_inflight`);
+//!   `mqtt.max_inflight`) and their bytes per device over all its
+//!   connections (`mqtt.max_inflight_bytes_per_device`);
 //! - [`super::wills`] and [`super::presence`] when a connection starts and
 //!   when it ends (the codec is dropped with the connection).
 //!
@@ -47,7 +48,7 @@ use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol, QoS, Verd
 
 use super::auth::{DeviceDirectory, Refusal};
 use super::codec::{self, Detected, Refused, Version};
-use super::connections::{Conn, Connections, DeviceQuotas, QuotaLimits, Session, SessionFilters};
+use super::connections::{Conn, Connections, DeviceQuotas, InflightBytes, Quota, QuotaLimits, Session, SessionFilters};
 use super::presence::{Presence, PresenceReporter};
 use super::topics::Topics;
 use super::wills::Wills;
@@ -75,6 +76,9 @@ pub struct ProtocolShared {
     max_subscriptions: usize,
     /// The filters each client id holds, across resumed sessions.
     filters: SessionFilters,
+    /// Bytes of QoS 2 publishes awaiting PUBREL per device
+    /// (`mqtt.max_inflight_bytes_per_device`).
+    inflight_bytes: InflightBytes,
     /// The Receive Maximum told to MQTT 5 devices (`mqtt.max_inflight`):
     /// QoS 2 publishes awaiting PUBREL per connection.
     receive_max: u16,
@@ -100,6 +104,7 @@ impl ProtocolShared {
             })),
             max_subscriptions: usize::MAX,
             filters: SessionFilters::default(),
+            inflight_bytes: InflightBytes::new(usize::MAX),
             receive_max: u16::MAX,
         }
     }
@@ -117,6 +122,7 @@ impl ProtocolShared {
             topics: cfg.max_topics_per_device,
         }));
         self.max_subscriptions = cfg.max_subscriptions_per_connection;
+        self.inflight_bytes = InflightBytes::new(cfg.max_inflight_bytes_per_device);
         self.receive_max = u16::try_from(cfg.max_inflight).unwrap_or(u16::MAX).max(1);
         self
     }
@@ -151,6 +157,13 @@ struct Pending {
     len: usize,
 }
 
+impl Pending {
+    /// What the router keeps of it.
+    fn bytes(&self) -> usize {
+        self.topic.len() + self.len
+    }
+}
+
 impl DeviceProtocol {
     pub fn new(shared: Arc<ProtocolShared>) -> Self {
         DeviceProtocol {
@@ -180,6 +193,9 @@ impl Drop for DeviceProtocol {
         if let Conn::Open(s) | Conn::Ending(s) = std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
             shared.connections.close(&s.device, &s.client_id);
             shared.filters.closed(&s.client_id, s.conn);
+            // The router drops what the connection left awaiting PUBREL.
+            let pending: usize = self.awaiting_pubrel.values().map(Pending::bytes).sum();
+            shared.inflight_bytes.release(&s.device, pending);
             if let Some((will, props)) = s.will {
                 // The will waits the delay or the session, whichever is
                 // first, and never more than `max_will_delay_s`; it counts
@@ -330,6 +346,17 @@ impl DeviceProtocol {
             self.end_link();
             return codec::receive_maximum_exceeded(self.version);
         }
+        // Bytes of this QoS 2 publish in place of a pending one of its id.
+        let bytes = (qos == QoS::ExactlyOnce).then(|| {
+            (self.awaiting_pubrel.get(&pkid).map_or(0, Pending::bytes), publish.topic.len() + publish.payload.len())
+        });
+        if let Some((old, new)) = bytes {
+            if !self.shared.inflight_bytes.replace(device, old, new) {
+                tracing::info!(device, "MQTT: too many bytes awaiting PUBREL, connection closed");
+                self.end_link();
+                return codec::quota_disconnect(self.version, Quota::InflightBytes);
+            }
+        }
         let counted = self.shared.quotas.publish(device, &publish.topic, publish.retain, publish.payload.len());
         match counted {
             Ok(()) => {
@@ -342,6 +369,9 @@ impl DeviceProtocol {
                 Verdict::Forward(packet)
             }
             Err(quota) => {
+                if let Some((old, new)) = bytes {
+                    self.shared.inflight_bytes.undo(device, old, new);
+                }
                 tracing::debug!(device, reason = quota.reason(), "MQTT: PUBLISH refused");
                 let verdict = codec::refuse_publish(self.version, qos, pkid, quota);
                 if matches!(verdict, Verdict::Close(_)) {
@@ -444,6 +474,7 @@ impl Protocol for DeviceProtocol {
             Packet::PubRel(ref rel, _) => {
                 if let Some(p) = self.awaiting_pubrel.remove(&rel.pkid) {
                     self.shared.quotas.release(&device, &p.topic, p.retain, p.len);
+                    self.shared.inflight_bytes.release(&device, p.bytes());
                 }
                 Verdict::Forward(packet)
             }
