@@ -462,3 +462,218 @@ async fn a_retained_will_over_the_quota_is_delivered_but_not_kept() {
     assert_eq!(kept, ["w/0"]);
     gw.stop().await;
 }
+
+/// Review finding H1 (PATCHES.md 11): a QoS 2 PUBLISH that reuses the
+/// packet id of one awaiting its PUBREL is a resend, not one more: the
+/// broker keeps one message per pending id. Before, rumqttd kept every
+/// resend whole (a device looping PUBLISH QoS 2 with id 1 and no PUBREL grew
+/// the broker's memory without bound, the Receive Maximum did not count
+/// them) and each later PUBREL, whatever its id, delivered one of them:
+/// what the subscriber receives here counts what the broker held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qos2_resends_of_one_packet_id_are_kept_once() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_inflight = 4").await;
+    let (mut sub, _) = raw::session(addr, true, &format!("{}:sub", D1.0), D1).await;
+    assert_eq!(answer(&mut sub, &raw::subscribe_with(true, 1, "h1/#")).await, Some((0x90, 0)));
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    for i in 0..20 {
+        let p = raw::publish_with(true, "h1/x", format!("copy {i}").as_bytes(), 2, false, 1);
+        assert_eq!(answer(&mut s, &p).await, Some((0x50, 0)), "PUBREC of resend {i}");
+    }
+    // One PUBREL releases the one message; the others name no pending id
+    // (MQTT 5: PUBCOMP 0x92 Packet Identifier not found), and nothing more.
+    assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0)));
+    for _ in 0..3 {
+        assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0x92)));
+    }
+    s.write_all(&raw::publish_with(true, "h1/end", b"marker", 0, false, 0)).await.unwrap();
+    let mut got = Vec::new();
+    loop {
+        let p = raw::packet(&mut sub).await.expect("the released messages, then the marker");
+        if raw::publish_topic(&p) == "h1/end" {
+            break;
+        }
+        got.push(p);
+    }
+    assert_eq!(got.len(), 1, "one message held for packet id 1, not one per resend");
+    assert!(got[0].ends_with(b"copy 19"), "the last resend is the one kept");
+    // The connection goes on: a new QoS 2 publish with that id.
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "h1/x", b"again", 2, false, 1)).await, Some((0x50, 0)));
+    assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0)));
+    gw.stop().await;
+}
+
+/// Review finding H2a: topic aliases. A device set an alias with a plain
+/// publish (one topic counted, nothing retained), then published retained
+/// messages by the alias alone, an empty topic: the quota counted them all
+/// as one on "", the router stored one per aliased topic. Before, the six
+/// retained publishes below were all acknowledged 0x00 and stored. Now the
+/// codec resolves aliases itself (the router never sees one), advertises
+/// the maximum it keeps, and ends a connection that uses an alias it does
+/// not know or past that maximum (DISCONNECT 0x94).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topic_aliases_do_not_bypass_the_retained_quota() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_retained_per_device = 3").await;
+    let (mut s, ack) = raw::session(addr, true, D1.0, D1).await;
+    let max = ack.windows(3).find(|w| w[0] == 0x22).map(|w| u16::from_be_bytes([w[1], w[2]]));
+    assert!(max.is_some_and(|m| (6..=64).contains(&m)), "edgeway's Topic Alias Maximum in the CONNACK: {ack:02x?}");
+    let mut codes = Vec::new();
+    for i in 0..6u16 {
+        s.write_all(&raw::publish_aliased(&format!("r/{i}"), b"set", 0, false, 0, i + 1)).await.unwrap();
+        let (kind, code) =
+            answer(&mut s, &raw::publish_aliased("", b"kept", 1, true, i + 1, i + 1)).await.expect("a PUBACK");
+        assert_eq!(kind, 0x40);
+        codes.push(code);
+    }
+    assert_eq!(codes, [0, 0, 0, 0x97, 0x97, 0x97], "0x97 Quota exceeded past 3");
+    let (mut sub, _) = raw::session(addr, true, &format!("{}:sub", D1.0), D1).await;
+    assert_eq!(answer(&mut sub, &raw::subscribe_with(true, 1, "r/#")).await, Some((0x90, 0)));
+    s.write_all(&raw::publish_with(true, "r/end", b"marker", 0, false, 0)).await.unwrap();
+    let mut retained = Vec::new();
+    loop {
+        let p = raw::packet(&mut sub).await.expect("the retained messages, then the marker");
+        let topic = raw::publish_topic(&p);
+        if topic == "r/end" {
+            break;
+        }
+        retained.push(topic);
+    }
+    retained.sort();
+    assert_eq!(retained, ["r/0", "r/1", "r/2"]);
+    // An alias never set, and one past the maximum, end the connection.
+    assert_eq!(answer(&mut s, &raw::publish_aliased("", b"x", 1, false, 9, 40)).await, Some((0xE0, 0x94)));
+    assert!(raw::closed(&mut s).await);
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    let past = max.unwrap() + 1;
+    assert_eq!(answer(&mut s, &raw::publish_aliased("r/x", b"x", 1, false, 1, past)).await, Some((0xE0, 0x94)));
+    assert!(raw::closed(&mut s).await);
+    gw.stop().await;
+}
+
+/// Review finding H2b: the broker applies a QoS 2 publish at its PUBREL,
+/// not at the PUBLISH. A retained QoS 2 publish counted at its PUBLISH,
+/// then an empty publish to the same topic (which freed it in the quota),
+/// then the PUBREL: the broker kept the message and the quota counted
+/// nothing. Before, the retained publish below, past the bytes quota with
+/// what the broker held, was acknowledged 0x00 and stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_qos2_publish_counts_when_it_is_released() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_retained_bytes_per_device = 1000").await;
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    let big = [b'x'; 900];
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "b/a", &big, 2, true, 1)).await, Some((0x50, 0)));
+    s.write_all(&raw::publish_with(true, "b/a", b"", 0, true, 0)).await.unwrap();
+    assert_eq!(answer(&mut s, &raw::pubrel(1)).await, Some((0x70, 0)));
+    // The broker holds 900 bytes on b/a: 900 more do not fit.
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "b/b", &big, 1, true, 2)).await, Some((0x40, 0x97)));
+    let (mut sub, _) = raw::session(addr, true, &format!("{}:sub", D1.0), D1).await;
+    assert_eq!(answer(&mut sub, &raw::subscribe_with(true, 1, "b/#")).await, Some((0x90, 0)));
+    s.write_all(&raw::publish_with(true, "b/end", b"marker", 0, false, 0)).await.unwrap();
+    let mut retained = Vec::new();
+    loop {
+        let p = raw::packet(&mut sub).await.expect("the retained messages, then the marker");
+        let topic = raw::publish_topic(&p);
+        if topic == "b/end" {
+            break;
+        }
+        retained.push(topic);
+    }
+    assert_eq!(retained, ["b/a"]);
+    // Deleting it frees the quota.
+    s.write_all(&raw::publish_with(true, "b/a", b"", 0, true, 0)).await.unwrap();
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "b/b", &big, 1, true, 3)).await, Some((0x40, 0)));
+    gw.stop().await;
+}
+
+/// Review finding M2: rumqttd restores the subscriptions of a session
+/// resumed with Clean Start 0, so a limit per connection reset on every
+/// reconnect let a device pile up subscriptions in the broker. Before, the
+/// fourth subscription below, on a resumed session that already held three,
+/// got SUBACK 0x00. Now they are counted per client id while its session
+/// lasts (a clean start forgets them, as the broker does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_are_counted_across_resumed_sessions() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_subscriptions_per_connection = 3").await;
+    let resume = || async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(&raw::without_clean_start(raw::connect_v5(D1.0, Some(D1)))).await.unwrap();
+        let ack = raw::packet(&mut s).await.expect("a CONNACK");
+        (s, ack)
+    };
+    let (mut s, ack) = resume().await;
+    assert_eq!(ack[3], 0);
+    for i in 1..=3u16 {
+        assert_eq!(answer(&mut s, &raw::subscribe_with(true, i, &format!("m/{i}"))).await, Some((0x90, 0)));
+    }
+    s.write_all(&[0xE0, 0]).await.unwrap();
+    assert!(raw::closed(&mut s).await);
+    let (mut s, ack) = resume().await;
+    assert_eq!((ack[2], ack[3]), (1, 0), "the session is resumed");
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 4, "m/4")).await, Some((0x90, 0x97)));
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 5, "m/1")).await, Some((0x90, 0)), "one it holds");
+    s.write_all(&[0xE0, 0]).await.unwrap();
+    assert!(raw::closed(&mut s).await);
+    // A clean start ends the session and its subscriptions.
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    assert_eq!(answer(&mut s, &raw::subscribe_with(true, 1, "m/4")).await, Some((0x90, 0)));
+    gw.stop().await;
+}
+
+/// Review finding H2c: a will counts against the quotas when it is
+/// published, not when it is armed: a delayed will cancelled by a reconnect
+/// is never published. Before, it was counted when its connection went and
+/// stayed counted: here the retained quota of 1 was spent by a will that was
+/// never kept, and the device's one retained publish got PUBACK 0x97.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_will_cancelled_by_a_reconnect_does_not_count() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_retained_per_device = 1").await;
+    let connect = raw::connect_v5_with_will(D1.0, D1, ("w/1", b"gone", true), 60, 60);
+    let mut w = tokio::net::TcpStream::connect(addr).await.unwrap();
+    w.write_all(&connect).await.unwrap();
+    assert_eq!(raw::packet(&mut w).await.map(|p| (p[0], p[3])), Some((0x20, 0)));
+    let _ = socket2::SockRef::from(&w).set_linger(Some(Duration::ZERO));
+    drop(w);
+    assert!(until_devices_connected(&gw, 0).await, "the connection went (its will armed, 60 s delay)");
+    // The device is back before the delay: the will is never published.
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    assert_eq!(answer(&mut s, &raw::publish_with(true, "w/0", b"kept", 1, true, 1)).await, Some((0x40, 0)));
+    gw.stop().await;
+}
+
+/// Review finding M1: QoS 2 publishes awaiting PUBREL were bounded by
+/// count per connection only (`max_inflight` × `max_instances_per_device`
+/// × `max_packet_bytes`: 800 MiB per device by default). Now their bytes
+/// are bounded per device, over all its connections
+/// (`max_inflight_bytes_per_device`; DISCONNECT 0x97). Before, the third
+/// publish below was acknowledged PUBREC 0x00.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qos2_bytes_awaiting_pubrel_are_bounded_per_device() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_inflight_bytes_per_device = 3000").await;
+    let kb = [b'x'; 1000];
+    let (mut a, _) = raw::session(addr, true, D1.0, D1).await;
+    for pkid in 1..=2 {
+        assert_eq!(answer(&mut a, &raw::publish_with(true, "q", &kb, 2, false, pkid)).await, Some((0x50, 0)));
+    }
+    // A resend of a pending one replaces it: not more bytes.
+    assert_eq!(answer(&mut a, &raw::publish_with(true, "q", &kb, 2, false, 2)).await, Some((0x50, 0)));
+    let (mut b, _) = raw::session(addr, true, &format!("{}:b", D1.0), D1).await;
+    assert_eq!(answer(&mut b, &raw::publish_with(true, "q", &kb, 2, false, 1)).await, Some((0xE0, 0x97)));
+    assert!(raw::closed(&mut b).await);
+    // A PUBREL frees its bytes, and so does the end of a connection.
+    assert_eq!(answer(&mut a, &raw::pubrel(1)).await, Some((0x70, 0)));
+    let (mut b, _) = raw::session(addr, true, &format!("{}:b", D1.0), D1).await;
+    assert_eq!(answer(&mut b, &raw::publish_with(true, "q", &kb, 2, false, 1)).await, Some((0x50, 0)));
+    assert_eq!(answer(&mut b, &raw::publish_with(true, "q", &kb, 2, false, 2)).await, Some((0xE0, 0x97)));
+    drop(a);
+    assert!(until_devices_connected(&gw, 0).await);
+    let (mut c, _) = raw::session(addr, true, &format!("{}:c", D1.0), D1).await;
+    assert_eq!(answer(&mut c, &raw::publish_with(true, "q", &kb, 2, false, 1)).await, Some((0x50, 0)));
+    assert_eq!(answer(&mut c, &raw::publish_with(true, "q", &kb, 2, false, 2)).await, Some((0x50, 0)));
+    gw.stop().await;
+}

@@ -64,8 +64,12 @@ pub struct MqttConfig {
     /// Distinct topic names and filters a device may use while edgeway
     /// runs (the broker keeps each in caches that never shrink).
     pub max_topics_per_device: usize,
-    /// Subscriptions (filters) one connection holds at once.
+    /// Subscriptions (filters) one connection holds at once (with those a
+    /// session resumed with Clean Start 0 restores).
     pub max_subscriptions_per_connection: usize,
+    /// Bytes (topic and payload) of QoS 2 publishes awaiting PUBREL that a
+    /// device may leave in the broker, over all its connections.
+    pub max_inflight_bytes_per_device: usize,
     /// Default delta coalescing: at most one delta message per this period…
     pub coalesce: Duration,
     /// …or per this many bytes of text, whichever comes first.
@@ -138,6 +142,7 @@ pub struct RawMqtt {
     pub max_retained_bytes_per_device: usize,
     pub max_topics_per_device: usize,
     pub max_subscriptions_per_connection: usize,
+    pub max_inflight_bytes_per_device: usize,
     pub coalesce_ms: u64,
     pub max_chunk_bytes: usize,
     pub disconnect_grace_ms: u64,
@@ -173,6 +178,7 @@ impl Default for RawMqtt {
             max_retained_bytes_per_device: 1024 * 1024,
             max_topics_per_device: 1000,
             max_subscriptions_per_connection: 100,
+            max_inflight_bytes_per_device: 16 * 1024 * 1024,
             coalesce_ms: 100,
             max_chunk_bytes: 512,
             disconnect_grace_ms: 60_000,
@@ -278,6 +284,7 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
     for (key, v) in [
         ("mqtt.max_topics_per_device", raw.max_topics_per_device),
         ("mqtt.max_subscriptions_per_connection", raw.max_subscriptions_per_connection),
+        ("mqtt.max_inflight_bytes_per_device", raw.max_inflight_bytes_per_device),
     ] {
         if v == 0 {
             p.add(key, "must be at least 1");
@@ -321,6 +328,7 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
         max_retained_bytes_per_device: raw.max_retained_bytes_per_device,
         max_topics_per_device: raw.max_topics_per_device,
         max_subscriptions_per_connection: raw.max_subscriptions_per_connection,
+        max_inflight_bytes_per_device: raw.max_inflight_bytes_per_device,
         coalesce: Duration::from_millis(raw.coalesce_ms),
         max_chunk_bytes: raw.max_chunk_bytes,
         disconnect_grace: Duration::from_millis(raw.disconnect_grace_ms),

@@ -325,3 +325,50 @@ pub fn connect_with_will(id: &str, login: (&str, &str), topic: &str, message: &[
     string(login.1.as_bytes(), &mut body);
     frame(0x10, &body)
 }
+
+/// An MQTT 5 PUBLISH with a Topic Alias property (`topic` may be empty to
+/// use the alias alone).
+pub fn publish_aliased(topic: &str, payload: &[u8], qos: u8, retain: bool, pkid: u16, alias: u16) -> Vec<u8> {
+    let mut body = Vec::new();
+    string(topic.as_bytes(), &mut body);
+    if qos > 0 {
+        body.extend_from_slice(&pkid.to_be_bytes());
+    }
+    body.extend_from_slice(&[3, 0x23]);
+    body.extend_from_slice(&alias.to_be_bytes());
+    body.extend_from_slice(payload);
+    frame(0x30 | (qos << 1) | u8::from(retain), &body)
+}
+
+/// `connect` (either version) with Clean Start / Clean Session off.
+pub fn without_clean_start(mut connect: Vec<u8>) -> Vec<u8> {
+    let mut header = 2;
+    while connect[header - 1] & 0x80 != 0 {
+        header += 1;
+    }
+    connect[header + 7] &= !0x02;
+    connect
+}
+
+/// An MQTT 5 CONNECT (clean start) with a Session Expiry Interval and a
+/// will (QoS 0, retained when `retain`) with a Will Delay Interval.
+pub fn connect_v5_with_will(
+    id: &str,
+    login: (&str, &str),
+    will: (&str, &[u8], bool),
+    delay_s: u32,
+    session_expiry_s: u32,
+) -> Vec<u8> {
+    let (topic, message, retain) = will;
+    let flags = 0x02 | 0x04 | if retain { 0x20 } else { 0 } | 0xC0;
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 5, flags, 0, 60, 5, 0x11];
+    body.extend_from_slice(&session_expiry_s.to_be_bytes());
+    string(id.as_bytes(), &mut body);
+    body.extend_from_slice(&[5, 0x18]);
+    body.extend_from_slice(&delay_s.to_be_bytes());
+    string(topic.as_bytes(), &mut body);
+    string(message, &mut body);
+    string(login.0.as_bytes(), &mut body);
+    string(login.1.as_bytes(), &mut body);
+    frame(0x10, &body)
+}

@@ -24,6 +24,12 @@
 //!   publish (which has no acknowledgement). 3.1.1 has no reason code in
 //!   PUBACK: a refused publish closes the connection; a refused SUBSCRIBE
 //!   gets SUBACK 0x80 Failure.
+//! - **Topic aliases** a device sets are resolved here ([`resolve_alias`],
+//!   at most [`TOPIC_ALIAS_MAX`] per connection, told in the CONNACK): the
+//!   router and the quotas only ever see whole topics (a quota counted by
+//!   the topic of the packet would otherwise count every alias-only publish
+//!   as one on ""). An alias never set or past the maximum ends the
+//!   connection (DISCONNECT 0x94 Topic Alias invalid).
 //! - MQTT 5 properties never reach a 3.1.1 device; the MQTT 5 message
 //!   expiry of a request is carried to edgeway as an absolute time
 //!   ([`EXPIRES_AT_PROPERTY`]) instead of letting the router drop the
@@ -32,7 +38,9 @@
 //! Owns: the byte- and packet-level rules. Does not own: authentication
 //! ([`super::auth`]), connection bookkeeping ([`super::connections`]).
 
-use bytes::BytesMut;
+use std::collections::HashMap;
+
+use bytes::{Bytes, BytesMut};
 use rumqttd::protocol::{
     ConnAckProperties, Connect, ConnectProperties, ConnectReturnCode, Disconnect, DisconnectProperties,
     DisconnectReasonCode, Error, LastWill, Packet, PubAck, PubAckProperties, PubAckReason, PubRec, PubRecProperties,
@@ -213,6 +221,55 @@ pub fn with_receive_maximum(packet: Packet, receive_max: u16) -> Packet {
     }
 }
 
+/// Topic aliases an MQTT 5 device may set per connection (its CONNACK's
+/// Topic Alias Maximum). Each keeps a topic name: small, so that they stay
+/// a small part of a connection's memory.
+pub const TOPIC_ALIAS_MAX: u16 = 32;
+
+/// Sets MQTT 5's Topic Alias Maximum on a CONNACK that has properties
+/// (instead of rumqttd's 4096: edgeway resolves aliases itself).
+pub fn with_topic_alias_max(packet: Packet) -> Packet {
+    match packet {
+        Packet::ConnAck(ack, Some(mut p)) => {
+            p.topic_alias_max = Some(TOPIC_ALIAS_MAX);
+            Packet::ConnAck(ack, Some(p))
+        }
+        packet => packet,
+    }
+}
+
+/// Device → router, before mounting: an MQTT 5 PUBLISH with a Topic Alias
+/// gets its whole topic (a topic with an alias sets it, an empty one uses
+/// it) and loses the alias, so that nothing past the codec counts or
+/// stores by alias. `aliases` is the connection's (device view). An alias
+/// never set, or 0, or past [`TOPIC_ALIAS_MAX`], leaves the topic empty,
+/// which [`topic_alias_invalid`] answers.
+pub fn resolve_alias(aliases: &mut HashMap<u16, Bytes>, packet: Packet) -> Packet {
+    let Packet::Publish(mut publish, Some(mut props)) = packet else { return packet };
+    if let Some(alias) = props.topic_alias.take() {
+        if alias == 0 || alias > TOPIC_ALIAS_MAX {
+            publish.topic = Bytes::new();
+        } else if publish.topic.is_empty() {
+            publish.topic = aliases.get(&alias).cloned().unwrap_or_default();
+        } else {
+            aliases.insert(alias, publish.topic.clone());
+        }
+    }
+    Packet::Publish(publish, Some(props))
+}
+
+/// A PUBLISH without a topic after [`resolve_alias`]: MQTT 5 DISCONNECT
+/// 0x94 Topic Alias invalid; 3.1.1 (an empty topic is malformed) closes.
+pub fn topic_alias_invalid(version: Version) -> Verdict {
+    match version {
+        Version::V5 => Verdict::Close(Some(disconnect(
+            DisconnectReasonCode::TopicAliasInvalid,
+            "a topic alias not set on this connection, or past the Topic Alias Maximum",
+        ))),
+        _ => Verdict::Close(None),
+    }
+}
+
 /// MQTT 5 DISCONNECT with `code` and a reason string.
 fn disconnect(code: DisconnectReasonCode, why: &str) -> Packet {
     let props = DisconnectProperties {
@@ -222,6 +279,15 @@ fn disconnect(code: DisconnectReasonCode, why: &str) -> Packet {
         server_reference: None,
     };
     Packet::Disconnect(Disconnect { reason_code: code }, Some(props))
+}
+
+/// A publish over a quota that ends the connection: MQTT 5 DISCONNECT
+/// 0x97 with the quota's reason; 3.1.1 closes.
+pub fn quota_disconnect(version: Version, quota: Quota) -> Verdict {
+    match version {
+        Version::V5 => Verdict::Close(Some(disconnect(DisconnectReasonCode::QuotaExceeded, quota.reason()))),
+        _ => Verdict::Close(None),
+    }
 }
 
 /// What answers a PUBLISH (QoS `qos`, packet id `pkid`) over a quota: MQTT
@@ -549,5 +615,27 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(buf.is_empty(), "left unread: {buf:02x?}");
+    }
+
+    #[test]
+    fn topic_aliases_are_resolved_and_dropped() {
+        let mut aliases = HashMap::new();
+        let publish = |topic: &str, alias: u16| {
+            let props = PublishProperties { topic_alias: Some(alias), ..Default::default() };
+            Packet::Publish(Publish::new(topic.to_string(), "p".into(), false), Some(props))
+        };
+        let resolved = |p: Packet| match p {
+            Packet::Publish(p, props) => (String::from_utf8(p.topic.to_vec()).unwrap(), props.unwrap().topic_alias),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(resolved(resolve_alias(&mut aliases, publish("a/b", 3))), ("a/b".into(), None), "sets 3");
+        assert_eq!(resolved(resolve_alias(&mut aliases, publish("", 3))), ("a/b".into(), None), "uses 3");
+        assert_eq!(resolved(resolve_alias(&mut aliases, publish("c", 3))), ("c".into(), None), "sets 3 again");
+        assert_eq!(resolved(resolve_alias(&mut aliases, publish("", 3))), ("c".into(), None));
+        assert_eq!(resolved(resolve_alias(&mut aliases, publish("", 4))), (String::new(), None), "never set");
+        let past = TOPIC_ALIAS_MAX + 1;
+        assert_eq!(resolved(resolve_alias(&mut aliases, publish("d", past))), (String::new(), None), "past the max");
+        assert_eq!(resolved(resolve_alias(&mut aliases, publish("d", 0))), (String::new(), None), "0");
+        assert_eq!(aliases.len(), 1);
     }
 }

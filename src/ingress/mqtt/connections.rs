@@ -11,7 +11,8 @@
 //! once ([`Connections::open`]), and failed authentications per device id
 //! and per source IP address ([`Connections::auth_allowed`], token
 //! buckets: beyond either a CONNECT is refused before its password is
-//! checked; the per-address one slows an attacker who rotates device ids).
+//! checked; the per-address one, by /64 for IPv6, slows an attacker who
+//! rotates device ids).
 //!
 //! What a device leaves in rumqttd's router ([`DeviceQuotas`]): retained
 //! messages (count and bytes), and topic names and filters (the router
@@ -24,7 +25,7 @@
 //! ([`super::codec`]), wills ([`super::wills`]), presence
 //! ([`super::presence`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{BuildHasher, Hash, RandomState};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -80,7 +81,7 @@ impl Conn {
     }
 }
 
-/// Failure buckets kept at most; past it, full buckets are forgotten.
+/// Failure buckets kept at most; past it, the least recently used goes.
 const MAX_BUCKETS: usize = 10_000;
 
 /// What every codec shares about connections.
@@ -154,29 +155,56 @@ impl Connections {
     /// `peer` (when known) may be authenticated now: false while the
     /// failures of either are over their rate.
     pub fn auth_allowed(&self, device: Option<&str>, peer: Option<IpAddr>, now: Instant) -> bool {
-        device.is_none_or(|d| self.failures.allowed(d, now)) && peer.is_none_or(|ip| self.ip_failures.allowed(&ip, now))
+        device.is_none_or(|d| self.failures.allowed(&d.to_string(), now))
+            && peer.is_none_or(|ip| self.ip_failures.allowed(&address_key(ip), now))
     }
 
     /// An authentication of `device` from `peer` failed.
     pub fn auth_failed(&self, device: Option<&str>, peer: Option<IpAddr>, now: Instant) {
         if let Some(d) = device {
-            self.failures.failed(d, now);
+            self.failures.failed(&d.to_string(), now);
         }
         if let Some(ip) = peer {
-            self.ip_failures.failed(&ip, now);
+            self.ip_failures.failed(&address_key(ip), now);
         }
     }
 }
 
-/// Token buckets of failures per key, at most [`MAX_BUCKETS`] of them.
+/// Token buckets of failures per key, at most [`MAX_BUCKETS`] of them: a
+/// new key in a full table takes the place of the least recently used one
+/// (O(log n); a full table never stops tracking new keys).
 struct Buckets<K> {
     /// Failures per second allowed (the bucket holds `5 ×` that).
     rate: f64,
-    /// Key → (tokens, when last refilled).
-    map: Mutex<HashMap<K, (f64, Instant)>>,
+    map: Mutex<BucketMap<K>>,
 }
 
-impl<K: Hash + Eq> Buckets<K> {
+struct BucketMap<K> {
+    /// Key → (tokens, when last refilled, its stamp in `by_use`).
+    buckets: HashMap<K, (f64, Instant, u64)>,
+    /// Stamp of last use → key, oldest first.
+    by_use: BTreeMap<u64, K>,
+    next_stamp: u64,
+}
+
+impl<K> Default for BucketMap<K> {
+    fn default() -> Self {
+        BucketMap { buckets: HashMap::new(), by_use: BTreeMap::new(), next_stamp: 0 }
+    }
+}
+
+#[cfg(test)]
+impl<K: Hash + Eq> BucketMap<K> {
+    fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    fn contains_key(&self, key: &K) -> bool {
+        self.buckets.contains_key(key)
+    }
+}
+
+impl<K: Hash + Eq + Clone> Buckets<K> {
     fn new(rate: f64) -> Self {
         Buckets { rate, map: Mutex::default() }
     }
@@ -185,16 +213,12 @@ impl<K: Hash + Eq> Buckets<K> {
         (self.rate * 5.0).max(1.0)
     }
 
-    fn allowed<Q>(&self, key: &Q, now: Instant) -> bool
-    where
-        K: std::borrow::Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
+    fn allowed(&self, key: &K, now: Instant) -> bool {
         let mut f = self.map.lock().expect("failures");
         let cap = self.capacity();
-        match f.get_mut(key) {
+        match f.buckets.get_mut(key) {
             None => true,
-            Some((tokens, at)) => {
+            Some((tokens, at, _)) => {
                 *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * self.rate).min(cap);
                 *at = now;
                 *tokens >= 1.0
@@ -202,23 +226,35 @@ impl<K: Hash + Eq> Buckets<K> {
         }
     }
 
-    fn failed<Q>(&self, key: &Q, now: Instant)
-    where
-        K: std::borrow::Borrow<Q>,
-        Q: Hash + Eq + ?Sized + ToOwned<Owned = K>,
-    {
-        let mut f = self.map.lock().expect("failures");
+    fn failed(&self, key: &K, now: Instant) {
+        let mut guard = self.map.lock().expect("failures");
+        let f = &mut *guard;
         let (cap, rate) = (self.capacity(), self.rate);
-        if f.len() >= MAX_BUCKETS && !f.contains_key(key) {
-            // Forget the buckets that refilled: they limit nothing.
-            f.retain(|_, (t, at)| *t + now.duration_since(*at).as_secs_f64() * rate < cap);
-            if f.len() >= MAX_BUCKETS {
-                return;
+        let stamp = f.next_stamp;
+        f.next_stamp += 1;
+        if !f.buckets.contains_key(key) && f.buckets.len() >= MAX_BUCKETS {
+            if let Some((_, oldest)) = f.by_use.pop_first() {
+                f.buckets.remove(&oldest);
             }
         }
-        let (tokens, at) = f.entry(key.to_owned()).or_insert((cap, now));
+        let (tokens, at, used) = f.buckets.entry(key.clone()).or_insert((cap, now, stamp));
+        if *used != stamp {
+            f.by_use.remove(used);
+        }
         *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * rate).min(cap) - 1.0;
         *at = now;
+        *used = stamp;
+        f.by_use.insert(stamp, key.clone());
+    }
+}
+
+/// The key of a source address for the failed-login limit: an IPv6 address
+/// by its /64 (one subscriber's prefix; rotating addresses within it is
+/// free), an IPv4 address as it is.
+fn address_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into()),
+        v4 => v4,
     }
 }
 
@@ -271,16 +307,164 @@ mod tests {
     }
 
     #[test]
-    fn failure_buckets_are_bounded() {
+    fn failure_buckets_are_bounded_and_the_oldest_goes_first() {
         let b: Buckets<IpAddr> = Buckets::new(1.0);
         let t0 = Instant::now();
         for i in 0..(MAX_BUCKETS as u32 + 100) {
             b.failed(&IpAddr::from(i.to_be_bytes()), t0);
         }
-        assert_eq!(b.map.lock().unwrap().len(), MAX_BUCKETS, "none refilled: the newest are not tracked");
-        // Once the old ones refilled they are forgotten for new ones.
-        b.failed(&IpAddr::from([10, 0, 0, 1]), t0 + Duration::from_secs(60));
-        assert_eq!(b.map.lock().unwrap().len(), 1);
+        assert_eq!(b.map.lock().unwrap().len(), MAX_BUCKETS);
+        // A full table still tracks a new address (before: not tracked at
+        // all, so it was never limited): the least recently used goes.
+        let fresh = IpAddr::from([10, 0, 0, 1]);
+        for _ in 0..5 {
+            assert!(b.allowed(&fresh, t0));
+            b.failed(&fresh, t0);
+        }
+        assert!(!b.allowed(&fresh, t0), "a new address is limited in a full table");
+        assert_eq!(b.map.lock().unwrap().len(), MAX_BUCKETS);
+        assert!(b.map.lock().unwrap().contains_key(&IpAddr::from((MAX_BUCKETS as u32 + 99).to_be_bytes())));
+        assert!(!b.map.lock().unwrap().contains_key(&IpAddr::from(100u32.to_be_bytes())), "the oldest went");
+    }
+
+    #[test]
+    fn failed_authentications_are_limited_per_ipv6_64_prefix() {
+        let c = Connections::new(8, 1000.0, 2.0);
+        let t0 = Instant::now();
+        let ip = |last: u16| IpAddr::from([0x2001, 0xdb8, 0, 1, 0xdead, 0xbeef, 0, last]);
+        for i in 0..10 {
+            assert!(c.auth_allowed(None, Some(ip(i)), t0));
+            c.auth_failed(None, Some(ip(i)), t0);
+        }
+        assert!(!c.auth_allowed(None, Some(ip(999)), t0), "another address of the same /64");
+        let other = IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1]);
+        assert!(c.auth_allowed(None, Some(other), t0), "another /64");
+    }
+}
+
+/// The filters each client id holds in the router, counted against
+/// `max_subscriptions_per_connection`. Kept per client id, not per
+/// connection, because the router restores the subscriptions of a session
+/// resumed with Clean Start 0 (it keeps them for as long as it runs, and so
+/// does this table); a clean start, or the end of a clean-start connection,
+/// forgets them, as the router does.
+#[derive(Default)]
+pub struct SessionFilters {
+    held: Mutex<HashMap<String, Held>>,
+}
+
+/// What one client id holds.
+struct Held {
+    /// The connection that holds them now (a takeover hands them on).
+    conn: u64,
+    /// Whether that connection started clean (its session ends with it).
+    clean: bool,
+    filters: HashSet<u64>,
+}
+
+impl SessionFilters {
+    /// Connection `conn` of `client_id` starts: it resumes what the client
+    /// id held unless it or the session it takes over started clean.
+    pub fn connected(&self, client_id: &str, conn: u64, clean: bool) {
+        let mut held = self.held.lock().expect("filters");
+        match held.get_mut(client_id) {
+            Some(h) if !clean && !h.clean => h.conn = conn,
+            _ => {
+                held.insert(client_id.to_string(), Held { conn, clean, filters: HashSet::new() });
+            }
+        }
+    }
+
+    /// Connection `conn` of `client_id` ended: a clean session ends with it
+    /// (unless a newer connection already took the client id over).
+    pub fn closed(&self, client_id: &str, conn: u64) {
+        let mut held = self.held.lock().expect("filters");
+        if held.get(client_id).is_some_and(|h| h.conn == conn && h.clean) {
+            held.remove(client_id);
+        }
+    }
+
+    /// The filters (keys) of a SUBSCRIBE of `client_id`: counted if the
+    /// client id holds at most `max` then and `also` agrees, else nothing
+    /// is.
+    pub fn subscribe(
+        &self,
+        client_id: &str,
+        keys: &[u64],
+        max: usize,
+        also: impl FnOnce() -> Result<(), Quota>,
+    ) -> Result<(), Quota> {
+        let mut held = self.held.lock().expect("filters");
+        let Some(h) = held.get_mut(client_id) else { return Err(Quota::Subscriptions) };
+        let new: HashSet<u64> = keys.iter().filter(|k| !h.filters.contains(k)).copied().collect();
+        if h.filters.len() + new.len() > max {
+            return Err(Quota::Subscriptions);
+        }
+        also()?;
+        h.filters.extend(new);
+        Ok(())
+    }
+
+    /// The filters (keys) of an UNSUBSCRIBE of `client_id`.
+    pub fn unsubscribe(&self, client_id: &str, keys: impl IntoIterator<Item = u64>) {
+        if let Some(h) = self.held.lock().expect("filters").get_mut(client_id) {
+            for k in keys {
+                h.filters.remove(&k);
+            }
+        }
+    }
+}
+
+/// Bytes of QoS 2 publishes awaiting PUBREL per device, over all its
+/// connections (the router keeps each whole until its PUBREL or the end of
+/// its connection), against `max_inflight_bytes_per_device`.
+pub struct InflightBytes {
+    limit: usize,
+    held: Mutex<HashMap<String, usize>>,
+}
+
+impl InflightBytes {
+    pub fn new(limit: usize) -> Self {
+        InflightBytes { limit, held: Mutex::default() }
+    }
+
+    /// A pending publish of `old` bytes (0: a new one) becomes `new`
+    /// bytes: counted if the device stays within the limit, else nothing
+    /// changes.
+    pub fn replace(&self, device: &str, old: usize, new: usize) -> bool {
+        self.change(device, old, new, true)
+    }
+
+    /// Undoes a [`InflightBytes::replace`] of `old` by `new` (the publish
+    /// was refused after all).
+    pub fn undo(&self, device: &str, old: usize, new: usize) {
+        self.change(device, new, old, false);
+    }
+
+    fn change(&self, device: &str, old: usize, new: usize, limit: bool) -> bool {
+        let mut held = self.held.lock().expect("inflight");
+        let n = held.entry(device.to_string()).or_default();
+        let total = *n - old.min(*n) + new;
+        if limit && new > old && total > self.limit {
+            return false;
+        }
+        *n = total;
+        if *n == 0 {
+            held.remove(device);
+        }
+        true
+    }
+
+    /// `bytes` of the device are no longer pending (a PUBREL, or the end of
+    /// the connection that held them).
+    pub fn release(&self, device: &str, bytes: usize) {
+        let mut held = self.held.lock().expect("inflight");
+        if let Some(n) = held.get_mut(device) {
+            *n -= bytes.min(*n);
+            if *n == 0 {
+                held.remove(device);
+            }
+        }
     }
 }
 
@@ -295,6 +479,8 @@ pub enum Quota {
     Topics,
     /// `max_subscriptions_per_connection`.
     Subscriptions,
+    /// `max_inflight_bytes_per_device`.
+    InflightBytes,
 }
 
 impl Quota {
@@ -305,6 +491,7 @@ impl Quota {
             Quota::RetainedBytes => "too many bytes of retained messages for this device",
             Quota::Topics => "too many distinct topic names and filters for this device",
             Quota::Subscriptions => "too many subscriptions on this connection",
+            Quota::InflightBytes => "too many bytes of QoS 2 publishes awaiting PUBREL for this device",
         }
     }
 }
@@ -341,6 +528,12 @@ pub struct DeviceQuotas {
     books: Mutex<HashMap<String, Book>>,
 }
 
+impl std::fmt::Debug for DeviceQuotas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceQuotas").field("limits", &self.limits).finish_non_exhaustive()
+    }
+}
+
 impl DeviceQuotas {
     pub fn new(limits: QuotaLimits) -> Self {
         DeviceQuotas { limits, hasher: RandomState::new(), books: Mutex::default() }
@@ -355,11 +548,26 @@ impl DeviceQuotas {
     /// it is within the limits, else which one it would exceed (nothing
     /// counted).
     pub fn publish(&self, device: &str, topic: &[u8], retain: bool, payload_len: usize) -> Result<(), Quota> {
+        self.apply(device, topic, retain, payload_len, true)
+    }
+
+    /// A QoS 2 PUBLISH counted by [`DeviceQuotas::publish`] is released
+    /// (its PUBREL): the router applies it only now, so it is applied to the
+    /// book again, whatever the limits (the broker keeps it; something the
+    /// device published in between, e.g. an empty payload to the topic, may
+    /// have changed the book). A device over a limit this way is refused
+    /// until it frees enough.
+    pub fn release(&self, device: &str, topic: &[u8], retain: bool, payload_len: usize) {
+        // Cannot fail without limits.
+        let _ = self.apply(device, topic, retain, payload_len, false);
+    }
+
+    fn apply(&self, device: &str, topic: &[u8], retain: bool, payload_len: usize, limit: bool) -> Result<(), Quota> {
         let key = self.key(topic);
         let mut books = self.books.lock().expect("quotas");
         let book = books.entry(device.to_string()).or_default();
         let new_topic = !book.topics.contains(&key);
-        if new_topic && book.topics.len() >= self.limits.topics {
+        if limit && new_topic && book.topics.len() >= self.limits.topics {
             return Err(Quota::Topics);
         }
         if payload_len == 0 {
@@ -368,12 +576,12 @@ impl DeviceQuotas {
             }
         } else if retain {
             let old = book.retained.get(&key).copied();
-            if old.is_none() && book.retained.len() >= self.limits.retained {
+            if limit && old.is_none() && book.retained.len() >= self.limits.retained {
                 return Err(Quota::Retained);
             }
             let size = topic.len() + payload_len;
             let total = book.retained_bytes - old.unwrap_or(0) + size;
-            if total > self.limits.retained_bytes {
+            if limit && total > self.limits.retained_bytes {
                 return Err(Quota::RetainedBytes);
             }
             book.retained.insert(key, size);
@@ -428,6 +636,18 @@ mod quota_tests {
         assert_eq!(q.publish("d", b"c", true, 90), Err(Quota::RetainedBytes));
         assert_eq!(q.publish("d", b"c", true, 80), Ok(()));
         assert_eq!(q.retained("d"), (2, 92));
+    }
+
+    #[test]
+    fn a_released_qos2_publish_is_applied_again_whatever_the_limits() {
+        let q = quotas();
+        assert_eq!(q.publish("d", b"a", true, 80), Ok(()), "the QoS 2 PUBLISH");
+        assert_eq!(q.publish("d", b"a", true, 0), Ok(()), "an empty one frees it");
+        q.release("d", b"a", true, 80);
+        assert_eq!(q.retained("d"), (1, 81), "the broker applied it at the PUBREL");
+        assert_eq!(q.publish("d", b"b", true, 30), Err(Quota::RetainedBytes));
+        q.release("d", b"b", true, 30);
+        assert_eq!(q.retained("d"), (2, 112), "over the limit: counted as the broker keeps it");
     }
 
     #[test]

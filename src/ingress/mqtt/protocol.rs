@@ -13,9 +13,10 @@
 //!   per-device quotas that [`Protocol::screen`] (a hook of the patched
 //!   rumqttd) applies to every PUBLISH and SUBSCRIBE before the router sees
 //!   it: retained messages, topic names and filters per device,
-//!   subscriptions per connection, and QoS 2 publishes awaiting PUBREL per
+//!   subscriptions per client id (a resumed session keeps its own), and QoS 2 publishes awaiting PUBREL per
 //!   connection (at most the Receive Maximum told in the CONNACK,
-//!   `mqtt.max_inflight`);
+//!   `mqtt.max_inflight`) and their bytes per device over all its
+//!   connections (`mqtt.max_inflight_bytes_per_device`);
 //! - [`super::wills`] and [`super::presence`] when a connection starts and
 //!   when it ends (the codec is dropped with the connection).
 //!
@@ -37,17 +38,17 @@
 //! Owns: the per-connection glue. Does not own: any rule above (each is in
 //! its own module).
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use rumqttd::protocol::v4::V4;
 use rumqttd::protocol::v5::V5;
 use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol, QoS, Verdict};
 
 use super::auth::{DeviceDirectory, Refusal};
 use super::codec::{self, Detected, Refused, Version};
-use super::connections::{Conn, Connections, DeviceQuotas, Quota, QuotaLimits, Session};
+use super::connections::{Conn, Connections, DeviceQuotas, InflightBytes, Quota, QuotaLimits, Session, SessionFilters};
 use super::presence::{Presence, PresenceReporter};
 use super::topics::Topics;
 use super::wills::Wills;
@@ -68,10 +69,16 @@ pub struct ProtocolShared {
     max_will_bytes: usize,
     /// `mqtt.max_will_delay_s`.
     max_will_delay_s: u32,
-    /// Retained messages, topics and filters per device.
-    quotas: DeviceQuotas,
+    /// Retained messages, topics and filters per device (shared with the
+    /// wills, which count when they are published).
+    quotas: Arc<DeviceQuotas>,
     /// `mqtt.max_subscriptions_per_connection`.
     max_subscriptions: usize,
+    /// The filters each client id holds, across resumed sessions.
+    filters: SessionFilters,
+    /// Bytes of QoS 2 publishes awaiting PUBREL per device
+    /// (`mqtt.max_inflight_bytes_per_device`).
+    inflight_bytes: InflightBytes,
     /// The Receive Maximum told to MQTT 5 devices (`mqtt.max_inflight`):
     /// QoS 2 publishes awaiting PUBREL per connection.
     receive_max: u16,
@@ -90,12 +97,14 @@ impl ProtocolShared {
             max_keep_alive: crate::config::mqtt::DEFAULT_MQTT_MAX_KEEP_ALIVE_S,
             max_will_bytes: usize::MAX,
             max_will_delay_s: u32::MAX,
-            quotas: DeviceQuotas::new(QuotaLimits {
+            quotas: Arc::new(DeviceQuotas::new(QuotaLimits {
                 retained: usize::MAX,
                 retained_bytes: usize::MAX,
                 topics: usize::MAX,
-            }),
+            })),
             max_subscriptions: usize::MAX,
+            filters: SessionFilters::default(),
+            inflight_bytes: InflightBytes::new(usize::MAX),
             receive_max: u16::MAX,
         }
     }
@@ -107,12 +116,13 @@ impl ProtocolShared {
         self.max_will_delay_s = cfg.max_will_delay_s;
         self.connections =
             Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s, cfg.auth_failures_per_ip_per_s);
-        self.quotas = DeviceQuotas::new(QuotaLimits {
+        self.quotas = Arc::new(DeviceQuotas::new(QuotaLimits {
             retained: cfg.max_retained_per_device,
             retained_bytes: cfg.max_retained_bytes_per_device,
             topics: cfg.max_topics_per_device,
-        });
+        }));
         self.max_subscriptions = cfg.max_subscriptions_per_connection;
+        self.inflight_bytes = InflightBytes::new(cfg.max_inflight_bytes_per_device);
         self.receive_max = u16::try_from(cfg.max_inflight).unwrap_or(u16::MAX).max(1);
         self
     }
@@ -129,13 +139,29 @@ pub struct DeviceProtocol {
     expires_at: Option<i64>,
     /// The login's token id digest, checked for revocation at every read.
     credential: Option<[u8; 32]>,
-    /// Keys ([`DeviceQuotas::key`]) of the filters this connection holds.
-    subscriptions: HashSet<u64>,
-    /// Packet ids of QoS 2 publishes awaiting their PUBREL.
-    awaiting_pubrel: HashSet<u16>,
+    /// QoS 2 publishes awaiting their PUBREL, by packet id: what the router
+    /// applies at the PUBREL, counted again then ([`DeviceQuotas::release`]).
+    awaiting_pubrel: HashMap<u16, Pending>,
+    /// MQTT 5 topic aliases the device set (device view), resolved by the
+    /// codec ([`codec::resolve_alias`]).
+    aliases: HashMap<u16, Bytes>,
     /// The source address of the socket (patched rumqttd's
     /// `Protocol::peer`), for the failed-login limit per address.
     peer: Option<std::net::IpAddr>,
+}
+
+/// A QoS 2 publish awaiting its PUBREL, as the quotas count it.
+struct Pending {
+    topic: Bytes,
+    retain: bool,
+    len: usize,
+}
+
+impl Pending {
+    /// What the router keeps of it.
+    fn bytes(&self) -> usize {
+        self.topic.len() + self.len
+    }
 }
 
 impl DeviceProtocol {
@@ -146,8 +172,8 @@ impl DeviceProtocol {
             state: Conn::AwaitingConnect,
             expires_at: None,
             credential: None,
-            subscriptions: HashSet::new(),
-            awaiting_pubrel: HashSet::new(),
+            awaiting_pubrel: HashMap::new(),
+            aliases: HashMap::new(),
             peer: None,
         }
     }
@@ -166,26 +192,16 @@ impl Drop for DeviceProtocol {
         let shared = &self.shared;
         if let Conn::Open(s) | Conn::Ending(s) = std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
             shared.connections.close(&s.device, &s.client_id);
-            if let Some((mut will, props)) = s.will {
-                // A will is a publish of the device: within its quotas. A
-                // retained one over the retained quota still goes to
-                // current subscribers, not kept; one to a topic over the
-                // topic quota does not go (nobody is left to tell).
-                let quotas = &shared.quotas;
-                let len = will.message.len();
-                let mut counted = quotas.publish(&s.device, &will.topic, will.retain, len);
-                if let Err(Quota::Retained | Quota::RetainedBytes) = counted {
-                    will.retain = false;
-                    counted = quotas.publish(&s.device, &will.topic, false, len);
-                }
-                match counted {
-                    // The will waits the delay or the session, whichever is
-                    // first, and never more than `max_will_delay_s`.
-                    Ok(()) => {
-                        shared.wills.arm(&s.client_id, will, props, s.session_expiry.min(shared.max_will_delay_s))
-                    }
-                    Err(quota) => tracing::info!(device = %s.device, reason = quota.reason(), "MQTT: will dropped"),
-                }
+            shared.filters.closed(&s.client_id, s.conn);
+            // The router drops what the connection left awaiting PUBREL.
+            let pending: usize = self.awaiting_pubrel.values().map(Pending::bytes).sum();
+            shared.inflight_bytes.release(&s.device, pending);
+            if let Some((will, props)) = s.will {
+                // The will waits the delay or the session, whichever is
+                // first, and never more than `max_will_delay_s`; it counts
+                // against the device's quotas when it goes (`wills`).
+                let expiry = s.session_expiry.min(shared.max_will_delay_s);
+                shared.wills.arm(&s.client_id, (&s.device, &shared.quotas), will, props, expiry);
             }
             shared.presence.report(Presence::Disconnected { device: s.device, conn: s.conn });
         }
@@ -260,6 +276,7 @@ impl DeviceProtocol {
         let conn = shared.connections.next_conn();
         let terms = codec::rewrite_connect(&mut connect, &mut props, shared.max_keep_alive);
         let client_id = connect.client_id.clone();
+        shared.filters.connected(&client_id, conn, connect.clean_session);
         shared.wills.cancel(&client_id);
         shared.presence.report(Presence::Connected {
             device: mount.clone(),
@@ -301,7 +318,10 @@ impl DeviceProtocol {
                 // when the link reports it closed).
                 Err(self.end_link())
             }
-            other => codec::mount_inbound(&session.device, &self.shared.shared_prefix, &session.request_topic, other),
+            other => {
+                let other = codec::resolve_alias(&mut self.aliases, other);
+                codec::mount_inbound(&session.device, &self.shared.shared_prefix, &session.request_topic, other)
+            }
         }
     }
 }
@@ -312,7 +332,12 @@ impl DeviceProtocol {
     fn screen_publish(&mut self, device: &str, packet: Packet) -> Verdict {
         let Packet::Publish(publish, _) = &packet else { unreachable!("called with a PUBLISH") };
         let (qos, pkid) = (publish.qos(), publish.pkid());
-        let awaiting = qos == QoS::ExactlyOnce && !self.awaiting_pubrel.contains(&pkid);
+        if publish.topic.is_empty() {
+            tracing::info!(device, "MQTT: topic alias invalid, connection closed");
+            self.end_link();
+            return codec::topic_alias_invalid(self.version);
+        }
+        let awaiting = qos == QoS::ExactlyOnce && !self.awaiting_pubrel.contains_key(&pkid);
         if awaiting && self.awaiting_pubrel.len() >= usize::from(self.shared.receive_max) {
             tracing::info!(
                 device,
@@ -321,15 +346,32 @@ impl DeviceProtocol {
             self.end_link();
             return codec::receive_maximum_exceeded(self.version);
         }
+        // Bytes of this QoS 2 publish in place of a pending one of its id.
+        let bytes = (qos == QoS::ExactlyOnce).then(|| {
+            (self.awaiting_pubrel.get(&pkid).map_or(0, Pending::bytes), publish.topic.len() + publish.payload.len())
+        });
+        if let Some((old, new)) = bytes {
+            if !self.shared.inflight_bytes.replace(device, old, new) {
+                tracing::info!(device, "MQTT: too many bytes awaiting PUBREL, connection closed");
+                self.end_link();
+                return codec::quota_disconnect(self.version, Quota::InflightBytes);
+            }
+        }
         let counted = self.shared.quotas.publish(device, &publish.topic, publish.retain, publish.payload.len());
         match counted {
             Ok(()) => {
-                if awaiting {
-                    self.awaiting_pubrel.insert(pkid);
+                if qos == QoS::ExactlyOnce {
+                    // A resend replaces (the router keeps one per id).
+                    let pending =
+                        Pending { topic: publish.topic.clone(), retain: publish.retain, len: publish.payload.len() };
+                    self.awaiting_pubrel.insert(pkid, pending);
                 }
                 Verdict::Forward(packet)
             }
             Err(quota) => {
+                if let Some((old, new)) = bytes {
+                    self.shared.inflight_bytes.undo(device, old, new);
+                }
                 tracing::debug!(device, reason = quota.reason(), "MQTT: PUBLISH refused");
                 let verdict = codec::refuse_publish(self.version, qos, pkid, quota);
                 if matches!(verdict, Verdict::Close(_)) {
@@ -345,18 +387,16 @@ impl DeviceProtocol {
     /// device's topics goes on; else it is refused whole.
     fn screen_subscribe(&mut self, device: &str, packet: Packet) -> Verdict {
         let Packet::Subscribe(subscribe, _) = &packet else { unreachable!("called with a SUBSCRIBE") };
-        let keys: Vec<u64> = subscribe.filters.iter().map(|f| self.shared.quotas.key(f.path.as_bytes())).collect();
-        let new: HashSet<u64> = keys.iter().filter(|k| !self.subscriptions.contains(k)).copied().collect();
-        let counted = if self.subscriptions.len() + new.len() > self.shared.max_subscriptions {
-            Err(Quota::Subscriptions)
-        } else {
-            self.shared.quotas.subscribe(device, &keys)
+        let Some(client_id) = self.state.session().map(|s| s.client_id.as_str()) else {
+            unreachable!("screened after CONNECT")
         };
+        let shared = &self.shared;
+        let keys: Vec<u64> = subscribe.filters.iter().map(|f| shared.quotas.key(f.path.as_bytes())).collect();
+        let counted = shared
+            .filters
+            .subscribe(client_id, &keys, shared.max_subscriptions, || shared.quotas.subscribe(device, &keys));
         match counted {
-            Ok(()) => {
-                self.subscriptions.extend(new);
-                Verdict::Forward(packet)
-            }
+            Ok(()) => Verdict::Forward(packet),
             Err(quota) => {
                 tracing::debug!(device, reason = quota.reason(), "MQTT: SUBSCRIBE refused");
                 Verdict::Answer(codec::refuse_subscribe(self.version, subscribe.pkid, keys.len(), quota))
@@ -425,13 +465,17 @@ impl Protocol for DeviceProtocol {
             Packet::Publish(..) => self.screen_publish(&device, packet),
             Packet::Subscribe(..) => self.screen_subscribe(&device, packet),
             Packet::Unsubscribe(ref unsub, _) => {
-                for f in &unsub.filters {
-                    self.subscriptions.remove(&self.shared.quotas.key(f.as_bytes()));
+                if let Some(s) = self.state.session() {
+                    let keys = unsub.filters.iter().map(|f| self.shared.quotas.key(f.as_bytes()));
+                    self.shared.filters.unsubscribe(&s.client_id, keys);
                 }
                 Verdict::Forward(packet)
             }
             Packet::PubRel(ref rel, _) => {
-                self.awaiting_pubrel.remove(&rel.pkid);
+                if let Some(p) = self.awaiting_pubrel.remove(&rel.pkid) {
+                    self.shared.quotas.release(&device, &p.topic, p.retain, p.len);
+                    self.shared.inflight_bytes.release(&device, p.bytes());
+                }
                 Verdict::Forward(packet)
             }
             other => Verdict::Forward(other),
@@ -490,7 +534,7 @@ impl Protocol for DeviceProtocol {
         let packet = codec::outbound(self.version, refused, device, packet)?;
         let packet = codec::with_server_keep_alive(packet, self.state.session().and_then(|s| s.server_keep_alive));
         let packet = match refused {
-            None => codec::with_receive_maximum(packet, self.shared.receive_max),
+            None => codec::with_topic_alias_max(codec::with_receive_maximum(packet, self.shared.receive_max)),
             Some(_) => packet,
         };
         match self.version {

@@ -4,7 +4,11 @@
 //! (QoS 0, in the device's subtree) when the connection ends any other
 //! way: after the MQTT 5 will delay unless the client id connects again
 //! first, or at once when the session ends with the connection (MQTT 5
-//! Session Expiry 0, and 3.1.1).
+//! Session Expiry 0, and 3.1.1). A will counts against its device's
+//! quotas ([`DeviceQuotas`]) when it is published, not when it is armed (a
+//! reconnect may cancel it): a retained will over the retained quota still
+//! goes to current subscribers, not kept; one to a topic over the topic
+//! quota does not go (nobody is left to tell).
 //!
 //! Owns: pending wills and their publication. Does not own: when a
 //! connection ends (the codec's drop) or mounting the will topic
@@ -20,6 +24,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::connections::{DeviceQuotas, Quota};
 use super::Publisher;
 
 /// A will to publish for a connection that ended without a clean
@@ -27,6 +32,9 @@ use super::Publisher;
 #[derive(Debug)]
 pub struct PendingWill {
     pub client_id: String,
+    /// The device (its mount) whose quotas the will counts against.
+    pub device: String,
+    pub quotas: Arc<DeviceQuotas>,
     /// Tells this will from a later one of the same client id.
     pub generation: u64,
     pub topic: String,
@@ -56,7 +64,14 @@ impl Wills {
     /// `session_expiry`: the MQTT 5 Session Expiry Interval of the
     /// connection (0 for 3.1.1): the will goes at the end of the delay or of
     /// the session, whichever comes first.
-    pub fn arm(&self, client_id: &str, will: LastWill, props: Option<LastWillProperties>, session_expiry: u32) {
+    pub fn arm(
+        &self,
+        client_id: &str,
+        (device, quotas): (&str, &Arc<DeviceQuotas>),
+        will: LastWill,
+        props: Option<LastWillProperties>,
+        session_expiry: u32,
+    ) {
         let cancel = CancellationToken::new();
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
         let old = self.pending.lock().expect("wills").insert(client_id.to_string(), (generation, cancel.clone()));
@@ -66,6 +81,8 @@ impl Wills {
         let delay = props.as_ref().and_then(|p| p.delay_interval).unwrap_or(0).min(session_expiry);
         let _ = self.tx.send(PendingWill {
             client_id: client_id.to_string(),
+            device: device.to_string(),
+            quotas: quotas.clone(),
             generation,
             topic: String::from_utf8_lossy(&will.topic).into_owned(),
             payload: will.message,
@@ -90,6 +107,28 @@ impl Wills {
         let mut g = self.pending.lock().expect("wills");
         if g.get(&w.client_id).is_some_and(|(gen, _)| *gen == w.generation) {
             g.remove(&w.client_id);
+        }
+    }
+}
+
+impl PendingWill {
+    /// Counts the will against its device's quotas as it is published:
+    /// whether it is retained (not over the retained quota), or `None` when
+    /// it is not published (over the topic quota).
+    fn counted(&self) -> Option<bool> {
+        let (quotas, topic, len) = (&self.quotas, self.topic.as_bytes(), self.payload.len());
+        let mut retain = self.retain;
+        let mut counted = quotas.publish(&self.device, topic, retain, len);
+        if let Err(Quota::Retained | Quota::RetainedBytes) = counted {
+            retain = false;
+            counted = quotas.publish(&self.device, topic, false, len);
+        }
+        match counted {
+            Ok(()) => Some(retain),
+            Err(quota) => {
+                tracing::info!(device = %self.device, reason = quota.reason(), "MQTT: will dropped");
+                None
+            }
         }
     }
 }
@@ -131,7 +170,8 @@ pub async fn publish_loop(
                 _ = tokio::time::sleep(w.delay) => true,
             };
             wills.done(&w);
-            if publish && out.publish(&w.topic, w.payload.clone(), w.props.clone(), w.retain).is_err() {
+            let Some(retain) = publish.then(|| w.counted()).flatten() else { return };
+            if out.publish(&w.topic, w.payload.clone(), w.props.clone(), retain).is_err() {
                 tracing::warn!(client_id = %w.client_id, "MQTT: could not publish a will (router gone)");
             }
         });
@@ -143,6 +183,11 @@ mod tests {
     use rumqttd::protocol::QoS;
 
     use super::*;
+
+    fn quotas() -> Arc<DeviceQuotas> {
+        use super::super::connections::QuotaLimits;
+        Arc::new(DeviceQuotas::new(QuotaLimits { retained: 1, retained_bytes: 100, topics: 2 }))
+    }
 
     fn will() -> LastWill {
         LastWill { topic: "d/dev1/status".into(), message: "gone".into(), qos: QoS::AtMostOnce, retain: false }
@@ -164,12 +209,13 @@ mod tests {
     fn the_delay_is_bounded_by_the_session_and_a_reconnect_cancels() {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let wills = Wills::new(tx);
-        wills.arm("c1", will(), props(30), 10);
+        let q = quotas();
+        wills.arm("c1", ("t/dev1", &q), will(), props(30), 10);
         let w = rx.try_recv().unwrap();
         assert_eq!((w.delay, w.topic.as_str()), (Duration::from_secs(10), "d/dev1/status"));
         assert_eq!(w.props.as_ref().and_then(|p| p.response_topic.as_deref()), Some("r"));
         // 3.1.1 (no session after the connection): at once.
-        wills.arm("c2", will(), None, 0);
+        wills.arm("c2", ("t/dev1", &q), will(), None, 0);
         assert_eq!(rx.try_recv().unwrap().delay, Duration::ZERO);
         wills.cancel("c1");
         assert!(w.cancel.is_cancelled());
@@ -179,13 +225,31 @@ mod tests {
     fn a_newer_will_replaces_an_older_one_of_the_same_client_id() {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let wills = Wills::new(tx);
-        wills.arm("c1", will(), props(60), 60);
-        wills.arm("c1", will(), props(60), 60);
+        let q = quotas();
+        wills.arm("c1", ("t/dev1", &q), will(), props(60), 60);
+        wills.arm("c1", ("t/dev1", &q), will(), props(60), 60);
         let (old, new) = (rx.try_recv().unwrap(), rx.try_recv().unwrap());
         assert!(old.cancel.is_cancelled() && !new.cancel.is_cancelled());
         // The old one finishing does not forget the new one.
         wills.done(&old);
         wills.cancel("c1");
         assert!(new.cancel.is_cancelled());
+    }
+
+    #[test]
+    fn a_will_counts_when_it_is_published() {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let wills = Wills::new(tx);
+        let q = quotas();
+        let retained = |topic: &str| LastWill { topic: topic.to_string().into(), retain: true, ..will() };
+        wills.arm("c1", ("t/dev1", &q), retained("d/dev1/a"), None, 0);
+        let w = rx.try_recv().unwrap();
+        assert_eq!(q.retained("t/dev1"), (0, 0), "armed: not counted");
+        assert_eq!(w.counted(), Some(true));
+        assert_eq!(q.retained("t/dev1").0, 1);
+        wills.arm("c1", ("t/dev1", &q), retained("d/dev1/b"), None, 0);
+        assert_eq!(rx.try_recv().unwrap().counted(), Some(false), "over the retained quota: not kept");
+        wills.arm("c1", ("t/dev1", &q), retained("d/dev1/c"), None, 0);
+        assert_eq!(rx.try_recv().unwrap().counted(), None, "over the topic quota: not published");
     }
 }

@@ -3,7 +3,7 @@ use slab::Slab;
 use tracing::{info, trace};
 
 use crate::protocol::{
-    matches, ConnAck, ConnAckProperties, PingResp, PubAck, PubComp, PubRec, PubRel, Publish,
+    matches, ConnAck, ConnAckProperties, PingResp, PubAck, PubComp, PubCompReason, PubRec, PubRel, Publish,
     PublishProperties, SubAck, UnsubAck,
 };
 use crate::router::{DataRequest, FilterIdx, SubscriptionMeter, Waiters};
@@ -384,8 +384,9 @@ where
 pub struct AckLog {
     // Committed acks per connection. First pkid, last pkid, data
     committed: VecDeque<Ack>,
-    // Recorded qos 2 publishes
-    recorded: VecDeque<(Publish, Option<PublishProperties>)>,
+    // Recorded qos 2 publishes awaiting their PUBREL, by packet id (edgeway
+    // patch 11: a resend replaces, a PUBREL takes the one of its id)
+    recorded: HashMap<u16, (Publish, Option<PublishProperties>)>,
 }
 
 impl AckLog {
@@ -393,7 +394,7 @@ impl AckLog {
     pub fn new() -> AckLog {
         AckLog {
             committed: VecDeque::with_capacity(100),
-            recorded: VecDeque::with_capacity(100),
+            recorded: HashMap::new(),
         }
     }
 
@@ -414,7 +415,9 @@ impl AckLog {
 
     pub fn pubrec(&mut self, publish: Publish, props: Option<PublishProperties>, ack: PubRec) {
         let ack = Ack::PubRec(ack);
-        self.recorded.push_back((publish, props));
+        // A resend of a pending packet id (DUP) replaces the one kept: it is
+        // the same message, delivered once at its PUBREL.
+        self.recorded.insert(publish.pkid, (publish, props));
         self.committed.push_back(ack);
     }
 
@@ -423,10 +426,15 @@ impl AckLog {
         self.committed.push_back(ack);
     }
 
-    pub fn pubcomp(&mut self, ack: PubComp) -> Option<(Publish, Option<PublishProperties>)> {
-        let ack = Ack::PubComp(ack);
-        self.committed.push_back(ack);
-        self.recorded.pop_front()
+    /// The publish released by a PUBREL of `ack.pkid`, if one is pending;
+    /// else the PUBCOMP says "Packet Identifier not found" (MQTT 5 0x92).
+    pub fn pubcomp(&mut self, mut ack: PubComp) -> Option<(Publish, Option<PublishProperties>)> {
+        let released = self.recorded.remove(&ack.pkid);
+        if released.is_none() {
+            ack.reason = PubCompReason::PacketIdentifierNotFound;
+        }
+        self.committed.push_back(Ack::PubComp(ack));
+        released
     }
 
     pub fn pingresp(&mut self, ack: PingResp) {
