@@ -463,7 +463,7 @@ async fn a_retained_will_over_the_quota_is_delivered_but_not_kept() {
     gw.stop().await;
 }
 
-/// Review finding H1 (PATCHES.md 11): a QoS 2 PUBLISH that reuses the
+/// Review finding H1 (PATCHES.md 12): a QoS 2 PUBLISH that reuses the
 /// packet id of one awaiting its PUBREL is a resend, not one more: the
 /// broker keeps one message per pending id. Before, rumqttd kept every
 /// resend whole (a device looping PUBLISH QoS 2 with id 1 and no PUBREL grew

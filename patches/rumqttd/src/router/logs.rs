@@ -385,7 +385,7 @@ pub struct AckLog {
     // Committed acks per connection. First pkid, last pkid, data
     committed: VecDeque<Ack>,
     // Recorded qos 2 publishes awaiting their PUBREL, by packet id (edgeway
-    // patch 11: a resend replaces, a PUBREL takes the one of its id)
+    // patch 12: a resend replaces, a PUBREL takes the one of its id)
     recorded: HashMap<u16, (Publish, Option<PublishProperties>)>,
 }
 

@@ -817,7 +817,7 @@ impl Router {
                     // on reconnection ( with clean session false )
                     // we try to retrive publish assuming broker saved the previous state
                     // successfully in graveyard.
-                    // edgeway patch 11: a PUBREL of an id with nothing
+                    // edgeway patch 12: a PUBREL of an id with nothing
                     // pending (a repeat) is answered PUBCOMP "Packet
                     // Identifier not found", not a disconnect.
                     let (publish, props) = match ackslog.pubcomp(pubcomp) {
