@@ -52,7 +52,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use rumqttd::local::{LinkRx, LinkTx};
-use rumqttd::protocol::{Packet, Publish, PublishProperties};
+use rumqttd::protocol::{Packet, Publish, PublishProperties, QoS};
 use rumqttd::Notification;
 use serde_json::json;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -226,12 +226,14 @@ impl Publisher {
         }
         self.metrics.messages_out.inc();
         self.metrics.bytes_out.inc_by(payload.len() as u64);
-        let p = Publish::new(Bytes::copy_from_slice(topic.as_bytes()), payload, retain);
+        // QoS 2 with no acknowledgement: the router delivers at each
+        // subscription's QoS (the lower of the two), as the device asked.
+        let p = Publish::unacknowledged(Bytes::copy_from_slice(topic.as_bytes()), payload, retain, QoS::ExactlyOnce);
         self.queue.send(Outgoing { packet: Packet::Publish(p, props), room }).map_err(|_| LinkClosed)
     }
 
-    /// Publishes at QoS 0 into the router (which delivers with the QoS of
-    /// each subscription). Never waits: for single answers (refusals,
+    /// Publishes into the router, delivered at the QoS of each
+    /// subscription ([`Publish::unacknowledged`]). Never waits: for single answers (refusals,
     /// wills, the catalogue); a stream uses [`Self::publish_queued`].
     pub fn publish(
         &self,

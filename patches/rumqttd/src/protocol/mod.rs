@@ -191,6 +191,17 @@ impl Publish {
         }
     }
 
+    /// A local link's publish at `qos` that asks for no acknowledgement
+    /// (packet id 0, which the codecs refuse from the network): the router
+    /// delivers it at each subscription's QoS up to `qos`, as the lower of
+    /// the two. (edgeway patch 13, see PATCHES.md)
+    pub fn unacknowledged<T: Into<Bytes>>(topic: T, payload: T, retain: bool, qos: QoS) -> Publish {
+        Publish {
+            qos,
+            ..Publish::new(topic, payload, retain)
+        }
+    }
+
     /// Its QoS, for [`Protocol::screen`] (edgeway patch, see PATCHES.md).
     pub fn qos(&self) -> QoS {
         self.qos

@@ -585,8 +585,14 @@ impl Router {
                     // Currently as we don't have replication, we just use a single offset, even when appending to
                     // multiple commit logs.
 
+                    // edgeway patch 13: QoS 1/2 with packet id 0 (which
+                    // the codecs refuse from the network: only a local
+                    // link sends it) is the server's own message, delivered
+                    // at each subscription's QoS up to its own, with no
+                    // acknowledgement to the link.
+                    let acknowledged = pkid != 0;
                     match qos {
-                        QoS::AtLeastOnce => {
+                        QoS::AtLeastOnce if acknowledged => {
                             let puback = PubAck {
                                 pkid,
                                 reason: PubAckReason::Success,
@@ -596,7 +602,7 @@ impl Router {
                             ackslog.puback(puback);
                             force_ack = true;
                         }
-                        QoS::ExactlyOnce => {
+                        QoS::ExactlyOnce if acknowledged => {
                             let pubrec = PubRec {
                                 pkid,
                                 reason: PubRecReason::Success,
@@ -607,7 +613,7 @@ impl Router {
                             force_ack = true;
                             continue;
                         }
-                        QoS::AtMostOnce => {
+                        _ => {
                             // Do nothing
                         }
                     };
@@ -1571,7 +1577,12 @@ fn forward_device_data(
     let forwards = publishes
         .into_iter()
         .map(|((mut publish, mut properties), offset)| {
-            publish.qos = protocol::qos(qos).unwrap();
+            // edgeway patch 13: delivered at the lower of the publish QoS
+            // and the subscription's (MQTT-3.8.4-8), retained ones too.
+            publish.qos = delivery_qos(publish.qos, qos);
+            if publish.qos == QoS::AtMostOnce {
+                publish.pkid = 0;
+            }
 
             // if there is some topic alias to use, set it in publish properties
             if topic_alias.is_some() {
@@ -1600,7 +1611,7 @@ fn forward_device_data(
             }
         });
 
-    let (len, inflight) = outgoing.push_forwards(forwards, qos, filter_idx);
+    let (len, inflight) = push_forwards_by_qos(outgoing, forwards, filter_idx);
 
     debug!(
         inflight_count = inflight,
@@ -1633,6 +1644,44 @@ fn forward_device_data(
     } else {
         ConsumeStatus::PartialRead
     }
+}
+
+/// The QoS a message published at `published` is delivered at on a
+/// subscription granted `granted` (edgeway patch 13).
+fn delivery_qos(published: QoS, granted: u8) -> QoS {
+    let granted = protocol::qos(granted).unwrap_or(QoS::AtMostOnce);
+    if (published as u8) < (granted as u8) {
+        published
+    } else {
+        granted
+    }
+}
+
+/// Pushes `forwards` in order, each run of QoS 0 messages without packet
+/// ids or places in the inflight window, each run of QoS 1/2 ones with
+/// them (`Outgoing::push_forwards` applies one QoS to a batch). Returns
+/// what the last push returned. (edgeway patch 13)
+fn push_forwards_by_qos(
+    outgoing: &mut Outgoing,
+    forwards: impl Iterator<Item = Forward>,
+    filter_idx: FilterIdx,
+) -> (usize, usize) {
+    let mut result = (0, 0);
+    let mut run: Vec<Forward> = Vec::new();
+    // QoS of the current run for push_forwards: 0, or 1 for "with ids"
+    let mut run_qos = 0;
+    for forward in forwards {
+        let qos = u8::from(forward.publish.qos != QoS::AtMostOnce);
+        if qos != run_qos && !run.is_empty() {
+            result = outgoing.push_forwards(run.drain(..), run_qos, filter_idx);
+        }
+        run_qos = qos;
+        run.push(forward);
+    }
+    if !run.is_empty() {
+        result = outgoing.push_forwards(run.drain(..), run_qos, filter_idx);
+    }
+    result
 }
 
 fn retrieve_shadow(datalog: &mut DataLog, outgoing: &mut Outgoing, shadow: ShadowRequest) {
