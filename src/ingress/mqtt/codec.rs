@@ -365,13 +365,13 @@ pub fn mount_inbound(device: &str, shared_prefix: &str, request_topic: &str, pac
         }
         Packet::Subscribe(mut sub, props) => {
             for f in &mut sub.filters {
-                f.path = mount_filter(device, shared_prefix, &f.path);
+                f.path = mount_filter(device, shared_prefix, &f.path).ok_or(Error::MalformedPacket)?;
             }
             Packet::Subscribe(sub, props)
         }
         Packet::Unsubscribe(mut unsub, props) => {
             for f in &mut unsub.filters {
-                *f = mount_filter(device, shared_prefix, f);
+                *f = mount_filter(device, shared_prefix, f).ok_or(Error::MalformedPacket)?;
             }
             Packet::Unsubscribe(unsub, props)
         }
@@ -536,7 +536,7 @@ mod tests {
         else {
             panic!("a subscribe")
         };
-        assert_eq!(s.filters[0].path, mount_filter("dev1", "ai/v1/shared/", "#"));
+        assert_eq!(Some(&s.filters[0].path), mount_filter("dev1", "ai/v1/shared/", "#").as_ref());
     }
 
     #[test]

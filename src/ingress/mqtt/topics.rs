@@ -153,14 +153,32 @@ pub fn mount_topic(mount: &str, topic: &str) -> String {
     s
 }
 
-/// The router filter for a device's subscription filter. Shared
-/// subscriptions (`$share/{group}/…`) become plain ones: a device's private
-/// subtree has one subscriber, so a group of one is the same thing.
-pub fn mount_filter(device: &str, shared_prefix: &str, filter: &str) -> String {
-    let filter = match filter.strip_prefix("$share/").and_then(|s| s.split_once('/')) {
-        Some((_group, f)) => f,
-        None => filter,
+/// The router filter for a device's subscription filter, `None` for a
+/// malformed shared subscription (MQTT-4.8.2-1/2: `$share/` then a share
+/// name of at least one character without `/`, `+` or `#`, then `/` and a
+/// filter).
+///
+/// A shared subscription `$share/{group}/{filter}` stays shared among the
+/// device's own connections (its instances, `{device}:{instance}`): it
+/// becomes `$share/{tenant}:{device}:{group}/{mounted filter}`. The group
+/// carries the mount because the filter alone does not tell devices apart
+/// for the read-only shared topics (`s/…` for every device); `:` is in
+/// neither a tenant level nor a device id, so two devices never name the
+/// same group. The router keys a group by the whole string, so one name
+/// on two filters is two groups (rumqttd patch 15).
+pub fn mount_filter(device: &str, shared_prefix: &str, filter: &str) -> Option<String> {
+    let Some(rest) = filter.strip_prefix("$share/") else {
+        return Some(mount_plain_filter(device, shared_prefix, filter));
     };
+    let (group, filter) = rest.split_once('/')?;
+    if group.is_empty() || group.contains(['+', '#']) || filter.is_empty() {
+        return None;
+    }
+    let mounted = mount_plain_filter(device, shared_prefix, filter);
+    Some(format!("$share/{}:{group}/{mounted}", device.replace('/', ":")))
+}
+
+fn mount_plain_filter(device: &str, shared_prefix: &str, filter: &str) -> String {
     if filter.starts_with(shared_prefix) || Some(filter) == shared_prefix.strip_suffix('/') {
         format!("{SHARED_MOUNT}{filter}")
     } else {
@@ -186,18 +204,31 @@ mod tests {
     #[test]
     fn device_topics_and_filters_stay_in_their_subtree() {
         let sp = "ai/v1/shared/";
-        assert_eq!(mount_filter("dev1", sp, "#"), "d/dev1/#");
-        assert_eq!(mount_filter("dev1", sp, "ai/v1/+/res/#"), "d/dev1/ai/v1/+/res/#");
-        assert_eq!(mount_filter("dev1", sp, "ai/v1/dev2/res/x"), "d/dev1/ai/v1/dev2/res/x");
-        assert_eq!(mount_filter("dev1", sp, "$share/g/ai/v1/dev2/#"), "d/dev1/ai/v1/dev2/#");
+        assert_eq!(mount_filter("dev1", sp, "#").unwrap(), "d/dev1/#");
+        assert_eq!(mount_filter("dev1", sp, "ai/v1/+/res/#").unwrap(), "d/dev1/ai/v1/+/res/#");
+        assert_eq!(mount_filter("dev1", sp, "ai/v1/dev2/res/x").unwrap(), "d/dev1/ai/v1/dev2/res/x");
+        assert_eq!(
+            mount_filter("t/dev1", sp, "$share/g/ai/v1/dev2/#").unwrap(),
+            "$share/t:dev1:g/d/t/dev1/ai/v1/dev2/#"
+        );
+        // A shared subscription stays one, in the device's own group.
+        assert_eq!(mount_filter("t/dev1", sp, "$share/g/#").unwrap(), "$share/t:dev1:g/d/t/dev1/#");
+        assert_eq!(mount_filter("t/dev1", sp, "$share/g:x/a").unwrap(), "$share/t:dev1:g:x/d/t/dev1/a");
+        assert_ne!(
+            mount_filter("t/dev1", sp, "$share/g/ai/v1/shared/#"),
+            mount_filter("t/dev2", sp, "$share/g/ai/v1/shared/#")
+        );
+        for bad in ["$share/g", "$share//a", "$share/g/", "$share/g+/a", "$share/#/a", "$share/"] {
+            assert_eq!(mount_filter("t/dev1", sp, bad), None, "{bad}");
+        }
         // `$` topics apart: `#` and `+/…` must not match them.
-        assert_eq!(mount_filter("dev1", sp, "$SYS/#"), "x/dev1/$SYS/#");
+        assert_eq!(mount_filter("dev1", sp, "$SYS/#").unwrap(), "x/dev1/$SYS/#");
         assert_eq!(mount_topic("dev1", "$TopicA/B"), "x/dev1/$TopicA/B");
         assert_eq!(unmount("dev1", "x/dev1/$TopicA/B"), Some("$TopicA/B"));
         assert_eq!(unmount("dev1", "x/dev2/$TopicA/B"), None);
-        assert_eq!(mount_filter("dev1", sp, "ai/v1/shared/models"), "s/ai/v1/shared/models");
-        assert_eq!(mount_filter("dev1", sp, "ai/v1/shared/#"), "s/ai/v1/shared/#");
-        assert_eq!(mount_filter("dev1", sp, "ai/v1/shared"), "s/ai/v1/shared");
+        assert_eq!(mount_filter("dev1", sp, "ai/v1/shared/models").unwrap(), "s/ai/v1/shared/models");
+        assert_eq!(mount_filter("dev1", sp, "ai/v1/shared/#").unwrap(), "s/ai/v1/shared/#");
+        assert_eq!(mount_filter("dev1", sp, "ai/v1/shared").unwrap(), "s/ai/v1/shared");
         assert_eq!(mount_topic("dev1", "ai/v1/dev1/req"), "d/dev1/ai/v1/dev1/req");
         assert_eq!(unmount("dev1", "d/dev1/ai/v1/dev1/res/r1"), Some("ai/v1/dev1/res/r1"));
         assert_eq!(unmount("dev1", "d/dev10/x"), None);
@@ -230,7 +261,7 @@ mod tests {
         assert_ne!(mount_topic(&a, "ai/v1/cam-1/res/r1"), mount_topic(&b, "ai/v1/cam-1/res/r1"));
         assert_eq!(unmount(&b, &mount_topic(&a, "ai/v1/cam-1/res/r1")), None);
         let sp = "ai/v1/shared/";
-        assert_eq!(mount_filter(&b, sp, "#"), "d/globex/cam-1/#");
+        assert_eq!(mount_filter(&b, sp, "#").unwrap(), "d/globex/cam-1/#");
         // A tenant name that is not a safe topic level is hashed; it still
         // takes exactly one level and never collides with a plain name.
         for t in ["a/b", "+", "#", "$x", "", &"t".repeat(65)] {

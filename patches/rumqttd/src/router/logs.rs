@@ -104,10 +104,15 @@ impl DataLog {
             .map(|data| &data.waiters)
     }
 
+    /// Removes the parked request of connection `id` whose filter is
+    /// `request_filter` from the log of `filter` (edgeway patch 15: they
+    /// differ for a shared subscription, `$share/{name}/{filter}`, and a
+    /// connection may park two requests in one log).
     pub fn remove_waiters_for_id(
         &mut self,
         id: ConnectionId,
         filter: &Filter,
+        request_filter: &Filter,
     ) -> Option<DataRequest> {
         let data = self
             .native
@@ -117,7 +122,7 @@ impl DataLog {
 
         waiters
             .iter()
-            .position(|&(conn_id, _)| conn_id == id)
+            .position(|(conn_id, request)| *conn_id == id && request.filter == *request_filter)
             .and_then(|index| {
                 waiters
                     .swap_remove_back(index)

@@ -369,6 +369,13 @@ impl Router {
         info!(connection_id, "Client connection registered");
 
         assert_eq!(self.ackslog.insert(ackslog), connection_id);
+        // edgeway patch 15: a resumed session's shared subscriptions
+        rejoin_shared_groups(
+            &mut self.shared_subscriptions,
+            &tracker,
+            &client_id,
+            &self.config,
+        );
         assert_eq!(self.scheduler.add(tracker), connection_id);
 
         // Check if there are multiple data requests on same filter.
@@ -513,11 +520,11 @@ impl Router {
                     request.cursor = *cursor;
                     // reset the group cursor
                     if let Some(group_name) = &request.group {
-                        // TODO: Test this more
-                        self.shared_subscriptions
-                            .get_mut(group_name)
-                            .expect("group must exists")
-                            .cursor = *cursor;
+                        // edgeway patch 15: the group is gone when this
+                        // client was its last member (it used to panic)
+                        if let Some(group) = self.shared_subscriptions.get_mut(group_name) {
+                            group.cursor = *cursor;
+                        }
                     }
                 }
             }
@@ -681,8 +688,11 @@ impl Router {
                         let mut filter = f.path.clone();
                         let mut group = None;
 
-                        if let Some((grp, filter_path)) = extract_group(&f.path) {
-                            group = Some(grp);
+                        // edgeway patch 15: a shared group is keyed by its
+                        // whole filter, `$share/{name}/{filter}`: one name
+                        // on two filters is two groups (MQTT-4.8.2).
+                        if let Some((_name, filter_path)) = extract_group(&f.path) {
+                            group = Some(f.path.clone());
                             filter = filter_path;
                         };
 
@@ -745,13 +755,9 @@ impl Router {
                                 continue;
                             }
 
-                            // Remove connections from all groups
-                            // discard empty group ( group with no client )
-                            // note: can we do this in better way?
-                            self.shared_subscriptions.retain(|_, group| {
-                                group.remove_client(&client_id);
-                                !group.is_empty()
-                            });
+                            // edgeway patch 15: leave the group of this
+                            // filter only (not every group of the client)
+                            leave_shared_group(&mut self.shared_subscriptions, filter, &client_id);
 
                             if let Some(broker_aliases) = connection.broker_topic_aliases.as_mut() {
                                 broker_aliases.remove_alias(filter);
@@ -768,7 +774,14 @@ impl Router {
                             let ackslog = self.ackslog.get_mut(id).unwrap();
                             ackslog.unsuback(unsuback);
                             self.scheduler.untrack(id, filter);
-                            self.datalog.remove_waiters_for_id(id, filter);
+                            // edgeway patch 15: a shared subscription parks
+                            // in the log of its filter without `$share/..`
+                            let log_filter = extract_group(filter).map(|(_, f)| f);
+                            self.datalog.remove_waiters_for_id(
+                                id,
+                                log_filter.as_ref().unwrap_or(filter),
+                                filter,
+                            );
                             force_ack = true;
                         }
                     }
@@ -964,7 +977,10 @@ impl Router {
                     self.config.shared_subscriptions_strategy.clone(),
                 ));
 
-            shared_group.add_client(client_id);
+            // edgeway patch 15: a repeated SUBSCRIBE is not a second turn
+            if !shared_group.has_client(&client_id) {
+                shared_group.add_client(client_id);
+            }
         };
 
         if let Some(subscription_id) = subscription_id {
@@ -1807,6 +1823,39 @@ fn validate_clientid(client_id: &str) -> Result<(), RouterError> {
     }
 
     Ok(())
+}
+
+/// Removes `client_id` from the shared group of `filter` (its whole
+/// `$share/{name}/{filter}`), dropping the group when it is left empty.
+/// (edgeway patch 15)
+fn leave_shared_group(groups: &mut HashMap<String, SharedGroup>, filter: &str, client_id: &String) {
+    if let Some(group) = groups.get_mut(filter) {
+        group.remove_client(client_id);
+        if group.is_empty() {
+            groups.remove(filter);
+        }
+    }
+}
+
+/// Puts a resumed session's client back into the groups of its shared
+/// subscriptions (a group left empty meanwhile starts again at the
+/// session's position). (edgeway patch 15)
+fn rejoin_shared_groups(
+    groups: &mut HashMap<String, SharedGroup>,
+    tracker: &Tracker,
+    client_id: &String,
+    config: &RouterConfig,
+) {
+    for request in tracker.get_data_requests() {
+        if let Some(key) = &request.group {
+            let group = groups.entry(key.clone()).or_insert_with(|| {
+                SharedGroup::new(request.cursor, config.shared_subscriptions_strategy.clone())
+            });
+            if !group.has_client(client_id) {
+                group.add_client(client_id.clone());
+            }
+        }
+    }
 }
 
 fn extract_group(filter: &str) -> Option<(String, String)> {

@@ -28,6 +28,11 @@ impl SharedGroup {
         self.clients.get(self.current_client_index)
     }
 
+    /// Whether `client` is a member (edgeway patch 15).
+    pub fn has_client(&self, client: &String) -> bool {
+        self.clients.contains(client)
+    }
+
     pub fn add_client(&mut self, client: String) {
         self.clients.push(client)
     }
