@@ -319,6 +319,89 @@ async fn one_group_name_on_two_filters_is_two_groups() {
     gw.stop().await;
 }
 
+/// Item 4, No Local: a subscription with No Local never gets what its own
+/// client id published. Before, it did (the option was parsed and never
+/// read). Instances of one device are different clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_local_subscriptions_never_get_their_own_publishes() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut a = instance(addr, true, D1, "a").await;
+    let mut b = instance(addr, true, D1, "b").await;
+    assert_eq!(ask(&mut a, &subscribe_opts(1, "n/#", 0x04), 0x90).await, 0);
+    assert_eq!(ask(&mut b, &subscribe_opts(1, "n/#", 0x04), 0x90).await, 0);
+    publish(&mut a, "n/x", "from a", 0, false, 0).await;
+    publish(&mut b, "n/x", "from b", 0, false, 0).await;
+    // Log order is "from a", "from b": each one's first is the other's.
+    assert_eq!(next_publish(&mut a, true).await.text(), "from b");
+    assert_eq!(next_publish(&mut b, true).await.text(), "from a");
+    gw.stop().await;
+}
+
+/// Item 4, Retain As Published: with it the RETAIN flag of a forwarded
+/// message is the publisher's; without it 0 (MQTT-3.3.1-13). Messages
+/// sent for a new subscription have RETAIN 1, on 3.1.1 too. Before, the
+/// flag was always cleared on forwarding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retain_as_published_keeps_the_publishers_flag() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut a = instance(addr, true, D1, "a").await;
+    let mut publisher = instance(addr, true, D1, "pub").await;
+    assert_eq!(ask(&mut a, &subscribe_opts(1, "rap/1", 0x08), 0x90).await, 0);
+    assert_eq!(ask(&mut a, &subscribe_opts(2, "rap/0", 0), 0x90).await, 0);
+    publish(&mut publisher, "rap/1", "k1", 0, true, 0).await;
+    publish(&mut publisher, "rap/0", "k0", 0, true, 0).await;
+    publish(&mut publisher, "rap/1", "p1", 0, false, 0).await;
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let g = next_publish(&mut a, true).await;
+        got.push((g.text(), g.retain));
+    }
+    got.sort();
+    let want = [("k0".to_string(), false), ("k1".to_string(), true), ("p1".to_string(), false)];
+    assert_eq!(got, want);
+
+    // MQTT 3.1.1: retained messages for a new subscription have RETAIN 1,
+    // forwarded ones 0, as before.
+    let mut v4 = instance(addr, false, D1, "v4").await;
+    assert_eq!(ask(&mut v4, &subscribe_v4(1, "rap/1", 0), 0x90).await, 0);
+    let g = next_publish(&mut v4, false).await;
+    assert_eq!((g.text(), g.retain), ("k1".to_string(), true));
+    publish(&mut publisher, "rap/1", "k2", 0, true, 0).await;
+    let g = next_publish(&mut v4, false).await;
+    assert_eq!((g.text(), g.retain), ("k2".to_string(), false));
+    gw.stop().await;
+}
+
+/// Item 4, Retain Handling: 0 sends the retained messages at every
+/// SUBSCRIBE (a repeated one too), 1 only for a new subscription, 2 never.
+/// Before, they were sent for every new subscription and never again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retain_handling_decides_when_retained_messages_are_sent() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut publisher = instance(addr, true, D1, "pub").await;
+    publish(&mut publisher, "rh/x", "kept", 0, true, 0).await;
+    let mut never = instance(addr, true, D1, "never").await;
+    let mut if_new = instance(addr, true, D1, "new").await;
+    let mut always = instance(addr, true, D1, "always").await;
+    assert_eq!(ask(&mut never, &subscribe_opts(1, "rh/x", 0x20), 0x90).await, 0);
+    assert_eq!(ask(&mut if_new, &subscribe_opts(1, "rh/x", 0x10), 0x90).await, 0);
+    assert_eq!(ask(&mut always, &subscribe_opts(1, "rh/x", 0), 0x90).await, 0);
+    for s in [&mut if_new, &mut always] {
+        let g = next_publish(s, true).await;
+        assert_eq!((g.text(), g.retain), ("kept".to_string(), true));
+    }
+    assert_eq!(ask(&mut if_new, &subscribe_opts(2, "rh/x", 0x10), 0x90).await, 0);
+    assert_eq!(ask(&mut always, &subscribe_opts(2, "rh/x", 0), 0x90).await, 0);
+    let g = next_publish(&mut always, true).await;
+    assert_eq!((g.text(), g.retain), ("kept".to_string(), true), "again on a repeated SUBSCRIBE");
+    publish(&mut publisher, "rh/x", "live", 0, false, 0).await;
+    for s in [&mut never, &mut if_new, &mut always] {
+        let g = next_publish(s, true).await;
+        assert_eq!((g.text(), g.retain), ("live".to_string(), false));
+    }
+    gw.stop().await;
+}
+
 /// Item 5, a session that outlives its connection: a client whose shared
 /// subscription had an unacknowledged message when it went away used to
 /// panic the router (the group was dropped with its last member, then

@@ -13,6 +13,7 @@ use crate::segments::{CommitLog, Position};
 use crate::Storage;
 use std::collections::{HashMap, VecDeque};
 use std::io;
+use std::sync::Arc;
 use std::time::Instant;
 
 type PubWithProp = (Publish, Option<PublishProperties>);
@@ -22,6 +23,8 @@ pub struct PublishData {
     pub publish: Publish,
     pub properties: Option<PublishProperties>,
     pub timestamp: Instant,
+    /// Client id of the publisher, for No Local (edgeway patch 14)
+    pub origin: Option<Arc<str>>,
 }
 
 impl From<PubWithProp> for PublishData {
@@ -30,6 +33,7 @@ impl From<PubWithProp> for PublishData {
             publish,
             properties,
             timestamp: Instant::now(),
+            origin: None,
         }
     }
 }
@@ -189,11 +193,14 @@ impl DataLog {
         (filter_idx, data.log.next_offset())
     }
 
+    /// `skip_origin`: leave out what this client id published (No Local,
+    /// edgeway patch 14).
     pub fn native_readv(
         &self,
         filter_idx: FilterIdx,
         offset: Offset,
         len: u64,
+        skip_origin: Option<&str>,
     ) -> io::Result<(Position, Vec<(PubWithProp, Offset)>)> {
         // unwrap to get index of `self.native` is fine here, because when a new subscribe packet
         // arrives in `Router::handle_device_payload`, it first calls the function
@@ -209,6 +216,10 @@ impl DataLog {
 
         let now = Instant::now();
         o.retain_mut(|(pubdata, _)| {
+            if skip_origin.is_some() && pubdata.origin.as_deref() == skip_origin {
+                return false;
+            }
+
             // Keep data if no properties exists, which implies no message expiry!
             let Some(properties) = pubdata.properties.as_mut() else {
                 return true;

@@ -202,6 +202,14 @@ pub struct DataRequest {
     max_count: usize,
     pub(crate) forward_retained: bool,
     pub(crate) group: Option<String>,
+    /// MQTT 5 No Local: skip what this client id published (edgeway
+    /// patch 14)
+    #[serde(default)]
+    pub(crate) no_local: bool,
+    /// MQTT 5 Retain As Published: keep the publisher's RETAIN flag on
+    /// forwarded messages (edgeway patch 14)
+    #[serde(default)]
+    pub(crate) preserve_retain: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

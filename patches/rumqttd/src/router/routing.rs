@@ -1,7 +1,7 @@
 use crate::protocol::{
     ConnAck, ConnAckProperties, ConnectReturnCode, Disconnect, DisconnectReasonCode, LastWill,
     LastWillProperties, Packet, PingResp, PubAck, PubAckReason, PubComp, PubCompReason, PubRec,
-    PubRecReason, PubRel, PubRelReason, Publish, PublishProperties, QoS, SubAck,
+    PubRecReason, PubRel, PubRelReason, Publish, PublishProperties, QoS, RetainForwardRule, SubAck,
     SubscribeReasonCode, UnsubAck, UnsubAckReason,
 };
 use crate::router::alertlog::alert;
@@ -13,6 +13,7 @@ use flume::{bounded, Receiver, RecvError, Sender, TryRecvError};
 use slab::Slab;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::str::Utf8Error;
+use std::sync::Arc;
 use std::thread;
 use std::time::SystemTime;
 use thiserror::Error;
@@ -21,7 +22,7 @@ use tracing::{debug, error, info, trace, warn};
 use super::alertlog::{Alert, AlertLog};
 use super::graveyard::Graveyard;
 use super::iobufs::{Incoming, Outgoing};
-use super::logs::{AckLog, DataLog};
+use super::logs::{AckLog, DataLog, PublishData};
 use super::scheduler::{ScheduleReason, Scheduler};
 use super::shared_subs::SharedGroup;
 use super::{
@@ -989,14 +990,20 @@ impl Router {
                 .insert(filter_path.clone(), subscription_id);
         }
 
-        // check is group is None because retained messages aren't sent
-        // for shared subscriptions
-        // TODO: use retain forward rules
-        let forward_retained = group.is_none();
-
         // call to `insert(_)` returns `true` if it didn't contain the filter_path already
         // i.e. its a new subscription
-        if connection.subscriptions.insert(filter_path.clone()) {
+        let new_subscription = connection.subscriptions.insert(filter_path.clone());
+
+        // edgeway patch 14: Retain Handling. Retained messages aren't sent
+        // for shared subscriptions.
+        let forward_retained = group.is_none()
+            && match filter.retain_forward_rule {
+                RetainForwardRule::OnEverySubscribe => true,
+                RetainForwardRule::OnNewSubscribe => new_subscription,
+                RetainForwardRule::Never => false,
+            };
+
+        if new_subscription {
             let request = DataRequest {
                 filter: filter_path.clone(),
                 filter_idx,
@@ -1004,22 +1011,58 @@ impl Router {
                 cursor,
                 read_count: 0,
                 max_count: 100,
-                // set true for new subscriptions
                 forward_retained,
                 group,
+                no_local: filter.nolocal,
+                preserve_retain: filter.preserve_retain,
             };
 
             self.scheduler.track(id, request);
             self.scheduler.reschedule(id, ScheduleReason::NewFilter);
             debug_assert!(self.scheduler.check_tracker_duplicates(id).is_none())
+        } else {
+            // edgeway patch 14: a SUBSCRIBE of an existing filter replaces
+            // the subscription's options (MQTT-3.8.4-3)
+            self.resubscribe(id, filter, forward_retained);
         }
-
-        // TODO: figure out how we can update existing DataRequest
-        // helpful in re-subscriptions and forwarding retained messages on
-        // every subscribe
 
         let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
         meter.register_subscription(filter_path.clone());
+    }
+
+    /// A SUBSCRIBE of a filter `id` already has: the request takes the new
+    /// QoS and options, and is scheduled to send the retained messages
+    /// again when `forward_retained`. The request is in the connection's
+    /// tracker or parked in its log. (edgeway patch 14)
+    fn resubscribe(&mut self, id: ConnectionId, filter: &protocol::Filter, forward_retained: bool) {
+        let update = |request: &mut DataRequest| {
+            request.qos = filter.qos as u8;
+            request.no_local = filter.nolocal;
+            request.preserve_retain = filter.preserve_retain;
+            request.forward_retained |= forward_retained;
+        };
+        if let Some(tracker) = self.scheduler.trackers.get_mut(id) {
+            if let Some(request) = tracker
+                .data_requests
+                .iter_mut()
+                .find(|r| r.filter == filter.path)
+            {
+                update(request);
+                self.scheduler.reschedule(id, ScheduleReason::NewFilter);
+                return;
+            }
+        }
+        let log_filter = extract_group(&filter.path).map(|(_, f)| f);
+        let parked = self.datalog.remove_waiters_for_id(
+            id,
+            log_filter.as_ref().unwrap_or(&filter.path),
+            &filter.path,
+        );
+        if let Some(mut request) = parked {
+            update(&mut request);
+            self.scheduler.track(id, request);
+            self.scheduler.reschedule(id, ScheduleReason::NewFilter);
+        }
     }
 
     /// When a connection is ready, it should sweep native data from 'datalog',
@@ -1265,10 +1308,10 @@ fn append_to_commitlog(
         datalog.insert_to_retained_publishes(publish.clone(), properties.clone(), topic.to_owned());
     }
 
-    // after recording retained message, we also send that message to existing subscribers
-    // as normal publish message. Therefore we are setting retain to false
-    publish.retain = false;
+    // edgeway patch 14: the RETAIN flag stays as published in the log;
+    // forwarding clears it unless the subscription has Retain As Published
     let pkid = publish.pkid;
+    let origin: Arc<str> = Arc::from(connection.client_id.as_str());
 
     let filter_idxs = datalog.matches(topic);
 
@@ -1285,8 +1328,9 @@ fn append_to_commitlog(
     let mut o = (0, 0);
     for filter_idx in filter_idxs {
         let datalog = datalog.native.get_mut(filter_idx).unwrap();
-        let publish_data = (publish.clone(), properties.clone());
-        let (offset, filter) = datalog.append(publish_data.into(), notifications);
+        let mut publish_data: PublishData = (publish.clone(), properties.clone()).into();
+        publish_data.origin = Some(origin.clone());
+        let (offset, filter) = datalog.append(publish_data, notifications);
         debug!(
             pkid,
             "Appended to commitlog: {}[{}, {})", filter, offset.0, offset.1,
@@ -1507,14 +1551,20 @@ fn forward_device_data(
         request.forward_retained = false;
     }
 
-    let (next, publishes_from_datalog) =
-        match datalog.native_readv(request.filter_idx, request.cursor, inflight_slots) {
-            Ok(v) => v,
-            Err(e) => {
-                error!(error = ?e, "Failed to read from commitlog {}", e);
-                return ConsumeStatus::FilterCaughtup;
-            }
-        };
+    // edgeway patch 14: No Local
+    let skip_origin = request.no_local.then_some(connection.client_id.as_str());
+    let (next, publishes_from_datalog) = match datalog.native_readv(
+        request.filter_idx,
+        request.cursor,
+        inflight_slots,
+        skip_origin,
+    ) {
+        Ok(v) => v,
+        Err(e) => {
+            error!(error = ?e, "Failed to read from commitlog {}", e);
+            return ConsumeStatus::FilterCaughtup;
+        }
+    };
 
     publishes.extend(
         publishes_from_datalog
@@ -1564,13 +1614,20 @@ fn forward_device_data(
     );
 
     let qos = request.qos;
+    let preserve_retain = request.preserve_retain;
     let filter_idx = request.filter_idx;
     request.read_count += publishes.len();
     request.cursor = next;
     // println!("{:?} {:?} {}", start, next, request.read_count);
 
     if publishes.is_empty() {
-        return ConsumeStatus::FilterCaughtup;
+        // edgeway patch 14: everything read may have been left out (No
+        // Local, expiry) with more to read: not caught up
+        return if caughtup {
+            ConsumeStatus::FilterCaughtup
+        } else {
+            ConsumeStatus::PartialRead
+        };
     }
 
     let broker_topic_aliases = &mut connection.broker_topic_aliases;
@@ -1598,6 +1655,14 @@ fn forward_device_data(
             publish.qos = delivery_qos(publish.qos, qos);
             if publish.qos == QoS::AtMostOnce {
                 publish.pkid = 0;
+            }
+
+            // edgeway patch 14: a retained message sent for the
+            // subscription (no offset) has RETAIN 1; a forwarded one the
+            // publisher's flag with Retain As Published, else 0
+            // (MQTT-3.3.1-12/13, 3.1.1's MQTT-3.3.1-9)
+            if offset.is_some() && !preserve_retain {
+                publish.retain = false;
             }
 
             // if there is some topic alias to use, set it in publish properties
