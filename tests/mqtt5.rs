@@ -458,3 +458,49 @@ async fn an_unsubscribed_shared_subscription_gets_nothing_more() {
     assert_eq!(next_publish(&mut a, true).await.text(), "marker");
     gw.stop().await;
 }
+
+/// Item 4, No Local with more of the client's own messages in the log than
+/// one read takes: a read that left out everything is not "caught up".
+/// Before, the subscription stopped there (parked until some later
+/// message) and the other client's message after them never arrived. The
+/// read is made one window at a time by holding 100 QoS 1 messages
+/// unacknowledged first (Receive Maximum 100).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_local_skips_many_own_messages_and_still_delivers_the_next() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let id = format!("{}:nl", D1.0);
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 5, 0xC2, 0, 60, 3, 0x21, 0, 100];
+    for s in [id.as_bytes(), D1.0.as_bytes(), D1.1.as_bytes()] {
+        body.extend_from_slice(&(s.len() as u16).to_be_bytes());
+        body.extend_from_slice(s);
+    }
+    let mut a = TcpStream::connect(addr).await.unwrap();
+    a.write_all(&frame(0x10, &body)).await.unwrap();
+    let ack = raw::packet(&mut a).await.expect("a CONNACK");
+    assert_eq!((ack[0], ack[3]), (0x20, 0), "accepted");
+    let mut b = instance(addr, true, D1, "b").await;
+    assert_eq!(ask(&mut a, &subscribe_opts(1, "z/#", 1), 0x90).await, 1);
+    assert_eq!(ask(&mut a, &subscribe_opts(2, "n/#", 0x05), 0x90).await, 1);
+    assert_eq!(ask(&mut b, &subscribe_opts(1, "n/x", 0), 0x90).await, 0);
+    for i in 1..=100u16 {
+        publish(&mut b, "z/x", "filler", 1, false, i).await;
+    }
+    let mut ids = Vec::new();
+    for _ in 0..100 {
+        ids.push(next_publish(&mut a, true).await.pkid.expect("QoS 1"));
+    }
+    for i in 0..250 {
+        publish(&mut a, "n/x", &format!("own {i}"), 0, false, 0).await;
+    }
+    publish(&mut a, "n/x", "own last", 0, false, 0).await;
+    // b sees them all in the log before it publishes (a gets no PUBACK
+    // while its window is full).
+    while next_publish(&mut b, true).await.text() != "own last" {}
+    publish(&mut b, "n/x", "other", 0, false, 0).await;
+    for pkid in ids {
+        let [hi, lo] = pkid.to_be_bytes();
+        a.write_all(&[0x40, 2, hi, lo]).await.unwrap();
+    }
+    assert_eq!(next_publish(&mut a, true).await.text(), "other");
+    gw.stop().await;
+}
