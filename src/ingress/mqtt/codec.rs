@@ -365,6 +365,11 @@ pub fn mount_inbound(device: &str, shared_prefix: &str, request_topic: &str, pac
         }
         Packet::Subscribe(mut sub, props) => {
             for f in &mut sub.filters {
+                // No Local on a shared subscription is a protocol error
+                // (MQTT-3.8.3-4).
+                if f.nolocal && f.path.starts_with("$share/") {
+                    return Err(Error::InvalidProtocol);
+                }
                 f.path = mount_filter(device, shared_prefix, &f.path).ok_or(Error::MalformedPacket)?;
             }
             Packet::Subscribe(sub, props)
@@ -531,12 +536,20 @@ mod tests {
             preserve_retain: false,
             retain_forward_rule: RetainForwardRule::OnEverySubscribe,
         };
-        let sub = Subscribe { pkid: 1, filters: vec![filter] };
-        let Ok(Packet::Subscribe(s, _)) = mount_inbound("dev1", "ai/v1/shared/", "", Packet::Subscribe(sub, None))
+        let one = Subscribe { pkid: 1, filters: vec![filter.clone()] };
+        let Ok(Packet::Subscribe(s, _)) = mount_inbound("dev1", "ai/v1/shared/", "", Packet::Subscribe(one, None))
         else {
             panic!("a subscribe")
         };
         assert_eq!(Some(&s.filters[0].path), mount_filter("dev1", "ai/v1/shared/", "#").as_ref());
+        // Shared subscriptions: malformed ones, and No Local on one, refused.
+        let sub = |path: &str, nolocal: bool| {
+            let f = Filter { path: path.into(), nolocal, ..filter.clone() };
+            Packet::Subscribe(Subscribe { pkid: 1, filters: vec![f] }, None)
+        };
+        assert!(mount_inbound("dev1", "ai/v1/shared/", "", sub("$share/g/#", false)).is_ok());
+        assert_eq!(mount_inbound("dev1", "ai/v1/shared/", "", sub("$share/g/#", true)), Err(Error::InvalidProtocol));
+        assert_eq!(mount_inbound("dev1", "ai/v1/shared/", "", sub("$share/g+/#", false)), Err(Error::MalformedPacket));
     }
 
     #[test]
