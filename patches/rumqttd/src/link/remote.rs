@@ -47,6 +47,11 @@ pub enum Error {
     TrySend(#[from] TrySendError<(ConnectionId, Event)>),
     #[error("Link error = {0}")]
     Link(#[from] LinkError),
+    /// The client sent DISCONNECT, which the router has been given (it
+    /// ends the session or keeps it, by the DISCONNECT's Session Expiry).
+    /// (edgeway patch, see PATCHES.md)
+    #[error("Disconnected by the client")]
+    ClientDisconnected,
 }
 
 /// Orchestrates between Router and Network.
@@ -91,6 +96,12 @@ impl<P: Protocol> RemoteLink<P> {
             .and_then(|p| p.session_expiry_interval)
             .unwrap_or(0);
 
+        // MQTT 5 (the v5 codec always gives properties): the session is
+        // kept for its expiry after the connection, whatever Clean Start
+        // says; 3.1.1: `None`, kept iff not clean. (edgeway patch, see
+        // PATCHES.md)
+        let session_lifetime = props.as_ref().map(|_| session_expiry);
+
         let delay_interval = lastwill_props
             .as_ref()
             .and_then(|f| f.delay_interval)
@@ -107,6 +118,7 @@ impl<P: Protocol> RemoteLink<P> {
             .last_will_properties(lastwill_props)
             .dynamic_filters(dynamic_filters)
             .topic_alias_max(topic_alias_max.unwrap_or(0))
+            .session_expiry(session_lifetime)
             .build()?;
 
         let id = link_rx.id();
@@ -160,11 +172,12 @@ impl<P: Protocol> RemoteLink<P> {
                 // PATCHES.md)
                 o = self.network.read_screened() => {
                     let packet = o?;
-                    let len = {
+                    let (len, disconnected) = {
                         let mut buffer = self.link_tx.buffer();
                         buffer.extend(packet);
                         self.network.readv(&mut buffer)?;
-                        buffer.len()
+                        let disconnected = buffer.iter().any(|p| matches!(p, Packet::Disconnect(..)));
+                        (buffer.len(), disconnected)
                     };
 
                     trace!("Packets read from network, count = {}", len);
@@ -172,6 +185,12 @@ impl<P: Protocol> RemoteLink<P> {
                         self.link_tx.notify().await?;
                     }
                     self.network.flush_answers().await?;
+                    // The router ends the connection at the DISCONNECT it
+                    // was just given; nothing more is read. (edgeway patch,
+                    // see PATCHES.md)
+                    if disconnected {
+                        return Err(Error::ClientDisconnected);
+                    }
                 }
                 // Receive from router when previous when state isn't in collision
                 // due to previously received data request

@@ -194,11 +194,24 @@ impl Router {
 
     fn run_inner(&mut self) -> Result<(), RouterError> {
         // Block on incoming events if there are no ready connections for consumption
+        // (edgeway patch: or until the next saved session expires)
         if self.consume().is_none() {
             // trace!("{}:: {:20} {:20} {:?}", self.id, "", "done-await", self.readyqueue);
-            let (id, data) = self.router_rx.recv()?;
-            self.events(id, data);
+            let event = match self.graveyard.next_expiry() {
+                None => Some(self.router_rx.recv()?),
+                Some(at) => match self.router_rx.recv_deadline(at) {
+                    Ok(event) => Some(event),
+                    Err(flume::RecvTimeoutError::Timeout) => None,
+                    Err(flume::RecvTimeoutError::Disconnected) => {
+                        return Err(RouterError::Disconnected)
+                    }
+                },
+            };
+            if let Some((id, data)) = event {
+                self.events(id, data);
+            }
         }
+        self.expire_sessions();
 
         // Try reading more from connections in a non-blocking
         // fashion to accumulate data and handle subscriptions.
@@ -406,6 +419,22 @@ impl Router {
         self.router_meters.total_connections += 1;
     }
 
+    /// Removes the saved sessions past their Session Expiry Interval: their
+    /// subscriptions and cursors go, and the messages they were owed with
+    /// them (the filter logs are shared and bounded by their own size).
+    /// (edgeway patch, see PATCHES.md)
+    fn expire_sessions(&mut self) {
+        if self
+            .graveyard
+            .next_expiry()
+            .is_some_and(|at| at <= std::time::Instant::now())
+        {
+            for client_id in self.graveyard.expire(std::time::Instant::now()) {
+                info!(client_id, "session expired");
+            }
+        }
+    }
+
     fn handle_new_meter(&mut self, tx: Sender<Vec<Meter>>) {
         let _meter_id = self.meters.insert(tx);
     }
@@ -501,8 +530,11 @@ impl Router {
             connection.events.events.pop_front();
         }
 
-        // Save state for persistent sessions
-        if !connection.clean {
+        // Save state for persistent sessions: 3.1.1 without clean session,
+        // MQTT 5 with a Session Expiry (edgeway patch: was `!clean` for
+        // both, so an MQTT 5 session was kept iff Clean Start was 0, and for
+        // good)
+        if let Some(expiry) = connection.kept_for() {
             // Add inflight data requests back to tracker
             inflight_data_requests
                 .into_iter()
@@ -527,6 +559,7 @@ impl Router {
                 connection.subscriptions,
                 connection.events,
                 outgoing.unacked_pubrels,
+                expiry,
             );
         } else {
             tracker.pause(PauseReason::Busy);
@@ -876,10 +909,24 @@ impl Router {
 
                     force_ack = true;
                 }
-                Packet::Disconnect(_, _) => {
+                Packet::Disconnect(_, props) => {
                     let span = tracing::info_span!("disconnect");
                     let _guard = span.enter();
                     disconnect = true;
+                    // An MQTT 5 DISCONNECT may change the Session Expiry
+                    // Interval, but not from 0 (MQTT-3.14.2-2: a protocol
+                    // error, and the session ends). (edgeway patch, see
+                    // PATCHES.md)
+                    let expiry = props.as_ref().and_then(|p| p.session_expiry_interval);
+                    if let (Some(expiry), Some(connection)) = (expiry, self.connections.get_mut(id)) {
+                        match connection.session_expiry {
+                            Some(0) if expiry != 0 => {
+                                disconnect_reason = Some(DisconnectReasonCode::ProtocolError);
+                            }
+                            Some(_) => connection.session_expiry = Some(expiry),
+                            None => {}
+                        }
+                    }
                     // delete the last will message
                     self.last_wills.remove(&client_id);
                     break;
