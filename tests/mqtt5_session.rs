@@ -223,3 +223,34 @@ async fn a_kept_session_is_owed_at_most_the_filter_log() {
     assert!(got.windows(2).all(|w| w[0] < w[1]), "in order");
     gw.stop().await;
 }
+
+/// Issue 16 item 3: with Receive Maximum 2 in its CONNECT a client never
+/// has more than 2 QoS 1 publishes unacknowledged; the others wait (none
+/// lost) and come as it acknowledges. Failed before: all 5 came at once
+/// (rumqttd's window was a fixed 100).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_receive_maximum_bounds_unacknowledged_publishes() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let (mut s, _) = connect(addr, SUB, true, &raw::prop_u16(0x21, 2)).await;
+    subscribe(&mut s, "s/t").await;
+    publish(addr, "s/t", &["m1", "m2", "m3", "m4", "m5"]).await;
+    let mut outstanding = Vec::new();
+    while let Some(p) = raw::packet_within(&mut s, Duration::from_secs(1)).await {
+        outstanding.push(p);
+    }
+    let payloads = |ps: &[Vec<u8>]| -> Vec<String> {
+        ps.iter().map(|p| String::from_utf8_lossy(&raw::publish_v5_payload(p)).into_owned()).collect()
+    };
+    assert_eq!(payloads(&outstanding), ["m1", "m2"], "at most the Receive Maximum unacknowledged");
+    let mut got = payloads(&outstanding);
+    // Acknowledge one: one more comes.
+    s.write_all(&raw::puback(raw::publish_pkid(&outstanding[0]))).await.unwrap();
+    let next = raw::packet(&mut s).await.expect("one more after an acknowledgement");
+    assert!(raw::packet_within(&mut s, Duration::from_millis(500)).await.is_none(), "only one");
+    got.extend(payloads(std::slice::from_ref(&next)));
+    s.write_all(&raw::puback(raw::publish_pkid(&outstanding[1]))).await.unwrap();
+    s.write_all(&raw::puback(raw::publish_pkid(&next))).await.unwrap();
+    got.extend(received(&mut s, Duration::from_secs(1)).await);
+    assert_eq!(got, ["m1", "m2", "m3", "m4", "m5"], "none lost, in order");
+    gw.stop().await;
+}

@@ -52,6 +52,8 @@ pub struct LinkBuilder<'a> {
     topic_alias_max: u16,
     // see `Connection::session_expiry` (edgeway patch)
     session_expiry: Option<u32>,
+    // see `Connection::receive_maximum` (edgeway patch)
+    receive_maximum: Option<u16>,
 }
 
 impl<'a> LinkBuilder<'a> {
@@ -66,6 +68,7 @@ impl<'a> LinkBuilder<'a> {
             dynamic_filters: false,
             topic_alias_max: 0,
             session_expiry: None,
+            receive_maximum: None,
         }
     }
 
@@ -75,6 +78,11 @@ impl<'a> LinkBuilder<'a> {
         self
     }
 
+    /// See [`Connection::receive_maximum`]. (edgeway patch, see PATCHES.md)
+    pub fn receive_maximum(mut self, max: Option<u16>) -> Self {
+        self.receive_maximum = max;
+        self
+    }
 
     pub fn tenant_id(mut self, tenant_id: Option<String>) -> Self {
         self.tenant_id = tenant_id;
@@ -126,6 +134,7 @@ impl<'a> LinkBuilder<'a> {
         let link_id = NEXT_LINK_ID.fetch_add(1, Ordering::Relaxed);
         connection.link_id = link_id;
         connection.session_expiry = self.session_expiry;
+        connection.receive_maximum = self.receive_maximum;
         let incoming = Incoming::new(connection.client_id.to_owned());
         let (outgoing, link_rx) = Outgoing::new(connection.client_id.to_owned());
         let outgoing_data_buffer = outgoing.buffer();

@@ -98,9 +98,11 @@ impl<P: Protocol> RemoteLink<P> {
 
         // MQTT 5 (the v5 codec always gives properties): the session is
         // kept for its expiry after the connection, whatever Clean Start
-        // says; 3.1.1: `None`, kept iff not clean. (edgeway patch, see
-        // PATCHES.md)
+        // says; 3.1.1: `None`, kept iff not clean. The client's Receive
+        // Maximum bounds the QoS 1/2 publishes sent and not acknowledged.
+        // (edgeway patch, see PATCHES.md)
         let session_lifetime = props.as_ref().map(|_| session_expiry);
+        let receive_maximum = props.as_ref().and_then(|p| p.receive_maximum);
 
         let delay_interval = lastwill_props
             .as_ref()
@@ -119,6 +121,7 @@ impl<P: Protocol> RemoteLink<P> {
             .dynamic_filters(dynamic_filters)
             .topic_alias_max(topic_alias_max.unwrap_or(0))
             .session_expiry(session_lifetime)
+            .receive_maximum(receive_maximum)
             .build()?;
 
         let id = link_rx.id();

@@ -43,6 +43,10 @@ pub struct Connection {
     /// says (Clean Start only discards an old session at connect). A
     /// DISCONNECT may change it. (edgeway patch, see PATCHES.md)
     pub session_expiry: Option<u32>,
+    /// The client's Receive Maximum (MQTT 5 CONNECT): QoS 1 and 2
+    /// PUBLISHes the broker may have unacknowledged towards it at once.
+    /// (edgeway patch, see PATCHES.md)
+    pub receive_maximum: Option<u16>,
 }
 
 impl Connection {
@@ -78,6 +82,7 @@ impl Connection {
             subscription_ids: HashMap::new(),
             link_id: 0,
             session_expiry: None,
+            receive_maximum: None,
         }
     }
 

@@ -374,6 +374,8 @@ impl Router {
             );
         }
 
+        // The client's Receive Maximum (edgeway patch, see PATCHES.md)
+        outgoing.set_receive_maximum(connection.receive_maximum);
         let connection_id = self.connections.insert(connection);
         assert_eq!(self.ibufs.insert(incoming), connection_id);
         assert_eq!(self.obufs.insert(outgoing), connection_id);
