@@ -254,3 +254,29 @@ async fn the_client_receive_maximum_bounds_unacknowledged_publishes() {
     assert_eq!(got, ["m1", "m2", "m3", "m4", "m5"], "none lost, in order");
     gw.stop().await;
 }
+
+/// Issue 16 item 3: a client with Maximum Packet Size 64 is never sent a
+/// larger packet: a PUBLISH that would be larger is dropped for it
+/// (MQTT-3.1.2-25), and completed as if sent, so what follows still
+/// comes (QoS 1: the broker's window moves on; QoS 0 alike). Failed
+/// before: the 100-byte payload was sent (a 110-byte packet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_over_the_client_maximum_packet_size_is_dropped_for_it() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let props = [raw::prop_u32(0x27, 64), raw::prop_u16(0x21, 1)].concat();
+    let (mut s, _) = connect(addr, SUB, true, &props).await;
+    subscribe(&mut s, "s/t").await;
+    let big = "b".repeat(100);
+    // Receive Maximum 1: the small ones can only come if the big one was
+    // completed for the client.
+    publish(addr, "s/t", &["small1", &big, "small2", &big, "small3"]).await;
+    let mut got = Vec::new();
+    while let Some(p) = raw::packet_within(&mut s, Duration::from_secs(1)).await {
+        assert!(p.len() <= 64, "a {}-byte packet to a client whose maximum is 64", p.len());
+        assert_eq!(p[0] & 0xF0, 0x30, "a PUBLISH: {p:02x?}");
+        s.write_all(&raw::puback(raw::publish_pkid(&p))).await.unwrap();
+        got.push(String::from_utf8_lossy(&raw::publish_v5_payload(&p)).into_owned());
+    }
+    assert_eq!(got, ["small1", "small2", "small3"]);
+    gw.stop().await;
+}
