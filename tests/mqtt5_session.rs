@@ -280,3 +280,25 @@ async fn a_publish_over_the_client_maximum_packet_size_is_dropped_for_it() {
     assert_eq!(got, ["small1", "small2", "small3"]);
     gw.stop().await;
 }
+
+/// Issue 16 item 6: a keep-alive of 0 (none) or over `max_keep_alive_s`
+/// is capped, the CONNACK says so (Server Keep Alive, 0x13), and the
+/// broker enforces the capped value (a silent client is closed after 1.5
+/// times it). Passed before too (edgeway's codec did it already): a guard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capped_keep_alive_is_told_in_the_connack_and_enforced() {
+    let (_fake, gw, addr) = start(Knobs::default(), "max_keep_alive_s = 1").await;
+    let mut connect = raw::connect_v5_props(SUB, D1, true, &[]);
+    // Keep Alive (after the fixed header and the 8 bytes before it): 0.
+    let at = 2 + 8;
+    connect[at..at + 2].copy_from_slice(&[0, 0]);
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&connect).await.unwrap();
+    let ack = raw::packet(&mut s).await.expect("a CONNACK");
+    assert_eq!((ack[0], ack[3]), (0x20, 0));
+    assert!(ack.windows(3).any(|w| w == [0x13, 0, 1]), "Server Keep Alive 1: {ack:02x?}");
+    let t = std::time::Instant::now();
+    assert!(raw::closed(&mut s).await, "closed for silence");
+    assert!(t.elapsed() < Duration::from_secs(4), "after about 1.5 s: {:?}", t.elapsed());
+    gw.stop().await;
+}
