@@ -302,3 +302,22 @@ async fn a_capped_keep_alive_is_told_in_the_connack_and_enforced() {
     assert!(t.elapsed() < Duration::from_secs(4), "after about 1.5 s: {:?}", t.elapsed());
     gw.stop().await;
 }
+
+/// Issue 16 item 2: a CONNECT with Clean Start 0 while the client id's
+/// connection is still open (a device back before the broker saw its old
+/// connection go) continues that session, even with Session Expiry 0: the
+/// session exists until that connection ends (MQTT-3.1.2-4). Passed on the
+/// unpatched broker (every Clean Start 0 session was kept); failed with the
+/// first version of the Session Expiry patch (Session Present 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_continues_a_session_that_ends_with_its_connection() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let (mut old, _) = connect(addr, SUB, false, &[]).await;
+    subscribe(&mut old, "s/t").await;
+    let (mut s, present) = connect(addr, SUB, false, &[]).await;
+    assert!(present, "the open connection's session continues");
+    publish(addr, "s/t", &["m1"]).await;
+    assert_eq!(received(&mut s, Duration::from_secs(1)).await, ["m1"], "its subscription too");
+    drop(old);
+    gw.stop().await;
+}

@@ -403,13 +403,15 @@ struct Held {
 
 impl SessionFilters {
     /// Connection `conn` of `client_id` starts: it resumes what the client
-    /// id held unless it starts clean or that session has ended (or ends
-    /// with the connection it takes over). Expired sessions are forgotten.
+    /// id held unless it starts clean or that session has ended (a session
+    /// that ends with its connection is still here only while that
+    /// connection is open: a takeover continues it, as the broker does).
+    /// Expired sessions are forgotten.
     pub fn connected(&self, client_id: &str, conn: u64, clean: bool, lifetime: Lifetime, now: Instant) {
         let mut held = self.held.lock().expect("filters");
         held.retain(|_, h| h.ends_at.is_none_or(|at| at > now));
         match held.get_mut(client_id) {
-            Some(h) if !clean && h.lifetime != Lifetime::EndsWithConnection => {
+            Some(h) if !clean => {
                 (h.conn, h.lifetime, h.ends_at) = (conn, lifetime, None);
             }
             _ => {

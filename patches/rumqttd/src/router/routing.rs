@@ -303,13 +303,25 @@ impl Router {
             // Check if same client_id already exists and if so, replace it with this new connection
             // ref: https://docs.oasis-open.org/mqtt/mqtt/v3.1.1/os/mqtt-v3.1.1-os.html#_Toc398718032
 
-            let connection_id = self.connection_map.get(&client_id);
+            let connection_id = self.connection_map.get(&client_id).copied();
             if let Some(connection_id) = connection_id {
                 error!(
                     "Duplicate client_id, dropping previous connection with connection_id: {}",
                     connection_id
                 );
-                self.handle_disconnection(*connection_id, None);
+                // A takeover without a clean start continues the session of
+                // the connection it replaces, even one that would end with
+                // that connection (MQTT 5 expiry 0, 3.1.1 clean session):
+                // it is saved for the moment it takes to be taken back
+                // below. (edgeway patch, see PATCHES.md)
+                if !connection.clean {
+                    if let Some(old) = self.connections.get_mut(connection_id) {
+                        if old.kept_for().is_none() {
+                            old.session_expiry = Some(1);
+                        }
+                    }
+                }
+                self.handle_disconnection(connection_id, None);
             }
         }
 
