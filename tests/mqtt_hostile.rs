@@ -600,7 +600,8 @@ async fn subscriptions_are_counted_across_resumed_sessions() {
     let (_fake, gw, addr) = start(Knobs::default(), "max_subscriptions_per_connection = 3").await;
     let resume = || async {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(&raw::without_clean_start(raw::connect_v5(D1.0, Some(D1)))).await.unwrap();
+        // Clean Start 0 and a Session Expiry: the broker keeps the session.
+        s.write_all(&raw::connect_v5_props(D1.0, D1, false, &raw::prop_u32(0x11, 60))).await.unwrap();
         let ack = raw::packet(&mut s).await.expect("a CONNACK");
         (s, ack)
     };

@@ -372,3 +372,91 @@ pub fn connect_v5_with_will(
     string(login.1.as_bytes(), &mut body);
     frame(0x10, &body)
 }
+
+/// An MQTT 5 CONNECT (keep-alive 60 s) with Clean Start `clean` and the
+/// properties `props` (their bytes, see [`prop_u32`], [`prop_u16`]).
+pub fn connect_v5_props(id: &str, login: (&str, &str), clean: bool, props: &[u8]) -> Vec<u8> {
+    let flags = 0xC0 | if clean { 0x02 } else { 0 };
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 5, flags, 0, 60];
+    remaining_length(props.len(), &mut body);
+    body.extend_from_slice(props);
+    string(id.as_bytes(), &mut body);
+    string(login.0.as_bytes(), &mut body);
+    string(login.1.as_bytes(), &mut body);
+    frame(0x10, &body)
+}
+
+/// A four-byte integer property (Session Expiry Interval 0x11, Maximum
+/// Packet Size 0x27).
+pub fn prop_u32(id: u8, v: u32) -> Vec<u8> {
+    let mut p = vec![id];
+    p.extend_from_slice(&v.to_be_bytes());
+    p
+}
+
+/// A two-byte integer property (Receive Maximum 0x21).
+pub fn prop_u16(id: u8, v: u16) -> Vec<u8> {
+    let mut p = vec![id];
+    p.extend_from_slice(&v.to_be_bytes());
+    p
+}
+
+/// An MQTT 5 DISCONNECT with `reason` and the properties `props`.
+pub fn disconnect_v5(reason: u8, props: &[u8]) -> Vec<u8> {
+    let mut body = vec![reason];
+    remaining_length(props.len(), &mut body);
+    body.extend_from_slice(props);
+    frame(0xE0, &body)
+}
+
+/// A SUBSCRIBE of one filter at `qos`; MQTT 5 when `v5`.
+pub fn subscribe_qos(v5: bool, pkid: u16, filter: &str, qos: u8) -> Vec<u8> {
+    let mut body = pkid.to_be_bytes().to_vec();
+    if v5 {
+        body.push(0);
+    }
+    string(filter.as_bytes(), &mut body);
+    body.push(qos);
+    frame(0x82, &body)
+}
+
+/// A PUBACK (success, the short form both versions read).
+pub fn puback(pkid: u16) -> Vec<u8> {
+    frame(0x40, &pkid.to_be_bytes())
+}
+
+/// The packet id of a QoS 1/2 PUBLISH's bytes.
+pub fn publish_pkid(p: &[u8]) -> u16 {
+    let mut i = 1;
+    while p[i] & 0x80 != 0 {
+        i += 1;
+    }
+    let len = u16::from_be_bytes([p[i + 1], p[i + 2]]) as usize;
+    u16::from_be_bytes([p[i + 3 + len], p[i + 4 + len]])
+}
+
+/// The payload of an MQTT 5 PUBLISH's bytes.
+pub fn publish_v5_payload(p: &[u8]) -> Vec<u8> {
+    let mut i = 1;
+    while p[i] & 0x80 != 0 {
+        i += 1;
+    }
+    let len = u16::from_be_bytes([p[i + 1], p[i + 2]]) as usize;
+    let mut at = i + 3 + len + if p[0] & 0x06 != 0 { 2 } else { 0 };
+    let (mut props, mut mult) = (0usize, 1usize);
+    loop {
+        let b = p[at];
+        at += 1;
+        props += (b & 0x7F) as usize * mult;
+        mult *= 128;
+        if b & 0x80 == 0 {
+            break;
+        }
+    }
+    p[at + props..].to_vec()
+}
+
+/// The next packet on `s` within `within`, if any.
+pub async fn packet_within(s: &mut TcpStream, within: Duration) -> Option<Vec<u8>> {
+    tokio::time::timeout(within, packet(s)).await.ok().flatten()
+}

@@ -324,6 +324,12 @@ pub fn refuse_subscribe(version: Version, pkid: u16, filters: usize, quota: Quot
     Packet::SubAck(SubAck { pkid, return_codes: vec![code; filters] }, props)
 }
 
+/// An MQTT 5 DISCONNECT that sets a Session Expiry Interval when CONNECT
+/// gave 0 (MQTT-3.14.2-2): DISCONNECT 0x82 Protocol Error.
+pub fn session_expiry_protocol_error() -> Packet {
+    disconnect(DisconnectReasonCode::ProtocolError, "Session Expiry Interval set in DISCONNECT after 0 in CONNECT")
+}
+
 /// A QoS 2 publish beyond the Receive Maximum (more awaiting PUBREL than
 /// the CONNACK allowed): MQTT 5 DISCONNECT 0x93; 3.1.1 closes.
 pub fn receive_maximum_exceeded(version: Version) -> Verdict {

@@ -30,7 +30,7 @@ use std::hash::{BuildHasher, Hash, RandomState};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rumqttd::protocol::{LastWill, LastWillProperties};
 
@@ -44,9 +44,14 @@ pub struct Session {
     pub conn: u64,
     /// The client id as sent.
     pub client_id: String,
-    /// MQTT 5 Session Expiry Interval from CONNECT, seconds (0: the session
-    /// ends with the connection).
+    /// MQTT 5 Session Expiry Interval from CONNECT, or from DISCONNECT if
+    /// it changed it, seconds (0: the session ends with the connection; 0
+    /// for 3.1.1).
     pub session_expiry: u32,
+    /// An MQTT 5 connection.
+    pub v5: bool,
+    /// Clean Start (5) or clean session (3.1.1) in CONNECT.
+    pub clean: bool,
     /// The keep-alive applied instead of the client's, told to MQTT 5
     /// clients in the CONNACK.
     pub server_keep_alive: Option<u16>,
@@ -54,6 +59,35 @@ pub struct Session {
     pub will: Option<(LastWill, Option<LastWillProperties>)>,
     /// Device view of its request topic, for the expiry rewrite.
     pub request_topic: String,
+}
+
+impl Session {
+    /// How long the session outlives the connection now.
+    pub fn lifetime(&self) -> Lifetime {
+        Lifetime::of(self.v5, self.clean, self.session_expiry)
+    }
+}
+
+/// How long the broker keeps a session after its connection ends (patched
+/// rumqttd's `Connection::session_expiry`, which this mirrors): MQTT 5 by
+/// its Session Expiry Interval, whatever Clean Start says; MQTT 3.1.1 for
+/// good unless `cleansession = 1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifetime {
+    EndsWithConnection,
+    For(Duration),
+    /// 3.1.1 `cleansession = 0`, or MQTT 5 expiry 0xFFFFFFFF.
+    Forever,
+}
+
+impl Lifetime {
+    pub fn of(v5: bool, clean: bool, session_expiry: u32) -> Lifetime {
+        match (v5, clean, session_expiry) {
+            (false, true, _) | (true, _, 0) => Lifetime::EndsWithConnection,
+            (false, false, _) | (true, _, u32::MAX) => Lifetime::Forever,
+            (true, _, s) => Lifetime::For(Duration::from_secs(s.into())),
+        }
+    }
 }
 
 /// Where one connection is.
@@ -345,9 +379,11 @@ mod tests {
 /// The filters each client id holds in the router, counted against
 /// `max_subscriptions_per_connection`. Kept per client id, not per
 /// connection, because the router restores the subscriptions of a session
-/// resumed with Clean Start 0 (it keeps them for as long as it runs, and so
-/// does this table); a clean start, or the end of a clean-start connection,
-/// forgets them, as the router does.
+/// resumed with Clean Start 0; kept as long as the router keeps the session
+/// ([`Lifetime`]: MQTT 5 until its expiry after the connection, 3.1.1
+/// `cleansession = 0` for good). A clean start, the end of a session that
+/// ends with its connection, or the expiry forgets them, as the router
+/// does.
 #[derive(Default)]
 pub struct SessionFilters {
     held: Mutex<HashMap<String, Held>>,
@@ -357,30 +393,48 @@ pub struct SessionFilters {
 struct Held {
     /// The connection that holds them now (a takeover hands them on).
     conn: u64,
-    /// Whether that connection started clean (its session ends with it).
-    clean: bool,
+    /// How long the session outlives that connection.
+    lifetime: Lifetime,
+    /// When the session ends, once its connection has (`None`: open, or
+    /// kept for good).
+    ends_at: Option<Instant>,
     filters: HashSet<u64>,
 }
 
 impl SessionFilters {
     /// Connection `conn` of `client_id` starts: it resumes what the client
-    /// id held unless it or the session it takes over started clean.
-    pub fn connected(&self, client_id: &str, conn: u64, clean: bool) {
+    /// id held unless it starts clean or that session has ended (a session
+    /// that ends with its connection is still here only while that
+    /// connection is open: a takeover continues it, as the broker does).
+    /// Expired sessions are forgotten.
+    pub fn connected(&self, client_id: &str, conn: u64, clean: bool, lifetime: Lifetime, now: Instant) {
         let mut held = self.held.lock().expect("filters");
+        held.retain(|_, h| h.ends_at.is_none_or(|at| at > now));
         match held.get_mut(client_id) {
-            Some(h) if !clean && !h.clean => h.conn = conn,
+            Some(h) if !clean => {
+                (h.conn, h.lifetime, h.ends_at) = (conn, lifetime, None);
+            }
             _ => {
-                held.insert(client_id.to_string(), Held { conn, clean, filters: HashSet::new() });
+                let h = Held { conn, lifetime, ends_at: None, filters: HashSet::new() };
+                held.insert(client_id.to_string(), h);
             }
         }
     }
 
-    /// Connection `conn` of `client_id` ended: a clean session ends with it
-    /// (unless a newer connection already took the client id over).
-    pub fn closed(&self, client_id: &str, conn: u64) {
+    /// Connection `conn` of `client_id` ended (unless a newer connection
+    /// already took the client id over): its session ends now or after
+    /// `lifetime` (the DISCONNECT may have changed it).
+    pub fn closed(&self, client_id: &str, conn: u64, lifetime: Lifetime, now: Instant) {
         let mut held = self.held.lock().expect("filters");
-        if held.get(client_id).is_some_and(|h| h.conn == conn && h.clean) {
-            held.remove(client_id);
+        let Some(h) = held.get_mut(client_id).filter(|h| h.conn == conn) else { return };
+        h.lifetime = lifetime;
+        match lifetime {
+            Lifetime::EndsWithConnection => {
+                held.remove(client_id);
+            }
+            // A deadline too far to represent never comes.
+            Lifetime::For(d) => h.ends_at = now.checked_add(d),
+            Lifetime::Forever => {}
         }
     }
 
@@ -616,6 +670,38 @@ impl DeviceQuotas {
 #[cfg(test)]
 mod quota_tests {
     use super::*;
+
+    #[test]
+    fn session_filters_last_as_long_as_the_broker_keeps_the_session() {
+        use std::time::Duration;
+        let f = SessionFilters::default();
+        let t0 = Instant::now();
+        let ok = || Ok(());
+        let five = Lifetime::of(true, true, 5);
+        assert_eq!(five, Lifetime::For(Duration::from_secs(5)));
+        // Clean Start 1 with an expiry: kept after the connection...
+        f.connected("d:a", 1, true, five, t0);
+        assert_eq!(f.subscribe("d:a", &[1], 1, ok), Ok(()));
+        f.closed("d:a", 1, five, t0);
+        f.connected("d:a", 2, false, five, t0 + Duration::from_secs(1));
+        assert_eq!(f.subscribe("d:a", &[2], 1, ok), Err(Quota::Subscriptions), "resumed: holds 1");
+        // ...until the expiry.
+        f.closed("d:a", 2, five, t0 + Duration::from_secs(1));
+        f.connected("d:a", 3, false, five, t0 + Duration::from_secs(7));
+        assert_eq!(f.subscribe("d:a", &[2], 1, ok), Ok(()), "expired: afresh");
+        // Expiry 0 (or a DISCONNECT's 0) ends it with the connection.
+        f.closed("d:a", 3, Lifetime::of(true, false, 0), t0 + Duration::from_secs(8));
+        f.connected("d:a", 4, false, five, t0 + Duration::from_secs(8));
+        assert_eq!(f.subscribe("d:a", &[1], 1, ok), Ok(()));
+        // 3.1.1 without clean session: for good.
+        let v4 = Lifetime::of(false, false, 0);
+        assert_eq!(v4, Lifetime::Forever);
+        f.connected("d:b", 5, false, v4, t0);
+        assert_eq!(f.subscribe("d:b", &[1], 1, ok), Ok(()));
+        f.closed("d:b", 5, v4, t0);
+        f.connected("d:b", 6, false, v4, t0 + Duration::from_secs(100_000));
+        assert_eq!(f.subscribe("d:b", &[2], 1, ok), Err(Quota::Subscriptions));
+    }
 
     fn quotas() -> DeviceQuotas {
         DeviceQuotas::new(QuotaLimits { retained: 2, retained_bytes: 100, topics: 4 })

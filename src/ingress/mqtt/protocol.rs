@@ -29,8 +29,10 @@
 //!
 //! **Reconnects and wills**: a reconnect of a client id is a plain MQTT
 //! takeover by rumqttd's router (the patched rumqttd makes that safe, see
-//! `patches/rumqttd/PATCHES.md`). DISCONNECT ends the link in the codec,
-//! which drops the will; wills are kept by edgeway, not the router
+//! `patches/rumqttd/PATCHES.md`). DISCONNECT goes to the router (it
+//! applies the Session Expiry Interval a DISCONNECT may carry: the broker
+//! keeps MQTT 5 sessions for their expiry, patch 20) and ends the link; the
+//! codec drops the will (unless reason 0x04); wills are kept by edgeway, not the router
 //! ([`super::wills`]), because edgeway mounts their topics and follows MQTT
 //! 5's will delay and session expiry, which rumqttd does not. A second
 //! CONNECT on a connection closes it.
@@ -48,7 +50,9 @@ use rumqttd::protocol::{DisconnectReasonCode, Error, Packet, Protocol, QoS, Verd
 
 use super::auth::{DeviceDirectory, Refusal};
 use super::codec::{self, Detected, Refused, Version};
-use super::connections::{Conn, Connections, DeviceQuotas, InflightBytes, Quota, QuotaLimits, Session, SessionFilters};
+use super::connections::{
+    Conn, Connections, DeviceQuotas, InflightBytes, Lifetime, Quota, QuotaLimits, Session, SessionFilters,
+};
 use super::presence::{Presence, PresenceReporter};
 use super::topics::Topics;
 use super::wills::Wills;
@@ -192,7 +196,7 @@ impl Drop for DeviceProtocol {
         let shared = &self.shared;
         if let Conn::Open(s) | Conn::Ending(s) = std::mem::replace(&mut self.state, Conn::AwaitingConnect) {
             shared.connections.close(&s.device, &s.client_id);
-            shared.filters.closed(&s.client_id, s.conn);
+            shared.filters.closed(&s.client_id, s.conn, s.lifetime(), std::time::Instant::now());
             // The router drops what the connection left awaiting PUBREL.
             let pending: usize = self.awaiting_pubrel.values().map(Pending::bytes).sum();
             shared.inflight_bytes.release(&s.device, pending);
@@ -276,7 +280,9 @@ impl DeviceProtocol {
         let conn = shared.connections.next_conn();
         let terms = codec::rewrite_connect(&mut connect, &mut props, shared.max_keep_alive);
         let client_id = connect.client_id.clone();
-        shared.filters.connected(&client_id, conn, connect.clean_session);
+        let v5 = self.version == Version::V5;
+        let lifetime = Lifetime::of(v5, connect.clean_session, terms.session_expiry);
+        shared.filters.connected(&client_id, conn, connect.clean_session, lifetime, now);
         shared.wills.cancel(&client_id);
         shared.presence.report(Presence::Connected {
             device: mount.clone(),
@@ -292,6 +298,8 @@ impl DeviceProtocol {
             conn,
             client_id,
             session_expiry: terms.session_expiry,
+            v5,
+            clean: connect.clean_session,
             server_keep_alive: terms.server_keep_alive,
         });
         Packet::Connect(connect, props, None, None, login)
@@ -310,14 +318,9 @@ impl DeviceProtocol {
             // A second CONNECT is a protocol violation: the server closes
             // the connection (MQTT-3.1.0-2).
             Packet::Connect(..) => Err(self.end_link()),
-            Packet::Disconnect(d, _) => {
-                if d.reason_code != DisconnectReasonCode::DisconnectWithWillMessage {
-                    session.will = None;
-                }
-                // Ends the link here (the router removes the connection
-                // when the link reports it closed).
-                Err(self.end_link())
-            }
+            // Passed to the router (its Session Expiry may change the
+            // session's): see `screen_disconnect`.
+            Packet::Disconnect(..) => Ok(packet),
             other => {
                 let other = codec::resolve_alias(&mut self.aliases, other);
                 codec::mount_inbound(&session.device, &self.shared.shared_prefix, &session.request_topic, other)
@@ -381,6 +384,31 @@ impl DeviceProtocol {
                 verdict
             }
         }
+    }
+
+    /// A DISCONNECT ends the connection: the router gets it (it applies
+    /// the Session Expiry Interval the DISCONNECT may carry, and ends the
+    /// link), and nothing more is read. The will is dropped unless the
+    /// reason is 0x04. Changing the expiry from 0 is a protocol error
+    /// (MQTT-3.14.2-2): DISCONNECT 0x82, and since the DISCONNECT is not a
+    /// valid one the will stays.
+    fn screen_disconnect(&mut self, packet: Packet) -> Verdict {
+        let Packet::Disconnect(d, props) = &packet else { unreachable!("called with a DISCONNECT") };
+        let asked = props.as_ref().and_then(|p| p.session_expiry_interval);
+        let Conn::Open(session) = &mut self.state else { return Verdict::Close(None) };
+        if session.v5 && session.session_expiry == 0 && asked.is_some_and(|e| e != 0) {
+            tracing::info!(device = %session.device, "MQTT: DISCONNECT set a session expiry from 0, connection closed");
+            self.end_link();
+            return Verdict::Close(Some(codec::session_expiry_protocol_error()));
+        }
+        if d.reason_code != DisconnectReasonCode::DisconnectWithWillMessage {
+            session.will = None;
+        }
+        if let Some(expiry) = asked.filter(|_| session.v5) {
+            session.session_expiry = expiry;
+        }
+        self.end_link();
+        Verdict::Forward(packet)
     }
 
     /// A SUBSCRIBE (mounted) within the connection's subscriptions and the
@@ -464,6 +492,7 @@ impl Protocol for DeviceProtocol {
         match packet {
             Packet::Publish(..) => self.screen_publish(&device, packet),
             Packet::Subscribe(..) => self.screen_subscribe(&device, packet),
+            Packet::Disconnect(..) => self.screen_disconnect(packet),
             Packet::Unsubscribe(ref unsub, _) => {
                 if let Some(s) = self.state.session() {
                     let keys = unsub.filters.iter().map(|f| self.shared.quotas.key(f.as_bytes()));

@@ -50,6 +50,10 @@ pub struct LinkBuilder<'a> {
     dynamic_filters: bool,
     // default to 0, indicating to not use topic alias
     topic_alias_max: u16,
+    // see `Connection::session_expiry` (edgeway patch)
+    session_expiry: Option<u32>,
+    // see `Connection::receive_maximum` (edgeway patch)
+    receive_maximum: Option<u16>,
 }
 
 impl<'a> LinkBuilder<'a> {
@@ -63,7 +67,21 @@ impl<'a> LinkBuilder<'a> {
             last_will_properties: None,
             dynamic_filters: false,
             topic_alias_max: 0,
+            session_expiry: None,
+            receive_maximum: None,
         }
+    }
+
+    /// See [`Connection::session_expiry`]. (edgeway patch, see PATCHES.md)
+    pub fn session_expiry(mut self, seconds: Option<u32>) -> Self {
+        self.session_expiry = seconds;
+        self
+    }
+
+    /// See [`Connection::receive_maximum`]. (edgeway patch, see PATCHES.md)
+    pub fn receive_maximum(mut self, max: Option<u16>) -> Self {
+        self.receive_maximum = max;
+        self
     }
 
     pub fn tenant_id(mut self, tenant_id: Option<String>) -> Self {
@@ -115,6 +133,8 @@ impl<'a> LinkBuilder<'a> {
         static NEXT_LINK_ID: AtomicU64 = AtomicU64::new(1);
         let link_id = NEXT_LINK_ID.fetch_add(1, Ordering::Relaxed);
         connection.link_id = link_id;
+        connection.session_expiry = self.session_expiry;
+        connection.receive_maximum = self.receive_maximum;
         let incoming = Incoming::new(connection.client_id.to_owned());
         let (outgoing, link_rx) = Outgoing::new(connection.client_id.to_owned());
         let outgoing_data_buffer = outgoing.buffer();

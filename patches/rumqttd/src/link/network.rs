@@ -47,6 +47,10 @@ pub struct Network<P> {
     answers: VecDeque<Packet>,
     /// The codec closed the connection: nothing more is read.
     closing: bool,
+    /// The client's Maximum Packet Size (MQTT 5 CONNECT): a PUBLISH that
+    /// would be larger is not written ([`Network::writev`]). (edgeway
+    /// patch, see PATCHES.md)
+    max_outgoing_size: Option<usize>,
 }
 
 impl<P: Protocol> Network<P> {
@@ -82,7 +86,13 @@ impl<P: Protocol> Network<P> {
             protocol,
             answers: VecDeque::new(),
             closing: false,
+            max_outgoing_size: None,
         }
+    }
+
+    /// See [`Network::writev`]. (edgeway patch, see PATCHES.md)
+    pub fn set_max_outgoing_size(&mut self, max: Option<u32>) {
+        self.max_outgoing_size = max.map(|m| m as usize);
     }
 
     pub fn set_keepalive(&mut self, keepalive: u16) {
@@ -212,12 +222,47 @@ impl<P: Protocol> Network<P> {
     }
 
     pub async fn writev(&mut self, packets: VecDeque<Packet>) -> Result<(), Error> {
+        self.writev_bounded(packets).await.map(|_| ())
+    }
+
+    /// Whether a Maximum Packet Size applies ([`Network::writev_bounded`]).
+    pub fn bounded(&self) -> bool {
+        self.max_outgoing_size.is_some()
+    }
+
+    /// [`Network::writev`] that leaves out every PUBLISH larger, as
+    /// written, than the client's Maximum Packet Size (MQTT-3.1.2-24: the
+    /// server must not send it one; MQTT-3.1.2-25: it discards it and
+    /// behaves as if it had completed sending it). Returns every PUBLISH,
+    /// in order: its QoS, packet id and whether it was left out (for the
+    /// link to complete those). (edgeway patch, see PATCHES.md)
+    pub async fn writev_bounded(
+        &mut self,
+        packets: VecDeque<Packet>,
+    ) -> Result<Vec<(protocol::QoS, u16, bool)>, Error> {
+        let mut publishes = Vec::new();
         for packet in packets {
+            let start = self.write.len();
+            let publish = match &packet {
+                Packet::Publish(p, _) => Some((p.qos, p.pkid)),
+                _ => None,
+            };
             Protocol::write(&self.protocol, packet, &mut self.write)?;
+            if let Some((qos, pkid)) = publish {
+                let over = self
+                    .max_outgoing_size
+                    .is_some_and(|max| self.write.len() - start > max);
+                if over {
+                    self.write.truncate(start);
+                }
+                publishes.push((qos, pkid, over));
+            }
         }
-        self.socket.write_all(&self.write).await?;
+        if !self.write.is_empty() {
+            self.socket.write_all(&self.write).await?;
+        }
         self.write.clear();
-        Ok(())
+        Ok(publishes)
     }
 }
 

@@ -2,7 +2,11 @@ use crate::link::local::{LinkError, LinkRx, LinkTx};
 use crate::link::network;
 use crate::link::network::Network;
 use crate::local::LinkBuilder;
-use crate::protocol::{ConnAck, Connect, ConnectReturnCode, Login, Packet, Protocol};
+use crate::protocol::{
+    ConnAck, Connect, ConnectReturnCode, Login, Packet, Protocol, PubAck, PubAckReason, PubComp,
+    PubCompReason, PubRec, PubRecReason, QoS,
+};
+use std::collections::HashSet;
 use crate::router::{Event, Notification};
 use crate::{ConnectionId, ConnectionSettings};
 
@@ -47,6 +51,11 @@ pub enum Error {
     TrySend(#[from] TrySendError<(ConnectionId, Event)>),
     #[error("Link error = {0}")]
     Link(#[from] LinkError),
+    /// The client sent DISCONNECT, which the router has been given (it
+    /// ends the session or keeps it, by the DISCONNECT's Session Expiry).
+    /// (edgeway patch, see PATCHES.md)
+    #[error("Disconnected by the client")]
+    ClientDisconnected,
 }
 
 /// Orchestrates between Router and Network.
@@ -58,6 +67,103 @@ pub struct RemoteLink<P> {
     link_rx: LinkRx,
     notifications: VecDeque<Notification>,
     pub(crate) will_delay_interval: u32,
+    /// See [`Completions`]. (edgeway patch, see PATCHES.md)
+    completions: Completions,
+}
+
+/// The acknowledgements of publishes left out for the client's Maximum
+/// Packet Size, given to the router for the client. The router takes
+/// acknowledgements in the order it sent the publishes (and PUBCOMPs in
+/// the order of its PUBRELs), so each waits until the client acknowledged
+/// everything sent before it. Used only when the client set a Maximum
+/// Packet Size. (edgeway patch, see PATCHES.md)
+#[derive(Default)]
+struct Completions {
+    /// QoS 1/2 publishes written or left out, until acknowledged, in
+    /// order: packet id, QoS, left out.
+    publishes: VecDeque<(u16, QoS, bool)>,
+    /// PUBRELs written or held back, until PUBCOMP, in order: packet id,
+    /// held back.
+    pubrels: VecDeque<(u16, bool)>,
+    /// QoS 2 publishes left out and answered PUBREC: their PUBREL is held
+    /// back and answered PUBCOMP.
+    left_out: HashSet<u16>,
+}
+
+impl Completions {
+    /// Takes the PUBRELs of publishes left out out of what is written.
+    fn hold_pubrels(&mut self, packets: &mut VecDeque<Packet>) {
+        packets.retain(|p| match p {
+            Packet::PubRel(rel, _) => {
+                let held = self.left_out.remove(&rel.pkid);
+                self.pubrels.push_back((rel.pkid, held));
+                !held
+            }
+            _ => true,
+        });
+    }
+
+    /// The publishes of a write, in order (see `Network::writev_bounded`).
+    fn written(&mut self, publishes: Vec<(QoS, u16, bool)>) {
+        for (qos, pkid, left_out) in publishes {
+            if qos != QoS::AtMostOnce {
+                self.publishes.push_back((pkid, qos, left_out));
+            }
+        }
+    }
+
+    /// The client acknowledged a publish (PUBACK, PUBREC) or a PUBREL
+    /// (PUBCOMP: `rel`). A client that acknowledges out of order is the
+    /// router's to refuse; this only follows the expected order.
+    fn acknowledged(&mut self, pkid: u16, rel: bool) {
+        if !rel && self.publishes.front().is_some_and(|(id, ..)| *id == pkid) {
+            self.publishes.pop_front();
+        }
+        if rel && self.pubrels.front().is_some_and(|(id, _)| *id == pkid) {
+            self.pubrels.pop_front();
+        }
+    }
+
+    /// The acknowledgements now due, in order.
+    fn settle(&mut self, out: &mut Vec<Packet>) {
+        loop {
+            if let Some(&(pkid, qos, true)) = self.publishes.front() {
+                self.publishes.pop_front();
+                out.push(match qos {
+                    QoS::ExactlyOnce => {
+                        self.left_out.insert(pkid);
+                        Packet::PubRec(
+                            PubRec {
+                                pkid,
+                                reason: PubRecReason::Success,
+                            },
+                            None,
+                        )
+                    }
+                    _ => Packet::PubAck(
+                        PubAck {
+                            pkid,
+                            reason: PubAckReason::Success,
+                        },
+                        None,
+                    ),
+                });
+                continue;
+            }
+            if let Some(&(pkid, true)) = self.pubrels.front() {
+                self.pubrels.pop_front();
+                out.push(Packet::PubComp(
+                    PubComp {
+                        pkid,
+                        reason: PubCompReason::Success,
+                    },
+                    None,
+                ));
+                continue;
+            }
+            return;
+        }
+    }
 }
 
 impl<P> RemoteLink<P> {
@@ -91,6 +197,15 @@ impl<P: Protocol> RemoteLink<P> {
             .and_then(|p| p.session_expiry_interval)
             .unwrap_or(0);
 
+        // MQTT 5 (the v5 codec always gives properties): the session is
+        // kept for its expiry after the connection, whatever Clean Start
+        // says; 3.1.1: `None`, kept iff not clean. The client's Receive
+        // Maximum bounds the QoS 1/2 publishes sent and not acknowledged.
+        // (edgeway patch, see PATCHES.md)
+        let session_lifetime = props.as_ref().map(|_| session_expiry);
+        let receive_maximum = props.as_ref().and_then(|p| p.receive_maximum);
+        network.set_max_outgoing_size(props.as_ref().and_then(|p| p.max_packet_size));
+
         let delay_interval = lastwill_props
             .as_ref()
             .and_then(|f| f.delay_interval)
@@ -107,6 +222,8 @@ impl<P: Protocol> RemoteLink<P> {
             .last_will_properties(lastwill_props)
             .dynamic_filters(dynamic_filters)
             .topic_alias_max(topic_alias_max.unwrap_or(0))
+            .session_expiry(session_lifetime)
+            .receive_maximum(receive_maximum)
             .build()?;
 
         let id = link_rx.id();
@@ -137,6 +254,7 @@ impl<P: Protocol> RemoteLink<P> {
             link_rx,
             notifications: VecDeque::with_capacity(100),
             will_delay_interval,
+            completions: Completions::default(),
         })
     }
 
@@ -160,11 +278,30 @@ impl<P: Protocol> RemoteLink<P> {
                 // PATCHES.md)
                 o = self.network.read_screened() => {
                     let packet = o?;
-                    let len = {
+                    let bounded = self.network.bounded();
+                    let (len, disconnected) = {
                         let mut buffer = self.link_tx.buffer();
+                        let read_from = buffer.len();
                         buffer.extend(packet);
                         self.network.readv(&mut buffer)?;
-                        buffer.len()
+                        let disconnected = buffer.iter().any(|p| matches!(p, Packet::Disconnect(..)));
+                        // The acknowledgements due for publishes left out
+                        // for the Maximum Packet Size go after the client's
+                        // own. (edgeway patch, see PATCHES.md)
+                        if bounded {
+                            for p in buffer.iter().skip(read_from) {
+                                match p {
+                                    Packet::PubAck(a, _) => self.completions.acknowledged(a.pkid, false),
+                                    Packet::PubRec(r, _) => self.completions.acknowledged(r.pkid, false),
+                                    Packet::PubComp(c, _) => self.completions.acknowledged(c.pkid, true),
+                                    _ => {}
+                                }
+                            }
+                            let mut completed = Vec::new();
+                            self.completions.settle(&mut completed);
+                            buffer.extend(completed);
+                        }
+                        (buffer.len(), disconnected)
                     };
 
                     trace!("Packets read from network, count = {}", len);
@@ -172,6 +309,12 @@ impl<P: Protocol> RemoteLink<P> {
                         self.link_tx.notify().await?;
                     }
                     self.network.flush_answers().await?;
+                    // The router ends the connection at the DISCONNECT it
+                    // was just given; nothing more is read. (edgeway patch,
+                    // see PATCHES.md)
+                    if disconnected {
+                        return Err(Error::ClientDisconnected);
+                    }
                 }
                 // Receive from router when previous when state isn't in collision
                 // due to previously received data request
@@ -188,7 +331,24 @@ impl<P: Protocol> RemoteLink<P> {
                         }
 
                     }
-                    self.network.writev(packets).await?;
+                    // Publishes over the client's Maximum Packet Size are
+                    // left out and completed as the client would have
+                    // (MQTT-3.1.2-25), in order, so that the router's
+                    // window moves on. (edgeway patch, see PATCHES.md)
+                    let bounded = self.network.bounded();
+                    if bounded {
+                        self.completions.hold_pubrels(&mut packets);
+                    }
+                    let publishes = self.network.writev_bounded(packets).await?;
+                    if bounded {
+                        self.completions.written(publishes);
+                        let mut completed = Vec::new();
+                        self.completions.settle(&mut completed);
+                        if !completed.is_empty() {
+                            self.link_tx.buffer().extend(completed);
+                            self.link_tx.notify().await?;
+                        }
+                    }
                     if unscheduled {
                         self.link_rx.wake().await?;
                     }

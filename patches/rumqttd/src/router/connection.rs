@@ -36,6 +36,17 @@ pub struct Connection {
     /// Unique over the process's links, unlike the connection id (a slot
     /// the router reuses). (edgeway patch)
     pub(crate) link_id: u64,
+    /// How long the session outlives the connection, seconds: `None` for
+    /// MQTT 3.1.1 (kept until the client id connects again, iff not
+    /// `clean`), else the MQTT 5 Session Expiry Interval (0: it ends with
+    /// the connection; `u32::MAX`: it never expires), whatever Clean Start
+    /// says (Clean Start only discards an old session at connect). A
+    /// DISCONNECT may change it. (edgeway patch, see PATCHES.md)
+    pub session_expiry: Option<u32>,
+    /// The client's Receive Maximum (MQTT 5 CONNECT): QoS 1 and 2
+    /// PUBLISHes the broker may have unacknowledged towards it at once.
+    /// (edgeway patch, see PATCHES.md)
+    pub receive_maximum: Option<u16>,
 }
 
 impl Connection {
@@ -70,6 +81,8 @@ impl Connection {
             broker_topic_aliases: None,
             subscription_ids: HashMap::new(),
             link_id: 0,
+            session_expiry: None,
+            receive_maximum: None,
         }
     }
 
@@ -79,6 +92,18 @@ impl Connection {
             self.broker_topic_aliases = Some(BrokerAliases::new(max));
         }
         self
+    }
+
+    /// Whether the session outlives the connection (see
+    /// [`Connection::session_expiry`]), and for how long (`None`: for good).
+    pub fn kept_for(&self) -> Option<Option<std::time::Duration>> {
+        match self.session_expiry {
+            None if self.clean => None,
+            None => Some(None),
+            Some(0) => None,
+            Some(u32::MAX) => Some(None),
+            Some(s) => Some(Some(std::time::Duration::from_secs(s.into()))),
+        }
     }
 
     pub fn last_will(

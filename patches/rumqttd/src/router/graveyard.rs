@@ -1,4 +1,6 @@
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
 
 use super::{
     scheduler::{PauseReason, Tracker},
@@ -7,28 +9,42 @@ use super::{
 
 pub struct Graveyard {
     connections: HashMap<String, SavedState>,
+    /// When saved sessions expire, soonest first; an entry whose session
+    /// was taken back (or saved again with another deadline) is skipped
+    /// when it comes up. (edgeway patch, see PATCHES.md)
+    expiries: BinaryHeap<Reverse<(Instant, String)>>,
 }
 
 impl Graveyard {
     pub fn new() -> Graveyard {
         Graveyard {
             connections: HashMap::new(),
+            expiries: BinaryHeap::new(),
         }
     }
 
     /// Add a new connection.
     /// Return tracker of previous connection if connection id already exists
+    /// (a session past its expiry is not returned: it is gone, even if
+    /// [`Graveyard::expire`] has not run since).
     pub fn retrieve(&mut self, id: &str) -> Option<SavedState> {
-        self.connections.remove(id)
+        let mut saved = self.connections.remove(id)?;
+        if saved.expires_at.is_some_and(|at| at <= Instant::now()) {
+            saved.session_state = None;
+        }
+        Some(saved)
     }
 
-    /// Save connection tracker
+    /// Save connection tracker. `expiry`: how long the session is kept
+    /// (`None`: until the client id connects again, as for MQTT 3.1.1
+    /// `cleansession = 0`). (edgeway patch: the expiry)
     pub fn save_state(
         &mut self,
         mut tracker: Tracker,
         subscriptions: HashSet<String>,
         metrics: ConnectionEvents,
         unacked_pubrels: VecDeque<u16>,
+        expiry: Option<Duration>,
     ) {
         tracker.pause(PauseReason::Busy);
         let id = tracker.id.clone();
@@ -39,11 +55,17 @@ impl Graveyard {
             unacked_pubrels,
         };
 
+        // A deadline too far to represent never comes.
+        let expires_at = expiry.and_then(|e| Instant::now().checked_add(e));
+        if let Some(at) = expires_at {
+            self.expiries.push(Reverse((at, id.clone())));
+        }
         self.connections.insert(
             id,
             SavedState {
                 session_state: Some(session_state),
                 metrics,
+                expires_at,
             },
         );
     }
@@ -55,8 +77,44 @@ impl Graveyard {
             SavedState {
                 session_state: None,
                 metrics,
+                expires_at: None,
             },
         );
+    }
+
+    /// The next session expiry, if any session is kept for a time.
+    pub fn next_expiry(&self) -> Option<Instant> {
+        self.expiries.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// Removes the sessions whose expiry is `now` or past (their
+    /// subscriptions, cursors into the filter logs and packet ids awaiting
+    /// PUBCOMP): the client id starts afresh. Returns the client ids.
+    pub fn expire(&mut self, now: Instant) -> Vec<String> {
+        let mut gone = Vec::new();
+        while let Some(Reverse((at, _))) = self.expiries.peek() {
+            if *at > now {
+                break;
+            }
+            let Some(Reverse((at, id))) = self.expiries.pop() else {
+                break;
+            };
+            // Only if it is still the session saved with this deadline.
+            if self
+                .connections
+                .get(&id)
+                .is_some_and(|s| s.expires_at == Some(at))
+            {
+                self.connections.remove(&id);
+                gone.push(id);
+            }
+        }
+        gone
+    }
+
+    /// Sessions (and metrics-only entries) kept.
+    pub fn len(&self) -> usize {
+        self.connections.len()
     }
 }
 
@@ -64,6 +122,8 @@ impl Graveyard {
 pub struct SavedState {
     pub session_state: Option<SessionState>,
     pub metrics: ConnectionEvents,
+    /// When the session ends (`None`: it does not end by itself).
+    pub expires_at: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -72,4 +132,50 @@ pub struct SessionState {
     pub subscriptions: HashSet<String>,
     // used for pubrel in qos2
     pub unacked_pubrels: VecDeque<u16>,
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn a_session_is_removed_at_its_expiry_and_not_before() {
+        let mut g = Graveyard::new();
+        let t0 = Instant::now();
+        let save = |g: &mut Graveyard, id: &str, expiry| {
+            g.save_state(
+                Tracker::new(id.to_string()),
+                HashSet::from(["a/b".to_string()]),
+                ConnectionEvents::default(),
+                VecDeque::new(),
+                expiry,
+            )
+        };
+        save(&mut g, "short", Some(Duration::from_secs(5)));
+        save(&mut g, "long", Some(Duration::from_secs(50)));
+        save(&mut g, "forever", None);
+        assert!(g.expire(t0).is_empty());
+        assert_eq!(g.expire(t0 + Duration::from_secs(6)), vec!["short".to_string()]);
+        // Taken back and saved again with a longer expiry: the old deadline
+        // does not remove it.
+        assert!(g.retrieve("long").unwrap().session_state.is_some());
+        save(&mut g, "long", Some(Duration::from_secs(500)));
+        assert!(g.expire(t0 + Duration::from_secs(60)).is_empty());
+        assert_eq!(g.expire(t0 + Duration::from_secs(501)), vec!["long".to_string()]);
+        assert_eq!(g.len(), 1, "the 3.1.1 session stays");
+        assert!(g.next_expiry().is_none());
+    }
+
+    #[test]
+    fn a_session_past_its_expiry_is_not_restored_before_the_sweep() {
+        let mut g = Graveyard::new();
+        g.save_state(
+            Tracker::new("x".to_string()),
+            HashSet::new(),
+            ConnectionEvents::default(),
+            VecDeque::new(),
+            Some(Duration::ZERO),
+        );
+        assert!(g.retrieve("x").unwrap().session_state.is_none());
+    }
 }

@@ -66,6 +66,9 @@ pub struct Outgoing {
     last_pkid: u16,
     /// Metrics of outgoing messages of this connection
     pub(crate) meter: OutgoingMeter,
+    /// Most QoS 1/2 publishes unacknowledged at once: the client's Receive
+    /// Maximum, at most `MAX_INFLIGHT`. (edgeway patch, see PATCHES.md)
+    max_inflight: usize,
 }
 
 impl Outgoing {
@@ -88,6 +91,7 @@ impl Outgoing {
             handle,
             last_pkid: 0,
             meter: Default::default(),
+            max_inflight: MAX_INFLIGHT,
         };
 
         (outgoing, rx)
@@ -98,8 +102,17 @@ impl Outgoing {
         self.data_buffer.clone()
     }
 
+    /// The client's Receive Maximum (MQTT 5 CONNECT; `None`: none told, 65
+    /// 535 by the specification): the broker never has more QoS 1/2
+    /// publishes unacknowledged towards the client; the rest wait in the
+    /// filter logs. (edgeway patch, see PATCHES.md)
+    pub fn set_receive_maximum(&mut self, receive_maximum: Option<u16>) {
+        let max = receive_maximum.map_or(MAX_INFLIGHT, usize::from);
+        self.max_inflight = max.clamp(1, MAX_INFLIGHT);
+    }
+
     pub fn free_slots(&self) -> usize {
-        MAX_INFLIGHT - self.inflight_buffer.len()
+        self.max_inflight.saturating_sub(self.inflight_buffer.len())
     }
 
     pub fn push_notification(&mut self, notification: Notification) -> usize {

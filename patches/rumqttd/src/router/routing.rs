@@ -195,11 +195,24 @@ impl Router {
 
     fn run_inner(&mut self) -> Result<(), RouterError> {
         // Block on incoming events if there are no ready connections for consumption
+        // (edgeway patch: or until the next saved session expires)
         if self.consume().is_none() {
             // trace!("{}:: {:20} {:20} {:?}", self.id, "", "done-await", self.readyqueue);
-            let (id, data) = self.router_rx.recv()?;
-            self.events(id, data);
+            let event = match self.graveyard.next_expiry() {
+                None => Some(self.router_rx.recv()?),
+                Some(at) => match self.router_rx.recv_deadline(at) {
+                    Ok(event) => Some(event),
+                    Err(flume::RecvTimeoutError::Timeout) => None,
+                    Err(flume::RecvTimeoutError::Disconnected) => {
+                        return Err(RouterError::Disconnected)
+                    }
+                },
+            };
+            if let Some((id, data)) = event {
+                self.events(id, data);
+            }
         }
+        self.expire_sessions();
 
         // Try reading more from connections in a non-blocking
         // fashion to accumulate data and handle subscriptions.
@@ -291,13 +304,25 @@ impl Router {
             // Check if same client_id already exists and if so, replace it with this new connection
             // ref: https://docs.oasis-open.org/mqtt/mqtt/v3.1.1/os/mqtt-v3.1.1-os.html#_Toc398718032
 
-            let connection_id = self.connection_map.get(&client_id);
+            let connection_id = self.connection_map.get(&client_id).copied();
             if let Some(connection_id) = connection_id {
                 error!(
                     "Duplicate client_id, dropping previous connection with connection_id: {}",
                     connection_id
                 );
-                self.handle_disconnection(*connection_id, None);
+                // A takeover without a clean start continues the session of
+                // the connection it replaces, even one that would end with
+                // that connection (MQTT 5 expiry 0, 3.1.1 clean session):
+                // it is saved for the moment it takes to be taken back
+                // below. (edgeway patch, see PATCHES.md)
+                if !connection.clean {
+                    if let Some(old) = self.connections.get_mut(connection_id) {
+                        if old.kept_for().is_none() {
+                            old.session_expiry = Some(1);
+                        }
+                    }
+                }
+                self.handle_disconnection(connection_id, None);
             }
         }
 
@@ -362,6 +387,8 @@ impl Router {
             );
         }
 
+        // The client's Receive Maximum (edgeway patch, see PATCHES.md)
+        outgoing.set_receive_maximum(connection.receive_maximum);
         let connection_id = self.connections.insert(connection);
         assert_eq!(self.ibufs.insert(incoming), connection_id);
         assert_eq!(self.obufs.insert(outgoing), connection_id);
@@ -412,6 +439,22 @@ impl Router {
             .reschedule(connection_id, ScheduleReason::Init);
 
         self.router_meters.total_connections += 1;
+    }
+
+    /// Removes the saved sessions past their Session Expiry Interval: their
+    /// subscriptions and cursors go, and the messages they were owed with
+    /// them (the filter logs are shared and bounded by their own size).
+    /// (edgeway patch, see PATCHES.md)
+    fn expire_sessions(&mut self) {
+        if self
+            .graveyard
+            .next_expiry()
+            .is_some_and(|at| at <= std::time::Instant::now())
+        {
+            for client_id in self.graveyard.expire(std::time::Instant::now()) {
+                info!(client_id, "session expired");
+            }
+        }
     }
 
     fn handle_new_meter(&mut self, tx: Sender<Vec<Meter>>) {
@@ -509,8 +552,11 @@ impl Router {
             connection.events.events.pop_front();
         }
 
-        // Save state for persistent sessions
-        if !connection.clean {
+        // Save state for persistent sessions: 3.1.1 without clean session,
+        // MQTT 5 with a Session Expiry (edgeway patch: was `!clean` for
+        // both, so an MQTT 5 session was kept iff Clean Start was 0, and for
+        // good)
+        if let Some(expiry) = connection.kept_for() {
             // Add inflight data requests back to tracker
             inflight_data_requests
                 .into_iter()
@@ -535,6 +581,7 @@ impl Router {
                 connection.subscriptions,
                 connection.events,
                 outgoing.unacked_pubrels,
+                expiry,
             );
         } else {
             tracker.pause(PauseReason::Busy);
@@ -896,10 +943,24 @@ impl Router {
 
                     force_ack = true;
                 }
-                Packet::Disconnect(_, _) => {
+                Packet::Disconnect(_, props) => {
                     let span = tracing::info_span!("disconnect");
                     let _guard = span.enter();
                     disconnect = true;
+                    // An MQTT 5 DISCONNECT may change the Session Expiry
+                    // Interval, but not from 0 (MQTT-3.14.2-2: a protocol
+                    // error, and the session ends). (edgeway patch, see
+                    // PATCHES.md)
+                    let expiry = props.as_ref().and_then(|p| p.session_expiry_interval);
+                    if let (Some(expiry), Some(connection)) = (expiry, self.connections.get_mut(id)) {
+                        match connection.session_expiry {
+                            Some(0) if expiry != 0 => {
+                                disconnect_reason = Some(DisconnectReasonCode::ProtocolError);
+                            }
+                            Some(_) => connection.session_expiry = Some(expiry),
+                            None => {}
+                        }
+                    }
                     // delete the last will message
                     self.last_wills.remove(&client_id);
                     break;

@@ -711,6 +711,11 @@ async fn remote<P: Protocol>(
         Err(remote::Error::Network(network::Error::ClosedByCodec)) => {
             info!("closed by the codec");
         }
+        // The client sent DISCONNECT; the router has it. (edgeway patch,
+        // see PATCHES.md)
+        Err(remote::Error::ClientDisconnected) => {
+            info!("disconnected by the client");
+        }
         // Connection was closed by peer
         Err(remote::Error::Network(network::Error::Io(err)) | remote::Error::Io(err))
             if err.kind() == io::ErrorKind::ConnectionAborted =>

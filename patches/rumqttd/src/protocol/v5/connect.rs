@@ -35,7 +35,22 @@ pub fn read(
     let clean_session = (connect_flags & 0b10) != 0;
     let keep_alive = read_u16(&mut bytes)?;
 
-    let properties = properties::read(&mut bytes)?;
+    // Always `Some` for MQTT 5, even with no property set: the router
+    // tells an MQTT 5 session (its Session Expiry, 0 when absent) from a
+    // 3.1.1 one by it. (edgeway patch, see PATCHES.md)
+    let properties = Some(
+        properties::read(&mut bytes)?.unwrap_or(ConnectProperties {
+            session_expiry_interval: None,
+            receive_maximum: None,
+            max_packet_size: None,
+            topic_alias_max: None,
+            request_response_info: None,
+            request_problem_info: None,
+            user_properties: Vec::new(),
+            authentication_method: None,
+            authentication_data: None,
+        }),
+    );
 
     let client_id = read_mqtt_string(&mut bytes)?;
     let (will, willproperties) = will::read(connect_flags, &mut bytes)?;
