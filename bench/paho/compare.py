@@ -14,6 +14,7 @@ failure text of every failed cell (the assertion or exception).
   bench/paho/compare.py --run base=/work/paho/results/base-run1 \\
       --run final=/work/paho/results/final [--targets e,o,m] [--why]
 
+NAME=DIR1,DIR2 takes the runs of several directories as one column's runs.
 A run given as NAME=FILE.json is a single column of its own.
 """
 
@@ -43,8 +44,11 @@ def load_runs(spec, targets):
     for t in targets:
         per_suite = {}
         for s in SUITES:
-            files = sorted(glob.glob(os.path.join(path, "%s%s-run*.json" % (t, s))),
-                           key=lambda p: int(re.search(r"run(\d+)\.json$", p).group(1)))
+            # NAME=DIR1,DIR2: the runs of every directory, in the order given.
+            files = []
+            for d in path.split(","):
+                files += sorted(glob.glob(os.path.join(d, "%s%s-run*.json" % (t, s))),
+                                key=lambda p: int(re.search(r"run(\d+)\.json$", p).group(1)))
             docs = []
             for p in files:
                 with open(p) as f:
