@@ -549,6 +549,9 @@ impl Config {
                 e.model,
                 e.max_concurrency
             );
+            if let Some(p) = &e.process {
+                let _ = writeln!(out, "  run by edgeway: {} {}", p.command, p.args.join(" "));
+            }
         }
         for (name, a) in &self.applications {
             let _ = writeln!(

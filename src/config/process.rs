@@ -51,6 +51,9 @@ pub struct ProcessConfig {
 #[derive(Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawProcess {
+    /// `false`: the section is validated but edgeway does not run the
+    /// engine (something else does: a test harness, a service manager).
+    pub enabled: bool,
     pub command: Option<String>,
     pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
@@ -68,6 +71,7 @@ pub struct RawProcess {
 impl Default for RawProcess {
     fn default() -> Self {
         RawProcess {
+            enabled: true,
             command: None,
             args: Vec::new(),
             env: BTreeMap::new(),

@@ -515,7 +515,10 @@ fn engine(
     let path = format!("engines.{name}");
     let process = match e.process {
         None => Some(None),
-        Some(raw) => super::process::validate(&format!("{path}.process"), raw, env, base_dir, p).map(Some),
+        Some(raw) => {
+            let enabled = raw.enabled;
+            super::process::validate(&format!("{path}.process"), raw, env, base_dir, p).map(|c| enabled.then_some(c))
+        }
     };
     let kind = e.kind.get(&format!("{path}.type"), p);
     let base_url = e.base_url.get(&format!("{path}.base_url"), p);
