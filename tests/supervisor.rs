@@ -302,9 +302,24 @@ async fn edgeway_killed_with_9_and_started_again_leaves_no_second_engine() {
         .unwrap();
     assert_eq!(r.status(), 200);
 
-    // A graceful stop (SIGTERM) stops the engine's group and removes the pidfile.
+    // A third edgeway on the same data directory while the second runs must
+    // not take the second's engine for a leftover: it refuses to start.
     let members = group_members(new_pgid);
     assert!(!members.is_empty());
+    let third = Command::new(env!("CARGO_BIN_EXE_edgeway"))
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(!third.status.success());
+    let err = String::from_utf8_lossy(&third.stderr);
+    assert!(err.contains("run by another edgeway"), "{err}");
+    for p in &members {
+        assert!(alive(*p), "the running edgeway's engine {p} was killed by a second start");
+    }
+
+    // A graceful stop (SIGTERM) stops the engine's group and removes the pidfile.
     // SAFETY: plain syscall on the child this test started.
     unsafe {
         libc::kill(second.0.id() as i32, libc::SIGTERM);

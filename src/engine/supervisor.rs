@@ -224,7 +224,7 @@ impl Processes {
                 .map_err(|err| anyhow::anyhow!("cannot create {} for engine pidfiles: {err}", dir.display()))?;
             let log_file = p.log_file.clone().unwrap_or_else(|| dir.join(format!("{}.log", e.name)));
             let pidfile = dir.join(format!("{}.pid", e.name));
-            reap_stale(&e.name, &pidfile, p.stop_grace).await;
+            reap_stale(&e.name, &pidfile, p.stop_grace).await?;
             let status = Arc::new(ProcessStatus::new(&e.name, log_file.clone()));
             let ready_path = p.ready_path.clone().unwrap_or_else(|| e.health_path.clone());
             statuses.push(status.clone());
@@ -482,7 +482,12 @@ impl Supervisor {
         let child = cmd.spawn()?;
         let pid = child.id().ok_or_else(|| std::io::Error::other("engine exited at once"))?;
         let start = proc_stat(pid).map(|s| s.start_time).unwrap_or(0);
-        std::fs::write(&self.pidfile, format!("pid={pid}\nstart_time={start}\ntoken={token}\n"))?;
+        let me = std::process::id();
+        let my_start = proc_stat(me).map(|s| s.start_time).unwrap_or(0);
+        std::fs::write(
+            &self.pidfile,
+            format!("pid={pid}\nstart_time={start}\ntoken={token}\nowner_pid={me}\nowner_start_time={my_start}\n"),
+        )?;
         Ok((child, pid))
     }
 
@@ -589,16 +594,27 @@ fn has_token(pid: u32, token: &str) -> bool {
 
 /// Kills the engine process group recorded in `pidfile` by an earlier
 /// edgeway, if it still runs and is provably the one that edgeway
-/// started; removes the pidfile.
-async fn reap_stale(name: &str, pidfile: &Path, grace: Duration) {
-    let Ok(text) = std::fs::read_to_string(pidfile) else { return };
+/// started; removes the pidfile. An error when the edgeway that started it
+/// still runs (two edgeways on one data directory): that engine is not
+/// ours to kill.
+async fn reap_stale(name: &str, pidfile: &Path, grace: Duration) -> anyhow::Result<()> {
+    let Ok(text) = std::fs::read_to_string(pidfile) else { return Ok(()) };
     let field = |k: &str| text.lines().find_map(|l| l.strip_prefix(k)?.strip_prefix('=')).map(str::to_string);
     let (Some(pid), start, token) =
         (field("pid").and_then(|p| p.parse::<u32>().ok()), field("start_time"), field("token"))
     else {
         let _ = std::fs::remove_file(pidfile);
-        return;
+        return Ok(());
     };
+    let owner = field("owner_pid").and_then(|p| p.parse::<u32>().ok()).filter(|&o| o != std::process::id());
+    if let Some(owner) = owner {
+        if proc_stat(owner).is_some_and(|s| Some(s.start_time.to_string()) == field("owner_start_time")) {
+            anyhow::bail!(
+                "engine {name} is run by another edgeway (pid {owner}) with this data directory ({})",
+                pidfile.display()
+            );
+        }
+    }
     let members = group_members(pid);
     let ours = members.iter().any(|&m| {
         (m == pid && proc_stat(m).map(|s| s.start_time.to_string()) == start)
@@ -621,6 +637,7 @@ async fn reap_stale(name: &str, pidfile: &Path, grace: Duration) {
         tracing::info!(engine = name, pid, "pidfile names a process group that is not ours (pid reused); left alone");
     }
     let _ = std::fs::remove_file(pidfile);
+    Ok(())
 }
 
 /// `edgeway_engine_process_{up,restarts_total,uptime_seconds}{engine}`,
