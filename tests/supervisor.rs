@@ -198,6 +198,21 @@ async fn an_engine_that_exits_at_once_is_given_up_after_the_limit_and_ready_says
     gw.stop().await;
 }
 
+#[tokio::test]
+async fn an_engine_whose_address_is_taken_is_not_started_and_not_taken_for_ready() {
+    // Something else answers on the engine's address (an engine started by
+    // hand): its answers must not pass for our process's ready check.
+    let other = FakeEngine::start().await;
+    let section = process_section("python3", "[\"-c\", \"import time; time.sleep(60)\"]", "max_restarts = 1");
+    let gw = TestGateway::with_engine_edit(&other.url(), "openai", "", move |t| t + &section).await;
+    let status = gw.running.as_ref().unwrap().internals.processes.status("fake").unwrap();
+    assert!(status.wait_for(ProcessState::Failed, Duration::from_secs(20)).await, "{:?}", status.report());
+    let r = status.report();
+    assert!(r.reason.as_deref().unwrap().contains("another process already answers"), "{r:?}");
+    assert_eq!(r.pid, None);
+    gw.stop().await;
+}
+
 #[test]
 fn config_refuses_bad_process_keys_by_path() {
     let dir = TempDir::new("edgeway-sup-cfg");

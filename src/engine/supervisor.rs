@@ -355,7 +355,8 @@ impl Supervisor {
         let mut restarts: VecDeque<Instant> = VecDeque::new();
         let mut failed_in_row = 0u32;
         loop {
-            let reason = match self.spawn() {
+            let taken = self.answered_before_start().await;
+            let reason = match taken.map_or_else(|| self.spawn(), |why| Err(std::io::Error::other(why))) {
                 Err(e) => format!("cannot start {:?}: {e}", self.cfg.command),
                 Ok((mut child, pid)) => {
                     self.status.set(ProcessState::Starting, None, Some(pid));
@@ -489,6 +490,16 @@ impl Supervisor {
             format!("pid={pid}\nstart_time={start}\ntoken={token}\nowner_pid={me}\nowner_start_time={my_start}\n"),
         )?;
         Ok((child, pid))
+    }
+
+    /// Something already answers on the engine's address before edgeway
+    /// started it (an engine started by hand, another program on the
+    /// port): the ready check would take it for ours, and ours could not
+    /// bind. Not started then; it counts as a failed start, so the engine
+    /// starts once the address is free.
+    async fn answered_before_start(&self) -> Option<String> {
+        let probe = self.client.get(&self.ready_url).timeout(Duration::from_secs(1)).send().await;
+        probe.ok().map(|_| format!("another process already answers at {}", self.ready_url))
     }
 
     /// Polls the ready URL until it answers 2xx (`true`) or the ready
