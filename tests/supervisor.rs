@@ -231,7 +231,22 @@ fn config_refuses_bad_process_keys_by_path() {
 struct Proc(Child);
 
 impl Drop for Proc {
+    /// A test that fails midway must not leave engines behind: a graceful
+    /// stop (SIGTERM) first, which stops them, and SIGKILL only if that
+    /// hangs.
     fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            // SAFETY: plain syscall on the child this test started.
+            unsafe {
+                libc::kill(self.0.id() as i32, libc::SIGTERM);
+            }
+            for _ in 0..500 {
+                if !matches!(self.0.try_wait(), Ok(None)) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
