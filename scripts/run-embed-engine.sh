@@ -6,6 +6,8 @@
 # a causal model without a pooling of its own: --pooling mean makes one
 # vector per input, which /v1/embeddings needs. Each input must fit one
 # physical batch (--ubatch-size), so it matches the per-slot context.
+# config/edgeway.toml runs the same server through edgeway
+# ([engines.llama-embed.process]); this script is for running it yourself.
 # Usage: scripts/run-embed-engine.sh [PORT]   (default 8082; runs in the foreground)
 set -euo pipefail
 CACHE="${EDGEWAY_CACHE:-$HOME/.cache/edgeway}"

@@ -38,6 +38,8 @@ pub struct RunningGateway {
     pub internals: Internals,
     shutdown: CancellationToken,
     tracker: TaskTracker,
+    /// The engine processes edgeway runs; stopped after the drain.
+    processes: crate::engine::supervisor::Processes,
 }
 
 /// The components the facade is made of.
@@ -49,6 +51,9 @@ pub struct Internals {
     pub metrics: Arc<Metrics>,
     /// The NATS bus connection state (`off` without `[nats]`).
     pub nats: NatsStatus,
+    /// The engine processes edgeway runs (none without
+    /// `[engines.NAME.process]`).
+    pub processes: crate::engine::supervisor::Processes,
 }
 
 impl RunningGateway {
@@ -119,6 +124,10 @@ impl RunningGateway {
             tracing::warn!(cancelled, "drain time over; cancelling what is left");
         }
         self.shutdown.cancel();
+        // The engines stop after the drain (running tasks needed them) and
+        // before edgeway exits: SIGTERM to each group, SIGKILL after its
+        // stop_grace, waited for, so none is left behind.
+        self.processes.stop().await;
         self.tracker.close();
         if tokio::time::timeout(grace, self.tracker.wait()).await.is_err() {
             tracing::warn!("shutdown grace period over; some tasks did not drain");
@@ -161,7 +170,10 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
 
     // The engine instances, the scheduler over them and, started by it, the
     // router's health probes.
-    let router = Arc::new(Router::from_config(&config)?);
+    // Engines edgeway runs itself: what an earlier edgeway left is killed
+    // first; each instance is down for routing until its process is ready.
+    let processes = crate::engine::supervisor::Processes::start(&config, &metrics).await?;
+    let router = Arc::new(Router::from_config_with(&config, &processes)?);
     let recorder = Recorder::new(store.clone(), &metrics);
     let scheduler =
         scheduler::start(config.clone(), router, recorder.clone(), metrics.clone(), tracker.clone(), shutdown.clone());
@@ -179,6 +191,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         recorder: recorder.clone(),
         metrics: metrics.clone(),
         nats: nats.clone(),
+        processes: processes.clone(),
     };
     let gateway = Arc::new(Gateway::new(Parts {
         config: config.clone(),
@@ -188,6 +201,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         recorder,
         metrics: metrics.clone(),
         bus: Arc::new(nats.clone()),
+        processes: processes.clone(),
     }));
     tracker.spawn(crate::admission::gpu_watch::watch(
         config.resources.clone(),
@@ -196,10 +210,22 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         shutdown.child_token(),
     ));
     gateway.recover().await;
-    let (http_addr, admin_addr) = crate::ingress::http::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
-    let mqtt = crate::ingress::mqtt::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
+    let listeners = async {
+        let (http, admin) = crate::ingress::http::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
+        let mqtt = crate::ingress::mqtt::serve(gateway.clone(), &tracker, shutdown.clone()).await?;
+        anyhow::Ok((http, admin, mqtt))
+    };
+    let (http_addr, admin_addr, mqtt) = match listeners.await {
+        Ok(l) => l,
+        Err(e) => {
+            // Engines started for an edgeway that does not run are stopped.
+            shutdown.cancel();
+            processes.stop().await;
+            return Err(e);
+        }
+    };
     tracing::info!(%http_addr, admin = ?admin_addr, node = %config.node_id, "edgeway is listening");
     // The bus connects in the background: start-up never waits for NATS.
     crate::ingress::nats::start(gateway.clone(), nats, &tracker, shutdown.clone());
-    Ok(RunningGateway { http_addr, admin_addr, mqtt, gateway, internals, shutdown, tracker })
+    Ok(RunningGateway { http_addr, admin_addr, mqtt, gateway, internals, shutdown, tracker, processes })
 }

@@ -58,6 +58,7 @@ fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig
         reserved_realtime_slots: 0,
         memory_budget_bytes: None,
         exclusive: true,
+        process: None,
         tools: true,
     }
 }

@@ -634,7 +634,7 @@ fn the_commented_nats_block_of_the_example_config_is_valid() {
     let end = start + text[start..].find("\n\n").unwrap();
     let block: String = text[start..end].lines().map(|l| format!("{}\n", l.strip_prefix("# ").unwrap())).collect();
     let text = format!("{}\n{block}{}", &text[..start], &text[end..]);
-    let env = [("NATS_TOKEN".to_string(), "t0ken".to_string())];
+    let env = [("NATS_TOKEN".to_string(), "t0ken".to_string()), ("HOME".to_string(), "/home/edge".to_string())];
     let cfg =
         edgeway::config::Config::from_toml_str(&text, env, path.parent().unwrap()).unwrap_or_else(|e| panic!("{e}"));
     let nats = cfg.nats.expect("[nats] is on");

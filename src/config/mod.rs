@@ -11,6 +11,7 @@
 
 pub mod mqtt;
 mod nats;
+mod process;
 mod raw;
 mod validate;
 
@@ -26,6 +27,7 @@ use crate::task::{DataClass, Location, Priority, Timeouts};
 
 pub use mqtt::{DeviceConfig, MqttConfig, MqttTlsConfig};
 pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
+pub use process::{expand as expand_vars, ProcessConfig};
 pub use raw::RawConfig;
 
 /// One problem in a configuration, with the key path it is about.
@@ -440,6 +442,9 @@ pub struct EngineConfig {
     /// The engine takes `tools` and returns tool calls. Requests with tools
     /// go only to models whose every instance does.
     pub tools: bool,
+    /// edgeway runs the engine as a supervised child process
+    /// (`[engines.NAME.process]`); `None`: it runs on its own.
+    pub process: Option<ProcessConfig>,
 }
 
 #[derive(Debug, Clone)]
@@ -544,6 +549,9 @@ impl Config {
                 e.model,
                 e.max_concurrency
             );
+            if let Some(p) = &e.process {
+                let _ = writeln!(out, "  run by edgeway: {} {}", p.command, p.args.join(" "));
+            }
         }
         for (name, a) in &self.applications {
             let _ = writeln!(

@@ -478,6 +478,8 @@ pub struct RawEngine {
     /// The engine takes `tools` (llama-server started with `--jinja`, vLLM
     /// with `--enable-auto-tool-choice`, an Ollama model with tools).
     pub tools: bool,
+    /// `[engines.NAME.process]`: edgeway runs the engine itself.
+    pub process: Option<super::process::RawProcess>,
 }
 
 impl Default for RawEngine {
@@ -501,6 +503,7 @@ impl Default for RawEngine {
             exclusive: true,
             memory_budget_mb: None,
             tools: false,
+            process: None,
         }
     }
 }

@@ -142,11 +142,41 @@ fn example_configs_validate() {
             continue;
         }
         let text = std::fs::read_to_string(&path).unwrap();
-        let env = [("EDGEWAY_JWT_SECRET", "an-example-secret-of-32-bytes!!!"), ("OPENAI_API_KEY", "sk-test")];
+        // HOME: edgeway.toml finds its engines under ${HOME}/.cache/edgeway.
+        let env = [
+            ("EDGEWAY_JWT_SECRET", "an-example-secret-of-32-bytes!!!"),
+            ("OPENAI_API_KEY", "sk-test"),
+            ("HOME", "/home/edge"),
+        ];
         parse(&text, &env).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         n += 1;
     }
     assert!(n >= 1, "no example configs found in {}", dir.display());
+}
+
+/// The example config runs both llama-servers itself, from
+/// `${EDGEWAY_CACHE}` (default `~/.cache/edgeway`), with the chat template
+/// the demo model lacks; `enabled = false` keeps the section but edgeway
+/// then does not run the engine.
+#[test]
+fn example_config_runs_its_engines_from_the_cache() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/edgeway.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let load = |env: &[(&str, &str)]| {
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        Config::from_toml_str(&text, env, path.parent().unwrap()).unwrap()
+    };
+    let c = load(&[("HOME", "/home/edge")]);
+    let p = c.engines["llama-local"].process.clone().expect("llama-local is run by edgeway");
+    assert_eq!(p.command, "/home/edge/.cache/edgeway/bin/llama-server");
+    assert!(p.args.contains(&"/home/edge/.cache/edgeway/models/gemma-3-270m-q4_k_m.gguf".to_string()));
+    let t = p.args.iter().position(|a| a == "--chat-template-file").expect("a chat template");
+    let template = p.cwd.clone().expect("cwd").join(&p.args[t + 1]);
+    assert!(template.is_file(), "{}", template.display());
+    assert!(c.engines["llama-embed"].process.as_ref().unwrap().args.contains(&"--embeddings".to_string()));
+    let c = load(&[("EDGEWAY_CACHE", "/opt/ew"), ("EDGEWAY__ENGINES__LLAMA_EMBED__PROCESS__ENABLED", "false")]);
+    assert_eq!(c.engines["llama-local"].process.as_ref().unwrap().command, "/opt/ew/bin/llama-server");
+    assert!(c.engines["llama-embed"].process.is_none());
 }
 
 #[test]

@@ -82,7 +82,7 @@ impl RawConfig {
         let applications = applications(self.applications, &mut p);
         let engine_names: BTreeSet<String> = self.engines.keys().cloned().collect();
         let allow_cloud = routing.as_ref().is_some_and(|r| r.allow_cloud);
-        let engines = engines(self.engines, env, allow_cloud, &mut p);
+        let engines = engines(self.engines, env, allow_cloud, base_dir, &mut p);
         let model_names: BTreeSet<String> = self.models.keys().cloned().collect();
         let models = models(self.models, &engine_names, &model_names, default_queue_capacity, &mut p);
         let nobody_could_call = applications.is_empty() && auth.as_ref().is_some_and(|a| a.jwt.is_none());
@@ -493,11 +493,12 @@ fn engines(
     raw: BTreeMap<String, RawEngine>,
     env: &[(String, String)],
     allow_cloud: bool,
+    base_dir: &Path,
     p: &mut Problems,
 ) -> Entries<EngineConfig> {
     raw.into_iter()
         .map(|(name, e)| {
-            let engine = engine(&name, e, env, allow_cloud, p);
+            let engine = engine(&name, e, env, allow_cloud, base_dir, p);
             (name, engine)
         })
         .collect()
@@ -508,9 +509,17 @@ fn engine(
     e: RawEngine,
     env: &[(String, String)],
     allow_cloud: bool,
+    base_dir: &Path,
     p: &mut Problems,
 ) -> Option<EngineConfig> {
     let path = format!("engines.{name}");
+    let process = match e.process {
+        None => Some(None),
+        Some(raw) => {
+            let enabled = raw.enabled;
+            super::process::validate(&format!("{path}.process"), raw, env, base_dir, p).map(|c| enabled.then_some(c))
+        }
+    };
     let kind = e.kind.get(&format!("{path}.type"), p);
     let base_url = e.base_url.get(&format!("{path}.base_url"), p);
     if let Some(url) = &base_url {
@@ -613,6 +622,7 @@ fn engine(
         exclusive: e.exclusive,
         memory_budget_bytes: memory_budget_bytes?,
         tools: e.tools,
+        process: process?,
     })
 }
 

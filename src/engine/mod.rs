@@ -18,6 +18,7 @@ mod embed;
 mod metrics;
 pub mod ollama;
 pub mod openai;
+pub mod supervisor;
 mod wire;
 
 use std::sync::Arc;
@@ -168,6 +169,14 @@ pub trait Engine: Send + Sync + 'static {
     /// probe calls it after every successful probe.
     async fn load(&self) -> EngineLoad {
         EngineLoad::default()
+    }
+    /// Whether the engine is down because edgeway is starting or
+    /// restarting its process ([`supervisor`]): the instance is out of
+    /// dispatch at once, but its breaker does not count the outage (a
+    /// planned one says nothing of the engine, and an open breaker's
+    /// cool-down would keep the restarted engine idle after it is ready).
+    fn process_down(&self) -> bool {
+        false
     }
 }
 

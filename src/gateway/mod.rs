@@ -109,6 +109,9 @@ pub struct Parts {
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
     pub bus: Arc<dyn BusStatus>,
+    /// The engine processes edgeway runs (`[engines.NAME.process]`), for
+    /// `/ready`.
+    pub processes: crate::engine::supervisor::Processes,
 }
 
 /// The facade. Shared behind an `Arc`; every field is private so that an
@@ -122,6 +125,7 @@ pub struct Gateway {
     metrics: Arc<Metrics>,
     started: Instant,
     bus: Arc<dyn BusStatus>,
+    processes: crate::engine::supervisor::Processes,
     /// Set when the gateway starts to drain before it stops: new work is
     /// refused (`SHUTTING_DOWN`) and `/ready` answers 503.
     draining: AtomicBool,
@@ -182,6 +186,7 @@ impl Gateway {
             metrics: p.metrics,
             started: Instant::now(),
             bus: p.bus,
+            processes: p.processes,
             draining: AtomicBool::new(false),
             ingress_faults: Default::default(),
             admitting: Admissions::default(),

@@ -46,6 +46,9 @@ pub struct Readiness {
     pub degradation_level: u8,
     /// The bus as [`super::BusStatus::report`] describes it.
     pub bus: serde_json::Value,
+    /// The engine processes edgeway runs: state, restarts, uptime, why one
+    /// is down.
+    pub engine_processes: Vec<crate::engine::supervisor::ProcessReport>,
 }
 
 impl Readiness {
@@ -98,6 +101,10 @@ impl Gateway {
             not_ready.push(format!("the task store cannot write: {why}"));
         }
         not_ready.extend(self.ingress_faults.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned());
+        let engine_processes = self.processes.reports();
+        for p in engine_processes.iter().filter(|p| p.state == crate::engine::supervisor::ProcessState::Failed) {
+            not_ready.push(format!("engine process {} failed: {}", p.instance, p.reason.as_deref().unwrap_or("")));
+        }
         for m in models.iter().filter(|m| !m.ready) {
             not_ready.push(format!("model {} has no healthy instance", m.model));
         }
@@ -113,6 +120,7 @@ impl Gateway {
             queues: snap.queues,
             degradation_level: snap.degradation_level,
             bus: self.bus.report(),
+            engine_processes,
         })
     }
 }

@@ -66,14 +66,19 @@ pub(super) async fn probe_loop(
             // A down engine's last reading is stale.
             show_kv_cache_usage(&metrics, engine.name(), None);
         }
-        router.probe_verdict(index, h.up);
+        // A supervised engine whose process is (re)starting is down at
+        // once, and its breaker does not count it (see Engine::process_down).
+        let planned = !h.up && engine.process_down();
+        if !planned {
+            router.probe_verdict(index, h.up);
+        }
         let now_up = if h.up {
             failures = 0;
             true
         } else {
             failures += 1;
             // Until the first verdict, one failure is enough.
-            !(failures >= FAILURES_TO_DOWN || up.is_none())
+            !(planned || failures >= FAILURES_TO_DOWN || up.is_none())
         };
         if up != Some(now_up) {
             if now_up {

@@ -104,9 +104,17 @@ impl Router {
     /// Builds an adapter for every configured engine, in the config's
     /// order (an instance's index is its position there).
     pub fn from_config(config: &Config) -> anyhow::Result<Router> {
+        Router::from_config_with(config, &engine::supervisor::Processes::default())
+    }
+
+    /// [`Router::from_config`] with the adapters of supervised instances
+    /// wrapped by `processes` (a process that is not ready is a down
+    /// instance).
+    pub fn from_config_with(config: &Config, processes: &engine::supervisor::Processes) -> anyhow::Result<Router> {
         let mut instances = Vec::with_capacity(config.engines.len());
         for e in config.engines.values() {
             let adapter = engine::build(e).map_err(|err| anyhow::anyhow!("engine {}: {err}", e.name))?;
+            let adapter = processes.wrap(e, adapter);
             instances.push(Instance {
                 name: e.name.clone(),
                 engine: adapter,

@@ -33,6 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# config/edgeway.toml runs both llama-servers itself ([engines.*.process]);
+# where a test runs its engines (the fixtures, a fake), edgeway must not.
+NO_ENGINE_PROCESSES = {
+    "EDGEWAY__ENGINES__LLAMA_LOCAL__PROCESS__ENABLED": "false",
+    "EDGEWAY__ENGINES__LLAMA_EMBED__PROCESS__ENABLED": "false",
+}
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -127,7 +135,8 @@ def llama(workdir):
     proc = Proc(
         [str(LLAMA_BIN), "-m", str(MODEL), "--alias", "gemma-3-270m", "--host", "127.0.0.1",
          "--port", str(port), "--parallel", "2", "--ctx-size", "4096", "--threads", "2",
-         "--slots", "--no-webui"],
+         "--slots", "--no-webui",
+         "--chat-template-file", str(ROOT / "config" / "templates" / "gemma.jinja")],
         dict(os.environ), log)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -196,6 +205,7 @@ def edgeway(llama, llama_embed, nats, workdir):
         "EDGEWAY__ENGINES__LLAMA_LOCAL__BASE_URL": llama,
         "EDGEWAY__ENGINES__LLAMA_LOCAL__HEALTH_INTERVAL_MS": "500",
         "EDGEWAY__ENGINES__LLAMA_EMBED__BASE_URL": llama_embed,
+        **NO_ENGINE_PROCESSES,
         "EDGEWAY__LOG__FORMAT": "json",
         "EDGEWAY__NATS__URL": nats,
     })

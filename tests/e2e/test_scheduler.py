@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from conftest import DEMO_KEY, EDGEWAY_BIN, OPS_KEY, Proc, busy_slots, free_port, wait_http
+from conftest import DEMO_KEY, EDGEWAY_BIN, NO_ENGINE_PROCESSES, OPS_KEY, Proc, busy_slots, free_port, wait_http
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
@@ -143,6 +143,7 @@ def start_own(llama, llama_embed, workdir, data, port):
         # /ready waits for every model of the config, embeddings included.
         "EDGEWAY__ENGINES__LLAMA_EMBED__BASE_URL": llama_embed,
         "EDGEWAY__ENGINES__LLAMA_LOCAL__HEALTH_INTERVAL_MS": "500",
+        **NO_ENGINE_PROCESSES,
     })
     # Its own broker port; no NATS.
     env["EDGEWAY__MQTT__LISTEN"] = f"127.0.0.1:{free_port()}"

@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from conftest import DEMO_KEY, EDGEWAY_BIN, OPS_KEY, ROOT, Proc, free_port, wait_http
+from conftest import DEMO_KEY, EDGEWAY_BIN, NO_ENGINE_PROCESSES, OPS_KEY, ROOT, Proc, free_port, wait_http
 
 WEATHER = {
     "type": "function",
@@ -69,6 +69,7 @@ def fake_edgeway(workdir):
         "EDGEWAY__ENGINES__LLAMA_EMBED__BASE_URL": f"http://127.0.0.1:{engine_port}",
         "EDGEWAY__APPLICATIONS__DEMO__ALLOWED_TOOLS": '["get_weather", "ping"]',
         "EDGEWAY__APPLICATIONS__DEMO__HIGH_RISK_TOOLS": '["ping"]',
+        **NO_ENGINE_PROCESSES,
     })
     gw = Proc([str(EDGEWAY_BIN), "serve", "--config", "config/edgeway.toml"], env, d / "edgeway.log")
     try:

@@ -196,6 +196,7 @@ async fn ready(
         "degradation_level": r.degradation_level,
         // Reported, but readiness does not depend on the bus.
         "nats": r.bus,
+        "engine_processes": r.engine_processes,
     });
     Ok((status, Json(body)).into_response())
 }
