@@ -15,6 +15,7 @@ mod embeddings;
 mod errors;
 mod listener;
 mod responses;
+mod sse;
 mod tasks;
 mod ws;
 

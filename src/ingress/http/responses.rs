@@ -20,16 +20,17 @@
 
 use std::sync::Arc;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
 
-use super::caller::{event_stream, id_headers, Credential};
+use super::caller::{id_headers, Credential};
 use super::chat::submit_options;
 use super::errors::ApiError;
+use super::sse;
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::{Caller, Gateway, TaskStream};
 use crate::task::{Ingress, ResultMeta, TaskEvent};
@@ -471,13 +472,11 @@ impl Output {
     }
 }
 
-/// State of one SSE response. Owns the task stream: when the client goes
-/// away, hyper drops the body, this is dropped, and the task is cancelled.
-struct SseState {
-    task: TaskStream,
+/// The Responses stream: each task event as the API's events, each with
+/// the next `sequence_number`.
+struct Events {
     out: Output,
     seq: u64,
-    finished: bool,
 }
 
 /// `event: <type>` and `data: <json>` with the next `sequence_number`.
@@ -491,37 +490,30 @@ fn push_event(buf: &mut Vec<u8>, seq: &mut u64, mut v: Value) {
     buf.extend_from_slice(b"\n\n");
 }
 
-fn sse_response(task: TaskStream, out: Output) -> Response {
-    let (request_id, task_id) = (task.request_id.clone(), task.task_id.clone());
-    let st = SseState { task, out, seq: 0, finished: false };
-    let body = futures::stream::unfold(st, |mut st| async move {
-        if st.finished {
-            return None;
-        }
+impl sse::Render for Events {
+    fn event(&mut self, ev: TaskEvent) -> Bytes {
         let mut buf = Vec::with_capacity(256);
-        match st.task.recv().await {
-            Some((_, ev)) => {
-                if let TaskEvent::Queued { position } = &ev {
-                    // A comment: the SDKs skip it; it shows the wait and
-                    // keeps idle-closing proxies from dropping the stream.
-                    buf.extend_from_slice(format!(": queued position {position}\n\n").as_bytes());
-                }
-                st.finished = matches!(ev, TaskEvent::Done(_) | TaskEvent::Error { .. });
-                for v in st.out.take(&ev) {
-                    push_event(&mut buf, &mut st.seq, v);
-                }
-            }
-            None => {
-                // The driver always sends a final event; be safe anyway.
-                st.finished = true;
-                let e = GatewayError::internal("the task ended without a result");
-                let v = json!({"type": "response.failed", "response": st.out.response("failed", None, Some(&e))});
-                push_event(&mut buf, &mut st.seq, v);
-            }
+        if let TaskEvent::Queued { position } = &ev {
+            // A comment: the SDKs skip it; it shows the wait and keeps
+            // idle-closing proxies from dropping the stream.
+            buf.extend_from_slice(format!(": queued position {position}\n\n").as_bytes());
         }
-        Some((Ok::<_, std::convert::Infallible>(Bytes::from(buf)), st))
-    });
-    event_stream(Body::from_stream(body), &request_id, &task_id)
+        for v in self.out.take(&ev) {
+            push_event(&mut buf, &mut self.seq, v);
+        }
+        Bytes::from(buf)
+    }
+
+    fn lost(&mut self, e: &GatewayError) -> Bytes {
+        let mut buf = Vec::with_capacity(256);
+        let v = json!({"type": "response.failed", "response": self.out.response("failed", None, Some(e))});
+        push_event(&mut buf, &mut self.seq, v);
+        Bytes::from(buf)
+    }
+}
+
+fn sse_response(task: TaskStream, out: Output) -> Response {
+    sse::respond(task, Events { out, seq: 0 })
 }
 
 /// Waits for the whole answer. If the client disconnects, hyper drops this
