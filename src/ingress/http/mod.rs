@@ -48,6 +48,7 @@ fn business_routes(state: AppState) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
         .route("/v1/ws", get(ws::upgrade))
         .route("/v1/models", get(list_models))
         .route("/v1/tasks", post(tasks::create))
