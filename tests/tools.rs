@@ -65,6 +65,20 @@ fn body_with_tools(stream: bool) -> Value {
     body
 }
 
+/// What `/v1/models` says of `general-chat`'s `tools`.
+async fn models_say_tools(gw: &TestGateway) -> Value {
+    let v: Value = client()
+        .get(format!("{}/v1/models", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["data"].as_array().unwrap().iter().find(|m| m["id"] == "general-chat").unwrap()["tools"].clone()
+}
+
 fn metric(gw: &TestGateway, sample: &str) -> Option<f64> {
     mqtt_support::metric(gw, sample)
 }
@@ -72,6 +86,7 @@ fn metric(gw: &TestGateway, sample: &str) -> Option<f64> {
 #[tokio::test]
 async fn tools_are_passed_to_the_engine_not_refused() {
     let (fake, gw) = gateway(Knobs::default(), "openai", "").await;
+    assert_eq!(models_say_tools(&gw).await, true, "/v1/models says it takes tools");
     let mut body = body_with_tools(false);
     body["parallel_tool_calls"] = json!(false);
     let resp = post_chat(&gw, DEMO_KEY, &body).await;
@@ -346,6 +361,7 @@ async fn a_model_without_tool_support_refuses_tools_by_name() {
     // `tools` is off by default.
     let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
     gw.wait_ready().await;
+    assert_eq!(models_say_tools(&gw).await, false);
     let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(true)).await;
     assert_eq!(resp.status(), 400);
     let v: Value = resp.json().await.unwrap();
@@ -364,6 +380,7 @@ async fn a_model_without_tool_support_refuses_tools_by_name() {
             + &format!("[engines.plain]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"m\"\n", other.url())
     })
     .await;
+    assert_eq!(models_say_tools(&gw).await, false, "one instance without tools: not advertised");
     let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await;
     assert_eq!(resp.status(), 400);
     let v: Value = resp.json().await.unwrap();
