@@ -130,6 +130,16 @@ struct PhaseResult {
     rss_kb: Option<u64>,
 }
 
+impl PhaseResult {
+    /// edgeway's CPU time (user + system, from /proc/<pid>/stat) per request
+    /// sent, in µs: the overhead figure that load from other programs on
+    /// the machine moves least (latency percentiles move with it).
+    fn edgeway_cpu_us_per_request(&self) -> Option<f64> {
+        let cores = self.edgeway_cores?;
+        (self.sent > 0).then(|| cores * self.wall.as_secs_f64() * 1e6 / self.sent as f64)
+    }
+}
+
 async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &mut Value) -> Result<()> {
     let fake = FakeEngine::start_with(Knobs { tokens: args.tokens, ..Knobs::default() }).await;
     let tmp = TempDir::new("edgeway-bench");
@@ -188,9 +198,9 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
     )?;
     writeln!(
         report,
-        "| rate (req/s) | phase | ok | errors | p50 | p90 | p99 | max | send lag p50 / p99 | edgeway CPU (cores) | bench CPU (cores) | other CPU (cores) | edgeway RSS (MiB) |"
+        "| rate (req/s) | phase | ok | errors | p50 | p90 | p99 | max | send lag p50 / p99 | edgeway CPU (cores) | edgeway CPU per request (µs) | bench CPU (cores) | other CPU (cores) | edgeway RSS (MiB) |"
     )?;
-    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     let mut all = Vec::new();
     for &rate in &args.rates {
         let phases = [
@@ -406,7 +416,7 @@ fn phase_row(rate: u32, r: &PhaseResult) -> String {
     // not charged to either process.
     let others = (r.machine_cores - r.bench_cores - r.edgeway_cores.unwrap_or(0.0)).max(0.0);
     format!(
-        "| {rate} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {:.2} | {:.2} | {} |",
+        "| {rate} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {:.2} | {:.2} | {} |",
         r.name,
         l.len(),
         error_summary(&r.errors),
@@ -417,6 +427,7 @@ fn phase_row(rate: u32, r: &PhaseResult) -> String {
         ms(pct(&r.lag_us, 0.50)),
         ms(pct(&r.lag_us, 0.99)),
         r.edgeway_cores.map(|c| format!("{c:.2}")).unwrap_or_else(|| "–".into()),
+        r.edgeway_cpu_us_per_request().map(|c| format!("{c:.0}")).unwrap_or_else(|| "–".into()),
         r.bench_cores,
         others,
         r.rss_kb.map(|k| format!("{:.1}", k as f64 / 1024.0)).unwrap_or_else(|| "–".into()),
@@ -431,7 +442,8 @@ fn phase_json(r: &PhaseResult) -> Value {
         "p50_us": pct(l, 0.50), "p90_us": pct(l, 0.90), "p99_us": pct(l, 0.99),
         "max_us": l.last().copied().unwrap_or(0),
         "send_lag_p50_us": pct(&r.lag_us, 0.50), "send_lag_p99_us": pct(&r.lag_us, 0.99),
-        "edgeway_cores": r.edgeway_cores, "bench_cores": r.bench_cores,
+        "edgeway_cores": r.edgeway_cores, "edgeway_cpu_us_per_request": r.edgeway_cpu_us_per_request(),
+        "bench_cores": r.bench_cores,
         "machine_cores": r.machine_cores, "edgeway_rss_kb": r.rss_kb,
         "timeline_per_second": r.timeline.iter()
             .map(|(n, p50, p99, max)| json!({"n": n, "p50_us": p50, "p99_us": p99, "max_us": max}))

@@ -129,7 +129,7 @@ async fn wrong_kinds_and_unsupported_inputs_are_refused_by_name() {
     let emb = FakeEngine::start().await;
     let section = embed_section(&emb.url(), "openai", "")
         + &format!(
-            "[engines.emb2]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"m\"\n[models.sized]\nkind = \"embedding\"\ninstances = [\"emb2\"]\nsupports_dimensions = true\n",
+            "[engines.emb2]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"m\"\n[models.sized]\nkind = \"embedding\"\ninstances = [\"emb2\"]\nsupports_dimensions = true\ndimensions = 8\n",
             emb.url()
         );
     let gw = TestGateway::with_engine(&chat.url(), "openai", &section).await;
@@ -177,8 +177,16 @@ async fn wrong_kinds_and_unsupported_inputs_are_refused_by_name() {
         .json()
         .await
         .unwrap();
-    let kind = |id: &str| models["data"].as_array().unwrap().iter().find(|m| m["id"] == id).unwrap()["kind"].clone();
+    let model = |id: &str| models["data"].as_array().unwrap().iter().find(|m| m["id"] == id).unwrap().clone();
+    let kind = |id: &str| model(id)["kind"].clone();
     assert_eq!((kind("embed"), kind("general-chat")), (json!("embedding"), json!("chat")));
+    // And what each takes: the vector length where it is configured.
+    assert_eq!(model("sized")["dimensions"], 8, "{models}");
+    assert_eq!(model("sized")["supports_dimensions"], true);
+    assert_eq!(model("embed")["dimensions"], Value::Null);
+    assert_eq!(model("embed")["supports_dimensions"], false);
+    assert!(model("general-chat").get("dimensions").is_none(), "{models}");
+    assert_eq!((model("embed")["tools"].clone(), model("general-chat")["tools"].clone()), (json!(false), json!(false)));
     gw.stop().await;
 }
 

@@ -266,3 +266,93 @@ async fn an_idempotency_key_header_returns_the_same_response() {
     assert_eq!(fake.requests(), 1, "one inference");
     gw.stop().await;
 }
+
+/// The key of `other`, a second application of the same tenant.
+const OTHER_KEY: &str = "sk-edgeway-other";
+
+/// [`gateway`] with a second, non-admin application of the demo tenant,
+/// and `store` appended to the `[store]` section.
+async fn gateway_with_other(store: &str) -> (FakeEngine, TestGateway) {
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let other = hex::encode(edgeway::config::hash_api_key(OTHER_KEY));
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        format!(
+            "{}\n[applications.other]\ntenant = \"demo\"\napi_key_sha256 = [\"{other}\"]\n\
+             max_priority = \"P1\"\ndefault_priority = \"P2\"\n",
+            t.replacen("[store]\n", &format!("[store]\n{store}\n"), 1)
+        )
+    })
+    .await;
+    gw.wait_ready().await;
+    (fake, gw)
+}
+
+async fn get_response(gw: &TestGateway, key: &str, id: &str) -> reqwest::Response {
+    client().get(format!("{}/v1/responses/{id}", gw.base_url)).bearer_auth(key).send().await.unwrap()
+}
+
+async fn delete_response(gw: &TestGateway, key: &str, id: &str) -> reqwest::Response {
+    client().delete(format!("{}/v1/responses/{id}", gw.base_url)).bearer_auth(key).send().await.unwrap()
+}
+
+/// A stored Response comes back as its create returned it, streamed or
+/// not, to the application that created it only: another application
+/// (an admin one too: it is answer text) gets 404, never the body.
+/// DELETE forgets it.
+#[tokio::test]
+async fn a_stored_response_is_retrieved_by_its_application_only() {
+    let (_fake, gw) = gateway_with_other("").await;
+    let body = json!({"model": "general-chat", "input": "Say hello", "instructions": "Be brief", "store": true,
+        "metadata": {"k": "v"}});
+    let created: Value = post(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    assert_eq!(created["store"], true, "{created}");
+    let id = created["id"].as_str().unwrap();
+    let got = get_response(&gw, DEMO_KEY, id).await;
+    assert_eq!(got.status(), 200);
+    let got: Value = got.json().await.unwrap();
+    assert_eq!(got, created, "the very object the create returned");
+    assert_eq!(got["output"][0]["content"][0]["text"], "tok tok tok tok tok ");
+    for key in [OTHER_KEY, OPS_KEY] {
+        let r = get_response(&gw, key, id).await;
+        assert_eq!(r.status(), 404, "{key}");
+        assert!(!r.text().await.unwrap().contains("tok tok"), "{key}");
+        assert_eq!(delete_response(&gw, key, id).await.status(), 404, "{key}");
+    }
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (events, _) = read_sse(post(&gw, DEMO_KEY, &streamed).await).await;
+    let done = &events.last().unwrap()["response"];
+    assert_eq!(done["status"], "completed", "{done}");
+    let got: Value = get_response(&gw, DEMO_KEY, done["id"].as_str().unwrap()).await.json().await.unwrap();
+    assert_eq!(&got, done);
+
+    let r = delete_response(&gw, DEMO_KEY, id).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"id": id, "object": "response", "deleted": true}));
+    assert_eq!(get_response(&gw, DEMO_KEY, id).await.status(), 404);
+    assert_eq!(delete_response(&gw, DEMO_KEY, id).await.status(), 404);
+    assert_eq!(get_response(&gw, DEMO_KEY, "resp_no-such-task").await.status(), 404);
+    assert_eq!(get_response(&gw, DEMO_KEY, "no-prefix").await.status(), 404);
+    gw.stop().await;
+}
+
+/// `store: false` is never kept; a request that says nothing follows the
+/// data policy (`[store] store_prompts`), and the Response's `store` says
+/// which it was.
+#[tokio::test]
+async fn a_response_is_kept_only_when_asked_or_the_data_policy_keeps_answers() {
+    for (policy, omitted_kept) in [("", false), ("store_prompts = true", true)] {
+        let (_fake, gw) = gateway_with_other(policy).await;
+        for (store, kept) in [(json!(false), false), (Value::Null, omitted_kept), (json!(true), true)] {
+            let body = json!({"model": "general-chat", "input": "Say hello", "store": store});
+            let created: Value = post(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+            assert_eq!(created["store"], kept, "{policy:?} {store}: {created}");
+            let status = get_response(&gw, DEMO_KEY, created["id"].as_str().unwrap()).await.status();
+            assert_eq!(status, if kept { 200 } else { 404 }, "{policy:?} {store}");
+        }
+        let bad = post(&gw, DEMO_KEY, &json!({"model": "general-chat", "input": "x", "store": "yes"})).await;
+        assert_eq!(bad.status(), 400);
+        gw.stop().await;
+    }
+}

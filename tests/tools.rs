@@ -65,6 +65,20 @@ fn body_with_tools(stream: bool) -> Value {
     body
 }
 
+/// What `/v1/models` says of `general-chat`'s `tools`.
+async fn models_say_tools(gw: &TestGateway) -> Value {
+    let v: Value = client()
+        .get(format!("{}/v1/models", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["data"].as_array().unwrap().iter().find(|m| m["id"] == "general-chat").unwrap()["tools"].clone()
+}
+
 fn metric(gw: &TestGateway, sample: &str) -> Option<f64> {
     mqtt_support::metric(gw, sample)
 }
@@ -72,6 +86,7 @@ fn metric(gw: &TestGateway, sample: &str) -> Option<f64> {
 #[tokio::test]
 async fn tools_are_passed_to_the_engine_not_refused() {
     let (fake, gw) = gateway(Knobs::default(), "openai", "").await;
+    assert_eq!(models_say_tools(&gw).await, true, "/v1/models says it takes tools");
     let mut body = body_with_tools(false);
     body["parallel_tool_calls"] = json!(false);
     let resp = post_chat(&gw, DEMO_KEY, &body).await;
@@ -346,6 +361,7 @@ async fn a_model_without_tool_support_refuses_tools_by_name() {
     // `tools` is off by default.
     let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
     gw.wait_ready().await;
+    assert_eq!(models_say_tools(&gw).await, false);
     let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(true)).await;
     assert_eq!(resp.status(), 400);
     let v: Value = resp.json().await.unwrap();
@@ -364,6 +380,7 @@ async fn a_model_without_tool_support_refuses_tools_by_name() {
             + &format!("[engines.plain]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"m\"\n", other.url())
     })
     .await;
+    assert_eq!(models_say_tools(&gw).await, false, "one instance without tools: not advertised");
     let resp = post_chat(&gw, DEMO_KEY, &body_with_tools(false)).await;
     assert_eq!(resp.status(), 400);
     let v: Value = resp.json().await.unwrap();
@@ -450,6 +467,47 @@ async fn mqtt_devices_get_tool_call_events_and_the_checked_calls() {
     assert_eq!(done["result"]["tool_calls_valid"], false);
     assert_eq!(done["result"]["tool_calls"][0]["error"], "schema_mismatch");
     assert_eq!(done["result"]["finish_reason"], "tool_calls");
+    gw.stop().await;
+}
+
+/// Review L5: on MQTT the pieces of a tool call coalesce like text
+/// (`coalesce_ms`): the first piece goes out at once, the rest of a call's
+/// arguments in as few messages as the window allows, never mixing two
+/// calls, each call's id and name once, in its first message.
+#[tokio::test]
+async fn mqtt_coalesces_the_pieces_of_each_tool_call() {
+    use mqtt_support::{check_stream, device, mqtt_toml, request, D1, V};
+    let long = r#"{"city": "Llanfairpwllgwyngyll", "unit": "celsius"}"#;
+    let fake = FakeEngine::start_with(calling(&[("get_weather", long), ("ping", "{}")])).await;
+    // A window far longer than the answer takes: only a change of call
+    // (or the end) sends what is held.
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", &mqtt_toml("coalesce_ms = 5000"), tools_on("")).await;
+    gw.wait_ready().await;
+    let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut req = request("tools-coalesced");
+    req["tools"] = json!([weather_tool(), ping_tool()]);
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let events = d.stream(&d.topic("res/tools-coalesced")).await;
+    check_stream(&events);
+    let pieces: Vec<&Value> = events.iter().filter(|e| e["type"] == "tool_call").collect();
+    // The engine sent 1 + 11 pieces for the first call and 1 + 1 for the
+    // second: at most 2 messages per call now.
+    assert!(pieces.len() <= 4, "{} messages: {pieces:#?}", pieces.len());
+    for (i, (id, name, args)) in
+        [("call_fake_0", "get_weather", long), ("call_fake_1", "ping", "{}")].iter().enumerate()
+    {
+        let of: Vec<&&Value> = pieces.iter().filter(|p| p["index"] == i).collect();
+        assert_eq!((of[0]["id"].as_str(), of[0]["name"].as_str()), (Some(*id), Some(*name)), "{of:#?}");
+        assert!(of[1..].iter().all(|p| p.get("id").is_none() && p.get("name").is_none()), "{of:#?}");
+        let joined: String = of.iter().map(|p| p["arguments"].as_str().unwrap()).collect();
+        assert_eq!(&joined, args);
+    }
+    // Calls do not interleave.
+    let order: Vec<u64> = pieces.iter().map(|p| p["index"].as_u64().unwrap()).collect();
+    assert!(order.windows(2).all(|w| w[0] <= w[1]), "{order:?}");
+    assert_eq!(events.last().unwrap()["type"], "done");
     gw.stop().await;
 }
 

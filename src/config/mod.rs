@@ -470,6 +470,9 @@ pub struct ModelConfig {
     /// The engine honours an embedding request's `dimensions` (vLLM with a
     /// Matryoshka model); otherwise a request naming it is refused.
     pub supports_dimensions: bool,
+    /// The length of the model's vectors, where the operator states it
+    /// (shown by `/v1/models`; embedding models only).
+    pub dimensions: Option<u32>,
 }
 
 impl EngineConfig {

@@ -538,6 +538,8 @@ pub struct RawModel {
     pub kind: Option<Field<ModelKind>>,
     /// The engine honours an embedding request's `dimensions`.
     pub supports_dimensions: bool,
+    /// The length of the model's vectors (embedding models), for `/v1/models`.
+    pub dimensions: Option<u32>,
 }
 
 impl Default for RawModel {
@@ -557,6 +559,7 @@ impl Default for RawModel {
             canned_answer: None,
             kind: None,
             supports_dimensions: false,
+            dimensions: None,
         }
     }
 }

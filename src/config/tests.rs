@@ -512,4 +512,13 @@ fn model_kinds_are_checked_against_fallbacks_and_options() {
     assert_eq!(paths, ["models.embed.fallback_models[0]", "models.embed.canned_answer", "models.other.kind"], "{e}");
     let e = parse(&format!("{MINIMAL}supports_dimensions = true\n"), &[]).unwrap_err();
     assert_eq!(e.0[0].path, "models.general-chat.supports_dimensions", "{e}");
+    // `dimensions`: embedding models only, and a sane length.
+    let e = parse(&format!("{MINIMAL}dimensions = 8\n"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "models.general-chat.dimensions", "{e}");
+    assert_eq!(
+        parse(&format!("{MINIMAL}{embed}dimensions = 640\n"), &[]).unwrap().models["embed"].dimensions,
+        Some(640)
+    );
+    let e = parse(&format!("{MINIMAL}{embed}dimensions = 0\n"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "models.embed.dimensions", "{e}");
 }

@@ -712,6 +712,9 @@ fn model(
             p.add(format!("{path}.fallback_models[{i}]"), format!("no model named {f:?} in [models]"));
         }
     }
+    if m.dimensions.is_some_and(|d| !(1..=65536).contains(&d)) {
+        p.add(format!("{path}.dimensions"), "must be from 1 to 65536");
+    }
     if m.canned_answer.as_ref().is_some_and(|a| a.trim().is_empty()) {
         p.add(format!("{path}.canned_answer"), "must not be empty (leave it out for none)");
     }
@@ -726,6 +729,9 @@ fn model(
         }
         if kind == ModelKind::Chat && m.supports_dimensions {
             p.add(format!("{path}.supports_dimensions"), "only for kind = \"embedding\"");
+        }
+        if kind == ModelKind::Chat && m.dimensions.is_some() {
+            p.add(format!("{path}.dimensions"), "only for kind = \"embedding\"");
         }
     }
     Some(ModelConfig {
@@ -744,6 +750,7 @@ fn model(
         canned_answer: m.canned_answer,
         kind: kind?,
         supports_dimensions: m.supports_dimensions,
+        dimensions: m.dimensions,
     })
 }
 

@@ -79,6 +79,30 @@ impl Gateway {
         Ok(rec.filter(|r| owns(who, &r.tenant, &r.application)))
     }
 
+    /// The Response object kept for a task (`GET /v1/responses/{id}`):
+    /// for the application that created it only (not even an admin
+    /// application: it is answer text), while its task is kept.
+    pub async fn response(&self, who: &Identity, task_id: &str) -> Result<Option<String>, GatewayError> {
+        let rec = self.task(who, task_id).await?;
+        Ok(rec.filter(|r| r.application == who.application).and_then(|r| r.response))
+    }
+
+    /// Keeps the Response object of `task_id` with its task.
+    pub fn keep_response(&self, task_id: &str, body: String) {
+        self.store.keep_response(task_id, body);
+    }
+
+    /// Deletes a kept Response for the application that created it;
+    /// whether there was one.
+    pub async fn forget_response(&self, who: &Identity, task_id: &str) -> Result<bool, GatewayError> {
+        if self.response(who, task_id).await?.is_none() {
+            return Ok(false);
+        }
+        self.store.forget_response(task_id);
+        self.store.flush().await;
+        Ok(true)
+    }
+
     /// Cancels a task for its owner; `None` when unknown or not the
     /// caller's. `reason` is recorded with the cancellation.
     pub async fn cancel(&self, who: &Identity, task_id: &str, reason: &str) -> Option<CancelOutcome> {

@@ -28,6 +28,7 @@
 mod idempotency;
 mod pending_requests;
 mod reserve;
+mod responses;
 mod retention;
 mod revoked_keys;
 
@@ -93,6 +94,9 @@ pub struct TaskRecord {
     pub error_code: Option<String>,
     pub result: Option<ResultMeta>,
     pub transitions: Vec<Transition>,
+    /// The Response object kept for `GET /v1/responses/{id}` (see
+    /// `responses.rs`), if this task is a stored response.
+    pub response: Option<String>,
 }
 
 /// A write: applied in the writer's transaction, and kept (in memory,
@@ -139,6 +143,12 @@ enum WriteOp {
         from: String,
         to: String,
     },
+    /// A Response object to keep with its task.
+    KeepResponse {
+        task_id: String,
+        body: String,
+    },
+    ForgetResponse(String),
     SetRevoked {
         key_sha256: String,
         by: String,
@@ -369,7 +379,7 @@ impl Store {
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
         conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
-        for schema in [idempotency::SCHEMA, pending_requests::SCHEMA, revoked_keys::SCHEMA] {
+        for schema in [idempotency::SCHEMA, pending_requests::SCHEMA, revoked_keys::SCHEMA, responses::SCHEMA] {
             conn.execute_batch(schema).map_err(open_err)?;
         }
         let expired = idempotency::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
@@ -547,6 +557,17 @@ impl Store {
     /// this one.
     pub fn remember(&self, req: StoredRequest, ttl_ms: i64, replaces: Option<&str>) {
         self.write(WriteOp::Remember { req: Box::new(req), ttl_ms, replaces: replaces.map(str::to_string) });
+    }
+
+    /// Keeps the Response object of `task_id` until the task is purged
+    /// (`GET /v1/responses/{id}`).
+    pub fn keep_response(&self, task_id: &str, body: String) {
+        self.write(WriteOp::KeepResponse { task_id: task_id.to_string(), body });
+    }
+
+    /// Deletes the Response object of `task_id` (`DELETE /v1/responses/{id}`).
+    pub fn forget_response(&self, task_id: &str) {
+        self.write(WriteOp::ForgetResponse(task_id.to_string()));
     }
 
     /// The task has started on an engine: it will not be re-queued.
@@ -1046,6 +1067,8 @@ fn apply(txn: &Connection, op: &WriteOp) -> rusqlite::Result<()> {
             idempotency::hand_over(txn, tenant, app, key, from, to)?;
             pending_requests::drop_request(txn, from)
         }
+        WriteOp::KeepResponse { task_id, body } => responses::keep(txn, task_id, body),
+        WriteOp::ForgetResponse(task_id) => responses::forget(txn, task_id),
         WriteOp::SetRevoked { key_sha256, by, revoked } => {
             revoked_keys::set_revoked(txn, key_sha256, by, *revoked, crate::task::now_ms())
         }
@@ -1186,6 +1209,7 @@ fn read_task(c: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError>
                     error_code: row.get(13)?,
                     result: result_json.and_then(|j| serde_json::from_str(&j).ok()),
                     transitions: Vec::new(),
+                    response: None,
                 })
             },
         )
@@ -1208,6 +1232,7 @@ fn read_task(c: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError>
     for t in rows {
         rec.transitions.push(t?);
     }
+    rec.response = responses::get(c, id)?;
     Ok(Some(rec))
 }
 

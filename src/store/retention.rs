@@ -1,6 +1,6 @@
-//! The retention purge: finished tasks with their transitions, refused
-//! calls, and expired idempotency keys, deleted once older than the
-//! configured ages (`[store] retention_…`). Run by the writer thread every
+//! The retention purge: finished tasks with their transitions and stored
+//! Responses, refused calls, and expired idempotency keys, deleted once
+//! older than the configured ages (`[store] retention_…`). Run by the writer thread every
 //! purge interval, each pass bounded so that it never holds the writer for
 //! long.
 //!
@@ -52,6 +52,7 @@ pub fn purge(
     for id in &ids {
         exec(c, "DELETE FROM task_transitions WHERE task_id = ?1", params![id])?;
         exec(c, "DELETE FROM pending_requests WHERE task_id = ?1", params![id])?;
+        super::responses::forget(c, id)?;
         exec(c, "DELETE FROM tasks WHERE task_id = ?1", params![id])?;
     }
     let keys = exec(
@@ -70,7 +71,9 @@ mod tests {
     fn db() -> Connection {
         let c = Connection::open_in_memory().unwrap();
         c.execute_batch(super::super::SCHEMA).unwrap();
-        for s in [super::super::idempotency::SCHEMA, super::super::pending_requests::SCHEMA] {
+        for s in
+            [super::super::idempotency::SCHEMA, super::super::pending_requests::SCHEMA, super::super::responses::SCHEMA]
+        {
             c.execute_batch(s).unwrap();
         }
         c
@@ -123,6 +126,21 @@ mod tests {
         assert_eq!(ids(&c), ["new-done", "old-running"]);
     }
 
+    /// A stored Response lives as long as its task (`GET /v1/responses/{id}`
+    /// must not outlive the retention rules).
+    #[test]
+    fn a_stored_response_goes_with_its_task() {
+        let c = db();
+        task(&c, "old-done", "SUCCEEDED", 100);
+        task(&c, "new-done", "SUCCEEDED", 5000);
+        for id in ["old-done", "new-done"] {
+            super::super::responses::keep(&c, id, "{}").unwrap();
+        }
+        assert_eq!(purge(&c, 6000, Some(1000), None, 100).unwrap(), 1);
+        assert_eq!(super::super::responses::get(&c, "old-done").unwrap(), None);
+        assert_eq!(super::super::responses::get(&c, "new-done").unwrap().as_deref(), Some("{}"));
+    }
+
     #[test]
     fn a_pass_is_bounded() {
         let c = db();
@@ -148,7 +166,9 @@ mod timing {
         c.pragma_update(None, "journal_mode", "WAL").unwrap();
         c.pragma_update(None, "synchronous", "NORMAL").unwrap();
         c.execute_batch(super::super::SCHEMA).unwrap();
-        for s in [super::super::idempotency::SCHEMA, super::super::pending_requests::SCHEMA] {
+        for s in
+            [super::super::idempotency::SCHEMA, super::super::pending_requests::SCHEMA, super::super::responses::SCHEMA]
+        {
             c.execute_batch(s).unwrap();
         }
         let n = 100_000;

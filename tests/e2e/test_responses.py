@@ -5,7 +5,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from conftest import DEMO_KEY
+from conftest import DEMO_KEY, OPS_KEY
 
 
 def client(edgeway, key=DEMO_KEY):
@@ -76,3 +76,24 @@ def test_responses_previous_response_id_refused(edgeway):
         client(edgeway).responses.create(model="general-chat", input="hi", previous_response_id="resp_x")
     assert e.value.body["code"] == "INVALID_REQUEST"
     assert "sessions" in e.value.body["message"]
+
+
+def test_responses_retrieve_and_delete(edgeway):
+    """`store=True`: the SDK's retrieve gives back the object create
+    returned; another application gets 404; delete forgets it."""
+    c = client(edgeway)
+    r = c.responses.create(model="general-chat", input="Say hi.", max_output_tokens=8, store=True)
+    assert r.store is True
+    again = c.responses.retrieve(r.id)
+    assert again.model_dump() == r.model_dump()
+    assert again.output_text == r.output_text and again.usage == r.usage
+    with pytest.raises(openai.NotFoundError):
+        client(edgeway, OPS_KEY).responses.retrieve(r.id)
+    c.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)
+    # Not stored: not retrievable.
+    gone = c.responses.create(model="general-chat", input="Say hi.", max_output_tokens=8, store=False)
+    assert gone.store is False
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(gone.id)

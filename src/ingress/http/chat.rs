@@ -3,18 +3,19 @@
 
 use std::sync::Arc;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::caller::{event_stream, header_text, id_headers, Credential};
-use super::errors::{error_object, ApiError};
+use super::caller::{header_text, id_headers, Credential};
+use super::errors::ApiError;
+use super::sse::{self, usage_json, Chunks, Head, Piece};
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::{Caller, Gateway, SubmitOptions, TaskStream};
-use crate::task::{Ingress, ResultMeta, TaskEvent, ToolCallDelta};
+use crate::task::{Ingress, TaskEvent, ToolCallDelta};
 
 /// The submission options of an HTTP chat call: the `x-request-id` hint,
 /// and the `Idempotency-Key` header for a body that names no
@@ -40,15 +41,29 @@ pub async fn chat_completions(
     Ok(if stream { sse_response(task, model, include_usage) } else { whole_response(task, model).await })
 }
 
-fn chunk(id: &str, created: i64, model: &str, delta: Value, finish: Option<&str>) -> Value {
-    json!({
-        "id": id,
+/// Chat's chunk for each piece of the answer (see [`sse::Chunks`]).
+fn chunk(h: &Head, piece: Piece<'_>) -> Option<Value> {
+    let (delta, finish) = match piece {
+        Piece::Role => (json!({"role": "assistant", "content": ""}), None),
+        Piece::Text(text) => (json!({ "content": text }), None),
+        Piece::ToolCall(d) => (json!({ "tool_calls": [tool_call_piece(d)] }), None),
+        Piece::Finish(finish) => (json!({}), finish),
+        Piece::Usage(meta) => {
+            return Some(json!({
+                "id": h.id, "object": "chat.completion.chunk", "created": h.created,
+                "model": h.model, "system_fingerprint": null, "choices": [],
+                "usage": usage_json(meta),
+            }))
+        }
+    };
+    Some(json!({
+        "id": h.id,
         "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
+        "created": h.created,
+        "model": h.model,
         "system_fingerprint": null,
         "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish }],
-    })
+    }))
 }
 
 /// One piece of a tool call in OpenAI's chunk form: the first piece of a
@@ -73,100 +88,9 @@ fn tool_call_piece(d: &ToolCallDelta) -> Value {
     }
 }
 
-pub(super) fn usage_json(m: &ResultMeta) -> Value {
-    json!({
-        "prompt_tokens": m.usage.input_tokens,
-        "completion_tokens": m.usage.output_tokens,
-        "total_tokens": m.usage.total_tokens,
-    })
-}
-
-pub(super) fn sse(v: &Value) -> Bytes {
-    let mut s = String::with_capacity(128);
-    s.push_str("data: ");
-    s.push_str(&v.to_string());
-    s.push_str("\n\n");
-    Bytes::from(s)
-}
-
-/// State of one SSE response. Owns the task stream: when the client goes
-/// away, hyper drops the body, this is dropped, and the task is cancelled.
-struct SseState {
-    task: TaskStream,
-    id: String,
-    created: i64,
-    model: String,
-    include_usage: bool,
-    sent_role: bool,
-    finished: bool,
-}
-
 fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Response {
-    let (request_id, task_id) = (task.request_id.clone(), task.task_id.clone());
-    let st = SseState {
-        id: format!("chatcmpl-{}", task.task_id),
-        task,
-        created: crate::task::now_ms() / 1000,
-        model,
-        include_usage,
-        sent_role: false,
-        finished: false,
-    };
-    let body = futures::stream::unfold(st, |mut st| async move {
-        {
-            if st.finished {
-                return None;
-            }
-            let Some((_, ev)) = st.task.recv().await else {
-                // The driver always sends a final event; be safe anyway.
-                st.finished = true;
-                let e = GatewayError::internal("the task ended without a result");
-                return Some((Ok::<_, std::convert::Infallible>(sse(&json!({ "error": error_object(&e) }))), st));
-            };
-            let out = match ev {
-                TaskEvent::Accepted { .. } => {
-                    st.sent_role = true;
-                    sse(&chunk(&st.id, st.created, &st.model, json!({"role": "assistant", "content": ""}), None))
-                }
-                // An SSE comment: OpenAI clients skip it; it shows the wait
-                // and keeps idle-closing proxies from dropping the stream.
-                TaskEvent::Queued { position } => Bytes::from(format!(": queued position {position}\n\n")),
-                TaskEvent::Delta { text } => {
-                    sse(&chunk(&st.id, st.created, &st.model, json!({ "content": text }), None))
-                }
-                TaskEvent::ToolCallDelta(d) => {
-                    sse(&chunk(&st.id, st.created, &st.model, json!({ "tool_calls": [tool_call_piece(&d)] }), None))
-                }
-                // A chat task has none (embeddings have their own endpoint).
-                TaskEvent::Embedding { .. } => Bytes::new(),
-                TaskEvent::Done(meta) => {
-                    st.finished = true;
-                    let edge = serde_json::to_value(&*meta).unwrap_or(Value::Null);
-                    let mut last = chunk(&st.id, st.created, &st.model, json!({}), meta.finish_reason.as_deref());
-                    let mut out = Vec::with_capacity(512);
-                    if st.include_usage {
-                        out.extend_from_slice(&sse(&last));
-                        last = json!({
-                            "id": st.id, "object": "chat.completion.chunk", "created": st.created,
-                            "model": st.model, "system_fingerprint": null, "choices": [],
-                            "usage": usage_json(&meta),
-                        });
-                    }
-                    last["edge"] = edge;
-                    out.extend_from_slice(&sse(&last));
-                    out.extend_from_slice(b"data: [DONE]\n\n");
-                    Bytes::from(out)
-                }
-                TaskEvent::Error { error, meta } => {
-                    st.finished = true;
-                    let edge = serde_json::to_value(&*meta).unwrap_or(Value::Null);
-                    sse(&json!({ "error": error_object(&error), "edge": edge }))
-                }
-            };
-            Some((Ok(out), st))
-        }
-    });
-    event_stream(Body::from_stream(body), &request_id, &task_id)
+    let head = Head { id: format!("chatcmpl-{}", task.task_id), created: crate::task::now_ms() / 1000, model };
+    sse::respond(task, Chunks::new(head, include_usage, chunk))
 }
 
 /// Waits for the whole answer. If the client disconnects, hyper drops this

@@ -9,16 +9,17 @@
 
 use std::sync::Arc;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::caller::{event_stream, id_headers, Credential};
-use super::chat::{sse, submit_options, usage_json};
-use super::errors::{error_object, ApiError};
+use super::caller::{id_headers, Credential};
+use super::chat::submit_options;
+use super::errors::ApiError;
+use super::sse::{self, usage_json, Chunks, Head, Piece};
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::{parse_completion, Caller, Gateway, TaskStream};
 use crate::task::{Ingress, TaskEvent};
@@ -47,80 +48,32 @@ pub async fn completions(
     Ok(if shape.stream { sse_response(task, model, shape.include_usage) } else { whole_response(task, model).await })
 }
 
-fn chunk(id: &str, created: i64, model: &str, text: &str, finish: Option<&str>) -> Value {
-    json!({
-        "id": id,
+/// The legacy completion's chunk for each piece of the answer (see
+/// [`sse::Chunks`]): no role chunk, no tool calls.
+fn chunk(h: &Head, piece: Piece<'_>) -> Option<Value> {
+    let (text, finish) = match piece {
+        Piece::Role | Piece::ToolCall(_) => return None,
+        Piece::Text(text) => (Value::String(text), None),
+        Piece::Finish(finish) => (Value::from(""), finish),
+        Piece::Usage(meta) => {
+            return Some(json!({
+                "id": h.id, "object": "text_completion", "created": h.created,
+                "model": h.model, "choices": [], "usage": usage_json(meta),
+            }))
+        }
+    };
+    Some(json!({
+        "id": h.id,
         "object": "text_completion",
-        "created": created,
-        "model": model,
+        "created": h.created,
+        "model": h.model,
         "choices": [{ "text": text, "index": 0, "logprobs": null, "finish_reason": finish }],
-    })
-}
-
-/// State of one SSE response. Owns the task stream: when the client goes
-/// away, hyper drops the body, this is dropped, and the task is cancelled.
-struct SseState {
-    task: TaskStream,
-    id: String,
-    created: i64,
-    model: String,
-    include_usage: bool,
-    finished: bool,
+    }))
 }
 
 fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Response {
-    let (request_id, task_id) = (task.request_id.clone(), task.task_id.clone());
-    let st = SseState {
-        id: format!("cmpl-{}", task.task_id),
-        task,
-        created: crate::task::now_ms() / 1000,
-        model,
-        include_usage,
-        finished: false,
-    };
-    let body = futures::stream::unfold(st, |mut st| async move {
-        if st.finished {
-            return None;
-        }
-        let Some((_, ev)) = st.task.recv().await else {
-            st.finished = true;
-            let e = GatewayError::internal("the task ended without a result");
-            return Some((Ok::<_, std::convert::Infallible>(sse(&json!({ "error": error_object(&e) }))), st));
-        };
-        let out = match ev {
-            // SSE comments: OpenAI clients skip them; they show the wait and
-            // keep idle-closing proxies from dropping the stream.
-            TaskEvent::Accepted { .. } => Bytes::from_static(b": accepted\n\n"),
-            TaskEvent::Queued { position } => Bytes::from(format!(": queued position {position}\n\n")),
-            TaskEvent::Delta { text } => sse(&chunk(&st.id, st.created, &st.model, &text, None)),
-            // A completion task has none (no tools on this endpoint).
-            TaskEvent::Embedding { .. } | TaskEvent::ToolCallDelta(_) => Bytes::new(),
-            TaskEvent::Done(meta) => {
-                st.finished = true;
-                let edge = serde_json::to_value(&*meta).unwrap_or(Value::Null);
-                let mut last = chunk(&st.id, st.created, &st.model, "", meta.finish_reason.as_deref());
-                let mut out = Vec::with_capacity(512);
-                if st.include_usage {
-                    out.extend_from_slice(&sse(&last));
-                    last = json!({
-                        "id": st.id, "object": "text_completion", "created": st.created,
-                        "model": st.model, "choices": [], "usage": usage_json(&meta),
-                    });
-                }
-                last["edge"] = edge;
-                out.extend_from_slice(&sse(&last));
-                out.extend_from_slice(b"data: [DONE]\n\n");
-                Bytes::from(out)
-            }
-            TaskEvent::Error { error, meta } => {
-                st.finished = true;
-                let edge = serde_json::to_value(&*meta).unwrap_or(Value::Null);
-                sse(&json!({ "error": error_object(&error), "edge": edge }))
-            }
-        };
-        Some((Ok(out), st))
-    });
-    event_stream(Body::from_stream(body), &request_id, &task_id)
+    let head = Head { id: format!("cmpl-{}", task.task_id), created: crate::task::now_ms() / 1000, model };
+    sse::respond(task, Chunks::new(head, include_usage, chunk))
 }
 
 /// Waits for the whole answer. If the client disconnects, hyper drops this

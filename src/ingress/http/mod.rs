@@ -15,6 +15,7 @@ mod embeddings;
 mod errors;
 mod listener;
 mod responses;
+mod sse;
 mod tasks;
 mod ws;
 
@@ -47,6 +48,7 @@ fn business_routes(state: AppState) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
         .route("/v1/ws", get(ws::upgrade))
         .route("/v1/models", get(list_models))
         .route("/v1/tasks", post(tasks::create))
@@ -152,7 +154,12 @@ async fn list_models(State(gw): State<AppState>, _: Caller) -> Response {
         .models
         .values()
         .map(|m| {
-            json!({
+            let cfg = gw.config();
+            // Whether a request with `tools` is taken: only when every
+            // instance does tools (admission refuses it otherwise).
+            let tools = m.kind == crate::config::ModelKind::Chat
+                && m.instances.iter().all(|i| cfg.engines.get(i).is_some_and(|e| e.tools));
+            let mut v = json!({
                 "id": m.name,
                 "object": "model",
                 "created": created,
@@ -162,7 +169,14 @@ async fn list_models(State(gw): State<AppState>, _: Caller) -> Response {
                 "description": m.description,
                 // `chat` (chat and text completions) or `embedding`.
                 "kind": m.kind.as_str(),
-            })
+                "tools": tools,
+            });
+            if m.kind == crate::config::ModelKind::Embedding {
+                // The vector length where the operator states it, else null.
+                v["dimensions"] = json!(m.dimensions);
+                v["supports_dimensions"] = json!(m.supports_dimensions);
+            }
+            v
         })
         .collect();
     Json(json!({ "object": "list", "data": data })).into_response()

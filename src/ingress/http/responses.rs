@@ -14,22 +14,32 @@
 //! Not supported, refused with `INVALID_REQUEST` naming the field:
 //! `previous_response_id` (it needs sessions, which the gateway does not
 //! have yet), background responses, reasoning options, built-in tools, and
-//! any other field this file does not know. `GET /v1/responses/{id}` is
-//! not served: a response is not kept apart from its task record (see
-//! `/v1/tasks/{id}`).
+//! any other field this file does not know.
+//!
+//! Stored responses: a Response is a task, and `GET /v1/responses/{id}`
+//! returns the very object its create returned (status, output, usage),
+//! kept with the task record and purged with it (`[store]
+//! retention_tasks_hours`), to the application that created it only
+//! (anyone else gets 404). `DELETE` forgets it. It is kept when the
+//! request says `"store": true`, or says nothing and the data policy keeps
+//! answers (`[store] store_prompts`): answer text is not kept against the
+//! operator's policy unless the caller asks for it, as with an idempotency
+//! key. The Response's `store` says which it was. A stream the client
+//! left before its end cancels the task, and nothing is kept.
 
 use std::sync::Arc;
 
-use axum::body::{Body, Bytes};
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
 
-use super::caller::{event_stream, id_headers, Credential};
+use super::caller::{self, id_headers, Credential};
 use super::chat::submit_options;
 use super::errors::ApiError;
+use super::sse;
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::{Caller, Gateway, TaskStream};
 use crate::task::{Ingress, ResultMeta, TaskEvent};
@@ -61,7 +71,8 @@ struct Echo {
     max_output_tokens: Value,
     metadata: Value,
     user: Value,
-    store: Value,
+    /// What the request said of `store` (`None`: nothing).
+    store: Option<bool>,
 }
 
 /// A Responses request as a chat request body (JSON), whether it streams,
@@ -137,7 +148,11 @@ fn to_chat(body: &[u8]) -> Result<(Value, bool, Echo), GatewayError> {
         max_output_tokens: get("max_output_tokens"),
         metadata: req.get("metadata").filter(|v| !v.is_null()).cloned().unwrap_or(json!({})),
         user: get("user"),
-        store: req.get("store").filter(|v| !v.is_null()).cloned().unwrap_or(json!(true)),
+        store: match req.get("store") {
+            None | Some(Value::Null) => None,
+            Some(Value::Bool(b)) => Some(*b),
+            Some(_) => return Err(invalid("invalid field 'store': expected a boolean")),
+        },
     };
     Ok((Value::Object(chat), stream, echo))
 }
@@ -263,8 +278,9 @@ pub async fn create(
     let chat = serde_json::to_vec(&chat).map_err(|e| GatewayError::internal(e.to_string()))?;
     let call = gw.prepare(Caller::Identity(identity), &chat, Ingress::Http, submit_options(&headers))?;
     let model = call.body().model.clone();
+    let store = echo.store.unwrap_or(gw.config().store.store_prompts);
     let task = gw.submit_call(call).await?;
-    let out = Output::new(&task.task_id, model, echo);
+    let out = Output::new(&task.task_id, model, echo, store.then(|| gw.clone()));
     Ok(if stream { sse_response(task, out) } else { whole_response(task, out).await })
 }
 
@@ -289,10 +305,12 @@ struct Output {
     message: Option<usize>,
     calls: Vec<Call>,
     items: usize,
+    /// Where the final Response is kept, when it is stored.
+    keep: Option<Arc<Gateway>>,
 }
 
 impl Output {
-    fn new(task_id: &str, model: String, echo: Echo) -> Output {
+    fn new(task_id: &str, model: String, echo: Echo, keep: Option<Arc<Gateway>>) -> Output {
         Output {
             id: format!("resp_{task_id}"),
             task_id: task_id.to_string(),
@@ -303,6 +321,7 @@ impl Output {
             message: None,
             calls: Vec::new(),
             items: 0,
+            keep,
         }
     }
 
@@ -357,7 +376,7 @@ impl Output {
             "output": if status == "in_progress" { json!([]) } else { Value::Array(self.items(item_status)) },
             "parallel_tool_calls": e.parallel_tool_calls, "temperature": e.temperature, "top_p": e.top_p,
             "tool_choice": e.tool_choice, "tools": e.tools, "metadata": e.metadata, "user": e.user,
-            "store": e.store, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "store": self.keep.is_some(), "text": {"format": {"type": "text"}}, "truncation": "disabled",
             "usage": Value::Null,
         });
         if let Some(m) = meta {
@@ -369,6 +388,13 @@ impl Output {
             r["edge"] = serde_json::to_value(m).unwrap_or(Value::Null);
         }
         r
+    }
+
+    /// Keeps the final Response `r` when it is stored.
+    fn kept(&self, r: &Value) {
+        if let Some(gw) = &self.keep {
+            gw.keep_response(&self.task_id, r.to_string());
+        }
     }
 
     /// Takes in one event; returns the stream events it makes (without
@@ -457,27 +483,25 @@ impl Output {
                 }
                 closing.sort_by_key(|(i, _)| *i);
                 out.extend(closing.into_iter().flat_map(|(_, evs)| evs));
-                out.push(
-                    json!({"type": format!("response.{status}"), "response": self.response(status, Some(meta), None)}),
-                );
+                let response = self.response(status, Some(meta), None);
+                self.kept(&response);
+                out.push(json!({"type": format!("response.{status}"), "response": response}));
             }
             TaskEvent::Error { error, meta } => {
-                out.push(
-                    json!({"type": "response.failed", "response": self.response("failed", Some(meta), Some(error))}),
-                );
+                let response = self.response("failed", Some(meta), Some(error));
+                self.kept(&response);
+                out.push(json!({"type": "response.failed", "response": response}));
             }
         }
         out
     }
 }
 
-/// State of one SSE response. Owns the task stream: when the client goes
-/// away, hyper drops the body, this is dropped, and the task is cancelled.
-struct SseState {
-    task: TaskStream,
+/// The Responses stream: each task event as the API's events, each with
+/// the next `sequence_number`.
+struct Events {
     out: Output,
     seq: u64,
-    finished: bool,
 }
 
 /// `event: <type>` and `data: <json>` with the next `sequence_number`.
@@ -491,58 +515,79 @@ fn push_event(buf: &mut Vec<u8>, seq: &mut u64, mut v: Value) {
     buf.extend_from_slice(b"\n\n");
 }
 
-fn sse_response(task: TaskStream, out: Output) -> Response {
-    let (request_id, task_id) = (task.request_id.clone(), task.task_id.clone());
-    let st = SseState { task, out, seq: 0, finished: false };
-    let body = futures::stream::unfold(st, |mut st| async move {
-        if st.finished {
-            return None;
-        }
+impl sse::Render for Events {
+    fn event(&mut self, ev: TaskEvent) -> Bytes {
         let mut buf = Vec::with_capacity(256);
-        match st.task.recv().await {
-            Some((_, ev)) => {
-                if let TaskEvent::Queued { position } = &ev {
-                    // A comment: the SDKs skip it; it shows the wait and
-                    // keeps idle-closing proxies from dropping the stream.
-                    buf.extend_from_slice(format!(": queued position {position}\n\n").as_bytes());
-                }
-                st.finished = matches!(ev, TaskEvent::Done(_) | TaskEvent::Error { .. });
-                for v in st.out.take(&ev) {
-                    push_event(&mut buf, &mut st.seq, v);
-                }
-            }
-            None => {
-                // The driver always sends a final event; be safe anyway.
-                st.finished = true;
-                let e = GatewayError::internal("the task ended without a result");
-                let v = json!({"type": "response.failed", "response": st.out.response("failed", None, Some(&e))});
-                push_event(&mut buf, &mut st.seq, v);
-            }
+        if let TaskEvent::Queued { position } = &ev {
+            // A comment: the SDKs skip it; it shows the wait and keeps
+            // idle-closing proxies from dropping the stream.
+            buf.extend_from_slice(format!(": queued position {position}\n\n").as_bytes());
         }
-        Some((Ok::<_, std::convert::Infallible>(Bytes::from(buf)), st))
-    });
-    event_stream(Body::from_stream(body), &request_id, &task_id)
+        for v in self.out.take(&ev) {
+            push_event(&mut buf, &mut self.seq, v);
+        }
+        Bytes::from(buf)
+    }
+
+    fn lost(&mut self, e: &GatewayError) -> Bytes {
+        let mut buf = Vec::with_capacity(256);
+        let v = json!({"type": "response.failed", "response": self.out.response("failed", None, Some(e))});
+        push_event(&mut buf, &mut self.seq, v);
+        Bytes::from(buf)
+    }
+}
+
+fn sse_response(task: TaskStream, out: Output) -> Response {
+    sse::respond(task, Events { out, seq: 0 })
 }
 
 /// Waits for the whole answer. If the client disconnects, hyper drops this
 /// future, the task stream is dropped and the task is cancelled.
 async fn whole_response(mut task: TaskStream, mut out: Output) -> Response {
     while let Some((_, ev)) = task.recv().await {
-        match &ev {
+        // The last event `take` makes of a terminal event carries the
+        // final Response (and keeps it, when it is stored).
+        let last = out.take(&ev).pop();
+        match ev {
             TaskEvent::Done(meta) => {
-                out.take(&ev);
-                let status = if meta.finish_reason.as_deref() == Some("length") { "incomplete" } else { "completed" };
-                let mut resp = (StatusCode::OK, Json(out.response(status, Some(meta), None))).into_response();
+                let body = last.and_then(|mut v| v.get_mut("response").map(Value::take)).unwrap_or(Value::Null);
+                let mut resp = (StatusCode::OK, Json(body)).into_response();
                 id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
                 return resp;
             }
-            TaskEvent::Error { error, meta } => {
-                return ApiError::Gateway(error.clone(), Some(meta.clone())).into_response()
-            }
-            _ => {
-                out.take(&ev);
-            }
+            TaskEvent::Error { error, meta } => return ApiError::Gateway(error, Some(meta)).into_response(),
+            _ => {}
         }
     }
     ApiError::from(GatewayError::new(ErrorCode::InternalError, "the task ended without a result")).into_response()
+}
+
+const NO_SUCH_RESPONSE: &str = "no such response";
+
+/// The task id of a Response id (`resp_<task id>`).
+fn task_id(id: &str) -> Result<&str, ApiError> {
+    id.strip_prefix("resp_").filter(|t| !t.is_empty()).ok_or(ApiError::NotFound(NO_SUCH_RESPONSE))
+}
+
+/// `GET /v1/responses/{id}`: the stored Response, as its create returned it.
+pub async fn retrieve(
+    State(gw): State<Arc<Gateway>>,
+    caller::Caller(who): caller::Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let body = gw.response(&who, task_id(&id)?).await?.ok_or(ApiError::NotFound(NO_SUCH_RESPONSE))?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a stored Response (its task
+/// record stays, as for any task).
+pub async fn delete(
+    State(gw): State<Arc<Gateway>>,
+    caller::Caller(who): caller::Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    if !gw.forget_response(&who, task_id(&id)?).await? {
+        return Err(ApiError::NotFound(NO_SUCH_RESPONSE));
+    }
+    Ok(Json(json!({"id": id, "object": "response", "deleted": true})).into_response())
 }

@@ -2,7 +2,8 @@
 //!
 //! A *pump* reads the task's events ([`TaskStream`]), coalesces deltas for
 //! weak links (at most one delta message per `coalesce` period or
-//! `max_chunk_bytes` of text; the first delta goes out at once) and appends
+//! `max_chunk_bytes` of text; the first delta goes out at once; pieces of
+//! one tool call coalesce the same way into one `tool_call` message) and appends
 //! each rendered message to the stream's own log, numbered by its own
 //! contiguous `seq` from 0. The MQTT `seq` therefore counts messages, not
 //! task events: several task deltas merged into one message take one
@@ -35,7 +36,7 @@ use crate::error::GatewayError;
 use crate::gateway::{CancelHandle, TaskStream};
 use crate::ingress::render::event_json;
 use crate::task::log::{EndedQueue, RetainedLog, SeqRange};
-use crate::task::TaskEvent;
+use crate::task::{TaskEvent, ToolCallDelta};
 
 /// What happens to a running task when its device drops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -233,24 +234,57 @@ impl Streams {
     }
 }
 
+/// What a pump holds back to coalesce: text, or the pieces of one tool call
+/// (merged into one `tool_call` message with the longer `arguments`
+/// fragment; the schema is the same).
+enum Held {
+    Text(String),
+    Call(ToolCallDelta),
+}
+
+impl Held {
+    fn len(&self) -> usize {
+        match self {
+            Held::Text(t) => t.len(),
+            Held::Call(d) => d.arguments.len(),
+        }
+    }
+
+    /// Takes in a piece of the same call, if it is one: same index, and
+    /// no second id or name (those must each go out once, in order).
+    fn merge(&mut self, d: &mut ToolCallDelta) -> bool {
+        let Held::Call(h) = self else { return false };
+        if h.index != d.index || (h.id.is_some() && d.id.is_some()) || (h.name.is_some() && d.name.is_some()) {
+            return false;
+        }
+        h.id = h.id.take().or(d.id.take());
+        h.name = h.name.take().or(d.name.take());
+        h.arguments.push_str(&d.arguments);
+        true
+    }
+}
+
 /// Reads the task's events into the stream's log until the terminal event.
 pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: TaskStream, coalesce: Coalesce) {
     task.detach();
     let rid = stream.request_id.clone();
     let mut seq: u64 = 0;
-    let mut pending = String::new();
+    let mut held: Option<Held> = None;
     let mut last_flush: Option<tokio::time::Instant> = None;
     let render = |seq: u64, e: &TaskEvent| Bytes::from(event_json(seq, &rid, e).to_string());
-    let flush = |pending: &mut String, seq: &mut u64, last: &mut Option<tokio::time::Instant>| {
-        if !pending.is_empty() {
-            let e = TaskEvent::Delta { text: std::mem::take(pending) };
+    let flush = |held: &mut Option<Held>, seq: &mut u64, last: &mut Option<tokio::time::Instant>| {
+        if let Some(h) = held.take() {
+            let e = match h {
+                Held::Text(text) => TaskEvent::Delta { text },
+                Held::Call(d) => TaskEvent::ToolCallDelta(d),
+            };
             stream.push(render(*seq, &e), false);
             *seq += 1;
             *last = Some(tokio::time::Instant::now());
         }
     };
     loop {
-        let deadline = match (&last_flush, pending.is_empty()) {
+        let deadline = match (&last_flush, held.is_none()) {
             (Some(l), false) => Some(*l + coalesce.period),
             (None, false) => Some(tokio::time::Instant::now()),
             _ => None,
@@ -259,7 +293,7 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
             Some(d) => tokio::select! {
                 e = task.recv() => e,
                 _ = sleep_until(d) => {
-                    flush(&mut pending, &mut seq, &mut last_flush);
+                    flush(&mut held, &mut seq, &mut last_flush);
                     continue;
                 }
             },
@@ -267,34 +301,47 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
         };
         match ev {
             Some((_, TaskEvent::Delta { text })) => {
-                pending.push_str(&text);
+                match &mut held {
+                    Some(Held::Text(t)) => t.push_str(&text),
+                    _ => {
+                        flush(&mut held, &mut seq, &mut last_flush);
+                        if !text.is_empty() {
+                            held = Some(Held::Text(text));
+                        }
+                    }
+                }
                 let due = last_flush.is_none_or(|l| l.elapsed() >= coalesce.period);
-                if pending.len() >= coalesce.max_bytes || due {
-                    flush(&mut pending, &mut seq, &mut last_flush);
+                if held.as_ref().is_some_and(|h| h.len() >= coalesce.max_bytes) || due {
+                    flush(&mut held, &mut seq, &mut last_flush);
+                }
+            }
+            // Pieces of one tool call coalesce like text (review L5).
+            Some((_, TaskEvent::ToolCallDelta(mut d))) => {
+                if !held.as_mut().is_some_and(|h| h.merge(&mut d)) {
+                    flush(&mut held, &mut seq, &mut last_flush);
+                    held = Some(Held::Call(d));
+                }
+                let due = last_flush.is_none_or(|l| l.elapsed() >= coalesce.period);
+                if held.as_ref().is_some_and(|h| h.len() >= coalesce.max_bytes) || due {
+                    flush(&mut held, &mut seq, &mut last_flush);
                 }
             }
             // Embeddings are never a device's task (chat models only take
             // chat); not an end of the stream either way.
-            Some((
-                _,
-                e @ (TaskEvent::Accepted { .. }
-                | TaskEvent::Queued { .. }
-                | TaskEvent::ToolCallDelta(_)
-                | TaskEvent::Embedding { .. }),
-            )) => {
-                flush(&mut pending, &mut seq, &mut last_flush);
+            Some((_, e @ (TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::Embedding { .. }))) => {
+                flush(&mut held, &mut seq, &mut last_flush);
                 stream.push(render(seq, &e), false);
                 seq += 1;
             }
             Some((_, e)) => {
-                flush(&mut pending, &mut seq, &mut last_flush);
+                flush(&mut held, &mut seq, &mut last_flush);
                 stream.push(render(seq, &e), true);
                 break;
             }
             None => {
                 // Drivers always end with Done or Error; never leave a
                 // device without a terminal message anyway.
-                flush(&mut pending, &mut seq, &mut last_flush);
+                flush(&mut held, &mut seq, &mut last_flush);
                 let error = GatewayError::internal("the task ended without a result");
                 let v = crate::ingress::render::rejection_json(Some(&rid), &error);
                 let mut v = v;
