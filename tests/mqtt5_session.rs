@@ -357,3 +357,31 @@ async fn a_resumed_session_can_unsubscribe() {
     }
     gw.stop().await;
 }
+
+/// Acknowledgements do not wait behind the client's Receive Maximum: a
+/// client whose window of deliveries is full (Receive Maximum 1, one QoS 1
+/// message unacknowledged) publishes QoS 1 and gets its PUBACK, then
+/// acknowledges and gets the next message (the order of a client that
+/// waits for its own PUBACK in a message handler). Failed before: the
+/// router held the PUBACK until the client acknowledged something, a
+/// deadlock for such a client (no PUBACK within 5 s), and likewise for
+/// SUBACK, PUBREC and PUBCOMP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledgements_do_not_wait_for_a_full_delivery_window() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let (mut s, _) = connect(addr, SUB, true, &raw::prop_u16(0x21, 1)).await;
+    subscribe(&mut s, "s/t").await;
+    publish(addr, "s/t", &["m1", "m2"]).await;
+    let first = raw::packet(&mut s).await.expect("m1");
+    assert_eq!(raw::publish_v5_payload(&first), b"m1");
+    // The window is full: publish and subscribe before acknowledging m1.
+    s.write_all(&raw::publish_with(true, "o/t", b"mine", 1, false, 7)).await.unwrap();
+    let ack = raw::packet(&mut s).await.map(|a| (a[0], raw::reason(&a)));
+    assert_eq!(ack, Some((0x40, 0)), "the PUBACK while m1 is unacknowledged");
+    s.write_all(&raw::subscribe_qos(true, 8, "o/u", 1)).await.unwrap();
+    let ack = raw::packet(&mut s).await.map(|a| (a[0], raw::reason(&a)));
+    assert_eq!(ack, Some((0x90, 1)), "the SUBACK likewise");
+    s.write_all(&raw::puback(raw::publish_pkid(&first))).await.unwrap();
+    assert_eq!(received(&mut s, Duration::from_secs(1)).await, ["m2"], "then the next, none lost");
+    gw.stop().await;
+}

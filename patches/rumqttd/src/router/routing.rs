@@ -988,7 +988,9 @@ impl Router {
         // Prepare AcksRequest in tracker if router is operating in a
         // single node mode or force ack request for subscriptions
         if force_ack {
-            self.scheduler.reschedule(id, ScheduleReason::FreshData);
+            // PendingAcks, not FreshData: also when the client's window of
+            // deliveries is full. (edgeway patch, see PATCHES.md)
+            self.scheduler.reschedule(id, ScheduleReason::PendingAcks);
         }
 
         // Notify waiting consumers only if there is publish data. During
