@@ -504,3 +504,35 @@ async fn no_local_skips_many_own_messages_and_still_delivers_the_next() {
     assert_eq!(next_publish(&mut a, true).await.text(), "other");
     gw.stop().await;
 }
+
+/// Wills, which edgeway publishes itself (`src/ingress/mqtt/wills.rs`):
+/// delivered at the lower of the will's QoS and the subscription's, live
+/// and retained. Before, every will was handed to the router at QoS 2, so
+/// a QoS 0 will reached a QoS 1 subscription at QoS 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wills_arrive_at_the_lower_of_will_and_subscription_qos() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut watch = instance(addr, true, D1, "watch").await;
+    assert_eq!(ask(&mut watch, &subscribe_opts(1, "w/#", 1), 0x90).await, 1);
+    for (qos, retain) in [(0u8, false), (1, false), (2, false), (0, true)] {
+        let topic = format!("w/{qos}{}", if retain { "r" } else { "" });
+        let connect = raw::connect_with_will(&format!("{}:dead{qos}{retain}", D1.0), D1, &topic, b"gone", retain);
+        let mut dead = TcpStream::connect(addr).await.unwrap();
+        dead.write_all(&raw::with_will_qos(connect, qos)).await.unwrap();
+        assert_eq!(raw::packet(&mut dead).await.map(|a| a[3]), Some(0), "accepted");
+        // Gone without DISCONNECT (3.1.1: the will goes at once).
+        drop(dead);
+        let g = next_publish(&mut watch, true).await;
+        assert_eq!((g.topic.as_str(), g.qos, g.text().as_str()), (topic.as_str(), qos.min(1), "gone"), "{g:?}");
+        if let Some(pkid) = g.pkid {
+            watch.write_all(&raw::puback(pkid)).await.unwrap();
+        }
+    }
+    // The retained QoS 0 will, to a later QoS 1 subscription: QoS 0,
+    // retained.
+    let mut late = instance(addr, true, D1, "late").await;
+    assert_eq!(ask(&mut late, &subscribe_opts(1, "w/#", 1), 0x90).await, 1);
+    let g = next_publish(&mut late, true).await;
+    assert_eq!((g.topic.as_str(), g.qos, g.retain), ("w/0r", 0, true), "{g:?}");
+    gw.stop().await;
+}

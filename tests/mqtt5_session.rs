@@ -321,3 +321,67 @@ async fn a_takeover_continues_a_session_that_ends_with_its_connection() {
     drop(old);
     gw.stop().await;
 }
+
+/// A resumed session's subscriptions can be unsubscribed (3.1.1
+/// `cleansession = 0` and MQTT 5 with a Session Expiry). Failed before:
+/// the router refilled the session's subscriptions but not its map of
+/// subscribers per filter, so the UNSUBSCRIBE was dropped (no UNSUBACK)
+/// and messages kept coming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_session_can_unsubscribe() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let connect_v4 = || async {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(&raw::without_clean_start(raw::connect(SUB, Some(D1)))).await.unwrap();
+        let ack = raw::packet(&mut s).await.expect("a CONNACK");
+        assert_eq!((ack[0], ack[3]), (0x20, 0));
+        (s, ack[2] == 1)
+    };
+    // 3.1.1 first: the MQTT 5 Clean Start 1 that follows drops its session.
+    for v5 in [false, true] {
+        let (mut s, _) = if v5 { connect(addr, SUB, true, &expiry(60)).await } else { connect_v4().await };
+        s.write_all(&raw::subscribe_qos(v5, 1, "u/t", 1)).await.unwrap();
+        assert_eq!(raw::packet(&mut s).await.map(|a| (a[0], raw::reason(&a))), Some((0x90, 1)), "v5 {v5}");
+        s.write_all(&[0xE0, 0]).await.unwrap();
+        assert!(raw::closed(&mut s).await);
+
+        let (mut s, present) = if v5 { connect(addr, SUB, false, &expiry(60)).await } else { connect_v4().await };
+        assert!(present, "v5 {v5}: resumed");
+        s.write_all(&raw::unsubscribe_with(v5, 2, "u/t")).await.unwrap();
+        let ack = raw::packet(&mut s).await.map(|a| a[0]);
+        assert_eq!(ack, Some(0xB0), "v5 {v5}: an UNSUBACK");
+        publish(addr, "u/t", &["after"]).await;
+        assert!(received(&mut s, Duration::from_secs(1)).await.is_empty(), "v5 {v5}: nothing after the UNSUBSCRIBE");
+        s.write_all(&[0xE0, 0]).await.unwrap();
+        assert!(raw::closed(&mut s).await);
+    }
+    gw.stop().await;
+}
+
+/// Acknowledgements do not wait behind the client's Receive Maximum: a
+/// client whose window of deliveries is full (Receive Maximum 1, one QoS 1
+/// message unacknowledged) publishes QoS 1 and gets its PUBACK, then
+/// acknowledges and gets the next message (the order of a client that
+/// waits for its own PUBACK in a message handler). Failed before: the
+/// router held the PUBACK until the client acknowledged something, a
+/// deadlock for such a client (no PUBACK within 5 s), and likewise for
+/// SUBACK, PUBREC and PUBCOMP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledgements_do_not_wait_for_a_full_delivery_window() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let (mut s, _) = connect(addr, SUB, true, &raw::prop_u16(0x21, 1)).await;
+    subscribe(&mut s, "s/t").await;
+    publish(addr, "s/t", &["m1", "m2"]).await;
+    let first = raw::packet(&mut s).await.expect("m1");
+    assert_eq!(raw::publish_v5_payload(&first), b"m1");
+    // The window is full: publish and subscribe before acknowledging m1.
+    s.write_all(&raw::publish_with(true, "o/t", b"mine", 1, false, 7)).await.unwrap();
+    let ack = raw::packet(&mut s).await.map(|a| (a[0], raw::reason(&a)));
+    assert_eq!(ack, Some((0x40, 0)), "the PUBACK while m1 is unacknowledged");
+    s.write_all(&raw::subscribe_qos(true, 8, "o/u", 1)).await.unwrap();
+    let ack = raw::packet(&mut s).await.map(|a| (a[0], raw::reason(&a)));
+    assert_eq!(ack, Some((0x90, 1)), "the SUBACK likewise");
+    s.write_all(&raw::puback(raw::publish_pkid(&first))).await.unwrap();
+    assert_eq!(received(&mut s, Duration::from_secs(1)).await, ["m2"], "then the next, none lost");
+    gw.stop().await;
+}

@@ -15,7 +15,7 @@ mod mqtt_support;
 use std::time::Duration;
 
 use mqtt_support::raw::{self, bare_rumqttd, bare_rumqttd_with, connects_within};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// PATCHES.md #1: a client that resets its socket right after CONNECT makes
 /// the CONNACK write fail; the router must still learn the connection is
@@ -360,6 +360,63 @@ async fn qos2_publishes_never_released_past_the_receive_maximum_end_the_connecti
     // The device connects again and goes on.
     let (mut again, _) = raw::session(addr, true, D1.0, D1).await;
     assert_eq!(answer(&mut again, &raw::publish_with(true, "q", b"x", 2, false, 1)).await, Some((0x50, 0)));
+    gw.stop().await;
+}
+
+/// Paho's test_flow_control2: a client past the Receive Maximum is sent
+/// DISCONNECT 0x93 while it is still writing (PUBRELs, pings). Before, the
+/// server closed the socket at once: the client's next bytes met a closed
+/// socket, the answer was a reset, and the client's writes failed (and its
+/// unread DISCONNECT with them). Now the server half-closes and reads on
+/// for a while, so the client writes on and then reads the DISCONNECT and
+/// an orderly end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_still_writing_after_a_server_disconnect_receives_it_intact() {
+    use mqtt_support::*;
+    let (_fake, gw, addr) = start(Knobs::default(), "max_inflight = 4").await;
+    let (mut s, _) = raw::session(addr, true, D1.0, D1).await;
+    // Five QoS 2 publishes in one write: the fifth is one past the
+    // Receive Maximum. Nothing is read yet, as a busy client would.
+    let mut burst = Vec::new();
+    for pkid in 1..=5 {
+        burst.extend(raw::publish_with(true, "q", b"x", 2, false, pkid));
+    }
+    s.write_all(&burst).await.unwrap();
+    // The client goes on writing for a while (0.3 s, well within the
+    // server's lingering) as it would before it reads again.
+    for i in 0..30 {
+        let write = s.write_all(&[0xC0, 0]).await;
+        assert!(write.is_ok(), "ping {i} after the DISCONNECT was written: {write:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Everything the server sent, up to its end: EOF, not a reset.
+    let mut bytes = Vec::new();
+    let end = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) => return Ok(()),
+                Ok(n) => bytes.extend_from_slice(&buf[..n]),
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await
+    .expect("the server ends the connection");
+    assert!(end.is_ok(), "an orderly end, not a reset: {end:?} after {bytes:02x?}");
+    // The DISCONNECT last; before it at most the PUBRECs of the first four
+    // (the router's answers to those may not be written before the end).
+    let mut packets = Vec::new();
+    let mut rest = &bytes[..];
+    while rest.len() >= 2 {
+        let len = 2 + rest[1] as usize;
+        packets.push(rest[..len].to_vec());
+        rest = &rest[len..];
+    }
+    let kinds: Vec<u8> = packets.iter().map(|p| p[0] & 0xF0).collect();
+    assert_eq!(kinds.last(), Some(&0xE0), "{bytes:02x?}");
+    assert!(kinds[..kinds.len() - 1].iter().all(|k| *k == 0x50), "{bytes:02x?}");
+    assert_eq!(raw::reason(packets.last().unwrap()), 0x93, "Receive Maximum exceeded");
     gw.stop().await;
 }
 

@@ -350,6 +350,16 @@ pub fn without_clean_start(mut connect: Vec<u8>) -> Vec<u8> {
     connect
 }
 
+/// `connect` (either version, with a will) with the will's QoS `qos`.
+pub fn with_will_qos(mut connect: Vec<u8>, qos: u8) -> Vec<u8> {
+    let mut header = 2;
+    while connect[header - 1] & 0x80 != 0 {
+        header += 1;
+    }
+    connect[header + 7] = (connect[header + 7] & !0x18) | (qos << 3);
+    connect
+}
+
 /// An MQTT 5 CONNECT (clean start) with a Session Expiry Interval and a
 /// will (QoS 0, retained when `retain`) with a Will Delay Interval.
 pub fn connect_v5_with_will(

@@ -219,6 +219,7 @@ impl Publisher {
         payload: Bytes,
         props: Option<PublishProperties>,
         retain: bool,
+        qos: QoS,
         room: Option<OwnedSemaphorePermit>,
     ) -> Result<(), LinkClosed> {
         if self.closed.load(Ordering::SeqCst) {
@@ -226,15 +227,17 @@ impl Publisher {
         }
         self.metrics.messages_out.inc();
         self.metrics.bytes_out.inc_by(payload.len() as u64);
-        // QoS 2 with no acknowledgement: the router delivers at each
-        // subscription's QoS (the lower of the two), as the device asked.
-        let p = Publish::unacknowledged(Bytes::copy_from_slice(topic.as_bytes()), payload, retain, QoS::ExactlyOnce);
+        // No acknowledgement: the router delivers at the lower of `qos`
+        // and each subscription's QoS.
+        let p = Publish::unacknowledged(Bytes::copy_from_slice(topic.as_bytes()), payload, retain, qos);
         self.queue.send(Outgoing { packet: Packet::Publish(p, props), room }).map_err(|_| LinkClosed)
     }
 
     /// Publishes into the router, delivered at the QoS of each
-    /// subscription ([`Publish::unacknowledged`]). Never waits: for single answers (refusals,
-    /// wills, the catalogue); a stream uses [`Self::publish_queued`].
+    /// subscription ([`Publish::unacknowledged`] at QoS 2: edgeway's own
+    /// messages go at the QoS the device subscribed with). Never waits: for
+    /// single answers (refusals, the catalogue); a stream uses
+    /// [`Self::publish_queued`].
     pub fn publish(
         &self,
         topic: &str,
@@ -242,11 +245,24 @@ impl Publisher {
         props: Option<PublishProperties>,
         retain: bool,
     ) -> Result<(), LinkClosed> {
+        self.publish_at(topic, payload, props, retain, QoS::ExactlyOnce)
+    }
+
+    /// [`Self::publish`] delivered at the lower of `qos` and each
+    /// subscription's QoS: a device's will, at its will QoS.
+    pub fn publish_at(
+        &self,
+        topic: &str,
+        payload: Bytes,
+        props: Option<PublishProperties>,
+        retain: bool,
+        qos: QoS,
+    ) -> Result<(), LinkClosed> {
         let Ok(room) = self.single_room.clone().try_acquire_owned() else {
             self.metrics.publish_dropped.inc();
             return Ok(());
         };
-        self.enqueue(topic, payload, props, retain, Some(room))
+        self.enqueue(topic, payload, props, retain, qos, Some(room))
     }
 
     /// [`Self::publish`], waiting (asynchronously) while edgeway's queue to
@@ -258,7 +274,7 @@ impl Publisher {
         props: Option<PublishProperties>,
     ) -> Result<(), LinkClosed> {
         let room = self.room.clone().acquire_owned().await.map_err(|_| LinkClosed)?;
-        self.enqueue(topic, payload, props, false, Some(room))
+        self.enqueue(topic, payload, props, false, QoS::ExactlyOnce, Some(room))
     }
 }
 

@@ -1,8 +1,9 @@
 //! Device wills, kept by edgeway instead of rumqttd's router (see
 //! [`super::protocol`] for why): taken out of CONNECT, dropped on a clean
 //! DISCONNECT (kept with MQTT 5's reason 0x04), and published by edgeway
-//! (QoS 0, in the device's subtree) when the connection ends any other
-//! way: after the MQTT 5 will delay unless the client id connects again
+//! (in the device's subtree, at the will's QoS and retain flag) when the
+//! connection ends any other way: after the MQTT 5 will delay unless the
+//! client id connects again
 //! first, or at once when the session ends with the connection (MQTT 5
 //! Session Expiry 0, and 3.1.1). A will counts against its device's
 //! quotas ([`DeviceQuotas`]) when it is published, not when it is armed (a
@@ -19,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rumqttd::protocol::{LastWill, LastWillProperties, PublishProperties};
+use rumqttd::protocol::{LastWill, LastWillProperties, PublishProperties, QoS};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -40,6 +41,8 @@ pub struct PendingWill {
     pub topic: String,
     pub payload: bytes::Bytes,
     pub retain: bool,
+    /// The will's QoS: the most a subscriber receives it at.
+    pub qos: QoS,
     pub props: Option<PublishProperties>,
     pub delay: Duration,
     /// Cancelled when the same client id connects again before the delay
@@ -87,6 +90,7 @@ impl Wills {
             topic: String::from_utf8_lossy(&will.topic).into_owned(),
             payload: will.message,
             retain: will.retain,
+            qos: will.qos,
             props: props.map(publish_properties),
             delay: Duration::from_secs(delay.into()),
             cancel,
@@ -149,7 +153,9 @@ fn publish_properties(p: LastWillProperties) -> PublishProperties {
 }
 
 /// Publishes armed wills, each after its delay unless its client id
-/// connected again meanwhile. Wills reach subscribers at QoS 0.
+/// connected again meanwhile. A will reaches each subscriber at the lower
+/// of its QoS and the subscription's, as a PUBLISH at the will QoS would
+/// (MQTT 5 section 3.8.4).
 pub async fn publish_loop(
     wills: Arc<Wills>,
     out: Arc<Publisher>,
@@ -171,7 +177,7 @@ pub async fn publish_loop(
             };
             wills.done(&w);
             let Some(retain) = publish.then(|| w.counted()).flatten() else { return };
-            if out.publish(&w.topic, w.payload.clone(), w.props.clone(), retain).is_err() {
+            if out.publish_at(&w.topic, w.payload.clone(), w.props.clone(), retain, w.qos).is_err() {
                 tracing::warn!(client_id = %w.client_id, "MQTT: could not publish a will (router gone)");
             }
         });
@@ -180,8 +186,6 @@ pub async fn publish_loop(
 
 #[cfg(test)]
 mod tests {
-    use rumqttd::protocol::QoS;
-
     use super::*;
 
     fn quotas() -> Arc<DeviceQuotas> {

@@ -186,6 +186,29 @@ impl<P: Protocol> Network<P> {
         }
     }
 
+    /// After the server ended the connection (the codec's DISCONNECT is
+    /// written): shuts the write half (FIN after what was written) and
+    /// reads and discards what the client still sends until it closes too
+    /// or `within` has passed. Closing a socket with unread input makes
+    /// the kernel answer with a reset, which fails the client's writes
+    /// and can discard the DISCONNECT it has not read yet. Errors are
+    /// ignored: the connection is over either way. (edgeway patch, see
+    /// PATCHES.md)
+    pub async fn linger(&mut self, within: Duration) {
+        let drain = async {
+            if self.socket.shutdown().await.is_err() {
+                return;
+            }
+            let mut discard = [0u8; 4096];
+            while let Ok(n) = self.socket.read(&mut discard).await {
+                if n == 0 {
+                    return;
+                }
+            }
+        };
+        let _ = timeout(within, drain).await;
+    }
+
     /// Read packets in bulk. This allow replies to be in bulk. This method is used
     /// after the connection is established to read a bunch of incoming packets.
     /// Each goes through [`Protocol::screen`] (edgeway patch).

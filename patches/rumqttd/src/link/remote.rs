@@ -258,6 +258,11 @@ impl<P: Protocol> RemoteLink<P> {
         })
     }
 
+    /// See [`Network::linger`]. (edgeway patch, see PATCHES.md)
+    pub async fn linger(&mut self, within: Duration) {
+        self.network.linger(within).await
+    }
+
     pub async fn start(&mut self) -> Result<(), Error> {
         self.network.set_keepalive(self.connect.keep_alive);
         // The codec may end the connection on its own (an expired or

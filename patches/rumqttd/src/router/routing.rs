@@ -389,7 +389,19 @@ impl Router {
 
         // The client's Receive Maximum (edgeway patch, see PATCHES.md)
         outgoing.set_receive_maximum(connection.receive_maximum);
+        // A resumed session's subscriptions are back in the subscribers of
+        // each filter and the meter, as a SUBSCRIBE puts them: UNSUBSCRIBE
+        // looks there and ignored the filter otherwise (no UNSUBACK, and
+        // the messages kept coming). (edgeway patch, see PATCHES.md)
+        let mut incoming = incoming;
+        for filter in connection.subscriptions.iter() {
+            incoming.meter.register_subscription(filter.clone());
+        }
+        let resumed: Vec<Filter> = connection.subscriptions.iter().cloned().collect();
         let connection_id = self.connections.insert(connection);
+        for filter in resumed {
+            self.subscription_map.entry(filter).or_default().insert(connection_id);
+        }
         assert_eq!(self.ibufs.insert(incoming), connection_id);
         assert_eq!(self.obufs.insert(outgoing), connection_id);
 
@@ -976,7 +988,9 @@ impl Router {
         // Prepare AcksRequest in tracker if router is operating in a
         // single node mode or force ack request for subscriptions
         if force_ack {
-            self.scheduler.reschedule(id, ScheduleReason::FreshData);
+            // PendingAcks, not FreshData: also when the client's window of
+            // deliveries is full. (edgeway patch, see PATCHES.md)
+            self.scheduler.reschedule(id, ScheduleReason::PendingAcks);
         }
 
         // Notify waiting consumers only if there is publish data. During

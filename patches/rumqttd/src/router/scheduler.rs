@@ -107,6 +107,10 @@ pub enum ScheduleReason {
     FreshData,
     IncomingAck,
     Ready,
+    /// Acknowledgements for the client are waiting (the client's PUBLISH,
+    /// SUBSCRIBE, ...): they go even when its window of deliveries is full.
+    /// (edgeway patch, see PATCHES.md)
+    PendingAcks,
 }
 
 #[derive(Debug, Copy, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -157,6 +161,17 @@ impl Tracker {
                 Some(previous)
             }
             ScheduleReason::FreshData if previous == PauseReason::Caughtup => {
+                self.status = Status::Ready;
+                Some(previous)
+            }
+            // Acknowledgements do not wait behind the publish window: a
+            // client that waits for its PUBACK before acknowledging what it
+            // was sent would wait for good. The connection's data requests
+            // pause again as InflightFull once the acks are out. (edgeway
+            // patch, see PATCHES.md)
+            ScheduleReason::PendingAcks
+                if matches!(previous, PauseReason::Caughtup | PauseReason::InflightFull) =>
+            {
                 self.status = Status::Ready;
                 Some(previous)
             }

@@ -597,6 +597,10 @@ impl Callback for WSCallback {
     }
 }
 
+/// How long a connection the server ended is read on, at most, before its
+/// socket is closed (see [`remote`]). (edgeway patch, see PATCHES.md)
+const LINGER_AFTER_DISCONNECT: Duration = Duration::from_secs(1);
+
 /// A new network connection should wait for a mqtt connect packet. This should be handled
 /// asynchronously to avoid blocking other new connections while this connection is
 /// waiting for mqtt connect packet. Also this honours connection wait time as per config to prevent
@@ -696,6 +700,7 @@ async fn remote<P: Protocol>(
     let link_id = link.link_id();
     let will_delay_interval = link.will_delay_interval;
     let mut send_disconnect = true;
+    let mut linger = false;
 
     match link.start().await {
         // Connection got closed. This shouldn't usually happen.
@@ -710,6 +715,7 @@ async fn remote<P: Protocol>(
         // (edgeway patch, see PATCHES.md)
         Err(remote::Error::Network(network::Error::ClosedByCodec)) => {
             info!("closed by the codec");
+            linger = true;
         }
         // The client sent DISCONNECT; the router has it. (edgeway patch,
         // see PATCHES.md)
@@ -735,6 +741,16 @@ async fn remote<P: Protocol>(
         let disconnect = Event::LinkClosed(link_id);
         let message = (connection_id, disconnect);
         router_tx.send(message).ok();
+    }
+
+    // The server ended it (its DISCONNECT is written) while the client
+    // may still be writing: read on for a while so that the socket does
+    // not close with unread input, which the kernel answers with a reset
+    // that fails the client's writes and can discard the DISCONNECT. The
+    // router has let the link go; the listener slot (its connection cap)
+    // is held until the end. (edgeway patch, see PATCHES.md)
+    if linger {
+        link.linger(LINGER_AFTER_DISCONNECT).await;
     }
 
     // this is important to stop the connection
