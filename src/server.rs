@@ -173,7 +173,14 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     // Engines edgeway runs itself: what an earlier edgeway left is killed
     // first; each instance is down for routing until its process is ready.
     let processes = crate::engine::supervisor::Processes::start(&config, &metrics).await?;
-    let router = Arc::new(Router::from_config_with(&config, &processes)?);
+    let router = match Router::from_config_with(&config, &processes) {
+        Ok(r) => Arc::new(r),
+        Err(e) => {
+            // The engines were started: a failed start must not leave them.
+            processes.stop().await;
+            return Err(e);
+        }
+    };
     let recorder = Recorder::new(store.clone(), &metrics);
     let scheduler =
         scheduler::start(config.clone(), router, recorder.clone(), metrics.clone(), tracker.clone(), shutdown.clone());

@@ -199,18 +199,46 @@ async fn an_engine_that_exits_at_once_is_given_up_after_the_limit_and_ready_says
 }
 
 #[tokio::test]
-async fn an_engine_whose_address_is_taken_is_not_started_and_not_taken_for_ready() {
+async fn an_engine_already_answering_at_its_address_is_used_as_external_and_not_started() {
     // Something else answers on the engine's address (an engine started by
-    // hand): its answers must not pass for our process's ready check.
+    // hand): its answers must not pass for our process's ready check, and
+    // it is not counted as failed starts either (review L4: before, it
+    // ended `failed`, the instance down and /ready 503 with a healthy
+    // engine there). It is used as an external engine.
     let other = FakeEngine::start().await;
     let section = process_section("python3", "[\"-c\", \"import time; time.sleep(60)\"]", "max_restarts = 1");
     let gw = TestGateway::with_engine_edit(&other.url(), "openai", "", move |t| t + &section).await;
     let status = gw.running.as_ref().unwrap().internals.processes.status("fake").unwrap();
-    assert!(status.wait_for(ProcessState::Failed, Duration::from_secs(20)).await, "{:?}", status.report());
+    assert!(status.wait_for(ProcessState::External, Duration::from_secs(20)).await, "{:?}", status.report());
     let r = status.report();
     assert!(r.reason.as_deref().unwrap().contains("another process already answers"), "{r:?}");
-    assert_eq!(r.pid, None);
+    assert_eq!((r.pid, r.restarts), (None, 0), "{r:?}");
+    gw.wait_ready().await;
+    let (code, ready) = ready_body(&gw.base_url).await;
+    assert_eq!(code, 200, "{ready}");
+    assert_eq!(ready["engine_processes"][0]["state"], "external", "{ready}");
+    let r = post_chat(&gw, DEMO_KEY, &nonce_body("external")).await;
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    assert_eq!(status.state(), ProcessState::External);
     gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_second_edgeway_with_the_same_data_dir_refuses_to_start_engines_even_during_a_restart() {
+    // Review L2: the pidfile is removed during every restart backoff, so a
+    // second edgeway started then ran its own engine beside ours.
+    let section = process_section("/bin/false", "[]", "max_restarts = 1000");
+    let gw = gateway_with_process(free_port(), &section).await;
+    let status = gw.running.as_ref().unwrap().internals.processes.status("fake").unwrap();
+    assert!(status.wait_for(ProcessState::Restarting, Duration::from_secs(20)).await, "{:?}", status.report());
+    let config = gw.running.as_ref().unwrap().gateway.config().clone();
+    let metrics = edgeway::telemetry::Metrics::new();
+    let err = edgeway::engine::supervisor::Processes::start(&config, &metrics).await.err().expect("refused");
+    assert!(err.to_string().contains("another edgeway runs engines with this data directory"), "{err}");
+    gw.stop().await;
+    // Once the first has stopped, the data directory is free again.
+    let again = edgeway::engine::supervisor::Processes::start(&config, &metrics).await.expect("starts");
+    again.stop().await;
 }
 
 #[test]
@@ -344,7 +372,8 @@ async fn edgeway_killed_with_9_and_started_again_leaves_no_second_engine() {
         .unwrap();
     assert!(!third.status.success());
     let err = String::from_utf8_lossy(&third.stderr);
-    assert!(err.contains("run by another edgeway"), "{err}");
+    // Refused on the data directory's lock, before any pidfile is read.
+    assert!(err.contains("another edgeway runs engines with this data directory"), "{err}");
     for p in &members {
         assert!(alive(*p), "the running edgeway's engine {p} was killed by a second start");
     }
@@ -360,4 +389,33 @@ async fn edgeway_killed_with_9_and_started_again_leaves_no_second_engine() {
         assert!(!alive(p), "engine process {p} outlived edgeway's stop");
     }
     assert!(!pidfile.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_outlives_the_runtime_thread_that_started_it() {
+    // Linux's PR_SET_PDEATHSIG fires when the *thread* that forked the
+    // child exits. `block_in_place` (the Argon2 check on MQTT CONNECT) hands
+    // a worker's core to a new thread; the old one goes to the blocking pool
+    // and exits after tokio's 10 s keep-alive. An engine forked from such a
+    // worker must not be killed then.
+    let dir = TempDir::new("edgeway-sup-thread");
+    let log = dir.0.join("requests.log");
+    let port = free_port();
+    let gw = gateway_with_process(port, &process_section("python3", &fake_args(port, &log), "")).await;
+    let status = gw.running.as_ref().unwrap().internals.processes.status("fake").unwrap();
+    assert!(status.wait_for(ProcessState::Ready, Duration::from_secs(20)).await, "{:?}", status.report());
+    let pid = status.report().pid.unwrap();
+    let blockers: Vec<_> = (0..50)
+        .map(|_| tokio::spawn(async { tokio::task::block_in_place(|| std::thread::sleep(Duration::from_millis(50))) }))
+        .collect();
+    for b in blockers {
+        b.await.unwrap();
+    }
+    // Waits for the displaced worker threads to exit (tokio's blocking
+    // keep-alive is 10 s): no event tells when they have.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let r = status.report();
+    assert!(alive(pid), "engine {pid} was killed: {r:?}");
+    assert_eq!((r.pid, r.restarts, r.state), (Some(pid), 0, ProcessState::Ready), "{r:?}");
+    gw.stop().await;
 }

@@ -97,14 +97,18 @@ pub(super) fn validate(
     p: &mut Problems,
 ) -> Option<ProcessConfig> {
     let mut ok = true;
-    let mut expand_at = |key: String, s: &str, p: &mut Problems| match expand(s, env) {
-        Ok(v) => v,
-        Err(e) => {
-            p.add(key, e);
-            ok = false;
-            String::new()
-        }
-    };
+    // A disabled section is checked but not expanded: edgeway does not run
+    // it, so the variables its command needs need not be set.
+    let enabled = raw.enabled;
+    let mut expand_at =
+        |key: String, s: &str, p: &mut Problems| match if enabled { expand(s, env) } else { Ok(s.to_string()) } {
+            Ok(v) => v,
+            Err(e) => {
+                p.add(key, e);
+                ok = false;
+                String::new()
+            }
+        };
     let command = match raw.command.as_deref() {
         None => {
             p.add(format!("{path}.command"), "is required");
@@ -165,9 +169,10 @@ pub(super) fn validate(
 
 /// Expands `${VAR}` and `${VAR:-default}` (the default expanded in turn)
 /// from `env`; `$$` is a literal `$`, and a `$` before anything else stays
-/// as written. A variable that is not set and has no default is an error:
-/// a command line with a silently empty path in it would fail far from
-/// its cause.
+/// as written. As in the shell, `${VAR:-default}` takes the default when
+/// the variable is not set or empty. A plain `${VAR}` that is not set or
+/// empty is an error (each with its own message): a command line with a
+/// silently empty path in it would fail far from its cause.
 pub fn expand(s: &str, env: &[(String, String)]) -> Result<String, String> {
     let mut out = String::with_capacity(s.len());
     let mut rest = s;
@@ -193,9 +198,12 @@ pub fn expand(s: &str, env: &[(String, String)]) -> Result<String, String> {
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
             return Err(format!("${{{inner}}}: {name:?} is not a variable name"));
         }
-        match (env_var(env, name).filter(|v| !v.is_empty()), default) {
-            (Some(v), _) => out.push_str(v),
-            (None, Some(d)) => out.push_str(&expand(d, env)?),
+        match (env_var(env, name), default) {
+            (Some(v), _) if !v.is_empty() => out.push_str(v),
+            (_, Some(d)) => out.push_str(&expand(d, env)?),
+            (Some(_), None) => {
+                return Err(format!("environment variable {name} is empty (set it, or write ${{{name}:-default}})"))
+            }
             (None, None) => return Err(format!("environment variable {name} is not set (write ${{{name}:-default}})")),
         }
         rest = &body[end + 1..];
@@ -242,6 +250,8 @@ mod tests {
         assert_eq!(expand("${EMPTY:-x}", &e).unwrap(), "x");
         assert_eq!(expand("a$$b $c", &e).unwrap(), "a$b $c");
         assert!(expand("${NOPE}", &e).unwrap_err().contains("NOPE is not set"));
+        // Review L3: an empty variable was reported as "not set".
+        assert!(expand("${EMPTY}", &e).unwrap_err().contains("EMPTY is empty"));
         assert!(expand("${HOME", &e).unwrap_err().contains("unclosed"));
         assert!(expand("${A B}", &e).unwrap_err().contains("not a variable name"));
     }

@@ -177,6 +177,18 @@ fn example_config_runs_its_engines_from_the_cache() {
     let c = load(&[("EDGEWAY_CACHE", "/opt/ew"), ("EDGEWAY__ENGINES__LLAMA_EMBED__PROCESS__ENABLED", "false")]);
     assert_eq!(c.engines["llama-local"].process.as_ref().unwrap().command, "/opt/ew/bin/llama-server");
     assert!(c.engines["llama-embed"].process.is_none());
+    // Review L3: with neither HOME nor EDGEWAY_CACHE set, the example
+    // failed to load even with both engines disabled; a disabled section
+    // is not expanded.
+    let off = [
+        ("EDGEWAY__ENGINES__LLAMA_LOCAL__PROCESS__ENABLED", "false"),
+        ("EDGEWAY__ENGINES__LLAMA_EMBED__PROCESS__ENABLED", "false"),
+    ];
+    let c = load(&off);
+    assert!(c.engines["llama-local"].process.is_none() && c.engines["llama-embed"].process.is_none());
+    let env = off[..1].iter().map(|(k, v)| (k.to_string(), v.to_string()));
+    let err = Config::from_toml_str(&text, env, path.parent().unwrap()).unwrap_err().to_string();
+    assert!(err.contains("llama-embed.process") && err.contains("HOME is not set"), "{err}");
 }
 
 #[test]

@@ -25,7 +25,9 @@
 //! the token in its environment. A reused pid is never signalled. On Linux
 //! the engine also gets `PR_SET_PDEATHSIG` (SIGKILL when edgeway dies), a
 //! second line that does not reach the engine's own children; the pidfile
-//! check is the guarantee.
+//! check is the guarantee. The signal fires when the forking *thread*
+//! exits, so engines are forked from one dedicated thread that lives as
+//! long as edgeway, never from a tokio worker (which may exit).
 
 use std::collections::VecDeque;
 use std::fs::OpenOptions;
@@ -54,6 +56,10 @@ pub const TOKEN_VAR: &str = "EDGEWAY_ENGINE_TOKEN";
 /// down waits for it to be ready (or failed) before it answers again.
 const HEALTH_WAIT_MAX: Duration = Duration::from_secs(30);
 
+/// How often edgeway checks whether an external engine (see
+/// [`ProcessState::External`]) still answers.
+const EXTERNAL_POLL: Duration = Duration::from_secs(5);
+
 /// How often a starting engine's ready check is polled.
 const READY_POLL: Duration = Duration::from_millis(100);
 
@@ -71,6 +77,11 @@ pub enum ProcessState {
     Failed,
     /// Stopped by edgeway's shutdown.
     Stopped,
+    /// Something edgeway did not start already answered at the engine's
+    /// address (an engine the user runs themselves): used as an ordinary
+    /// engine, not started or supervised; edgeway starts its own once the
+    /// address stops answering.
+    External,
 }
 
 impl ProcessState {
@@ -81,6 +92,7 @@ impl ProcessState {
             ProcessState::Restarting => "restarting",
             ProcessState::Failed => "failed",
             ProcessState::Stopped => "stopped",
+            ProcessState::External => "external",
         }
     }
 }
@@ -135,6 +147,12 @@ impl ProcessStatus {
 
     pub fn state(&self) -> ProcessState {
         self.tx.borrow().state
+    }
+
+    /// Whether the instance takes work: our process is ready, or an engine
+    /// edgeway did not start answers at its address.
+    fn usable(&self) -> bool {
+        matches!(self.state(), ProcessState::Ready | ProcessState::External)
     }
 
     pub fn report(&self) -> ProcessReport {
@@ -202,6 +220,11 @@ pub struct Processes {
 
 #[derive(Default)]
 struct Inner {
+    /// `<data_dir>/edgeway.lock`, locked (`flock`) while engines run: a
+    /// second edgeway with the same data directory refuses to start its
+    /// engines, even while ours restart (their pidfiles are gone then).
+    /// The kernel drops the lock when edgeway dies, however it dies.
+    _lock: Option<std::fs::File>,
     statuses: Vec<Arc<ProcessStatus>>,
     stop: CancellationToken,
     tracker: TaskTracker,
@@ -218,6 +241,9 @@ impl Processes {
         let mut statuses = Vec::new();
         let mut supervisors = Vec::new();
         let client = super::http_client(Duration::from_secs(2)).map_err(|e| anyhow::anyhow!("{e}"))?;
+        // Before anything is reaped or started.
+        let any = config.engines.values().any(|e| e.process.is_some());
+        let lock = if any { Some(lock_data_dir(&config.store.data_dir)?) } else { None };
         for e in config.engines.values() {
             let Some(p) = &e.process else { continue };
             std::fs::create_dir_all(&dir)
@@ -237,18 +263,19 @@ impl Processes {
                 client: client.clone(),
             });
         }
-        let inner = Inner { statuses, stop: CancellationToken::new(), tracker: TaskTracker::new() };
+        // Registered before any engine starts: an error here leaves nothing
+        // running.
+        if !statuses.is_empty() {
+            metrics
+                .registry
+                .register(Box::new(ProcessMetrics::new(statuses.clone())))
+                .map_err(|e| anyhow::anyhow!("engine process metrics: {e}"))?;
+        }
+        let inner = Inner { _lock: lock, statuses, stop: CancellationToken::new(), tracker: TaskTracker::new() };
         for s in supervisors {
             inner.tracker.spawn(s.run(inner.stop.clone()));
         }
-        let procs = Processes { inner: Arc::new(inner) };
-        if !procs.inner.statuses.is_empty() {
-            metrics
-                .registry
-                .register(Box::new(ProcessMetrics::new(procs.inner.statuses.clone())))
-                .map_err(|e| anyhow::anyhow!("engine process metrics: {e}"))?;
-        }
-        Ok(procs)
+        Ok(Processes { inner: Arc::new(inner) })
     }
 
     /// The supervised processes, in config order.
@@ -302,20 +329,21 @@ impl Engine for Supervised {
         self.inner.capabilities()
     }
     async fn stream(&self, req: &EngineRequest) -> Result<EngineStream, EngineError> {
-        if self.status.state() != ProcessState::Ready {
+        if !self.status.usable() {
             return Err(EngineError::Unreachable(self.status.summary()));
         }
         self.inner.stream(req).await
     }
     async fn health(&self) -> EngineHealth {
         use std::sync::atomic::Ordering;
-        if self.status.state() != ProcessState::Ready && self.told_down.load(Ordering::Relaxed) {
+        if !self.status.usable() && self.told_down.load(Ordering::Relaxed) {
             // Cancel-safe: the probe drops this wait when edgeway stops.
             let mut rx = self.status.tx.subscribe();
-            let settled = |s: &Snapshot| matches!(s.state, ProcessState::Ready | ProcessState::Failed);
+            let settled =
+                |s: &Snapshot| matches!(s.state, ProcessState::Ready | ProcessState::Failed | ProcessState::External);
             let _ = tokio::time::timeout(HEALTH_WAIT_MAX, rx.wait_for(settled)).await;
         }
-        if self.status.state() != ProcessState::Ready {
+        if !self.status.usable() {
             self.told_down.store(true, Ordering::Relaxed);
             return EngineHealth { up: false, detail: self.status.summary(), model_resident: None };
         }
@@ -323,10 +351,10 @@ impl Engine for Supervised {
         self.inner.health().await
     }
     fn process_down(&self) -> bool {
-        self.status.state() != ProcessState::Ready
+        !self.status.usable()
     }
     async fn load(&self) -> EngineLoad {
-        if self.status.state() != ProcessState::Ready {
+        if !self.status.usable() {
             return EngineLoad::default();
         }
         self.inner.load().await
@@ -355,8 +383,14 @@ impl Supervisor {
         let mut restarts: VecDeque<Instant> = VecDeque::new();
         let mut failed_in_row = 0u32;
         loop {
-            let taken = self.answered_before_start().await;
-            let reason = match taken.map_or_else(|| self.spawn(), |why| Err(std::io::Error::other(why))) {
+            if self.answered_before_start().await {
+                if !self.while_external(&stop).await {
+                    self.status.set(ProcessState::Stopped, None, None);
+                    return;
+                }
+                continue;
+            }
+            let reason = match self.spawn().await {
                 Err(e) => format!("cannot start {:?}: {e}", self.cfg.command),
                 Ok((mut child, pid)) => {
                     self.status.set(ProcessState::Starting, None, Some(pid));
@@ -394,7 +428,7 @@ impl Supervisor {
                         }
                         End::Exited(st) => {
                             // The leader is gone; what it started may not be.
-                            kill_group_leftovers(pid);
+                            kill_group_leftovers(pid).await;
                             describe(st)
                         }
                     };
@@ -442,7 +476,7 @@ impl Supervisor {
 
     /// Starts the process in its own group with its log and token, and
     /// writes the pidfile.
-    fn spawn(&self) -> std::io::Result<(tokio::process::Child, u32)> {
+    async fn spawn(&self) -> std::io::Result<(tokio::process::Child, u32)> {
         if let Some(dir) = self.log_file.parent() {
             std::fs::create_dir_all(dir)?;
         }
@@ -480,26 +514,56 @@ impl Supervisor {
                 });
             }
         }
-        let child = cmd.spawn()?;
+        let child = spawn_from_forker(cmd).await?;
         let pid = child.id().ok_or_else(|| std::io::Error::other("engine exited at once"))?;
         let start = proc_stat(pid).map(|s| s.start_time).unwrap_or(0);
         let me = std::process::id();
         let my_start = proc_stat(me).map(|s| s.start_time).unwrap_or(0);
+        // Written whole or not at all (temp file + rename): a reader never
+        // sees half a pidfile.
+        let tmp = self.pidfile.with_extension("pid.tmp");
         std::fs::write(
-            &self.pidfile,
+            &tmp,
             format!("pid={pid}\nstart_time={start}\ntoken={token}\nowner_pid={me}\nowner_start_time={my_start}\n"),
         )?;
+        std::fs::rename(&tmp, &self.pidfile)?;
         Ok((child, pid))
     }
 
-    /// Something already answers on the engine's address before edgeway
-    /// started it (an engine started by hand, another program on the
-    /// port): the ready check would take it for ours, and ours could not
-    /// bind. Not started then; it counts as a failed start, so the engine
-    /// starts once the address is free.
-    async fn answered_before_start(&self) -> Option<String> {
-        let probe = self.client.get(&self.ready_url).timeout(Duration::from_secs(1)).send().await;
-        probe.ok().map(|_| format!("another process already answers at {}", self.ready_url))
+    /// Whether something already answers on the engine's address before
+    /// edgeway started it (an engine started by hand, another program on
+    /// the port): the ready check would take it for ours, and ours could
+    /// not bind.
+    async fn answered_before_start(&self) -> bool {
+        self.client.get(&self.ready_url).timeout(Duration::from_secs(1)).send().await.is_ok()
+    }
+
+    /// An engine edgeway did not start answers at the address: it is used
+    /// as an external engine (the router's health probes judge it, as for
+    /// any engine without a `process` section), nothing is started and no
+    /// failed start is counted. Returns `true` once the address no longer
+    /// answers (edgeway then starts its own), `false` on stop.
+    async fn while_external(&self, stop: &CancellationToken) -> bool {
+        tracing::warn!(
+            engine = %self.status.name,
+            url = %self.ready_url,
+            "another process already answers at the engine's address: used as an external engine, not started or supervised by edgeway"
+        );
+        self.status.set(
+            ProcessState::External,
+            Some(format!("another process already answers at {}; not started by edgeway", self.ready_url)),
+            None,
+        );
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return false,
+                _ = tokio::time::sleep(EXTERNAL_POLL) => {}
+            }
+            if !self.answered_before_start().await {
+                tracing::info!(engine = %self.status.name, "the external engine no longer answers: edgeway starts its own");
+                return true;
+            }
+        }
     }
 
     /// Polls the ready URL until it answers 2xx (`true`) or the ready
@@ -519,6 +583,42 @@ impl Supervisor {
             tokio::time::sleep(READY_POLL).await;
         }
     }
+}
+
+/// A request to the forker thread: the command, the runtime the child is
+/// registered with (for `wait`), and where the child goes.
+type ForkRequest = (
+    tokio::process::Command,
+    tokio::runtime::Handle,
+    tokio::sync::oneshot::Sender<std::io::Result<tokio::process::Child>>,
+);
+
+/// Starts `cmd` from one dedicated thread that lives as long as edgeway.
+/// Why: on Linux `PR_SET_PDEATHSIG` fires when the *thread* that forked the
+/// child exits, not the process. A tokio worker thread can exit at any
+/// time (after `block_in_place` it becomes a blocking-pool thread that
+/// exits when idle for 10 s), which would SIGKILL an engine forked from it.
+async fn spawn_from_forker(cmd: tokio::process::Command) -> std::io::Result<tokio::process::Child> {
+    static FORKER: std::sync::OnceLock<std::sync::mpsc::Sender<ForkRequest>> = std::sync::OnceLock::new();
+    let forker = FORKER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<ForkRequest>();
+        // The static keeps the sender, so `recv` never fails and the thread
+        // never returns: it lives until the process exits.
+        std::thread::Builder::new()
+            .name("edgeway-engine-forker".into())
+            .spawn(move || {
+                while let Ok((mut cmd, runtime, reply)) = rx.recv() {
+                    let _entered = runtime.enter();
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .expect("cannot start the engine forker thread");
+        tx
+    });
+    let (reply, child) = tokio::sync::oneshot::channel();
+    let sent = forker.send((cmd, tokio::runtime::Handle::current(), reply));
+    sent.map_err(|_| std::io::Error::other("the engine forker thread is gone"))?;
+    child.await.map_err(|_| std::io::Error::other("the engine forker thread is gone"))?
 }
 
 fn describe(st: std::io::Result<ExitStatus>) -> String {
@@ -541,7 +641,7 @@ async fn terminate(child: &mut tokio::process::Child, pid: u32, grace: Duration)
     let deadline = tokio::time::Instant::now() + grace;
     let _ = tokio::time::timeout_at(deadline, child.wait()).await;
     wait_group_empty(pid, deadline).await;
-    if !group_members(pid).is_empty() || child.try_wait().ok().flatten().is_none() {
+    if group_live(pid).await || child.try_wait().ok().flatten().is_none() {
         signal_group(pid, libc::SIGKILL);
         let _ = child.wait().await;
         wait_group_empty(pid, tokio::time::Instant::now() + Duration::from_secs(2)).await;
@@ -551,8 +651,8 @@ async fn terminate(child: &mut tokio::process::Child, pid: u32, grace: Duration)
 /// The leader of group `pid` exited on its own: SIGKILL to anything it
 /// left in its group (a shell's children, a server's workers), which would
 /// hold its port against the next start.
-fn kill_group_leftovers(pid: u32) {
-    if !group_members(pid).is_empty() {
+async fn kill_group_leftovers(pid: u32) {
+    if group_live(pid).await {
         signal_group(pid, libc::SIGKILL);
     }
 }
@@ -568,8 +668,8 @@ fn signal_group(pgid: u32, sig: libc::c_int) {
 async fn wait_group_empty(pgid: u32, deadline: tokio::time::Instant) {
     // No event tells when the last member of a group is gone (they are not
     // our children): poll /proc, briefly.
-    while !group_members(pgid).is_empty() && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    while group_live(pgid).await && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -589,6 +689,12 @@ fn proc_stat(pid: u32) -> Option<ProcStat> {
     Some(ProcStat { zombie: f.first()? == &"Z", pgrp: f.get(2)?.parse().ok()?, start_time: f.get(19)?.parse().ok()? })
 }
 
+/// Whether group `pgid` has a live member. [`group_members`] reads all of
+/// `/proc`, which blocks: it runs on the blocking pool, off the workers.
+async fn group_live(pgid: u32) -> bool {
+    tokio::task::spawn_blocking(move || !group_members(pgid).is_empty()).await.unwrap_or(false)
+}
+
 /// Live (not zombie) processes of group `pgid`.
 fn group_members(pgid: u32) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
@@ -601,6 +707,33 @@ fn has_token(pid: u32, token: &str) -> bool {
     let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else { return false };
     let want = format!("{TOKEN_VAR}={token}");
     env.split(|&b| b == 0).any(|kv| kv == want.as_bytes())
+}
+
+/// Takes `<data_dir>/edgeway.lock` (an exclusive `flock`, not waited
+/// for), or says another edgeway holds it. The file is opened close-on-exec
+/// (std's default), so the engines do not inherit, and hold, the lock.
+fn lock_data_dir(data_dir: &Path) -> anyhow::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let path = data_dir.join("edgeway.lock");
+    std::fs::create_dir_all(data_dir).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", data_dir.display()))?;
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
+    // SAFETY: plain syscall on a descriptor this function owns.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            anyhow::bail!(
+                "another edgeway runs engines with this data directory ({} is locked): stop it first, or give this one its own store.data_dir",
+                path.display()
+            );
+        }
+        anyhow::bail!("cannot lock {}: {err}", path.display());
+    }
+    Ok(file)
 }
 
 /// Kills the engine process group recorded in `pidfile` by an earlier
@@ -626,7 +759,7 @@ async fn reap_stale(name: &str, pidfile: &Path, grace: Duration) -> anyhow::Resu
             );
         }
     }
-    let members = group_members(pid);
+    let members = tokio::task::spawn_blocking(move || group_members(pid)).await.unwrap_or_default();
     let ours = members.iter().any(|&m| {
         (m == pid && proc_stat(m).map(|s| s.start_time.to_string()) == start)
             || token.as_deref().is_some_and(|t| has_token(m, t))
@@ -640,7 +773,7 @@ async fn reap_stale(name: &str, pidfile: &Path, grace: Duration) -> anyhow::Resu
         );
         signal_group(pid, libc::SIGTERM);
         wait_group_empty(pid, tokio::time::Instant::now() + grace).await;
-        if !group_members(pid).is_empty() {
+        if group_live(pid).await {
             signal_group(pid, libc::SIGKILL);
             wait_group_empty(pid, tokio::time::Instant::now() + Duration::from_secs(2)).await;
         }

@@ -255,7 +255,11 @@ impl DeviceProtocol {
         let authenticated = authenticated.and_then(|login| {
             if will.as_ref().is_some_and(|w| w.message.len() > self.shared.max_will_bytes) {
                 Err(Refused::WillTooLarge)
-            } else if !connections.open(login.device, &connect.client_id) {
+            } else if !connections
+                .open(&super::topics::mount_name(&login.identity.tenant, login.device), &connect.client_id)
+            {
+                // Counted under the mount `{tenant}/{device}`, the key the
+                // connection's end closes (`Drop`), and per tenant.
                 Err(Refused::TooManyInstances)
             } else {
                 Ok((login.device.to_string(), login.identity, login.expires_at))
