@@ -1682,6 +1682,13 @@ fn forward_device_data(
     // println!("{:?} {:?} {}", start, next, request.read_count);
 
     if publishes.is_empty() {
+        // edgeway patch 30: a shared group reads from its own cursor, so
+        // it must move past what was left out too, or the next read
+        // starts at the same messages again, for ever (no member
+        // rotation: nothing was sent). A plain request moved on above.
+        if let Some(share) = shared_group {
+            share.cursor = request.cursor;
+        }
         // edgeway patch 14: everything read may have been left out (No
         // Local, expiry) with more to read: not caught up
         return if caughtup {

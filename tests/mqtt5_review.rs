@@ -1,0 +1,87 @@
+//! Review findings on the patched broker after issue 16 (shared groups,
+//! retained messages and the client's Receive Maximum, kept sessions), as
+//! a device sees them on real sockets with raw packets.
+//!
+//! Each test failed with the broker before the patch it names
+//! (`patches/rumqttd/PATCHES.md` 30 and following).
+
+mod mqtt_support;
+
+use std::time::Duration;
+
+use mqtt_support::raw;
+use mqtt_support::*;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+/// Instances of device 1 (one namespace): the session under test and a
+/// publisher.
+const SUB: &str = "demo-device-1:sub";
+const PUB: &str = "demo-device-1:pub";
+
+/// Connects `id` (MQTT 5) with Clean Start and `props`. Panics unless
+/// accepted.
+async fn connect(addr: std::net::SocketAddr, id: &str, props: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.expect("connects");
+    s.write_all(&raw::connect_v5_props(id, D1, true, props)).await.unwrap();
+    let ack = raw::packet(&mut s).await.expect("a CONNACK");
+    assert_eq!((ack[0], ack[3]), (0x20, 0), "accepted: {ack:02x?}");
+    s
+}
+
+/// Subscribes `filter` at QoS 1 and waits for the SUBACK granting it.
+async fn subscribe(s: &mut TcpStream, filter: &str) {
+    s.write_all(&raw::subscribe_qos(true, 1, filter, 1)).await.unwrap();
+    let ack = raw::packet(s).await.expect("a SUBACK");
+    assert_eq!((ack[0], raw::reason(&ack)), (0x90, 1), "granted QoS 1: {ack:02x?}");
+}
+
+/// An MQTT 5 PUBLISH at QoS 1 with packet id `pkid` and `props` (already
+/// encoded, without their length).
+fn publish_props(topic: &str, payload: &[u8], retain: bool, pkid: u16, props: &[u8]) -> Vec<u8> {
+    let mut body = (topic.len() as u16).to_be_bytes().to_vec();
+    body.extend_from_slice(topic.as_bytes());
+    body.extend_from_slice(&pkid.to_be_bytes());
+    body.push(props.len() as u8);
+    body.extend_from_slice(props);
+    body.extend_from_slice(payload);
+    let mut p = vec![0x32 | u8::from(retain), body.len() as u8];
+    assert!(body.len() < 128, "one-byte remaining length");
+    p.extend_from_slice(&body);
+    p
+}
+
+/// Publishes `payload` on `topic` at QoS 1 with `props` from `p` and
+/// waits for its PUBACK.
+async fn publish(p: &mut TcpStream, topic: &str, payload: &str, retain: bool, pkid: u16, props: &[u8]) {
+    p.write_all(&publish_props(topic, payload.as_bytes(), retain, pkid, props)).await.unwrap();
+    let ack = raw::packet(p).await.expect("a PUBACK");
+    assert_eq!((ack[0], raw::reason(&ack)), (0x40, 0), "published: {ack:02x?}");
+}
+
+fn payload(p: &[u8]) -> String {
+    String::from_utf8_lossy(&raw::publish_v5_payload(p)).into_owned()
+}
+
+/// Review H2: a shared-group member whose next message expired while it
+/// had no free slot still gets the messages after it. Failed before: the
+/// group's cursor stayed on the expired message, the router thread re-read
+/// it for ever (100 % CPU) and m3 never came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_group_moves_past_an_expired_message() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut s = connect(addr, SUB, &raw::prop_u16(0x21, 1)).await;
+    subscribe(&mut s, "$share/g/t/#").await;
+    let mut p = connect(addr, PUB, &[]).await;
+    publish(&mut p, "t/a", "m1", false, 1, &[]).await;
+    let m1 = raw::packet_within(&mut s, Duration::from_secs(2)).await.expect("m1");
+    assert_eq!(payload(&m1), "m1");
+    // m2 expires while m1 holds the only slot.
+    publish(&mut p, "t/a", "m2", false, 2, &raw::prop_u32(0x02, 1)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await; // the expiry itself: time is the subject
+    publish(&mut p, "t/a", "m3", false, 3, &[]).await;
+    s.write_all(&raw::puback(raw::publish_pkid(&m1))).await.unwrap();
+    let next = raw::packet_within(&mut s, Duration::from_secs(2)).await.expect("m3 after the expired m2");
+    assert_eq!(payload(&next), "m3");
+    gw.stop().await;
+}
