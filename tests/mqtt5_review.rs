@@ -85,3 +85,26 @@ async fn a_shared_group_moves_past_an_expired_message() {
     assert_eq!(payload(&next), "m3");
     gw.stop().await;
 }
+
+/// Review M1: a client with Receive Maximum 2 subscribing to 5 retained
+/// messages gets all 5 as it acknowledges them. Failed before: 2 (the
+/// ones over the free slots were dropped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retained_messages_beyond_the_receive_maximum_wait_for_slots() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut p = connect(addr, PUB, &[]).await;
+    for i in 1..=5u16 {
+        publish(&mut p, &format!("r/{i}"), &format!("m{i}"), true, i, &[]).await;
+    }
+    let mut s = connect(addr, SUB, &raw::prop_u16(0x21, 2)).await;
+    subscribe(&mut s, "r/#").await;
+    let mut got = Vec::new();
+    while let Some(m) = raw::packet_within(&mut s, Duration::from_secs(1)).await {
+        assert_eq!(m[0] & 0xF0, 0x30, "a PUBLISH: {m:02x?}");
+        s.write_all(&raw::puback(raw::publish_pkid(&m))).await.unwrap();
+        got.push(payload(&m));
+    }
+    got.sort();
+    assert_eq!(got, ["m1", "m2", "m3", "m4", "m5"], "every retained message");
+    gw.stop().await;
+}

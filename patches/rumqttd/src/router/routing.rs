@@ -1076,6 +1076,7 @@ impl Router {
                 group,
                 no_local: filter.nolocal,
                 preserve_retain: filter.preserve_retain,
+                retained: VecDeque::new(),
             };
 
             self.scheduler.track(id, request);
@@ -1599,43 +1600,62 @@ fn forward_device_data(
     let mut publishes = Vec::new();
 
     if request.forward_retained {
-        // NOTE: ideally we want to limit the number of read messages
-        // and skip the messages previously read while reading next time.
-        // but for now, we just try to read all messages and drop the excess ones
-        let mut retained_publishes = datalog.read_retained_messages(&request.filter);
-        retained_publishes.truncate(inflight_slots as usize);
-
-        publishes.extend(retained_publishes.into_iter().map(|p| (p, None)));
-        inflight_slots -= publishes.len() as u64;
-
+        // edgeway patch 31: all of them are owed; what does not fit the
+        // client's window now waits on the request (rumqttd dropped it)
+        request.retained = datalog.read_retained_messages(&request.filter).into();
         // we only want to forward retained messages once
         request.forward_retained = false;
     }
 
-    // edgeway patch 14: No Local
-    let skip_origin = request.no_local.then_some(connection.client_id.as_str());
-    let (next, publishes_from_datalog) = match datalog.native_readv(
-        request.filter_idx,
-        request.cursor,
-        inflight_slots,
-        skip_origin,
-    ) {
-        Ok(v) => v,
-        Err(e) => {
-            error!(error = ?e, "Failed to read from commitlog {}", e);
-            return ConsumeStatus::FilterCaughtup;
+    // edgeway patch 31: a retained message delivered at QoS 0 takes no
+    // slot, only a share of the packets one read may send
+    let mut qos0_budget = datalog.config.max_outgoing_packet_count;
+    while let Some((publish, _)) = request.retained.front() {
+        if delivery_qos(publish.qos, request.qos) == QoS::AtMostOnce {
+            if qos0_budget == 0 {
+                break;
+            }
+            qos0_budget -= 1;
+        } else {
+            if inflight_slots == 0 {
+                break;
+            }
+            inflight_slots -= 1;
         }
-    };
+        let retained = request.retained.pop_front().expect("a front");
+        publishes.push((retained, None));
+    }
 
-    publishes.extend(
-        publishes_from_datalog
-            .into_iter()
-            .map(|(p, offset)| (p, Some(offset))),
-    );
+    let (start, next, caughtup) = if request.retained.is_empty() {
+        // edgeway patch 14: No Local
+        let skip_origin = request.no_local.then_some(connection.client_id.as_str());
+        let (next, publishes_from_datalog) = match datalog.native_readv(
+            request.filter_idx,
+            request.cursor,
+            inflight_slots,
+            skip_origin,
+        ) {
+            Ok(v) => v,
+            Err(e) => {
+                error!(error = ?e, "Failed to read from commitlog {}", e);
+                return ConsumeStatus::FilterCaughtup;
+            }
+        };
 
-    let (start, next, caughtup) = match next {
-        Position::Next { start, end } => (start, end, false),
-        Position::Done { start, end } => (start, end, true),
+        publishes.extend(
+            publishes_from_datalog
+                .into_iter()
+                .map(|(p, offset)| (p, Some(offset))),
+        );
+
+        match next {
+            Position::Next { start, end } => (start, end, false),
+            Position::Done { start, end } => (start, end, true),
+        }
+    } else {
+        // edgeway patch 31: the rest of the retained messages come
+        // before anything from the log
+        (request.cursor, request.cursor, false)
     };
 
     if let Some(ref shared_group) = shared_group {
