@@ -108,3 +108,29 @@ async fn retained_messages_beyond_the_receive_maximum_wait_for_slots() {
     assert_eq!(got, ["m1", "m2", "m3", "m4", "m5"], "every retained message");
     gw.stop().await;
 }
+
+/// Review M3: an MQTT 3.1.1 clean session is not continued by a takeover
+/// without clean session (MQTT-3.1.2-6: its state must not be reused):
+/// Session Present 0 and none of its subscriptions. Failed before:
+/// Session Present 1 and the old subscription's message came. (An MQTT 5
+/// session with expiry 0 still is continued:
+/// `a_takeover_continues_a_session_that_ends_with_its_connection`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_does_not_continue_a_3_1_1_clean_session() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let (mut old, ack) = raw::connack(addr, &raw::connect(SUB, Some(D1))).await.expect("connects");
+    assert_eq!(ack, raw::ACCEPTED);
+    old.write_all(&raw::subscribe(1, "t/x")).await.unwrap();
+    let suback = raw::packet(&mut old).await.expect("a SUBACK");
+    assert_eq!(suback[0], 0x90, "{suback:02x?}");
+    let (mut s, ack) =
+        raw::connack(addr, &raw::without_clean_start(raw::connect(SUB, Some(D1)))).await.expect("connects");
+    assert_eq!((ack[0], ack[3]), (0x20, 0), "accepted: {ack:02x?}");
+    assert_eq!(ack[2], 0, "Session Present 0: the clean session ended with its connection");
+    let mut p = connect(addr, PUB, &[]).await;
+    publish(&mut p, "t/x", "m1", false, 1, &[]).await;
+    let got = raw::packet_within(&mut s, Duration::from_secs(1)).await;
+    assert!(got.is_none(), "nothing from the old session's subscription: {got:02x?}");
+    drop(old);
+    gw.stop().await;
+}

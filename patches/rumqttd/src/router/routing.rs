@@ -311,13 +311,16 @@ impl Router {
                     connection_id
                 );
                 // A takeover without a clean start continues the session of
-                // the connection it replaces, even one that would end with
-                // that connection (MQTT 5 expiry 0, 3.1.1 clean session):
-                // it is saved for the moment it takes to be taken back
-                // below. (edgeway patch, see PATCHES.md)
+                // the connection it replaces, even an MQTT 5 one that would
+                // end with that connection (expiry 0: the session lasts as
+                // long as its latest connection, MQTT-3.1.2-4): it is saved
+                // for the moment it takes to be taken back below. Not a
+                // 3.1.1 clean session: its state must not be reused
+                // (MQTT-3.1.2-6, edgeway patch 32). (edgeway patch, see
+                // PATCHES.md)
                 if !connection.clean {
                     if let Some(old) = self.connections.get_mut(connection_id) {
-                        if old.kept_for().is_none() {
+                        if old.session_expiry == Some(0) {
                             old.session_expiry = Some(1);
                         }
                     }
