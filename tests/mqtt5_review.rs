@@ -134,3 +134,51 @@ async fn a_takeover_does_not_continue_a_3_1_1_clean_session() {
     drop(old);
     gw.stop().await;
 }
+
+/// An MQTT 5 SUBSCRIBE of `filter` at QoS 0 with packet id `pkid` and, if
+/// any, Subscription Identifier `id` (under 128).
+fn subscribe_id(pkid: u16, filter: &str, id: Option<u8>) -> Vec<u8> {
+    let mut body = pkid.to_be_bytes().to_vec();
+    match id {
+        Some(id) => body.extend_from_slice(&[2, 0x0B, id]),
+        None => body.push(0),
+    }
+    body.extend_from_slice(&(filter.len() as u16).to_be_bytes());
+    body.extend_from_slice(filter.as_bytes());
+    body.push(0);
+    let mut p = vec![0x82, body.len() as u8];
+    p.extend_from_slice(&body);
+    p
+}
+
+/// The property bytes of an MQTT 5 QoS 0 PUBLISH (one-byte lengths).
+fn publish_props_of(p: &[u8]) -> Vec<u8> {
+    let mut i = 1;
+    while p[i] & 0x80 != 0 {
+        i += 1;
+    }
+    let len = u16::from_be_bytes([p[i + 1], p[i + 2]]) as usize;
+    let at = i + 3 + len;
+    p[at + 1..at + 1 + p[at] as usize].to_vec()
+}
+
+/// Review L5a: a re-SUBSCRIBE without a Subscription Identifier drops the
+/// one the first SUBSCRIBE gave (MQTT-3.8.4-3: the new subscription
+/// replaces the old). Failed before: messages still carried identifier 7.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resubscribe_without_an_identifier_drops_the_old_one() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut s = connect(addr, SUB, &[]).await;
+    for (pkid, id) in [(1, Some(7)), (2, None)] {
+        s.write_all(&subscribe_id(pkid, "l/t", id)).await.unwrap();
+        let ack = raw::packet(&mut s).await.expect("a SUBACK");
+        assert_eq!((ack[0], raw::reason(&ack)), (0x90, 0), "granted: {ack:02x?}");
+    }
+    let mut p = connect(addr, PUB, &[]).await;
+    publish(&mut p, "l/t", "m1", false, 1, &[]).await;
+    let m = raw::packet_within(&mut s, Duration::from_secs(2)).await.expect("m1");
+    assert_eq!(payload(&m), "m1");
+    let props = publish_props_of(&m);
+    assert!(!props.contains(&0x0B), "no Subscription Identifier: {props:02x?}");
+    gw.stop().await;
+}

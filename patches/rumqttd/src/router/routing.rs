@@ -1048,10 +1048,18 @@ impl Router {
             }
         };
 
-        if let Some(subscription_id) = subscription_id {
-            connection
-                .subscription_ids
-                .insert(filter_path.clone(), subscription_id);
+        // edgeway patch 33: a SUBSCRIBE without a Subscription Identifier
+        // replaces one that had it: its messages carry none any more
+        // (MQTT-3.8.4-3)
+        match subscription_id {
+            Some(subscription_id) => {
+                connection
+                    .subscription_ids
+                    .insert(filter_path.clone(), subscription_id);
+            }
+            None => {
+                connection.subscription_ids.remove(filter_path);
+            }
         }
 
         // call to `insert(_)` returns `true` if it didn't contain the filter_path already
