@@ -398,6 +398,9 @@ struct Held {
     /// When the session ends, once its connection has (`None`: open, or
     /// kept for good).
     ends_at: Option<Instant>,
+    /// MQTT 5: a takeover continues even a session that ends with its
+    /// connection; a 3.1.1 clean session is never reused (MQTT-3.1.2-6).
+    v5: bool,
     filters: HashSet<u64>,
 }
 
@@ -405,17 +408,18 @@ impl SessionFilters {
     /// Connection `conn` of `client_id` starts: it resumes what the client
     /// id held unless it starts clean or that session has ended (a session
     /// that ends with its connection is still here only while that
-    /// connection is open: a takeover continues it, as the broker does).
+    /// connection is open: a takeover continues it, as the broker does,
+    /// unless it is an MQTT 3.1.1 clean session).
     /// Expired sessions are forgotten.
-    pub fn connected(&self, client_id: &str, conn: u64, clean: bool, lifetime: Lifetime, now: Instant) {
+    pub fn connected(&self, client_id: &str, conn: u64, v5: bool, clean: bool, lifetime: Lifetime, now: Instant) {
         let mut held = self.held.lock().expect("filters");
         held.retain(|_, h| h.ends_at.is_none_or(|at| at > now));
         match held.get_mut(client_id) {
-            Some(h) if !clean => {
-                (h.conn, h.lifetime, h.ends_at) = (conn, lifetime, None);
+            Some(h) if !clean && (h.v5 || h.lifetime != Lifetime::EndsWithConnection) => {
+                (h.conn, h.lifetime, h.ends_at, h.v5) = (conn, lifetime, None, v5);
             }
             _ => {
-                let h = Held { conn, lifetime, ends_at: None, filters: HashSet::new() };
+                let h = Held { conn, lifetime, ends_at: None, v5, filters: HashSet::new() };
                 held.insert(client_id.to_string(), h);
             }
         }
@@ -680,27 +684,38 @@ mod quota_tests {
         let five = Lifetime::of(true, true, 5);
         assert_eq!(five, Lifetime::For(Duration::from_secs(5)));
         // Clean Start 1 with an expiry: kept after the connection...
-        f.connected("d:a", 1, true, five, t0);
+        f.connected("d:a", 1, true, true, five, t0);
         assert_eq!(f.subscribe("d:a", &[1], 1, ok), Ok(()));
         f.closed("d:a", 1, five, t0);
-        f.connected("d:a", 2, false, five, t0 + Duration::from_secs(1));
+        f.connected("d:a", 2, true, false, five, t0 + Duration::from_secs(1));
         assert_eq!(f.subscribe("d:a", &[2], 1, ok), Err(Quota::Subscriptions), "resumed: holds 1");
         // ...until the expiry.
         f.closed("d:a", 2, five, t0 + Duration::from_secs(1));
-        f.connected("d:a", 3, false, five, t0 + Duration::from_secs(7));
+        f.connected("d:a", 3, true, false, five, t0 + Duration::from_secs(7));
         assert_eq!(f.subscribe("d:a", &[2], 1, ok), Ok(()), "expired: afresh");
         // Expiry 0 (or a DISCONNECT's 0) ends it with the connection.
         f.closed("d:a", 3, Lifetime::of(true, false, 0), t0 + Duration::from_secs(8));
-        f.connected("d:a", 4, false, five, t0 + Duration::from_secs(8));
+        f.connected("d:a", 4, true, false, five, t0 + Duration::from_secs(8));
         assert_eq!(f.subscribe("d:a", &[1], 1, ok), Ok(()));
         // 3.1.1 without clean session: for good.
         let v4 = Lifetime::of(false, false, 0);
         assert_eq!(v4, Lifetime::Forever);
-        f.connected("d:b", 5, false, v4, t0);
+        f.connected("d:b", 5, false, false, v4, t0);
         assert_eq!(f.subscribe("d:b", &[1], 1, ok), Ok(()));
         f.closed("d:b", 5, v4, t0);
-        f.connected("d:b", 6, false, v4, t0 + Duration::from_secs(100_000));
+        f.connected("d:b", 6, false, false, v4, t0 + Duration::from_secs(100_000));
         assert_eq!(f.subscribe("d:b", &[2], 1, ok), Err(Quota::Subscriptions));
+        // A takeover continues an open MQTT 5 expiry-0 session, not a
+        // 3.1.1 clean session (MQTT-3.1.2-6).
+        let ends = Lifetime::EndsWithConnection;
+        f.connected("d:c", 7, true, true, ends, t0);
+        assert_eq!(f.subscribe("d:c", &[1], 1, ok), Ok(()));
+        f.connected("d:c", 8, true, false, ends, t0);
+        assert_eq!(f.subscribe("d:c", &[2], 1, ok), Err(Quota::Subscriptions), "MQTT 5: continued");
+        f.connected("d:e", 9, false, true, ends, t0);
+        assert_eq!(f.subscribe("d:e", &[1], 1, ok), Ok(()));
+        f.connected("d:e", 10, false, false, v4, t0);
+        assert_eq!(f.subscribe("d:e", &[2], 1, ok), Ok(()), "3.1.1 clean: afresh");
     }
 
     fn quotas() -> DeviceQuotas {

@@ -286,7 +286,7 @@ impl DeviceProtocol {
         let client_id = connect.client_id.clone();
         let v5 = self.version == Version::V5;
         let lifetime = Lifetime::of(v5, connect.clean_session, terms.session_expiry);
-        shared.filters.connected(&client_id, conn, connect.clean_session, lifetime, now);
+        shared.filters.connected(&client_id, conn, v5, connect.clean_session, lifetime, now);
         shared.wills.cancel(&client_id);
         shared.presence.report(Presence::Connected {
             device: mount.clone(),

@@ -1,5 +1,4 @@
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::{
@@ -9,17 +8,18 @@ use super::{
 
 pub struct Graveyard {
     connections: HashMap<String, SavedState>,
-    /// When saved sessions expire, soonest first; an entry whose session
-    /// was taken back (or saved again with another deadline) is skipped
-    /// when it comes up. (edgeway patch, see PATCHES.md)
-    expiries: BinaryHeap<Reverse<(Instant, String)>>,
+    /// When saved sessions expire, soonest first: one entry per session
+    /// kept for a time, removed when the session is taken back or
+    /// replaced, so reconnects do not pile them up (edgeway patches 20
+    /// and 34, see PATCHES.md)
+    expiries: BTreeSet<(Instant, String)>,
 }
 
 impl Graveyard {
     pub fn new() -> Graveyard {
         Graveyard {
             connections: HashMap::new(),
-            expiries: BinaryHeap::new(),
+            expiries: BTreeSet::new(),
         }
     }
 
@@ -29,6 +29,7 @@ impl Graveyard {
     /// [`Graveyard::expire`] has not run since).
     pub fn retrieve(&mut self, id: &str) -> Option<SavedState> {
         let mut saved = self.connections.remove(id)?;
+        self.forget_expiry(id, &saved);
         if saved.expires_at.is_some_and(|at| at <= Instant::now()) {
             saved.session_state = None;
         }
@@ -58,33 +59,41 @@ impl Graveyard {
         // A deadline too far to represent never comes.
         let expires_at = expiry.and_then(|e| Instant::now().checked_add(e));
         if let Some(at) = expires_at {
-            self.expiries.push(Reverse((at, id.clone())));
+            self.expiries.insert((at, id.clone()));
         }
-        self.connections.insert(
-            id,
-            SavedState {
-                session_state: Some(session_state),
-                metrics,
-                expires_at,
-            },
-        );
+        let saved = SavedState {
+            session_state: Some(session_state),
+            metrics,
+            expires_at,
+        };
+        if let Some(old) = self.connections.insert(id.clone(), saved) {
+            self.forget_expiry(&id, &old);
+        }
+    }
+
+    /// Drops the expiry entry of `saved`, the state of `id` just taken out
+    /// or replaced (edgeway patch 34).
+    fn forget_expiry(&mut self, id: &str, saved: &SavedState) {
+        if let Some(at) = saved.expires_at {
+            self.expiries.remove(&(at, id.to_string()));
+        }
     }
 
     /// Save only metrics for connection
     pub fn save_metrics(&mut self, id: String, metrics: ConnectionEvents) {
-        self.connections.insert(
-            id,
-            SavedState {
-                session_state: None,
-                metrics,
-                expires_at: None,
-            },
-        );
+        let saved = SavedState {
+            session_state: None,
+            metrics,
+            expires_at: None,
+        };
+        if let Some(old) = self.connections.insert(id.clone(), saved) {
+            self.forget_expiry(&id, &old);
+        }
     }
 
     /// The next session expiry, if any session is kept for a time.
     pub fn next_expiry(&self) -> Option<Instant> {
-        self.expiries.peek().map(|Reverse((at, _))| *at)
+        self.expiries.first().map(|(at, _)| *at)
     }
 
     /// Removes the sessions whose expiry is `now` or past (their
@@ -92,11 +101,11 @@ impl Graveyard {
     /// PUBCOMP): the client id starts afresh. Returns the client ids.
     pub fn expire(&mut self, now: Instant) -> Vec<String> {
         let mut gone = Vec::new();
-        while let Some(Reverse((at, _))) = self.expiries.peek() {
+        while let Some((at, _)) = self.expiries.first() {
             if *at > now {
                 break;
             }
-            let Some(Reverse((at, id))) = self.expiries.pop() else {
+            let Some((at, id)) = self.expiries.pop_first() else {
                 break;
             };
             // Only if it is still the session saved with this deadline.
@@ -115,6 +124,13 @@ impl Graveyard {
     /// Sessions (and metrics-only entries) kept.
     pub fn len(&self) -> usize {
         self.connections.len()
+    }
+
+    /// Expiry entries held: at most one per session kept for a time
+    /// (edgeway patch 34).
+    #[cfg(test)]
+    pub fn expiries_len(&self) -> usize {
+        self.expiries.len()
     }
 }
 
@@ -164,6 +180,24 @@ mod test {
         assert_eq!(g.expire(t0 + Duration::from_secs(501)), vec!["long".to_string()]);
         assert_eq!(g.len(), 1, "the 3.1.1 session stays");
         assert!(g.next_expiry().is_none());
+    }
+
+    #[test]
+    fn reconnects_of_a_kept_session_leave_one_expiry_entry() {
+        let mut g = Graveyard::new();
+        for _ in 0..1000 {
+            let _ = g.retrieve("k");
+            g.save_state(
+                Tracker::new("k".to_string()),
+                HashSet::new(),
+                ConnectionEvents::default(),
+                VecDeque::new(),
+                Some(Duration::from_secs(u32::MAX as u64 - 1)),
+            );
+        }
+        assert_eq!(g.expiries_len(), 1);
+        let _ = g.retrieve("k");
+        assert_eq!(g.expiries_len(), 0);
     }
 
     #[test]

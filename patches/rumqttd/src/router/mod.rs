@@ -210,6 +210,11 @@ pub struct DataRequest {
     /// forwarded messages (edgeway patch 14)
     #[serde(default)]
     pub(crate) preserve_retain: bool,
+    /// Retained messages read for this subscription and not yet sent:
+    /// they go first, as the client's Receive Maximum allows (edgeway
+    /// patch 31)
+    #[serde(skip)]
+    pub(crate) retained: VecDeque<(Publish, Option<PublishProperties>)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

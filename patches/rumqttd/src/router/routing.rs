@@ -311,13 +311,16 @@ impl Router {
                     connection_id
                 );
                 // A takeover without a clean start continues the session of
-                // the connection it replaces, even one that would end with
-                // that connection (MQTT 5 expiry 0, 3.1.1 clean session):
-                // it is saved for the moment it takes to be taken back
-                // below. (edgeway patch, see PATCHES.md)
+                // the connection it replaces, even an MQTT 5 one that would
+                // end with that connection (expiry 0: the session lasts as
+                // long as its latest connection, MQTT-3.1.2-4): it is saved
+                // for the moment it takes to be taken back below. Not a
+                // 3.1.1 clean session: its state must not be reused
+                // (MQTT-3.1.2-6, edgeway patch 32). (edgeway patch, see
+                // PATCHES.md)
                 if !connection.clean {
                     if let Some(old) = self.connections.get_mut(connection_id) {
-                        if old.kept_for().is_none() {
+                        if old.session_expiry == Some(0) {
                             old.session_expiry = Some(1);
                         }
                     }
@@ -1059,10 +1062,18 @@ impl Router {
             }
         };
 
-        if let Some(subscription_id) = subscription_id {
-            connection
-                .subscription_ids
-                .insert(filter_path.clone(), subscription_id);
+        // edgeway patch 33: a SUBSCRIBE without a Subscription Identifier
+        // replaces one that had it: its messages carry none any more
+        // (MQTT-3.8.4-3)
+        match subscription_id {
+            Some(subscription_id) => {
+                connection
+                    .subscription_ids
+                    .insert(filter_path.clone(), subscription_id);
+            }
+            None => {
+                connection.subscription_ids.remove(filter_path);
+            }
         }
 
         // call to `insert(_)` returns `true` if it didn't contain the filter_path already
@@ -1090,6 +1101,7 @@ impl Router {
                 group,
                 no_local: filter.nolocal,
                 preserve_retain: filter.preserve_retain,
+                retained: VecDeque::new(),
             };
 
             self.scheduler.track(id, request);
@@ -1613,43 +1625,62 @@ fn forward_device_data(
     let mut publishes = Vec::new();
 
     if request.forward_retained {
-        // NOTE: ideally we want to limit the number of read messages
-        // and skip the messages previously read while reading next time.
-        // but for now, we just try to read all messages and drop the excess ones
-        let mut retained_publishes = datalog.read_retained_messages(&request.filter);
-        retained_publishes.truncate(inflight_slots as usize);
-
-        publishes.extend(retained_publishes.into_iter().map(|p| (p, None)));
-        inflight_slots -= publishes.len() as u64;
-
+        // edgeway patch 31: all of them are owed; what does not fit the
+        // client's window now waits on the request (rumqttd dropped it)
+        request.retained = datalog.read_retained_messages(&request.filter).into();
         // we only want to forward retained messages once
         request.forward_retained = false;
     }
 
-    // edgeway patch 14: No Local
-    let skip_origin = request.no_local.then_some(connection.client_id.as_str());
-    let (next, publishes_from_datalog) = match datalog.native_readv(
-        request.filter_idx,
-        request.cursor,
-        inflight_slots,
-        skip_origin,
-    ) {
-        Ok(v) => v,
-        Err(e) => {
-            error!(error = ?e, "Failed to read from commitlog {}", e);
-            return ConsumeStatus::FilterCaughtup;
+    // edgeway patch 31: a retained message delivered at QoS 0 takes no
+    // slot, only a share of the packets one read may send
+    let mut qos0_budget = datalog.config.max_outgoing_packet_count;
+    while let Some((publish, _)) = request.retained.front() {
+        if delivery_qos(publish.qos, request.qos) == QoS::AtMostOnce {
+            if qos0_budget == 0 {
+                break;
+            }
+            qos0_budget -= 1;
+        } else {
+            if inflight_slots == 0 {
+                break;
+            }
+            inflight_slots -= 1;
         }
-    };
+        let retained = request.retained.pop_front().expect("a front");
+        publishes.push((retained, None));
+    }
 
-    publishes.extend(
-        publishes_from_datalog
-            .into_iter()
-            .map(|(p, offset)| (p, Some(offset))),
-    );
+    let (start, next, caughtup) = if request.retained.is_empty() {
+        // edgeway patch 14: No Local
+        let skip_origin = request.no_local.then_some(connection.client_id.as_str());
+        let (next, publishes_from_datalog) = match datalog.native_readv(
+            request.filter_idx,
+            request.cursor,
+            inflight_slots,
+            skip_origin,
+        ) {
+            Ok(v) => v,
+            Err(e) => {
+                error!(error = ?e, "Failed to read from commitlog {}", e);
+                return ConsumeStatus::FilterCaughtup;
+            }
+        };
 
-    let (start, next, caughtup) = match next {
-        Position::Next { start, end } => (start, end, false),
-        Position::Done { start, end } => (start, end, true),
+        publishes.extend(
+            publishes_from_datalog
+                .into_iter()
+                .map(|(p, offset)| (p, Some(offset))),
+        );
+
+        match next {
+            Position::Next { start, end } => (start, end, false),
+            Position::Done { start, end } => (start, end, true),
+        }
+    } else {
+        // edgeway patch 31: the rest of the retained messages come
+        // before anything from the log
+        (request.cursor, request.cursor, false)
     };
 
     if let Some(ref shared_group) = shared_group {
@@ -1696,6 +1727,13 @@ fn forward_device_data(
     // println!("{:?} {:?} {}", start, next, request.read_count);
 
     if publishes.is_empty() {
+        // edgeway patch 30: a shared group reads from its own cursor, so
+        // it must move past what was left out too, or the next read
+        // starts at the same messages again, for ever (no member
+        // rotation: nothing was sent). A plain request moved on above.
+        if let Some(share) = shared_group {
+            share.cursor = request.cursor;
+        }
         // edgeway patch 14: everything read may have been left out (No
         // Local, expiry) with more to read: not caught up
         return if caughtup {

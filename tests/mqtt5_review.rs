@@ -1,0 +1,184 @@
+//! Review findings on the patched broker after issue 16 (shared groups,
+//! retained messages and the client's Receive Maximum, kept sessions), as
+//! a device sees them on real sockets with raw packets.
+//!
+//! Each test failed with the broker before the patch it names
+//! (`patches/rumqttd/PATCHES.md` 30 and following).
+
+mod mqtt_support;
+
+use std::time::Duration;
+
+use mqtt_support::raw;
+use mqtt_support::*;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+/// Instances of device 1 (one namespace): the session under test and a
+/// publisher.
+const SUB: &str = "demo-device-1:sub";
+const PUB: &str = "demo-device-1:pub";
+
+/// Connects `id` (MQTT 5) with Clean Start and `props`. Panics unless
+/// accepted.
+async fn connect(addr: std::net::SocketAddr, id: &str, props: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.expect("connects");
+    s.write_all(&raw::connect_v5_props(id, D1, true, props)).await.unwrap();
+    let ack = raw::packet(&mut s).await.expect("a CONNACK");
+    assert_eq!((ack[0], ack[3]), (0x20, 0), "accepted: {ack:02x?}");
+    s
+}
+
+/// Subscribes `filter` at QoS 1 and waits for the SUBACK granting it.
+async fn subscribe(s: &mut TcpStream, filter: &str) {
+    s.write_all(&raw::subscribe_qos(true, 1, filter, 1)).await.unwrap();
+    let ack = raw::packet(s).await.expect("a SUBACK");
+    assert_eq!((ack[0], raw::reason(&ack)), (0x90, 1), "granted QoS 1: {ack:02x?}");
+}
+
+/// An MQTT 5 PUBLISH at QoS 1 with packet id `pkid` and `props` (already
+/// encoded, without their length).
+fn publish_props(topic: &str, payload: &[u8], retain: bool, pkid: u16, props: &[u8]) -> Vec<u8> {
+    let mut body = (topic.len() as u16).to_be_bytes().to_vec();
+    body.extend_from_slice(topic.as_bytes());
+    body.extend_from_slice(&pkid.to_be_bytes());
+    body.push(props.len() as u8);
+    body.extend_from_slice(props);
+    body.extend_from_slice(payload);
+    let mut p = vec![0x32 | u8::from(retain), body.len() as u8];
+    assert!(body.len() < 128, "one-byte remaining length");
+    p.extend_from_slice(&body);
+    p
+}
+
+/// Publishes `payload` on `topic` at QoS 1 with `props` from `p` and
+/// waits for its PUBACK.
+async fn publish(p: &mut TcpStream, topic: &str, payload: &str, retain: bool, pkid: u16, props: &[u8]) {
+    p.write_all(&publish_props(topic, payload.as_bytes(), retain, pkid, props)).await.unwrap();
+    let ack = raw::packet(p).await.expect("a PUBACK");
+    assert_eq!((ack[0], raw::reason(&ack)), (0x40, 0), "published: {ack:02x?}");
+}
+
+fn payload(p: &[u8]) -> String {
+    String::from_utf8_lossy(&raw::publish_v5_payload(p)).into_owned()
+}
+
+/// Review H2: a shared-group member whose next message expired while it
+/// had no free slot still gets the messages after it. Failed before: the
+/// group's cursor stayed on the expired message, the router thread re-read
+/// it for ever (100 % CPU) and m3 never came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_group_moves_past_an_expired_message() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut s = connect(addr, SUB, &raw::prop_u16(0x21, 1)).await;
+    subscribe(&mut s, "$share/g/t/#").await;
+    let mut p = connect(addr, PUB, &[]).await;
+    publish(&mut p, "t/a", "m1", false, 1, &[]).await;
+    let m1 = raw::packet_within(&mut s, Duration::from_secs(2)).await.expect("m1");
+    assert_eq!(payload(&m1), "m1");
+    // m2 expires while m1 holds the only slot.
+    publish(&mut p, "t/a", "m2", false, 2, &raw::prop_u32(0x02, 1)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await; // the expiry itself: time is the subject
+    publish(&mut p, "t/a", "m3", false, 3, &[]).await;
+    s.write_all(&raw::puback(raw::publish_pkid(&m1))).await.unwrap();
+    let next = raw::packet_within(&mut s, Duration::from_secs(2)).await.expect("m3 after the expired m2");
+    assert_eq!(payload(&next), "m3");
+    gw.stop().await;
+}
+
+/// Review M1: a client with Receive Maximum 2 subscribing to 5 retained
+/// messages gets all 5 as it acknowledges them. Failed before: 2 (the
+/// ones over the free slots were dropped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retained_messages_beyond_the_receive_maximum_wait_for_slots() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut p = connect(addr, PUB, &[]).await;
+    for i in 1..=5u16 {
+        publish(&mut p, &format!("r/{i}"), &format!("m{i}"), true, i, &[]).await;
+    }
+    let mut s = connect(addr, SUB, &raw::prop_u16(0x21, 2)).await;
+    subscribe(&mut s, "r/#").await;
+    let mut got = Vec::new();
+    while let Some(m) = raw::packet_within(&mut s, Duration::from_secs(1)).await {
+        assert_eq!(m[0] & 0xF0, 0x30, "a PUBLISH: {m:02x?}");
+        s.write_all(&raw::puback(raw::publish_pkid(&m))).await.unwrap();
+        got.push(payload(&m));
+    }
+    got.sort();
+    assert_eq!(got, ["m1", "m2", "m3", "m4", "m5"], "every retained message");
+    gw.stop().await;
+}
+
+/// Review M3: an MQTT 3.1.1 clean session is not continued by a takeover
+/// without clean session (MQTT-3.1.2-6: its state must not be reused):
+/// Session Present 0 and none of its subscriptions. Failed before:
+/// Session Present 1 and the old subscription's message came. (An MQTT 5
+/// session with expiry 0 still is continued:
+/// `a_takeover_continues_a_session_that_ends_with_its_connection`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_does_not_continue_a_3_1_1_clean_session() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let (mut old, ack) = raw::connack(addr, &raw::connect(SUB, Some(D1))).await.expect("connects");
+    assert_eq!(ack, raw::ACCEPTED);
+    old.write_all(&raw::subscribe(1, "t/x")).await.unwrap();
+    let suback = raw::packet(&mut old).await.expect("a SUBACK");
+    assert_eq!(suback[0], 0x90, "{suback:02x?}");
+    let (mut s, ack) =
+        raw::connack(addr, &raw::without_clean_start(raw::connect(SUB, Some(D1)))).await.expect("connects");
+    assert_eq!((ack[0], ack[3]), (0x20, 0), "accepted: {ack:02x?}");
+    assert_eq!(ack[2], 0, "Session Present 0: the clean session ended with its connection");
+    let mut p = connect(addr, PUB, &[]).await;
+    publish(&mut p, "t/x", "m1", false, 1, &[]).await;
+    let got = raw::packet_within(&mut s, Duration::from_secs(1)).await;
+    assert!(got.is_none(), "nothing from the old session's subscription: {got:02x?}");
+    drop(old);
+    gw.stop().await;
+}
+
+/// An MQTT 5 SUBSCRIBE of `filter` at QoS 0 with packet id `pkid` and, if
+/// any, Subscription Identifier `id` (under 128).
+fn subscribe_id(pkid: u16, filter: &str, id: Option<u8>) -> Vec<u8> {
+    let mut body = pkid.to_be_bytes().to_vec();
+    match id {
+        Some(id) => body.extend_from_slice(&[2, 0x0B, id]),
+        None => body.push(0),
+    }
+    body.extend_from_slice(&(filter.len() as u16).to_be_bytes());
+    body.extend_from_slice(filter.as_bytes());
+    body.push(0);
+    let mut p = vec![0x82, body.len() as u8];
+    p.extend_from_slice(&body);
+    p
+}
+
+/// The property bytes of an MQTT 5 QoS 0 PUBLISH (one-byte lengths).
+fn publish_props_of(p: &[u8]) -> Vec<u8> {
+    let mut i = 1;
+    while p[i] & 0x80 != 0 {
+        i += 1;
+    }
+    let len = u16::from_be_bytes([p[i + 1], p[i + 2]]) as usize;
+    let at = i + 3 + len;
+    p[at + 1..at + 1 + p[at] as usize].to_vec()
+}
+
+/// Review L5a: a re-SUBSCRIBE without a Subscription Identifier drops the
+/// one the first SUBSCRIBE gave (MQTT-3.8.4-3: the new subscription
+/// replaces the old). Failed before: messages still carried identifier 7.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resubscribe_without_an_identifier_drops_the_old_one() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut s = connect(addr, SUB, &[]).await;
+    for (pkid, id) in [(1, Some(7)), (2, None)] {
+        s.write_all(&subscribe_id(pkid, "l/t", id)).await.unwrap();
+        let ack = raw::packet(&mut s).await.expect("a SUBACK");
+        assert_eq!((ack[0], raw::reason(&ack)), (0x90, 0), "granted: {ack:02x?}");
+    }
+    let mut p = connect(addr, PUB, &[]).await;
+    publish(&mut p, "l/t", "m1", false, 1, &[]).await;
+    let m = raw::packet_within(&mut s, Duration::from_secs(2)).await.expect("m1");
+    assert_eq!(payload(&m), "m1");
+    let props = publish_props_of(&m);
+    assert!(!props.contains(&0x0B), "no Subscription Identifier: {props:02x?}");
+    gw.stop().await;
+}
