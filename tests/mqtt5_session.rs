@@ -385,3 +385,25 @@ async fn acknowledgements_do_not_wait_for_a_full_delivery_window() {
     assert_eq!(received(&mut s, Duration::from_secs(1)).await, ["m2"], "then the next, none lost");
     gw.stop().await;
 }
+
+/// Review M2: a client's Session Expiry Interval, "never" (0xFFFFFFFF)
+/// included, is shortened to `mqtt.max_session_expiry_s`, the CONNACK
+/// says so (property 0x11), and the session is gone after the shorter
+/// interval. Failed before: no property in the CONNACK, and the session
+/// was still there 2.5 s later (Session Present 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_expiry_over_the_maximum_is_shortened_and_told() {
+    let (_fake, gw, addr) = start(Knobs::default(), "max_session_expiry_s = 1").await;
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&raw::connect_v5_props(SUB, D1, true, &raw::prop_u32(0x11, u32::MAX))).await.unwrap();
+    let ack = raw::packet(&mut s).await.expect("a CONNACK");
+    assert_eq!((ack[0], ack[3]), (0x20, 0), "accepted: {ack:02x?}");
+    assert!(ack.windows(5).any(|w| w == [0x11, 0, 0, 0, 1]), "Session Expiry Interval 1: {ack:02x?}");
+    subscribe(&mut s, "s/t").await;
+    // A DISCONNECT asking for longer is shortened as well.
+    disconnect(s, &raw::prop_u32(0x11, 3600)).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await; // past the 1 s the session is kept
+    let (_s, present) = connect(addr, SUB, false, &[]).await;
+    assert!(!present, "the session ended after 1 s, not never");
+    gw.stop().await;
+}

@@ -48,6 +48,9 @@ pub struct MqttConfig {
     pub max_will_bytes: usize,
     /// Longest a will waits (MQTT 5 will delay / session expiry), seconds.
     pub max_will_delay_s: u32,
+    /// Longest MQTT 5 Session Expiry Interval, seconds: a client's longer
+    /// one (or "never", 0xFFFFFFFF) becomes this, and the CONNACK says so.
+    pub max_session_expiry_s: u32,
     /// Failed authentications per second allowed per device id (bursts of
     /// 5 ×); beyond, CONNECTs of that id are refused without a password
     /// check.
@@ -136,6 +139,7 @@ pub struct RawMqtt {
     pub max_instances_per_device: usize,
     pub max_will_bytes: usize,
     pub max_will_delay_s: u32,
+    pub max_session_expiry_s: u32,
     pub auth_failures_per_s: f64,
     pub auth_failures_per_ip_per_s: f64,
     pub max_retained_per_device: usize,
@@ -172,6 +176,7 @@ impl Default for RawMqtt {
             max_instances_per_device: 8,
             max_will_bytes: 16 * 1024,
             max_will_delay_s: 3600,
+            max_session_expiry_s: 86_400,
             auth_failures_per_s: 2.0,
             auth_failures_per_ip_per_s: 10.0,
             max_retained_per_device: 100,
@@ -322,6 +327,7 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
         max_instances_per_device: raw.max_instances_per_device,
         max_will_bytes: raw.max_will_bytes,
         max_will_delay_s: raw.max_will_delay_s,
+        max_session_expiry_s: raw.max_session_expiry_s,
         auth_failures_per_s: raw.auth_failures_per_s,
         auth_failures_per_ip_per_s: raw.auth_failures_per_ip_per_s,
         max_retained_per_device: raw.max_retained_per_device,

@@ -166,24 +166,49 @@ pub struct ConnectTerms {
     /// The keep-alive the server applies instead of the client's (0 or
     /// above the maximum), for MQTT 5's Server Keep Alive.
     pub server_keep_alive: Option<u16>,
+    /// The Session Expiry Interval the server applies instead of the
+    /// client's (above the maximum), told in the CONNACK.
+    pub server_session_expiry: Option<u32>,
 }
 
 /// Rewrites an authenticated CONNECT for rumqttd: a keep-alive of 0 or above
-/// `max_keep_alive` (seconds) becomes `max_keep_alive`.
+/// `max_keep_alive` (seconds) becomes `max_keep_alive`, and an MQTT 5
+/// Session Expiry Interval above `max_session_expiry` (seconds; 0xFFFFFFFF,
+/// "never", included) becomes `max_session_expiry`, so that no client keeps
+/// a session in the broker's memory for longer (MQTT-3.2.2-19 lets the
+/// server say so in the CONNACK).
 pub fn rewrite_connect(
     connect: &mut Connect,
     props: &mut Option<ConnectProperties>,
     max_keep_alive: u16,
+    max_session_expiry: u32,
 ) -> ConnectTerms {
     let server_keep_alive = (connect.keep_alive == 0 || connect.keep_alive > max_keep_alive).then_some(max_keep_alive);
     if let Some(k) = server_keep_alive {
         connect.keep_alive = k;
     }
-    let session_expiry = props.as_ref().and_then(|p| p.session_expiry_interval).unwrap_or(0);
+    let mut server_session_expiry = None;
     if let Some(p) = props.as_mut() {
         p.topic_alias_max = None;
+        if p.session_expiry_interval.is_some_and(|e| e > max_session_expiry) {
+            p.session_expiry_interval = Some(max_session_expiry);
+            server_session_expiry = Some(max_session_expiry);
+        }
     }
-    ConnectTerms { session_expiry, server_keep_alive }
+    let session_expiry = props.as_ref().and_then(|p| p.session_expiry_interval).unwrap_or(0);
+    ConnectTerms { session_expiry, server_keep_alive, server_session_expiry }
+}
+
+/// Sets MQTT 5's Session Expiry Interval on a CONNACK that has properties,
+/// where the server shortened the client's.
+pub fn with_server_session_expiry(packet: Packet, server_session_expiry: Option<u32>) -> Packet {
+    match (packet, server_session_expiry) {
+        (Packet::ConnAck(ack, Some(mut p)), Some(e)) => {
+            p.session_expiry_interval = Some(e);
+            Packet::ConnAck(ack, Some(p))
+        }
+        (packet, _) => packet,
+    }
 }
 
 /// A client id (up to 64 KiB of anything) as it may be logged: at most 64
@@ -482,6 +507,36 @@ mod tests {
     }
 
     #[test]
+    fn a_session_expiry_over_the_maximum_is_shortened() {
+        let props = |e: Option<u32>| {
+            Some(ConnectProperties {
+                session_expiry_interval: e,
+                receive_maximum: None,
+                max_packet_size: None,
+                topic_alias_max: None,
+                request_response_info: None,
+                request_problem_info: None,
+                user_properties: vec![],
+                authentication_method: None,
+                authentication_data: None,
+            })
+        };
+        let mut c = Connect { keep_alive: 20, client_id: "d".into(), clean_session: true };
+        for (asked, kept, told) in [
+            (Some(u32::MAX), 60, Some(60)),
+            (Some(61), 60, Some(60)),
+            (Some(60), 60, None),
+            (Some(5), 5, None),
+            (None, 0, None),
+        ] {
+            let mut p = props(asked);
+            let terms = rewrite_connect(&mut c, &mut p, 600, 60);
+            assert_eq!((terms.session_expiry, terms.server_session_expiry), (kept, told), "asked {asked:?}");
+            assert_eq!(p.unwrap().session_expiry_interval, asked.map(|a| a.min(60)), "what the router gets");
+        }
+    }
+
+    #[test]
     fn connect_keep_alive_0_and_topic_aliases_are_rewritten() {
         let mut c = Connect { keep_alive: 0, client_id: "d".into(), clean_session: true };
         let mut props = Some(ConnectProperties {
@@ -497,15 +552,18 @@ mod tests {
         });
         // keep_alive 0 is not "for ever" (it was 65 535 s): the maximum.
         assert_eq!(
-            rewrite_connect(&mut c, &mut props, 600),
-            ConnectTerms { session_expiry: 30, server_keep_alive: Some(600) }
+            rewrite_connect(&mut c, &mut props, 600, 86_400),
+            ConnectTerms { session_expiry: 30, server_keep_alive: Some(600), server_session_expiry: None }
         );
         assert_eq!((c.keep_alive, props.unwrap().topic_alias_max), (600, None));
         let mut c = Connect { keep_alive: 20, client_id: "d".into(), clean_session: true };
-        let terms = rewrite_connect(&mut c, &mut None, 600);
-        assert_eq!((terms, c.keep_alive), (ConnectTerms { session_expiry: 0, server_keep_alive: None }, 20));
+        let terms = rewrite_connect(&mut c, &mut None, 600, 86_400);
+        assert_eq!(
+            (terms, c.keep_alive),
+            (ConnectTerms { session_expiry: 0, server_keep_alive: None, server_session_expiry: None }, 20)
+        );
         let mut c = Connect { keep_alive: 3600, client_id: "d".into(), clean_session: true };
-        assert_eq!((rewrite_connect(&mut c, &mut None, 600).server_keep_alive, c.keep_alive), (Some(600), 600));
+        assert_eq!((rewrite_connect(&mut c, &mut None, 600, 86_400).server_keep_alive, c.keep_alive), (Some(600), 600));
         // MQTT 5 clients are told.
         let ack = Packet::ConnAck(
             ConnAck { session_present: false, code: ConnectReturnCode::Success },
@@ -513,6 +571,13 @@ mod tests {
         );
         let Packet::ConnAck(_, Some(p)) = with_server_keep_alive(ack, Some(600)) else { panic!("a CONNACK") };
         assert_eq!(p.server_keep_alive, Some(600));
+        let Packet::ConnAck(_, Some(p)) = with_server_session_expiry(
+            Packet::ConnAck(ConnAck { session_present: false, code: ConnectReturnCode::Success }, Some(p)),
+            Some(60),
+        ) else {
+            panic!("a CONNACK")
+        };
+        assert_eq!(p.session_expiry_interval, Some(60));
         let will = LastWill { topic: "status".into(), message: Bytes::new(), qos: QoS::AtMostOnce, retain: false };
         assert_eq!(mount_will("dev1", will).topic, mount_topic("dev1", "status"));
     }

@@ -55,6 +55,9 @@ pub struct Session {
     /// The keep-alive applied instead of the client's, told to MQTT 5
     /// clients in the CONNACK.
     pub server_keep_alive: Option<u16>,
+    /// The Session Expiry Interval the server applies instead of the
+    /// client's longer one (`mqtt.max_session_expiry_s`), told in CONNACK.
+    pub server_session_expiry: Option<u32>,
     /// The connection's will (topic mounted), until a clean DISCONNECT.
     pub will: Option<(LastWill, Option<LastWillProperties>)>,
     /// Device view of its request topic, for the expiry rewrite.

@@ -73,6 +73,8 @@ pub struct ProtocolShared {
     max_will_bytes: usize,
     /// `mqtt.max_will_delay_s`.
     max_will_delay_s: u32,
+    /// `mqtt.max_session_expiry_s`.
+    max_session_expiry_s: u32,
     /// Retained messages, topics and filters per device (shared with the
     /// wills, which count when they are published).
     quotas: Arc<DeviceQuotas>,
@@ -101,6 +103,7 @@ impl ProtocolShared {
             max_keep_alive: crate::config::mqtt::DEFAULT_MQTT_MAX_KEEP_ALIVE_S,
             max_will_bytes: usize::MAX,
             max_will_delay_s: u32::MAX,
+            max_session_expiry_s: u32::MAX,
             quotas: Arc::new(DeviceQuotas::new(QuotaLimits {
                 retained: usize::MAX,
                 retained_bytes: usize::MAX,
@@ -118,6 +121,7 @@ impl ProtocolShared {
         self.max_keep_alive = cfg.max_keep_alive_s;
         self.max_will_bytes = cfg.max_will_bytes;
         self.max_will_delay_s = cfg.max_will_delay_s;
+        self.max_session_expiry_s = cfg.max_session_expiry_s;
         self.connections =
             Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s, cfg.auth_failures_per_ip_per_s);
         self.quotas = Arc::new(DeviceQuotas::new(QuotaLimits {
@@ -282,7 +286,8 @@ impl DeviceProtocol {
         // presence and the router topics use the mount `{tenant}/{device}`.
         let mount = super::topics::mount_name(&identity.tenant, &device);
         let conn = shared.connections.next_conn();
-        let terms = codec::rewrite_connect(&mut connect, &mut props, shared.max_keep_alive);
+        let terms =
+            codec::rewrite_connect(&mut connect, &mut props, shared.max_keep_alive, shared.max_session_expiry_s);
         let client_id = connect.client_id.clone();
         let v5 = self.version == Version::V5;
         let lifetime = Lifetime::of(v5, connect.clean_session, terms.session_expiry);
@@ -305,6 +310,7 @@ impl DeviceProtocol {
             v5,
             clean: connect.clean_session,
             server_keep_alive: terms.server_keep_alive,
+            server_session_expiry: terms.server_session_expiry,
         });
         Packet::Connect(connect, props, None, None, login)
     }
@@ -397,7 +403,12 @@ impl DeviceProtocol {
     /// (MQTT-3.14.2-2): DISCONNECT 0x82, and since the DISCONNECT is not a
     /// valid one the will stays.
     fn screen_disconnect(&mut self, packet: Packet) -> Verdict {
-        let Packet::Disconnect(d, props) = &packet else { unreachable!("called with a DISCONNECT") };
+        let Packet::Disconnect(d, mut props) = packet else { unreachable!("called with a DISCONNECT") };
+        // No longer than `mqtt.max_session_expiry_s`, as at CONNECT.
+        let max = self.shared.max_session_expiry_s;
+        if let Some(e) = props.as_mut().and_then(|p| p.session_expiry_interval.as_mut()) {
+            *e = (*e).min(max);
+        }
         let asked = props.as_ref().and_then(|p| p.session_expiry_interval);
         let Conn::Open(session) = &mut self.state else { return Verdict::Close(None) };
         if session.v5 && session.session_expiry == 0 && asked.is_some_and(|e| e != 0) {
@@ -412,7 +423,7 @@ impl DeviceProtocol {
             session.session_expiry = expiry;
         }
         self.end_link();
-        Verdict::Forward(packet)
+        Verdict::Forward(Packet::Disconnect(d, props))
     }
 
     /// A SUBSCRIBE (mounted) within the connection's subscriptions and the
@@ -566,6 +577,8 @@ impl Protocol for DeviceProtocol {
         }
         let packet = codec::outbound(self.version, refused, device, packet)?;
         let packet = codec::with_server_keep_alive(packet, self.state.session().and_then(|s| s.server_keep_alive));
+        let packet =
+            codec::with_server_session_expiry(packet, self.state.session().and_then(|s| s.server_session_expiry));
         let packet = match refused {
             None => codec::with_topic_alias_max(codec::with_receive_maximum(packet, self.shared.receive_max)),
             Some(_) => packet,
