@@ -13,9 +13,8 @@ use serde_json::{json, Value};
 use super::caller::{header_text, id_headers, Credential};
 use super::errors::ApiError;
 use super::sse::{self, usage_json, Chunks, Head, Piece};
-use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::{Caller, Gateway, SubmitOptions, TaskStream};
-use crate::task::{Ingress, TaskEvent, ToolCallDelta};
+use crate::task::{Ingress, ToolCallDelta};
 
 /// The submission options of an HTTP chat call: the `x-request-id` hint,
 /// and the `Idempotency-Key` header for a body that names no
@@ -93,56 +92,44 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
     sse::respond(task, Chunks::new(head, include_usage, chunk))
 }
 
-/// Waits for the whole answer. If the client disconnects, hyper drops this
-/// future, the task stream is dropped and the task is cancelled.
-async fn whole_response(mut task: TaskStream, model: String) -> Response {
-    let mut text = String::new();
+/// Waits for the whole answer ([`sse::whole_text`]).
+async fn whole_response(task: TaskStream, model: String) -> Response {
     let created = crate::task::now_ms() / 1000;
-    while let Some((_, ev)) = task.recv().await {
-        match ev {
-            // The whole calls are in the result, checked.
-            TaskEvent::Accepted { .. }
-            | TaskEvent::Queued { .. }
-            | TaskEvent::ToolCallDelta(_)
-            | TaskEvent::Embedding { .. } => {}
-            TaskEvent::Delta { text: t } => text.push_str(&t),
-            TaskEvent::Done(meta) => {
-                let mut message = json!({ "role": "assistant", "content": text, "refusal": null });
-                if !meta.tool_calls.is_empty() {
-                    let calls: Vec<Value> = meta
-                        .tool_calls
-                        .iter()
-                        .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
-                        .collect();
-                    message["tool_calls"] = Value::Array(calls);
-                    // OpenAI's form: no text beside the calls is null.
-                    if text.is_empty() {
-                        message["content"] = Value::Null;
-                    }
-                }
-                let body = json!({
-                    "id": format!("chatcmpl-{}", meta.task_id),
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": model,
-                    "system_fingerprint": null,
-                    "choices": [{
-                        "index": 0,
-                        "message": message,
-                        "logprobs": null,
-                        "finish_reason": meta.finish_reason,
-                    }],
-                    "usage": usage_json(&meta),
-                    "edge": serde_json::to_value(&*meta).unwrap_or(Value::Null),
-                });
-                let mut resp = (StatusCode::OK, Json(body)).into_response();
-                id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
-                return resp;
-            }
-            TaskEvent::Error { error, meta } => return ApiError::Gateway(error, Some(meta)).into_response(),
+    let (text, meta) = match sse::whole_text(task).await {
+        Ok(done) => done,
+        Err(resp) => return resp,
+    };
+    let mut message = json!({ "role": "assistant", "content": text, "refusal": null });
+    if !meta.tool_calls.is_empty() {
+        let calls: Vec<Value> = meta
+            .tool_calls
+            .iter()
+            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+            .collect();
+        message["tool_calls"] = Value::Array(calls);
+        // OpenAI's form: no text beside the calls is null.
+        if text.is_empty() {
+            message["content"] = Value::Null;
         }
     }
-    ApiError::from(GatewayError::new(ErrorCode::InternalError, "the task ended without a result")).into_response()
+    let body = json!({
+        "id": format!("chatcmpl-{}", meta.task_id),
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": null,
+        "choices": [{
+            "index": 0,
+            "message": message,
+            "logprobs": null,
+            "finish_reason": meta.finish_reason,
+        }],
+        "usage": usage_json(&meta),
+        "edge": serde_json::to_value(&*meta).unwrap_or(Value::Null),
+    });
+    let mut resp = (StatusCode::OK, Json(body)).into_response();
+    id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
+    resp
 }
 
 #[cfg(test)]

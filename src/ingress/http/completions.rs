@@ -20,9 +20,8 @@ use super::caller::{id_headers, Credential};
 use super::chat::submit_options;
 use super::errors::ApiError;
 use super::sse::{self, usage_json, Chunks, Head, Piece};
-use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::{parse_completion, Caller, Gateway, TaskStream};
-use crate::task::{Ingress, TaskEvent};
+use crate::task::Ingress;
 
 /// What the handler needs of the body besides the task.
 struct Shape {
@@ -76,34 +75,23 @@ fn sse_response(task: TaskStream, model: String, include_usage: bool) -> Respons
     sse::respond(task, Chunks::new(head, include_usage, chunk))
 }
 
-/// Waits for the whole answer. If the client disconnects, hyper drops this
-/// future, the task stream is dropped and the task is cancelled.
-async fn whole_response(mut task: TaskStream, model: String) -> Response {
-    let mut text = String::new();
+/// Waits for the whole answer ([`sse::whole_text`]).
+async fn whole_response(task: TaskStream, model: String) -> Response {
     let created = crate::task::now_ms() / 1000;
-    while let Some((_, ev)) = task.recv().await {
-        match ev {
-            TaskEvent::Accepted { .. }
-            | TaskEvent::Queued { .. }
-            | TaskEvent::Embedding { .. }
-            | TaskEvent::ToolCallDelta(_) => {}
-            TaskEvent::Delta { text: t } => text.push_str(&t),
-            TaskEvent::Done(meta) => {
-                let body = json!({
-                    "id": format!("cmpl-{}", meta.task_id),
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [{ "text": text, "index": 0, "logprobs": null, "finish_reason": meta.finish_reason }],
-                    "usage": usage_json(&meta),
-                    "edge": serde_json::to_value(&*meta).unwrap_or(Value::Null),
-                });
-                let mut resp = (StatusCode::OK, Json(body)).into_response();
-                id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
-                return resp;
-            }
-            TaskEvent::Error { error, meta } => return ApiError::Gateway(error, Some(meta)).into_response(),
-        }
-    }
-    ApiError::from(GatewayError::new(ErrorCode::InternalError, "the task ended without a result")).into_response()
+    let (text, meta) = match sse::whole_text(task).await {
+        Ok(done) => done,
+        Err(resp) => return resp,
+    };
+    let body = json!({
+        "id": format!("cmpl-{}", meta.task_id),
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{ "text": text, "index": 0, "logprobs": null, "finish_reason": meta.finish_reason }],
+        "usage": usage_json(&meta),
+        "edge": serde_json::to_value(&*meta).unwrap_or(Value::Null),
+    });
+    let mut resp = (StatusCode::OK, Json(body)).into_response();
+    id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
+    resp
 }

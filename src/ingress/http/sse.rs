@@ -17,7 +17,9 @@ use axum::response::Response;
 use serde_json::{json, Value};
 
 use super::caller::event_stream;
-use super::errors::error_object;
+use axum::response::IntoResponse;
+
+use super::errors::{error_object, ApiError};
 use crate::error::GatewayError;
 use crate::gateway::TaskStream;
 use crate::task::{ResultMeta, TaskEvent, ToolCallDelta};
@@ -49,6 +51,28 @@ pub(super) fn respond<R: Render>(task: TaskStream, r: R) -> Response {
         Some((Ok(out), (task, r, finished)))
     });
     event_stream(Body::from_stream(body), &request_id, &task_id)
+}
+
+/// The whole text of a chunk API's answer and its result, for a call that
+/// is not streamed (chat and legacy completions); the error response if the
+/// task failed or ended without a result. Tool calls are not gathered: the
+/// whole calls are in the result, checked. If the client disconnects, hyper
+/// drops the caller's future, the task stream with it, and the task is
+/// cancelled.
+pub(super) async fn whole_text(mut task: TaskStream) -> Result<(String, Box<ResultMeta>), Response> {
+    let mut text = String::new();
+    while let Some((_, ev)) = task.recv().await {
+        match ev {
+            TaskEvent::Accepted { .. }
+            | TaskEvent::Queued { .. }
+            | TaskEvent::ToolCallDelta(_)
+            | TaskEvent::Embedding { .. } => {}
+            TaskEvent::Delta { text: t } => text.push_str(&t),
+            TaskEvent::Done(meta) => return Ok((text, meta)),
+            TaskEvent::Error { error, meta } => return Err(ApiError::Gateway(error, Some(meta)).into_response()),
+        }
+    }
+    Err(ApiError::from(GatewayError::internal("the task ended without a result")).into_response())
 }
 
 /// `data: <json>` and the blank line.
