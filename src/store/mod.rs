@@ -110,7 +110,10 @@ enum WriteOp {
         task_id: String,
         t: Transition,
     },
+    /// The terminal transition and the result in one op, so no batch
+    /// commits the terminal state without its error code and result.
     Finish {
+        t: Box<Transition>,
         meta: Box<ResultMeta>,
         error_code: Option<String>,
         result_text: Option<String>,
@@ -480,15 +483,19 @@ impl Store {
     /// Appends a transition and sets the task's state (unchecked: see
     /// [`Self::new_task`]).
     pub fn transition(&self, task_id: &str, state: TaskState, reason: &str, instance: Option<&str>, actor: &str) {
-        let t = Transition {
+        let t = self.new_transition(state, reason, instance, actor);
+        self.write(WriteOp::Transition { task_id: task_id.to_string(), t });
+    }
+
+    fn new_transition(&self, state: TaskState, reason: &str, instance: Option<&str>, actor: &str) -> Transition {
+        Transition {
             state,
             at_ms: crate::task::now_ms(),
             reason: reason.to_string(),
             node_id: self.node_id.to_string(),
             instance: instance.map(str::to_string),
             actor: actor.to_string(),
-        };
-        self.write(WriteOp::Transition { task_id: task_id.to_string(), t });
+        }
     }
 
     /// Records a call that admission refused, as a task that went
@@ -511,13 +518,25 @@ impl Store {
         task_id
     }
 
-    /// Records the final metadata. `result_text` is dropped unless prompts
-    /// are stored.
+    /// Records the terminal transition (to `meta.status`) and the final
+    /// metadata together: a reader never sees the terminal state without
+    /// its error code. `result_text` is dropped unless prompts are stored.
     /// With `idempotent`, the text is also kept with the task's idempotency
     /// key (for the key's lifetime), whatever the prompt policy.
-    pub fn finish(&self, meta: &ResultMeta, error_code: Option<&str>, result_text: Option<String>, idempotent: bool) {
+    #[allow(clippy::too_many_arguments)]
+    pub fn finish(
+        &self,
+        meta: &ResultMeta,
+        reason: &str,
+        instance: Option<&str>,
+        actor: &str,
+        error_code: Option<&str>,
+        result_text: Option<String>,
+        idempotent: bool,
+    ) {
         let idempotent_text = if idempotent { result_text.clone() } else { None };
         self.write(WriteOp::Finish {
+            t: Box::new(self.new_transition(meta.status, reason, instance, actor)),
             meta: Box::new(meta.clone()),
             error_code: error_code.map(str::to_string),
             result_text: result_text.filter(|_| self.store_prompts),
@@ -1046,7 +1065,8 @@ fn apply(txn: &Connection, op: &WriteOp) -> rusqlite::Result<()> {
     match op {
         WriteOp::NewTask { row, prompt_text } => insert_task(txn, row, prompt_text.as_deref()),
         WriteOp::Transition { task_id, t } => insert_transition(txn, task_id, t),
-        WriteOp::Finish { meta, error_code, result_text, idempotent_text } => {
+        WriteOp::Finish { t, meta, error_code, result_text, idempotent_text } => {
+            insert_transition(txn, &meta.task_id, t)?;
             finish_task(txn, meta, error_code.as_deref(), result_text.as_deref())?;
             pending_requests::drop_request(txn, &meta.task_id)?;
             match idempotent_text {

@@ -149,8 +149,7 @@ impl Recorder {
     /// subscribers told: nobody waits for it in this run).
     pub fn end_recovered(&self, meta: &ResultMeta, reason: &str, error_code: &'static str) {
         self.advance(&meta.task_id, meta.status, reason, || {
-            self.store.transition(&meta.task_id, meta.status, reason, None, "gateway");
-            self.store.finish(meta, Some(error_code), None, false);
+            self.store.finish(meta, reason, None, "gateway", Some(error_code), None, false);
         });
     }
 
@@ -205,8 +204,7 @@ impl Recorder {
         result_text: Option<String>,
     ) {
         let recorded = self.advance(&req.task_id, meta.status, reason, || {
-            self.store.transition(&req.task_id, meta.status, reason, instance, actor);
-            self.store.finish(meta, error_code, result_text, req.idempotency_key.is_some());
+            self.store.finish(meta, reason, instance, actor, error_code, result_text, req.idempotency_key.is_some());
         });
         if recorded {
             // Lifecycle events carry no answer text, and tool-call
@@ -365,6 +363,39 @@ mod tests {
         store.flush().await;
         let rec = store.get(id).await.unwrap().expect("task stored");
         (rec.state, rec.transitions.iter().map(|t| t.state).collect())
+    }
+
+    /// The terminal state, its transition and its error code are one
+    /// write, so a reader (`GET /v1/tasks/{id}`) never sees CANCELLED
+    /// without REQUEST_CANCELLED. They were two writes, and a batch could
+    /// commit between them (the e2e test of a cancel saw `error_code` None
+    /// once). A degraded store that may buffer only one write shows it:
+    /// with two writes the second was dropped.
+    #[tokio::test]
+    async fn the_terminal_state_and_its_error_code_are_one_write() {
+        let s = setup();
+        let req = request();
+        s.rec.received(&req);
+        for st in [Validating, Queued, Dispatching, Running] {
+            s.rec.transition(&req, st, "test", None, "scheduler");
+        }
+        s.store.flush().await;
+        // The same file again, with a buffer of one write (the bound holds
+        // while healthy too, so the start of the task is written above).
+        let opts = crate::store::StoreOptions { max_buffered_writes: 1, ..Default::default() };
+        let store = Store::open_with(&s._dir.path().join("edgeway.db"), "n1", false, opts).unwrap();
+        let rec = Recorder::new(store.clone(), &Metrics::new());
+        rec.adopt(&req.task_id, Running);
+        store.set_writer_pragma("query_only", 1).await;
+        rec.finished(&req, &meta(&req, Cancelled), "cancelled", None, "client", Some("REQUEST_CANCELLED"), None);
+        store.flush().await;
+        assert_eq!(store.health().dropped_writes(), 0, "the end of a task is one write");
+        store.set_writer_pragma("query_only", 0).await;
+        let (state, seen) = states(&store, &req.task_id).await;
+        assert_eq!(state, Cancelled);
+        assert_eq!(seen.last(), Some(&Cancelled));
+        let rec = store.get(&req.task_id).await.unwrap().unwrap();
+        assert_eq!(rec.error_code.as_deref(), Some("REQUEST_CANCELLED"));
     }
 
     #[tokio::test]
