@@ -19,7 +19,8 @@
 //!
 //! The task and transition tables are here; each other table has its own
 //! file: `idempotency.rs` (keys), `pending_requests.rs` (to re-queue after
-//! a crash) and `revoked_keys.rs`.
+//! a crash), `revoked_keys.rs` and `sessions.rs` (sessions, their history
+//! and memory).
 //!
 //! Does not own: the decisions recorded (scheduler), prompt policy (the
 //! caller decides whether text is passed in at all) or metrics: it counts
@@ -31,6 +32,7 @@ mod reserve;
 mod responses;
 mod retention;
 mod revoked_keys;
+pub mod sessions;
 
 pub use idempotency::IdempotentRecord;
 pub use pending_requests::{StoredRequest, Unfinished};
@@ -152,6 +154,12 @@ enum WriteOp {
         body: String,
     },
     ForgetResponse(String),
+    /// A session's row (created, or its counts after a turn).
+    SessionRow(Box<sessions::SessionRow>),
+    SessionMessage(Box<sessions::MessageRow>),
+    SessionMemory(Box<sessions::MemoryRow>),
+    SessionMemoryClear(String),
+    SessionDelete(String),
     SetRevoked {
         key_sha256: String,
         by: String,
@@ -166,6 +174,7 @@ enum Op {
     Durable(WriteOp, oneshot::Sender<Result<(), StoreError>>),
     Unfinished(oneshot::Sender<Vec<Unfinished>>),
     RevokedKeys(oneshot::Sender<Vec<String>>),
+    Sessions(oneshot::Sender<Vec<sessions::StoredSession>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
     /// Answered once no write is buffered (every write sent before it is
@@ -382,7 +391,9 @@ impl Store {
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
         conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
-        for schema in [idempotency::SCHEMA, pending_requests::SCHEMA, revoked_keys::SCHEMA, responses::SCHEMA] {
+        for schema in
+            [idempotency::SCHEMA, pending_requests::SCHEMA, revoked_keys::SCHEMA, responses::SCHEMA, sessions::SCHEMA]
+        {
             conn.execute_batch(schema).map_err(open_err)?;
         }
         let expired = idempotency::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
@@ -647,6 +658,39 @@ impl Store {
         rx.await.unwrap_or_default()
     }
 
+    /// Writes a session's row: at creation, and with its new counts after
+    /// each turn. Only for sessions the store may keep (see
+    /// `crate::context::sessions`).
+    pub fn session_row(&self, row: sessions::SessionRow) {
+        self.write(WriteOp::SessionRow(Box::new(row)));
+    }
+
+    pub fn session_message(&self, m: sessions::MessageRow) {
+        self.write(WriteOp::SessionMessage(Box::new(m)));
+    }
+
+    pub fn session_memory(&self, m: sessions::MemoryRow) {
+        self.write(WriteOp::SessionMemory(Box::new(m)));
+    }
+
+    pub fn clear_session_memory(&self, session_id: &str) {
+        self.write(WriteOp::SessionMemoryClear(session_id.to_string()));
+    }
+
+    /// Deletes a session, its history and its memory.
+    pub fn delete_session(&self, session_id: &str) {
+        self.write(WriteOp::SessionDelete(session_id.to_string()));
+    }
+
+    /// The stored sessions that have not expired (at start-up).
+    pub async fn sessions(&self) -> Vec<sessions::StoredSession> {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Op::Sessions(tx)).is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
     /// Tasks that were not terminal when the gateway last stopped.
     pub async fn unfinished(&self) -> Vec<Unfinished> {
         let (tx, rx) = oneshot::channel();
@@ -864,6 +908,7 @@ impl Writer {
             }
             Op::Unfinished(tx) => self.replies.push(Reply::Unfinished(tx)),
             Op::RevokedKeys(tx) => self.replies.push(Reply::RevokedKeys(tx)),
+            Op::Sessions(tx) => self.replies.push(Reply::Sessions(tx)),
             Op::Flush(tx) => self.replies.push(Reply::Flush(tx)),
             Op::Get(id, tx) => self.replies.push(Reply::Get(id, tx)),
             Op::Settled(tx) => self.settled.push(tx),
@@ -1019,6 +1064,12 @@ impl Writer {
                         Vec::new()
                     }));
                 }
+                Reply::Sessions(tx) => {
+                    let _ = tx.send(sessions::load(conn, crate::task::now_ms()).unwrap_or_else(|e| {
+                        tracing::error!(error = %e, "reading stored sessions failed");
+                        Vec::new()
+                    }));
+                }
                 Reply::Unfinished(tx) => {
                     let _ = tx.send(pending_requests::unfinished(conn).unwrap_or_else(|e| {
                         tracing::error!(error = %e, "reading unfinished tasks failed");
@@ -1039,7 +1090,9 @@ impl Writer {
         let batch = self.opts.purge_batch;
         let res = (|| -> rusqlite::Result<usize> {
             let txn = self.conn.transaction()?;
-            let n = retention::purge(&txn, now, tasks_before, rejected_before, batch)?;
+            let mut n = retention::purge(&txn, now, tasks_before, rejected_before, batch)?;
+            // Expired sessions: each row knows when it expires.
+            n += sessions::purge_expired(&txn, now, batch)?;
             txn.commit()?;
             Ok(n)
         })();
@@ -1089,6 +1142,11 @@ fn apply(txn: &Connection, op: &WriteOp) -> rusqlite::Result<()> {
         }
         WriteOp::KeepResponse { task_id, body } => responses::keep(txn, task_id, body),
         WriteOp::ForgetResponse(task_id) => responses::forget(txn, task_id),
+        WriteOp::SessionRow(r) => sessions::upsert(txn, r),
+        WriteOp::SessionMessage(m) => sessions::add_message(txn, m),
+        WriteOp::SessionMemory(m) => sessions::put_memory(txn, m),
+        WriteOp::SessionMemoryClear(id) => sessions::clear_memory(txn, id),
+        WriteOp::SessionDelete(id) => sessions::delete(txn, id),
         WriteOp::SetRevoked { key_sha256, by, revoked } => {
             revoked_keys::set_revoked(txn, key_sha256, by, *revoked, crate::task::now_ms())
         }
@@ -1098,6 +1156,7 @@ fn apply(txn: &Connection, op: &WriteOp) -> rusqlite::Result<()> {
 enum Reply {
     Unfinished(oneshot::Sender<Vec<Unfinished>>),
     RevokedKeys(oneshot::Sender<Vec<String>>),
+    Sessions(oneshot::Sender<Vec<sessions::StoredSession>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
 }
