@@ -36,10 +36,21 @@ pub enum ErrorCode {
     StoreUnavailable,
     /// The gateway is draining before it stops: new work is refused.
     ShuttingDown,
+    /// No such session for this caller (unknown, deleted, purged, or
+    /// another tenant's, application's or user's: existence is not told).
+    SessionNotFound,
+    /// The session passed its maximum lifetime or idle expiry.
+    SessionExpired,
+    /// The session holds its maximum number of messages.
+    SessionMessageLimit,
+    /// The session holds its maximum number of tokens.
+    SessionTokenLimit,
+    /// The caller holds its maximum number of sessions.
+    SessionLimit,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 19] = [
+    pub const ALL: [ErrorCode; 24] = [
         ErrorCode::AuthFailed,
         ErrorCode::PermissionDenied,
         ErrorCode::RateLimited,
@@ -59,6 +70,11 @@ impl ErrorCode {
         ErrorCode::InternalError,
         ErrorCode::StoreUnavailable,
         ErrorCode::ShuttingDown,
+        ErrorCode::SessionNotFound,
+        ErrorCode::SessionExpired,
+        ErrorCode::SessionMessageLimit,
+        ErrorCode::SessionTokenLimit,
+        ErrorCode::SessionLimit,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -82,6 +98,11 @@ impl ErrorCode {
             ErrorCode::InternalError => "INTERNAL_ERROR",
             ErrorCode::StoreUnavailable => "STORE_UNAVAILABLE",
             ErrorCode::ShuttingDown => "SHUTTING_DOWN",
+            ErrorCode::SessionNotFound => "SESSION_NOT_FOUND",
+            ErrorCode::SessionExpired => "SESSION_EXPIRED",
+            ErrorCode::SessionMessageLimit => "SESSION_MESSAGE_LIMIT",
+            ErrorCode::SessionTokenLimit => "SESSION_TOKEN_LIMIT",
+            ErrorCode::SessionLimit => "SESSION_LIMIT",
         }
     }
 
@@ -106,6 +127,9 @@ impl ErrorCode {
             | ErrorCode::TotalTimeout => 504,
             ErrorCode::RequestCancelled => 499,
             ErrorCode::InternalError => 500,
+            ErrorCode::SessionNotFound => 404,
+            ErrorCode::SessionExpired => 410,
+            ErrorCode::SessionMessageLimit | ErrorCode::SessionTokenLimit | ErrorCode::SessionLimit => 409,
         }
     }
 
@@ -115,7 +139,13 @@ impl ErrorCode {
             ErrorCode::AuthFailed => "authentication_error",
             ErrorCode::PermissionDenied | ErrorCode::PolicyBlocked => "permission_error",
             ErrorCode::RateLimited | ErrorCode::QuotaExceeded => "rate_limit_error",
-            ErrorCode::InvalidRequest | ErrorCode::ContextTooLarge => "invalid_request_error",
+            ErrorCode::InvalidRequest
+            | ErrorCode::ContextTooLarge
+            | ErrorCode::SessionNotFound
+            | ErrorCode::SessionExpired
+            | ErrorCode::SessionMessageLimit
+            | ErrorCode::SessionTokenLimit
+            | ErrorCode::SessionLimit => "invalid_request_error",
             ErrorCode::QueueFull
             | ErrorCode::QueueTimeout
             | ErrorCode::ModelUnavailable

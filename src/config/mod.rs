@@ -83,6 +83,7 @@ pub struct Config {
     pub http: HttpConfig,
     pub store: StoreConfig,
     pub server: ServerConfig,
+    pub sessions: SessionsConfig,
     pub log: LogConfig,
     pub timeouts: Timeouts,
     pub scheduler: SchedulerConfig,
@@ -161,6 +162,42 @@ pub struct ServerConfig {
     /// On SIGTERM/SIGINT: how long running tasks may finish before the
     /// rest are cancelled.
     pub drain_timeout: Duration,
+}
+
+/// `[sessions]`: the ceilings of every session. A session may be created
+/// with lower limits, never higher ones.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionsConfig {
+    /// A session ends this long after it was created, used or not.
+    pub max_lifetime: Duration,
+    /// A session ends this long after its last turn (or creation).
+    pub idle_expiry: Duration,
+    /// Messages a session may hold (each turn adds two: the user's and
+    /// the answer).
+    pub max_messages: u32,
+    /// Estimated tokens of all the messages a session may hold.
+    pub max_tokens: u64,
+    /// Live sessions one user of one application may hold.
+    pub max_per_user: usize,
+    /// Memory entries one session may hold.
+    pub max_memory_entries: usize,
+    /// Append a turn that ended failed, cancelled or timed out as well
+    /// (with whatever answer text it produced).
+    pub append_failed_turns: bool,
+}
+
+impl Default for SessionsConfig {
+    fn default() -> Self {
+        SessionsConfig {
+            max_lifetime: Duration::from_secs(7 * 24 * 3600),
+            idle_expiry: Duration::from_secs(24 * 3600),
+            max_messages: 200,
+            max_tokens: 200_000,
+            max_per_user: 100,
+            max_memory_entries: 100,
+            append_failed_turns: false,
+        }
+    }
 }
 
 impl StoreConfig {
@@ -324,6 +361,10 @@ pub struct ApplicationConfig {
     /// Tools whose calls come back marked `requires_confirmation` (and are
     /// logged and counted as high-risk).
     pub high_risk_tools: Vec<String>,
+    /// Regular expressions whose matches are replaced by `[REDACTED]`
+    /// before anything of the application's sessions is kept (checked to
+    /// compile).
+    pub redact: Vec<String>,
 }
 
 /// Limits of one application against the others (all optional). The

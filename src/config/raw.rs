@@ -101,6 +101,7 @@ pub struct RawConfig {
     pub http: RawHttp,
     pub store: RawStore,
     pub server: RawServer,
+    pub sessions: RawSessions,
     pub log: RawLog,
     pub timeouts: RawTimeouts,
     pub scheduler: RawScheduler,
@@ -123,6 +124,7 @@ impl Default for RawConfig {
             http: RawHttp::default(),
             store: RawStore::default(),
             server: RawServer::default(),
+            sessions: RawSessions::default(),
             log: RawLog::default(),
             timeouts: RawTimeouts::default(),
             scheduler: RawScheduler::default(),
@@ -208,6 +210,34 @@ pub struct RawServer {
 impl Default for RawServer {
     fn default() -> Self {
         RawServer { drain_timeout_s: 30 }
+    }
+}
+
+/// `[sessions]`: the ceilings of every session (a session may ask for
+/// lower ones when it is created).
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawSessions {
+    pub max_lifetime_s: u64,
+    pub idle_expiry_s: u64,
+    pub max_messages: u32,
+    pub max_tokens: u64,
+    pub max_per_user: usize,
+    pub max_memory_entries: usize,
+    pub append_failed_turns: bool,
+}
+
+impl Default for RawSessions {
+    fn default() -> Self {
+        RawSessions {
+            max_lifetime_s: 7 * 24 * 3600,
+            idle_expiry_s: 24 * 3600,
+            max_messages: 200,
+            max_tokens: 200_000,
+            max_per_user: 100,
+            max_memory_entries: 100,
+            append_failed_turns: false,
+        }
     }
 }
 
@@ -398,6 +428,9 @@ pub struct RawApplication {
     pub allowed_tools: Option<Vec<String>>,
     /// Tools whose calls come back marked `requires_confirmation`.
     pub high_risk_tools: Vec<String>,
+    /// Patterns (regular expressions) replaced before anything of its
+    /// sessions is kept.
+    pub redact: Vec<String>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -437,6 +470,7 @@ impl Default for RawApplication {
             preemptible: Field::Valid(Preemptible(Some(Priority::P3))),
             allowed_tools: None,
             high_risk_tools: Vec::new(),
+            redact: Vec::new(),
         }
     }
 }

@@ -71,6 +71,7 @@ impl RawConfig {
         if self.server.drain_timeout_s > 3600 {
             p.add("server.drain_timeout_s", "must be at most 3600");
         }
+        let sessions = sessions(self.sessions, &mut p);
         let log = log(self.log, &mut p);
         let timeouts = timeouts(self.timeouts, &mut p);
         let default_queue_capacity = self.scheduler.queue_capacity;
@@ -100,6 +101,7 @@ impl RawConfig {
                 http: http?,
                 store,
                 server,
+                sessions,
                 log: log?,
                 timeouts,
                 scheduler,
@@ -128,6 +130,36 @@ impl RawConfig {
                 Err(ConfigErrors(p.0))
             }
         }
+    }
+}
+
+fn sessions(s: super::raw::RawSessions, p: &mut Problems) -> super::SessionsConfig {
+    const YEAR_S: u64 = 366 * 24 * 3600;
+    for (key, v) in [("max_lifetime_s", s.max_lifetime_s), ("idle_expiry_s", s.idle_expiry_s)] {
+        if v == 0 || v > YEAR_S {
+            p.add(format!("sessions.{key}"), format!("must be 1..{YEAR_S} seconds"));
+        }
+    }
+    if s.max_messages < 2 {
+        p.add("sessions.max_messages", "must be at least 2 (one turn)");
+    }
+    for (key, v) in [
+        ("max_tokens", s.max_tokens),
+        ("max_per_user", s.max_per_user as u64),
+        ("max_memory_entries", s.max_memory_entries as u64),
+    ] {
+        if v == 0 {
+            p.add(format!("sessions.{key}"), "must be at least 1");
+        }
+    }
+    super::SessionsConfig {
+        max_lifetime: Duration::from_secs(s.max_lifetime_s),
+        idle_expiry: Duration::from_secs(s.idle_expiry_s),
+        max_messages: s.max_messages,
+        max_tokens: s.max_tokens,
+        max_per_user: s.max_per_user,
+        max_memory_entries: s.max_memory_entries,
+        append_failed_turns: s.append_failed_turns,
     }
 }
 
@@ -465,6 +497,11 @@ fn application(
             }
         }
     }
+    for (i, pat) in a.redact.iter().enumerate() {
+        if let Err(e) = regex::Regex::new(pat) {
+            p.add(format!("{path}.redact[{i}]"), format!("not a regular expression: {e}"));
+        }
+    }
     Some(ApplicationConfig {
         name: name.to_string(),
         tenant: tenant?,
@@ -486,6 +523,7 @@ fn application(
         allow_smaller_model: a.allow_smaller_model,
         allowed_tools: a.allowed_tools,
         high_risk_tools: a.high_risk_tools,
+        redact: a.redact,
     })
 }
 
