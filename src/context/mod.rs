@@ -1,8 +1,16 @@
-//! Context budgeting: how many tokens a prompt takes and how much output
-//! still fits in a model's context window.
+//! Context: how many tokens a prompt takes and how much output still fits
+//! in a model's context window, the sessions that keep a conversation's
+//! history (`sessions.rs`, with redaction of what they keep in
+//! `redact.rs`), and the assembly of a prompt from a call and its session
+//! (`assembly.rs`).
 //!
-//! Owns: token estimates and the fit decision. Does not own: sessions and
-//! history (a later issue extends this module with them).
+//! Owns: token estimates, the fit decision, sessions and assembly. Does
+//! not own: admission of the call (`crate::admission`) or when a turn
+//! ends (the gateway follows the task).
+
+pub mod assembly;
+pub mod redact;
+pub mod sessions;
 
 use crate::task::ChatMessage;
 
@@ -13,7 +21,13 @@ const TOKENS_PER_MESSAGE: u32 = 4;
 /// English text with BPE/SentencePiece vocabularies, rounded up, plus the
 /// template overhead. Engines report the real count in usage.
 pub fn estimate_tokens(messages: &[ChatMessage]) -> u32 {
-    messages.iter().map(|m| TOKENS_PER_MESSAGE + ((m.text_len() as u64 * 2).div_ceil(7)) as u32).sum::<u32>() + 2
+    messages.iter().map(estimate_message).sum::<u32>() + 2
+}
+
+/// The estimate of one message (as [`estimate_tokens`] counts it inside a
+/// prompt, without the prompt's own overhead).
+pub fn estimate_message(m: &ChatMessage) -> u32 {
+    TOKENS_PER_MESSAGE + ((m.text_len() as u64 * 2).div_ceil(7)) as u32
 }
 
 /// How a request fits a context window.

@@ -8,7 +8,8 @@
 //! (`idempotency.rs`), the ownership check of a task (`tasks.rs`), counting
 //! refused calls in `edgeway_requests_total` (admitted tasks are counted by
 //! the scheduler's driver when they end), key revocation (`keys.rs`), the
-//! readiness view (`readiness.rs`), crash recovery (`recovery.rs`), and
+//! readiness view (`readiness.rs`), crash recovery (`recovery.rs`), the
+//! session API and the session turn of a call (`sessions.rs`), and
 //! refusing new work while the gateway drains (`SHUTTING_DOWN`) or the store
 //! cannot write (`STORE_UNAVAILABLE`).
 //!
@@ -21,6 +22,7 @@ mod idempotency;
 mod keys;
 mod readiness;
 mod recovery;
+mod sessions;
 mod tasks;
 
 use idempotency::Repeat;
@@ -49,6 +51,7 @@ pub use crate::admission::request::DEVICE_KEY_PREFIX;
 /// (MQTT devices may present a JWT).
 pub use crate::admission::Authenticator;
 pub use crate::admission::ChatRequestBody;
+pub use crate::context::sessions::{MemoryEntry, SessionView};
 use crate::scheduler::Submitted;
 pub use crate::scheduler::{CancelHandle, TaskStream};
 pub use readiness::{ModelReadiness, Readiness};
@@ -133,6 +136,7 @@ pub struct Gateway {
     ingress_faults: std::sync::Mutex<Vec<String>>,
     /// Calls between the drain check and the queue (see [`Gateway::admissions_settled`]).
     admitting: Admissions,
+    sessions: Arc<crate::context::sessions::Sessions>,
 }
 
 /// Counts the calls in [`Gateway::submit_call`], so that a drain can wait
@@ -178,10 +182,10 @@ pub(crate) fn store_failed(e: StoreError) -> GatewayError {
 impl Gateway {
     pub fn new(p: Parts) -> Gateway {
         Gateway {
-            config: p.config,
+            config: p.config.clone(),
             auth: p.auth,
             scheduler: p.scheduler,
-            store: p.store,
+            store: p.store.clone(),
             recorder: p.recorder,
             metrics: p.metrics,
             started: Instant::now(),
@@ -190,6 +194,11 @@ impl Gateway {
             draining: AtomicBool::new(false),
             ingress_faults: Default::default(),
             admitting: Admissions::default(),
+            sessions: Arc::new(crate::context::sessions::Sessions::new(
+                p.config.sessions.clone(),
+                p.store.clone(),
+                crate::context::redact::Redactor::from_config(&p.config),
+            )),
         }
     }
 
@@ -365,7 +374,8 @@ impl Gateway {
                 self.refused(ingress, e)
             }
         };
-        let req = admission::admit(&self.config, identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
+        let mut req =
+            admission::admit(&self.config, identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
         let retry_of = match self.known_repeat(&req).await {
             Ok(Repeat::Join(stream)) => return Ok(stream),
             Ok(Repeat::Run { retry_of }) => retry_of,
@@ -374,6 +384,10 @@ impl Gateway {
         if let Some(e) = closed {
             return Err(self.refused(ingress, e));
         }
+        // A session turn begins here, after a repeat has joined its task
+        // (a repeat is not a new turn) and before the task is recorded, so
+        // that its record holds the prompt as assembled.
+        let turn = self.begin_turn(&mut req).await.map_err(refuse)?;
         self.recorder.received(&req);
         let admitted = match &retry_of {
             // The record links the new run to the one whose end it retries.
@@ -387,7 +401,12 @@ impl Gateway {
         let submitted = self.scheduler.submit(req).await;
         unqueued.armed = false;
         match submitted {
-            Ok(Submitted::New(s)) => Ok(s),
+            Ok(Submitted::New(s)) => {
+                if let Some(turn) = turn {
+                    self.follow_turn(turn, &s);
+                }
+                Ok(s)
+            }
             Ok(Submitted::Known(existing)) => {
                 // Lost a race with a retry of the same key: judged as any
                 // repeat, and this call's own record ends here.

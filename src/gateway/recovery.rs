@@ -1,5 +1,6 @@
 //! Crash recovery: the tasks that were not terminal when the gateway last
-//! stopped. Runs once, before the listeners open.
+//! stopped, and the sessions the store kept. Runs once, before the
+//! listeners open.
 //!
 //! Owns: the choice between queueing a task again and ending it FAILED.
 //! Does not own: what the store kept (store) or queueing (scheduler).
@@ -16,6 +17,13 @@ impl Gateway {
     /// carry an idempotency key are queued again; every other one ends
     /// FAILED with the reason. Runs before the listeners open.
     pub async fn recover(&self) -> (usize, usize) {
+        // The sessions the store kept come back first: a re-queued task
+        // of a session is not a new turn (it does not append), but a call
+        // arriving once the listeners open must find its session.
+        let restored = self.sessions.restore().await;
+        if restored > 0 {
+            tracing::info!(restored, "sessions restored from the store");
+        }
         let (mut requeued, mut failed) = (0, 0);
         for u in self.store.unfinished().await {
             // From here on, what is written for the task is checked against

@@ -15,6 +15,7 @@ mod embeddings;
 mod errors;
 mod listener;
 mod responses;
+mod sessions;
 mod sse;
 mod tasks;
 mod ws;
@@ -54,6 +55,12 @@ fn business_routes(state: AppState) -> Router {
         .route("/v1/tasks", post(tasks::create))
         .route("/v1/tasks/{id}", get(tasks::get).delete(tasks::cancel))
         .route("/v1/tasks/{id}/events", get(tasks::events))
+        .route("/v1/sessions", post(sessions::create).get(sessions::list))
+        .route("/v1/sessions/{id}", get(sessions::get).delete(sessions::delete))
+        .route(
+            "/v1/sessions/{id}/memory",
+            post(sessions::put_memory).get(sessions::memory).delete(sessions::clear_memory),
+        )
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)

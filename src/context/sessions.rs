@@ -1,0 +1,625 @@
+//! Sessions (FR-3.4, FR-3.5): a conversation kept by the gateway so that
+//! applications need not send their history with every call. A session
+//! belongs to one tenant, application and user ([`Owner`]); to anyone else
+//! it does not exist (`SESSION_NOT_FOUND`, never a refusal that would tell
+//! it exists).
+//!
+//! Owns: the live sessions (all of them are held here, in memory), their
+//! limits (lifetime, idle expiry, messages, tokens, sessions per user,
+//! memory entries), the raw history of each (the turns that ended well,
+//! redacted by the application's rules before anything is kept), the
+//! long-term memory entries written through the API, and the one-turn-at-
+//! a-time rule of a session ([`TurnLease`]).
+//!
+//! Persistence follows the data policy of the task store: a session is
+//! written to the store (row, history, memory) only when it asked to
+//! persist (`persist`, default true) *and* the store may keep text
+//! (`[store] store_prompts`). Otherwise it lives in memory only, for its
+//! lifetime or until the gateway stops, and its view says `persist: false`.
+//!
+//! Does not own: which turns enter a prompt (`super::assembly`), the HTTP
+//! shape of the API (ingress), or when a turn ends (the gateway watches its
+//! task and calls [`TurnLease::finish`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::config::SessionsConfig;
+use crate::error::{ErrorCode, GatewayError};
+use crate::store::sessions::{MemoryRow, MessageRow, SessionRow, StoredSession};
+use crate::store::Store;
+use crate::task::{now_ms, ChatMessage, Identity};
+
+use super::redact::Redactor;
+
+const MAX_ID_LEN: usize = 128;
+const MAX_TAGS: usize = 16;
+const MAX_MEMORY_BYTES: usize = 16 * 1024;
+
+/// Who a session belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub tenant: String,
+    pub application: String,
+    pub user_id: Option<String>,
+}
+
+impl Owner {
+    /// The owner a caller acts as: its authenticated user (a JWT `sub`, a
+    /// device), else the user it declares (`declared`, an application
+    /// acting for its users as with `metadata.user_id`), else none.
+    pub fn of(who: &Identity, declared: Option<&str>) -> Result<Owner, GatewayError> {
+        let user_id = match (&who.user_id, declared) {
+            (Some(u), _) => Some(u.clone()),
+            (None, Some(d)) => {
+                if d.is_empty() || d.len() > MAX_ID_LEN || d.chars().any(char::is_control) {
+                    return Err(GatewayError::invalid(format!(
+                        "the user id must be 1..{MAX_ID_LEN} bytes without control characters"
+                    )));
+                }
+                Some(d.to_string())
+            }
+            (None, None) => None,
+        };
+        Ok(Owner { tenant: who.tenant.clone(), application: who.application.clone(), user_id })
+    }
+
+    fn source(&self) -> String {
+        match &self.user_id {
+            Some(u) => format!("{}/{u}", self.application),
+            None => self.application.clone(),
+        }
+    }
+}
+
+/// Lower limits a session may ask for at creation (never above the
+/// configured ones).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsRequest {
+    pub max_messages: Option<u32>,
+    pub max_tokens: Option<u64>,
+    pub idle_expiry_s: Option<u64>,
+    pub max_lifetime_s: Option<u64>,
+}
+
+/// The body of `POST /v1/sessions`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    #[serde(default)]
+    pub metadata: Option<Map<String, Value>>,
+    /// Keep the session in the store (where the data policy allows).
+    #[serde(default)]
+    pub persist: Option<bool>,
+    #[serde(default)]
+    pub limits: Option<LimitsRequest>,
+    /// The user the session is for, when the credential names none.
+    #[serde(default)]
+    pub user_id: Option<String>,
+}
+
+/// The limits a session runs under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Limits {
+    pub max_messages: u32,
+    pub max_tokens: u64,
+    pub idle_expiry_s: u64,
+    pub max_lifetime_s: u64,
+}
+
+/// What `GET /v1/sessions/{id}` shows.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SessionView {
+    pub id: String,
+    pub object: &'static str,
+    pub user_id: Option<String>,
+    /// Unix seconds.
+    pub created_at: i64,
+    pub last_used_at: i64,
+    pub expires_at: i64,
+    pub persist: bool,
+    pub metadata: Map<String, Value>,
+    pub message_count: u32,
+    /// Estimated tokens of the history.
+    pub tokens: u64,
+    pub memory_entries: usize,
+    /// The version of the session's summary; none is made yet.
+    pub summary_version: Option<u32>,
+    pub limits: Limits,
+}
+
+/// A memory entry as written (`POST /v1/sessions/{id}/memory`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryWrite {
+    pub key: String,
+    #[serde(default)]
+    pub tags: Vec<String>,
+    pub content: String,
+}
+
+/// A memory entry as kept and shown.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryEntry {
+    pub key: String,
+    pub tags: Vec<String>,
+    pub content: String,
+    /// Who wrote it (`application` or `application/user`).
+    pub source: String,
+    /// Unix milliseconds.
+    pub created_at_ms: i64,
+}
+
+/// One message of a session's history with its estimated size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HistoryMessage {
+    pub message: ChatMessage,
+    pub tokens: u32,
+}
+
+struct State {
+    created_ms: i64,
+    last_used_ms: i64,
+    limits: Limits,
+    persist: bool,
+    metadata: Map<String, Value>,
+    history: Vec<HistoryMessage>,
+    tokens: u64,
+    next_seq: u32,
+    memory: BTreeMap<String, MemoryEntry>,
+}
+
+impl State {
+    fn expires_at_ms(&self) -> i64 {
+        let life = self.created_ms.saturating_add((self.limits.max_lifetime_s * 1000) as i64);
+        let idle = self.last_used_ms.saturating_add((self.limits.idle_expiry_s * 1000) as i64);
+        life.min(idle)
+    }
+
+    fn expired(&self, now: i64) -> bool {
+        now >= self.expires_at_ms()
+    }
+}
+
+struct Session {
+    id: String,
+    owner: Owner,
+    /// Held by the turn in progress: turns of one session run one at a time.
+    turn: Arc<tokio::sync::Mutex<()>>,
+    state: Mutex<State>,
+}
+
+impl Session {
+    fn view(&self) -> SessionView {
+        let s = self.state.lock().expect("session state");
+        SessionView {
+            id: self.id.clone(),
+            object: "session",
+            user_id: self.owner.user_id.clone(),
+            created_at: s.created_ms / 1000,
+            last_used_at: s.last_used_ms / 1000,
+            expires_at: s.expires_at_ms() / 1000,
+            persist: s.persist,
+            metadata: s.metadata.clone(),
+            message_count: s.history.len() as u32,
+            tokens: s.tokens,
+            memory_entries: s.memory.len(),
+            summary_version: None,
+            limits: s.limits,
+        }
+    }
+
+    fn row(&self, s: &State) -> SessionRow {
+        SessionRow {
+            session_id: self.id.clone(),
+            tenant: self.owner.tenant.clone(),
+            application: self.owner.application.clone(),
+            user_id: self.owner.user_id.clone(),
+            created_at_ms: s.created_ms,
+            last_used_ms: s.last_used_ms,
+            expires_at_ms: s.expires_at_ms(),
+            max_lifetime_ms: (s.limits.max_lifetime_s * 1000) as i64,
+            idle_expiry_ms: (s.limits.idle_expiry_s * 1000) as i64,
+            max_messages: s.limits.max_messages,
+            max_tokens: s.limits.max_tokens,
+            message_count: s.history.len() as u32,
+            tokens: s.tokens,
+            metadata: Value::Object(s.metadata.clone()).to_string(),
+        }
+    }
+}
+
+/// The live sessions. Shared by the gateway facade.
+pub struct Sessions {
+    cfg: SessionsConfig,
+    store: Store,
+    redactor: Redactor,
+    by_id: Mutex<HashMap<String, Arc<Session>>>,
+}
+
+fn not_found(id: &str) -> GatewayError {
+    GatewayError::new(ErrorCode::SessionNotFound, format!("no session '{id}'"))
+}
+
+fn check_key(what: &str, v: &str) -> Result<(), GatewayError> {
+    if v.is_empty() || v.len() > MAX_ID_LEN || !v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c)) {
+        return Err(GatewayError::invalid(format!(
+            "'{what}' must be 1..{MAX_ID_LEN} characters of A-Z a-z 0-9 - _ . :"
+        )));
+    }
+    Ok(())
+}
+
+impl Sessions {
+    pub fn new(cfg: SessionsConfig, store: Store, redactor: Redactor) -> Sessions {
+        Sessions { cfg, store, redactor, by_id: Mutex::new(HashMap::new()) }
+    }
+
+    /// Loads the sessions the store kept (at start-up).
+    pub async fn restore(&self) -> usize {
+        let stored = self.store.sessions().await;
+        let n = stored.len();
+        let mut map = self.by_id.lock().expect("sessions");
+        for s in stored {
+            let session = from_stored(s);
+            map.insert(session.id.clone(), Arc::new(session));
+        }
+        n
+    }
+
+    /// Whether the store may keep a session's text.
+    fn may_persist(&self) -> bool {
+        self.store.stores_prompts()
+    }
+
+    pub fn create(&self, owner: Owner, req: CreateSession) -> Result<SessionView, GatewayError> {
+        let l = req.limits.unwrap_or_default();
+        let c = &self.cfg;
+        let pick = |asked: Option<u64>, max: u64, name: &str| -> Result<u64, GatewayError> {
+            match asked {
+                Some(v) if v == 0 || v > max => {
+                    Err(GatewayError::invalid(format!("'limits.{name}' must be 1..{max} (the configured maximum)")))
+                }
+                Some(v) => Ok(v),
+                None => Ok(max),
+            }
+        };
+        let limits = Limits {
+            max_messages: pick(l.max_messages.map(u64::from), u64::from(c.max_messages), "max_messages")? as u32,
+            max_tokens: pick(l.max_tokens, c.max_tokens, "max_tokens")?,
+            idle_expiry_s: pick(l.idle_expiry_s, c.idle_expiry.as_secs(), "idle_expiry_s")?,
+            max_lifetime_s: pick(l.max_lifetime_s, c.max_lifetime.as_secs(), "max_lifetime_s")?,
+        };
+        let metadata = req.metadata.unwrap_or_default();
+        if Value::Object(metadata.clone()).to_string().len() > MAX_MEMORY_BYTES {
+            return Err(GatewayError::invalid(format!("'metadata' must be at most {MAX_MEMORY_BYTES} bytes of JSON")));
+        }
+        let now = now_ms();
+        let mut map = self.by_id.lock().expect("sessions");
+        self.sweep(&mut map, now);
+        let held = map.values().filter(|s| s.owner == owner).count();
+        if held >= c.max_per_user {
+            return Err(GatewayError::new(
+                ErrorCode::SessionLimit,
+                format!("this user already holds {held} sessions, the most allowed; delete one first"),
+            ));
+        }
+        let session = Session {
+            id: format!("sess_{}", uuid::Uuid::now_v7().simple()),
+            owner,
+            turn: Default::default(),
+            state: Mutex::new(State {
+                created_ms: now,
+                last_used_ms: now,
+                limits,
+                persist: req.persist.unwrap_or(true) && self.may_persist(),
+                metadata,
+                history: Vec::new(),
+                tokens: 0,
+                next_seq: 0,
+                memory: BTreeMap::new(),
+            }),
+        };
+        {
+            let s = session.state.lock().expect("session state");
+            if s.persist {
+                self.store.session_row(session.row(&s));
+            }
+        }
+        let view = session.view();
+        map.insert(session.id.clone(), Arc::new(session));
+        Ok(view)
+    }
+
+    /// Drops expired sessions from memory (the store's retention pass
+    /// deletes their rows).
+    fn sweep(&self, map: &mut HashMap<String, Arc<Session>>, now: i64) {
+        map.retain(|_, s| !s.state.lock().expect("session state").expired(now));
+    }
+
+    /// The session `id` of `owner`: `SESSION_NOT_FOUND` for anyone else,
+    /// `SESSION_EXPIRED` (once; it is gone afterwards) when it expired.
+    fn find(&self, owner: &Owner, id: &str) -> Result<Arc<Session>, GatewayError> {
+        let mut map = self.by_id.lock().expect("sessions");
+        let s = map.get(id).filter(|s| s.owner == *owner).cloned().ok_or_else(|| not_found(id))?;
+        if s.state.lock().expect("session state").expired(now_ms()) {
+            map.remove(id);
+            self.store.delete_session(id);
+            return Err(GatewayError::new(ErrorCode::SessionExpired, format!("session '{id}' has expired")));
+        }
+        Ok(s)
+    }
+
+    pub fn get(&self, owner: &Owner, id: &str) -> Result<SessionView, GatewayError> {
+        Ok(self.find(owner, id)?.view())
+    }
+
+    /// The owner's live sessions, oldest first.
+    pub fn list(&self, owner: &Owner) -> Vec<SessionView> {
+        let mut map = self.by_id.lock().expect("sessions");
+        self.sweep(&mut map, now_ms());
+        let mut out: Vec<SessionView> = map.values().filter(|s| s.owner == *owner).map(|s| s.view()).collect();
+        out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        out
+    }
+
+    /// Deletes a session with its history and memory, here and in the
+    /// store.
+    pub fn delete(&self, owner: &Owner, id: &str) -> Result<(), GatewayError> {
+        let mut map = self.by_id.lock().expect("sessions");
+        if !map.get(id).is_some_and(|s| s.owner == *owner) {
+            return Err(not_found(id));
+        }
+        map.remove(id);
+        self.store.delete_session(id);
+        Ok(())
+    }
+
+    pub fn put_memory(&self, owner: &Owner, id: &str, w: MemoryWrite) -> Result<MemoryEntry, GatewayError> {
+        check_key("key", &w.key)?;
+        if w.tags.len() > MAX_TAGS {
+            return Err(GatewayError::invalid(format!("at most {MAX_TAGS} 'tags'")));
+        }
+        for t in &w.tags {
+            check_key("tags[]", t)?;
+        }
+        if w.content.is_empty() || w.content.len() > MAX_MEMORY_BYTES {
+            return Err(GatewayError::invalid(format!("'content' must be 1..{MAX_MEMORY_BYTES} bytes")));
+        }
+        let s = self.find(owner, id)?;
+        let mut st = s.state.lock().expect("session state");
+        if !st.memory.contains_key(&w.key) && st.memory.len() >= self.cfg.max_memory_entries {
+            return Err(GatewayError::new(
+                ErrorCode::SessionLimit,
+                format!("session '{id}' holds {} memory entries, the most allowed", st.memory.len()),
+            ));
+        }
+        let entry = MemoryEntry {
+            key: w.key,
+            tags: w.tags,
+            content: self.redactor.redact(&owner.application, &w.content),
+            source: owner.source(),
+            created_at_ms: now_ms(),
+        };
+        if st.persist {
+            self.store.session_memory(MemoryRow {
+                session_id: id.to_string(),
+                key: entry.key.clone(),
+                tags: serde_json::to_string(&entry.tags).unwrap_or_else(|_| "[]".into()),
+                content: entry.content.clone(),
+                source: entry.source.clone(),
+                at_ms: entry.created_at_ms,
+            });
+        }
+        st.memory.insert(entry.key.clone(), entry.clone());
+        Ok(entry)
+    }
+
+    /// Memory entries of a session, all or those with `key` or `tag`.
+    pub fn memory(
+        &self,
+        owner: &Owner,
+        id: &str,
+        key: Option<&str>,
+        tag: Option<&str>,
+    ) -> Result<Vec<MemoryEntry>, GatewayError> {
+        let s = self.find(owner, id)?;
+        let st = s.state.lock().expect("session state");
+        Ok(st
+            .memory
+            .values()
+            .filter(|e| key.is_none_or(|k| e.key == k))
+            .filter(|e| tag.is_none_or(|t| e.tags.iter().any(|x| x == t)))
+            .cloned()
+            .collect())
+    }
+
+    pub fn clear_memory(&self, owner: &Owner, id: &str) -> Result<(), GatewayError> {
+        let s = self.find(owner, id)?;
+        s.state.lock().expect("session state").memory.clear();
+        self.store.clear_session_memory(id);
+        Ok(())
+    }
+
+    /// Starts a turn of session `id` for `owner`, whose new messages are
+    /// about `new_tokens`: waits (at most `wait`) for the session's turn in
+    /// progress to end, then checks the session's limits. Dropping the
+    /// lease without [`TurnLease::finish`] appends nothing.
+    ///
+    /// Two turns of one session at once are serialized: the second waits
+    /// for the first to end and be appended, so it sees it in its prompt.
+    ///
+    /// # Cancel safety
+    /// Dropping the future gives up the wait; nothing has changed.
+    pub async fn begin_turn(
+        self: &Arc<Self>,
+        owner: &Owner,
+        id: &str,
+        new_tokens: u32,
+        wait: Duration,
+    ) -> Result<TurnLease, GatewayError> {
+        let s = self.find(owner, id)?;
+        let guard = match tokio::time::timeout(wait, s.turn.clone().lock_owned()).await {
+            Ok(g) => g,
+            Err(_) => {
+                return Err(GatewayError::new(
+                    ErrorCode::QueueTimeout,
+                    format!("another turn of session '{id}' was still running"),
+                ))
+            }
+        };
+        // Checked again after the wait: the turn before may have filled it,
+        // or the session may have been deleted meanwhile.
+        let s = self.find(owner, id)?;
+        {
+            let st = s.state.lock().expect("session state");
+            if st.history.len() as u64 + 2 > u64::from(st.limits.max_messages) {
+                return Err(GatewayError::new(
+                    ErrorCode::SessionMessageLimit,
+                    format!("session '{id}' holds {} messages; at most {}", st.history.len(), st.limits.max_messages),
+                ));
+            }
+            if st.tokens + u64::from(new_tokens) > st.limits.max_tokens {
+                return Err(GatewayError::new(
+                    ErrorCode::SessionTokenLimit,
+                    format!("session '{id}' holds about {} tokens; at most {}", st.tokens, st.limits.max_tokens),
+                ));
+            }
+        }
+        Ok(TurnLease { sessions: self.clone(), session: s, _turn: guard })
+    }
+
+    fn append(&self, s: &Session, messages: Vec<ChatMessage>, task_id: &str) {
+        let now = now_ms();
+        // Held across the append: a delete meanwhile must not be undone by
+        // rows written after it.
+        let map = self.by_id.lock().expect("sessions");
+        if !map.get(&s.id).is_some_and(|live| std::ptr::eq(live.as_ref(), s)) {
+            return;
+        }
+        let mut st = s.state.lock().expect("session state");
+        for mut m in messages {
+            redact_message(&self.redactor, &s.owner.application, &mut m);
+            let tokens = super::estimate_message(&m);
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            if st.persist {
+                self.store.session_message(MessageRow {
+                    session_id: s.id.clone(),
+                    seq,
+                    role: m.role.clone(),
+                    content: m.content.to_string(),
+                    tokens,
+                    task_id: Some(task_id.to_string()),
+                    at_ms: now,
+                });
+            }
+            st.tokens += u64::from(tokens);
+            st.history.push(HistoryMessage { message: m, tokens });
+        }
+        st.last_used_ms = now;
+        if st.persist {
+            self.store.session_row(s.row(&st));
+        }
+    }
+}
+
+/// The messages' text parts with the application's patterns replaced.
+fn redact_message(r: &Redactor, app: &str, m: &mut ChatMessage) {
+    match &mut m.content {
+        Value::String(t) => *t = r.redact(app, t),
+        Value::Array(parts) => {
+            for p in parts {
+                if let Some(Value::String(t)) = p.get_mut("text") {
+                    *t = r.redact(app, t);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+fn from_stored(s: StoredSession) -> Session {
+    let r = s.row;
+    let history: Vec<HistoryMessage> = s
+        .messages
+        .iter()
+        .map(|m| HistoryMessage {
+            message: ChatMessage {
+                role: m.role.clone(),
+                content: serde_json::from_str(&m.content).unwrap_or(Value::String(m.content.clone())),
+                extra: Map::new(),
+            },
+            tokens: m.tokens,
+        })
+        .collect();
+    let memory = s
+        .memory
+        .into_iter()
+        .map(|m| {
+            let e = MemoryEntry {
+                key: m.key,
+                tags: serde_json::from_str(&m.tags).unwrap_or_default(),
+                content: m.content,
+                source: m.source,
+                created_at_ms: m.at_ms,
+            };
+            (e.key.clone(), e)
+        })
+        .collect();
+    let tokens = history.iter().map(|h| u64::from(h.tokens)).sum();
+    let next_seq = s.messages.last().map_or(0, |m| m.seq + 1);
+    Session {
+        id: r.session_id,
+        owner: Owner { tenant: r.tenant, application: r.application, user_id: r.user_id },
+        turn: Default::default(),
+        state: Mutex::new(State {
+            created_ms: r.created_at_ms,
+            last_used_ms: r.last_used_ms,
+            limits: Limits {
+                max_messages: r.max_messages,
+                max_tokens: r.max_tokens,
+                idle_expiry_s: (r.idle_expiry_ms / 1000) as u64,
+                max_lifetime_s: (r.max_lifetime_ms / 1000) as u64,
+            },
+            persist: true,
+            metadata: serde_json::from_str(&r.metadata).unwrap_or_default(),
+            history,
+            tokens,
+            next_seq,
+            memory,
+        }),
+    }
+}
+
+/// A turn of a session in progress: holds the session's turn, so the
+/// next turn waits until this one is appended (or dropped).
+pub struct TurnLease {
+    sessions: Arc<Sessions>,
+    session: Arc<Session>,
+    _turn: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl TurnLease {
+    /// The session's history, oldest first, for the assembly.
+    pub fn history(&self) -> Vec<HistoryMessage> {
+        self.session.state.lock().expect("session state").history.clone()
+    }
+
+    /// Ends the turn: appends the user's messages and the answer when the
+    /// task `succeeded` (or when `[sessions] append_failed_turns`), then
+    /// lets the next turn in.
+    pub fn finish(self, user: Vec<ChatMessage>, answer: String, succeeded: bool, task_id: &str) {
+        if !(succeeded || self.sessions.cfg.append_failed_turns) {
+            return;
+        }
+        let mut messages = user;
+        messages.push(ChatMessage { role: "assistant".into(), content: Value::String(answer), extra: Map::new() });
+        self.sessions.append(&self.session, messages, task_id);
+    }
+}

@@ -1,0 +1,126 @@
+//! Sessions for an identity (`/v1/sessions`), and the session side of a
+//! call that names one: its turn begins before the task is queued (the
+//! prompt gets the session's recent turns) and ends when the task ends
+//! (the user's message and the answer are appended).
+//!
+//! Owns: reading the API's JSON bodies, and following a session turn's
+//! task to its end. Does not own: the sessions, their limits and ownership
+//! (`crate::context::sessions`) or the assembly (`crate::context::assembly`).
+
+use crate::context::assembly;
+use crate::context::sessions::{CreateSession, MemoryEntry, MemoryWrite, Owner, SessionView, TurnLease};
+use crate::error::GatewayError;
+use crate::scheduler::TaskStream;
+use crate::task::{ChatMessage, Identity, Operation, TaskEvent, TaskRequest, TaskState};
+
+use super::Gateway;
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, GatewayError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        GatewayError::invalid(format!("invalid session request at '{path}': {}", e.into_inner()))
+    })
+}
+
+/// A session turn begun for a call, until its task is queued.
+pub(super) struct Turn {
+    lease: TurnLease,
+    /// The call's own new messages (its last user message), appended with
+    /// the answer when the turn ends well.
+    user: Vec<ChatMessage>,
+}
+
+impl Gateway {
+    /// `POST /v1/sessions`: `user` is the user the caller declares (a
+    /// header), used when neither the credential nor the body names one.
+    pub fn create_session(&self, who: &Identity, user: Option<&str>, body: &[u8]) -> Result<SessionView, GatewayError> {
+        let req: CreateSession =
+            if body.iter().all(u8::is_ascii_whitespace) { Default::default() } else { parse(body)? };
+        let owner = Owner::of(who, req.user_id.as_deref().or(user))?;
+        self.sessions.create(owner, req)
+    }
+
+    pub fn session(&self, who: &Identity, user: Option<&str>, id: &str) -> Result<SessionView, GatewayError> {
+        self.sessions.get(&Owner::of(who, user)?, id)
+    }
+
+    pub fn list_sessions(&self, who: &Identity, user: Option<&str>) -> Result<Vec<SessionView>, GatewayError> {
+        Ok(self.sessions.list(&Owner::of(who, user)?))
+    }
+
+    pub fn delete_session(&self, who: &Identity, user: Option<&str>, id: &str) -> Result<(), GatewayError> {
+        self.sessions.delete(&Owner::of(who, user)?, id)
+    }
+
+    pub fn put_session_memory(
+        &self,
+        who: &Identity,
+        user: Option<&str>,
+        id: &str,
+        body: &[u8],
+    ) -> Result<MemoryEntry, GatewayError> {
+        let w: MemoryWrite = parse(body)?;
+        self.sessions.put_memory(&Owner::of(who, user)?, id, w)
+    }
+
+    pub fn session_memory(
+        &self,
+        who: &Identity,
+        user: Option<&str>,
+        id: &str,
+        key: Option<&str>,
+        tag: Option<&str>,
+    ) -> Result<Vec<MemoryEntry>, GatewayError> {
+        self.sessions.memory(&Owner::of(who, user)?, id, key, tag)
+    }
+
+    pub fn clear_session_memory(&self, who: &Identity, user: Option<&str>, id: &str) -> Result<(), GatewayError> {
+        self.sessions.clear_memory(&Owner::of(who, user)?, id)
+    }
+
+    /// Begins the session turn of an admitted call that names a session,
+    /// and assembles its prompt with the session's recent turns. `None`
+    /// without a session.
+    pub(super) async fn begin_turn(&self, req: &mut TaskRequest) -> Result<Option<Turn>, GatewayError> {
+        let Some(id) = req.session_id.clone() else { return Ok(None) };
+        if req.operation != Operation::Chat {
+            return Err(GatewayError::invalid("'session_id' applies to chat calls only"));
+        }
+        let owner = Owner::of(&req.identity, None)?;
+        let user: Vec<ChatMessage> =
+            req.messages.iter().rev().find(|m| m.role == "user").cloned().into_iter().collect();
+        let new_tokens = user.iter().map(crate::context::estimate_message).sum();
+        let lease = self.sessions.begin_turn(&owner, &id, new_tokens, req.timeouts.queue).await?;
+        if let Some(model) = self.config.models.get(&req.logical_model) {
+            let done = assembly::assemble(req, &lease.history(), model.context_tokens);
+            tracing::debug!(session = %id, used = done.turns_used, left_out = done.turns_left_out, "session turns in the prompt");
+        }
+        Ok(Some(Turn { lease, user }))
+    }
+
+    /// Follows a queued session turn's task to its end, then ends the turn
+    /// (appending the user's message and the answer when it succeeded).
+    /// The turn is held until then, so the session's next call waits for
+    /// it and sees it.
+    pub(super) fn follow_turn(&self, turn: Turn, stream: &TaskStream) {
+        let Some(mut events) = self.scheduler.attach(&stream.task_id, 0) else { return };
+        let task_id = stream.task_id.clone();
+        tokio::spawn(async move {
+            let mut answer = String::new();
+            let mut succeeded = false;
+            while let Some((_, ev)) = events.recv().await {
+                match ev {
+                    TaskEvent::Delta { text } => answer.push_str(&text),
+                    TaskEvent::Done(m) => {
+                        succeeded = m.status == TaskState::Succeeded;
+                        break;
+                    }
+                    TaskEvent::Error { .. } => break,
+                    _ => {}
+                }
+            }
+            turn.lease.finish(turn.user, answer, succeeded, &task_id);
+        });
+    }
+}

@@ -1,0 +1,388 @@
+//! Sessions (`/v1/sessions`) end to end against the fake engine, over real
+//! sockets and a real SQLite file: the API, isolation between tenants,
+//! applications and users (404, never 403), a turn appended after it ends
+//! well and the next turn's prompt (as the engine received it) holding it,
+//! a failed turn not appended, each limit with its own error code, what
+//! the database file holds (deletion, `persist = false`, redaction, the
+//! data policy) and a persisted session across a restart.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use edgeway::config::Config;
+use edgeway::testing::{config_toml, TempDir};
+use serde_json::{json, Value};
+
+const OTHER_KEY: &str = "sk-other-tenant";
+const CARD: &str = "4111-1111-1111-1111";
+
+/// `[applications.other]` in tenant `t2`, a redaction rule for `demo`,
+/// the store keeping text, and `sessions` as the `[sessions]` keys.
+fn edit(sessions: &str, store_prompts: bool) -> impl FnOnce(String) -> String {
+    let other = hex::encode(edgeway::config::hash_api_key(OTHER_KEY));
+    let sessions = sessions.to_string();
+    move |t: String| {
+        let t = t.replace("[store]\n", &format!("[store]\nstore_prompts = {store_prompts}\n"));
+        let t =
+            t.replace("[applications.demo]\n", "[applications.demo]\nredact = ['\\b\\d{4}-\\d{4}-\\d{4}-\\d{4}\\b']\n");
+        format!(
+            "{t}\n[applications.other]\ntenant = \"t2\"\napi_key_sha256 = [\"{other}\"]\n\
+             max_priority = \"P1\"\ndefault_priority = \"P2\"\n[sessions]\n{sessions}\n"
+        )
+    }
+}
+
+async fn gateway(sessions: &str, store_prompts: bool) -> (FakeEngine, TestGateway) {
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", edit(sessions, store_prompts)).await;
+    gw.wait_ready().await;
+    (fake, gw)
+}
+
+/// A call to the session API as `key`, acting for `user` (`x-user-id`).
+async fn call(
+    gw: &TestGateway,
+    method: reqwest::Method,
+    path: &str,
+    key: &str,
+    user: Option<&str>,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut req = client().request(method, format!("{}{path}", gw.base_url)).bearer_auth(key);
+    if let Some(u) = user {
+        req = req.header("x-user-id", u);
+    }
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
+}
+
+async fn create(gw: &TestGateway, key: &str, user: Option<&str>, body: Value) -> String {
+    let (status, v) = call(gw, reqwest::Method::POST, "/v1/sessions", key, user, Some(body)).await;
+    assert_eq!(status, 201, "{v}");
+    v["id"].as_str().unwrap().to_string()
+}
+
+async fn get(gw: &TestGateway, key: &str, user: Option<&str>, id: &str) -> (u16, Value) {
+    call(gw, reqwest::Method::GET, &format!("/v1/sessions/{id}"), key, user, None).await
+}
+
+/// A chat turn of session `id` as `key` for `user` (`metadata.user_id`).
+async fn turn(gw: &TestGateway, key: &str, user: Option<&str>, id: &str, messages: Value) -> (u16, Value) {
+    let mut body = json!({"model": "general-chat", "messages": messages, "session_id": id, "max_tokens": 20});
+    if let Some(u) = user {
+        body["metadata"] = json!({"user_id": u});
+    }
+    let resp = post_chat(gw, key, &body).await;
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap())
+}
+
+fn user_msg(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+/// Rows of `table` for session `id` in the database file.
+async fn rows(gw: &TestGateway, table: &str, id: &str) -> i64 {
+    gw.store().flush().await;
+    let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+    conn.query_row(&format!("SELECT COUNT(*) FROM {table} WHERE session_id = ?1"), [id], |r| r.get(0)).unwrap()
+}
+
+/// Every text column of the session tables, joined (for what the file holds).
+async fn stored_text(gw: &TestGateway) -> String {
+    gw.store().flush().await;
+    let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+    let mut out = String::new();
+    for q in ["SELECT content FROM session_messages", "SELECT content FROM session_memory"] {
+        let mut st = conn.prepare(q).unwrap();
+        for r in st.query_map([], |r| r.get::<_, String>(0)).unwrap() {
+            out.push_str(&r.unwrap());
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_session_is_created_shown_listed_and_deleted() {
+    let (_fake, gw) = gateway("", true).await;
+    let id = create(&gw, DEMO_KEY, None, json!({"metadata": {"topic": "pumps"}, "limits": {"max_messages": 10}})).await;
+    assert!(id.starts_with("sess_"), "{id}");
+    let (status, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "session");
+    assert_eq!(v["message_count"], 0);
+    assert_eq!(v["tokens"], 0);
+    assert_eq!(v["summary_version"], Value::Null);
+    assert_eq!(v["metadata"], json!({"topic": "pumps"}));
+    assert_eq!(v["limits"]["max_messages"], 10);
+    assert_eq!(v["persist"], true);
+
+    let (status, list) = call(&gw, reqwest::Method::GET, "/v1/sessions", DEMO_KEY, None, None).await;
+    assert_eq!(status, 200);
+    let ids: Vec<&str> = list["data"].as_array().unwrap().iter().map(|s| s["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, vec![id.as_str()]);
+
+    let (status, v) = call(&gw, reqwest::Method::DELETE, &format!("/v1/sessions/{id}"), DEMO_KEY, None, None).await;
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!((status, error_code(&v)), (404, "SESSION_NOT_FOUND"), "{v}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_turn_is_appended_and_the_next_prompt_holds_it() {
+    let (fake, gw) = gateway("", true).await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    let (status, v) = turn(&gw, DEMO_KEY, None, &id, user_msg("first question")).await;
+    assert_eq!(status, 200, "{v}");
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    assert!(!answer.is_empty());
+
+    // At once: the turn is appended before the next one of the session
+    // may begin.
+    let messages = json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "second question"}]);
+    let (status, v) = turn(&gw, DEMO_KEY, None, &id, messages).await;
+    assert_eq!(status, 200, "{v}");
+    let sent = fake.last_request().unwrap();
+    let got: Vec<(String, String)> = sent["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["role"].as_str().unwrap().to_string(), m["content"].as_str().unwrap().to_string()))
+        .collect();
+    let want: Vec<(String, String)> = [
+        ("system", "be brief"),
+        ("user", "first question"),
+        ("assistant", answer.as_str()),
+        ("user", "second question"),
+    ]
+    .iter()
+    .map(|(r, c)| (r.to_string(), c.to_string()))
+    .collect();
+    assert_eq!(got, want);
+
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!(v["message_count"], 4, "{v}");
+    assert!(v["tokens"].as_u64().unwrap() > 0);
+    assert_eq!(rows(&gw, "session_messages", &id).await, 4);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn sessions_do_not_cross_tenants_applications_or_users() {
+    let (fake, gw) = gateway("", true).await;
+    let id = create(&gw, DEMO_KEY, Some("alice"), json!({})).await;
+    let (status, v) = call(
+        &gw,
+        reqwest::Method::POST,
+        &format!("/v1/sessions/{id}/memory"),
+        DEMO_KEY,
+        Some("alice"),
+        Some(json!({"key": "pump", "tags": ["device"], "content": "alice's pump is P-7"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{v}");
+    assert_eq!(v["source"], "demo/alice");
+    let (status, _) = turn(&gw, DEMO_KEY, Some("alice"), &id, user_msg("alice asks")).await;
+    assert_eq!(status, 200);
+    let engine_calls = fake.requests();
+
+    // Another user of the same application, the admin application of the
+    // same tenant, and another tenant: none of them sees it, and none is
+    // told it exists.
+    for (key, user) in [(DEMO_KEY, Some("bob")), (DEMO_KEY, None), (OPS_KEY, Some("alice")), (OTHER_KEY, Some("alice"))]
+    {
+        let who = format!("{key} as {user:?}");
+        let (status, v) = get(&gw, key, user, &id).await;
+        assert_eq!((status, error_code(&v)), (404, "SESSION_NOT_FOUND"), "{who}: {v}");
+        let path = format!("/v1/sessions/{id}/memory");
+        let (status, v) = call(&gw, reqwest::Method::GET, &path, key, user, None).await;
+        assert_eq!((status, error_code(&v)), (404, "SESSION_NOT_FOUND"), "{who}: {v}");
+        let (status, v) = call(&gw, reqwest::Method::DELETE, &path, key, user, None).await;
+        assert_eq!(status, 404, "{who}: {v}");
+        let (status, v) = call(&gw, reqwest::Method::DELETE, &format!("/v1/sessions/{id}"), key, user, None).await;
+        assert_eq!(status, 404, "{who}: {v}");
+        let (status, list) = call(&gw, reqwest::Method::GET, "/v1/sessions", key, user, None).await;
+        assert_eq!((status, list["data"].as_array().unwrap().len()), (200, 0), "{who}: {list}");
+        let (status, v) = turn(&gw, key, user, &id, user_msg("let me in")).await;
+        assert_eq!((status, error_code(&v)), (404, "SESSION_NOT_FOUND"), "{who}: {v}");
+    }
+    assert_eq!(fake.requests(), engine_calls, "no foreign turn reached the engine");
+
+    // Alice's session is untouched.
+    let (status, v) = get(&gw, DEMO_KEY, Some("alice"), &id).await;
+    assert_eq!((status, v["message_count"].as_u64(), v["memory_entries"].as_u64()), (200, Some(2), Some(1)), "{v}");
+    let path = format!("/v1/sessions/{id}/memory?tag=device");
+    let (_, mem) = call(&gw, reqwest::Method::GET, &path, DEMO_KEY, Some("alice"), None).await;
+    assert_eq!(mem["data"][0]["content"], "alice's pump is P-7", "{mem}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_failed_turn_is_not_appended() {
+    let (fake, gw) = gateway("", true).await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    fake.set(|k| k.fail_status = Some(400));
+    let (status, v) = turn(&gw, DEMO_KEY, None, &id, user_msg("this one fails")).await;
+    assert_ne!(status, 200, "{v}");
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!(v["message_count"], 0, "{v}");
+    assert_eq!(rows(&gw, "session_messages", &id).await, 0);
+
+    fake.set(|k| k.fail_status = None);
+    let (status, _) = turn(&gw, DEMO_KEY, None, &id, user_msg("this one works")).await;
+    assert_eq!(status, 200);
+    let sent = fake.last_request().unwrap();
+    assert_eq!(sent["messages"].as_array().unwrap().len(), 1, "the failed turn is not in the prompt: {sent}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn each_limit_has_its_own_error() {
+    let (_fake, gw) = gateway("max_per_user = 3\nmax_messages = 50", true).await;
+    // Above the configured maxima.
+    let (status, v) =
+        call(&gw, reqwest::Method::POST, "/v1/sessions", DEMO_KEY, None, Some(json!({"limits": {"max_messages": 51}})))
+            .await;
+    assert_eq!((status, error_code(&v)), (400, "INVALID_REQUEST"), "{v}");
+
+    let few = create(&gw, DEMO_KEY, None, json!({"limits": {"max_messages": 2}})).await;
+    assert_eq!(turn(&gw, DEMO_KEY, None, &few, user_msg("one")).await.0, 200);
+    let (status, v) = turn(&gw, DEMO_KEY, None, &few, user_msg("two")).await;
+    assert_eq!((status, error_code(&v)), (409, "SESSION_MESSAGE_LIMIT"), "{v}");
+
+    let small = create(&gw, DEMO_KEY, None, json!({"limits": {"max_tokens": 30}})).await;
+    let (status, v) = turn(&gw, DEMO_KEY, None, &small, user_msg(&"words ".repeat(40))).await;
+    assert_eq!((status, error_code(&v)), (409, "SESSION_TOKEN_LIMIT"), "{v}");
+
+    let short = create(&gw, DEMO_KEY, None, json!({"limits": {"max_lifetime_s": 1}})).await;
+    // The limit under test is a wall-clock one: let it pass.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (status, v) = turn(&gw, DEMO_KEY, None, &short, user_msg("too late")).await;
+    assert_eq!((status, error_code(&v)), (410, "SESSION_EXPIRED"), "{v}");
+    let (status, v) = get(&gw, DEMO_KEY, None, &short).await;
+    assert_eq!((status, error_code(&v)), (404, "SESSION_NOT_FOUND"), "an expired session is gone: {v}");
+
+    // Three live sessions (the expired one is gone): one more, then the
+    // user's limit.
+    create(&gw, DEMO_KEY, None, json!({})).await;
+    let (status, v) = call(&gw, reqwest::Method::POST, "/v1/sessions", DEMO_KEY, None, Some(json!({}))).await;
+    assert_eq!((status, error_code(&v)), (409, "SESSION_LIMIT"), "{v}");
+    // Another user has limits of its own.
+    create(&gw, DEMO_KEY, Some("carol"), json!({})).await;
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn redaction_applies_before_storage_and_delete_removes_every_row() {
+    let (fake, gw) = gateway("", true).await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    let (status, _) = turn(&gw, DEMO_KEY, None, &id, user_msg(&format!("my card is {CARD}"))).await;
+    assert_eq!(status, 200);
+    // The current call goes to the engine as it came; only what is kept
+    // is redacted.
+    assert!(fake.last_request().unwrap().to_string().contains(CARD));
+    let path = format!("/v1/sessions/{id}/memory");
+    let memory = json!({"key": "card", "content": format!("card {CARD} on file")});
+    assert_eq!(call(&gw, reqwest::Method::POST, &path, DEMO_KEY, None, Some(memory)).await.0, 201);
+
+    let text = stored_text(&gw).await;
+    assert!(!text.contains(CARD), "{text}");
+    assert_eq!(text.matches("[REDACTED]").count(), 2, "{text}");
+    turn(&gw, DEMO_KEY, None, &id, user_msg("again")).await;
+    let sent = fake.last_request().unwrap().to_string();
+    assert!(sent.contains("my card is [REDACTED]") && !sent.contains(CARD), "{sent}");
+
+    assert_eq!(rows(&gw, "sessions", &id).await, 1);
+    let (status, _) = call(&gw, reqwest::Method::DELETE, &format!("/v1/sessions/{id}"), DEMO_KEY, None, None).await;
+    assert_eq!(status, 200);
+    for table in ["sessions", "session_messages", "session_memory"] {
+        assert_eq!(rows(&gw, table, &id).await, 0, "{table}");
+    }
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_session_that_does_not_persist_leaves_nothing_in_the_database() {
+    let (_fake, gw) = gateway("", true).await;
+    let id = create(&gw, DEMO_KEY, None, json!({"persist": false})).await;
+    assert_eq!(turn(&gw, DEMO_KEY, None, &id, user_msg("off the record")).await.0, 200);
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!((v["persist"].as_bool(), v["message_count"].as_u64()), (Some(false), Some(2)), "{v}");
+    for table in ["sessions", "session_messages", "session_memory"] {
+        assert_eq!(rows(&gw, table, &id).await, 0, "{table}");
+    }
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn without_store_prompts_a_session_lives_in_memory_only() {
+    let (fake, gw) = gateway("", false).await;
+    let id = create(&gw, DEMO_KEY, None, json!({"persist": true})).await;
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!(v["persist"], false, "the data policy keeps no text: {v}");
+    assert_eq!(turn(&gw, DEMO_KEY, None, &id, user_msg("first")).await.0, 200);
+    assert_eq!(turn(&gw, DEMO_KEY, None, &id, user_msg("second")).await.0, 200);
+    assert_eq!(fake.last_request().unwrap()["messages"].as_array().unwrap().len(), 3);
+    assert_eq!(rows(&gw, "sessions", &id).await, 0);
+    assert_eq!(rows(&gw, "session_messages", &id).await, 0);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_persisted_session_survives_a_restart() {
+    let fake = FakeEngine::start().await;
+    let dir = TempDir::new("edgeway-sessions");
+    let text = edit("", true)(config_toml(&fake.url(), "openai", &dir.0, ""));
+    let load = || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let id = create(&gw, DEMO_KEY, Some("dana"), json!({"metadata": {"k": 1}})).await;
+    let gone = create(&gw, DEMO_KEY, Some("dana"), json!({"persist": false})).await;
+    assert_eq!(turn(&gw, DEMO_KEY, Some("dana"), &id, user_msg("before the restart")).await.0, 200);
+    let path = format!("/v1/sessions/{id}/memory");
+    let memory = json!({"key": "site", "tags": ["loc"], "content": "hall 3"});
+    assert_eq!(call(&gw, reqwest::Method::POST, &path, DEMO_KEY, Some("dana"), Some(memory)).await.0, 201);
+    gw.stop().await;
+
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let (status, v) = get(&gw, DEMO_KEY, Some("dana"), &id).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!((v["message_count"].as_u64(), v["memory_entries"].as_u64()), (Some(2), Some(1)), "{v}");
+    assert_eq!(v["metadata"], json!({"k": 1}));
+    let (status, v) = get(&gw, DEMO_KEY, Some("dana"), &gone).await;
+    assert_eq!(status, 404, "a session that did not persist is gone: {v}");
+    assert_eq!(turn(&gw, DEMO_KEY, Some("dana"), &id, user_msg("after it")).await.0, 200);
+    let sent = fake.last_request().unwrap().to_string();
+    assert!(sent.contains("before the restart") && sent.contains("after it"), "{sent}");
+    let (_, v) = get(&gw, DEMO_KEY, Some("dana"), &id).await;
+    assert_eq!(v["message_count"], 4, "{v}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn turns_of_one_session_at_once_run_one_after_the_other() {
+    let (fake, gw) = gateway("", true).await;
+    fake.set(|k| k.token_delay = Duration::from_millis(20));
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    let (a, b) = tokio::join!(
+        turn(&gw, DEMO_KEY, None, &id, user_msg("left")),
+        turn(&gw, DEMO_KEY, None, &id, user_msg("right"))
+    );
+    assert_eq!((a.0, b.0), (200, 200), "{} {}", a.1, b.1);
+    // The second turn saw the first one whole.
+    let sent = fake.last_request().unwrap();
+    assert_eq!(sent["messages"].as_array().unwrap().len(), 3, "{sent}");
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!(v["message_count"], 4, "{v}");
+    gw.stop().await;
+}
