@@ -53,3 +53,100 @@ pub fn assemble(req: &mut TaskRequest, history: &[HistoryMessage], context_token
     }
     Assembled { turns_used: history.len() - first, turns_left_out: first }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant, SystemTime};
+
+    use serde_json::Value;
+
+    use super::*;
+    use crate::task::{Identity, Ingress, Priority, Routing, SamplingParams, Timeouts};
+
+    fn msg(role: &str, text: &str) -> ChatMessage {
+        ChatMessage { role: role.into(), content: Value::String(text.into()), extra: Default::default() }
+    }
+
+    fn hist(role: &str, text: &str) -> HistoryMessage {
+        let message = msg(role, text);
+        HistoryMessage { tokens: crate::context::estimate_message(&message), message }
+    }
+
+    fn request(messages: Vec<ChatMessage>, max_output_tokens: u32) -> TaskRequest {
+        let t = Duration::from_secs(60);
+        TaskRequest {
+            task_id: "t1".into(),
+            request_id: "r1".into(),
+            identity: Identity {
+                tenant: "demo".into(),
+                application: "demo".into(),
+                user_id: None,
+                max_priority: Priority::P0,
+                default_priority: Priority::P2,
+                is_admin: false,
+                credential: None,
+                data_class: None,
+            },
+            ingress: Ingress::Http,
+            logical_model: "general-chat".into(),
+            input_tokens_estimate: crate::context::estimate_tokens(&messages),
+            messages,
+            params: SamplingParams::default(),
+            priority: Priority::P2,
+            max_output_tokens,
+            timeouts: Timeouts { queue: t, first_token: t, inference: t, idle: t, total: t },
+            session_id: Some("s".into()),
+            idempotency_key: None,
+            routing: Routing::default(),
+            data_class: Default::default(),
+            allow_smaller_model: false,
+            metadata: Default::default(),
+            prompt_sha256: String::new(),
+            received_at: Instant::now(),
+            received_wall: SystemTime::now(),
+            degrade_reason: None,
+            tools: None,
+            operation: Default::default(),
+        }
+    }
+
+    fn roles_and_text(req: &TaskRequest) -> Vec<(String, String)> {
+        req.messages.iter().map(|m| (m.role.clone(), m.content.as_str().unwrap().to_string())).collect()
+    }
+
+    #[test]
+    fn turns_go_after_the_system_messages_and_before_the_request() {
+        let mut req = request(vec![msg("system", "rules"), msg("user", "now")], 16);
+        let history = [hist("user", "q1"), hist("assistant", "a1")];
+        let done = assemble(&mut req, &history, 2048);
+        assert_eq!(done, Assembled { turns_used: 2, turns_left_out: 0 });
+        let want: Vec<(String, String)> = [("system", "rules"), ("user", "q1"), ("assistant", "a1"), ("user", "now")]
+            .iter()
+            .map(|(r, t)| (r.to_string(), t.to_string()))
+            .collect();
+        assert_eq!(roles_and_text(&req), want);
+        assert_eq!(req.input_tokens_estimate, crate::context::estimate_tokens(&req.messages));
+        assert_eq!(req.prompt_sha256.len(), 64);
+    }
+
+    #[test]
+    fn only_the_newest_turns_that_fit_go_in_and_never_an_orphaned_answer() {
+        let long = "x".repeat(700); // 204 tokens
+        let history = [hist("user", &long), hist("assistant", "a1"), hist("user", "q2"), hist("assistant", "a2")];
+        let mut req = request(vec![msg("user", "now")], 100);
+        // Room for the last three messages but not the long question: its
+        // answer is left out with it.
+        let own = crate::context::estimate_tokens(&req.messages);
+        let window = own + 100 + history[1..].iter().map(|h| h.tokens).sum::<u32>();
+        let done = assemble(&mut req, &history, window);
+        assert_eq!(done, Assembled { turns_used: 2, turns_left_out: 2 });
+        let texts: Vec<String> = roles_and_text(&req).into_iter().map(|(_, t)| t).collect();
+        assert_eq!(texts, vec!["q2", "a2", "now"]);
+
+        // No room at all: the request alone, untouched.
+        let mut req = request(vec![msg("user", "now")], 100);
+        let before = req.messages.clone();
+        let done = assemble(&mut req, &history, own + 100);
+        assert_eq!((done.turns_used, req.messages), (0, before));
+    }
+}
