@@ -473,7 +473,17 @@ pub struct ModelConfig {
     /// The length of the model's vectors, where the operator states it
     /// (shown by `/v1/models`; embedding models only).
     pub dimensions: Option<u32>,
+    /// Inputs per engine call of an embedding request: a longer list is
+    /// split into calls of this many, run one after another in the same
+    /// task (embedding models; chat models: 0, not read).
+    pub max_batch_inputs: usize,
 }
+
+/// The default `[models.*] max_batch_inputs` of an embedding model: a
+/// multiple of llama-server's default slot count (4), small enough that one
+/// call of inputs as long as the context (2048 tokens in the example) is a
+/// few seconds of a small CPU, so deadlines and cancels act between calls.
+pub const DEFAULT_MAX_BATCH_INPUTS: u32 = 32;
 
 impl EngineConfig {
     /// Runs on this machine.

@@ -540,6 +540,8 @@ pub struct RawModel {
     pub supports_dimensions: bool,
     /// The length of the model's vectors (embedding models), for `/v1/models`.
     pub dimensions: Option<u32>,
+    /// Inputs per engine call of an embedding request (embedding models).
+    pub max_batch_inputs: Option<u32>,
 }
 
 impl Default for RawModel {
@@ -560,6 +562,7 @@ impl Default for RawModel {
             kind: None,
             supports_dimensions: false,
             dimensions: None,
+            max_batch_inputs: None,
         }
     }
 }

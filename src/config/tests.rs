@@ -533,4 +533,16 @@ fn model_kinds_are_checked_against_fallbacks_and_options() {
     );
     let e = parse(&format!("{MINIMAL}{embed}dimensions = 0\n"), &[]).unwrap_err();
     assert_eq!(e.0[0].path, "models.embed.dimensions", "{e}");
+    // `max_batch_inputs`: embedding models only, 1 to 2048, 32 by default.
+    assert_eq!(c.models["embed"].max_batch_inputs, 32);
+    assert_eq!(
+        parse(&format!("{MINIMAL}{embed}max_batch_inputs = 4\n"), &[]).unwrap().models["embed"].max_batch_inputs,
+        4
+    );
+    for bad in [0, 2049] {
+        let e = parse(&format!("{MINIMAL}{embed}max_batch_inputs = {bad}\n"), &[]).unwrap_err();
+        assert_eq!(e.0[0].path, "models.embed.max_batch_inputs", "{e}");
+    }
+    let e = parse(&format!("{MINIMAL}max_batch_inputs = 8\n"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "models.general-chat.max_batch_inputs", "{e}");
 }

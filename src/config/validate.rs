@@ -715,6 +715,11 @@ fn model(
     if m.dimensions.is_some_and(|d| !(1..=65536).contains(&d)) {
         p.add(format!("{path}.dimensions"), "must be from 1 to 65536");
     }
+    let max_batch = m.max_batch_inputs.unwrap_or(super::DEFAULT_MAX_BATCH_INPUTS);
+    // 2048: the most inputs a request may have (admission).
+    if !(1..=2048).contains(&max_batch) {
+        p.add(format!("{path}.max_batch_inputs"), "must be from 1 to 2048");
+    }
     if m.canned_answer.as_ref().is_some_and(|a| a.trim().is_empty()) {
         p.add(format!("{path}.canned_answer"), "must not be empty (leave it out for none)");
     }
@@ -732,6 +737,9 @@ fn model(
         }
         if kind == ModelKind::Chat && m.dimensions.is_some() {
             p.add(format!("{path}.dimensions"), "only for kind = \"embedding\"");
+        }
+        if kind == ModelKind::Chat && m.max_batch_inputs.is_some() {
+            p.add(format!("{path}.max_batch_inputs"), "only for kind = \"embedding\"");
         }
     }
     Some(ModelConfig {
@@ -751,6 +759,7 @@ fn model(
         kind: kind?,
         supports_dimensions: m.supports_dimensions,
         dimensions: m.dimensions,
+        max_batch_inputs: if embedding { max_batch as usize } else { 0 },
     })
 }
 
