@@ -436,6 +436,12 @@ pub struct EngineConfig {
     /// Relative cost of a thousand tokens, a tie-breaker between instances.
     pub cost_per_1k_tokens: f64,
     pub reserved_realtime_slots: usize,
+    /// The long-prompt lane: long prompts (over `long_prompt_tokens`
+    /// estimated tokens) start only while the prompt tokens of long ones
+    /// still in prefill here stay within `max_prefill_tokens` (one always
+    /// may, alone); short ones are never held by them. `None`: no lane.
+    pub max_prefill_tokens: Option<u32>,
+    pub long_prompt_tokens: u32,
     pub memory_budget_bytes: Option<u64>,
     /// No other client uses the engine (enables the cancel grace check).
     pub exclusive: bool,

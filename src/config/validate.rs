@@ -537,6 +537,16 @@ fn engine(
     } else if e.reserved_realtime_slots >= e.max_concurrency {
         p.add(format!("{path}.reserved_realtime_slots"), "must be less than max_concurrency");
     }
+    // Default: a quarter of the cap, so that up to four long prompts share it.
+    let long_prompt_tokens = e.long_prompt_tokens.unwrap_or(e.max_prefill_tokens.unwrap_or(0) / 4);
+    match (e.max_prefill_tokens, e.long_prompt_tokens) {
+        (Some(0), _) => p.add(format!("{path}.max_prefill_tokens"), "must be at least 1"),
+        (None, Some(_)) => p.add(format!("{path}.long_prompt_tokens"), "needs max_prefill_tokens"),
+        (Some(cap), Some(long)) if long == 0 || long > cap => {
+            p.add(format!("{path}.long_prompt_tokens"), "must be from 1 to max_prefill_tokens")
+        }
+        _ => {}
+    }
     if e.health_interval_ms < 50 {
         p.add(format!("{path}.health_interval_ms"), "must be at least 50");
     }
@@ -619,6 +629,8 @@ fn engine(
         max_data_class: max_data_class?,
         cost_per_1k_tokens: e.cost_per_1k_tokens,
         reserved_realtime_slots: e.reserved_realtime_slots,
+        max_prefill_tokens: e.max_prefill_tokens,
+        long_prompt_tokens,
         exclusive: e.exclusive,
         memory_budget_bytes: memory_budget_bytes?,
         tools: e.tools,

@@ -377,6 +377,8 @@ impl Driver {
         let r = &self.req;
         p.first_token_at = Some(Instant::now());
         self.shared.router.attempt_ended(lease.instance, Attempt::Success { ttft: attempt_start.elapsed() });
+        // Its prompt is no longer in prefill (the long-prompt lane).
+        let _ = self.tx.send(Cmd::Prefilled { task_id: r.task_id.clone() });
         self.shared
             .metrics
             .first_token
