@@ -337,3 +337,111 @@ async fn an_embedding_timeout_is_not_an_instance_failure() {
     assert_eq!(a.requests() + b.requests(), 1, "one engine call, not one per instance: {v}");
     gw.stop().await;
 }
+
+/// The `input` lists the engine was sent, call by call.
+fn sent_inputs(engine: &FakeEngine) -> Vec<Vec<String>> {
+    engine
+        .bodies()
+        .iter()
+        .map(|b| b["input"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect())
+        .collect()
+}
+
+fn numbered(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("text number {i}")).collect()
+}
+
+/// Issue 17, "batched per engine": a list longer than the model's
+/// `max_batch_inputs` goes to the engine in calls of that many, in order,
+/// within one task; the answer is the concatenation (each `index` the
+/// input's), usage the sum.
+#[tokio::test]
+async fn a_long_list_is_split_into_engine_calls_in_input_order() {
+    let chat = FakeEngine::start().await;
+    let emb = FakeEngine::start().await;
+    let section = embed_section(&emb.url(), "openai", "max_batch_inputs = 4");
+    let gw = TestGateway::with_engine(&chat.url(), "openai", &section).await;
+    gw.wait_ready().await;
+    let inputs = numbered(10);
+    let (status, v) = post(&gw, "/v1/embeddings", Some(DEMO_KEY), &json!({"model": "embed", "input": inputs})).await;
+    assert_eq!(status, 200, "{v}");
+    let calls = sent_inputs(&emb);
+    assert_eq!(calls, vec![inputs[0..4].to_vec(), inputs[4..8].to_vec(), inputs[8..10].to_vec()]);
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 10);
+    for (i, d) in data.iter().enumerate() {
+        assert_eq!(d["index"], i, "{v}");
+        assert_eq!(floats(&d["embedding"]), fake_embedding(&inputs[i], 8), "input {i}");
+    }
+    // Three words an input, as the fake counts tokens, over all calls.
+    assert_eq!(v["usage"], json!({"prompt_tokens": 30, "total_tokens": 30}));
+    assert_eq!(v["edge"]["route"]["attempts"], 1, "one task, one attempt: {v}");
+    // The task's own events are numbered the same way.
+    let task_id = v["edge"]["task_id"].as_str().unwrap();
+    let resp =
+        client().get(format!("{}/v1/tasks/{task_id}/events", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
+    let (events, _) = read_sse(resp).await;
+    let indexes: Vec<u64> =
+        events.iter().filter(|e| e["type"] == "embedding").map(|e| e["index"].as_u64().unwrap()).collect();
+    assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
+
+    gw.stop().await;
+}
+
+/// A call that fails in the middle of a list is retried (the usual retry
+/// rules) from its own first input: finished calls are not sent again.
+#[tokio::test]
+async fn a_failed_call_is_retried_from_its_offset_without_redoing_finished_ones() {
+    let chat = FakeEngine::start().await;
+    let emb = FakeEngine::start_with(Knobs { fail_requests: vec![2], ..Knobs::default() }).await;
+    let section = embed_section(&emb.url(), "openai", "max_batch_inputs = 4");
+    let gw = TestGateway::with_engine(&chat.url(), "openai", &section).await;
+    gw.wait_ready().await;
+    let inputs = numbered(10);
+    let (status, v) = post(&gw, "/v1/embeddings", Some(DEMO_KEY), &json!({"model": "embed", "input": inputs})).await;
+    assert_eq!(status, 200, "{v}");
+    let calls = sent_inputs(&emb);
+    assert_eq!(
+        calls,
+        vec![inputs[0..4].to_vec(), inputs[4..8].to_vec(), inputs[4..8].to_vec(), inputs[8..10].to_vec()],
+        "only the failed call is sent again"
+    );
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 10, "{v}");
+    for (i, d) in data.iter().enumerate() {
+        assert_eq!((d["index"].as_u64(), floats(&d["embedding"])), (Some(i as u64), fake_embedding(&inputs[i], 8)));
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], 30, "the failed call counts nothing");
+    assert_eq!(v["edge"]["route"]["attempts"], 2, "{v}");
+    gw.stop().await;
+}
+
+/// A cancel (here: the client goes away) between calls stops the rest of
+/// the list: no further call reaches the engine.
+#[tokio::test]
+async fn a_cancel_stops_the_remaining_calls() {
+    let chat = FakeEngine::start().await;
+    let emb = FakeEngine::start_with(Knobs { first_token_delay: Duration::from_millis(400), ..Knobs::default() }).await;
+    let section = embed_section(&emb.url(), "openai", "max_batch_inputs = 2");
+    let gw = TestGateway::with_engine(&chat.url(), "openai", &section).await;
+    gw.wait_ready().await;
+    let mut events = gw.recorder().subscribe();
+    let request = tokio::spawn({
+        let url = gw.base_url.clone();
+        async move {
+            client()
+                .post(format!("{url}/v1/embeddings"))
+                .bearer_auth(DEMO_KEY)
+                .json(&json!({"model": "embed", "input": numbered(12)}))
+                .send()
+                .await
+        }
+    });
+    // The second call is under way: the client goes away.
+    assert!(emb.wait_for(Duration::from_secs(10), |s| s.requests.load(std::sync::atomic::Ordering::SeqCst) >= 2).await);
+    request.abort();
+    let end = next_event(&mut events, "the task ends", |e| e.state.is_terminal()).await;
+    assert_eq!(end.state, TaskState::Cancelled, "{end:?}");
+    assert_eq!(emb.requests(), 2, "no call after the cancel");
+    gw.stop().await;
+}

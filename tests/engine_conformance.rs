@@ -56,6 +56,8 @@ fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig
         max_data_class: edgeway::task::DataClass::Secret,
         cost_per_1k_tokens: 0.0,
         reserved_realtime_slots: 0,
+        max_prefill_tokens: None,
+        long_prompt_tokens: 0,
         memory_budget_bytes: None,
         exclusive: true,
         process: None,

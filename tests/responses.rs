@@ -179,7 +179,8 @@ async fn a_tool_call_is_a_function_call_item_streamed_or_not() {
 async fn unsupported_fields_are_refused_by_name() {
     let (fake, gw) = gateway(Knobs::default()).await;
     let cases = [
-        (json!({"previous_response_id": "resp_x"}), "sessions"),
+        (json!({"conversation": "conv_x"}), "sessions"),
+        (json!({"previous_response_id": 3}), "'previous_response_id'"),
         (json!({"reasoning": {"effort": "low"}}), "'reasoning'"),
         (json!({"background": true}), "'background'"),
         (json!({"tools": [{"type": "web_search"}]}), "web_search"),
@@ -355,4 +356,110 @@ async fn a_response_is_kept_only_when_asked_or_the_data_policy_keeps_answers() {
         assert_eq!(bad.status(), 400);
         gw.stop().await;
     }
+}
+
+/// The chat messages the engine was sent last, as (role, text) pairs.
+fn sent_messages(fake: &FakeEngine) -> Vec<(String, String)> {
+    let body = fake.last_request().unwrap();
+    body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["role"].as_str().unwrap().to_string(), m["content"].as_str().unwrap_or("").to_string()))
+        .collect()
+}
+
+fn msg(role: &str, text: &str) -> (String, String) {
+    (role.to_string(), text.to_string())
+}
+
+/// `previous_response_id`: a stored Response is continued with its input
+/// chain and its output before the new input, across any number of
+/// links; the previous `instructions` are not carried over (OpenAI's
+/// rule), the request's own are.
+#[tokio::test]
+async fn previous_response_id_continues_a_stored_conversation_across_links() {
+    let (fake, gw) = gateway_with_other("").await;
+    let answer = "tok tok tok tok tok ";
+    let first: Value = post(
+        &gw,
+        DEMO_KEY,
+        &json!({"model": "general-chat", "input": "one", "instructions": "Be brief", "store": true}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(first["previous_response_id"], Value::Null, "{first}");
+    let second = post(
+        &gw,
+        DEMO_KEY,
+        &json!({"model": "general-chat", "input": "two", "previous_response_id": first["id"], "store": true}),
+    )
+    .await;
+    assert_eq!(second.status(), 200);
+    let second: Value = second.json().await.unwrap();
+    assert_eq!(second["previous_response_id"], first["id"]);
+    assert_eq!(sent_messages(&fake), vec![msg("user", "one"), msg("assistant", answer), msg("user", "two")]);
+
+    // A third link, streamed, with instructions of its own and a message item.
+    let third = json!({"model": "general-chat", "previous_response_id": second["id"], "stream": true,
+        "instructions": "Answer in French", "store": true,
+        "input": [{"type": "message", "role": "user", "content": "three"}]});
+    let (events, _) = read_sse(post(&gw, DEMO_KEY, &third).await).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed", "{events:?}");
+    let want = vec![
+        msg("system", "Answer in French"),
+        msg("user", "one"),
+        msg("assistant", answer),
+        msg("user", "two"),
+        msg("assistant", answer),
+        msg("user", "three"),
+    ];
+    assert_eq!(sent_messages(&fake), want);
+    // And a fourth, from the streamed one.
+    let third_id = events.last().unwrap()["response"]["id"].clone();
+    let r =
+        post(&gw, DEMO_KEY, &json!({"model": "general-chat", "input": "four", "previous_response_id": third_id})).await;
+    assert_eq!(r.status(), 200);
+    let mut want = want[1..].to_vec();
+    want.extend([msg("assistant", answer), msg("user", "four")]);
+    assert_eq!(sent_messages(&fake), want);
+    gw.stop().await;
+}
+
+/// A previous response that is unknown, not kept (`store: false`), deleted
+/// or another application's is answered 404, and nothing reaches the engine.
+#[tokio::test]
+async fn previous_response_id_of_an_unknown_unstored_or_foreign_response_is_not_found() {
+    let (fake, gw) = gateway_with_other("").await;
+    let create = |store: bool| json!({"model": "general-chat", "input": "hi", "store": store});
+    let kept: Value = post(&gw, DEMO_KEY, &create(true)).await.json().await.unwrap();
+    let unkept: Value = post(&gw, DEMO_KEY, &create(false)).await.json().await.unwrap();
+    let deleted: Value = post(&gw, DEMO_KEY, &create(true)).await.json().await.unwrap();
+    let deleted_id = deleted["id"].as_str().unwrap();
+    assert_eq!(delete_response(&gw, DEMO_KEY, deleted_id).await.status(), 200);
+    let sent = fake.requests();
+    let cases = [
+        (DEMO_KEY, json!("resp_no-such-task")),
+        (DEMO_KEY, json!("not-a-response-id")),
+        (DEMO_KEY, unkept["id"].clone()),
+        (DEMO_KEY, json!(deleted_id)),
+        (OTHER_KEY, kept["id"].clone()),
+        (OPS_KEY, kept["id"].clone()),
+    ];
+    for (key, id) in cases {
+        let body = json!({"model": "general-chat", "input": "next", "previous_response_id": id});
+        let r = post(&gw, key, &body).await;
+        assert_eq!(r.status(), 404, "{key} {id}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(error_code(&v), "INVALID_REQUEST", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("previous_response_id"), "{v}");
+        assert!(!v.to_string().contains("tok tok"), "{v}");
+    }
+    assert_eq!(fake.requests(), sent, "nothing refused reached the engine");
+    // The owner continues it.
+    let body = json!({"model": "general-chat", "input": "next", "previous_response_id": kept["id"]});
+    assert_eq!(post(&gw, DEMO_KEY, &body).await.status(), 200);
+    gw.stop().await;
 }

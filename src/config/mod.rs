@@ -477,6 +477,12 @@ pub struct EngineConfig {
     /// Relative cost of a thousand tokens, a tie-breaker between instances.
     pub cost_per_1k_tokens: f64,
     pub reserved_realtime_slots: usize,
+    /// The long-prompt lane: long prompts (over `long_prompt_tokens`
+    /// estimated tokens) start only while the prompt tokens of long ones
+    /// still in prefill here stay within `max_prefill_tokens` (one always
+    /// may, alone); short ones are never held by them. `None`: no lane.
+    pub max_prefill_tokens: Option<u32>,
+    pub long_prompt_tokens: u32,
     pub memory_budget_bytes: Option<u64>,
     /// No other client uses the engine (enables the cancel grace check).
     pub exclusive: bool,
@@ -514,7 +520,17 @@ pub struct ModelConfig {
     /// The length of the model's vectors, where the operator states it
     /// (shown by `/v1/models`; embedding models only).
     pub dimensions: Option<u32>,
+    /// Inputs per engine call of an embedding request: a longer list is
+    /// split into calls of this many, run one after another in the same
+    /// task (embedding models; chat models: 0, not read).
+    pub max_batch_inputs: usize,
 }
+
+/// The default `[models.*] max_batch_inputs` of an embedding model: a
+/// multiple of llama-server's default slot count (4), small enough that one
+/// call of inputs as long as the context (2048 tokens in the example) is a
+/// few seconds of a small CPU, so deadlines and cancels act between calls.
+pub const DEFAULT_MAX_BATCH_INPUTS: u32 = 32;
 
 impl EngineConfig {
     /// Runs on this machine.

@@ -502,6 +502,11 @@ pub struct RawEngine {
     pub cost_per_1k_tokens: f64,
     /// Slots held back for P0/P1 work.
     pub reserved_realtime_slots: usize,
+    /// Prompt tokens of long prompts that may be in prefill at once on
+    /// this engine (none: no long-prompt lane).
+    pub max_prefill_tokens: Option<u32>,
+    /// A prompt of more tokens than this is long (with `max_prefill_tokens`).
+    pub long_prompt_tokens: Option<u32>,
     /// Only edgeway sends work to this engine. Then an engine that reports
     /// more busy slots than edgeway runs after a cancel's grace period is
     /// taken out of dispatch; set false when other clients share it.
@@ -534,6 +539,8 @@ impl Default for RawEngine {
             max_data_class: None,
             cost_per_1k_tokens: 0.0,
             reserved_realtime_slots: 0,
+            max_prefill_tokens: None,
+            long_prompt_tokens: None,
             exclusive: true,
             memory_budget_mb: None,
             tools: false,
@@ -574,6 +581,8 @@ pub struct RawModel {
     pub supports_dimensions: bool,
     /// The length of the model's vectors (embedding models), for `/v1/models`.
     pub dimensions: Option<u32>,
+    /// Inputs per engine call of an embedding request (embedding models).
+    pub max_batch_inputs: Option<u32>,
 }
 
 impl Default for RawModel {
@@ -594,6 +603,7 @@ impl Default for RawModel {
             kind: None,
             supports_dimensions: false,
             dimensions: None,
+            max_batch_inputs: None,
         }
     }
 }

@@ -509,6 +509,24 @@ fn the_resume_budget_has_a_default_and_a_floor() {
 }
 
 #[test]
+fn the_long_prompt_lane_is_checked() {
+    let with = |keys: &str| MINIMAL.replace("model = \"gemma\"", &format!("model = \"gemma\"\n{keys}"));
+    let c = parse(&with("max_prefill_tokens = 8000"), &[]).unwrap();
+    assert_eq!((c.engines["llama"].max_prefill_tokens, c.engines["llama"].long_prompt_tokens), (Some(8000), 2000));
+    let c = parse(&with("max_prefill_tokens = 8000\nlong_prompt_tokens = 500"), &[]).unwrap();
+    assert_eq!(c.engines["llama"].long_prompt_tokens, 500);
+    assert_eq!(parse(MINIMAL, &[]).unwrap().engines["llama"].max_prefill_tokens, None);
+    for (keys, path) in [
+        ("max_prefill_tokens = 0", "engines.llama.max_prefill_tokens"),
+        ("long_prompt_tokens = 500", "engines.llama.long_prompt_tokens"),
+        ("max_prefill_tokens = 100\nlong_prompt_tokens = 500", "engines.llama.long_prompt_tokens"),
+    ] {
+        let e = parse(&with(keys), &[]).unwrap_err();
+        assert_eq!(e.0[0].path, path, "{keys}: {e}");
+    }
+}
+
+#[test]
 fn model_kinds_are_checked_against_fallbacks_and_options() {
     let embed = "\n[models.embed]\ninstances = [\"llama\"]\nkind = \"embedding\"\ncontext_tokens = 512\n";
     let c = parse(&format!("{MINIMAL}{embed}"), &[]).unwrap();
@@ -533,4 +551,16 @@ fn model_kinds_are_checked_against_fallbacks_and_options() {
     );
     let e = parse(&format!("{MINIMAL}{embed}dimensions = 0\n"), &[]).unwrap_err();
     assert_eq!(e.0[0].path, "models.embed.dimensions", "{e}");
+    // `max_batch_inputs`: embedding models only, 1 to 2048, 32 by default.
+    assert_eq!(c.models["embed"].max_batch_inputs, 32);
+    assert_eq!(
+        parse(&format!("{MINIMAL}{embed}max_batch_inputs = 4\n"), &[]).unwrap().models["embed"].max_batch_inputs,
+        4
+    );
+    for bad in [0, 2049] {
+        let e = parse(&format!("{MINIMAL}{embed}max_batch_inputs = {bad}\n"), &[]).unwrap_err();
+        assert_eq!(e.0[0].path, "models.embed.max_batch_inputs", "{e}");
+    }
+    let e = parse(&format!("{MINIMAL}max_batch_inputs = 8\n"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "models.general-chat.max_batch_inputs", "{e}");
 }

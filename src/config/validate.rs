@@ -575,6 +575,16 @@ fn engine(
     } else if e.reserved_realtime_slots >= e.max_concurrency {
         p.add(format!("{path}.reserved_realtime_slots"), "must be less than max_concurrency");
     }
+    // Default: a quarter of the cap, so that up to four long prompts share it.
+    let long_prompt_tokens = e.long_prompt_tokens.unwrap_or(e.max_prefill_tokens.unwrap_or(0) / 4);
+    match (e.max_prefill_tokens, e.long_prompt_tokens) {
+        (Some(0), _) => p.add(format!("{path}.max_prefill_tokens"), "must be at least 1"),
+        (None, Some(_)) => p.add(format!("{path}.long_prompt_tokens"), "needs max_prefill_tokens"),
+        (Some(cap), Some(long)) if long == 0 || long > cap => {
+            p.add(format!("{path}.long_prompt_tokens"), "must be from 1 to max_prefill_tokens")
+        }
+        _ => {}
+    }
     if e.health_interval_ms < 50 {
         p.add(format!("{path}.health_interval_ms"), "must be at least 50");
     }
@@ -657,6 +667,8 @@ fn engine(
         max_data_class: max_data_class?,
         cost_per_1k_tokens: e.cost_per_1k_tokens,
         reserved_realtime_slots: e.reserved_realtime_slots,
+        max_prefill_tokens: e.max_prefill_tokens,
+        long_prompt_tokens,
         exclusive: e.exclusive,
         memory_budget_bytes: memory_budget_bytes?,
         tools: e.tools,
@@ -753,6 +765,11 @@ fn model(
     if m.dimensions.is_some_and(|d| !(1..=65536).contains(&d)) {
         p.add(format!("{path}.dimensions"), "must be from 1 to 65536");
     }
+    let max_batch = m.max_batch_inputs.unwrap_or(super::DEFAULT_MAX_BATCH_INPUTS);
+    // 2048: the most inputs a request may have (admission).
+    if !(1..=2048).contains(&max_batch) {
+        p.add(format!("{path}.max_batch_inputs"), "must be from 1 to 2048");
+    }
     if m.canned_answer.as_ref().is_some_and(|a| a.trim().is_empty()) {
         p.add(format!("{path}.canned_answer"), "must not be empty (leave it out for none)");
     }
@@ -770,6 +787,9 @@ fn model(
         }
         if kind == ModelKind::Chat && m.dimensions.is_some() {
             p.add(format!("{path}.dimensions"), "only for kind = \"embedding\"");
+        }
+        if kind == ModelKind::Chat && m.max_batch_inputs.is_some() {
+            p.add(format!("{path}.max_batch_inputs"), "only for kind = \"embedding\"");
         }
     }
     Some(ModelConfig {
@@ -789,6 +809,7 @@ fn model(
         kind: kind?,
         supports_dimensions: m.supports_dimensions,
         dimensions: m.dimensions,
+        max_batch_inputs: if embedding { max_batch as usize } else { 0 },
     })
 }
 

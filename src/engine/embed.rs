@@ -3,13 +3,15 @@
 //! and Ollama's `POST /api/embed`.
 //!
 //! Owns: the wire structs of those two endpoints and their translation into
-//! [`EngineChunk::Embedding`]s, a `Usage` and a `Finish`. A request's whole
-//! input list goes in one engine call (the engine batches it); the answer
-//! is read whole before any chunk is yielded, so a failure is always one
-//! before the first token (the router may retry it elsewhere: embeddings
-//! are deterministic). Does not own: which operation a request is (the
-//! adapters dispatch here), encoding for the client (base64 is the HTTP
-//! ingress's) or retries (the router's).
+//! [`EngineChunk::Embedding`]s, a `Usage` and a `Finish`. The input list
+//! of one call goes whole to the engine (which spreads it over its slots);
+//! the answer is read whole before any chunk is yielded, so a failure is
+//! always one before the call's first vector (the driver may retry it
+//! elsewhere: embeddings are deterministic). Does not own: which operation
+//! a request is (the adapters dispatch here), splitting a long list into
+//! calls of `[models.*] max_batch_inputs` (the scheduler's driver), encoding
+//! for the client (base64 is the HTTP ingress's) or retries (the driver's,
+//! by the router's rules).
 
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};

@@ -87,9 +87,24 @@ impl Gateway {
         Ok(rec.filter(|r| r.application == who.application).and_then(|r| r.response))
     }
 
-    /// Keeps the Response object of `task_id` with its task.
-    pub fn keep_response(&self, task_id: &str, body: String) {
-        self.store.keep_response(task_id, body);
+    /// The Response object kept for a task and the conversation it
+    /// answered (`previous_response_id`), on the same terms as
+    /// [`Gateway::response`].
+    pub async fn response_with_conversation(
+        &self,
+        who: &Identity,
+        task_id: &str,
+    ) -> Result<Option<(String, Option<String>)>, GatewayError> {
+        let rec = self.task(who, task_id).await?;
+        Ok(rec
+            .filter(|r| r.application == who.application)
+            .and_then(|r| r.response.map(|body| (body, r.response_conversation))))
+    }
+
+    /// Keeps the Response object of `task_id` with its task, and the
+    /// conversation it answered.
+    pub fn keep_response(&self, task_id: &str, body: String, conversation: Option<String>) {
+        self.store.keep_response(task_id, body, conversation);
     }
 
     /// Deletes a kept Response for the application that created it;

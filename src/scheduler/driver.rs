@@ -2,7 +2,14 @@
 //! request, keeps the layered timeouts, forwards the events, records every
 //! transition and ends the task in exactly one terminal state.
 //!
-//! Owns: deadlines and the task's life cycle. Does not own: the engine
+//! Owns: deadlines and the task's life cycle, and splitting an embedding
+//! list into engine calls of `[models.*] max_batch_inputs` (one after
+//! another on the task's slot, so priority, cancels, deadlines, preemption
+//! and retries act between calls; a retry goes on from the failed call's
+//! first input). Small embedding requests of different tasks are not
+//! merged into one call: each keeps its own deadlines, cancel, tenant and
+//! failure, and llama-server already batches concurrent requests over its
+//! slots. Does not own: the engine
 //! request, resends, or what an engine failure means for the client (the
 //! router's [`Router::open`](crate::router::Router::open) and
 //! [`DispatchError`]).
@@ -101,6 +108,9 @@ struct Progress {
     failures: u32,
     /// Dispatched at least once.
     started: bool,
+    /// Inputs of an embedding list answered so far (in order): a retry or
+    /// a preempted task goes on from here.
+    embeddings_done: usize,
     hops: Vec<RouteHop>,
     /// The logical model and step that answered (or last tried).
     model: Option<String>,
@@ -367,6 +377,8 @@ impl Driver {
         let r = &self.req;
         p.first_token_at = Some(Instant::now());
         self.shared.router.attempt_ended(lease.instance, Attempt::Success { ttft: attempt_start.elapsed() });
+        // Its prompt is no longer in prefill (the long-prompt lane).
+        let _ = self.tx.send(Cmd::Prefilled { task_id: r.task_id.clone() });
         self.shared
             .metrics
             .first_token
@@ -442,15 +454,18 @@ impl Driver {
         p.started = true;
         let now_t = tokio::time::Instant::from_std(now);
         let inference_raw = now_t + t.inference;
-        let first_token_raw = now_t + t.first_token;
         let inference_deadline = inference_raw.min(total_deadline);
-        let first_token_deadline = first_token_raw.min(inference_deadline);
+        // The first-token limit of the engine call under way: an embedding
+        // list split into several calls gives each call its own (each
+        // answers all at once); anything else makes one call.
+        let mut first_token_raw = now_t + t.first_token;
         // Names the limit that a deadline `d` came from; the total limit wins
         // ties because it is the one the caller can least extend.
-        let deadline_code = |d: tokio::time::Instant, first: bool| {
+        // `first_raw`: the call's first-token limit, while it gave nothing.
+        let deadline_code = |d: tokio::time::Instant, first_raw: Option<tokio::time::Instant>| {
             if d == total_deadline {
                 timeout_outcome(ErrorCode::TotalTimeout, "total time limit")
-            } else if first && d == first_token_raw {
+            } else if first_raw == Some(d) {
                 timeout_outcome(ErrorCode::FirstTokenTimeout, "first token time limit")
             } else if d == inference_raw {
                 timeout_outcome(ErrorCode::InferenceTimeout, "inference time limit")
@@ -472,9 +487,9 @@ impl Driver {
         // embedding instance's breaker).
         let embedding = matches!(r.operation, Operation::Embedding { .. });
         let own_limit = t.first_token >= self.shared.config.timeouts.first_token && !embedding;
-        let first_token_timeout = |d: tokio::time::Instant| -> AttemptEnd {
-            let outcome = deadline_code(d, true);
-            if own_limit && d == first_token_raw && d != total_deadline {
+        let first_token_timeout = |d: tokio::time::Instant, raw: tokio::time::Instant| -> AttemptEnd {
+            let outcome = deadline_code(d, Some(raw));
+            if own_limit && d == raw && d != total_deadline {
                 router.attempt_ended(lease.instance, Attempt::Failure);
                 let error = DispatchError {
                     error: outcome.error.clone().map(|(e, _)| e).unwrap_or_else(|| GatewayError::internal("timeout")),
@@ -487,143 +502,214 @@ impl Driver {
                 AttemptEnd::Over(outcome)
             }
         };
+        // Inputs per engine call of an embedding list (the model that
+        // answers: a fallback step may have its own).
+        let max_batch = self.shared.config.models.get(&lease.model).map_or(0, |m| m.max_batch_inputs).max(1);
 
-        let engine_req = EngineRequest {
-            model: lease.engine_model.clone(),
-            // A completion's or embedding's text is in its operation; its
-            // messages are only for estimates and recovery.
-            messages: if r.operation == Operation::Chat { r.messages.clone() } else { Vec::new() },
-            params: r.params.clone(),
-            max_output_tokens: lease.max_output_tokens,
-            tools: r.tools.clone(),
-            operation: r.operation.clone(),
-        };
-        let mut stream = tokio::select! {
-            biased;
-            _ = self.cancel.token.cancelled() => {
-                router.attempt_abandoned(lease.instance);
-                return AttemptEnd::Over(self.cancelled());
-            }
-            _ = self.preempt.wanted() => {
-                router.attempt_abandoned(lease.instance);
-                return AttemptEnd::Preempted;
-            }
-            _ = sleep_until(first_token_deadline) => return first_token_timeout(first_token_deadline),
-            s = router.open(lease.instance, &engine_req) => match s {
-                Ok(s) => s,
-                Err(e) => return match e.retryable {
-                    Some(label) => AttemptEnd::Retry { error: e, label },
-                    None => AttemptEnd::Over(self.engine_failed(&lease.instance_name, e)),
-                },
-            },
-        };
-        self.shared.recorder.transition(r, TaskState::Running, "engine accepted", Some(&lease.instance_name), "engine");
-
-        // Phase 3: stream tokens until the engine finishes.
+        // One engine call per pass: a chat or completion makes one; an
+        // embedding list makes one per `max_batch` inputs, one after another
+        // on this slot (the engine spreads each call's inputs over its own
+        // slots), from the first input no earlier call answered, so a
+        // retried or preempted task never sends a finished batch again.
         let mut last_token = now_t;
-        let mut first_of_attempt = true;
+        let mut calls = 0u32;
         loop {
-            let (deadline, first) = match p.first_token_at {
-                None => (first_token_deadline, true),
-                Some(_) => ((last_token + t.idle).min(inference_deadline), false),
+            calls += 1;
+            let call_start = if calls == 1 { now } else { Instant::now() };
+            if calls > 1 {
+                first_token_raw = tokio::time::Instant::from_std(call_start) + t.first_token;
+            }
+            let first_token_deadline = first_token_raw.min(inference_deadline);
+            // The inputs of this call, and the index of its first one.
+            let (operation, offset, count) = match &r.operation {
+                Operation::Embedding { input, dimensions } => {
+                    let from = p.embeddings_done.min(input.len());
+                    let to = (from + max_batch).min(input.len());
+                    let op = Operation::Embedding { input: input[from..to].to_vec(), dimensions: *dimensions };
+                    (op, from as u32, to - from)
+                }
+                op => (op.clone(), 0, 0),
             };
-            let chunk = tokio::select! {
+            let engine_req = EngineRequest {
+                model: lease.engine_model.clone(),
+                // A completion's or embedding's text is in its operation; its
+                // messages are only for estimates and recovery.
+                messages: if r.operation == Operation::Chat { r.messages.clone() } else { Vec::new() },
+                params: r.params.clone(),
+                max_output_tokens: lease.max_output_tokens,
+                tools: r.tools.clone(),
+                operation,
+            };
+            let mut stream = tokio::select! {
                 biased;
                 _ = self.cancel.token.cancelled() => {
-                    drop(stream);
-                    if first {
-                        router.attempt_abandoned(lease.instance);
-                    }
+                    router.attempt_abandoned(lease.instance);
                     return AttemptEnd::Over(self.cancelled());
                 }
-                _ = self.preempt.wanted(), if !declined => {
-                    if first {
-                        drop(stream);
-                        router.attempt_abandoned(lease.instance);
-                        return AttemptEnd::Preempted;
-                    }
-                    // Output went out; it can be taken back only if nobody
-                    // can have seen it.
-                    if self.log.retract_unread(start_seq) {
-                        drop(stream);
-                        p.restart_output();
-                        lease.output_tokens = 0;
-                        return AttemptEnd::Preempted;
-                    }
-                    declined = true;
-                    self.preempt.reset();
-                    let _ = self.tx.send(Cmd::PreemptDeclined { task_id: r.task_id.clone() });
-                    continue;
+                _ = self.preempt.wanted() => {
+                    router.attempt_abandoned(lease.instance);
+                    return AttemptEnd::Preempted;
                 }
-                _ = sleep_until(deadline) => {
-                    drop(stream);
-                    if first {
-                        return first_token_timeout(deadline);
-                    }
-                    // Output went out: what the client has is partial.
-                    let mut outcome = deadline_code(deadline, false);
-                    if let Some((e, _)) = outcome.error.as_mut() {
-                        e.partial = true;
-                    }
-                    return AttemptEnd::Over(outcome);
-                }
-                c = stream.next() => c,
+                _ = sleep_until(first_token_deadline) => return first_token_timeout(first_token_deadline, first_token_raw),
+                s = router.open(lease.instance, &engine_req) => match s {
+                    Ok(s) => s,
+                    Err(e) => return match e.retryable {
+                        Some(label) => AttemptEnd::Retry { error: e, label },
+                        None => AttemptEnd::Over(self.engine_failed(&lease.instance_name, e)),
+                    },
+                },
             };
-            match chunk {
-                Some(Ok(piece @ (EngineChunk::Delta(_) | EngineChunk::ToolCall(_)))) => {
-                    last_token = tokio::time::Instant::now();
-                    if p.first_token_at.is_none() {
-                        self.first_token(p, lease, now);
-                        first_of_attempt = false;
-                    }
-                    p.deltas += 1;
-                    lease.output_tokens += 1;
-                    match piece {
-                        EngineChunk::ToolCall(d) => {
-                            // Every call's first piece carries an id and
-                            // its name; later pieces only arguments.
-                            let d = p.tool_calls.push(d, &r.task_id);
-                            self.log.push(TaskEvent::ToolCallDelta(d));
-                        }
-                        EngineChunk::Delta(text) => {
-                            if self.keep_text {
-                                p.text.push_str(&text);
-                            }
-                            self.log.push(TaskEvent::Delta { text });
-                        }
-                        _ => {}
-                    }
-                }
-                Some(Ok(EngineChunk::Embedding { index, vector })) => {
-                    // The whole answer arrives at once: its first vector is
-                    // the first token, for the record, breaker and metrics.
-                    if p.first_token_at.is_none() {
-                        self.first_token(p, lease, now);
-                        first_of_attempt = false;
-                    }
-                    self.log.push(TaskEvent::Embedding { index, vector });
-                }
-                Some(Ok(EngineChunk::Usage { input_tokens, output_tokens })) => {
-                    p.usage = Some((input_tokens, output_tokens));
-                    lease.output_tokens = u64::from(output_tokens);
-                }
-                Some(Ok(EngineChunk::Finish(reason))) => p.finish_reason = Some(finish_reason(&reason).to_string()),
-                Some(Err(e)) => {
-                    drop(stream);
-                    let mid_stream = p.first_token_at.is_some();
-                    let d = router.stream_failed(lease.instance, e, mid_stream);
-                    return match d.retryable {
-                        Some(label) if !mid_stream => AttemptEnd::Retry { error: d, label },
-                        _ => AttemptEnd::Over(self.engine_failed(&lease.instance_name, d)),
-                    };
-                }
-                None => break,
+            if calls == 1 {
+                self.shared.recorder.transition(
+                    r,
+                    TaskState::Running,
+                    "engine accepted",
+                    Some(&lease.instance_name),
+                    "engine",
+                );
             }
-        }
-        drop(stream);
-        if first_of_attempt {
-            // Finished without a token (an empty answer): still a success.
-            router.attempt_ended(lease.instance, Attempt::Success { ttft: now.elapsed() });
+
+            // Phase 3: stream tokens until the engine finishes.
+            // Whether this engine call gave any output (its breaker verdict
+            // is then given).
+            let mut answered = false;
+            loop {
+                let (deadline, first) = if answered {
+                    ((last_token + t.idle).min(inference_deadline), false)
+                } else {
+                    (first_token_deadline, true)
+                };
+                let chunk = tokio::select! {
+                    biased;
+                    _ = self.cancel.token.cancelled() => {
+                        drop(stream);
+                        if first {
+                            router.attempt_abandoned(lease.instance);
+                        }
+                        return AttemptEnd::Over(self.cancelled());
+                    }
+                    _ = self.preempt.wanted(), if !declined => {
+                        if first {
+                            // Before this call's output: nothing to take
+                            // back (an embedding list keeps its finished
+                            // calls and goes on from the next input).
+                            drop(stream);
+                            router.attempt_abandoned(lease.instance);
+                            return AttemptEnd::Preempted;
+                        }
+                        // Output went out; it can be taken back only if nobody
+                        // can have seen it.
+                        if !embedding && self.log.retract_unread(start_seq) {
+                            drop(stream);
+                            p.restart_output();
+                            lease.output_tokens = 0;
+                            return AttemptEnd::Preempted;
+                        }
+                        declined = true;
+                        self.preempt.reset();
+                        let _ = self.tx.send(Cmd::PreemptDeclined { task_id: r.task_id.clone() });
+                        continue;
+                    }
+                    _ = sleep_until(deadline) => {
+                        drop(stream);
+                        if first {
+                            return first_token_timeout(deadline, first_token_raw);
+                        }
+                        // Output went out: what the client has is partial.
+                        let mut outcome = deadline_code(deadline, None);
+                        if let Some((e, _)) = outcome.error.as_mut() {
+                            e.partial = true;
+                        }
+                        return AttemptEnd::Over(outcome);
+                    }
+                    c = stream.next() => c,
+                };
+                match chunk {
+                    Some(Ok(piece @ (EngineChunk::Delta(_) | EngineChunk::ToolCall(_)))) => {
+                        last_token = tokio::time::Instant::now();
+                        if !answered {
+                            self.first_token(p, lease, now);
+                            answered = true;
+                        }
+                        p.deltas += 1;
+                        lease.output_tokens += 1;
+                        match piece {
+                            EngineChunk::ToolCall(d) => {
+                                // Every call's first piece carries an id and
+                                // its name; later pieces only arguments.
+                                let d = p.tool_calls.push(d, &r.task_id);
+                                self.log.push(TaskEvent::ToolCallDelta(d));
+                            }
+                            EngineChunk::Delta(text) => {
+                                if self.keep_text {
+                                    p.text.push_str(&text);
+                                }
+                                self.log.push(TaskEvent::Delta { text });
+                            }
+                            _ => {}
+                        }
+                    }
+                    Some(Ok(EngineChunk::Embedding { index, vector })) => {
+                        // The whole answer of a call arrives at once: the
+                        // task's first vector is its first token, for the
+                        // record and metrics; each call's first, its
+                        // breaker verdict.
+                        last_token = tokio::time::Instant::now();
+                        if !answered {
+                            if p.first_token_at.is_none() {
+                                self.first_token(p, lease, call_start);
+                            } else {
+                                router.attempt_ended(lease.instance, Attempt::Success { ttft: call_start.elapsed() });
+                            }
+                            answered = true;
+                        }
+                        // The engine numbers the inputs of its call.
+                        self.log.push(TaskEvent::Embedding { index: offset + index, vector });
+                    }
+                    Some(Ok(EngineChunk::Usage { input_tokens, output_tokens })) => {
+                        if embedding {
+                            // Summed over the calls of the list.
+                            let (i, o) = p.usage.unwrap_or_default();
+                            p.usage = Some((i + input_tokens, o + output_tokens));
+                        } else {
+                            p.usage = Some((input_tokens, output_tokens));
+                            lease.output_tokens = u64::from(output_tokens);
+                        }
+                    }
+                    Some(Ok(EngineChunk::Finish(reason))) => p.finish_reason = Some(finish_reason(&reason).to_string()),
+                    Some(Err(e)) => {
+                        drop(stream);
+                        // An embedding call fails whole, before any of its
+                        // vectors: earlier calls' vectors are the task's, not
+                        // this call's, so it may be retried from its offset.
+                        let mid_stream = answered;
+                        let d = router.stream_failed(lease.instance, e, mid_stream);
+                        return match d.retryable {
+                            Some(label) if !mid_stream => AttemptEnd::Retry { error: d, label },
+                            _ => AttemptEnd::Over(self.engine_failed(&lease.instance_name, d)),
+                        };
+                    }
+                    None => break,
+                }
+            }
+            drop(stream);
+            if !answered {
+                // Finished without a token (an empty answer): still a success.
+                router.attempt_ended(lease.instance, Attempt::Success { ttft: call_start.elapsed() });
+            }
+            match &r.operation {
+                Operation::Embedding { input, .. } => {
+                    p.embeddings_done = offset as usize + count;
+                    if p.embeddings_done >= input.len() {
+                        break;
+                    }
+                    // The next call counts as engine work of its own.
+                    if self.preempt.is_wanted() {
+                        return AttemptEnd::Preempted;
+                    }
+                }
+                _ => break,
+            }
         }
         AttemptEnd::Over(Outcome {
             error: None,

@@ -234,6 +234,11 @@ enum Cmd {
     PreemptDeclined {
         task_id: String,
     },
+    /// A running task has its first token: its prompt left prefill (the
+    /// long-prompt lane).
+    Prefilled {
+        task_id: String,
+    },
     Withdraw {
         task_id: String,
     },
@@ -376,6 +381,8 @@ pub fn start(
                     location: e.location,
                     max_data_class: e.max_data_class,
                     cost: e.cost_per_1k_tokens,
+                    max_prefill_tokens: e.max_prefill_tokens.map(u64::from),
+                    long_prompt_tokens: e.long_prompt_tokens,
                 }
             })
             .collect(),
@@ -572,6 +579,9 @@ impl SchedulerHandle {
         }
         for p in &admission.passed {
             reason.push_str(&format!("; passed {}: {}", p.step.as_str(), p.detail));
+        }
+        if let Some(lane) = &admission.lane {
+            reason.push_str(&format!("; {lane}"));
         }
         if let Some(last) = admission.passed.last() {
             if admission.step != FallbackStep::SameModel {
@@ -845,6 +855,7 @@ impl Actor {
                 }
             }
             Cmd::PreemptDeclined { task_id } => self.policy.preemption_answered(&task_id),
+            Cmd::Prefilled { task_id } => self.policy.prefilled(&task_id),
             Cmd::Release { task_id, output_tokens } => {
                 self.running.remove(&task_id);
                 if let Some(i) = self.policy.release(&task_id, output_tokens) {

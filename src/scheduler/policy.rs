@@ -19,6 +19,14 @@
 //! - **Slots**: `max_concurrency` per instance, of which
 //!   `reserved_realtime_slots` only P0/P1 tasks may take; per-model and
 //!   per-application/per-user running caps; a memory budget per instance.
+//! - **The long-prompt lane** (FR-4.3, FR-4.6): on an instance with
+//!   `max_prefill_tokens`, a task whose prompt estimate is over
+//!   `long_prompt_tokens` starts only while the prompt tokens of the long
+//!   ones there still in prefill (granted, no first token yet:
+//!   [`Policy::prefilled`]) leave room for it, or none is; short tasks are
+//!   not counted and never wait behind a long one (a task that may not
+//!   start is passed over, not a barrier), so a few huge prompts cannot
+//!   take every slot while interactive work waits.
 //! - **What engines report** (passed in by the actor from the probes): an
 //!   instance whose engine says its KV cache is at `kv_cache_high_water`
 //!   gets no new task while it runs any of ours (see
@@ -77,6 +85,10 @@ pub struct InstancePolicy {
     pub max_data_class: DataClass,
     /// Configured cost of a thousand tokens (a tie-breaker).
     pub cost: f64,
+    /// Prompt tokens of long prompts in prefill at once (`None`: no lane).
+    pub max_prefill_tokens: Option<u64>,
+    /// A prompt of more tokens than this is long.
+    pub long_prompt_tokens: u32,
 }
 
 /// Queue fill ratios at which each backpressure step starts.
@@ -157,6 +169,9 @@ pub struct Admission {
     /// the task's own queue limit.
     pub queue_wait_factor: Option<f64>,
     pub degrade_reason: Option<String>,
+    /// Why a long prompt waits for its lane, when it cannot start at once
+    /// for that reason (for the QUEUED record).
+    pub lane: Option<String>,
     /// The step of the fallback chain that took the task.
     pub step: FallbackStep,
     /// The model whose queue it waits in (the requested one, or a smaller
@@ -250,6 +265,9 @@ struct Running {
     /// A preemption of it was asked for and not answered yet, or it said
     /// it cannot be restarted any more (output went out).
     not_preemptible: bool,
+    /// Its prompt tokens counted in its instance's `long_prefill` (a long
+    /// prompt before its first token; 0 otherwise).
+    prefill: u64,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -273,6 +291,9 @@ struct InstanceState {
     /// KV-cache usage (0..=1) the engine last reported; `None` when it
     /// reports none.
     kv_cache_usage: Option<f64>,
+    /// Prompt tokens of the long prompts running here and still in
+    /// prefill (the long-prompt lane).
+    long_prefill: u64,
     /// What the engine last said of its model being in memory (`None`:
     /// it does not say, as llama.cpp and vLLM, whose model is always
     /// loaded).
@@ -666,6 +687,7 @@ impl Policy {
                     max_output_tokens: info.max_output_tokens,
                     queue_wait_factor: None,
                     degrade_reason: None,
+                    lane: None,
                     step: link.step,
                     model: link.model,
                     passed,
@@ -947,11 +969,13 @@ impl Policy {
         });
         self.total_waiting += 1;
         let position = self.position(&task_id, now).unwrap_or(0);
+        let lane = self.lane_wait(m, &task_id);
         Ok(Admission {
             position,
             max_output_tokens,
             queue_wait_factor,
             degrade_reason: degrade,
+            lane,
             step: link.step,
             model: m,
             passed: Vec::new(),
@@ -1039,6 +1063,9 @@ impl Policy {
         if running > 0 && self.kv_cache_full(instance) {
             return false;
         }
+        if !self.lane_open(&w.info, instance, freed) {
+            return false;
+        }
         let m = w.info.model;
         let same_model = freed.is_some_and(|r| r.info.model == m);
         if self.cfg.models[m].max_running.is_some_and(|cap| self.model_running[m] - f(same_model) >= cap) {
@@ -1095,8 +1122,10 @@ impl Policy {
             c.queued -= 1;
             c.running += 1;
         }
+        let prefill = self.long_prompt(&w.info, instance).unwrap_or(0);
         let inst = &mut self.instances[instance];
         inst.running += 1;
+        inst.long_prefill += prefill;
         if w.info.priority <= Priority::P1 {
             inst.running_realtime += 1;
         }
@@ -1123,6 +1152,7 @@ impl Policy {
                 avoid: w.avoid,
                 started_at: now,
                 not_preemptible: false,
+                prefill,
             },
         );
         Some(Grant {
@@ -1134,6 +1164,61 @@ impl Policy {
             max_output_tokens,
             passed: w.passed,
         })
+    }
+
+    /// The prompt tokens `info` counts in `instance`'s long-prompt lane:
+    /// `Some` when the instance has one and the prompt is long there.
+    fn long_prompt(&self, info: &TaskInfo, instance: usize) -> Option<u64> {
+        let ip = &self.cfg.instances[instance];
+        ip.max_prefill_tokens
+            .filter(|_| info.input_tokens > ip.long_prompt_tokens)
+            .map(|_| u64::from(info.input_tokens))
+    }
+
+    /// Whether the long-prompt lane of `instance` lets `info` start (once
+    /// `freed` gave up its slot there): a short prompt always; a long one
+    /// while the long prefill in flight leaves room for it, or none is in
+    /// flight (a prompt over the whole cap runs alone).
+    fn lane_open(&self, info: &TaskInfo, instance: usize, freed: Option<&Running>) -> bool {
+        let Some(tokens) = self.long_prompt(info, instance) else { return true };
+        let cap = self.cfg.instances[instance].max_prefill_tokens.unwrap_or(u64::MAX);
+        let in_flight = self.instances[instance].long_prefill - freed.map_or(0, |r| r.prefill);
+        in_flight == 0 || in_flight + tokens <= cap
+    }
+
+    /// The running task has its first token: its prompt is no longer in
+    /// prefill, and leaves its instance's long-prompt lane.
+    pub fn prefilled(&mut self, task_id: &str) {
+        if let Some(r) = self.running.get_mut(task_id) {
+            self.instances[r.instance].long_prefill -= std::mem::take(&mut r.prefill);
+        }
+    }
+
+    /// Why waiting task `task_id` (of model `m`) waits for the long-prompt
+    /// lane, if that is what keeps it from every candidate instance where
+    /// it is long (for the QUEUED record).
+    pub fn lane_wait(&self, m: usize, task_id: &str) -> Option<String> {
+        let w = self.waiting[m].iter().find(|w| w.info.task_id == task_id)?;
+        let mut shut = w.candidates.iter().filter(|&&i| self.long_prompt(&w.info, i).is_some()).peekable();
+        shut.peek()?;
+        let mut why = Vec::new();
+        for &i in shut {
+            if self.lane_open(&w.info, i, None) {
+                return None;
+            }
+            let ip = &self.cfg.instances[i];
+            why.push(format!(
+                "{}: {} of max_prefill_tokens {} in prefill",
+                ip.name,
+                self.instances[i].long_prefill,
+                ip.max_prefill_tokens.unwrap_or(0)
+            ));
+        }
+        Some(format!(
+            "long prompt ({} tokens over long_prompt_tokens) waits for the long-prompt lane ({})",
+            w.info.input_tokens,
+            why.join(", ")
+        ))
     }
 
     /// What [`router::pick`] sees of each instance.
@@ -1303,6 +1388,7 @@ impl Policy {
                     max_output_tokens: info.max_output_tokens,
                     queue_wait_factor: None,
                     degrade_reason: None,
+                    lane: None,
                     step: link.step,
                     model: info.requested,
                     passed,
@@ -1392,6 +1478,7 @@ impl Policy {
         self.preempting.remove(task_id);
         let inst = &mut self.instances[r.instance];
         inst.running -= 1;
+        inst.long_prefill -= r.prefill;
         if r.info.priority <= Priority::P1 {
             inst.running_realtime -= 1;
         }
@@ -1444,6 +1531,13 @@ impl Policy {
             let general = here.iter().filter(|r| r.info.priority > Priority::P1).count();
             let ip = &self.cfg.instances[i];
             assert!(general <= ip.max_concurrency - ip.reserved_realtime_slots, "reserved slot used by P2-P4");
+            let prefill: u64 = here.iter().map(|r| r.prefill).sum();
+            assert_eq!(inst.long_prefill, prefill, "long-prompt lane accounting");
+            if let Some(cap) = self.cfg.instances[i].max_prefill_tokens {
+                // Over the cap only by one prompt that runs alone.
+                let alone = here.iter().filter(|r| r.prefill > 0).count() <= 1;
+                assert!(prefill <= cap || alone, "long-prompt lane over its cap");
+            }
             let kv: u64 = here.iter().map(|r| r.mem_bytes).sum();
             assert_eq!(inst.mem_used, kv + inst.resident_weights.unwrap_or(0), "memory accounting");
             if let Some(b) = ip.memory_budget_bytes {

@@ -99,6 +99,9 @@ pub struct TaskRecord {
     /// The Response object kept for `GET /v1/responses/{id}` (see
     /// `responses.rs`), if this task is a stored response.
     pub response: Option<String>,
+    /// The conversation that Response answered (a JSON list of chat
+    /// messages), for `previous_response_id`.
+    pub response_conversation: Option<String>,
 }
 
 /// A write: applied in the writer's transaction, and kept (in memory,
@@ -152,6 +155,7 @@ enum WriteOp {
     KeepResponse {
         task_id: String,
         body: String,
+        conversation: Option<String>,
     },
     ForgetResponse(String),
     /// A session's row (created, or its counts after a turn).
@@ -591,8 +595,8 @@ impl Store {
 
     /// Keeps the Response object of `task_id` until the task is purged
     /// (`GET /v1/responses/{id}`).
-    pub fn keep_response(&self, task_id: &str, body: String) {
-        self.write(WriteOp::KeepResponse { task_id: task_id.to_string(), body });
+    pub fn keep_response(&self, task_id: &str, body: String, conversation: Option<String>) {
+        self.write(WriteOp::KeepResponse { task_id: task_id.to_string(), body, conversation });
     }
 
     /// Deletes the Response object of `task_id` (`DELETE /v1/responses/{id}`).
@@ -1140,7 +1144,9 @@ fn apply(txn: &Connection, op: &WriteOp) -> rusqlite::Result<()> {
             idempotency::hand_over(txn, tenant, app, key, from, to)?;
             pending_requests::drop_request(txn, from)
         }
-        WriteOp::KeepResponse { task_id, body } => responses::keep(txn, task_id, body),
+        WriteOp::KeepResponse { task_id, body, conversation } => {
+            responses::keep(txn, task_id, body, conversation.as_deref())
+        }
         WriteOp::ForgetResponse(task_id) => responses::forget(txn, task_id),
         WriteOp::SessionRow(r) => sessions::upsert(txn, r),
         WriteOp::SessionMessage(m) => sessions::add_message(txn, m),
@@ -1289,6 +1295,7 @@ fn read_task(c: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError>
                     result: result_json.and_then(|j| serde_json::from_str(&j).ok()),
                     transitions: Vec::new(),
                     response: None,
+                    response_conversation: None,
                 })
             },
         )
@@ -1312,6 +1319,7 @@ fn read_task(c: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError>
         rec.transitions.push(t?);
     }
     rec.response = responses::get(c, id)?;
+    rec.response_conversation = responses::conversation(c, id)?;
     Ok(Some(rec))
 }
 

@@ -134,10 +134,11 @@ mod tests {
         task(&c, "old-done", "SUCCEEDED", 100);
         task(&c, "new-done", "SUCCEEDED", 5000);
         for id in ["old-done", "new-done"] {
-            super::super::responses::keep(&c, id, "{}").unwrap();
+            super::super::responses::keep(&c, id, "{}", Some("[]")).unwrap();
         }
         assert_eq!(purge(&c, 6000, Some(1000), None, 100).unwrap(), 1);
         assert_eq!(super::super::responses::get(&c, "old-done").unwrap(), None);
+        assert_eq!(super::super::responses::conversation(&c, "old-done").unwrap(), None);
         assert_eq!(super::super::responses::get(&c, "new-done").unwrap().as_deref(), Some("{}"));
     }
 

@@ -62,6 +62,10 @@ pub struct Knobs {
     pub tool_calls: Vec<(String, String)>,
     /// Length of the vectors of `/v1/embeddings` and `/api/embed`.
     pub embedding_dim: usize,
+    /// Answer the generation or embedding requests with these ordinals
+    /// (1: the first this fake saw) with HTTP 500: a failure in the middle
+    /// of a series of calls.
+    pub fail_requests: Vec<u64>,
 }
 
 /// Bytes of a tool call's arguments per streamed piece.
@@ -94,6 +98,7 @@ impl Default for Knobs {
             finish_reason: None,
             tool_calls: Vec::new(),
             embedding_dim: 8,
+            fail_requests: Vec::new(),
         }
     }
 }
@@ -108,6 +113,8 @@ pub struct Stats {
     /// Generations whose client went away before the end.
     pub aborted: AtomicU64,
     pub last_request: Mutex<Option<Value>>,
+    /// Every generation or embedding request body, in order.
+    pub bodies: Mutex<Vec<Value>>,
     /// Requests for `/metrics`.
     pub metrics_requests: AtomicU64,
     /// The path of every POST, in order (which endpoint an adapter used).
@@ -252,11 +259,12 @@ impl Drop for Generation {
 }
 
 async fn begin(s: &Shared, body: &Value) -> Result<Knobs, Response> {
-    s.stats.requests.fetch_add(1, Ordering::SeqCst);
+    let ordinal = s.stats.requests.fetch_add(1, Ordering::SeqCst) + 1;
     *s.stats.last_request.lock().expect("last") = Some(body.clone());
+    s.stats.bodies.lock().expect("bodies").push(body.clone());
     let (k, fail_now) = {
         let mut knobs = s.knobs.lock().expect("knobs");
-        let fail_now = knobs.fail_next > 0;
+        let fail_now = knobs.fail_next > 0 || knobs.fail_requests.contains(&ordinal);
         knobs.fail_next = knobs.fail_next.saturating_sub(1);
         (knobs.clone(), fail_now)
     };
@@ -723,6 +731,11 @@ impl FakeEngine {
     /// The paths POSTed to so far.
     pub fn posts(&self) -> Vec<String> {
         self.stats.posts.lock().expect("posts").clone()
+    }
+
+    /// Every generation or embedding request body so far, in order.
+    pub fn bodies(&self) -> Vec<Value> {
+        self.stats.bodies.lock().expect("bodies").clone()
     }
 
     /// The body of the last generation or embedding request.

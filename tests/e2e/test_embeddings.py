@@ -71,3 +71,26 @@ def test_a_chat_model_refuses_embeddings_by_name(edgeway):
     with pytest.raises(openai.BadRequestError) as e:
         client(edgeway).embeddings.create(model="embed", input="x", dimensions=64, encoding_format="float")
     assert "'embed' does not support 'dimensions'" in e.value.body["message"]
+
+
+def test_a_long_list_is_split_into_calls_and_answers_as_one_by_one(edgeway):
+    """150 inputs: more than config/edgeway.toml's `max_batch_inputs` (32), so
+    edgeway sends the engine five calls within the one task; the answer is
+    the same as 150 requests of one input each (order, vectors, usage)."""
+    c = client(edgeway)
+    texts = [f"Sentence number {i} about {'boats' if i % 2 else 'trees'}." for i in range(150)]
+    r = c.embeddings.create(model="embed", input=texts, encoding_format="float")
+    assert [d.index for d in r.data] == list(range(150))
+    singles = [c.embeddings.create(model="embed", input=t, encoding_format="float") for t in texts]
+    for i, (d, s) in enumerate(zip(r.data, singles)):
+        one = s.data[0].embedding
+        assert len(d.embedding) == len(one)
+        # The same numbers up to float rounding (a batch may sum in another order).
+        dot = sum(a * b for a, b in zip(d.embedding, one))
+        norm = math.sqrt(sum(a * a for a in d.embedding) * sum(b * b for b in one))
+        assert dot / norm > 0.9999, f"input {i}"
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    edge = r.model_extra["edge"]
+    assert edge["route"]["attempts"] == 1
+    state, _, _ = edgeway.wait_task_state(edge["task_id"], "SUCCEEDED")
+    assert state == "SUCCEEDED"

@@ -71,11 +71,29 @@ def test_responses_stream_helper_accumulates(edgeway):
     assert final.output_text == text
 
 
-def test_responses_previous_response_id_refused(edgeway):
-    with pytest.raises(openai.BadRequestError) as e:
-        client(edgeway).responses.create(model="general-chat", input="hi", previous_response_id="resp_x")
-    assert e.value.body["code"] == "INVALID_REQUEST"
-    assert "sessions" in e.value.body["message"]
+def test_responses_previous_response_id_continues_the_conversation(edgeway):
+    """A stored response continued twice: the engine is given the earlier
+    input and output each time (its prompt grows by at least both), and an
+    unknown or unstored one is not found."""
+    c = client(edgeway)
+    first = c.responses.create(model="general-chat", input="Name a colour.", max_output_tokens=8, store=True)
+    second = c.responses.create(model="general-chat", input="And another one, please.", max_output_tokens=8,
+                                previous_response_id=first.id, store=True)
+    assert second.previous_response_id == first.id
+    assert second.output_text
+    alone = c.responses.create(model="general-chat", input="And another one, please.", max_output_tokens=8)
+    assert second.usage.input_tokens >= alone.usage.input_tokens + first.usage.input_tokens \
+        + first.usage.output_tokens - 4, (first.usage, second.usage, alone.usage)
+    third = c.responses.create(model="general-chat", input="Thanks.", max_output_tokens=8,
+                               previous_response_id=second.id)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    for missing in ["resp_x", alone.id]:
+        with pytest.raises(openai.NotFoundError) as e:
+            c.responses.create(model="general-chat", input="hi", previous_response_id=missing)
+        assert e.value.body["code"] == "INVALID_REQUEST"
+        assert "previous_response_id" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client(edgeway, OPS_KEY).responses.create(model="general-chat", input="hi", previous_response_id=first.id)
 
 
 def test_responses_retrieve_and_delete(edgeway):

@@ -12,9 +12,20 @@
 //! body carries (admission), the task (the gateway facade).
 //!
 //! Not supported, refused with `INVALID_REQUEST` naming the field:
-//! `previous_response_id` (it needs sessions, which the gateway does not
-//! have yet), background responses, reasoning options, built-in tools, and
-//! any other field this file does not know.
+//! `conversation` (it needs sessions, which the gateway does not have
+//! yet), background responses, reasoning options, built-in tools, and any
+//! other field this file does not know.
+//!
+//! `previous_response_id` continues a stored Response, as OpenAI does: the
+//! request's messages are that Response's conversation (its own input,
+//! after its own previous chain's), its output (text as an assistant
+//! message, function calls as tool calls) and then the new `input`; the
+//! previous `instructions` are not carried over. Each stored Response
+//! keeps the conversation it answered, so a chain of any length costs one
+//! lookup. An id that is unknown, not stored (`store: false`), purged,
+//! deleted, or another application's is answered 404 `INVALID_REQUEST`
+//! ("no such previous response"), as `GET /v1/responses/{id}` answers it.
+//! When the gateway has sessions (issue 12), a chain maps onto one.
 //!
 //! Stored responses: a Response is a task, and `GET /v1/responses/{id}`
 //! returns the very object its create returned (status, output, usage),
@@ -53,7 +64,8 @@ const EDGE_FIELDS: &[&str] =
     &["request_id", "idempotency_key", "session_id", "priority", "context_policy", "timeouts", "routing"];
 
 /// Fields read here and not passed on as they are.
-const HANDLED: &[&str] = &["input", "instructions", "tools", "tool_choice", "stream", "stream_options", "store"];
+const HANDLED: &[&str] =
+    &["input", "instructions", "tools", "tool_choice", "stream", "stream_options", "store", "previous_response_id"];
 
 fn invalid(msg: impl Into<String>) -> GatewayError {
     GatewayError::invalid(msg)
@@ -73,6 +85,8 @@ struct Echo {
     user: Value,
     /// What the request said of `store` (`None`: nothing).
     store: Option<bool>,
+    /// The stored Response this one continues.
+    previous_response_id: Option<String>,
 }
 
 /// A Responses request as a chat request body (JSON), whether it streams,
@@ -94,9 +108,9 @@ fn to_chat(body: &[u8]) -> Result<(Value, bool, Echo), GatewayError> {
             continue;
         }
         let off = match k.as_str() {
-            "previous_response_id" | "conversation" => {
+            "conversation" => {
                 return Err(invalid(format!(
-                    "'{k}' is not supported until the gateway has sessions; send the whole conversation in 'input'"
+                    "'{k}' is not supported until the gateway has sessions; use 'previous_response_id' or send the whole conversation in 'input'"
                 )))
             }
             // The defaults say nothing that needs supporting.
@@ -152,6 +166,11 @@ fn to_chat(body: &[u8]) -> Result<(Value, bool, Echo), GatewayError> {
             None | Some(Value::Null) => None,
             Some(Value::Bool(b)) => Some(*b),
             Some(_) => return Err(invalid("invalid field 'store': expected a boolean")),
+        },
+        previous_response_id: match req.get("previous_response_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(_) => return Err(invalid("invalid field 'previous_response_id': expected a string")),
         },
     };
     Ok((Value::Object(chat), stream, echo))
@@ -274,14 +293,54 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     // Who is calling comes before what the body says, as for chat.
     let identity = gw.authenticate(cred.as_deref()).map_err(|e| gw.refused(Ingress::Http, e))?;
-    let (chat, stream, echo) = to_chat(&body).map_err(|e| gw.refused(Ingress::Http, e))?;
+    let (mut chat, stream, echo) = to_chat(&body).map_err(|e| gw.refused(Ingress::Http, e))?;
+    let conversation = continue_from(&gw, &identity, &mut chat, &echo).await?;
     let chat = serde_json::to_vec(&chat).map_err(|e| GatewayError::internal(e.to_string()))?;
     let call = gw.prepare(Caller::Identity(identity), &chat, Ingress::Http, submit_options(&headers))?;
     let model = call.body().model.clone();
     let store = echo.store.unwrap_or(gw.config().store.store_prompts);
     let task = gw.submit_call(call).await?;
-    let out = Output::new(&task.task_id, model, echo, store.then(|| gw.clone()));
+    let keep = store.then(|| (gw.clone(), conversation));
+    let out = Output::new(&task.task_id, model, echo, keep);
     Ok(if stream { sse_response(task, out) } else { whole_response(task, out).await })
+}
+
+const NO_SUCH_PREVIOUS: &str = "no such previous response ('previous_response_id')";
+
+/// Puts the conversation of the Response that `previous_response_id`
+/// names (its input chain, then its output) before the request's own
+/// input, after the request's `instructions`; returns the conversation
+/// this request answers (without its instructions), as it is kept with
+/// its Response.
+async fn continue_from(
+    gw: &Gateway,
+    who: &crate::task::Identity,
+    chat: &mut Value,
+    echo: &Echo,
+) -> Result<String, ApiError> {
+    let mut conversation: Vec<Value> = Vec::new();
+    if let Some(prev) = &echo.previous_response_id {
+        let task_id = task_id(prev).map_err(|_| ApiError::NotFound(NO_SUCH_PREVIOUS))?;
+        let (body, earlier) =
+            gw.response_with_conversation(who, task_id).await?.ok_or(ApiError::NotFound(NO_SUCH_PREVIOUS))?;
+        let broken = |e: serde_json::Error| GatewayError::internal(format!("a stored response is unreadable: {e}"));
+        // A Response kept by an earlier version has no conversation: it
+        // continues from its output alone.
+        if let Some(m) = earlier {
+            conversation = serde_json::from_str(&m).map_err(broken)?;
+        }
+        let body: Value = serde_json::from_str(&body).map_err(broken)?;
+        // The output items are input items of the same shape.
+        for (i, item) in body["output"].as_array().into_iter().flatten().enumerate() {
+            input_item(i, item, &mut conversation)
+                .map_err(|e| GatewayError::internal(format!("a stored response's output: {}", e.message)))?;
+        }
+    }
+    let messages = chat["messages"].as_array_mut().expect("to_chat sets messages");
+    let instructions = usize::from(!echo.instructions.is_null());
+    conversation.extend(messages.drain(instructions..));
+    messages.extend(conversation.iter().cloned());
+    serde_json::to_string(&conversation).map_err(|e| GatewayError::internal(e.to_string()).into())
 }
 
 /// One function call of the answer, as it streams in.
@@ -305,12 +364,13 @@ struct Output {
     message: Option<usize>,
     calls: Vec<Call>,
     items: usize,
-    /// Where the final Response is kept, when it is stored.
-    keep: Option<Arc<Gateway>>,
+    /// Where the final Response is kept, when it is stored, and the
+    /// conversation it answers (kept with it).
+    keep: Option<(Arc<Gateway>, String)>,
 }
 
 impl Output {
-    fn new(task_id: &str, model: String, echo: Echo, keep: Option<Arc<Gateway>>) -> Output {
+    fn new(task_id: &str, model: String, echo: Echo, keep: Option<(Arc<Gateway>, String)>) -> Output {
         Output {
             id: format!("resp_{task_id}"),
             task_id: task_id.to_string(),
@@ -377,6 +437,7 @@ impl Output {
             "parallel_tool_calls": e.parallel_tool_calls, "temperature": e.temperature, "top_p": e.top_p,
             "tool_choice": e.tool_choice, "tools": e.tools, "metadata": e.metadata, "user": e.user,
             "store": self.keep.is_some(), "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "previous_response_id": e.previous_response_id,
             "usage": Value::Null,
         });
         if let Some(m) = meta {
@@ -392,8 +453,8 @@ impl Output {
 
     /// Keeps the final Response `r` when it is stored.
     fn kept(&self, r: &Value) {
-        if let Some(gw) = &self.keep {
-            gw.keep_response(&self.task_id, r.to_string());
+        if let Some((gw, conversation)) = &self.keep {
+            gw.keep_response(&self.task_id, r.to_string(), Some(conversation.clone()));
         }
     }
 

@@ -26,6 +26,8 @@ fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
             location: Location::Local,
             max_data_class: DataClass::Secret,
             cost: 0.0,
+            max_prefill_tokens: None,
+            long_prompt_tokens: 0,
         }],
         apps: HashMap::new(),
         tenant_weights: HashMap::new(),
@@ -685,6 +687,8 @@ enum Op {
     Requeue(u8),
     /// The scheduler asks for victims; each gives its slot up.
     Preempt,
+    /// A running task has its first token (leaves the long-prompt lane).
+    Prefilled(u8),
     Advance(u16),
     Release(u8),
     Withdraw(u8),
@@ -705,6 +709,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (any::<u8>(), 0u8..3).prop_map(|(instance, state)| Op::Breaker { instance, state }),
         1 => any::<u8>().prop_map(Op::Requeue),
         1 => Just(Op::Preempt),
+        1 => any::<u8>().prop_map(Op::Prefilled),
         2 => (1u16..5000).prop_map(Op::Advance),
         3 => any::<u8>().prop_map(Op::Release),
         1 => any::<u8>().prop_map(Op::Withdraw),
@@ -737,6 +742,9 @@ fn sim_config() -> PolicyConfig {
         location: Location::Local,
         max_data_class: DataClass::Personal, // takes no sensitive or secret work
         cost: 0.0,
+        // A long-prompt lane, for the invariants.
+        max_prefill_tokens: Some(4000),
+        long_prompt_tokens: 1000,
     });
     c.apps.insert("a0".into(), AppLimits { weight: 2.0, max_running: Some(2), ..AppLimits::default() });
     c.apps
@@ -820,6 +828,13 @@ proptest! {
                         let instance = p.running[id].instance;
                         prop_assert!(p.requeue(id, Some(instance), now).is_some());
                         accepted.insert(id.clone(), 0);
+                    }
+                }
+                Op::Prefilled(k) => {
+                    let mut running: Vec<String> = accepted.iter().filter(|(_, s)| **s == 1).map(|(id, _)| id.clone()).collect();
+                    running.sort();
+                    if !running.is_empty() {
+                        p.prefilled(&running[k as usize % running.len()]);
                     }
                 }
                 Op::Preempt => {
@@ -947,4 +962,65 @@ fn weights_count_until_resident_and_estimates_carry_a_margin() {
     p.release("t0", 10);
     assert_eq!(drain(&mut p, T0), ["t2"], "the weights stay loaded; the freed KV share is reused");
     p.check();
+}
+
+/// Issue 11 (FR-4.3, FR-4.6): the long-prompt lane. Three long prompts
+/// (of higher priority, queued first) and short ones: one long prompt
+/// takes the lane, the others wait for it, and the short ones start past
+/// them; a long one starts when the lane's prefill leaves room.
+#[test]
+fn long_prompts_wait_for_their_lane_while_short_ones_pass_them() {
+    let mut c = cfg(6, 0, 100);
+    c.instances[0].max_prefill_tokens = Some(3000);
+    c.instances[0].long_prompt_tokens = 1000;
+    let mut p = Policy::new(c);
+    let now = Duration::ZERO;
+    let long = |id: &str| TaskInfo { input_tokens: 2000, ..task(id, Priority::P1, "a") };
+    assert_eq!(p.enqueue(long("long1"), now).unwrap().lane, None, "the lane is free");
+    assert_eq!(p.next_grant(now).unwrap().task_id, "long1");
+    for id in ["long2", "long3"] {
+        let why = p.enqueue(long(id), now).unwrap().lane.expect("waits for the lane");
+        assert!(
+            why.contains("long prompt (2000 tokens") && why.contains("i: 2000 of max_prefill_tokens 3000"),
+            "{why}"
+        );
+    }
+    for id in ["short1", "short2"] {
+        assert_eq!(p.enqueue(task(id, Priority::P2, "a"), now).unwrap().lane, None);
+    }
+    let granted: Vec<String> = std::iter::from_fn(|| p.next_grant(now)).map(|g| g.task_id).collect();
+    assert_eq!(granted, ["short1", "short2"], "short work passes the waiting long prompts");
+    p.check();
+    // long1's first token: its prompt left prefill; one more long fits.
+    p.prefilled("long1");
+    assert_eq!(p.next_grant(now).map(|g| g.task_id).as_deref(), Some("long2"));
+    assert_eq!(p.next_grant(now), None, "2000 + 2000 > 3000");
+    assert!(p.lane_wait(0, "long3").is_some());
+    // Ending it frees the lane too (a task that failed before its first token).
+    p.release("long2", 0);
+    assert_eq!(p.next_grant(now).map(|g| g.task_id).as_deref(), Some("long3"));
+    p.check();
+}
+
+/// A prompt longer than the whole cap runs alone in the lane, not never;
+/// without `max_prefill_tokens` there is no lane.
+#[test]
+fn a_prompt_over_the_cap_runs_alone_and_no_cap_means_no_lane() {
+    let mut c = cfg(4, 0, 100);
+    c.instances[0].max_prefill_tokens = Some(3000);
+    c.instances[0].long_prompt_tokens = 1000;
+    let mut p = Policy::new(c);
+    let now = Duration::ZERO;
+    let huge = |id: &str| TaskInfo { input_tokens: 5000, ..task(id, Priority::P2, "a") };
+    p.enqueue(huge("h1"), now).unwrap();
+    p.enqueue(huge("h2"), now).unwrap();
+    let granted: Vec<String> = std::iter::from_fn(|| p.next_grant(now)).map(|g| g.task_id).collect();
+    assert_eq!(granted, ["h1"]);
+    p.check();
+
+    let mut p = Policy::new(cfg(4, 0, 100));
+    for id in ["h1", "h2", "h3"] {
+        assert_eq!(p.enqueue(huge(id), now).unwrap().lane, None);
+    }
+    assert_eq!(std::iter::from_fn(|| p.next_grant(now)).count(), 3);
 }
