@@ -36,10 +36,13 @@ pub enum ErrorCode {
     StoreUnavailable,
     /// The gateway is draining before it stops: new work is refused.
     ShuttingDown,
+    /// A configuration reload was refused (invalid file, or a change that
+    /// needs a restart); the configuration in force stays.
+    ConfigInvalid,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 19] = [
+    pub const ALL: [ErrorCode; 20] = [
         ErrorCode::AuthFailed,
         ErrorCode::PermissionDenied,
         ErrorCode::RateLimited,
@@ -59,6 +62,7 @@ impl ErrorCode {
         ErrorCode::InternalError,
         ErrorCode::StoreUnavailable,
         ErrorCode::ShuttingDown,
+        ErrorCode::ConfigInvalid,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -82,6 +86,7 @@ impl ErrorCode {
             ErrorCode::InternalError => "INTERNAL_ERROR",
             ErrorCode::StoreUnavailable => "STORE_UNAVAILABLE",
             ErrorCode::ShuttingDown => "SHUTTING_DOWN",
+            ErrorCode::ConfigInvalid => "CONFIG_INVALID",
         }
     }
 
@@ -93,6 +98,7 @@ impl ErrorCode {
             ErrorCode::PermissionDenied | ErrorCode::PolicyBlocked => 403,
             ErrorCode::RateLimited | ErrorCode::QuotaExceeded => 429,
             ErrorCode::InvalidRequest => 400,
+            ErrorCode::ConfigInvalid => 422,
             ErrorCode::ContextTooLarge => 413,
             ErrorCode::QueueFull
             | ErrorCode::QueueTimeout
@@ -115,7 +121,9 @@ impl ErrorCode {
             ErrorCode::AuthFailed => "authentication_error",
             ErrorCode::PermissionDenied | ErrorCode::PolicyBlocked => "permission_error",
             ErrorCode::RateLimited | ErrorCode::QuotaExceeded => "rate_limit_error",
-            ErrorCode::InvalidRequest | ErrorCode::ContextTooLarge => "invalid_request_error",
+            ErrorCode::InvalidRequest | ErrorCode::ContextTooLarge | ErrorCode::ConfigInvalid => {
+                "invalid_request_error"
+            }
             ErrorCode::QueueFull
             | ErrorCode::QueueTimeout
             | ErrorCode::ModelUnavailable

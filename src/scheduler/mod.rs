@@ -249,6 +249,8 @@ enum Cmd {
     Danger {
         reason: Option<String>,
     },
+    /// The limits of a reloaded configuration.
+    Limits(policy::Limits),
     /// What a healthy engine says about itself (from the probe).
     EngineState {
         instance: usize,
@@ -708,6 +710,23 @@ impl SchedulerHandle {
         rx.await.ok()
     }
 
+    /// Takes the limits of a reloaded configuration (applications, users,
+    /// tenants, models, the global bounds and aging) for the next
+    /// admissions and grants; see [`policy::Policy::set_limits`]. `config`
+    /// has the same models as the one the scheduler started with.
+    pub fn set_limits(&self, config: &Config) {
+        let limits = policy::Limits {
+            models: config.models.values().map(|m| (m.queue_capacity, m.max_running)).collect(),
+            apps: config.applications.values().map(|a| (a.name.clone(), a.limits.clone())).collect(),
+            tenant_weights: config.tenant_weights.clone(),
+            max_queued: config.scheduler.max_queued,
+            max_running: config.scheduler.max_running,
+            aging: config.scheduler.priority_aging,
+            busy_retry_after_ms: config.scheduler.busy_retry_after_ms,
+        };
+        let _ = self.tx.send(Cmd::Limits(limits));
+    }
+
     /// Enters (`Some(reason)`) or leaves (`None`) a danger state in which
     /// no new work is admitted.
     pub fn set_danger(&self, reason: Option<String>) {
@@ -905,6 +924,7 @@ impl Actor {
                 }
             }
             Cmd::Danger { reason } => self.policy.set_danger(reason),
+            Cmd::Limits(limits) => self.policy.set_limits(limits),
             Cmd::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
             }

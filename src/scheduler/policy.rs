@@ -127,6 +127,20 @@ pub struct PolicyConfig {
     pub admit_at_level: [Priority; 2],
 }
 
+/// The part of [`PolicyConfig`] a configuration reload changes
+/// ([`Policy::set_limits`]).
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Each model's `queue_capacity` and `max_running`, in model order.
+    pub models: Vec<(usize, Option<usize>)>,
+    pub apps: HashMap<String, AppLimits>,
+    pub tenant_weights: HashMap<String, f64>,
+    pub max_queued: Option<usize>,
+    pub max_running: Option<usize>,
+    pub aging: Option<Duration>,
+    pub busy_retry_after_ms: u64,
+}
+
 /// What the policy needs to know about a task.
 #[derive(Debug, Clone)]
 pub struct TaskInfo {
@@ -568,6 +582,24 @@ impl Policy {
     /// A danger state (temperature, memory) stops admission of new work.
     pub fn set_danger(&mut self, reason: Option<String>) {
         self.danger = reason;
+    }
+
+    /// Takes the limits of a reloaded configuration. They judge the next
+    /// admission and grant only: running tasks keep their slots, waiting
+    /// ones their place (a lowered bound refuses new work until the queue
+    /// is below it). Models are the same set, in the same order.
+    pub fn set_limits(&mut self, limits: Limits) {
+        debug_assert_eq!(limits.models.len(), self.cfg.models.len());
+        for (m, (queue_capacity, max_running)) in self.cfg.models.iter_mut().zip(limits.models) {
+            m.queue_capacity = queue_capacity;
+            m.max_running = max_running;
+        }
+        self.cfg.apps = limits.apps;
+        self.cfg.tenant_weights = limits.tenant_weights;
+        self.cfg.max_queued = limits.max_queued;
+        self.cfg.max_running = limits.max_running;
+        self.cfg.aging = limits.aging;
+        self.cfg.busy_retry_after_ms = limits.busy_retry_after_ms;
     }
 
     pub fn waiting(&self, model: usize) -> usize {
