@@ -12,7 +12,7 @@
 //! Applied at once, to new work: applications (their API keys, priorities,
 //! limits, tools), `[auth.jwt]`, devices (checked at each MQTT CONNECT),
 //! tenants (weights, data classes), `[timeouts]` defaults, the scheduler's
-//! global limits (`max_queued`, `max_running`, `priority_aging_s`,
+//! global limits (`max_queued`, `max_running`, `priority_aging_seconds`,
 //! `busy_retry_after_ms`) and each model's `queue_capacity` and
 //! `max_running`. Work already admitted keeps what it was admitted with.
 //!
@@ -137,7 +137,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
     if !same(&old.scheduler, &s) {
         restart(
             "scheduler",
-            "keys other than max_queued, max_running, priority_aging_s and busy_retry_after_ms changed",
+            "keys other than max_queued, max_running, priority_aging_seconds and busy_retry_after_ms changed",
         );
     }
     for name in old.engines.keys().chain(new.engines.keys()).collect::<BTreeSet<_>>() {
