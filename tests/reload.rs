@@ -208,27 +208,79 @@ async fn a_limit_lowered_at_reload_applies_to_new_work_only() {
     r.gw.stop().await;
 }
 
+/// `text` without the `[engines.fake]` section of [`config_toml`].
+fn without_engine_fake(text: &str) -> String {
+    let (a, b) = (text.find("[engines.fake]").unwrap(), text.find("[models.general-chat]").unwrap());
+    format!("{}{}", &text[..a], &text[b..])
+}
+
 #[tokio::test]
-async fn removing_an_engine_is_refused_and_it_keeps_serving() {
-    let second = FakeEngine::start().await;
-    let two_engines = |text: String| {
-        format!(
-            "{text}\n[engines.second]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\n",
-            second.url()
-        )
-        .replace("instances = [\"fake\"]", "instances = [\"fake\", \"second\"]")
+async fn an_engine_removed_at_reload_drains_its_stream_and_gets_no_new_work() {
+    let second = FakeEngine::start_with(Knobs::slow(40, 50)).await;
+    let engine_b = format!(
+        "[engines.b]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\nhealth_interval_ms = 100\n",
+        second.url()
+    );
+    let two =
+        |text: String| format!("{text}\n{engine_b}").replace("instances = [\"fake\"]", "instances = [\"fake\", \"b\"]");
+    let r = Reloadable::start_edited(Knobs::slow(40, 50), "", two).await;
+    let mut rx = r.gw.recorder().subscribe();
+    let stream = stream_in_background(&r.gw, DEMO_KEY);
+    let on = next_event(&mut rx, "the stream's first token", |e| e.state == TaskState::Streaming).await;
+    let on = on.instance.clone().expect("the streaming task names its instance");
+
+    // The file without the stream's engine.
+    let base = config_toml(&r.engine.url(), "openai", &r.dir.0, "");
+    let (text, removed, kept) = if on == "b" {
+        (base, &second, "fake")
+    } else {
+        (format!("{}\n{engine_b}", without_engine_fake(&base)).replace("[\"fake\"]", "[\"b\"]"), &r.engine, "b")
     };
-    let r = Reloadable::start_edited(Knobs::default(), "", two_engines).await;
-    r.rewrite("");
+    r.write(&text);
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["changes"]["engines"], json!({"added": 0, "removed": 1, "changed": 0}), "{body}");
+    assert_eq!(body["changes"]["models"]["changed"], 1, "its model's instances changed: {body}");
+
+    let before = removed.requests();
+    for _ in 0..3 {
+        let (status, answer) = r.chat(DEMO_KEY).await;
+        assert_eq!(status, 200, "new work goes to {kept}: {answer}");
+    }
+    assert_eq!(removed.requests(), before, "the removed engine {on} got no new work");
+    let ready = r.ready().await;
+    let inst = ready["instances"].as_array().unwrap().iter().find(|i| i["name"] == on.as_str()).unwrap().clone();
+    assert_eq!(inst["up"], false, "{ready}");
+    assert!(inst["detail"].as_str().unwrap().contains("removed from the configuration"), "{ready}");
+    assert!(!stream.is_finished(), "the stream on the removed engine ran across the reload");
+    let (events, done) = stream.await.unwrap();
+    assert_completed(&events, done);
+    r.gw.scheduler().when_idle(&on).await.expect("the removed engine drained");
+    r.gw.stop().await;
+}
+
+#[tokio::test]
+async fn adding_an_engine_is_refused_and_nothing_changes() {
+    let second = FakeEngine::start().await;
+    let r = Reloadable::start(Knobs::default(), "").await;
+    let before = r.ready().await["config_version"].clone();
+    let text = format!(
+        "{}\n[engines.second]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\n{}",
+        config_toml(&r.engine.url(), "openai", &r.dir.0, ""),
+        second.url(),
+        added_app()
+    )
+    .replace("instances = [\"fake\"]", "instances = [\"fake\", \"second\"]");
+    r.write(&text);
     let (status, body) = r.reload(OPS_KEY).await;
     assert_eq!(status, 422, "{body}");
     let errors = body["error"]["errors"].as_array().unwrap();
     let paths: Vec<&str> = errors.iter().filter_map(|e| e["path"].as_str()).collect();
-    assert_eq!(paths, ["engines.second", "models.general-chat"], "{body}");
-    assert!(errors[0]["message"].as_str().unwrap().contains("restart"), "{body}");
-    let ready = r.ready().await;
-    assert_eq!(ready["instances"].as_array().unwrap().len(), 2, "{ready}");
-    assert_eq!(r.chat(DEMO_KEY).await.0, 200);
+    assert_eq!(paths, ["engines.second"], "{body}");
+    assert!(errors[0]["message"].as_str().unwrap().contains("cannot start at reload"), "{body}");
+    assert_eq!(r.ready().await["instances"].as_array().unwrap().len(), 1);
+    assert_eq!(r.ready().await["config_version"], before);
+    assert_eq!(r.chat(NEW_KEY).await.0, 401);
     r.gw.stop().await;
 }
 

@@ -13,13 +13,18 @@
 //! limits, tools), `[auth.jwt]`, devices (checked at each MQTT CONNECT),
 //! tenants (weights, data classes), `[timeouts]` defaults, the scheduler's
 //! global limits (`max_queued`, `max_running`, `priority_aging_seconds`,
-//! `busy_retry_after_ms`) and each model's `queue_capacity` and
-//! `max_running`. Work already admitted keeps what it was admitted with.
+//! `busy_retry_after_ms`), each model's `queue_capacity`, `max_running`,
+//! `instances` and `fallback_models` (routes and chains), and engines
+//! removed: they get no new work, their running work finishes (or meets its
+//! deadline), then edgeway stops their process. Work already admitted keeps
+//! what it was admitted with.
 //!
 //! Refused, naming the keys, with nothing changed (they need a restart):
 //! `node_id`, `[http]`, `[store]`, `[server]`, `[log]`, `[resources]`,
-//! `[routing]`, `[nats]`, `[mqtt]`, the other `[scheduler]` keys, any change
-//! to `[engines]`, and models added, removed or changed beyond their limits.
+//! `[routing]`, `[nats]`, `[mqtt]`, the other `[scheduler]` keys, engines
+//! added or changed (a changed engine is a removed one plus an added one,
+//! and the router's instances are fixed at start), and models added,
+//! removed or changed beyond their limits and routes.
 //! A change of a `[nats]` secret alone is not seen (secrets are compared
 //! through their redacted form).
 
@@ -65,9 +70,11 @@ pub struct Changes {
     /// application to another counts as changed).
     pub api_keys: Counts,
     pub devices: Counts,
-    /// Models whose limits changed (nothing else of a model may).
+    /// Models whose limits or routes changed (nothing else of a model
+    /// may).
     pub models: Counts,
-    /// Always zero: engines do not change at reload (see the module doc).
+    /// Engines removed (they drain, then stop); none is added or changed
+    /// at reload (see the module doc).
     pub engines: Counts,
     /// The other sections that changed: `timeouts`, `tenants`,
     /// `scheduler`, `auth.jwt`.
@@ -140,11 +147,16 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
             "keys other than max_queued, max_running, priority_aging_seconds and busy_retry_after_ms changed",
         );
     }
+    let mut engines = Counts::default();
     for name in old.engines.keys().chain(new.engines.keys()).collect::<BTreeSet<_>>() {
         match (old.engines.get(name), new.engines.get(name)) {
-            (Some(_), None) => restart(&format!("engines.{name}"), "removed"),
-            (None, Some(_)) => restart(&format!("engines.{name}"), "added"),
-            (Some(o), Some(n)) if !same(o, n) => restart(&format!("engines.{name}"), "changed"),
+            // It drains, then its process stops (the gateway's reload).
+            (Some(_), None) => engines.removed += 1,
+            (None, Some(_)) => restart(&format!("engines.{name}"), "added (an engine cannot start at reload)"),
+            (Some(o), Some(n)) if !same(o, n) => restart(
+                &format!("engines.{name}"),
+                "changed (a changed engine is a removed one and an added one, and an engine cannot start at reload)",
+            ),
             _ => {}
         }
     }
@@ -154,13 +166,18 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
             (Some(_), None) => restart(&format!("models.{name}"), "removed"),
             (None, Some(_)) => restart(&format!("models.{name}"), "added"),
             (Some(o), Some(n)) if !same(o, n) => {
-                let mut limits_only = n.clone();
-                limits_only.queue_capacity = o.queue_capacity;
-                limits_only.max_running = o.max_running;
-                if same(o, &limits_only) {
+                let mut routes_only = n.clone();
+                routes_only.queue_capacity = o.queue_capacity;
+                routes_only.max_running = o.max_running;
+                routes_only.instances = o.instances.clone();
+                routes_only.fallback_models = o.fallback_models.clone();
+                if same(o, &routes_only) {
                     models.changed += 1;
                 } else {
-                    restart(&format!("models.{name}"), "keys other than queue_capacity and max_running changed");
+                    restart(
+                        &format!("models.{name}"),
+                        "keys other than queue_capacity, max_running, instances and fallback_models changed",
+                    );
                 }
             }
             _ => {}
@@ -195,7 +212,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
         api_keys: Counts::of(&keys(old), &keys(new)),
         devices: Counts::of(&old.devices, &new.devices),
         models,
-        engines: Counts::default(),
+        engines,
         sections: changed_sections,
     })
 }

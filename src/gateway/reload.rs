@@ -7,7 +7,10 @@
 //! without a restart) and then, only when both pass, swaps in one step:
 //! the facade's configuration (admission, timeouts defaults, devices at
 //! MQTT CONNECT, `/ready`), the authenticator's keys and applications, and
-//! the scheduler's limits. A refused reload changes nothing.
+//! the scheduler's limits and routes. An engine the file no longer has
+//! drains: no new work from the swap on, its running tasks finish or meet
+//! their deadline, then its process (if edgeway runs it) is stopped. A
+//! refused reload changes nothing.
 //!
 //! Running and queued tasks keep what they were admitted with: their
 //! request was resolved against the configuration of their admission, and
@@ -144,6 +147,7 @@ impl Gateway {
         let report =
             ReloadReport { previous_version: old.version.clone(), config_version: new.version.clone(), changes };
         new.source = old.source.clone();
+        let removed: Vec<String> = old.engines.keys().filter(|e| !new.engines.contains_key(*e)).cloned().collect();
         let new = Arc::new(new);
         // The order: limits and credentials first, then the configuration
         // admission reads; a call in between sees the new keys with the old
@@ -155,6 +159,20 @@ impl Gateway {
         // The scheduler took the limits once it answers a later command:
         // the reload's answer means "in force".
         let _ = self.scheduler.snapshot().await;
+        for engine in removed {
+            // Its running tasks end as they would (finished, or at their
+            // deadline), then its process stops. Not tracked: it ends by
+            // itself, and at shutdown with the scheduler (`when_idle`
+            // answers `None`) or the processes' own stop.
+            let (scheduler, processes) = (self.scheduler.clone(), self.processes.clone());
+            tokio::spawn(async move {
+                tracing::info!(%engine, "engine removed from the configuration: draining");
+                if scheduler.when_idle(&engine).await.is_some() {
+                    processes.stop_one(&engine).await;
+                    tracing::info!(%engine, "engine removed from the configuration: drained and stopped");
+                }
+            });
+        }
         Ok(report)
     }
 

@@ -131,14 +131,24 @@ pub struct PolicyConfig {
 /// ([`Policy::set_limits`]).
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// Each model's `queue_capacity` and `max_running`, in model order.
-    pub models: Vec<(usize, Option<usize>)>,
+    /// Each model's limits and routes, in model order.
+    pub models: Vec<ModelLimits>,
     pub apps: HashMap<String, AppLimits>,
     pub tenant_weights: HashMap<String, f64>,
     pub max_queued: Option<usize>,
     pub max_running: Option<usize>,
     pub aging: Option<Duration>,
     pub busy_retry_after_ms: u64,
+}
+
+/// What a reload may change of one model: its bounds, its instances (among
+/// those the policy knows) and its fallback chain.
+#[derive(Debug, Clone)]
+pub struct ModelLimits {
+    pub queue_capacity: usize,
+    pub max_running: Option<usize>,
+    pub instances: Vec<usize>,
+    pub fallback_models: Vec<usize>,
 }
 
 /// What the policy needs to know about a task.
@@ -584,15 +594,19 @@ impl Policy {
         self.danger = reason;
     }
 
-    /// Takes the limits of a reloaded configuration. They judge the next
-    /// admission and grant only: running tasks keep their slots, waiting
+    /// Takes the limits and routes of a reloaded configuration. They judge
+    /// the next admission and grant only: running tasks keep their slots, waiting
     /// ones their place (a lowered bound refuses new work until the queue
     /// is below it). Models are the same set, in the same order.
     pub fn set_limits(&mut self, limits: Limits) {
         debug_assert_eq!(limits.models.len(), self.cfg.models.len());
-        for (m, (queue_capacity, max_running)) in self.cfg.models.iter_mut().zip(limits.models) {
-            m.queue_capacity = queue_capacity;
-            m.max_running = max_running;
+        for (m, l) in self.cfg.models.iter_mut().zip(limits.models) {
+            m.queue_capacity = l.queue_capacity;
+            m.max_running = l.max_running;
+            // Chains are built from these at each admission and reroute:
+            // waiting tasks keep the candidates they were queued with.
+            m.instances = l.instances;
+            m.fallback_models = l.fallback_models;
         }
         self.cfg.apps = limits.apps;
         self.cfg.tenant_weights = limits.tenant_weights;
