@@ -383,3 +383,49 @@ async fn sighup_reloads_the_file_and_a_broken_one_leaves_edgeway_running() {
     assert_eq!((reloads("ok").await, reloads("refused").await), (1.0, 1.0));
     drop(child);
 }
+
+#[tokio::test]
+async fn the_process_of_an_engine_removed_at_reload_is_stopped_once_drained() {
+    use edgeway::engine::supervisor::ProcessState;
+    let dir = TempDir::new("edgeway-reload-process");
+    let port = free_port();
+    let backup = FakeEngine::start().await;
+    let engine_b = format!(
+        "[engines.b]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\nhealth_interval_ms = 100\n",
+        backup.url()
+    );
+    // `fake` is the Python fake engine, run by edgeway.
+    let process = format!(
+        "[engines.fake.process]\ncommand = \"python3\"\nargs = [{:?}, \"--port\", \"{port}\", \"--log\", {:?}, \"--tokens\", \"3\", \"--delay-ms\", \"5\"]\n\
+         ready_timeout_ms = 20000\nstop_grace_ms = 2000\n",
+        format!("{}/scripts/faults/fake_engine.py", env!("CARGO_MANIFEST_DIR")),
+        dir.0.join("requests.log").display().to_string()
+    );
+    let base = config_toml(&format!("http://127.0.0.1:{port}"), "openai", &dir.0, "");
+    let file = dir.0.join("edgeway.toml");
+    std::fs::write(
+        &file,
+        format!("{base}\n{engine_b}\n{process}").replace("instances = [\"fake\"]", "instances = [\"fake\", \"b\"]"),
+    )
+    .unwrap();
+    let gw = TestGateway::start(Config::load(&file).expect("valid config")).await;
+    let status = gw.running.as_ref().unwrap().internals.processes.status("fake").expect("supervised");
+    assert!(status.wait_for(ProcessState::Ready, Duration::from_secs(30)).await, "{:?}", status.report());
+    let pid = status.report().pid.expect("a pid while ready");
+
+    std::fs::write(&file, format!("{}\n{engine_b}", without_engine_fake(&base)).replace("[\"fake\"]", "[\"b\"]"))
+        .unwrap();
+    let r = client().post(format!("{}/admin/reload", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    assert!(
+        status.wait_for(ProcessState::Stopped, Duration::from_secs(30)).await,
+        "the removed engine's process was stopped: {:?}",
+        status.report()
+    );
+    let gone = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_or(true, |s| s[s.rfind(')').unwrap() + 1..].split_whitespace().next() == Some("Z"));
+    assert!(gone, "process {pid} still runs");
+    let body = json!({"model": "general-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    assert_eq!(post_chat(&gw, DEMO_KEY, &body).await.status(), 200, "the model answers from b");
+    gw.stop().await;
+}
