@@ -193,7 +193,7 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     // 3. The publisher alone.
     let who = gw.gateway().authenticate(Some(DEMO_KEY)).expect("demo key");
     let req = edgeway::admission::admit(
-        gw.gateway().config(),
+        &gw.gateway().config(),
         who,
         parse_body(body.as_bytes()).expect("body"),
         Ingress::Nats,

@@ -47,10 +47,13 @@ pub enum ErrorCode {
     SessionTokenLimit,
     /// The caller holds its maximum number of sessions.
     SessionLimit,
+    /// A configuration reload was refused (invalid file, or a change that
+    /// needs a restart); the configuration in force stays.
+    ConfigInvalid,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 24] = [
+    pub const ALL: [ErrorCode; 25] = [
         ErrorCode::AuthFailed,
         ErrorCode::PermissionDenied,
         ErrorCode::RateLimited,
@@ -75,6 +78,7 @@ impl ErrorCode {
         ErrorCode::SessionMessageLimit,
         ErrorCode::SessionTokenLimit,
         ErrorCode::SessionLimit,
+        ErrorCode::ConfigInvalid,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -103,6 +107,7 @@ impl ErrorCode {
             ErrorCode::SessionMessageLimit => "SESSION_MESSAGE_LIMIT",
             ErrorCode::SessionTokenLimit => "SESSION_TOKEN_LIMIT",
             ErrorCode::SessionLimit => "SESSION_LIMIT",
+            ErrorCode::ConfigInvalid => "CONFIG_INVALID",
         }
     }
 
@@ -114,6 +119,7 @@ impl ErrorCode {
             ErrorCode::PermissionDenied | ErrorCode::PolicyBlocked => 403,
             ErrorCode::RateLimited | ErrorCode::QuotaExceeded => 429,
             ErrorCode::InvalidRequest => 400,
+            ErrorCode::ConfigInvalid => 422,
             ErrorCode::ContextTooLarge => 413,
             ErrorCode::QueueFull
             | ErrorCode::QueueTimeout
@@ -145,7 +151,8 @@ impl ErrorCode {
             | ErrorCode::SessionExpired
             | ErrorCode::SessionMessageLimit
             | ErrorCode::SessionTokenLimit
-            | ErrorCode::SessionLimit => "invalid_request_error",
+            | ErrorCode::SessionLimit
+            | ErrorCode::ConfigInvalid => "invalid_request_error",
             ErrorCode::QueueFull
             | ErrorCode::QueueTimeout
             | ErrorCode::ModelUnavailable

@@ -75,7 +75,7 @@ async fn serve(cfg: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    wait_for_signal().await;
+    wait_for_signal(&running.gateway).await;
     tracing::info!(drain_s = drain.as_secs(), "shutting down: draining (new calls refused, running tasks may finish)");
     running.drain_and_shutdown(drain, Duration::from_secs(10)).await;
     tracing::info!("stopped");
@@ -83,12 +83,22 @@ async fn serve(cfg: Config) -> ExitCode {
 }
 
 /// SIGTERM (service managers, `docker stop`) or SIGINT (Ctrl-C): both
-/// start the graceful stop.
-async fn wait_for_signal() {
+/// start the graceful stop. SIGHUP meanwhile reloads the configuration
+/// file (refused with its errors logged, and nothing changed, when it is
+/// invalid or changes what needs a restart).
+async fn wait_for_signal(gateway: &edgeway::gateway::Gateway) {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+    let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return,
+            _ = term.recv() => return,
+            _ = hup.recv() => {
+                tracing::info!("SIGHUP: reloading the configuration");
+                // Logged and counted by the reload itself.
+                let _ = gateway.reload().await;
+            }
+        }
     }
 }

@@ -15,9 +15,9 @@ use crate::error::{ErrorCode, GatewayError};
 use crate::task::{Identity, Priority};
 
 pub struct Authenticator {
-    by_key: HashMap<[u8; 32], Arc<ApplicationConfig>>,
-    by_name: HashMap<String, Arc<ApplicationConfig>>,
-    jwt: Option<JwtVerifier>,
+    /// The credentials of the configuration in force; a reload swaps them
+    /// whole ([`Authenticator::reload`]), a check reads one snapshot.
+    creds: std::sync::RwLock<Arc<Credentials>>,
     /// Keys and token ids ([`jwt_id_digest`]) revoked at run time
     /// (`POST /admin/keys/revoke`; kept in the store and loaded again at
     /// start).
@@ -25,6 +25,13 @@ pub struct Authenticator {
     /// Counts revocations, so that holders of long-lived sessions (MQTT)
     /// check theirs when one happens instead of polling.
     revocations: tokio::sync::watch::Sender<u64>,
+}
+
+/// The API keys, applications and token keys of one configuration.
+struct Credentials {
+    by_key: HashMap<[u8; 32], Arc<ApplicationConfig>>,
+    by_name: HashMap<String, Arc<ApplicationConfig>>,
+    jwt: Option<JwtVerifier>,
 }
 
 struct JwtVerifier {
@@ -47,6 +54,28 @@ pub fn jwt_id_digest(tenant: &str, jti: &str) -> [u8; 32] {
 
 impl Authenticator {
     pub fn new(cfg: &Config) -> Authenticator {
+        Authenticator {
+            creds: std::sync::RwLock::new(Arc::new(Credentials::new(cfg))),
+            revoked: Default::default(),
+            revocations: Default::default(),
+        }
+    }
+
+    /// Takes the applications, keys and `[auth.jwt]` of a reloaded
+    /// configuration; revocations stay. Checks already made keep their
+    /// identity (a task keeps the rights it was admitted with).
+    pub fn reload(&self, cfg: &Config) {
+        let creds = Arc::new(Credentials::new(cfg));
+        *self.creds.write().unwrap_or_else(std::sync::PoisonError::into_inner) = creds;
+    }
+
+    fn creds(&self) -> Arc<Credentials> {
+        self.creds.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+impl Credentials {
+    fn new(cfg: &Config) -> Credentials {
         let mut by_key = HashMap::new();
         let mut by_name = HashMap::new();
         for app in cfg.applications.values() {
@@ -73,9 +102,11 @@ impl Authenticator {
             rs: j.rs256_public_key_pem.as_deref().and_then(|p| DecodingKey::from_rsa_pem(p).ok()),
             cfg: j.clone(),
         });
-        Authenticator { by_key, by_name, jwt, revoked: Default::default(), revocations: Default::default() }
+        Credentials { by_key, by_name, jwt }
     }
+}
 
+impl Authenticator {
     /// Identifies the caller from a bearer credential (API key or JWT).
     pub fn authenticate(&self, credential: Option<&str>) -> Result<Identity, GatewayError> {
         let cred = credential
@@ -86,18 +117,19 @@ impl Authenticator {
         if self.revoked.read().expect("revoked keys").contains(&digest) {
             return Err(auth_failed("this API key has been revoked"));
         }
-        if let Some(app) = self.by_key.get(&digest) {
+        let creds = self.creds();
+        if let Some(app) = creds.by_key.get(&digest) {
             return Ok(identity(app, None, Some(digest)));
         }
         if cred.matches('.').count() == 2 {
-            if let Some(j) = &self.jwt {
-                return self.verify_jwt(j, cred);
+            if let Some(j) = &creds.jwt {
+                return self.verify_jwt(&creds, j, cred);
             }
         }
         Err(auth_failed("invalid API key or token"))
     }
 
-    fn verify_jwt(&self, j: &JwtVerifier, token: &str) -> Result<Identity, GatewayError> {
+    fn verify_jwt(&self, creds: &Credentials, j: &JwtVerifier, token: &str) -> Result<Identity, GatewayError> {
         let header = jsonwebtoken::decode_header(token).map_err(|_| auth_failed("malformed token"))?;
         let key = match header.alg {
             Algorithm::HS256 => j.hs.as_ref(),
@@ -137,7 +169,7 @@ impl Authenticator {
         let claims = data.claims;
         let claim = |name: &str| claims.get(name).and_then(Value::as_str).map(str::to_string);
         let app_name = claim(&j.cfg.application_claim).ok_or_else(|| auth_failed("token names no application"))?;
-        let app = self.by_name.get(&app_name).ok_or_else(|| auth_failed("token names an unknown application"))?;
+        let app = creds.by_name.get(&app_name).ok_or_else(|| auth_failed("token names an unknown application"))?;
         if let Some(t) = claim(&j.cfg.tenant_claim) {
             if t != app.tenant {
                 return Err(GatewayError::new(
@@ -176,7 +208,7 @@ impl Authenticator {
     pub fn revoke(&self, digest: [u8; 32]) -> bool {
         self.revoked.write().expect("revoked keys").insert(digest);
         self.revocations.send_modify(|n| *n += 1);
-        self.by_key.contains_key(&digest)
+        self.creds().by_key.contains_key(&digest)
     }
 
     /// Changes after every revocation (see [`Authenticator::is_revoked`]).
@@ -196,7 +228,7 @@ impl Authenticator {
 
     /// The application a key digest belongs to.
     pub fn key_owner(&self, digest: &[u8; 32]) -> Option<(String, String)> {
-        self.by_key.get(digest).map(|a| (a.tenant.clone(), a.name.clone()))
+        self.creds().by_key.get(digest).map(|a| (a.tenant.clone(), a.name.clone()))
     }
 }
 

@@ -13,6 +13,7 @@ pub mod mqtt;
 mod nats;
 mod process;
 mod raw;
+pub mod reload;
 mod validate;
 
 use std::collections::BTreeMap;
@@ -109,6 +110,12 @@ pub struct Config {
     pub mqtt: Option<MqttConfig>,
     /// Devices that may connect over MQTT, by id (= MQTT client id).
     pub devices: BTreeMap<String, DeviceConfig>,
+    /// A hash of the effective content (the file after the `EDGEWAY__…`
+    /// overrides), shown by `/ready` as `config_version`.
+    pub version: String,
+    /// The file it was loaded from ([`Config::load`]), read again by a
+    /// reload; `None` for a configuration built from text.
+    pub source: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone)]
@@ -554,7 +561,9 @@ impl Config {
             }])
         })?;
         let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        Self::from_toml_str(&text, std::env::vars(), &base_dir)
+        let mut config = Self::from_toml_str(&text, std::env::vars(), &base_dir)?;
+        config.source = Some(path.to_path_buf());
+        Ok(config)
     }
 
     /// Parses `text`, applies the `EDGEWAY__…` variables among `env`, and
@@ -569,11 +578,14 @@ impl Config {
         let mut value: toml::Value = toml::from_str(text).map_err(|e| one("", format!("invalid TOML: {e}")))?;
         let env: Vec<(String, String)> = env.into_iter().collect();
         raw::apply_env_overrides(&mut value, env.iter().cloned())?;
+        let version = reload::version_of(&value);
         let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
             one(if path == "." { "" } else { &path }, e.into_inner().to_string())
         })?;
-        raw.validate(&env, base_dir)
+        let mut config = raw.validate(&env, base_dir)?;
+        config.version = version;
+        Ok(config)
     }
 
     /// A short human summary, printed by `edgeway check-config`.

@@ -118,6 +118,9 @@ impl RawConfig {
                 nats: nats?,
                 mqtt: mqtt?,
                 devices: all(devices)?,
+                // Set by the loader, which sees the whole text.
+                version: String::new(),
+                source: None,
             })
         })();
         match config {

@@ -228,6 +228,9 @@ struct Inner {
     statuses: Vec<Arc<ProcessStatus>>,
     stop: CancellationToken,
     tracker: TaskTracker,
+    /// Per engine: what stops its supervisor alone (a child of `stop`) and
+    /// what says it ended ([`Processes::stop_one`]).
+    each: std::collections::HashMap<String, (CancellationToken, CancellationToken)>,
 }
 
 impl Processes {
@@ -271,9 +274,20 @@ impl Processes {
                 .register(Box::new(ProcessMetrics::new(statuses.clone())))
                 .map_err(|e| anyhow::anyhow!("engine process metrics: {e}"))?;
         }
-        let inner = Inner { _lock: lock, statuses, stop: CancellationToken::new(), tracker: TaskTracker::new() };
+        let mut inner = Inner {
+            _lock: lock,
+            statuses,
+            stop: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+            each: Default::default(),
+        };
         for s in supervisors {
-            inner.tracker.spawn(s.run(inner.stop.clone()));
+            let (stop, ended) = (inner.stop.child_token(), CancellationToken::new());
+            inner.each.insert(s.status.name.clone(), (stop.clone(), ended.clone()));
+            inner.tracker.spawn(async move {
+                s.run(stop).await;
+                ended.cancel();
+            });
         }
         Ok(Processes { inner: Arc::new(inner) })
     }
@@ -295,6 +309,16 @@ impl Processes {
         match self.status(&cfg.name) {
             Some(status) => Arc::new(Supervised { inner: engine, status, told_down: false.into() }),
             None => engine,
+        }
+    }
+
+    /// Stops one engine's process as [`Processes::stop`] stops them all,
+    /// and waits until it is gone: an engine a reload removed, once it
+    /// drained. Nothing for an engine edgeway does not run.
+    pub async fn stop_one(&self, instance: &str) {
+        if let Some((stop, ended)) = self.inner.each.get(instance) {
+            stop.cancel();
+            ended.cancelled().await;
         }
     }
 

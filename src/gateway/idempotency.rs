@@ -108,7 +108,7 @@ impl Gateway {
     /// that earlier task to this one.
     pub(super) fn remember_key(&self, req: &TaskRequest, replaces: Option<&str>) {
         if req.idempotency_key.is_some() {
-            let ttl = self.config.scheduler.idempotency_ttl.as_millis() as i64;
+            let ttl = self.config().scheduler.idempotency_ttl.as_millis() as i64;
             self.store.remember(stored_request(req), ttl, replaces);
         }
     }
@@ -140,7 +140,7 @@ impl Gateway {
         }
         let meta = rec
             .result
-            .unwrap_or_else(|| ResultMeta::bare(&rec.request_id, &rec.task_id, rec.state, "", &self.config.node_id));
+            .unwrap_or_else(|| ResultMeta::bare(&rec.request_id, &rec.task_id, rec.state, "", &self.config().node_id));
         // The calls come back whole, one piece each, as they were kept.
         for c in &meta.tool_calls {
             events.push(TaskEvent::ToolCallDelta(crate::task::ToolCallDelta {

@@ -22,6 +22,7 @@ mod idempotency;
 mod keys;
 mod readiness;
 mod recovery;
+mod reload;
 mod sessions;
 mod tasks;
 
@@ -55,6 +56,7 @@ pub use crate::context::sessions::{MemoryEntry, SessionView};
 use crate::scheduler::Submitted;
 pub use crate::scheduler::{CancelHandle, TaskStream};
 pub use readiness::{ModelReadiness, Readiness};
+pub use reload::{ReloadError, ReloadReport};
 pub use tasks::{CancelOutcome, LiveTask, RequestCancel, TaskLookup, TaskView};
 
 /// The state of the message bus as `/ready` reports it. Implemented by the
@@ -120,7 +122,11 @@ pub struct Parts {
 /// The facade. Shared behind an `Arc`; every field is private so that an
 /// ingress can do only what the methods offer.
 pub struct Gateway {
-    config: Arc<Config>,
+    /// The configuration in force; a reload swaps it (`reload.rs`). A call
+    /// reads one snapshot and keeps it: what it was admitted with.
+    config: std::sync::RwLock<Arc<Config>>,
+    /// The reloads: one at a time, their count and the last one's time.
+    reloads: reload::Reloads,
     auth: Authenticator,
     scheduler: SchedulerHandle,
     store: Store,
@@ -182,7 +188,8 @@ pub(crate) fn store_failed(e: StoreError) -> GatewayError {
 impl Gateway {
     pub fn new(p: Parts) -> Gateway {
         Gateway {
-            config: p.config.clone(),
+            reloads: reload::Reloads::new(&p.metrics),
+            config: std::sync::RwLock::new(p.config.clone()),
             auth: p.auth,
             scheduler: p.scheduler,
             store: p.store.clone(),
@@ -248,8 +255,10 @@ impl Gateway {
         None
     }
 
-    pub fn config(&self) -> &Arc<Config> {
-        &self.config
+    /// The configuration in force now (a reload may replace it: read it
+    /// once per call).
+    pub fn config(&self) -> Arc<Config> {
+        self.config.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
@@ -375,7 +384,7 @@ impl Gateway {
             }
         };
         let mut req =
-            admission::admit(&self.config, identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
+            admission::admit(&self.config(), identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
         let retry_of = match self.known_repeat(&req).await {
             Ok(Repeat::Join(stream)) => return Ok(stream),
             Ok(Repeat::Run { retry_of }) => retry_of,

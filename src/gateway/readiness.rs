@@ -49,6 +49,12 @@ pub struct Readiness {
     /// The engine processes edgeway runs: state, restarts, uptime, why one
     /// is down.
     pub engine_processes: Vec<crate::engine::supervisor::ProcessReport>,
+    /// The version (a hash of the effective content) of the configuration
+    /// in force.
+    pub config_version: String,
+    /// When a reload last put a configuration in force (`None`: the one
+    /// read at start is in force).
+    pub config_reloaded_at: Option<std::time::SystemTime>,
 }
 
 impl Readiness {
@@ -81,8 +87,8 @@ impl Gateway {
         let store_degraded = health.degraded();
         let store_ok = answers && store_degraded.is_none();
         let draining = self.is_draining();
-        let models: Vec<_> = self
-            .config
+        let config = self.config();
+        let models: Vec<_> = config
             .models
             .values()
             .map(|m| {
@@ -121,6 +127,8 @@ impl Gateway {
             degradation_level: snap.degradation_level,
             bus: self.bus.report(),
             engine_processes,
+            config_version: config.version.clone(),
+            config_reloaded_at: self.last_reload(),
         })
     }
 }

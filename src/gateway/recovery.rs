@@ -54,8 +54,13 @@ impl Gateway {
             if let Some(why) = why {
                 reason = format!("{reason}; not queued again: {why}");
             }
-            let mut meta =
-                ResultMeta::bare(&u.request_id, &u.task_id, TaskState::Failed, &u.logical_model, &self.config.node_id);
+            let mut meta = ResultMeta::bare(
+                &u.request_id,
+                &u.task_id,
+                TaskState::Failed,
+                &u.logical_model,
+                &self.config().node_id,
+            );
             meta.session_id = u.session_id.clone();
             self.recorder.end_recovered(&meta, &reason, ErrorCode::InternalError.as_str());
         }
@@ -71,13 +76,12 @@ impl Gateway {
     /// allowed and reach every model it may be routed to. `Err` says why
     /// not (the task then ends FAILED with it).
     fn rebuild(&self, r: &StoredRequest) -> Result<TaskRequest, String> {
-        let app = self
-            .config
+        let config = self.config();
+        let app = config
             .applications
             .get(&r.application)
             .ok_or_else(|| format!("application '{}' is no longer configured", r.application))?;
-        let model = self
-            .config
+        let model = config
             .models
             .get(&r.logical_model)
             .ok_or_else(|| format!("model '{}' is no longer configured", r.logical_model))?;
@@ -87,13 +91,13 @@ impl Gateway {
         // Its tools must still be allowed and reach every instance it may
         // be routed to (the config may have changed since): else it ends
         // failed rather than run without them.
-        let class = r.routing.data_class.unwrap_or(self.config.routing.default_data_class);
+        let class = r.routing.data_class.unwrap_or(self.config().routing.default_data_class);
         let mut allow_smaller_model = r.routing.allow_smaller_model || app.allow_smaller_model;
         if let Some(tools) = &r.tools {
             if let Some(name) = crate::admission::disallowed_tool(Some(app), tools) {
                 return Err(format!("application '{}' may no longer declare tool '{name}'", app.name));
             }
-            allow_smaller_model &= crate::admission::tools_route(&self.config, model, tools, class)?;
+            allow_smaller_model &= crate::admission::tools_route(&self.config(), model, tools, class)?;
         }
         let ingress = match r.ingress.as_str() {
             "mqtt" => Ingress::Mqtt,
@@ -121,11 +125,11 @@ impl Gateway {
             params: r.params.clone(),
             priority,
             max_output_tokens: r.max_output_tokens.min(model.max_output_tokens),
-            timeouts: self.config.timeouts,
+            timeouts: self.config().timeouts,
             session_id: r.session_id.clone(),
             idempotency_key: r.idempotency_key.clone(),
             routing: r.routing.clone(),
-            data_class: crate::admission::data_class(&self.config, &app.tenant, Some(app), None, &r.routing),
+            data_class: crate::admission::data_class(&self.config(), &app.tenant, Some(app), None, &r.routing),
             allow_smaller_model,
             metadata: r.metadata.clone(),
             input_tokens_estimate: r.input_tokens_estimate,

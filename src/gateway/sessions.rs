@@ -92,7 +92,7 @@ impl Gateway {
             req.messages.iter().rev().find(|m| m.role == "user").cloned().into_iter().collect();
         let new_tokens = user.iter().map(crate::context::estimate_message).sum();
         let lease = self.sessions.begin_turn(&owner, &id, new_tokens, req.timeouts.queue).await?;
-        if let Some(model) = self.config.models.get(&req.logical_model) {
+        if let Some(model) = self.config().models.get(&req.logical_model) {
             let done = assembly::assemble(req, &lease.history(), model.context_tokens);
             tracing::debug!(session = %id, used = done.turns_used, left_out = done.turns_left_out, "session turns in the prompt");
         }

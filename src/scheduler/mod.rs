@@ -254,6 +254,17 @@ enum Cmd {
     Danger {
         reason: Option<String>,
     },
+    /// The limits and routes of a reloaded configuration; `retired`: the
+    /// instances it no longer has (no new work, kept down).
+    Limits {
+        limits: policy::Limits,
+        retired: Vec<usize>,
+    },
+    /// Answer once the instance runs no task.
+    WhenIdle {
+        instance: usize,
+        reply: oneshot::Sender<()>,
+    },
     /// What a healthy engine says about itself (from the probe).
     EngineState {
         instance: usize,
@@ -423,6 +434,8 @@ pub fn start(
         tx: tx.clone(),
         metrics: metrics.clone(),
         epoch: std::time::Instant::now(),
+        retired: Default::default(),
+        idle_waiters: Vec::new(),
     };
     tracker.spawn(actor.run(rx, shutdown.clone()));
     for inst in router.instances() {
@@ -718,6 +731,53 @@ impl SchedulerHandle {
         rx.await.ok()
     }
 
+    /// Takes the limits of a reloaded configuration (applications, users,
+    /// tenants, models, the global bounds and aging) for the next
+    /// admissions and grants; see [`policy::Policy::set_limits`]. `config`
+    /// has the same models as the one the scheduler started with.
+    pub fn set_limits(&self, config: &Config) {
+        let index: HashMap<&str, usize> =
+            self.shared.router.instances().iter().enumerate().map(|(i, x)| (x.name.as_str(), i)).collect();
+        // Engines that left the configuration get no new work from now on
+        // (see [`SchedulerHandle::when_idle`]).
+        let retired: Vec<usize> =
+            index.iter().filter(|(name, _)| !config.engines.contains_key(**name)).map(|(_, &i)| i).collect();
+        let limits = policy::Limits {
+            models: config
+                .models
+                .values()
+                .map(|m| policy::ModelLimits {
+                    queue_capacity: m.queue_capacity,
+                    max_running: m.max_running,
+                    // A reload adds no engine (`config::reload::plan`).
+                    instances: m.instances.iter().filter_map(|n| index.get(n.as_str()).copied()).collect(),
+                    fallback_models: m
+                        .fallback_models
+                        .iter()
+                        .filter_map(|f| config.models.keys().position(|k| k == f))
+                        .collect(),
+                })
+                .collect(),
+            apps: config.applications.values().map(|a| (a.name.clone(), a.limits.clone())).collect(),
+            tenant_weights: config.tenant_weights.clone(),
+            max_queued: config.scheduler.max_queued,
+            max_running: config.scheduler.max_running,
+            aging: config.scheduler.priority_aging,
+            busy_retry_after_ms: config.scheduler.busy_retry_after_ms,
+        };
+        let _ = self.tx.send(Cmd::Limits { limits, retired });
+    }
+
+    /// Returns once the instance named `instance` runs no task (at once if
+    /// it runs none): an engine removed at reload has drained. `None` when
+    /// the scheduler stopped first.
+    pub async fn when_idle(&self, instance: &str) -> Option<()> {
+        let i = self.shared.router.instances().iter().position(|x| x.name == instance)?;
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Cmd::WhenIdle { instance: i, reply: tx }).ok()?;
+        rx.await.ok()
+    }
+
     /// Enters (`Some(reason)`) or leaves (`None`) a danger state in which
     /// no new work is admitted.
     pub fn set_danger(&self, reason: Option<String>) {
@@ -760,6 +820,10 @@ struct Actor {
     metrics: Arc<Metrics>,
     /// The policy's clock starts here.
     epoch: std::time::Instant,
+    /// Instances a reload removed: down for good, whatever probes say.
+    retired: std::collections::HashSet<usize>,
+    /// [`Cmd::WhenIdle`] callers, answered when their instance runs nothing.
+    idle_waiters: Vec<(usize, oneshot::Sender<()>)>,
 }
 
 impl Actor {
@@ -782,6 +846,7 @@ impl Actor {
                 self.handle(cmd);
             }
             self.dispatch();
+            self.answer_idle_waiters();
         }
         // Waiting drivers see their grant sender dropped and end their tasks.
     }
@@ -862,6 +927,9 @@ impl Actor {
                     self.metrics.running.with_label_values(&[&self.router.instance(i).name]).dec();
                 }
             }
+            // An instance removed by a reload stays down whatever its
+            // probe says.
+            Cmd::Health { instance, .. } if self.retired.contains(&instance) => {}
             Cmd::Health { instance, up, detail } => {
                 self.policy.set_instance_up(instance, up);
                 if !self.policy.instance_paused(instance) {
@@ -916,6 +984,18 @@ impl Actor {
                 }
             }
             Cmd::Danger { reason } => self.policy.set_danger(reason),
+            Cmd::Limits { limits, retired } => {
+                self.policy.set_limits(limits);
+                for i in retired {
+                    if self.retired.insert(i) {
+                        self.policy.set_instance_up(i, false);
+                        self.details[i] = "removed from the configuration: draining, then stopped".to_string();
+                    }
+                }
+                // Waiting tasks whose only instances left go elsewhere now.
+                self.reroute_stranded();
+            }
+            Cmd::WhenIdle { instance, reply } => self.idle_waiters.push((instance, reply)),
             Cmd::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
             }
@@ -959,6 +1039,21 @@ impl Actor {
     /// none can, those with no instance up end `MODEL_UNAVAILABLE`, as new
     /// requests for them are answered, rather than waiting for their queue
     /// timeout; those whose breakers are open wait for the cool-down.
+    /// Answers [`Cmd::WhenIdle`] for instances that run nothing now.
+    fn answer_idle_waiters(&mut self) {
+        if self.idle_waiters.is_empty() {
+            return;
+        }
+        let waiters = std::mem::take(&mut self.idle_waiters);
+        for (i, reply) in waiters {
+            if self.policy.running_on(i) == 0 {
+                let _ = reply.send(());
+            } else {
+                self.idle_waiters.push((i, reply));
+            }
+        }
+    }
+
     fn reroute_stranded(&mut self) {
         let now = self.now();
         let mut fail = Vec::new();

@@ -139,6 +139,30 @@ pub struct PolicyConfig {
     pub admit_at_level: [Priority; 2],
 }
 
+/// The part of [`PolicyConfig`] a configuration reload changes
+/// ([`Policy::set_limits`]).
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Each model's limits and routes, in model order.
+    pub models: Vec<ModelLimits>,
+    pub apps: HashMap<String, AppLimits>,
+    pub tenant_weights: HashMap<String, f64>,
+    pub max_queued: Option<usize>,
+    pub max_running: Option<usize>,
+    pub aging: Option<Duration>,
+    pub busy_retry_after_ms: u64,
+}
+
+/// What a reload may change of one model: its bounds, its instances (among
+/// those the policy knows) and its fallback chain.
+#[derive(Debug, Clone)]
+pub struct ModelLimits {
+    pub queue_capacity: usize,
+    pub max_running: Option<usize>,
+    pub instances: Vec<usize>,
+    pub fallback_models: Vec<usize>,
+}
+
 /// What the policy needs to know about a task.
 #[derive(Debug, Clone)]
 pub struct TaskInfo {
@@ -589,6 +613,28 @@ impl Policy {
     /// A danger state (temperature, memory) stops admission of new work.
     pub fn set_danger(&mut self, reason: Option<String>) {
         self.danger = reason;
+    }
+
+    /// Takes the limits and routes of a reloaded configuration. They judge
+    /// the next admission and grant only: running tasks keep their slots, waiting
+    /// ones their place (a lowered bound refuses new work until the queue
+    /// is below it). Models are the same set, in the same order.
+    pub fn set_limits(&mut self, limits: Limits) {
+        debug_assert_eq!(limits.models.len(), self.cfg.models.len());
+        for (m, l) in self.cfg.models.iter_mut().zip(limits.models) {
+            m.queue_capacity = l.queue_capacity;
+            m.max_running = l.max_running;
+            // Chains are built from these at each admission and reroute:
+            // waiting tasks keep the candidates they were queued with.
+            m.instances = l.instances;
+            m.fallback_models = l.fallback_models;
+        }
+        self.cfg.apps = limits.apps;
+        self.cfg.tenant_weights = limits.tenant_weights;
+        self.cfg.max_queued = limits.max_queued;
+        self.cfg.max_running = limits.max_running;
+        self.cfg.aging = limits.aging;
+        self.cfg.busy_retry_after_ms = limits.busy_retry_after_ms;
     }
 
     pub fn waiting(&self, model: usize) -> usize {

@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::error::{ErrorCode, GatewayError};
-use crate::gateway::Gateway;
+use crate::gateway::{Gateway, ReloadError};
 use caller::{Caller, Credential};
 use errors::ApiError;
 
@@ -80,6 +80,7 @@ fn admin_routes(state: AppState, guarded: bool) -> Router {
         .route("/metrics", get(metrics))
         .route("/admin/keys/revoke", post(revoke_key))
         .route("/admin/keys/reinstate", post(reinstate_key))
+        .route("/admin/reload", post(reload_config))
         .layer(Extension(OpsGuard(guarded)))
         .with_state(state)
 }
@@ -218,6 +219,11 @@ async fn ready(
         // Reported, but readiness does not depend on the bus.
         "nats": r.bus,
         "engine_processes": r.engine_processes,
+        "config_version": r.config_version,
+        // Unix time in milliseconds; null until the first reload.
+        "config_reloaded_at_ms": r.config_reloaded_at
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_millis() as u64),
     });
     Ok((status, Json(body)).into_response())
 }
@@ -229,6 +235,31 @@ async fn ready(
 async fn revoke_key(State(gw): State<AppState>, Caller(who): Caller, body: Bytes) -> Result<Response, ApiError> {
     let cancelled = gw.revoke_key(&who, &body).await?;
     Ok(Json(json!({ "revoked": true, "cancelled_tasks": cancelled })).into_response())
+}
+
+/// `POST /admin/reload`: reads the configuration file again and puts it in
+/// force (admin applications only). 200 with the new `config_version` and
+/// what changed; a refused file: 422 `CONFIG_INVALID` with every problem
+/// by key path (`errors`), and the configuration in force stays.
+async fn reload_config(State(gw): State<AppState>, Caller(who): Caller) -> Result<Response, ApiError> {
+    match gw.reload_as(&who).await {
+        Ok(report) => Ok(Json(json!({ "reloaded": true, "config_version": report.config_version,
+            "previous_version": report.previous_version, "changes": report.changes }))
+        .into_response()),
+        Err(ReloadError::Denied(e)) => Err(e.into()),
+        Err(ReloadError::Invalid(errors)) => {
+            let code = ErrorCode::ConfigInvalid;
+            let list: Vec<_> = errors.0.iter().map(|x| json!({ "path": x.path, "message": x.message })).collect();
+            let body = json!({ "error": {
+                "code": code.as_str(),
+                "type": code.error_type(),
+                "message": format!("configuration refused ({} problem(s)); the configuration in force stays", list.len()),
+                "errors": list,
+            }});
+            let status = StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::UNPROCESSABLE_ENTITY);
+            Ok((status, Json(body)).into_response())
+        }
+    }
 }
 
 /// `POST /admin/keys/reinstate`, same body: accepts a revoked key again.

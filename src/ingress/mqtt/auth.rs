@@ -146,7 +146,10 @@ pub fn hash_password(password: &str) -> String {
 
 /// The registered devices, the JWT verifier and the tenant bindings.
 pub struct DeviceDirectory {
-    devices: HashMap<String, DeviceConfig>,
+    /// The registered devices are read from the configuration in force at
+    /// each CONNECT, so that a reload adds and removes devices (a connected
+    /// device keeps its session).
+    gw: Arc<Gateway>,
     /// The gateway's authenticator (its revocations are the gateway's),
     /// when `[auth.jwt]` is configured.
     jwt: Option<Arc<Gateway>>,
@@ -172,7 +175,7 @@ impl DeviceDirectory {
     }
 
     fn with_limits(gw: Arc<Gateway>, slow_checks: usize, bindings: usize) -> DeviceDirectory {
-        let cfg: &Config = gw.config();
+        let cfg: Arc<Config> = gw.config();
         for d in cfg.devices.values() {
             if d.password_hash.is_none() && d.password_sha256.is_some() {
                 tracing::warn!(
@@ -184,7 +187,7 @@ impl DeviceDirectory {
             }
         }
         DeviceDirectory {
-            devices: cfg.devices.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            gw: gw.clone(),
             leeway_ms: cfg.auth.jwt.as_ref().map_or(0, |j| j.leeway_s as i64 * 1000),
             jwt: cfg.auth.jwt.is_some().then(|| gw.clone()),
             slow_checks: Semaphore::new(slow_checks),
@@ -273,7 +276,8 @@ impl DeviceDirectory {
         if user != Some(client_id) {
             return Err(Refusal::BadCredentials);
         }
-        let device = self.devices.get(client_id);
+        let cfg = self.gw.config();
+        let device = cfg.devices.get(client_id);
         // A JWT-shaped password is tried as one first: a device that logs
         // in with tokens does not pay Argon2 at every connect.
         let jwt_shaped = self.jwt.is_some() && looks_like_jwt(password);

@@ -370,7 +370,7 @@ pub async fn serve(
     let out = Arc::new(
         Publisher::start(tx, metrics.clone(), failed).map_err(|e| anyhow::anyhow!("mqtt: publisher thread: {e}"))?,
     );
-    out.publish(&topics.internal_shared(&topics.catalogue()), catalogue(gw.config()), None, true)
+    out.publish(&topics.internal_shared(&topics.catalogue()), catalogue(&gw.config()), None, true)
         .map_err(|e| anyhow::anyhow!("mqtt: model catalogue: {e}"))?;
     let streams = Arc::new(Streams::new(cfg.replay_retention, cfg.replay_max_bytes, cfg.stream_replay_max_bytes));
     let ingress = Arc::new(DeviceIngress::new(

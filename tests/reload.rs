@@ -1,0 +1,431 @@
+//! Configuration reload (`POST /admin/reload`, `SIGHUP`): a gateway started
+//! from a file on disk, the file rewritten, the reload asked for; what
+//! changes for new work, what stays for work already running, and what a
+//! refused file leaves in force.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use edgeway::config::Config;
+use edgeway::testing::{config_toml, TempDir};
+use serde_json::{json, Value};
+
+const NEW_KEY: &str = "sk-edgeway-added-at-reload";
+
+/// A `[applications.added]` section with [`NEW_KEY`], for `extra`.
+fn added_app() -> String {
+    format!(
+        "[applications.added]\ntenant = \"demo\"\napi_key_sha256 = [\"{}\"]\n",
+        hex::encode(edgeway::config::hash_api_key(NEW_KEY))
+    )
+}
+
+/// A gateway started from a config file it can read again.
+struct Reloadable {
+    gw: TestGateway,
+    engine: FakeEngine,
+    file: PathBuf,
+    dir: TempDir,
+}
+
+impl Reloadable {
+    async fn start(knobs: Knobs, extra: &str) -> Reloadable {
+        Self::start_edited(knobs, extra, |t| t).await
+    }
+
+    /// Like [`Self::start`], with the file's text edited first.
+    async fn start_edited(knobs: Knobs, extra: &str, edit: impl FnOnce(String) -> String) -> Reloadable {
+        let dir = TempDir::new("edgeway-reload");
+        let engine = FakeEngine::start_with(knobs).await;
+        let file = dir.0.join("edgeway.toml");
+        std::fs::write(&file, edit(config_toml(&engine.url(), "openai", &dir.0, extra))).unwrap();
+        let gw = TestGateway::start(Config::load(&file).expect("valid config")).await;
+        gw.wait_ready().await;
+        Reloadable { gw, engine, file, dir }
+    }
+
+    /// Writes the file again with `extra` (see [`config_toml`]).
+    fn rewrite(&self, extra: &str) {
+        self.write(&config_toml(&self.engine.url(), "openai", &self.dir.0, extra));
+    }
+
+    fn write(&self, text: &str) {
+        std::fs::write(&self.file, text).unwrap();
+    }
+
+    async fn reload(&self, key: &str) -> (u16, Value) {
+        let r = client().post(format!("{}/admin/reload", self.gw.base_url)).bearer_auth(key).send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn ready(&self) -> Value {
+        let r = client().get(format!("{}/ready", self.gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap();
+        r.json().await.unwrap()
+    }
+
+    async fn chat(&self, key: &str) -> (u16, Value) {
+        let body = json!({"model": "general-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        let r = post_chat(&self.gw, key, &body).await;
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap())
+    }
+
+    fn reloads(&self, result: &str) -> f64 {
+        let text = self.gw.gateway().render_metrics();
+        let line = format!("edgeway_config_reloads_total{{result=\"{result}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(&line)).map_or(0.0, |v| v.trim().parse().unwrap())
+    }
+}
+
+/// A stream that started before the reload; its events when it ends.
+fn stream_in_background(gw: &TestGateway, key: &'static str) -> tokio::task::JoinHandle<(Vec<Value>, bool)> {
+    let (base, body) = (gw.base_url.clone(), chat_body(true));
+    tokio::spawn(async move {
+        let r = client().post(format!("{base}/v1/chat/completions")).bearer_auth(key).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        read_sse(r).await
+    })
+}
+
+/// The stream ended normally: text, a finish reason, `[DONE]`, no error.
+fn assert_completed(events: &[Value], done: bool) {
+    assert!(done, "the stream ended without [DONE]: {events:?}");
+    assert!(events.iter().all(|e| e.get("error").is_none()), "the stream ended with an error: {events:?}");
+    let finish = events.iter().rev().find_map(|e| e["choices"][0]["finish_reason"].as_str());
+    assert_eq!(finish, Some("stop"), "{events:?}");
+    let text: String = events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
+    assert!(!text.is_empty());
+}
+
+#[tokio::test]
+async fn a_key_added_at_reload_works_at_once_while_an_earlier_stream_completes() {
+    let r = Reloadable::start(Knobs::slow(40, 50), "").await;
+    let before = r.ready().await["config_version"].as_str().unwrap().to_string();
+    assert_eq!(before.len(), 16, "config_version is a hash: {before}");
+    assert_eq!(r.ready().await["config_reloaded_at_ms"], Value::Null);
+    assert_eq!(r.chat(NEW_KEY).await.0, 401, "not a key yet");
+
+    let mut rx = r.gw.recorder().subscribe();
+    let stream = stream_in_background(&r.gw, DEMO_KEY);
+    next_event(&mut rx, "the stream's first token", |e| e.state == TaskState::Streaming).await;
+
+    r.rewrite(&added_app());
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["changes"]["applications"], json!({"added": 1, "removed": 0, "changed": 0}));
+    assert_eq!(body["changes"]["api_keys"], json!({"added": 1, "removed": 0, "changed": 0}));
+    assert_eq!(body["previous_version"], before.as_str());
+    let after = body["config_version"].as_str().unwrap().to_string();
+    assert_ne!(after, before);
+
+    let (status, answer) = r.chat(NEW_KEY).await;
+    assert_eq!(status, 200, "the new key answers without a restart: {answer}");
+    assert!(!stream.is_finished(), "the earlier stream was still running across the reload");
+    let (events, done) = stream.await.unwrap();
+    assert_completed(&events, done);
+
+    let ready = r.ready().await;
+    assert_eq!(ready["config_version"], after.as_str());
+    assert!(ready["config_reloaded_at_ms"].as_u64().is_some(), "{ready}");
+    assert_eq!(r.reloads("ok"), 1.0);
+    assert_eq!(r.chat(DEMO_KEY).await.0, 200, "the old key still works");
+    r.gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_broken_file_is_refused_by_key_path_and_the_old_configuration_stays() {
+    let r = Reloadable::start(Knobs::default(), "").await;
+    let before = r.ready().await["config_version"].as_str().unwrap().to_string();
+
+    // Two mistakes and a new key: nothing of it may take effect.
+    let text = config_toml(&r.engine.url(), "openai", &r.dir.0, &added_app())
+        .replace("max_concurrency = 2", "max_concurrency = 0")
+        .replace("max_output_tokens = 256", "max_output_tokens = 0");
+    r.write(&text);
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(error_code(&body), "CONFIG_INVALID");
+    let paths: Vec<&str> =
+        body["error"]["errors"].as_array().unwrap().iter().filter_map(|e| e["path"].as_str()).collect();
+    assert!(paths.contains(&"engines.fake.max_concurrency"), "{body}");
+    assert!(paths.contains(&"models.general-chat.max_output_tokens"), "{body}");
+
+    // Not TOML at all.
+    r.write("[applications.demo\n");
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!((status, error_code(&body)), (422, "CONFIG_INVALID"), "{body}");
+
+    // Valid, but it changes what needs a restart (and adds the key).
+    let text = config_toml(&r.engine.url(), "openai", &r.dir.0, &added_app())
+        .replace("context_tokens = 2048", "context_tokens = 1024")
+        .replace("node_id = \"test-node\"", "node_id = \"another\"");
+    r.write(&text);
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 422, "{body}");
+    let paths: Vec<&str> =
+        body["error"]["errors"].as_array().unwrap().iter().filter_map(|e| e["path"].as_str()).collect();
+    assert_eq!(paths, ["node_id", "models.general-chat"], "{body}");
+
+    // Only an admin application may reload.
+    r.rewrite(&added_app());
+    let (status, body) = r.reload(DEMO_KEY).await;
+    assert_eq!((status, error_code(&body)), (403, "PERMISSION_DENIED"), "{body}");
+
+    assert_eq!(r.chat(NEW_KEY).await.0, 401, "no key of a refused file works");
+    assert_eq!(r.chat(DEMO_KEY).await.0, 200, "the old key still works");
+    assert_eq!(r.ready().await["config_version"], before.as_str());
+    assert_eq!(r.reloads("refused"), 3.0);
+    assert_eq!(r.reloads("ok"), 0.0);
+    r.gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_limit_lowered_at_reload_applies_to_new_work_only() {
+    let r = Reloadable::start(Knobs::slow(40, 50), "").await;
+    let mut rx = r.gw.recorder().subscribe();
+    let running = stream_in_background(&r.gw, DEMO_KEY);
+    next_event(&mut rx, "the stream's first token", |e| e.state == TaskState::Streaming).await;
+
+    // One request a minute per user of `demo`, from now on.
+    let text = config_toml(&r.engine.url(), "openai", &r.dir.0, "")
+        .replace("default_priority = \"P2\"\n", "default_priority = \"P2\"\nuser_requests_per_minute = 1\n");
+    r.write(&text);
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["changes"]["applications"]["changed"], 1, "{body}");
+
+    assert_eq!(r.chat(DEMO_KEY).await.0, 200, "the first request of the minute passes");
+    let (status, refused) = r.chat(DEMO_KEY).await;
+    assert_eq!((status, error_code(&refused)), (429, "RATE_LIMITED"), "{refused}");
+    assert_eq!(r.chat(OPS_KEY).await.0, 200, "other applications keep their limits");
+    let (events, done) = running.await.unwrap();
+    assert_completed(&events, done);
+    r.gw.stop().await;
+}
+
+/// `text` without the `[engines.fake]` section of [`config_toml`].
+fn without_engine_fake(text: &str) -> String {
+    let (a, b) = (text.find("[engines.fake]").unwrap(), text.find("[models.general-chat]").unwrap());
+    format!("{}{}", &text[..a], &text[b..])
+}
+
+#[tokio::test]
+async fn an_engine_removed_at_reload_drains_its_stream_and_gets_no_new_work() {
+    let second = FakeEngine::start_with(Knobs::slow(40, 50)).await;
+    let engine_b = format!(
+        "[engines.b]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\nhealth_interval_ms = 100\n",
+        second.url()
+    );
+    let two =
+        |text: String| format!("{text}\n{engine_b}").replace("instances = [\"fake\"]", "instances = [\"fake\", \"b\"]");
+    let r = Reloadable::start_edited(Knobs::slow(40, 50), "", two).await;
+    let mut rx = r.gw.recorder().subscribe();
+    let stream = stream_in_background(&r.gw, DEMO_KEY);
+    let on = next_event(&mut rx, "the stream's first token", |e| e.state == TaskState::Streaming).await;
+    let on = on.instance.clone().expect("the streaming task names its instance");
+
+    // The file without the stream's engine.
+    let base = config_toml(&r.engine.url(), "openai", &r.dir.0, "");
+    let (text, removed, kept) = if on == "b" {
+        (base, &second, "fake")
+    } else {
+        (format!("{}\n{engine_b}", without_engine_fake(&base)).replace("[\"fake\"]", "[\"b\"]"), &r.engine, "b")
+    };
+    r.write(&text);
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["changes"]["engines"], json!({"added": 0, "removed": 1, "changed": 0}), "{body}");
+    assert_eq!(body["changes"]["models"]["changed"], 1, "its model's instances changed: {body}");
+
+    let before = removed.requests();
+    for _ in 0..3 {
+        let (status, answer) = r.chat(DEMO_KEY).await;
+        assert_eq!(status, 200, "new work goes to {kept}: {answer}");
+    }
+    assert_eq!(removed.requests(), before, "the removed engine {on} got no new work");
+    let ready = r.ready().await;
+    let inst = ready["instances"].as_array().unwrap().iter().find(|i| i["name"] == on.as_str()).unwrap().clone();
+    assert_eq!(inst["up"], false, "{ready}");
+    assert!(inst["detail"].as_str().unwrap().contains("removed from the configuration"), "{ready}");
+    assert!(!stream.is_finished(), "the stream on the removed engine ran across the reload");
+    let (events, done) = stream.await.unwrap();
+    assert_completed(&events, done);
+    r.gw.scheduler().when_idle(&on).await.expect("the removed engine drained");
+    r.gw.stop().await;
+}
+
+#[tokio::test]
+async fn adding_an_engine_is_refused_and_nothing_changes() {
+    let second = FakeEngine::start().await;
+    let r = Reloadable::start(Knobs::default(), "").await;
+    let before = r.ready().await["config_version"].clone();
+    let text = format!(
+        "{}\n[engines.second]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\n{}",
+        config_toml(&r.engine.url(), "openai", &r.dir.0, ""),
+        second.url(),
+        added_app()
+    )
+    .replace("instances = [\"fake\"]", "instances = [\"fake\", \"second\"]");
+    r.write(&text);
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 422, "{body}");
+    let errors = body["error"]["errors"].as_array().unwrap();
+    let paths: Vec<&str> = errors.iter().filter_map(|e| e["path"].as_str()).collect();
+    assert_eq!(paths, ["engines.second"], "{body}");
+    assert!(errors[0]["message"].as_str().unwrap().contains("cannot start at reload"), "{body}");
+    assert_eq!(r.ready().await["instances"].as_array().unwrap().len(), 1);
+    assert_eq!(r.ready().await["config_version"], before);
+    assert_eq!(r.chat(NEW_KEY).await.0, 401);
+    r.gw.stop().await;
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn sighup_reloads_the_file_and_a_broken_one_leaves_edgeway_running() {
+    let engine = FakeEngine::start().await;
+    let dir = TempDir::new("edgeway-sighup");
+    let file = dir.0.join("edgeway.toml");
+    let port = free_port();
+    let text = |extra: &str| {
+        config_toml(&engine.url(), "openai", &dir.0, extra)
+            .replace("listen = \"127.0.0.1:0\"", &format!("listen = \"127.0.0.1:{port}\""))
+    };
+    std::fs::write(&file, text("")).unwrap();
+    let child = Proc(
+        Command::new(env!("CARGO_BIN_EXE_edgeway"))
+            .args(["serve", "--config"])
+            .arg(&file)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    let version = || async {
+        let r = client().get(format!("{base}/ready")).bearer_auth(OPS_KEY).send().await.ok()?;
+        if r.status() != 200 {
+            return None;
+        }
+        r.json::<Value>().await.ok()?["config_version"].as_str().map(str::to_string)
+    };
+    // A child process: nothing to await but its port.
+    let mut before = None;
+    for _ in 0..1000 {
+        before = version().await;
+        if before.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = before.expect("edgeway became ready");
+    let hup = || unsafe { libc::kill(child.0.id() as i32, libc::SIGHUP) };
+    let chat = |key: &'static str| {
+        let base = base.clone();
+        async move {
+            let body =
+                json!({"model": "general-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+            let r = client().post(format!("{base}/v1/chat/completions")).bearer_auth(key).json(&body).send().await;
+            r.unwrap().status().as_u16()
+        }
+    };
+
+    // A broken file: refused, logged, and edgeway goes on with the old one.
+    let reloads = |result: &'static str| {
+        let base = base.clone();
+        async move {
+            let r = client().get(format!("{base}/metrics")).bearer_auth(OPS_KEY).send().await.unwrap();
+            let line = format!("edgeway_config_reloads_total{{result=\"{result}\"}} ");
+            let text = r.text().await.unwrap();
+            text.lines().find_map(|l| l.strip_prefix(&line)).map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+        }
+    };
+    std::fs::write(&file, "[applications.demo\n").unwrap();
+    assert_eq!(hup(), 0);
+    for _ in 0..500 {
+        if reloads("refused").await == 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(reloads("refused").await, 1.0, "SIGHUP tried the broken file");
+    assert_eq!(version().await.as_ref(), Some(&before), "and left the configuration in force");
+    std::fs::write(&file, text(&added_app())).unwrap();
+    assert_eq!(hup(), 0);
+    let mut after = before.clone();
+    for _ in 0..500 {
+        after = version().await.expect("edgeway is still running after SIGHUP");
+        if after != before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_ne!(after, before, "SIGHUP reloaded the file");
+    assert_eq!(chat(NEW_KEY).await, 200);
+    assert_eq!(chat(DEMO_KEY).await, 200);
+    assert_eq!((reloads("ok").await, reloads("refused").await), (1.0, 1.0));
+    drop(child);
+}
+
+#[tokio::test]
+async fn the_process_of_an_engine_removed_at_reload_is_stopped_once_drained() {
+    use edgeway::engine::supervisor::ProcessState;
+    let dir = TempDir::new("edgeway-reload-process");
+    let port = free_port();
+    let backup = FakeEngine::start().await;
+    let engine_b = format!(
+        "[engines.b]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\nhealth_interval_ms = 100\n",
+        backup.url()
+    );
+    // `fake` is the Python fake engine, run by edgeway.
+    let process = format!(
+        "[engines.fake.process]\ncommand = \"python3\"\nargs = [{:?}, \"--port\", \"{port}\", \"--log\", {:?}, \"--tokens\", \"3\", \"--delay-ms\", \"5\"]\n\
+         ready_timeout_ms = 20000\nstop_grace_ms = 2000\n",
+        format!("{}/scripts/faults/fake_engine.py", env!("CARGO_MANIFEST_DIR")),
+        dir.0.join("requests.log").display().to_string()
+    );
+    let base = config_toml(&format!("http://127.0.0.1:{port}"), "openai", &dir.0, "");
+    let file = dir.0.join("edgeway.toml");
+    std::fs::write(
+        &file,
+        format!("{base}\n{engine_b}\n{process}").replace("instances = [\"fake\"]", "instances = [\"fake\", \"b\"]"),
+    )
+    .unwrap();
+    let gw = TestGateway::start(Config::load(&file).expect("valid config")).await;
+    let status = gw.running.as_ref().unwrap().internals.processes.status("fake").expect("supervised");
+    assert!(status.wait_for(ProcessState::Ready, Duration::from_secs(30)).await, "{:?}", status.report());
+    let pid = status.report().pid.expect("a pid while ready");
+
+    std::fs::write(&file, format!("{}\n{engine_b}", without_engine_fake(&base)).replace("[\"fake\"]", "[\"b\"]"))
+        .unwrap();
+    let r = client().post(format!("{}/admin/reload", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    assert!(
+        status.wait_for(ProcessState::Stopped, Duration::from_secs(30)).await,
+        "the removed engine's process was stopped: {:?}",
+        status.report()
+    );
+    let gone = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_or(true, |s| s[s.rfind(')').unwrap() + 1..].split_whitespace().next() == Some("Z"));
+    assert!(gone, "process {pid} still runs");
+    let body = json!({"model": "general-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    assert_eq!(post_chat(&gw, DEMO_KEY, &body).await.status(), 200, "the model answers from b");
+    gw.stop().await;
+}
