@@ -42,7 +42,9 @@ pub struct Session {
     pub device: String,
     /// This connection's number.
     pub conn: u64,
-    /// The client id as sent.
+    /// The router's client id, `{tenant}:{device}|{client id as sent}`
+    /// ([`super::topics::router_client_id`]): what the router, the
+    /// instance count, the session filters and the wills know it by.
     pub client_id: String,
     /// MQTT 5 Session Expiry Interval from CONNECT, or from DISCONNECT if
     /// it changed it, seconds (0: the session ends with the connection; 0
