@@ -128,6 +128,7 @@ impl ProtocolShared {
         self.max_will_bytes = cfg.max_will_bytes;
         self.max_will_delay_s = cfg.max_will_delay_s;
         self.max_session_expiry_s = cfg.max_session_expiry_s;
+        self.filters = SessionFilters::new(cfg.max_kept_sessions_per_device);
         self.connections =
             Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s, cfg.auth_failures_per_ip_per_s);
         self.quotas = Arc::new(DeviceQuotas::new(QuotaLimits {
