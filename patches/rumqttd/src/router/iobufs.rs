@@ -175,17 +175,19 @@ impl Outgoing {
         (buffer_count, inflight_count)
     }
 
-    // Returns (unsolicited, outoforder) flags
-    // Return: Out of order or unsolicited acks
+    /// Takes the PUBACK or PUBREC of `pkid`; `None` if nothing with that
+    /// id is in flight (unsolicited). Out of order is fine: a client may
+    /// complete a QoS 2 flow before it acknowledges an earlier QoS 1
+    /// message (MQTT-4.6.0; rumqttd disconnected it, edgeway patch 37).
+    /// What stays in flight keeps its order, so the first entry of a
+    /// filter is still its earliest cursor (`retransmission_map`).
     pub fn register_ack(&mut self, pkid: u16) -> Option<()> {
-        let (head, _filter_idx, _cursor) = self.inflight_buffer.pop_front()?;
-
-        // We don't support out of order acks
-        if pkid != head {
-            error!(pkid, head, "out of order ack.");
+        let at = self.inflight_buffer.iter().position(|(id, _, _)| *id == pkid);
+        let Some(at) = at else {
+            error!(pkid, "unsolicited ack.");
             return None;
-        }
-
+        };
+        self.inflight_buffer.remove(at);
         Some(())
     }
 
@@ -197,17 +199,15 @@ impl Outgoing {
 
     // OASIS standards don't specify anything about ordering of PubComp
     // https://docs.oasis-open.org/mqtt/mqtt/v5.0/os/mqtt-v5.0-os.html#_Toc3901240
-    // But we don't support out of order / unsolicited pubcomps
-    // to be consistent with the behaviour with other acks
+    // Out of order is taken, as for the other acks (edgeway patch 37);
+    // an unsolicited one is not.
     pub fn register_pubcomp(&mut self, pkid: u16) -> Option<()> {
-        let id = self.unacked_pubrels.pop_front()?;
-
-        // out of order acks
-        if pkid != id {
-            error!(pkid, id, "out of order ack.");
+        let at = self.unacked_pubrels.iter().position(|id| *id == pkid);
+        let Some(at) = at else {
+            error!(pkid, "unsolicited pubcomp.");
             return None;
-        }
-
+        };
+        self.unacked_pubrels.remove(at);
         Some(())
     }
 

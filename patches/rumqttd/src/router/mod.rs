@@ -227,6 +227,12 @@ pub struct DataRequest {
     /// patch 31)
     #[serde(skip)]
     pub(crate) retained: VecDeque<(Publish, Option<PublishProperties>)>,
+    /// Of a resumed session: where this request had read to before its
+    /// cursor was rewound to its first unacknowledged message. Up to there
+    /// only what is delivered at QoS 1/2 is sent again: QoS 0 messages are
+    /// not part of the session state (MQTT 5 §4.1; edgeway patch 36)
+    #[serde(skip)]
+    pub(crate) replay_until: Option<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

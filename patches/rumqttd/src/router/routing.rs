@@ -611,6 +611,14 @@ impl Router {
 
             for request in tracker.data_requests.iter_mut() {
                 if let Some(cursor) = retransmissions.get(&request.filter_idx) {
+                    // edgeway patch 36: what was read past the first
+                    // unacknowledged message is sent again only if it is
+                    // QoS 1/2 (a plain request: a group's cursor is the
+                    // group's, see the patch)
+                    if request.group.is_none() && *cursor < request.cursor {
+                        // (a replay cut short keeps its end)
+                        request.replay_until = request.replay_until.max(Some(request.cursor));
+                    }
                     request.cursor = *cursor;
                     // reset the group cursor
                     if let Some(group_name) = &request.group {
@@ -1139,6 +1147,7 @@ impl Router {
                 no_local: filter.nolocal,
                 preserve_retain: filter.preserve_retain,
                 retained: VecDeque::new(),
+                replay_until: None,
             };
 
             self.scheduler.track(id, request);
@@ -1704,6 +1713,20 @@ fn forward_device_data(
             }
         };
 
+        // edgeway patch 36: a resumed session's replay sends again the
+        // messages it had not acknowledged, not the QoS 0 ones among them
+        let mut publishes_from_datalog = publishes_from_datalog;
+        if let Some(until) = request.replay_until {
+            publishes_from_datalog.retain(|((publish, _), offset)| {
+                *offset >= until || delivery_qos(publish.qos, request.qos) != QoS::AtMostOnce
+            });
+            let read_to = match next {
+                Position::Next { end, .. } | Position::Done { end, .. } => end,
+            };
+            if read_to >= until {
+                request.replay_until = None;
+            }
+        }
         publishes.extend(
             publishes_from_datalog
                 .into_iter()
