@@ -260,3 +260,36 @@ async fn a_qos2_flow_may_complete_before_an_earlier_qos1_acknowledgement() {
     assert_eq!(raw::publish_v5_payload(&m3), b"m3");
     gw.stop().await;
 }
+
+/// Review M4 (a): a connection's plain and `$share` subscriptions on one
+/// filter shared one redelivery cursor: when the connection ended with a
+/// plain delivery unacknowledged, the share group's cursor was rewound to
+/// it, and the group's other member got the group's messages again. Here
+/// the group delivers at QoS 0 (nothing of the group is in flight), so the
+/// group must not move back. Failed before: the other member got m1..m3
+/// again with m4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_subscriptions_redelivery_does_not_rewind_the_share_group() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut s = connect(addr, SUB, &raw::prop_u32(0x11, 60)).await;
+    subscribe(&mut s, "s/t").await;
+    s.write_all(&raw::subscribe_qos(true, 2, "$share/g/s/t", 0)).await.unwrap();
+    assert_eq!(raw::packet(&mut s).await.expect("a SUBACK")[0], 0x90);
+    let mut other = connect(addr, "demo-device-1:other", &[]).await;
+    other.write_all(&raw::subscribe_qos(true, 1, "$share/g/s/t", 0)).await.unwrap();
+    assert_eq!(raw::packet(&mut other).await.expect("a SUBACK")[0], 0x90);
+    let mut p = connect(addr, PUB, &[]).await;
+    for (i, m) in ["m1", "m2", "m3"].iter().enumerate() {
+        publish(&mut p, "s/t", m, false, i as u16 + 1, &[]).await;
+    }
+    // s: m1..m3 plainly (unacknowledged) and its turns of the group; the
+    // other member: its turns.
+    let got = publishes(&mut s, Duration::from_millis(500), false).await;
+    let theirs = publishes(&mut other, Duration::from_millis(500), false).await;
+    assert_eq!(got.len() + theirs.len(), 6, "3 plain and 3 shared: {got:?} {theirs:?}");
+    s.write_all(&raw::disconnect_v5(0, &[])).await.unwrap();
+    assert!(raw::closed(&mut s).await);
+    publish(&mut p, "s/t", "m4", false, 4, &[]).await;
+    assert_eq!(publishes(&mut other, Duration::from_secs(1), false).await, ["m4"], "nothing of the group again");
+    gw.stop().await;
+}

@@ -21,7 +21,7 @@ use tracing::{debug, error, info, trace, warn};
 
 use super::alertlog::{Alert, AlertLog};
 use super::graveyard::{Graveyard, SessionState};
-use super::iobufs::{Incoming, Outgoing};
+use super::iobufs::{share_key, Incoming, Outgoing};
 use super::logs::{AckLog, DataLog, PublishData};
 use super::scheduler::{ScheduleReason, Scheduler};
 use super::shared_subs::SharedGroup;
@@ -610,7 +610,8 @@ impl Router {
                 .for_each(|r| tracker.register_data_request(r));
 
             for request in tracker.data_requests.iter_mut() {
-                if let Some(cursor) = retransmissions.get(&request.filter_idx) {
+                let key = (request.filter_idx, share_key(request.group.as_deref()));
+                if let Some(cursor) = retransmissions.get(&key) {
                     // edgeway patch 36: what was read past the first
                     // unacknowledged message is sent again only if it is
                     // QoS 1/2 (a plain request: a group's cursor is the
@@ -1782,6 +1783,7 @@ fn forward_device_data(
     let qos = request.qos;
     let preserve_retain = request.preserve_retain;
     let filter_idx = request.filter_idx;
+    let share = share_key(request.group.as_deref());
     request.read_count += publishes.len();
     request.cursor = next;
     // println!("{:?} {:?} {}", start, next, request.read_count);
@@ -1865,7 +1867,7 @@ fn forward_device_data(
             }
         });
 
-    let (len, inflight) = push_forwards_by_qos(outgoing, forwards, filter_idx);
+    let (len, inflight) = push_forwards_by_qos(outgoing, forwards, filter_idx, share);
 
     debug!(
         inflight_count = inflight,
@@ -1919,6 +1921,7 @@ fn push_forwards_by_qos(
     outgoing: &mut Outgoing,
     forwards: impl Iterator<Item = Forward>,
     filter_idx: FilterIdx,
+    share: u32,
 ) -> (usize, usize) {
     let mut result = (0, 0);
     let mut run: Vec<Forward> = Vec::new();
@@ -1927,13 +1930,13 @@ fn push_forwards_by_qos(
     for forward in forwards {
         let qos = u8::from(forward.publish.qos != QoS::AtMostOnce);
         if qos != run_qos && !run.is_empty() {
-            result = outgoing.push_forwards(run.drain(..), run_qos, filter_idx);
+            result = outgoing.push_forwards(run.drain(..), run_qos, filter_idx, share);
         }
         run_qos = qos;
         run.push(forward);
     }
     if !run.is_empty() {
-        result = outgoing.push_forwards(run.drain(..), run_qos, filter_idx);
+        result = outgoing.push_forwards(run.drain(..), run_qos, filter_idx, share);
     }
     result
 }
