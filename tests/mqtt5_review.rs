@@ -182,3 +182,114 @@ async fn a_resubscribe_without_an_identifier_drops_the_old_one() {
     assert!(!props.contains(&0x0B), "no Subscription Identifier: {props:02x?}");
     gw.stop().await;
 }
+
+/// The payloads of the PUBLISHes that arrive within `within` of each other;
+/// acknowledged only if `ack`.
+async fn publishes(s: &mut TcpStream, within: Duration, ack: bool) -> Vec<String> {
+    let mut got = Vec::new();
+    while let Some(p) = raw::packet_within(s, within).await {
+        assert_eq!(p[0] & 0xF0, 0x30, "a PUBLISH: {p:02x?}");
+        if ack && p[0] & 0x06 != 0 {
+            s.write_all(&raw::puback(raw::publish_pkid(&p))).await.unwrap();
+        }
+        got.push(String::from_utf8_lossy(&raw::publish_v5_payload(&p)).into_owned());
+    }
+    got
+}
+
+/// Review M4 (b): QoS 0 messages are not part of the session state (MQTT 5
+/// §4.1): at a resume the unacknowledged QoS 1 messages come again, the
+/// QoS 0 one delivered between them does not. Failed before: m1, m2, m3
+/// (the resume re-read the log from the first unacknowledged message).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_session_gets_its_unacknowledged_messages_again_but_no_qos0_one() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut s = connect(addr, SUB, &raw::prop_u32(0x11, 60)).await;
+    subscribe(&mut s, "s/t").await;
+    let mut p = connect(addr, PUB, &[]).await;
+    publish(&mut p, "s/t", "m1", false, 1, &[]).await;
+    p.write_all(&raw::publish_with(true, "s/t", b"m2", 0, false, 0)).await.unwrap();
+    publish(&mut p, "s/t", "m3", false, 2, &[]).await;
+    assert_eq!(publishes(&mut s, Duration::from_secs(1), false).await, ["m1", "m2", "m3"], "none acknowledged");
+    s.write_all(&raw::disconnect_v5(0, &[])).await.unwrap();
+    assert!(raw::closed(&mut s).await);
+
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&raw::connect_v5_props(SUB, D1, false, &raw::prop_u32(0x11, 60))).await.unwrap();
+    let ack = raw::packet(&mut s).await.expect("a CONNACK");
+    assert_eq!((ack[0], ack[2], ack[3]), (0x20, 1, 0), "the session resumed: {ack:02x?}");
+    assert_eq!(publishes(&mut s, Duration::from_secs(1), true).await, ["m1", "m3"], "m2 was QoS 0");
+    // What comes next is delivered as usual, QoS 0 included.
+    p.write_all(&raw::publish_with(true, "s/t", b"m4", 0, false, 0)).await.unwrap();
+    assert_eq!(publishes(&mut s, Duration::from_secs(1), true).await, ["m4"]);
+    gw.stop().await;
+}
+
+/// Review (smaller points): a client may complete a QoS 2 delivery before
+/// it acknowledges an earlier QoS 1 one (they are different flows,
+/// MQTT-4.6.0); rumqttd took acknowledgements in the order it sent and
+/// disconnected the client. Now PUBREC 2, PUBCOMP 2, then PUBACK 1 are
+/// each taken, and the connection goes on. Failed before: the connection
+/// was closed after the PUBREC (no PUBREL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qos2_flow_may_complete_before_an_earlier_qos1_acknowledgement() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut s = connect(addr, SUB, &[]).await;
+    s.write_all(&raw::subscribe_qos(true, 1, "s/t", 2)).await.unwrap();
+    let ack = raw::packet(&mut s).await.expect("a SUBACK");
+    assert_eq!((ack[0], raw::reason(&ack)), (0x90, 2), "granted QoS 2: {ack:02x?}");
+    let mut p = connect(addr, PUB, &[]).await;
+    publish(&mut p, "s/t", "m1", false, 1, &[]).await;
+    p.write_all(&raw::publish_with(true, "s/t", b"m2", 2, false, 2)).await.unwrap();
+    assert_eq!(raw::packet(&mut p).await.expect("a PUBREC")[0], 0x50);
+    p.write_all(&raw::pubrel(2)).await.unwrap();
+    assert_eq!(raw::packet(&mut p).await.expect("a PUBCOMP")[0], 0x70);
+
+    let m1 = raw::packet(&mut s).await.expect("m1");
+    let m2 = raw::packet(&mut s).await.expect("m2");
+    assert_eq!((m1[0] & 0x06, m2[0] & 0x06), (0x02, 0x04), "QoS 1 then QoS 2");
+    let (id1, id2) = (raw::publish_pkid(&m1), raw::publish_pkid(&m2));
+    let [h, l] = id2.to_be_bytes();
+    s.write_all(&[0x50, 2, h, l]).await.unwrap(); // PUBREC m2 first
+    let rel = raw::packet_within(&mut s, Duration::from_secs(2)).await.expect("a PUBREL, not a close");
+    assert_eq!(rel[0], 0x62, "PUBREL: {rel:02x?}");
+    s.write_all(&[0x70, 2, h, l]).await.unwrap(); // PUBCOMP
+    s.write_all(&raw::puback(id1)).await.unwrap(); // and only now PUBACK m1
+    publish(&mut p, "s/t", "m3", false, 3, &[]).await;
+    let m3 = raw::packet_within(&mut s, Duration::from_secs(2)).await.expect("m3: still connected");
+    assert_eq!(raw::publish_v5_payload(&m3), b"m3");
+    gw.stop().await;
+}
+
+/// Review M4 (a): a connection's plain and `$share` subscriptions on one
+/// filter shared one redelivery cursor: when the connection ended with a
+/// plain delivery unacknowledged, the share group's cursor was rewound to
+/// it, and the group's other member got the group's messages again. Here
+/// the group delivers at QoS 0 (nothing of the group is in flight), so the
+/// group must not move back. Failed before: the other member got m1..m3
+/// again with m4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_subscriptions_redelivery_does_not_rewind_the_share_group() {
+    let (_fake, gw, addr) = start(Knobs::default(), "").await;
+    let mut s = connect(addr, SUB, &raw::prop_u32(0x11, 60)).await;
+    subscribe(&mut s, "s/t").await;
+    s.write_all(&raw::subscribe_qos(true, 2, "$share/g/s/t", 0)).await.unwrap();
+    assert_eq!(raw::packet(&mut s).await.expect("a SUBACK")[0], 0x90);
+    let mut other = connect(addr, "demo-device-1:other", &[]).await;
+    other.write_all(&raw::subscribe_qos(true, 1, "$share/g/s/t", 0)).await.unwrap();
+    assert_eq!(raw::packet(&mut other).await.expect("a SUBACK")[0], 0x90);
+    let mut p = connect(addr, PUB, &[]).await;
+    for (i, m) in ["m1", "m2", "m3"].iter().enumerate() {
+        publish(&mut p, "s/t", m, false, i as u16 + 1, &[]).await;
+    }
+    // s: m1..m3 plainly (unacknowledged) and its turns of the group; the
+    // other member: its turns.
+    let got = publishes(&mut s, Duration::from_millis(500), false).await;
+    let theirs = publishes(&mut other, Duration::from_millis(500), false).await;
+    assert_eq!(got.len() + theirs.len(), 6, "3 plain and 3 shared: {got:?} {theirs:?}");
+    s.write_all(&raw::disconnect_v5(0, &[])).await.unwrap();
+    assert!(raw::closed(&mut s).await);
+    publish(&mut p, "s/t", "m4", false, 4, &[]).await;
+    assert_eq!(publishes(&mut other, Duration::from_secs(1), false).await, ["m4"], "nothing of the group again");
+    gw.stop().await;
+}

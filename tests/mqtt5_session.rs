@@ -407,3 +407,54 @@ async fn a_session_expiry_over_the_maximum_is_shortened_and_told() {
     assert!(!present, "the session ended after 1 s, not never");
     gw.stop().await;
 }
+
+/// Review M2b, second half: a device that connects under ever new client
+/// ids with a Session Expiry made the broker keep every session
+/// (subscriptions, cursors) until it expired. With
+/// `max_kept_sessions_per_device = 2` the third kept session discards the
+/// oldest, whose owed message is counted as dropped; the two newer ones
+/// resume. Failed before: the oldest resumed too (Session Present 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_keeps_at_most_its_cap_of_sessions_oldest_discarded_first() {
+    let (_fake, gw, addr) = start(Knobs::default(), "max_kept_sessions_per_device = 2").await;
+    let ids = ["demo-device-1:k1", "demo-device-1:k2", "demo-device-1:k3"];
+    for id in &ids[..2] {
+        let (mut s, _) = connect(addr, id, true, &expiry(60)).await;
+        subscribe(&mut s, "s/t").await;
+        disconnect(s, &[]).await;
+    }
+    // Owed to k1 and k2; k3 subscribes after it.
+    publish(addr, "s/t", &["m1"]).await;
+    let (mut s, _) = connect(addr, ids[2], true, &expiry(60)).await;
+    subscribe(&mut s, "s/t").await;
+    disconnect(s, &[]).await;
+
+    let (_k1, present) = connect(addr, ids[0], false, &expiry(60)).await;
+    assert!(!present, "the oldest kept session was discarded");
+    let (mut k2, present) = connect(addr, ids[1], false, &expiry(60)).await;
+    assert!(present, "the second is kept");
+    assert_eq!(received(&mut k2, Duration::from_secs(1)).await, ["m1"], "with what it was owed");
+    let (mut k3, present) = connect(addr, ids[2], false, &expiry(60)).await;
+    assert!(present, "the newest is kept");
+    assert!(received(&mut k3, Duration::from_millis(300)).await.is_empty());
+    assert_eq!(metric(&gw, "mqtt_kept_sessions_discarded_total"), Some(1.0));
+    assert_eq!(metric(&gw, "mqtt_kept_session_messages_dropped_total"), Some(1.0), "k1 was owed m1");
+    gw.stop().await;
+}
+
+/// `max_kept_sessions_per_device = 0`: no session outlives its connection,
+/// whatever the client asks; a takeover still continues the session (its
+/// connection is replaced, not gone). Failed before: the key was refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_session_is_kept_with_a_cap_of_0_but_a_takeover_continues_one() {
+    let (_fake, gw, addr) = start(Knobs::default(), "max_kept_sessions_per_device = 0").await;
+    let (mut s, _) = connect(addr, SUB, true, &expiry(60)).await;
+    subscribe(&mut s, "s/t").await;
+    let (s2, present) = connect(addr, SUB, false, &expiry(60)).await;
+    assert!(present, "a takeover continues the session");
+    assert!(raw::closed(&mut s).await, "the old connection is closed");
+    disconnect(s2, &[]).await;
+    let (_s, present) = connect(addr, SUB, false, &expiry(60)).await;
+    assert!(!present, "nothing kept after the connection");
+    gw.stop().await;
+}

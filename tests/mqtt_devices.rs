@@ -98,6 +98,89 @@ async fn two_tenants_using_one_device_id_never_see_resume_or_cancel_each_others_
     gw.stop().await;
 }
 
+/// An MQTT 5 CONNECT of `id` with a JWT of `tenant` (application of the
+/// same name), Clean Start `clean`, Session Expiry 60 s; the socket and the
+/// CONNACK. Panics unless accepted.
+async fn connect_tenant(addr: SocketAddr, id: &str, tenant: &str, clean: bool) -> (tokio::net::TcpStream, Vec<u8>) {
+    use tokio::io::AsyncWriteExt;
+    let device = id.split(':').next().unwrap();
+    let tok = token(device, tenant, tenant, 600);
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    s.write_all(&raw::connect_v5_props(id, (device, &tok), clean, &raw::prop_u32(0x11, 60))).await.unwrap();
+    let ack = raw::packet(&mut s).await.expect("a CONNACK");
+    assert_eq!((ack[0], ack[3]), (0x20, 0), "{id} of {tenant} accepted: {ack:02x?}");
+    (s, ack)
+}
+
+/// A QoS 1 PUBLISH on `topic` acknowledged (PUBACK 0), then what arrives
+/// within 1 s: the payloads of the PUBLISHes, each acknowledged. `None` if
+/// the connection closed instead.
+async fn publish_and_read(s: &mut tokio::net::TcpStream, topic: &str, payload: &str) -> Option<Vec<String>> {
+    use tokio::io::AsyncWriteExt;
+    s.write_all(&raw::publish_with(true, topic, payload.as_bytes(), 1, false, 7)).await.ok()?;
+    let mut got = Vec::new();
+    let mut acked = false;
+    while let Some(p) = raw::packet_within(s, Duration::from_secs(1)).await {
+        match p[0] & 0xF0 {
+            0x40 => acked = true,
+            0x30 => {
+                if p[0] & 0x06 != 0 {
+                    s.write_all(&raw::puback(raw::publish_pkid(&p))).await.ok()?;
+                }
+                got.push(String::from_utf8_lossy(&raw::publish_v5_payload(&p)).into_owned());
+            }
+            _ => return None,
+        }
+    }
+    acked.then_some(got)
+}
+
+/// Review L1: the router knew sessions by the client id alone, so a device
+/// of another tenant with the same client id (a JWT-only device id whose
+/// tenant binding was forgotten, `max_jwt_device_bindings`) took the first
+/// one's session over: it ended A's connection and got A's session
+/// (Session Present 1, A's subscription). Now the router's client id is
+/// `{mount}|{client id}`: both stay connected with sessions of their own,
+/// and within one tenant the same client id still takes over as MQTT
+/// says. Failed before: B got Session Present 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_id_in_two_tenants_is_two_sessions() {
+    let (_fake, gw, addr) = start_jwt(Knobs::default(), "max_jwt_device_bindings = 1").await;
+    let topic = "ai/v1/cam-7/t";
+    let (mut a, ack) = connect_tenant(addr, "cam-7:x", "demo", true).await;
+    assert!(!ack.windows(5).any(|w| w == b"cam-7"), "no assigned client id: {ack:02x?}");
+    {
+        use tokio::io::AsyncWriteExt;
+        a.write_all(&raw::subscribe_qos(true, 1, topic, 1)).await.unwrap();
+        let ack = raw::packet(&mut a).await.expect("a SUBACK");
+        assert_eq!((ack[0], raw::reason(&ack)), (0x90, 1), "granted QoS 1: {ack:02x?}");
+    }
+    // Another device id takes the only binding: cam-7 may be bound afresh.
+    let (_z, _) = connect_tenant(addr, "cam-z", "demo", true).await;
+    let (mut b, ack) = connect_tenant(addr, "cam-7:x", "other", false).await;
+    assert_eq!(ack[2], 0, "tenant other's cam-7:x starts afresh, it has no session of tenant demo's");
+    assert_eq!(publish_and_read(&mut b, topic, "from other").await, Some(vec![]), "b has none of a's subscriptions");
+    assert_eq!(
+        publish_and_read(&mut a, topic, "from demo").await,
+        Some(vec!["from demo".to_string()]),
+        "a is still connected, with its own session only"
+    );
+    assert_eq!(publish_and_read(&mut b, "ai/v1/cam-7/u", "again").await, Some(vec![]), "b is still connected");
+
+    // Within tenant demo the same client id takes the session over.
+    let (_z, _) = connect_tenant(addr, "cam-z", "demo", true).await;
+    let (mut a2, ack) = connect_tenant(addr, "cam-7:x", "demo", false).await;
+    assert_eq!(ack[2], 1, "a takeover within the tenant continues the session");
+    assert!(raw::closed(&mut a).await, "the taken-over connection is closed");
+    assert_eq!(
+        publish_and_read(&mut a2, topic, "m2").await,
+        Some(vec!["m2".to_string()]),
+        "the subscription came along"
+    );
+    assert_eq!(publish_and_read(&mut b, "ai/v1/cam-7/u", "still").await, Some(vec![]), "b was left alone");
+    gw.stop().await;
+}
+
 /// The key a device's request had until this fix: anyone who knows the
 /// device id and a request id it will use could compute it.
 fn unsalted_device_key(device: &str, key: &str) -> String {

@@ -94,6 +94,8 @@ fn rumqttd_memory_does_not_grow_with_topic_names() {
             custom_segment: None,
             initialized_filters: Some(vec!["t/#".to_string()]),
             shared_subscriptions_strategy: Default::default(),
+            // Later settings of the patched crate (the kept-session cap).
+            ..Default::default()
         },
     );
     let router_tx = router.spawn();

@@ -51,6 +51,13 @@ pub struct MqttConfig {
     /// Longest MQTT 5 Session Expiry Interval, seconds: a client's longer
     /// one (or "never", 0xFFFFFFFF) becomes this, and the CONNACK says so.
     pub max_session_expiry_s: u32,
+    /// Sessions the broker keeps per device after their connections ended
+    /// (MQTT 5 Session Expiry, 3.1.1 `cleansession = 0`), over all its
+    /// client ids; one more discards the oldest (0: none kept).
+    pub max_kept_sessions_per_device: usize,
+    /// JWT-only device ids whose tenant binding is remembered (least
+    /// recently used forgotten first).
+    pub max_jwt_device_bindings: usize,
     /// Failed authentications per second allowed per device id (bursts of
     /// 5 ×); beyond, CONNECTs of that id are refused without a password
     /// check.
@@ -140,6 +147,8 @@ pub struct RawMqtt {
     pub max_will_bytes: usize,
     pub max_will_delay_s: u32,
     pub max_session_expiry_s: u32,
+    pub max_kept_sessions_per_device: usize,
+    pub max_jwt_device_bindings: usize,
     pub auth_failures_per_s: f64,
     pub auth_failures_per_ip_per_s: f64,
     pub max_retained_per_device: usize,
@@ -177,6 +186,8 @@ impl Default for RawMqtt {
             max_will_bytes: 16 * 1024,
             max_will_delay_s: 3600,
             max_session_expiry_s: 86_400,
+            max_kept_sessions_per_device: 8,
+            max_jwt_device_bindings: 100_000,
             auth_failures_per_s: 2.0,
             auth_failures_per_ip_per_s: 10.0,
             max_retained_per_device: 100,
@@ -280,6 +291,9 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
     if raw.max_instances_per_device == 0 {
         p.add("mqtt.max_instances_per_device", "must be at least 1");
     }
+    if raw.max_jwt_device_bindings == 0 {
+        p.add("mqtt.max_jwt_device_bindings", "must be at least 1");
+    }
     if !(raw.auth_failures_per_s.is_finite() && raw.auth_failures_per_s > 0.0) {
         p.add("mqtt.auth_failures_per_s", "must be a number above 0");
     }
@@ -328,6 +342,8 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
         max_will_bytes: raw.max_will_bytes,
         max_will_delay_s: raw.max_will_delay_s,
         max_session_expiry_s: raw.max_session_expiry_s,
+        max_kept_sessions_per_device: raw.max_kept_sessions_per_device,
+        max_jwt_device_bindings: raw.max_jwt_device_bindings,
         auth_failures_per_s: raw.auth_failures_per_s,
         auth_failures_per_ip_per_s: raw.auth_failures_per_ip_per_s,
         max_retained_per_device: raw.max_retained_per_device,

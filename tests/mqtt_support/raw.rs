@@ -132,6 +132,8 @@ pub async fn bare_rumqttd_with(max_connections: usize, link_type: LinkType, list
             custom_segment: None,
             initialized_filters: None,
             shared_subscriptions_strategy: Default::default(),
+            // Later settings of the patched crate (the kept-session cap).
+            ..Default::default()
         },
     );
     let router_tx = router.spawn();

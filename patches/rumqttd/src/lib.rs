@@ -21,7 +21,7 @@ use tracing_subscriber::{
 pub use link::alerts;
 pub use link::local;
 pub use link::meters;
-pub use router::{Alert, Forward, IncomingMeter, Meter, Notification, OutgoingMeter, Router};
+pub use router::{Alert, Forward, IncomingMeter, Meter, Notification, OutgoingMeter, Router, RouterStats};
 use segments::Storage;
 pub use server::{Broker, LinkType, ListenerStats, Server};
 
@@ -217,6 +217,15 @@ pub struct RouterConfig {
     // defaults to Round Robin
     #[serde(default)]
     pub shared_subscriptions_strategy: Strategy,
+    /// Sessions kept after their connection ended, per group of client
+    /// ids: a client id `{group}|{rest}` is in `group` (the part before its
+    /// first `|`; an id without one is in no group and never capped). One
+    /// more kept session discards the group's oldest (the one whose
+    /// connection ended first), with what it was owed; 0 keeps none. A
+    /// takeover's session is not counted (it is taken back at once).
+    /// `None`: no cap. (edgeway patch 35, see PATCHES.md)
+    #[serde(default)]
+    pub max_kept_sessions_per_group: Option<usize>,
 }
 
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]

@@ -14,7 +14,7 @@
 //!   a device id that only JWTs name is bound to the tenant of the first
 //!   token accepted for it, and refused for any other tenant until edgeway
 //!   restarts, or until the binding is forgotten: at most
-//!   [`TENANT_BINDINGS`] bindings are kept, and past that the least
+//!   `[mqtt] max_jwt_device_bindings` ([`TENANT_BINDINGS`]) bindings are kept, and past that the least
 //!   recently used one goes (that device id can then be bound afresh). The
 //!   binding is kept in memory only: what a device leaves in
 //!   edgeway's MQTT layer (sessions, streams, wills, the router's topics)
@@ -91,7 +91,7 @@ pub struct Login<'a> {
 }
 
 /// How many JWT-only device ids keep their tenant binding (least recently
-/// used first to go).
+/// used first to go), unless `[mqtt] max_jwt_device_bindings` says.
 pub const TENANT_BINDINGS: usize = 100_000;
 
 /// How many Argon2 verifications may run at once: half the cores, at least
@@ -171,7 +171,8 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 impl DeviceDirectory {
     /// `gw` checks JWTs (with its revocations).
     pub fn new(gw: Arc<Gateway>) -> DeviceDirectory {
-        Self::with_limits(gw, argon2_permits(), TENANT_BINDINGS)
+        let bindings = gw.config().mqtt.as_ref().map_or(TENANT_BINDINGS, |m| m.max_jwt_device_bindings);
+        Self::with_limits(gw, argon2_permits(), bindings)
     }
 
     fn with_limits(gw: Arc<Gateway>, slow_checks: usize, bindings: usize) -> DeviceDirectory {

@@ -16,7 +16,12 @@
 //!   `max_connections` plus those in all) and closes a socket that sends no
 //!   CONNECT within `connect_timeout_ms`; what it refused or timed out is
 //!   counted in `mqtt_sockets_refused_total` and
-//!   `mqtt_connect_timeouts_total` ([`ListenerMetrics`]).
+//!   `mqtt_connect_timeouts_total` ([`ListenerMetrics`]);
+//! - the router keeps at most `max_kept_sessions_per_device` sessions per
+//!   device after their connections (its client ids are grouped by device),
+//!   the oldest discarded first and counted in
+//!   `mqtt_kept_sessions_discarded_total` and
+//!   `mqtt_kept_session_messages_dropped_total` ([`KeptSessionMetrics`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -25,9 +30,11 @@ use std::task::Poll;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
 use rumqttd::local::{LinkBuilder, LinkRx, LinkTx};
-use rumqttd::{ConnectionSettings, LinkType, ListenerStats, Router, RouterConfig, Server, ServerSettings, TlsConfig};
+use rumqttd::{
+    ConnectionSettings, LinkType, ListenerStats, Router, RouterConfig, RouterStats, Server, ServerSettings, TlsConfig,
+};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -76,6 +83,9 @@ fn router_config(cfg: &MqttConfig, gateway_filter: &str) -> RouterConfig {
             format!("{DOLLAR_MOUNT}#"),
         ]),
         shared_subscriptions_strategy: Default::default(),
+        // The router's client ids are `{tenant}:{device}|{client id}`
+        // (`topics::router_client_id`): its groups are devices.
+        max_kept_sessions_per_group: Some(cfg.max_kept_sessions_per_device),
     }
 }
 
@@ -217,6 +227,50 @@ impl Collector for ListenerMetrics {
     }
 }
 
+/// The router's counters of kept sessions discarded for
+/// `max_kept_sessions_per_device`, read at scrape time.
+struct KeptSessionMetrics {
+    stats: Arc<RouterStats>,
+    discarded: IntCounter,
+    dropped: IntCounter,
+}
+
+impl KeptSessionMetrics {
+    fn new(stats: Arc<RouterStats>) -> Self {
+        KeptSessionMetrics {
+            stats,
+            discarded: IntCounter::new(
+                "mqtt_kept_sessions_discarded_total",
+                "Kept MQTT sessions discarded, oldest first, because their device had max_kept_sessions_per_device",
+            )
+            .expect("valid metric"),
+            dropped: IntCounter::new(
+                "mqtt_kept_session_messages_dropped_total",
+                "Messages those discarded sessions were owed (queued in the broker's filter logs)",
+            )
+            .expect("valid metric"),
+        }
+    }
+}
+
+impl Collector for KeptSessionMetrics {
+    fn desc(&self) -> Vec<&Desc> {
+        [self.discarded.desc(), self.dropped.desc()].concat()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        use std::sync::atomic::Ordering::Relaxed;
+        for (c, v) in [
+            (&self.discarded, self.stats.kept_sessions_discarded.load(Relaxed)),
+            (&self.dropped, self.stats.kept_session_messages_dropped.load(Relaxed)),
+        ] {
+            c.reset();
+            c.inc_by(v);
+        }
+        [self.discarded.collect(), self.dropped.collect()].concat()
+    }
+}
+
 /// Starts the router and the listeners, whose counters go to `registry`.
 /// Returns once every listener is bound.
 pub async fn start(
@@ -228,6 +282,7 @@ pub async fn start(
     shutdown: CancellationToken,
 ) -> anyhow::Result<(MqttAddrs, LinkFactory)> {
     let router = Router::new(0, router_config(cfg, gateway_filter));
+    let _ = registry.register(Box::new(KeptSessionMetrics::new(router.stats())));
     let router_tx = router.spawn();
     let protocol = DeviceProtocol::new(shared);
 

@@ -25,7 +25,7 @@
 //! ([`super::codec`]), wills ([`super::wills`]), presence
 //! ([`super::presence`]).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::hash::{BuildHasher, Hash, RandomState};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,7 +42,9 @@ pub struct Session {
     pub device: String,
     /// This connection's number.
     pub conn: u64,
-    /// The client id as sent.
+    /// The router's client id, `{tenant}:{device}|{client id as sent}`
+    /// ([`super::topics::router_client_id`]): what the router, the
+    /// instance count, the session filters and the wills know it by.
     pub client_id: String,
     /// MQTT 5 Session Expiry Interval from CONNECT, or from DISCONNECT if
     /// it changed it, seconds (0: the session ends with the connection; 0
@@ -384,12 +386,51 @@ mod tests {
 /// connection, because the router restores the subscriptions of a session
 /// resumed with Clean Start 0; kept as long as the router keeps the session
 /// ([`Lifetime`]: MQTT 5 until its expiry after the connection, 3.1.1
-/// `cleansession = 0` for good). A clean start, the end of a session that
-/// ends with its connection, or the expiry forgets them, as the router
-/// does.
-#[derive(Default)]
+/// `cleansession = 0` for good, and at most `max_kept_sessions_per_device`
+/// per device, the oldest forgotten first, as the router discards them). A
+/// clean start, the end of a session that ends with its connection, or the
+/// expiry forgets them, as the router does.
 pub struct SessionFilters {
-    held: Mutex<HashMap<String, Held>>,
+    inner: Mutex<HeldSessions>,
+    /// `mqtt.max_kept_sessions_per_device`.
+    cap: usize,
+}
+
+impl Default for SessionFilters {
+    fn default() -> Self {
+        SessionFilters::new(usize::MAX)
+    }
+}
+
+#[derive(Default)]
+struct HeldSessions {
+    /// By the router's client id.
+    held: HashMap<String, Held>,
+    /// The kept sessions (connection ended) per device (the router's
+    /// client id up to its `|`), oldest first: the router's order.
+    kept: HashMap<String, BTreeSet<(u64, String)>>,
+    /// The order of the last session kept.
+    seq: u64,
+}
+
+impl HeldSessions {
+    /// Removes `client_id`'s session.
+    fn forget(&mut self, client_id: &str) {
+        if let Some(h) = self.held.remove(client_id) {
+            self.unkeep(client_id, h.kept);
+        }
+    }
+
+    /// Takes `client_id`'s kept entry (of order `kept`) out of its device's.
+    fn unkeep(&mut self, client_id: &str, kept: Option<u64>) {
+        let (Some(seq), Some((device, _))) = (kept, client_id.split_once('|')) else { return };
+        if let Some(k) = self.kept.get_mut(device) {
+            k.remove(&(seq, client_id.to_string()));
+            if k.is_empty() {
+                self.kept.remove(device);
+            }
+        }
+    }
 }
 
 /// What one client id holds.
@@ -405,9 +446,17 @@ struct Held {
     /// connection; a 3.1.1 clean session is never reused (MQTT-3.1.2-6).
     v5: bool,
     filters: HashSet<u64>,
+    /// Its order among its device's kept sessions, once its connection
+    /// ended and it was kept.
+    kept: Option<u64>,
 }
 
 impl SessionFilters {
+    /// `cap`: `mqtt.max_kept_sessions_per_device`.
+    pub fn new(cap: usize) -> Self {
+        SessionFilters { inner: Mutex::default(), cap }
+    }
+
     /// Connection `conn` of `client_id` starts: it resumes what the client
     /// id held unless it starts clean or that session has ended (a session
     /// that ends with its connection is still here only while that
@@ -415,33 +464,64 @@ impl SessionFilters {
     /// unless it is an MQTT 3.1.1 clean session).
     /// Expired sessions are forgotten.
     pub fn connected(&self, client_id: &str, conn: u64, v5: bool, clean: bool, lifetime: Lifetime, now: Instant) {
-        let mut held = self.held.lock().expect("filters");
-        held.retain(|_, h| h.ends_at.is_none_or(|at| at > now));
-        match held.get_mut(client_id) {
+        let mut inner = self.inner.lock().expect("filters");
+        let expired: Vec<String> = inner
+            .held
+            .iter()
+            .filter(|(_, h)| h.ends_at.is_some_and(|at| at <= now))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            inner.forget(&id);
+        }
+        let resumed = match inner.held.get_mut(client_id) {
             Some(h) if !clean && (h.v5 || h.lifetime != Lifetime::EndsWithConnection) => {
                 (h.conn, h.lifetime, h.ends_at, h.v5) = (conn, lifetime, None, v5);
+                Some(h.kept.take())
             }
-            _ => {
-                let h = Held { conn, lifetime, ends_at: None, v5, filters: HashSet::new() };
-                held.insert(client_id.to_string(), h);
+            _ => None,
+        };
+        match resumed {
+            Some(kept) => inner.unkeep(client_id, kept),
+            None => {
+                inner.forget(client_id);
+                let h = Held { conn, lifetime, ends_at: None, v5, filters: HashSet::new(), kept: None };
+                inner.held.insert(client_id.to_string(), h);
             }
         }
     }
 
     /// Connection `conn` of `client_id` ended (unless a newer connection
     /// already took the client id over): its session ends now or after
-    /// `lifetime` (the DISCONNECT may have changed it).
+    /// `lifetime` (the DISCONNECT may have changed it); past the device's
+    /// cap of kept sessions, its oldest is forgotten.
     pub fn closed(&self, client_id: &str, conn: u64, lifetime: Lifetime, now: Instant) {
-        let mut held = self.held.lock().expect("filters");
-        let Some(h) = held.get_mut(client_id).filter(|h| h.conn == conn) else { return };
+        let mut inner = self.inner.lock().expect("filters");
+        let Some(h) = inner.held.get_mut(client_id).filter(|h| h.conn == conn) else { return };
         h.lifetime = lifetime;
         match lifetime {
-            Lifetime::EndsWithConnection => {
-                held.remove(client_id);
-            }
+            Lifetime::EndsWithConnection => return inner.forget(client_id),
             // A deadline too far to represent never comes.
             Lifetime::For(d) => h.ends_at = now.checked_add(d),
             Lifetime::Forever => {}
+        }
+        let Some((device, _)) = client_id.split_once('|') else { return };
+        if self.cap == 0 {
+            return inner.forget(client_id);
+        }
+        inner.seq += 1;
+        let seq = inner.seq;
+        if let Some(h) = inner.held.get_mut(client_id) {
+            h.kept = Some(seq);
+        }
+        let kept = inner.kept.entry(device.to_string()).or_default();
+        kept.insert((seq, client_id.to_string()));
+        let mut oldest = Vec::new();
+        while kept.len() > self.cap {
+            oldest.extend(kept.pop_first().map(|(_, id)| id));
+        }
+        for id in oldest {
+            inner.held.remove(&id);
         }
     }
 
@@ -455,8 +535,8 @@ impl SessionFilters {
         max: usize,
         also: impl FnOnce() -> Result<(), Quota>,
     ) -> Result<(), Quota> {
-        let mut held = self.held.lock().expect("filters");
-        let Some(h) = held.get_mut(client_id) else { return Err(Quota::Subscriptions) };
+        let mut inner = self.inner.lock().expect("filters");
+        let Some(h) = inner.held.get_mut(client_id) else { return Err(Quota::Subscriptions) };
         let new: HashSet<u64> = keys.iter().filter(|k| !h.filters.contains(k)).copied().collect();
         if h.filters.len() + new.len() > max {
             return Err(Quota::Subscriptions);
@@ -468,7 +548,7 @@ impl SessionFilters {
 
     /// The filters (keys) of an UNSUBSCRIBE of `client_id`.
     pub fn unsubscribe(&self, client_id: &str, keys: impl IntoIterator<Item = u64>) {
-        if let Some(h) = self.held.lock().expect("filters").get_mut(client_id) {
+        if let Some(h) = self.inner.lock().expect("filters").held.get_mut(client_id) {
             for k in keys {
                 h.filters.remove(&k);
             }
@@ -719,6 +799,36 @@ mod quota_tests {
         assert_eq!(f.subscribe("d:e", &[1], 1, ok), Ok(()));
         f.connected("d:e", 10, false, false, v4, t0);
         assert_eq!(f.subscribe("d:e", &[2], 1, ok), Ok(()), "3.1.1 clean: afresh");
+    }
+
+    /// `max_kept_sessions_per_device`: the oldest kept session of a device
+    /// is forgotten past the cap, as the router discards it; other devices
+    /// and sessions taken back are not counted.
+    #[test]
+    fn session_filters_keep_at_most_the_cap_per_device() {
+        use std::time::Duration;
+        let f = SessionFilters::new(2);
+        let t0 = Instant::now();
+        let ok = || Ok(());
+        let kept = Lifetime::For(Duration::from_secs(60));
+        for (conn, id) in [(1, "t:d|d:a"), (2, "t:d|d:b"), (3, "t:e|e:a"), (4, "t:d|d:c")] {
+            f.connected(id, conn, true, true, kept, t0);
+            assert_eq!(f.subscribe(id, &[1], 1, ok), Ok(()));
+            f.closed(id, conn, kept, t0);
+        }
+        let resumed = |id: &str, conn| {
+            f.connected(id, conn, true, false, kept, t0);
+            f.subscribe(id, &[2], 1, ok).is_err()
+        };
+        assert!(!resumed("t:d|d:a", 5), "the oldest of device d was forgotten");
+        assert!(resumed("t:d|d:b", 6) && resumed("t:d|d:c", 7), "its two newest kept");
+        assert!(resumed("t:e|e:a", 8), "another device's are its own");
+        let none = SessionFilters::new(0);
+        none.connected("t:d|d:a", 1, true, true, kept, t0);
+        assert_eq!(none.subscribe("t:d|d:a", &[1], 1, ok), Ok(()));
+        none.closed("t:d|d:a", 1, kept, t0);
+        none.connected("t:d|d:a", 2, true, false, kept, t0);
+        assert_eq!(none.subscribe("t:d|d:a", &[2], 1, ok), Ok(()), "a cap of 0 keeps none");
     }
 
     fn quotas() -> DeviceQuotas {

@@ -27,6 +27,12 @@
 //! socket without a CONNACK, and a device could not tell bad credentials
 //! from a bad network).
 //!
+//! **Client ids**: the router knows a connection by
+//! `{tenant}:{device}|{client id}`
+//! ([`super::topics::router_client_id`]), so sessions, takeovers, wills
+//! and subscription counts are per tenant and device; the device never sees
+//! that id.
+//!
 //! **Reconnects and wills**: a reconnect of a client id is a plain MQTT
 //! takeover by rumqttd's router (the patched rumqttd makes that safe, see
 //! `patches/rumqttd/PATCHES.md`). DISCONNECT goes to the router (it
@@ -122,6 +128,7 @@ impl ProtocolShared {
         self.max_will_bytes = cfg.max_will_bytes;
         self.max_will_delay_s = cfg.max_will_delay_s;
         self.max_session_expiry_s = cfg.max_session_expiry_s;
+        self.filters = SessionFilters::new(cfg.max_kept_sessions_per_device);
         self.connections =
             Connections::new(cfg.max_instances_per_device, cfg.auth_failures_per_s, cfg.auth_failures_per_ip_per_s);
         self.quotas = Arc::new(DeviceQuotas::new(QuotaLimits {
@@ -257,23 +264,28 @@ impl DeviceProtocol {
             })
         };
         let authenticated = authenticated.and_then(|login| {
+            // Everything below the device view is per tenant: the session,
+            // presence and the router topics use the mount
+            // `{tenant}/{device}`, and the router's client id is scoped by
+            // it (review L1: a device of another tenant with the same
+            // client id took the session over).
+            let mount = super::topics::mount_name(&login.identity.tenant, login.device);
+            let router_id = super::topics::router_client_id(&mount, &connect.client_id);
             if will.as_ref().is_some_and(|w| w.message.len() > self.shared.max_will_bytes) {
                 Err(Refused::WillTooLarge)
-            } else if !connections
-                .open(&super::topics::mount_name(&login.identity.tenant, login.device), &connect.client_id)
-            {
-                // Counted under the mount `{tenant}/{device}`, the key the
-                // connection's end closes (`Drop`), and per tenant.
+            } else if !connections.open(&mount, &router_id) {
+                // Counted under the mount, the key the connection's end
+                // closes (`Drop`), and per tenant.
                 Err(Refused::TooManyInstances)
             } else {
-                Ok((login.device.to_string(), login.identity, login.expires_at))
+                Ok((login.device.to_string(), mount, router_id, login.identity, login.expires_at))
             }
         });
-        let (device, identity) = match authenticated {
-            Ok((device, identity, expires_at)) => {
+        let (device, mount, router_id, identity) = match authenticated {
+            Ok((device, mount, router_id, identity, expires_at)) => {
                 self.expires_at = expires_at;
                 self.credential = identity.credential;
-                (device, identity)
+                (device, mount, router_id, identity)
             }
             Err(why) => {
                 let client_id = codec::loggable(&connect.client_id);
@@ -282,12 +294,10 @@ impl DeviceProtocol {
             }
         };
         let shared = &self.shared;
-        // Everything below the device view is per tenant: the session,
-        // presence and the router topics use the mount `{tenant}/{device}`.
-        let mount = super::topics::mount_name(&identity.tenant, &device);
         let conn = shared.connections.next_conn();
         let terms =
             codec::rewrite_connect(&mut connect, &mut props, shared.max_keep_alive, shared.max_session_expiry_s);
+        connect.client_id = router_id;
         let client_id = connect.client_id.clone();
         let v5 = self.version == Version::V5;
         let lifetime = Lifetime::of(v5, connect.clean_session, terms.session_expiry);

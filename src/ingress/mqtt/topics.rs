@@ -136,6 +136,20 @@ pub fn mount_name(tenant: &str, device: &str) -> String {
     }
 }
 
+/// The client id the broker's router knows a connection by:
+/// `{tenant}:{device}|{client id}` (the mount with `:` for `/`, which the
+/// router refuses in client ids, as the `$share` groups of
+/// [`mount_filter`] write it). The router keys sessions, takeovers and
+/// kept state by it, so one client id used under two tenants (a JWT-only
+/// device id bound afresh) is two sessions. Devices never see it: it is
+/// never sent back (edgeway refuses the empty client id, the only one the
+/// broker would assign and tell). Neither part of a mount contains `:` or
+/// `|`, so the id is unambiguous and the part before its first `|` is the
+/// device's.
+pub fn router_client_id(mount: &str, client_id: &str) -> String {
+    format!("{}|{client_id}", mount.replace('/', ":"))
+}
+
 /// The device id of a mount (its last level).
 pub fn device_of_mount(mount: &str) -> &str {
     mount.rsplit_once('/').map_or(mount, |(_, d)| d)
@@ -200,6 +214,20 @@ pub fn unmount<'a>(device: &str, internal: &'a str) -> Option<&'a str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The router refuses client ids with `+$#/` (and then never answers
+    /// the CONNECT): the scoped id has none, and differs per tenant.
+    #[test]
+    fn router_client_ids_are_per_tenant_and_valid_for_the_router() {
+        let a = router_client_id(&mount_name("demo", "cam-7"), "cam-7:x");
+        assert_eq!(a, "demo:cam-7|cam-7:x");
+        let hashed = router_client_id(&mount_name("a/b#", "cam-7"), "cam-7:x");
+        for id in [&a, &hashed, &router_client_id(&mount_name("other", "cam-7"), "cam-7:x")] {
+            assert!(!id.contains(['+', '$', '#', '/']), "{id}");
+        }
+        assert_ne!(a, router_client_id(&mount_name("other", "cam-7"), "cam-7:x"));
+        assert_ne!(a, hashed);
+    }
 
     #[test]
     fn device_topics_and_filters_stay_in_their_subtree() {

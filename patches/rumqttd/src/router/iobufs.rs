@@ -59,7 +59,10 @@ pub struct Outgoing {
     /// Handle which is given to router to allow router to communicate with this connection
     pub(crate) handle: Sender<()>,
     /// The buffer to keep track of inflight packets.
-    inflight_buffer: VecDeque<(u16, FilterIdx, Option<Cursor>)>,
+    /// (packet id, share key ([`share_key`]), filter, cursor); the share
+    /// key fits beside the packet id, so an entry is no larger (edgeway
+    /// patch 38)
+    inflight_buffer: VecDeque<(u16, u32, FilterIdx, Option<Cursor>)>,
     /// PubRels waiting for PubComp
     pub(crate) unacked_pubrels: VecDeque<u16>,
     /// Last packet id
@@ -122,11 +125,13 @@ impl Outgoing {
     }
 
     /// Push packets to the outgoing buffer.
+    /// `share`: the [`share_key`] of the request the publishes are for.
     pub fn push_forwards(
         &mut self,
         publishes: impl Iterator<Item = Forward>,
         qos: u8,
         filter_idx: usize,
+        share: u32,
     ) -> (usize, usize) {
         let mut buffer = self.data_buffer.lock();
         let publishes = publishes;
@@ -150,7 +155,7 @@ impl Outgoing {
             p.publish.pkid = self.last_pkid;
 
             self.inflight_buffer
-                .push_back((self.last_pkid, filter_idx, p.cursor));
+                .push_back((self.last_pkid, share, filter_idx, p.cursor));
 
             // Place max pkid packet at index 0
             if self.last_pkid == MAX_PKID {
@@ -175,17 +180,19 @@ impl Outgoing {
         (buffer_count, inflight_count)
     }
 
-    // Returns (unsolicited, outoforder) flags
-    // Return: Out of order or unsolicited acks
+    /// Takes the PUBACK or PUBREC of `pkid`; `None` if nothing with that
+    /// id is in flight (unsolicited). Out of order is fine: a client may
+    /// complete a QoS 2 flow before it acknowledges an earlier QoS 1
+    /// message (MQTT-4.6.0; rumqttd disconnected it, edgeway patch 37).
+    /// What stays in flight keeps its order, so the first entry of a
+    /// filter is still its earliest cursor (`retransmission_map`).
     pub fn register_ack(&mut self, pkid: u16) -> Option<()> {
-        let (head, _filter_idx, _cursor) = self.inflight_buffer.pop_front()?;
-
-        // We don't support out of order acks
-        if pkid != head {
-            error!(pkid, head, "out of order ack.");
+        let at = self.inflight_buffer.iter().position(|(id, ..)| *id == pkid);
+        let Some(at) = at else {
+            error!(pkid, "unsolicited ack.");
             return None;
-        }
-
+        };
+        self.inflight_buffer.remove(at);
         Some(())
     }
 
@@ -197,33 +204,45 @@ impl Outgoing {
 
     // OASIS standards don't specify anything about ordering of PubComp
     // https://docs.oasis-open.org/mqtt/mqtt/v5.0/os/mqtt-v5.0-os.html#_Toc3901240
-    // But we don't support out of order / unsolicited pubcomps
-    // to be consistent with the behaviour with other acks
+    // Out of order is taken, as for the other acks (edgeway patch 37);
+    // an unsolicited one is not.
     pub fn register_pubcomp(&mut self, pkid: u16) -> Option<()> {
-        let id = self.unacked_pubrels.pop_front()?;
-
-        // out of order acks
-        if pkid != id {
-            error!(pkid, id, "out of order ack.");
+        let at = self.unacked_pubrels.iter().position(|id| *id == pkid);
+        let Some(at) = at else {
+            error!(pkid, "unsolicited pubcomp.");
             return None;
-        }
-
+        };
+        self.unacked_pubrels.remove(at);
         Some(())
     }
 
     // Here we are assuming that the first unique filter_idx we find while iterating will have the
     // least corresponding cursor because of the way we insert into the inflight_buffer
-    pub fn retransmission_map(&self) -> HashMap<FilterIdx, Cursor> {
+    // Keyed by filter and share key: a connection's plain and `$share`
+    // requests on one filter are rewound each to its own (edgeway patch 38)
+    pub fn retransmission_map(&self) -> HashMap<(FilterIdx, u32), Cursor> {
         let mut o = HashMap::new();
-        for (_, filter_idx, cursor) in self.inflight_buffer.iter() {
+        for (_, share, filter_idx, cursor) in self.inflight_buffer.iter() {
             // if cursor in None, it means it was a retained publish
-            if !o.contains_key(filter_idx) && cursor.is_some() {
-                o.insert(*filter_idx, cursor.unwrap());
+            if let Some(cursor) = cursor {
+                o.entry((*filter_idx, *share)).or_insert(*cursor);
             }
         }
 
         o
     }
+}
+
+/// Tells apart a connection's requests on one filter in flight: 0 for the
+/// plain one, else from the name of its share group (nonzero). (edgeway
+/// patch 38)
+pub(crate) fn share_key(group: Option<&str>) -> u32 {
+    use std::hash::{Hash, Hasher};
+    group.map_or(0, |g| {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        g.hash(&mut h);
+        (h.finish() as u32) | 1
+    })
 }
 
 #[cfg(test)]
@@ -235,23 +254,25 @@ mod test {
         let (mut outgoing, _) = Outgoing::new("retransmission-test".to_string());
         let mut result = HashMap::new();
 
-        result.insert(0, (0, 8));
-        result.insert(1, (0, 1));
-        result.insert(2, (1, 1));
-        result.insert(3, (1, 0));
+        result.insert((0, 0), (0, 8));
+        result.insert((1, 0), (0, 1));
+        result.insert((2, 0), (1, 1));
+        result.insert((3, 0), (1, 0));
+        result.insert((3, 5), (1, 2));
 
         let buf = vec![
-            (1, 0, Some((0, 8))),
-            (1, 0, Some((0, 10))),
-            (1, 1, Some((0, 1))),
-            (3, 1, Some((0, 4))),
-            (2, 2, Some((1, 1))),
-            (1, 2, Some((2, 6))),
-            (1, 2, Some((2, 1))),
-            (1, 3, Some((1, 0))),
-            (1, 3, Some((1, 1))),
-            (1, 3, Some((1, 3))),
-            (1, 3, Some((1, 3))),
+            (1, 0, 0, Some((0, 8))),
+            (1, 0, 0, Some((0, 10))),
+            (1, 0, 1, Some((0, 1))),
+            (3, 0, 1, Some((0, 4))),
+            (2, 0, 2, Some((1, 1))),
+            (1, 0, 2, Some((2, 6))),
+            (1, 0, 2, Some((2, 1))),
+            (1, 5, 3, Some((1, 2))),
+            (1, 0, 3, Some((1, 0))),
+            (1, 0, 3, Some((1, 1))),
+            (1, 0, 3, Some((1, 3))),
+            (1, 0, 3, Some((1, 3))),
         ];
 
         outgoing.inflight_buffer.extend(buf);

@@ -193,6 +193,13 @@ impl DataLog {
         (filter_idx, data.log.next_offset())
     }
 
+    /// How many messages the log of `filter_idx` holds at or after `cursor`
+    /// (those past its retention are gone already): what a reader there is
+    /// owed (edgeway patch 35).
+    pub fn owed(&self, filter_idx: FilterIdx, cursor: Offset) -> u64 {
+        self.native.get(filter_idx).map_or(0, |data| data.log.entries_from(cursor))
+    }
+
     /// `skip_origin`: leave out what this client id published (No Local,
     /// edgeway patch 14).
     pub fn native_readv(
@@ -484,6 +491,7 @@ mod test {
             custom_segment: None,
             initialized_filters: None,
             shared_subscriptions_strategy: Strategy::RoundRobin,
+            max_kept_sessions_per_group: None,
         };
         let mut data = DataLog::new(config).unwrap();
         data.next_native_offset("topic/a");
@@ -504,6 +512,7 @@ mod test {
             custom_segment: None,
             initialized_filters: None,
             shared_subscriptions_strategy: Strategy::RoundRobin,
+            max_kept_sessions_per_group: None,
         };
         let mut data = DataLog::new(config).unwrap();
         data.next_native_offset("+/+");

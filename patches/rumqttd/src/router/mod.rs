@@ -30,6 +30,18 @@ pub use connection::Connection;
 pub use routing::Router;
 pub use waiters::Waiters;
 
+/// Counters of the router that an embedder reads while it runs
+/// ([`Router::stats`]). (edgeway patch 35, see PATCHES.md)
+#[derive(Debug, Default)]
+pub struct RouterStats {
+    /// Kept sessions discarded for their group's cap
+    /// (`RouterConfig::max_kept_sessions_per_group`).
+    pub kept_sessions_discarded: std::sync::atomic::AtomicU64,
+    /// Messages those sessions were owed: in the filter logs after their
+    /// cursors (unacknowledged ones included), and retained ones not sent.
+    pub kept_session_messages_dropped: std::sync::atomic::AtomicU64,
+}
+
 pub const MAX_SCHEDULE_ITERATIONS: usize = 100;
 pub const MAX_CHANNEL_CAPACITY: usize = 200;
 
@@ -215,6 +227,12 @@ pub struct DataRequest {
     /// patch 31)
     #[serde(skip)]
     pub(crate) retained: VecDeque<(Publish, Option<PublishProperties>)>,
+    /// Of a resumed session: where this request had read to before its
+    /// cursor was rewound to its first unacknowledged message. Up to there
+    /// only what is delivered at QoS 1/2 is sent again: QoS 0 messages are
+    /// not part of the session state (MQTT 5 §4.1; edgeway patch 36)
+    #[serde(skip)]
+    pub(crate) replay_until: Option<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -20,13 +20,13 @@ use thiserror::Error;
 use tracing::{debug, error, info, trace, warn};
 
 use super::alertlog::{Alert, AlertLog};
-use super::graveyard::Graveyard;
-use super::iobufs::{Incoming, Outgoing};
+use super::graveyard::{Graveyard, SessionState};
+use super::iobufs::{share_key, Incoming, Outgoing};
 use super::logs::{AckLog, DataLog, PublishData};
 use super::scheduler::{ScheduleReason, Scheduler};
 use super::shared_subs::SharedGroup;
 use super::{
-    packetid, Connection, DataRequest, Event, FilterIdx, Meter, Notification, Print, RouterMeter,
+    packetid, Connection, DataRequest, Event, FilterIdx, Meter, Notification, Print, RouterMeter, RouterStats,
     ShadowRequest, MAX_CHANNEL_CAPACITY, MAX_SCHEDULE_ITERATIONS,
 };
 
@@ -103,6 +103,8 @@ pub struct Router {
     shared_subscriptions: HashMap<String, SharedGroup>,
     /// Will messages per client_id
     last_wills: HashMap<String, (LastWill, Option<LastWillProperties>)>,
+    /// Counters an embedder reads (edgeway patch 35)
+    stats: Arc<RouterStats>,
 }
 
 impl Router {
@@ -126,6 +128,7 @@ impl Router {
             id: router_id,
             config: config.clone(),
             graveyard: Graveyard::new(),
+            stats: Arc::default(),
             meters,
             alerts,
             connections,
@@ -162,6 +165,11 @@ impl Router {
     /// For that reason, all the public methods should start the router in the
     /// background
     #[tracing::instrument(skip_all)]
+    /// The router's counters, to read while it runs (edgeway patch 35).
+    pub fn stats(&self) -> Arc<RouterStats> {
+        self.stats.clone()
+    }
+
     pub fn spawn(mut self) -> Sender<(ConnectionId, Event)> {
         let router = thread::Builder::new().name(format!("router-{}", self.id));
         let link = self.link();
@@ -325,7 +333,7 @@ impl Router {
                         }
                     }
                 }
-                self.handle_disconnection(connection_id, None);
+                self.disconnect(connection_id, None, true);
             }
         }
 
@@ -472,6 +480,23 @@ impl Router {
         }
     }
 
+    /// A kept session discarded for its group's cap: gone as if it had
+    /// expired (its subscriptions and shared groups went with its
+    /// connection), and what it was owed counted as dropped. (edgeway patch
+    /// 35, see PATCHES.md)
+    fn discard_kept_session(&mut self, client_id: &str, session: SessionState) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let owed: u64 = session
+            .tracker
+            .data_requests
+            .iter()
+            .map(|r| self.datalog.owed(r.filter_idx, r.cursor) + r.retained.len() as u64)
+            .sum();
+        self.stats.kept_sessions_discarded.fetch_add(1, Relaxed);
+        self.stats.kept_session_messages_dropped.fetch_add(owed, Relaxed);
+        info!(client_id, owed, "kept session discarded: its group has too many");
+    }
+
     fn handle_new_meter(&mut self, tx: Sender<Vec<Meter>>) {
         let _meter_id = self.meters.insert(tx);
     }
@@ -481,6 +506,13 @@ impl Router {
     }
 
     fn handle_disconnection(&mut self, id: ConnectionId, reason: Option<DisconnectReasonCode>) {
+        self.disconnect(id, reason, false)
+    }
+
+    /// `takeover`: a new connection of the client id replaces this one and
+    /// takes its session back at once, so the session does not count
+    /// against its group's cap of kept sessions (edgeway patch 35).
+    fn disconnect(&mut self, id: ConnectionId, reason: Option<DisconnectReasonCode>, takeover: bool) {
         // Some clients can choose to send Disconnect packet before network disconnection.
         // This will lead to double Disconnect packets in router `events`
         let client_id = match &self.obufs.get(id) {
@@ -578,7 +610,16 @@ impl Router {
                 .for_each(|r| tracker.register_data_request(r));
 
             for request in tracker.data_requests.iter_mut() {
-                if let Some(cursor) = retransmissions.get(&request.filter_idx) {
+                let key = (request.filter_idx, share_key(request.group.as_deref()));
+                if let Some(cursor) = retransmissions.get(&key) {
+                    // edgeway patch 36: what was read past the first
+                    // unacknowledged message is sent again only if it is
+                    // QoS 1/2 (a plain request: a group's cursor is the
+                    // group's, see the patch)
+                    if request.group.is_none() && *cursor < request.cursor {
+                        // (a replay cut short keeps its end)
+                        request.replay_until = request.replay_until.max(Some(request.cursor));
+                    }
                     request.cursor = *cursor;
                     // reset the group cursor
                     if let Some(group_name) = &request.group {
@@ -591,13 +632,18 @@ impl Router {
                 }
             }
 
-            self.graveyard.save_state(
+            let cap = if takeover { None } else { self.config.max_kept_sessions_per_group };
+            let discarded = self.graveyard.save_state(
                 tracker,
                 connection.subscriptions,
                 connection.events,
                 outgoing.unacked_pubrels,
                 expiry,
+                cap,
             );
+            for (client_id, session) in discarded {
+                self.discard_kept_session(&client_id, session);
+            }
         } else {
             tracker.pause(PauseReason::Busy);
             let id = tracker.id.clone();
@@ -1102,6 +1148,7 @@ impl Router {
                 no_local: filter.nolocal,
                 preserve_retain: filter.preserve_retain,
                 retained: VecDeque::new(),
+                replay_until: None,
             };
 
             self.scheduler.track(id, request);
@@ -1667,6 +1714,20 @@ fn forward_device_data(
             }
         };
 
+        // edgeway patch 36: a resumed session's replay sends again the
+        // messages it had not acknowledged, not the QoS 0 ones among them
+        let mut publishes_from_datalog = publishes_from_datalog;
+        if let Some(until) = request.replay_until {
+            publishes_from_datalog.retain(|((publish, _), offset)| {
+                *offset >= until || delivery_qos(publish.qos, request.qos) != QoS::AtMostOnce
+            });
+            let read_to = match next {
+                Position::Next { end, .. } | Position::Done { end, .. } => end,
+            };
+            if read_to >= until {
+                request.replay_until = None;
+            }
+        }
         publishes.extend(
             publishes_from_datalog
                 .into_iter()
@@ -1722,6 +1783,7 @@ fn forward_device_data(
     let qos = request.qos;
     let preserve_retain = request.preserve_retain;
     let filter_idx = request.filter_idx;
+    let share = share_key(request.group.as_deref());
     request.read_count += publishes.len();
     request.cursor = next;
     // println!("{:?} {:?} {}", start, next, request.read_count);
@@ -1805,7 +1867,7 @@ fn forward_device_data(
             }
         });
 
-    let (len, inflight) = push_forwards_by_qos(outgoing, forwards, filter_idx);
+    let (len, inflight) = push_forwards_by_qos(outgoing, forwards, filter_idx, share);
 
     debug!(
         inflight_count = inflight,
@@ -1859,6 +1921,7 @@ fn push_forwards_by_qos(
     outgoing: &mut Outgoing,
     forwards: impl Iterator<Item = Forward>,
     filter_idx: FilterIdx,
+    share: u32,
 ) -> (usize, usize) {
     let mut result = (0, 0);
     let mut run: Vec<Forward> = Vec::new();
@@ -1867,13 +1930,13 @@ fn push_forwards_by_qos(
     for forward in forwards {
         let qos = u8::from(forward.publish.qos != QoS::AtMostOnce);
         if qos != run_qos && !run.is_empty() {
-            result = outgoing.push_forwards(run.drain(..), run_qos, filter_idx);
+            result = outgoing.push_forwards(run.drain(..), run_qos, filter_idx, share);
         }
         run_qos = qos;
         run.push(forward);
     }
     if !run.is_empty() {
-        result = outgoing.push_forwards(run.drain(..), run_qos, filter_idx);
+        result = outgoing.push_forwards(run.drain(..), run_qos, filter_idx, share);
     }
     result
 }

@@ -116,6 +116,13 @@ where
         self.segments.len()
     }
 
+    /// Number of packets at or after `cursor` that are still in memory
+    /// (edgeway patch 35).
+    pub fn entries_from(&self, cursor: (u64, u64)) -> u64 {
+        let first = self.segments.front().map_or(0, |s| s.absolute_offset);
+        self.next_offset().1.saturating_sub(cursor.1.max(first))
+    }
+
     /// Number of packets
     #[inline]
     #[allow(dead_code)]
