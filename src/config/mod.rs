@@ -13,6 +13,7 @@ pub mod mqtt;
 mod nats;
 mod process;
 mod raw;
+mod residency;
 mod validate;
 
 use std::collections::BTreeMap;
@@ -29,6 +30,7 @@ pub use mqtt::{DeviceConfig, MqttConfig, MqttTlsConfig};
 pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
 pub use process::{expand as expand_vars, ProcessConfig};
 pub use raw::RawConfig;
+pub use residency::{ModelApi, Residency, ResidencyClass, Restriction};
 
 /// One problem in a configuration, with the key path it is about.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -445,6 +447,8 @@ pub struct EngineConfig {
     /// edgeway runs the engine as a supervised child process
     /// (`[engines.NAME.process]`); `None`: it runs on its own.
     pub process: Option<ProcessConfig>,
+    /// How edgeway loads and unloads the model through the engine's API.
+    pub model_api: ModelApi,
 }
 
 #[derive(Debug, Clone)]
@@ -473,6 +477,8 @@ pub struct ModelConfig {
     /// The length of the model's vectors, where the operator states it
     /// (shown by `/v1/models`; embedding models only).
     pub dimensions: Option<u32>,
+    /// When the model may be in its engines' memory on this node.
+    pub residency: Residency,
 }
 
 impl EngineConfig {

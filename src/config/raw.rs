@@ -480,6 +480,9 @@ pub struct RawEngine {
     pub tools: bool,
     /// `[engines.NAME.process]`: edgeway runs the engine itself.
     pub process: Option<super::process::RawProcess>,
+    /// How edgeway loads and unloads models there: `none` (default),
+    /// `llama-router`, `ollama` (see `config::residency`).
+    pub model_api: Option<String>,
 }
 
 impl Default for RawEngine {
@@ -504,6 +507,7 @@ impl Default for RawEngine {
             memory_budget_mb: None,
             tools: false,
             process: None,
+            model_api: None,
         }
     }
 }
@@ -540,6 +544,10 @@ pub struct RawModel {
     pub supports_dimensions: bool,
     /// The length of the model's vectors (embedding models), for `/v1/models`.
     pub dimensions: Option<u32>,
+    /// `always` (default), `on_demand`, `restricted`, `forbidden`.
+    pub residency: Option<String>,
+    pub idle_unload_s: Option<u64>,
+    pub restricted_to: Option<super::residency::RawRestriction>,
 }
 
 impl Default for RawModel {
@@ -560,6 +568,9 @@ impl Default for RawModel {
             kind: None,
             supports_dimensions: false,
             dimensions: None,
+            residency: None,
+            idle_unload_s: None,
+            restricted_to: None,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The readiness view behind `/ready`: ready when the store answers and
-//! can write, every logical model has a healthy instance, no ingress
+//! can write, every logical model has a healthy instance, every `always`
+//! model is loaded (residency), no ingress
 //! reported a lost part ([`Gateway::ingress_failed`]), and the gateway is
 //! not draining. The bus is reported but readiness does not depend on
 //! it.
@@ -108,6 +109,8 @@ impl Gateway {
         for m in models.iter().filter(|m| !m.ready) {
             not_ready.push(format!("model {} has no healthy instance", m.model));
         }
+        // `always` models are loaded before edgeway is ready.
+        not_ready.extend(self.residency.not_ready());
         Ok(Readiness {
             ready: not_ready.is_empty(),
             store_ok,

@@ -509,7 +509,9 @@ impl Driver {
                 return AttemptEnd::Preempted;
             }
             _ = sleep_until(first_token_deadline) => return first_token_timeout(first_token_deadline),
-            s = router.open(lease.instance, &engine_req) => match s {
+            // A model still to be loaded makes the task wait here, or
+            // take the next step when the load would pass the deadline.
+            s = router.open_before(lease.instance, &engine_req, Some(first_token_deadline.into_std())) => match s {
                 Ok(s) => s,
                 Err(e) => return match e.retryable {
                     Some(label) => AttemptEnd::Retry { error: e, label },

@@ -62,6 +62,19 @@ pub struct Knobs {
     pub tool_calls: Vec<(String, String)>,
     /// Length of the vectors of `/v1/embeddings` and `/api/embed`.
     pub embedding_dim: usize,
+    /// llama-server router mode (with `--no-models-autoload`): the models
+    /// of its models dir, all unloaded at start, listed by `GET /models`,
+    /// loaded by `POST /models/load` (in the background, `load_delay`
+    /// long) and unloaded by `POST /models/unload`; a generation for a
+    /// model that is not loaded gets 400 "model is not loaded". Empty: not
+    /// router mode.
+    pub router_models: Vec<String>,
+    pub load_delay: Duration,
+    /// `--models-max`: loading one more unloads the least recently used
+    /// (0: no limit).
+    pub models_max: usize,
+    /// Loads fail (the model's process exits: `unloaded`, `failed`).
+    pub load_fails: bool,
 }
 
 /// Bytes of a tool call's arguments per streamed piece.
@@ -94,6 +107,10 @@ impl Default for Knobs {
             finish_reason: None,
             tool_calls: Vec::new(),
             embedding_dim: 8,
+            router_models: Vec::new(),
+            load_delay: Duration::ZERO,
+            models_max: 0,
+            load_fails: false,
         }
     }
 }
@@ -112,12 +129,17 @@ pub struct Stats {
     pub metrics_requests: AtomicU64,
     /// The path of every POST, in order (which endpoint an adapter used).
     pub posts: Mutex<Vec<String>>,
+    /// Router mode: "load NAME" (when a load completes), "unload NAME"
+    /// (by request), "evict NAME" (by `models_max`), in order.
+    pub model_events: Mutex<Vec<String>>,
     changed: Notify,
 }
 
 struct Shared {
     knobs: Mutex<Knobs>,
     stats: Arc<Stats>,
+    /// Router mode: each model's status and when it was last used.
+    models: Mutex<std::collections::HashMap<String, (&'static str, bool, std::time::Instant)>>,
 }
 
 pub struct FakeEngine {
@@ -136,7 +158,7 @@ impl FakeEngine {
 
     pub async fn start_with(knobs: Knobs) -> FakeEngine {
         let stats = Arc::new(Stats::default());
-        let shared = Arc::new(Shared { knobs: Mutex::new(knobs), stats: stats.clone() });
+        let shared = Arc::new(Shared { knobs: Mutex::new(knobs), stats: stats.clone(), models: Mutex::default() });
         let app = Router::new()
             .route("/v1/chat/completions", post(openai_chat))
             .route("/v1/completions", post(openai_completion))
@@ -150,6 +172,9 @@ impl FakeEngine {
             .route("/api/tags", get(ollama_tags))
             .route("/api/ps", get(ollama_ps))
             .route("/metrics", get(metrics))
+            .route("/models", get(router_list))
+            .route("/models/load", post(router_load))
+            .route("/models/unload", post(router_unload))
             .layer(axum::middleware::from_fn_with_state(shared.clone(), record_post))
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind fake engine");
@@ -187,6 +212,17 @@ impl FakeEngine {
             // in progress would hold it, so do not wait for ever.
             let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
         }
+    }
+
+    /// Router mode: the status of model `name` (`loaded`, `loading`,
+    /// `unloaded`), as `GET /models` shows it.
+    pub fn model_status(&self, name: &str) -> &'static str {
+        router_status(&self.shared, name).0
+    }
+
+    /// Router mode: the load, unload and eviction events so far.
+    pub fn model_events(&self) -> Vec<String> {
+        self.stats.model_events.lock().expect("events").clone()
     }
 
     /// Generation requests received so far.
@@ -252,6 +288,23 @@ impl Drop for Generation {
 }
 
 async fn begin(s: &Shared, body: &Value) -> Result<Knobs, Response> {
+    let router_mode = !s.knobs.lock().expect("knobs").router_models.is_empty();
+    if router_mode {
+        let name = body["model"].as_str().unwrap_or_default();
+        let mut models = s.models.lock().expect("models");
+        match models.get_mut(name) {
+            Some(m) if m.0 == "loaded" => m.2 = std::time::Instant::now(),
+            Some(m) if m.0 == "loading" => {
+                let e = json!({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}});
+                return Err((StatusCode::SERVICE_UNAVAILABLE, Json(e)).into_response());
+            }
+            _ => {
+                let e =
+                    json!({"error": {"code": 400, "message": "model is not loaded", "type": "invalid_request_error"}});
+                return Err((StatusCode::BAD_REQUEST, Json(e)).into_response());
+            }
+        }
+    }
     s.stats.requests.fetch_add(1, Ordering::SeqCst);
     *s.stats.last_request.lock().expect("last") = Some(body.clone());
     let (k, fail_now) = {
@@ -706,6 +759,97 @@ async fn ollama_generate(State(s): State<Arc<Shared>>, Json(body): Json<Value>) 
         None => vec![line(last(String::new()))],
     });
     ([("content-type", "application/x-ndjson")], body).into_response()
+}
+
+/// The status of router-mode model `name` (models never touched are
+/// unloaded).
+fn router_status(s: &Shared, name: &str) -> (&'static str, bool) {
+    s.models.lock().expect("models").get(name).map_or(("unloaded", false), |m| (m.0, m.1))
+}
+
+async fn router_list(State(s): State<Arc<Shared>>) -> Response {
+    let names = s.knobs.lock().expect("knobs").router_models.clone();
+    if names.is_empty() {
+        return StatusCode::NOT_FOUND.into_response();
+    }
+    let data: Vec<Value> = names
+        .iter()
+        .map(|n| {
+            let (value, failed) = router_status(&s, n);
+            let mut status = json!({"value": value});
+            if failed {
+                status["failed"] = json!(true);
+                status["exit_code"] = json!(1);
+            }
+            json!({"id": n, "object": "model", "status": status})
+        })
+        .collect();
+    Json(json!({"data": data})).into_response()
+}
+
+async fn router_load(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let k = s.knobs.lock().expect("knobs").clone();
+    let name = body["model"].as_str().unwrap_or_default().to_string();
+    if !k.router_models.contains(&name) {
+        return (StatusCode::NOT_FOUND, Json(json!({"error": {"code": 404, "message": "File Not Found"}})))
+            .into_response();
+    }
+    {
+        let mut models = s.models.lock().expect("models");
+        let now = std::time::Instant::now();
+        let e = models.entry(name.clone()).or_insert(("unloaded", false, now));
+        if e.0 != "unloaded" {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": {"code": 400, "message": "model is already loaded"}})),
+            )
+                .into_response();
+        }
+        *e = ("loading", false, now);
+    }
+    let shared = s.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(k.load_delay).await;
+        let mut models = shared.models.lock().expect("models");
+        let now = std::time::Instant::now();
+        if k.load_fails {
+            models.insert(name, ("unloaded", true, now));
+            return;
+        }
+        if k.models_max > 0 {
+            loop {
+                let loaded: Vec<(String, std::time::Instant)> =
+                    models.iter().filter(|(_, m)| m.0 == "loaded").map(|(n, m)| (n.clone(), m.2)).collect();
+                if loaded.len() < k.models_max {
+                    break;
+                }
+                let lru = loaded.into_iter().min_by_key(|(_, t)| *t).map(|(n, _)| n).expect("one loaded");
+                models.insert(lru.clone(), ("unloaded", false, now));
+                shared.stats.model_events.lock().expect("events").push(format!("evict {lru}"));
+            }
+        }
+        models.insert(name.clone(), ("loaded", false, now));
+        shared.stats.model_events.lock().expect("events").push(format!("load {name}"));
+        drop(models);
+        shared.stats.changed.notify_waiters();
+    });
+    Json(json!({"success": true})).into_response()
+}
+
+async fn router_unload(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let name = body["model"].as_str().unwrap_or_default().to_string();
+    let mut models = s.models.lock().expect("models");
+    match models.get_mut(&name) {
+        Some(m) if m.0 == "loaded" => {
+            *m = ("unloaded", false, std::time::Instant::now());
+            s.stats.model_events.lock().expect("events").push(format!("unload {name}"));
+            drop(models);
+            s.stats.changed.notify_waiters();
+            Json(json!({"success": true})).into_response()
+        }
+        _ => (StatusCode::BAD_REQUEST, Json(json!({"error": {"code": 400, "message": "model is not running"}})))
+            .into_response(),
+    }
 }
 
 async fn record_post(
