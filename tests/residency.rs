@@ -83,7 +83,11 @@ async fn has_event(fake: &FakeEngine, event: &str, within: Duration) -> bool {
 
 #[tokio::test]
 async fn an_on_demand_model_loads_at_first_use_and_unloads_when_idle() {
-    let fake = FakeEngine::start_with(router_fake(&["demo-a"], 200)).await;
+    // The unload finishes in the background, as llama-server's does: the
+    // model is listed `loaded` for a while after the unload was answered.
+    let fake =
+        FakeEngine::start_with(Knobs { unload_delay: Duration::from_millis(500), ..router_fake(&["demo-a"], 200) })
+            .await;
     let gw = gateway(&fake.url(), "residency = \"on_demand\"\nidle_unload_s = 1", "").await;
     gw.wait_ready().await;
     assert_eq!(residency_of(&gw, "general-chat").await, ("on_demand".into(), "unloaded".into()));
@@ -104,7 +108,8 @@ async fn an_on_demand_model_loads_at_first_use_and_unloads_when_idle() {
     assert_eq!(metric(&m, "edgeway_model_load_seconds_count", &[("model", "general-chat")]), 1.0, "{m}");
     assert_eq!(metric(&m, "edgeway_model_resident", &[("model", "general-chat")]), 0.0, "{m}");
 
-    // Used again: loaded again.
+    // Used again: loaded again (not taken for loaded by a probe that read
+    // the list while the unload was still going on).
     let (status, v) = call(&gw, DEMO_KEY, &chat("general-chat")).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(fake.model_events(), vec!["load demo-a", "unload demo-a", "load demo-a"]);
@@ -277,4 +282,62 @@ async fn an_always_model_is_loaded_before_ready_answers_200() {
     );
     assert_eq!(fake.model_events(), vec!["load demo-a", "unload demo-a", "load demo-a"]);
     gw.stop().await;
+}
+
+/// The adapter of engine `fake` in a config around `url` of `kind` with
+/// `model_api`.
+fn adapter(url: &str, kind: &str, api: &str, model: &str) -> std::sync::Arc<dyn edgeway::engine::Engine> {
+    let dir = std::path::Path::new("/tmp/edgeway-residency-adapter");
+    let text = edgeway::testing::config_toml(url, kind, dir, "").replacen(
+        "health_interval_ms = 100",
+        &format!("health_interval_ms = 100\nmodel_api = \"{api}\""),
+        1,
+    );
+    let text = text.replacen("model = \"fake-model\"", &format!("model = \"{model}\""), 1);
+    let cfg = edgeway::config::Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    edgeway::engine::build(&cfg.engines["fake"]).unwrap()
+}
+
+#[tokio::test]
+async fn the_llama_router_adapter_loads_lists_and_unloads_through_the_engine_api() {
+    use edgeway::engine::residency::ModelState;
+    let fake = FakeEngine::start_with(router_fake(&["demo-a"], 300)).await;
+    let e = adapter(&fake.url(), "openai", "llama-router", "demo-a");
+    assert_eq!(e.model_state().await.unwrap().unwrap(), ModelState::Unloaded);
+    let h = e.health().await;
+    assert!(h.up && h.model_resident == Some(false), "{h:?}");
+    let started = std::time::Instant::now();
+    e.load_model().await.unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(300), "returned once loaded, not when asked");
+    assert_eq!(fake.model_status("demo-a"), "loaded");
+    assert_eq!(e.health().await.model_resident, Some(true));
+    e.load_model().await.expect("a loaded model loads at once");
+    e.unload_model().await.unwrap();
+    assert_eq!(fake.model_status("demo-a"), "unloaded");
+    e.unload_model().await.expect("unloading an unloaded model is no error");
+    assert_eq!(fake.model_events(), vec!["load demo-a", "unload demo-a"]);
+
+    fake.set(|k| k.load_fails = true);
+    assert!(e.load_model().await.is_err(), "a failed load is an error");
+    // A model the router does not have is an error, not "unloaded".
+    let missing = adapter(&fake.url(), "openai", "llama-router", "nope");
+    assert!(missing.model_state().await.unwrap().is_err());
+    // Without model_api the adapter has no say.
+    assert!(adapter(&fake.url(), "openai", "none", "demo-a").model_state().await.is_none());
+}
+
+#[tokio::test]
+async fn the_ollama_adapter_loads_with_an_empty_generate_and_unloads_with_keep_alive_0() {
+    use edgeway::engine::residency::ModelState;
+    let fake = FakeEngine::start_with(Knobs { resident: false, ..Knobs::default() }).await;
+    let e = adapter(&fake.url(), "ollama", "ollama", "fake");
+    assert_eq!(e.model_state().await.unwrap().unwrap(), ModelState::Unloaded);
+    e.load_model().await.unwrap();
+    let sent = fake.stats.last_request.lock().unwrap().clone();
+    assert_eq!(e.model_state().await.unwrap().unwrap(), ModelState::Loaded);
+    e.unload_model().await.unwrap();
+    assert_eq!(e.model_state().await.unwrap().unwrap(), ModelState::Unloaded);
+    assert_eq!(fake.model_events(), vec!["load fake", "unload fake"]);
+    assert_eq!(fake.requests(), 0, "no generation ran: {sent:?}");
+    assert_eq!(*fake.stats.posts.lock().unwrap(), vec!["/api/generate", "/api/generate"]);
 }

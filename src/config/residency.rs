@@ -249,3 +249,79 @@ pub(super) fn cross_check(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn load(engine_keys: &str, model_keys: &str) -> Result<Config, Vec<(String, String)>> {
+        let dir = std::path::Path::new("/tmp/edgeway-residency-test");
+        let text = crate::testing::config_toml("http://127.0.0.1:9", "openai", dir, model_keys).replacen(
+            "health_interval_ms = 100",
+            &format!("health_interval_ms = 100\n{engine_keys}"),
+            1,
+        );
+        Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new("."))
+            .map_err(|e| e.0.into_iter().map(|e| (e.path, e.message)).collect())
+    }
+
+    fn error_at(r: Result<Config, Vec<(String, String)>>, path: &str) -> String {
+        let errors = r.expect_err("refused");
+        errors.iter().find(|(p, _)| p == path).map(|(_, m)| m.clone()).unwrap_or_else(|| panic!("{errors:?}"))
+    }
+
+    #[test]
+    fn the_default_is_always_with_no_model_api() {
+        let c = load("", "").unwrap();
+        assert_eq!(c.models["general-chat"].residency, Residency::default());
+        assert_eq!(c.models["general-chat"].residency.class, ResidencyClass::Always);
+        assert_eq!(c.engines["fake"].model_api, ModelApi::None);
+    }
+
+    #[test]
+    fn every_class_and_its_keys_are_read() {
+        let c = load(
+            "model_api = \"llama-router\"",
+            "residency = \"restricted\"\nidle_unload_s = 30\nrestricted_to = { applications = [\"ops\"], max_priority = \"P1\" }",
+        )
+        .unwrap();
+        let r = &c.models["general-chat"].residency;
+        assert_eq!(r.class, ResidencyClass::Restricted);
+        assert_eq!(r.idle_unload, Some(Duration::from_secs(30)));
+        assert!(r.allows("ops", Priority::P0));
+        assert!(!r.allows("ops", Priority::P2), "every condition must hold");
+        assert!(!r.allows("demo", Priority::P0));
+        assert_eq!(c.engines["fake"].model_api, ModelApi::LlamaRouter);
+        let c = load("", "residency = \"forbidden\"").unwrap();
+        assert!(!c.models["general-chat"].residency.allows("ops", Priority::P0));
+    }
+
+    #[test]
+    fn bad_residency_keys_are_refused_by_path() {
+        assert!(error_at(load("", "residency = \"sometimes\""), "models.general-chat.residency").contains("on_demand"));
+        // on_demand needs an engine that can unload.
+        assert!(error_at(load("", "residency = \"on_demand\""), "models.general-chat.residency").contains("model_api"));
+        assert!(error_at(load("", "idle_unload_s = 5"), "models.general-chat.idle_unload_s").contains("on_demand"));
+        let zero = load("model_api = \"llama-router\"", "residency = \"on_demand\"\nidle_unload_s = 0");
+        assert!(error_at(zero, "models.general-chat.idle_unload_s").contains("at least 1"));
+        assert!(error_at(load("", "residency = \"restricted\""), "models.general-chat.restricted_to").contains("needs"));
+        let empty = load("", "residency = \"restricted\"\nrestricted_to = {}");
+        assert!(error_at(empty, "models.general-chat.restricted_to").contains("name applications"));
+        let bad_p = load("", "residency = \"restricted\"\nrestricted_to = { max_priority = \"P9\" }");
+        assert!(error_at(bad_p, "models.general-chat.restricted_to.max_priority").contains("P0..P4"));
+        let stray = load("", "restricted_to = { max_priority = \"P1\" }");
+        assert!(error_at(stray, "models.general-chat.restricted_to").contains("only for"));
+        assert!(error_at(load("model_api = \"ollama\"", ""), "engines.fake.model_api").contains("type = \"ollama\""));
+        assert!(error_at(load("model_api = \"vllm\"", ""), "engines.fake.model_api").contains("not one of"));
+    }
+
+    #[test]
+    fn models_sharing_an_engine_share_its_class() {
+        let r = load(
+            "model_api = \"llama-router\"",
+            "residency = \"on_demand\"\n[models.other]\ninstances = [\"fake\"]\nresidency = \"forbidden\"",
+        );
+        assert!(error_at(r, "models.other.residency").contains("also named by model"));
+    }
+}

@@ -360,9 +360,21 @@ impl Engine for OpenAiEngine {
         }
         match self.router_post("/models/unload").await {
             // "model is not running": nothing to unload.
-            Err(EngineError::Status { status: 400, .. }) => Ok(()),
-            r => r,
+            Err(EngineError::Status { status: 400, .. }) => return Ok(()),
+            Err(e) => return Err(e),
+            Ok(()) => {}
         }
+        // The router answers at once and stops the model's process in the
+        // background; `/models` says `loaded` until it is gone. Returning
+        // earlier would let a probe read the model back as loaded (the
+        // real llama-server did, in tests/e2e/test_residency.py).
+        for _ in 0..600 {
+            if self.router_state().await? != super::residency::ModelState::Loaded {
+                return Ok(());
+            }
+            tokio::time::sleep(super::residency::LOAD_POLL).await;
+        }
+        Err(EngineError::Remote("the engine did not unload the model".into()))
     }
 
     async fn health(&self) -> EngineHealth {

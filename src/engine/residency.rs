@@ -134,6 +134,10 @@ struct SlotState {
     /// When `state` last changed: an engine's report read before it is
     /// stale.
     changed_at: Instant,
+    /// An unload call is under way: the engine may list the model as
+    /// loaded until it is done (llama-server stops the model's process in
+    /// the background), which is no news.
+    unloading: bool,
 }
 
 struct Inner {
@@ -236,6 +240,7 @@ impl Residency {
                     epoch: 0,
                     failure: None,
                     changed_at: Instant::now(),
+                    unloading: false,
                 }),
                 tx: watch::channel(State::Loaded).0,
             })
@@ -296,6 +301,7 @@ impl Residency {
                         epoch: 0,
                         failure: None,
                         changed_at: Instant::now(),
+                        unloading: false,
                     }),
                     tx: watch::channel(state).0,
                 }
@@ -501,7 +507,16 @@ impl Residency {
         tracing::info!(model = %s.model, engine = %s.instance, why, "loading model");
         let result = match self.make_room(i).await {
             Err(e) => Err(e),
-            Ok(()) => match tokio::time::timeout(LOAD_TIMEOUT, s.engine.load_model()).await {
+            Ok(()) => match tokio::time::timeout(LOAD_TIMEOUT, async {
+                // An unload of this model still under way would make the
+                // engine answer "loaded" and then drop it: let it end.
+                while self.lock(i).unloading {
+                    tokio::time::sleep(LOAD_POLL).await;
+                }
+                s.engine.load_model().await
+            })
+            .await
+            {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(e.class()),
                 Err(_) => Err(format!("not loaded after {} s", LOAD_TIMEOUT.as_secs())),
@@ -615,12 +630,17 @@ impl Residency {
             st.state = State::Unloaded;
             st.epoch += 1;
             st.changed_at = Instant::now();
+            st.unloading = true;
             s.tx.send_replace(State::Unloaded);
         }
         let result = s.engine.unload_model().await;
         // The engine's reports from before the unload call returned are
         // stale.
-        self.lock(i).changed_at = Instant::now();
+        {
+            let mut st = self.lock(i);
+            st.unloading = false;
+            st.changed_at = Instant::now();
+        }
         match result {
             Ok(()) => tracing::info!(model = %s.model, engine = %s.instance, reason, "model unloaded"),
             Err(e) => tracing::warn!(model = %s.model, engine = %s.instance, reason, error = %e, "model unload failed"),
@@ -648,7 +668,7 @@ impl Residency {
         }
         let changed = {
             let mut st = self.lock(i);
-            if probed_at < st.changed_at {
+            if probed_at < st.changed_at || st.unloading {
                 return;
             }
             st.changed_at = Instant::now();

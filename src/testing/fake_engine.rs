@@ -70,6 +70,9 @@ pub struct Knobs {
     /// router mode.
     pub router_models: Vec<String>,
     pub load_delay: Duration,
+    /// An unload answers at once and the model stays `loaded` this long
+    /// (llama-server stops the model's process in the background).
+    pub unload_delay: Duration,
     /// `--models-max`: loading one more unloads the least recently used
     /// (0: no limit).
     pub models_max: usize,
@@ -109,6 +112,7 @@ impl Default for Knobs {
             embedding_dim: 8,
             router_models: Vec::new(),
             load_delay: Duration::ZERO,
+            unload_delay: Duration::ZERO,
             models_max: 0,
             load_fails: false,
         }
@@ -729,6 +733,18 @@ async fn openai_completion(State(s): State<Arc<Shared>>, Json(body): Json<Value>
 
 /// Ollama's `/api/generate` (`response` text per NDJSON line).
 async fn ollama_generate(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    // No prompt: Ollama loads the model (or, with keep_alive 0, unloads
+    // it) and answers once done; no generation.
+    if body.get("prompt").is_none() {
+        let unload = body["keep_alive"] == json!(0);
+        s.knobs.lock().expect("knobs").resident = !unload;
+        let model = body["model"].as_str().unwrap_or("fake");
+        let event = format!("{} {model}", if unload { "unload" } else { "load" });
+        s.stats.model_events.lock().expect("events").push(event);
+        s.stats.changed.notify_waiters();
+        let reason = if unload { "unload" } else { "load" };
+        return Json(json!({"model": model, "response": "", "done": true, "done_reason": reason})).into_response();
+    }
     let k = match begin(&s, &body).await {
         Ok(k) => k,
         Err(r) => return r,
@@ -838,18 +854,28 @@ async fn router_load(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> R
 
 async fn router_unload(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
     let name = body["model"].as_str().unwrap_or_default().to_string();
-    let mut models = s.models.lock().expect("models");
-    match models.get_mut(&name) {
-        Some(m) if m.0 == "loaded" => {
-            *m = ("unloaded", false, std::time::Instant::now());
-            s.stats.model_events.lock().expect("events").push(format!("unload {name}"));
-            drop(models);
-            s.stats.changed.notify_waiters();
-            Json(json!({"success": true})).into_response()
-        }
-        _ => (StatusCode::BAD_REQUEST, Json(json!({"error": {"code": 400, "message": "model is not running"}})))
-            .into_response(),
+    let delay = s.knobs.lock().expect("knobs").unload_delay;
+    if router_status(&s, &name).0 != "loaded" {
+        return (StatusCode::BAD_REQUEST, Json(json!({"error": {"code": 400, "message": "model is not running"}})))
+            .into_response();
     }
+    let shared = s.clone();
+    let unload = async move {
+        tokio::time::sleep(delay).await;
+        let mut models = shared.models.lock().expect("models");
+        if let Some(m) = models.get_mut(&name).filter(|m| m.0 == "loaded") {
+            *m = ("unloaded", false, std::time::Instant::now());
+            shared.stats.model_events.lock().expect("events").push(format!("unload {name}"));
+        }
+        drop(models);
+        shared.stats.changed.notify_waiters();
+    };
+    if delay.is_zero() {
+        unload.await;
+    } else {
+        tokio::spawn(unload);
+    }
+    Json(json!({"success": true})).into_response()
 }
 
 async fn record_post(
