@@ -96,6 +96,19 @@ async fn an_on_demand_model_loads_at_first_use_and_unloads_when_idle() {
     let (status, v) = call(&gw, DEMO_KEY, &chat("general-chat")).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(fake.model_events(), vec!["load demo-a"]);
+    // The task's record says why it waited.
+    let id = v["edge"]["task_id"].as_str().unwrap();
+    let t: Value = client()
+        .get(format!("{}/v1/tasks/{id}", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let dispatching = t["transitions"].as_array().unwrap().iter().find(|t| t["state"] == "DISPATCHING").unwrap();
+    assert!(dispatching["reason"].as_str().unwrap().contains("model not loaded, loading it"), "{t}");
     assert_eq!(fake.requests(), 1, "the generation was sent after the load, once");
     assert_eq!(residency_of(&gw, "general-chat").await.1, "loaded");
 

@@ -449,6 +449,21 @@ impl Residency {
         Err(Refused::LoadFailed(st.failure.clone().unwrap_or_else(|| "unloaded while loading".into())))
     }
 
+    /// For a task's record when it is given instance `i` and the model is
+    /// not loaded: "model loading (for N ms so far)" or "model not loaded,
+    /// loading it".
+    pub fn loading_note(&self, i: usize) -> Option<String> {
+        if self.slot(i).api == ModelApi::None {
+            return None;
+        }
+        let st = self.lock(i);
+        match (st.state, st.loading_since) {
+            (State::Loading, Some(since)) => Some(format!("model loading ({} ms so far)", since.elapsed().as_millis())),
+            (State::Unloaded, _) => Some("model not loaded, loading it".into()),
+            _ => None,
+        }
+    }
+
     /// How long instance `i`'s model has been loading, while it is.
     pub fn loading_for(&self, i: usize) -> Option<Duration> {
         self.lock(i).loading_since.map(|t| t.elapsed())

@@ -427,6 +427,11 @@ impl Driver {
         if p.attempts > 1 {
             dispatch_reason = format!("{dispatch_reason}, attempt {}", p.attempts);
         }
+        // Residency: the model is not in the engine's memory yet, so the
+        // task waits here for its load (or takes the next step).
+        if let Some(loading) = self.shared.router.residency().loading_note(lease.instance) {
+            dispatch_reason = format!("{dispatch_reason}, {loading}");
+        }
         self.shared.recorder.transition(
             r,
             TaskState::Dispatching,
