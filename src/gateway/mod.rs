@@ -248,11 +248,6 @@ impl Gateway {
         &self.config
     }
 
-    /// Which engine instance has its model loaded.
-    pub fn residency(&self) -> &crate::engine::residency::Residency {
-        &self.residency
-    }
-
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }

@@ -126,4 +126,26 @@ impl Gateway {
             engine_processes,
         })
     }
+
+    /// A model's residency state on this node for `GET /v1/models`: the
+    /// best of its local engines (`loaded`, `loading`, `unloaded`), or
+    /// `forbidden` when its class says so; a model with only remote
+    /// instances is `loaded` (it is, where it runs).
+    pub fn model_residency_state(&self, m: &crate::config::ModelConfig) -> &'static str {
+        use crate::engine::residency::State;
+        if m.residency.class == crate::config::ResidencyClass::Forbidden {
+            return State::Forbidden.as_str();
+        }
+        let states: Vec<State> = m
+            .instances
+            .iter()
+            .filter(|i| self.config.engines.get(*i).is_some_and(|e| e.is_local()))
+            .filter_map(|i| self.residency.state_of(i))
+            .collect();
+        [State::Loaded, State::Loading, State::Unloaded]
+            .into_iter()
+            .find(|s| states.contains(s))
+            .unwrap_or(if states.is_empty() { State::Loaded } else { State::Unloaded })
+            .as_str()
+    }
 }

@@ -175,7 +175,7 @@ async fn list_models(State(gw): State<AppState>, _: Caller) -> Response {
             // local engines (the best of them: loaded, loading, unloaded;
             // `forbidden` when the class says so).
             v["residency"] = json!(m.residency.class.as_str());
-            v["state"] = json!(model_state(&gw, m));
+            v["state"] = json!(gw.model_residency_state(m));
             if m.kind == crate::config::ModelKind::Embedding {
                 // The vector length where the operator states it, else null.
                 v["dimensions"] = json!(m.dimensions);
@@ -185,25 +185,6 @@ async fn list_models(State(gw): State<AppState>, _: Caller) -> Response {
         })
         .collect();
     Json(json!({ "object": "list", "data": data })).into_response()
-}
-
-fn model_state(gw: &AppState, m: &crate::config::ModelConfig) -> &'static str {
-    use crate::engine::residency::State;
-    if m.residency.class == crate::config::ResidencyClass::Forbidden {
-        return State::Forbidden.as_str();
-    }
-    let cfg = gw.config();
-    let states: Vec<State> = m
-        .instances
-        .iter()
-        .filter(|i| cfg.engines.get(*i).is_some_and(|e| e.is_local()))
-        .filter_map(|i| gw.residency().state_of(i))
-        .collect();
-    [State::Loaded, State::Loading, State::Unloaded]
-        .into_iter()
-        .find(|s| states.contains(s))
-        .unwrap_or(if states.is_empty() { State::Loaded } else { State::Unloaded })
-        .as_str()
 }
 
 async fn health() -> Response {
