@@ -181,6 +181,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
             return Err(e);
         }
     };
+    let residency = router.residency().clone();
     let recorder = Recorder::new(store.clone(), &metrics);
     let scheduler =
         scheduler::start(config.clone(), router, recorder.clone(), metrics.clone(), tracker.clone(), shutdown.clone());
@@ -209,6 +210,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         metrics: metrics.clone(),
         bus: Arc::new(nats.clone()),
         processes: processes.clone(),
+        residency,
     }));
     tracker.spawn(crate::admission::gpu_watch::watch(
         config.resources.clone(),

@@ -62,6 +62,7 @@ fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig
         exclusive: true,
         process: None,
         tools: true,
+        model_api: edgeway::config::ModelApi::None,
     }
 }
 

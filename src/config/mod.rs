@@ -14,6 +14,7 @@ mod nats;
 mod process;
 mod raw;
 pub mod reload;
+mod residency;
 mod validate;
 
 use std::collections::BTreeMap;
@@ -30,6 +31,7 @@ pub use mqtt::{DeviceConfig, MqttConfig, MqttTlsConfig};
 pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
 pub use process::{expand as expand_vars, ProcessConfig};
 pub use raw::RawConfig;
+pub use residency::{ModelApi, Residency, ResidencyClass, Restriction};
 
 /// One problem in a configuration, with the key path it is about.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -499,6 +501,8 @@ pub struct EngineConfig {
     /// edgeway runs the engine as a supervised child process
     /// (`[engines.NAME.process]`); `None`: it runs on its own.
     pub process: Option<ProcessConfig>,
+    /// How edgeway loads and unloads the model through the engine's API.
+    pub model_api: ModelApi,
 }
 
 #[derive(Debug, Clone)]
@@ -531,6 +535,8 @@ pub struct ModelConfig {
     /// split into calls of this many, run one after another in the same
     /// task (embedding models; chat models: 0, not read).
     pub max_batch_inputs: usize,
+    /// When the model may be in its engines' memory on this node.
+    pub residency: Residency,
 }
 
 /// The default `[models.*] max_batch_inputs` of an embedding model: a

@@ -519,6 +519,9 @@ pub struct RawEngine {
     pub tools: bool,
     /// `[engines.NAME.process]`: edgeway runs the engine itself.
     pub process: Option<super::process::RawProcess>,
+    /// How edgeway loads and unloads models there: `none` (default),
+    /// `llama-router`, `ollama` (see `config::residency`).
+    pub model_api: Option<String>,
 }
 
 impl Default for RawEngine {
@@ -545,6 +548,7 @@ impl Default for RawEngine {
             memory_budget_mb: None,
             tools: false,
             process: None,
+            model_api: None,
         }
     }
 }
@@ -583,6 +587,10 @@ pub struct RawModel {
     pub dimensions: Option<u32>,
     /// Inputs per engine call of an embedding request (embedding models).
     pub max_batch_inputs: Option<u32>,
+    /// `always` (default), `on_demand`, `restricted`, `forbidden`.
+    pub residency: Option<String>,
+    pub idle_unload_s: Option<u64>,
+    pub restricted_to: Option<super::residency::RawRestriction>,
 }
 
 impl Default for RawModel {
@@ -604,6 +612,9 @@ impl Default for RawModel {
             supports_dimensions: false,
             dimensions: None,
             max_batch_inputs: None,
+            residency: None,
+            idle_unload_s: None,
+            restricted_to: None,
         }
     }
 }

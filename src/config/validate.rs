@@ -86,6 +86,7 @@ impl RawConfig {
         let engines = engines(self.engines, env, allow_cloud, base_dir, &mut p);
         let model_names: BTreeSet<String> = self.models.keys().cloned().collect();
         let models = models(self.models, &engine_names, &model_names, default_queue_capacity, &mut p);
+        super::residency::cross_check(&engines, &models, &mut p);
         let nobody_could_call = applications.is_empty() && auth.as_ref().is_some_and(|a| a.jwt.is_none());
         if nobody_could_call {
             p.add("applications", "define at least one application or [auth.jwt]; nobody could call");
@@ -650,6 +651,12 @@ fn engine(
     if !(e.cost_per_1k_tokens.is_finite() && e.cost_per_1k_tokens >= 0.0) {
         p.add(format!("{path}.cost_per_1k_tokens"), "must be a number, 0 or more");
     }
+    let model_api = super::residency::model_api(
+        &format!("{path}.model_api"),
+        e.model_api.as_deref(),
+        kind.map(|k| k == EngineKind::OpenAi),
+        p,
+    );
     let memory_budget_bytes = match e.memory_budget_mb {
         None => Some(None),
         Some(mb) => mebibytes(&format!("{path}.memory_budget_mb"), mb, p).map(Some),
@@ -676,6 +683,7 @@ fn engine(
         memory_budget_bytes: memory_budget_bytes?,
         tools: e.tools,
         process: process?,
+        model_api: model_api?,
     })
 }
 
@@ -795,6 +803,7 @@ fn model(
             p.add(format!("{path}.max_batch_inputs"), "only for kind = \"embedding\"");
         }
     }
+    let residency = super::residency::residency(&path, m.residency.as_deref(), m.idle_unload_s, m.restricted_to, p);
     Some(ModelConfig {
         name: name.to_string(),
         instances: instances?,
@@ -813,6 +822,7 @@ fn model(
         supports_dimensions: m.supports_dimensions,
         dimensions: m.dimensions,
         max_batch_inputs: if embedding { max_batch as usize } else { 0 },
+        residency: residency?,
     })
 }
 

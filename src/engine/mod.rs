@@ -18,6 +18,7 @@ mod embed;
 mod metrics;
 pub mod ollama;
 pub mod openai;
+pub mod residency;
 pub mod supervisor;
 mod wire;
 
@@ -177,6 +178,22 @@ pub trait Engine: Send + Sync + 'static {
     /// cool-down would keep the restarted engine idle after it is ready).
     fn process_down(&self) -> bool {
         false
+    }
+    /// What the engine's model API (`model_api`) says of the model:
+    /// `None` for an engine without one (its model is there while it is
+    /// healthy).
+    async fn model_state(&self) -> Option<Result<residency::ModelState, EngineError>> {
+        None
+    }
+    /// Loads the model through the engine's API; returns once the engine
+    /// says it is loaded (or failed). A no-op without a model API.
+    async fn load_model(&self) -> Result<(), EngineError> {
+        Ok(())
+    }
+    /// Unloads the model through the engine's API; unloading a model that
+    /// is not loaded is no error. A no-op without a model API.
+    async fn unload_model(&self) -> Result<(), EngineError> {
+        Ok(())
     }
 }
 

@@ -316,6 +316,58 @@ impl Engine for OllamaEngine {
         let resident = self.get_json("/api/ps").await.ok().map(|ps| names(&ps).iter().any(|n| self.same_model(n)));
         EngineHealth { up: true, detail: "ok".into(), model_resident: resident }
     }
+
+    // Residency (`model_api = "ollama"`): `/api/ps` lists the models in
+    // memory; a generate without a prompt loads one and answers once it
+    // is loaded; `keep_alive: 0` unloads it.
+    async fn model_state(&self) -> Option<Result<super::residency::ModelState, EngineError>> {
+        use super::residency::ModelState;
+        if self.cfg.model_api != crate::config::ModelApi::Ollama {
+            return None;
+        }
+        Some(match self.get_json("/api/ps").await {
+            Ok(ps) => {
+                let listed = ps.get("models").and_then(Value::as_array).is_some_and(|a| {
+                    a.iter()
+                        .filter_map(|m| m.get("name").or_else(|| m.get("model")).and_then(Value::as_str))
+                        .any(|n| self.same_model(n))
+                });
+                Ok(if listed { ModelState::Loaded } else { ModelState::Unloaded })
+            }
+            Err(e) => Err(EngineError::Unreachable(e)),
+        })
+    }
+
+    async fn load_model(&self) -> Result<(), EngineError> {
+        if self.cfg.model_api != crate::config::ModelApi::Ollama {
+            return Ok(());
+        }
+        // edgeway unloads it itself: Ollama keeps it until then, unless
+        // the engine's own keep_alive says otherwise.
+        let keep_alive = self.cfg.keep_alive.clone().unwrap_or_else(|| "-1".into());
+        self.generate_control(serde_json::json!({"model": self.cfg.model, "keep_alive": keep_alive})).await
+    }
+
+    async fn unload_model(&self) -> Result<(), EngineError> {
+        if self.cfg.model_api != crate::config::ModelApi::Ollama {
+            return Ok(());
+        }
+        self.generate_control(serde_json::json!({"model": self.cfg.model, "keep_alive": 0})).await
+    }
+}
+
+impl OllamaEngine {
+    /// A generate without a prompt: Ollama loads or unloads the model by
+    /// its `keep_alive` and answers when done.
+    async fn generate_control(&self, body: Value) -> Result<(), EngineError> {
+        let r = super::send(self.client.post(self.url("/api/generate")).json(&body)).await?;
+        let status = r.status();
+        let text = r.text().await.unwrap_or_default();
+        if !status.is_success() {
+            return Err(EngineError::Status { status: status.as_u16(), body: truncate(&text, 300) });
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

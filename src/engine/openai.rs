@@ -333,7 +333,68 @@ impl Engine for OpenAiEngine {
         EngineLoad { busy_slots, kv_cache_usage }
     }
 
+    // Residency (`model_api = "llama-router"`): llama-server in router
+    // mode, see `residency` for the endpoints.
+    async fn model_state(&self) -> Option<Result<super::residency::ModelState, EngineError>> {
+        if self.cfg.model_api != crate::config::ModelApi::LlamaRouter {
+            return None;
+        }
+        Some(self.router_state().await)
+    }
+
+    async fn load_model(&self) -> Result<(), EngineError> {
+        if self.cfg.model_api != crate::config::ModelApi::LlamaRouter {
+            return Ok(());
+        }
+        match self.router_state().await? {
+            super::residency::ModelState::Loaded => return Ok(()),
+            super::residency::ModelState::Loading => {}
+            _ => self.router_post("/models/load").await?,
+        }
+        super::residency::await_loaded(|| self.router_state()).await
+    }
+
+    async fn unload_model(&self) -> Result<(), EngineError> {
+        if self.cfg.model_api != crate::config::ModelApi::LlamaRouter {
+            return Ok(());
+        }
+        match self.router_post("/models/unload").await {
+            // "model is not running": nothing to unload.
+            Err(EngineError::Status { status: 400, .. }) => return Ok(()),
+            Err(e) => return Err(e),
+            Ok(()) => {}
+        }
+        // The router answers at once and stops the model's process in the
+        // background; `/models` says `loaded` until it is gone. Returning
+        // earlier would let a probe read the model back as loaded (the
+        // real llama-server did, in tests/e2e/test_residency.py).
+        for _ in 0..600 {
+            if self.router_state().await? != super::residency::ModelState::Loaded {
+                return Ok(());
+            }
+            tokio::time::sleep(super::residency::LOAD_POLL).await;
+        }
+        Err(EngineError::Remote("the engine did not unload the model".into()))
+    }
+
     async fn health(&self) -> EngineHealth {
+        if self.cfg.model_api == crate::config::ModelApi::LlamaRouter {
+            // The router's model list is its health check and says whether
+            // the model is in memory (the scheduler counts its weights by
+            // it).
+            return match self.router_state().await {
+                Ok(s) => EngineHealth {
+                    up: true,
+                    detail: "ok".into(),
+                    model_resident: match s {
+                        super::residency::ModelState::Loaded => Some(true),
+                        super::residency::ModelState::Loading => None,
+                        _ => Some(false),
+                    },
+                },
+                Err(e) => EngineHealth { up: false, detail: e.class(), model_resident: None },
+            };
+        }
         let url = format!("{}{}", self.cfg.base_url, self.cfg.health_path);
         let mut rb = self.client.get(url).timeout(self.cfg.health_interval.max(std::time::Duration::from_secs(1)));
         if let Some(key) = &self.cfg.api_key {
@@ -347,6 +408,43 @@ impl Engine for OpenAiEngine {
                 EngineHealth { up: false, detail: format!("unreachable: {}", e.without_url()), model_resident: None }
             }
         }
+    }
+}
+
+impl OpenAiEngine {
+    /// The model's status in llama-server's router list (`GET /models`).
+    async fn router_state(&self) -> Result<super::residency::ModelState, EngineError> {
+        use super::residency::ModelState;
+        let r = super::send(self.client.get(format!("{}/models", self.cfg.base_url)).timeout(LOAD_TIMEOUT)).await?;
+        let status = r.status();
+        if !status.is_success() {
+            return Err(EngineError::Status { status: status.as_u16(), body: String::new() });
+        }
+        let v: Value = r.json().await.map_err(|e| EngineError::Protocol(format!("model list: {e}")))?;
+        let entry = v
+            .get("data")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().find(|m| m.get("id").and_then(Value::as_str) == Some(self.cfg.model.as_str())))
+            .ok_or_else(|| EngineError::Protocol(format!("model {} is not in the engine's list", self.cfg.model)))?;
+        let st = entry.get("status").unwrap_or(&Value::Null);
+        Ok(match st.get("value").and_then(Value::as_str) {
+            // A sleeping model wakes at the next request.
+            Some("loaded") | Some("sleeping") => ModelState::Loaded,
+            Some("loading") | Some("downloading") => ModelState::Loading,
+            _ if st.get("failed").and_then(Value::as_bool) == Some(true) => ModelState::Failed,
+            _ => ModelState::Unloaded,
+        })
+    }
+
+    async fn router_post(&self, path: &str) -> Result<(), EngineError> {
+        let body = serde_json::json!({"model": self.cfg.model});
+        let r = super::send(self.client.post(format!("{}{path}", self.cfg.base_url)).json(&body)).await?;
+        let status = r.status();
+        if !status.is_success() {
+            let text = r.text().await.unwrap_or_default();
+            return Err(EngineError::Status { status: status.as_u16(), body: truncate(&text, 300) });
+        }
+        Ok(())
     }
 }
 

@@ -377,6 +377,21 @@ impl Engine for Supervised {
     fn process_down(&self) -> bool {
         !self.status.usable()
     }
+    async fn model_state(&self) -> Option<Result<super::residency::ModelState, EngineError>> {
+        if !self.status.usable() {
+            return Some(Err(EngineError::Unreachable(self.status.summary())));
+        }
+        self.inner.model_state().await
+    }
+    async fn load_model(&self) -> Result<(), EngineError> {
+        if !self.status.usable() {
+            return Err(EngineError::Unreachable(self.status.summary()));
+        }
+        self.inner.load_model().await
+    }
+    async fn unload_model(&self) -> Result<(), EngineError> {
+        self.inner.unload_model().await
+    }
     async fn load(&self) -> EngineLoad {
         if !self.status.usable() {
             return EngineLoad::default();

@@ -117,6 +117,9 @@ pub struct Parts {
     /// The engine processes edgeway runs (`[engines.NAME.process]`), for
     /// `/ready`.
     pub processes: crate::engine::supervisor::Processes,
+    /// Which engine instance has its model loaded, for `/ready` and
+    /// `/v1/models`.
+    pub residency: crate::engine::residency::Residency,
 }
 
 /// The facade. Shared behind an `Arc`; every field is private so that an
@@ -135,6 +138,7 @@ pub struct Gateway {
     started: Instant,
     bus: Arc<dyn BusStatus>,
     processes: crate::engine::supervisor::Processes,
+    residency: crate::engine::residency::Residency,
     /// Set when the gateway starts to drain before it stops: new work is
     /// refused (`SHUTTING_DOWN`) and `/ready` answers 503.
     draining: AtomicBool,
@@ -198,6 +202,7 @@ impl Gateway {
             started: Instant::now(),
             bus: p.bus,
             processes: p.processes,
+            residency: p.residency,
             draining: AtomicBool::new(false),
             ingress_faults: Default::default(),
             admitting: Admissions::default(),

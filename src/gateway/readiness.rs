@@ -1,5 +1,6 @@
 //! The readiness view behind `/ready`: ready when the store answers and
-//! can write, every logical model has a healthy instance, no ingress
+//! can write, every logical model has a healthy instance, every `always`
+//! model is loaded (residency), no ingress
 //! reported a lost part ([`Gateway::ingress_failed`]), and the gateway is
 //! not draining. The bus is reported but readiness does not depend on
 //! it.
@@ -114,6 +115,8 @@ impl Gateway {
         for m in models.iter().filter(|m| !m.ready) {
             not_ready.push(format!("model {} has no healthy instance", m.model));
         }
+        // `always` models are loaded before edgeway is ready.
+        not_ready.extend(self.residency.not_ready());
         Ok(Readiness {
             ready: not_ready.is_empty(),
             store_ok,
@@ -130,5 +133,28 @@ impl Gateway {
             config_version: config.version.clone(),
             config_reloaded_at: self.last_reload(),
         })
+    }
+
+    /// A model's residency state on this node for `GET /v1/models`: the
+    /// best of its local engines (`loaded`, `loading`, `unloaded`), or
+    /// `forbidden` when its class says so; a model with only remote
+    /// instances is `loaded` (it is, where it runs).
+    pub fn model_residency_state(&self, m: &crate::config::ModelConfig) -> &'static str {
+        use crate::engine::residency::State;
+        if m.residency.class == crate::config::ResidencyClass::Forbidden {
+            return State::Forbidden.as_str();
+        }
+        let config = self.config();
+        let states: Vec<State> = m
+            .instances
+            .iter()
+            .filter(|i| config.engines.get(*i).is_some_and(|e| e.is_local()))
+            .filter_map(|i| self.residency.state_of(i))
+            .collect();
+        [State::Loaded, State::Loading, State::Unloaded]
+            .into_iter()
+            .find(|s| states.contains(s))
+            .unwrap_or(if states.is_empty() { State::Loaded } else { State::Unloaded })
+            .as_str()
     }
 }

@@ -13,8 +13,11 @@
 //! Dropping the future of [`Router::open`] drops the engine's HTTP request,
 //! which is how the engine learns the client is gone.
 
+use futures::StreamExt;
+
 use super::breaker::Attempt;
 use super::Router;
+use crate::engine::residency::{Lease, Refused};
 use crate::engine::{truncate, EngineError, EngineRequest, EngineStream};
 use crate::error::{ErrorCode, GatewayError};
 
@@ -40,23 +43,77 @@ impl Router {
     /// the connection close, as it does for any disconnect, so nothing runs
     /// twice. Nothing else is sent again here.
     pub async fn open(&self, i: usize, req: &EngineRequest) -> Result<EngineStream, DispatchError> {
+        self.open_before(i, req, None).await
+    }
+
+    /// [`Router::open`] for a task whose first token is due by
+    /// `first_token_by`: an instance whose model is not in memory loads it
+    /// first (the task waits), unless the load, as long as the last one
+    /// took, would not be done by then: the load goes on for the tasks
+    /// after, and this one is told to take the next step (retryable
+    /// `model_loading`).
+    pub async fn open_before(
+        &self,
+        i: usize,
+        req: &EngineRequest,
+        first_token_by: Option<std::time::Instant>,
+    ) -> Result<EngineStream, DispatchError> {
+        let lease = match self.residency.acquire(i, first_token_by).await {
+            Ok(l) => l,
+            Err(refused) => return Err(self.refused(i, refused)),
+        };
         self.attempt_started(i);
         let engine = &self.instance(i).engine;
         let first = match engine.stream(req).await {
-            Ok(s) => return Ok(s),
+            Ok(s) => return Ok(hold(s, lease)),
             Err(e) => e,
         };
         let last = match first {
             EngineError::ConnectionLost(_) => {
                 tracing::debug!(engine = %self.instance(i).name, error = %first, "engine connection broke before the answer; sending once more");
                 match engine.stream(req).await {
-                    Ok(s) => return Ok(s),
+                    Ok(s) => return Ok(hold(s, lease)),
                     Err(e) => e,
                 }
             }
             e => e,
         };
         Err(self.failed(i, last, false))
+    }
+
+    /// A task the instance's model cannot take now (no attempt reached the
+    /// engine, so its breaker is not told).
+    fn refused(&self, i: usize, refused: Refused) -> DispatchError {
+        let name = &self.instance(i).name;
+        match refused {
+            Refused::WouldMissDeadline { loading_for, expected } => {
+                tracing::info!(engine = %name, loading_ms = loading_for.as_millis() as u64, expected_ms = expected.as_millis() as u64, "model is loading; the task takes the next step to keep its first-token deadline");
+                DispatchError {
+                    error: GatewayError::new(ErrorCode::ModelUnavailable, "the model is loading")
+                        .with_retry_after(expected.saturating_sub(loading_for).as_millis().clamp(100, 60_000) as u64),
+                    reason: format!(
+                        "model loading for {} ms (a load takes about {} ms)",
+                        loading_for.as_millis(),
+                        expected.as_millis()
+                    ),
+                    retryable: Some("model_loading"),
+                }
+            }
+            Refused::LoadFailed(why) => {
+                tracing::warn!(engine = %name, error = %why, "model could not be loaded for a task");
+                DispatchError {
+                    error: GatewayError::new(ErrorCode::ModelUnavailable, "the model could not be loaded")
+                        .with_retry_after(2000),
+                    reason: "model load failed".into(),
+                    retryable: Some("model_load_failed"),
+                }
+            }
+            Refused::Forbidden => DispatchError {
+                error: GatewayError::new(ErrorCode::PolicyBlocked, "the model is forbidden on this node"),
+                reason: "model forbidden on this node".into(),
+                retryable: Some("model_forbidden"),
+            },
+        }
     }
 
     /// An engine stream that failed after it was opened (`mid_stream` once
@@ -113,6 +170,17 @@ impl Router {
         }
         DispatchError { error, reason, retryable }
     }
+}
+
+/// Keeps the model's lease as long as its stream lives: the model is not
+/// unloaded under a running answer, and its idle time starts when the
+/// stream is dropped.
+fn hold(s: EngineStream, lease: Lease) -> EngineStream {
+    s.map(move |item| {
+        let _ = &lease;
+        item
+    })
+    .boxed()
 }
 
 /// Whether an engine's error text says it ran out of memory (llama.cpp,

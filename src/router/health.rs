@@ -44,6 +44,7 @@ pub(super) async fn probe_loop(
             _ = tick.tick() => {}
             _ = router.recheck[index].notified() => {}
         }
+        let probed_at = std::time::Instant::now();
         let h = tokio::select! {
             _ = cancel.cancelled() => return,
             h = engine.health() => h,
@@ -53,6 +54,9 @@ pub(super) async fn probe_loop(
                 _ = cancel.cancelled() => return,
                 l = engine.load() => l,
             };
+            if let Some(resident) = h.model_resident {
+                router.residency.observe(index, resident, probed_at);
+            }
             let (error_rate, ttft_p95_ms) = router.measured(index);
             sink(InstanceEvent::Load {
                 instance: index,

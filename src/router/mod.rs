@@ -11,7 +11,11 @@
 //! stream, sending a request once more when its connection broke before
 //! any answer, telling which failures may be retried elsewhere, and turning
 //! an engine's failure into the public error code a client sees.
-//! Residency joins the instance state here.
+//! Residency joins the instance state here: dispatch takes the model of
+//! an instance through [`engine::residency::Residency::acquire`] (loading
+//! it first, or sending the task on when the load would break its
+//! first-token deadline), and the probes pass on what the engine says of
+//! its model.
 //!
 //! Does not own: queues and slots (the scheduler grants a slot on an
 //! instance, then calls [`Router::open`]), deadlines and the task's life
@@ -91,6 +95,8 @@ pub struct Router {
     wiring: OnceLock<Wiring>,
     /// The router itself, for the cool-down timers it spawns.
     me: OnceLock<std::sync::Weak<Router>>,
+    /// Which instance has its model in memory; dispatch loads it first.
+    residency: engine::residency::Residency,
 }
 
 struct Wiring {
@@ -124,7 +130,19 @@ impl Router {
                 health_interval: e.health_interval,
             });
         }
-        Ok(Router::with_routing(instances, &config.routing))
+        let mut router = Router::with_routing(instances, &config.routing);
+        router.residency = engine::residency::Residency::new(config, &router.engines());
+        Ok(router)
+    }
+
+    fn engines(&self) -> Vec<(String, Arc<dyn Engine>)> {
+        self.instances.iter().map(|i| (i.name.clone(), i.engine.clone())).collect()
+    }
+
+    /// The residency of the instances' models (for `/ready` and
+    /// `/v1/models`).
+    pub fn residency(&self) -> &engine::residency::Residency {
+        &self.residency
     }
 
     /// A router with the default `[routing]` settings.
@@ -136,7 +154,9 @@ impl Router {
         let recheck = instances.iter().map(|_| Notify::new()).collect();
         let breakers = instances.iter().map(|_| Mutex::new(Breaker::new(r.breaker.clone()))).collect();
         let budget = RetryBudget::new(r.retry_budget.clone());
+        let engines: Vec<_> = instances.iter().map(|i| (i.name.clone(), i.engine.clone())).collect();
         Router {
+            residency: engine::residency::Residency::unmanaged(&engines),
             instances,
             recheck,
             breakers,
@@ -301,6 +321,7 @@ impl Router {
         for inst in &self.instances {
             metrics.breaker_state.with_label_values(&[&inst.name]).set(BreakerState::Closed.gauge());
         }
+        self.residency.start(tracker, shutdown, &metrics);
         for i in 0..self.instances.len() {
             tracker.spawn(health::probe_loop(self.clone(), i, metrics.clone(), sink.clone(), shutdown.child_token()));
         }

@@ -439,6 +439,11 @@ impl Driver {
         if p.attempts > 1 {
             dispatch_reason = format!("{dispatch_reason}, attempt {}", p.attempts);
         }
+        // Residency: the model is not in the engine's memory yet, so the
+        // task waits here for its load (or takes the next step).
+        if let Some(loading) = self.shared.router.residency().loading_note(lease.instance) {
+            dispatch_reason = format!("{dispatch_reason}, {loading}");
+        }
         self.shared.recorder.transition(
             r,
             TaskState::Dispatching,
@@ -551,7 +556,9 @@ impl Driver {
                     return AttemptEnd::Preempted;
                 }
                 _ = sleep_until(first_token_deadline) => return first_token_timeout(first_token_deadline, first_token_raw),
-                s = router.open(lease.instance, &engine_req) => match s {
+                // A model still to be loaded makes the task wait here, or
+                // take the next step when the load would pass the deadline.
+                s = router.open_before(lease.instance, &engine_req, Some(first_token_deadline.into_std())) => match s {
                     Ok(s) => s,
                     Err(e) => return match e.retryable {
                         Some(label) => AttemptEnd::Retry { error: e, label },

@@ -377,6 +377,7 @@ pub fn start(
             canned: m.canned_answer.is_some(),
             context_tokens: m.context_tokens,
             max_output_tokens: m.max_output_tokens,
+            residency: m.residency.clone(),
         })
         .collect();
     let policy = Policy::new(PolicyConfig {

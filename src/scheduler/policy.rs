@@ -70,6 +70,9 @@ pub struct ModelPolicy {
     pub max_output_tokens: u32,
     /// A canned answer is configured.
     pub canned: bool,
+    /// Which work may use the model on this node (`forbidden` and
+    /// `restricted` drop its local instances from a task's steps).
+    pub residency: crate::config::Residency,
 }
 
 #[derive(Debug, Clone)]
@@ -466,7 +469,9 @@ impl Policy {
                 .copied()
                 .filter(|&i| {
                     let ip = &self.cfg.instances[i];
-                    ip.location == loc && self.class_allows(info.class, i)
+                    ip.location == loc
+                        && self.class_allows(info.class, i)
+                        && (loc != Location::Local || self.residency_allows(model, info))
                 })
                 .collect()
         };
@@ -500,6 +505,12 @@ impl Policy {
             });
         }
         chain
+    }
+
+    /// Whether `info`'s work may use `model` on this node: not when it is
+    /// `forbidden` here, nor when it is `restricted` to other work.
+    fn residency_allows(&self, model: usize, info: &TaskInfo) -> bool {
+        self.cfg.models[model].residency.allows(&info.app, info.priority)
     }
 
     /// The one rule of the data policy: an instance receives a class only
@@ -738,6 +749,21 @@ impl Policy {
                     model: link.model,
                     passed,
                 });
+            }
+            if link.instances.is_empty()
+                && link.step == FallbackStep::SameModel
+                && !self.residency_allows(link.model, &info)
+            {
+                let r = &self.cfg.models[link.model].residency;
+                let detail = match &r.restricted_to {
+                    Some(to) if r.class == crate::config::ResidencyClass::Restricted => {
+                        format!("model '{model_name}' is restricted on this node to {}", to.describe())
+                    }
+                    _ => format!("model '{model_name}' is forbidden on this node"),
+                };
+                passed.push(passed_over(link.step, "residency", detail.clone()));
+                first.get_or_insert_with(|| GatewayError::new(ErrorCode::PolicyBlocked, detail));
+                continue;
             }
             if link.instances.is_empty() {
                 if link.step == FallbackStep::SameModel {

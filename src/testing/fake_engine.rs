@@ -66,6 +66,22 @@ pub struct Knobs {
     /// (1: the first this fake saw) with HTTP 500: a failure in the middle
     /// of a series of calls.
     pub fail_requests: Vec<u64>,
+    /// llama-server router mode (with `--no-models-autoload`): the models
+    /// of its models dir, all unloaded at start, listed by `GET /models`,
+    /// loaded by `POST /models/load` (in the background, `load_delay`
+    /// long) and unloaded by `POST /models/unload`; a generation for a
+    /// model that is not loaded gets 400 "model is not loaded". Empty: not
+    /// router mode.
+    pub router_models: Vec<String>,
+    pub load_delay: Duration,
+    /// An unload answers at once and the model stays `loaded` this long
+    /// (llama-server stops the model's process in the background).
+    pub unload_delay: Duration,
+    /// `--models-max`: loading one more unloads the least recently used
+    /// (0: no limit).
+    pub models_max: usize,
+    /// Loads fail (the model's process exits: `unloaded`, `failed`).
+    pub load_fails: bool,
 }
 
 /// Bytes of a tool call's arguments per streamed piece.
@@ -99,6 +115,11 @@ impl Default for Knobs {
             tool_calls: Vec::new(),
             embedding_dim: 8,
             fail_requests: Vec::new(),
+            router_models: Vec::new(),
+            load_delay: Duration::ZERO,
+            unload_delay: Duration::ZERO,
+            models_max: 0,
+            load_fails: false,
         }
     }
 }
@@ -119,12 +140,17 @@ pub struct Stats {
     pub metrics_requests: AtomicU64,
     /// The path of every POST, in order (which endpoint an adapter used).
     pub posts: Mutex<Vec<String>>,
+    /// Router mode: "load NAME" (when a load completes), "unload NAME"
+    /// (by request), "evict NAME" (by `models_max`), in order.
+    pub model_events: Mutex<Vec<String>>,
     changed: Notify,
 }
 
 struct Shared {
     knobs: Mutex<Knobs>,
     stats: Arc<Stats>,
+    /// Router mode: each model's status and when it was last used.
+    models: Mutex<std::collections::HashMap<String, (&'static str, bool, std::time::Instant)>>,
 }
 
 pub struct FakeEngine {
@@ -143,7 +169,7 @@ impl FakeEngine {
 
     pub async fn start_with(knobs: Knobs) -> FakeEngine {
         let stats = Arc::new(Stats::default());
-        let shared = Arc::new(Shared { knobs: Mutex::new(knobs), stats: stats.clone() });
+        let shared = Arc::new(Shared { knobs: Mutex::new(knobs), stats: stats.clone(), models: Mutex::default() });
         let app = Router::new()
             .route("/v1/chat/completions", post(openai_chat))
             .route("/v1/completions", post(openai_completion))
@@ -157,6 +183,9 @@ impl FakeEngine {
             .route("/api/tags", get(ollama_tags))
             .route("/api/ps", get(ollama_ps))
             .route("/metrics", get(metrics))
+            .route("/models", get(router_list))
+            .route("/models/load", post(router_load))
+            .route("/models/unload", post(router_unload))
             .layer(axum::middleware::from_fn_with_state(shared.clone(), record_post))
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind fake engine");
@@ -194,6 +223,17 @@ impl FakeEngine {
             // in progress would hold it, so do not wait for ever.
             let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
         }
+    }
+
+    /// Router mode: the status of model `name` (`loaded`, `loading`,
+    /// `unloaded`), as `GET /models` shows it.
+    pub fn model_status(&self, name: &str) -> &'static str {
+        router_status(&self.shared, name).0
+    }
+
+    /// Router mode: the load, unload and eviction events so far.
+    pub fn model_events(&self) -> Vec<String> {
+        self.stats.model_events.lock().expect("events").clone()
     }
 
     /// Generation requests received so far.
@@ -259,6 +299,23 @@ impl Drop for Generation {
 }
 
 async fn begin(s: &Shared, body: &Value) -> Result<Knobs, Response> {
+    let router_mode = !s.knobs.lock().expect("knobs").router_models.is_empty();
+    if router_mode {
+        let name = body["model"].as_str().unwrap_or_default();
+        let mut models = s.models.lock().expect("models");
+        match models.get_mut(name) {
+            Some(m) if m.0 == "loaded" => m.2 = std::time::Instant::now(),
+            Some(m) if m.0 == "loading" => {
+                let e = json!({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}});
+                return Err((StatusCode::SERVICE_UNAVAILABLE, Json(e)).into_response());
+            }
+            _ => {
+                let e =
+                    json!({"error": {"code": 400, "message": "model is not loaded", "type": "invalid_request_error"}});
+                return Err((StatusCode::BAD_REQUEST, Json(e)).into_response());
+            }
+        }
+    }
     let ordinal = s.stats.requests.fetch_add(1, Ordering::SeqCst) + 1;
     *s.stats.last_request.lock().expect("last") = Some(body.clone());
     s.stats.bodies.lock().expect("bodies").push(body.clone());
@@ -684,6 +741,18 @@ async fn openai_completion(State(s): State<Arc<Shared>>, Json(body): Json<Value>
 
 /// Ollama's `/api/generate` (`response` text per NDJSON line).
 async fn ollama_generate(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    // No prompt: Ollama loads the model (or, with keep_alive 0, unloads
+    // it) and answers once done; no generation.
+    if body.get("prompt").is_none() {
+        let unload = body["keep_alive"] == json!(0);
+        s.knobs.lock().expect("knobs").resident = !unload;
+        let model = body["model"].as_str().unwrap_or("fake");
+        let event = format!("{} {model}", if unload { "unload" } else { "load" });
+        s.stats.model_events.lock().expect("events").push(event);
+        s.stats.changed.notify_waiters();
+        let reason = if unload { "unload" } else { "load" };
+        return Json(json!({"model": model, "response": "", "done": true, "done_reason": reason})).into_response();
+    }
     let k = match begin(&s, &body).await {
         Ok(k) => k,
         Err(r) => return r,
@@ -714,6 +783,107 @@ async fn ollama_generate(State(s): State<Arc<Shared>>, Json(body): Json<Value>) 
         None => vec![line(last(String::new()))],
     });
     ([("content-type", "application/x-ndjson")], body).into_response()
+}
+
+/// The status of router-mode model `name` (models never touched are
+/// unloaded).
+fn router_status(s: &Shared, name: &str) -> (&'static str, bool) {
+    s.models.lock().expect("models").get(name).map_or(("unloaded", false), |m| (m.0, m.1))
+}
+
+async fn router_list(State(s): State<Arc<Shared>>) -> Response {
+    let names = s.knobs.lock().expect("knobs").router_models.clone();
+    if names.is_empty() {
+        return StatusCode::NOT_FOUND.into_response();
+    }
+    let data: Vec<Value> = names
+        .iter()
+        .map(|n| {
+            let (value, failed) = router_status(&s, n);
+            let mut status = json!({"value": value});
+            if failed {
+                status["failed"] = json!(true);
+                status["exit_code"] = json!(1);
+            }
+            json!({"id": n, "object": "model", "status": status})
+        })
+        .collect();
+    Json(json!({"data": data})).into_response()
+}
+
+async fn router_load(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let k = s.knobs.lock().expect("knobs").clone();
+    let name = body["model"].as_str().unwrap_or_default().to_string();
+    if !k.router_models.contains(&name) {
+        return (StatusCode::NOT_FOUND, Json(json!({"error": {"code": 404, "message": "File Not Found"}})))
+            .into_response();
+    }
+    {
+        let mut models = s.models.lock().expect("models");
+        let now = std::time::Instant::now();
+        let e = models.entry(name.clone()).or_insert(("unloaded", false, now));
+        if e.0 != "unloaded" {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": {"code": 400, "message": "model is already loaded"}})),
+            )
+                .into_response();
+        }
+        *e = ("loading", false, now);
+    }
+    let shared = s.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(k.load_delay).await;
+        let mut models = shared.models.lock().expect("models");
+        let now = std::time::Instant::now();
+        if k.load_fails {
+            models.insert(name, ("unloaded", true, now));
+            return;
+        }
+        if k.models_max > 0 {
+            loop {
+                let loaded: Vec<(String, std::time::Instant)> =
+                    models.iter().filter(|(_, m)| m.0 == "loaded").map(|(n, m)| (n.clone(), m.2)).collect();
+                if loaded.len() < k.models_max {
+                    break;
+                }
+                let lru = loaded.into_iter().min_by_key(|(_, t)| *t).map(|(n, _)| n).expect("one loaded");
+                models.insert(lru.clone(), ("unloaded", false, now));
+                shared.stats.model_events.lock().expect("events").push(format!("evict {lru}"));
+            }
+        }
+        models.insert(name.clone(), ("loaded", false, now));
+        shared.stats.model_events.lock().expect("events").push(format!("load {name}"));
+        drop(models);
+        shared.stats.changed.notify_waiters();
+    });
+    Json(json!({"success": true})).into_response()
+}
+
+async fn router_unload(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let name = body["model"].as_str().unwrap_or_default().to_string();
+    let delay = s.knobs.lock().expect("knobs").unload_delay;
+    if router_status(&s, &name).0 != "loaded" {
+        return (StatusCode::BAD_REQUEST, Json(json!({"error": {"code": 400, "message": "model is not running"}})))
+            .into_response();
+    }
+    let shared = s.clone();
+    let unload = async move {
+        tokio::time::sleep(delay).await;
+        let mut models = shared.models.lock().expect("models");
+        if let Some(m) = models.get_mut(&name).filter(|m| m.0 == "loaded") {
+            *m = ("unloaded", false, std::time::Instant::now());
+            shared.stats.model_events.lock().expect("events").push(format!("unload {name}"));
+        }
+        drop(models);
+        shared.stats.changed.notify_waiters();
+    };
+    if delay.is_zero() {
+        unload.await;
+    } else {
+        tokio::spawn(unload);
+    }
+    Json(json!({"success": true})).into_response()
 }
 
 async fn record_post(

@@ -179,6 +179,11 @@ async fn list_models(State(gw): State<AppState>, _: Caller) -> Response {
                 "kind": m.kind.as_str(),
                 "tools": tools,
             });
+            // Residency on this node: its class, and its state on the
+            // local engines (the best of them: loaded, loading, unloaded;
+            // `forbidden` when the class says so).
+            v["residency"] = json!(m.residency.class.as_str());
+            v["state"] = json!(gw.model_residency_state(m));
             if m.kind == crate::config::ModelKind::Embedding {
                 // The vector length where the operator states it, else null.
                 v["dimensions"] = json!(m.dimensions);

@@ -6,6 +6,7 @@ use proptest::prelude::*;
 fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
     PolicyConfig {
         models: vec![ModelPolicy {
+            residency: Default::default(),
             name: "m".into(),
             queue_capacity: capacity,
             max_running: None,
@@ -397,6 +398,7 @@ fn chain_cfg(allow_cloud: bool, canned: bool) -> PolicyConfig {
     c.models[0].fallback_models = vec![1];
     c.models[0].canned = canned;
     c.models.push(ModelPolicy {
+        residency: Default::default(),
         name: "small".into(),
         queue_capacity: 4,
         instances: vec![2],
@@ -722,6 +724,7 @@ fn op() -> impl Strategy<Value = Op> {
 fn sim_config() -> PolicyConfig {
     let mut c = cfg(3, 1, 12);
     c.models.push(ModelPolicy {
+        residency: Default::default(),
         name: "m2".into(),
         queue_capacity: 6,
         max_running: Some(1),
