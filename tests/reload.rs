@@ -429,3 +429,61 @@ async fn the_process_of_an_engine_removed_at_reload_is_stopped_once_drained() {
     assert_eq!(post_chat(&gw, DEMO_KEY, &body).await.status(), 200, "the model answers from b");
     gw.stop().await;
 }
+
+/// `[sessions]` and an application's `redact` rules changed at reload
+/// apply from the next write on: a turn after the reload is kept
+/// redacted, and the lowered `max_per_user` refuses the next session.
+#[tokio::test]
+async fn sessions_limits_and_redaction_changed_at_reload_apply_at_once() {
+    const CARD: &str = "4111-1111-1111-1111";
+    let keep_text = |t: String| t.replace("[store]\n", "[store]\nstore_prompts = true\n");
+    let r = Reloadable::start_edited(Knobs::default(), "", keep_text).await;
+    let session = |user: &'static str| {
+        let base = r.gw.base_url.clone();
+        async move {
+            let resp = client()
+                .post(format!("{base}/v1/sessions"))
+                .bearer_auth(DEMO_KEY)
+                .header("x-user-id", user)
+                .json(&json!({}))
+                .send()
+                .await
+                .unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, v) = session("u1").await;
+    assert_eq!(status, 201, "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+
+    let text = config_toml(&r.engine.url(), "openai", &r.dir.0, "\n[sessions]\nmax_per_user = 1\n")
+        .replace("[store]\n", "[store]\nstore_prompts = true\n")
+        .replace("[applications.demo]\n", "[applications.demo]\nredact = ['\\b\\d{4}-\\d{4}-\\d{4}-\\d{4}\\b']\n");
+    r.write(&text);
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let sections = body["changes"]["sections"].as_array().unwrap();
+    assert!(sections.iter().any(|s| s == "sessions"), "{body}");
+
+    let chat = json!({"model": "general-chat", "session_id": id, "max_tokens": 4,
+        "metadata": {"user_id": "u1"}, "messages": [{"role": "user", "content": format!("my card is {CARD}")}]});
+    let resp = post_chat(&r.gw, DEMO_KEY, &chat).await;
+    assert_eq!(resp.status().as_u16(), 200);
+    r.gw.store().flush().await;
+    let conn = rusqlite::Connection::open(r.gw.db_path()).unwrap();
+    let kept: Vec<String> = conn
+        .prepare("SELECT content FROM session_messages")
+        .unwrap()
+        .query_map([], |row| row.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert!(!kept.is_empty(), "the turn was appended");
+    assert!(kept.iter().all(|c| !c.contains(CARD)), "{kept:?}");
+    assert!(kept.iter().any(|c| c.contains("[REDACTED]")), "{kept:?}");
+
+    let (status, v) = session("u1").await;
+    assert_eq!((status, error_code(&v)), (409, "SESSION_LIMIT"), "{v}");
+    r.gw.stop().await;
+}

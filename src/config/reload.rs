@@ -207,6 +207,9 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
     if !same(&old.auth, &new.auth) {
         changed_sections.push("auth.jwt".to_string());
     }
+    if !same(&old.sessions, &new.sessions) {
+        changed_sections.push("sessions".to_string());
+    }
     Ok(Changes {
         applications: Counts::of(&old.applications, &new.applications),
         api_keys: Counts::of(&keys(old), &keys(new)),

@@ -234,11 +234,18 @@ impl Session {
     }
 }
 
+/// The `[sessions]` limits and the applications' redaction rules in
+/// force: swapped whole by a configuration reload ([`Sessions::reconfigure`]),
+/// so that a tightened rule applies from the next write on.
+struct Rules {
+    cfg: SessionsConfig,
+    redactor: Redactor,
+}
+
 /// The live sessions. Shared by the gateway facade.
 pub struct Sessions {
-    cfg: SessionsConfig,
+    rules: std::sync::RwLock<Arc<Rules>>,
     store: Store,
-    redactor: Redactor,
     by_id: Mutex<HashMap<String, Arc<Session>>>,
 }
 
@@ -257,7 +264,25 @@ fn check_key(what: &str, v: &str) -> Result<(), GatewayError> {
 
 impl Sessions {
     pub fn new(cfg: SessionsConfig, store: Store, redactor: Redactor) -> Sessions {
-        Sessions { cfg, store, redactor, by_id: Mutex::new(HashMap::new()) }
+        Sessions {
+            rules: std::sync::RwLock::new(Arc::new(Rules { cfg, redactor })),
+            store,
+            by_id: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Puts a reloaded configuration's `[sessions]` limits and redaction
+    /// rules in force. Sessions already created keep the limits they were
+    /// created with (as a running task keeps its admission); the ceilings
+    /// (`max_per_user`, memory entries, `append_failed_turns`) and the
+    /// redaction apply to every later write.
+    pub fn reconfigure(&self, cfg: &crate::config::Config) {
+        let rules = Rules { cfg: cfg.sessions.clone(), redactor: Redactor::from_config(cfg) };
+        *self.rules.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(rules);
+    }
+
+    fn rules(&self) -> Arc<Rules> {
+        self.rules.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     /// Loads the sessions the store kept (at start-up).
@@ -279,7 +304,8 @@ impl Sessions {
 
     pub fn create(&self, owner: Owner, req: CreateSession) -> Result<SessionView, GatewayError> {
         let l = req.limits.unwrap_or_default();
-        let c = &self.cfg;
+        let rules = self.rules();
+        let c = &rules.cfg;
         let pick = |asked: Option<u64>, max: u64, name: &str| -> Result<u64, GatewayError> {
             match asked {
                 Some(v) if v == 0 || v > max => {
@@ -392,8 +418,9 @@ impl Sessions {
             return Err(GatewayError::invalid(format!("'content' must be 1..{MAX_MEMORY_BYTES} bytes")));
         }
         let s = self.find(owner, id)?;
+        let rules = self.rules();
         let mut st = s.state.lock().expect("session state");
-        if !st.memory.contains_key(&w.key) && st.memory.len() >= self.cfg.max_memory_entries {
+        if !st.memory.contains_key(&w.key) && st.memory.len() >= rules.cfg.max_memory_entries {
             return Err(GatewayError::new(
                 ErrorCode::SessionLimit,
                 format!("session '{id}' holds {} memory entries, the most allowed", st.memory.len()),
@@ -402,7 +429,7 @@ impl Sessions {
         let entry = MemoryEntry {
             key: w.key,
             tags: w.tags,
-            content: self.redactor.redact(&owner.application, &w.content),
+            content: rules.redactor.redact(&owner.application, &w.content),
             source: owner.source(),
             created_at_ms: now_ms(),
         };
@@ -502,9 +529,10 @@ impl Sessions {
         if !map.get(&s.id).is_some_and(|live| std::ptr::eq(live.as_ref(), s)) {
             return;
         }
+        let rules = self.rules();
         let mut st = s.state.lock().expect("session state");
         for mut m in messages {
-            redact_message(&self.redactor, &s.owner.application, &mut m);
+            redact_message(&rules.redactor, &s.owner.application, &mut m);
             let tokens = super::estimate_message(&m);
             let seq = st.next_seq;
             st.next_seq += 1;
@@ -615,7 +643,7 @@ impl TurnLease {
     /// task `succeeded` (or when `[sessions] append_failed_turns`), then
     /// lets the next turn in.
     pub fn finish(self, user: Vec<ChatMessage>, answer: String, succeeded: bool, task_id: &str) {
-        if !(succeeded || self.sessions.cfg.append_failed_turns) {
+        if !(succeeded || self.sessions.rules().cfg.append_failed_turns) {
             return;
         }
         let mut messages = user;

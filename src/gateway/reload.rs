@@ -154,6 +154,7 @@ impl Gateway {
         // admission rules at worst, never a key without its application.
         self.scheduler.set_limits(&new);
         self.auth.reload(&new);
+        self.sessions.reconfigure(&new);
         *self.config.write().unwrap_or_else(std::sync::PoisonError::into_inner) = new;
         *self.reloads.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(SystemTime::now());
         // The scheduler took the limits once it answers a later command:
