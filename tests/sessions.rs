@@ -386,3 +386,40 @@ async fn turns_of_one_session_at_once_run_one_after_the_other() {
     assert_eq!(v["message_count"], 4, "{v}");
     gw.stop().await;
 }
+
+/// A turn after the first (the prompt holds history) repeated with the same
+/// `Idempotency-Key` joins the first call's task: the same task id, one
+/// engine call, the turn appended once. The key is judged on the caller's
+/// own request, not on the assembled prompt (which the repeat would
+/// assemble again, with the first call's answer in it).
+#[tokio::test]
+async fn a_repeated_turn_with_its_idempotency_key_joins_the_first() {
+    let (fake, gw) = gateway("", true).await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    let (status, v) = turn(&gw, DEMO_KEY, None, &id, user_msg("first question")).await;
+    assert_eq!(status, 200, "{v}");
+
+    let body =
+        json!({"model": "general-chat", "messages": user_msg("second question"), "session_id": id, "max_tokens": 20});
+    let send = || {
+        client()
+            .post(format!("{}/v1/chat/completions", gw.base_url))
+            .bearer_auth(DEMO_KEY)
+            .header("Idempotency-Key", "turn-2")
+            .json(&body)
+            .send()
+    };
+    let before = fake.requests();
+    let first = send().await.unwrap();
+    assert_eq!(first.status().as_u16(), 200);
+    let first: Value = first.json().await.unwrap();
+    let again = send().await.unwrap();
+    let status = again.status().as_u16();
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(first["edge"]["task_id"], again["edge"]["task_id"], "{first}\n{again}");
+    assert_eq!(fake.requests() - before, 1, "the engine saw one call for the turn");
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!(v["message_count"], 4, "{v}");
+    gw.stop().await;
+}

@@ -13,8 +13,6 @@
 //! summary, knowledge passages, tool results, the per-segment budgets and
 //! the trimming ladder, untrusted-content fencing.
 
-use sha2::{Digest, Sha256};
-
 use super::sessions::HistoryMessage;
 use crate::task::{ChatMessage, TaskRequest};
 
@@ -29,7 +27,8 @@ pub struct Assembled {
 
 /// Puts `history` (oldest first) into `req`'s prompt as far as it fits
 /// `context_tokens` beside the request and its output budget, and updates
-/// the request's estimate and prompt digest to the assembled prompt.
+/// the request's estimate to the assembled prompt (not its digest: see
+/// the body).
 pub fn assemble(req: &mut TaskRequest, history: &[HistoryMessage], context_tokens: u32) -> Assembled {
     let own = super::estimate_tokens(&req.messages);
     let mut room = context_tokens.saturating_sub(own).saturating_sub(req.max_output_tokens);
@@ -49,7 +48,9 @@ pub fn assemble(req: &mut TaskRequest, history: &[HistoryMessage], context_token
         req.messages.extend(window);
         req.messages.extend(rest);
         req.input_tokens_estimate = super::estimate_tokens(&req.messages);
-        req.prompt_sha256 = hex::encode(Sha256::digest(serde_json::to_vec(&req.messages).unwrap_or_default()));
+        // `prompt_sha256` stays the digest of the caller's own messages: it
+        // is what an idempotency key is judged on, and a repeat of this
+        // call would assemble another prompt (this turn's answer in it).
     }
     Assembled { turns_used: history.len() - first, turns_left_out: first }
 }
@@ -126,7 +127,7 @@ mod tests {
             .collect();
         assert_eq!(roles_and_text(&req), want);
         assert_eq!(req.input_tokens_estimate, crate::context::estimate_tokens(&req.messages));
-        assert_eq!(req.prompt_sha256.len(), 64);
+        assert_eq!(req.prompt_sha256, "", "the caller's digest is kept");
     }
 
     #[test]
