@@ -423,3 +423,56 @@ async fn a_repeated_turn_with_its_idempotency_key_joins_the_first() {
     assert_eq!(v["message_count"], 4, "{v}");
     gw.stop().await;
 }
+
+/// A turn that ends in tool calls keeps the calls with its answer, and the
+/// next call's tool result is kept after them: the engine's prompt of the
+/// turn after holds user → assistant{tool_calls} → tool → assistant → user,
+/// here and after a restart (the calls and the result's id are stored).
+#[tokio::test]
+async fn a_turn_ending_in_tool_calls_keeps_the_calls_and_the_next_tool_result() {
+    const ARGS: &str = r#"{"city":"Oslo"}"#;
+    let knobs = Knobs { tool_calls: vec![("get_weather".into(), ARGS.into())], ..Knobs::default() };
+    let fake = FakeEngine::start_with(knobs).await;
+    let dir = TempDir::new("edgeway-sessions");
+    let text = edit("", true)(config_toml(&fake.url(), "openai", &dir.0, ""))
+        .replace("health_interval_ms = 100\n", "health_interval_ms = 100\ntools = true\n");
+    let load = || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    let body = json!({"model": "general-chat", "session_id": id, "max_tokens": 20, "tools": tools,
+        "messages": user_msg("Weather in Oslo?")});
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    let status = resp.status().as_u16();
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    let call_id = v["choices"][0]["message"]["tool_calls"][0]["id"].as_str().unwrap().to_string();
+
+    let result = json!([{"role": "tool", "tool_call_id": call_id, "content": "sunny"}]);
+    let (status, v) = turn(&gw, DEMO_KEY, None, &id, result).await;
+    assert_eq!(status, 200, "{v}");
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+
+    let want = json!([
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "thanks"},
+    ]);
+    let (status, v) = turn(&gw, DEMO_KEY, None, &id, user_msg("thanks")).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(fake.last_request().unwrap()["messages"], want);
+    gw.stop().await;
+
+    // The same history after a restart, read back from the file.
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let (status, v) = turn(&gw, DEMO_KEY, None, &id, user_msg("thanks")).await;
+    assert_eq!(status, 200, "{v}");
+    let sent = fake.last_request().unwrap()["messages"].clone();
+    assert_eq!(sent.as_array().unwrap()[..4], want.as_array().unwrap()[..4], "{sent}");
+    gw.stop().await;
+}

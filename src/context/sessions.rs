@@ -487,6 +487,7 @@ impl Sessions {
         self: &Arc<Self>,
         owner: &Owner,
         id: &str,
+        new_messages: usize,
         new_tokens: u32,
         wait: Duration,
     ) -> Result<TurnLease, GatewayError> {
@@ -505,7 +506,8 @@ impl Sessions {
         let s = self.find(owner, id)?;
         {
             let st = s.state.lock().expect("session state");
-            if st.history.len() as u64 + 2 > u64::from(st.limits.max_messages) {
+            // The new messages and the answer.
+            if (st.history.len() + new_messages) as u64 + 1 > u64::from(st.limits.max_messages) {
                 return Err(GatewayError::new(
                     ErrorCode::SessionMessageLimit,
                     format!("session '{id}' holds {} messages; at most {}", st.history.len(), st.limits.max_messages),
@@ -541,7 +543,7 @@ impl Sessions {
                     session_id: s.id.clone(),
                     seq,
                     role: m.role.clone(),
-                    content: m.content.to_string(),
+                    content: stored_content(&m),
                     tokens,
                     task_id: Some(task_id.to_string()),
                     at_ms: now,
@@ -557,8 +559,16 @@ impl Sessions {
     }
 }
 
-/// The messages' text parts with the application's patterns replaced.
+/// The messages' text parts (and the arguments of an answer's tool
+/// calls) with the application's patterns replaced.
 fn redact_message(r: &Redactor, app: &str, m: &mut ChatMessage) {
+    if let Some(Value::Array(calls)) = m.extra.get_mut("tool_calls") {
+        for c in calls {
+            if let Some(Value::String(a)) = c.pointer_mut("/function/arguments") {
+                *a = r.redact(app, a);
+            }
+        }
+    }
     match &mut m.content {
         Value::String(t) => *t = r.redact(app, t),
         Value::Array(parts) => {
@@ -572,19 +582,40 @@ fn redact_message(r: &Redactor, app: &str, m: &mut ChatMessage) {
     }
 }
 
+/// A message's `content` column: the content as JSON (a string, parts or
+/// null), or, for a message with other fields (an answer's `tool_calls`, a
+/// tool result's `tool_call_id`), an object of the content and those
+/// fields. A chat message's content is never an object, so the two cannot
+/// be confused.
+fn stored_content(m: &ChatMessage) -> String {
+    if m.extra.is_empty() {
+        return m.content.to_string();
+    }
+    let mut o = m.extra.clone();
+    o.insert("content".into(), m.content.clone());
+    Value::Object(o).to_string()
+}
+
+/// A message read back from its row (see [`stored_content`]).
+fn stored_message(role: &str, content: &str) -> ChatMessage {
+    match serde_json::from_str(content) {
+        Ok(Value::Object(mut extra)) => {
+            let content = extra.remove("content").unwrap_or(Value::Null);
+            ChatMessage { role: role.to_string(), content, extra }
+        }
+        Ok(v) => ChatMessage { role: role.to_string(), content: v, extra: Map::new() },
+        Err(_) => {
+            ChatMessage { role: role.to_string(), content: Value::String(content.to_string()), extra: Map::new() }
+        }
+    }
+}
+
 fn from_stored(s: StoredSession) -> Session {
     let r = s.row;
     let history: Vec<HistoryMessage> = s
         .messages
         .iter()
-        .map(|m| HistoryMessage {
-            message: ChatMessage {
-                role: m.role.clone(),
-                content: serde_json::from_str(&m.content).unwrap_or(Value::String(m.content.clone())),
-                extra: Map::new(),
-            },
-            tokens: m.tokens,
-        })
+        .map(|m| HistoryMessage { message: stored_message(&m.role, &m.content), tokens: m.tokens })
         .collect();
     let memory = s
         .memory
@@ -642,12 +673,33 @@ impl TurnLease {
     /// Ends the turn: appends the user's messages and the answer when the
     /// task `succeeded` (or when `[sessions] append_failed_turns`), then
     /// lets the next turn in.
-    pub fn finish(self, user: Vec<ChatMessage>, answer: String, succeeded: bool, task_id: &str) {
+    /// `calls` are the answer's tool calls (id, name, arguments), kept
+    /// with it in the OpenAI form so that the tool results of the next turn
+    /// follow the calls they answer.
+    pub fn finish(
+        self,
+        user: Vec<ChatMessage>,
+        answer: String,
+        calls: Vec<(String, String, String)>,
+        succeeded: bool,
+        task_id: &str,
+    ) {
         if !(succeeded || self.sessions.rules().cfg.append_failed_turns) {
             return;
         }
         let mut messages = user;
-        messages.push(ChatMessage { role: "assistant".into(), content: Value::String(answer), extra: Map::new() });
+        let mut extra = Map::new();
+        if !calls.is_empty() {
+            let calls = calls
+                .into_iter()
+                .map(|(id, name, arguments)| {
+                    serde_json::json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+                })
+                .collect();
+            extra.insert("tool_calls".into(), Value::Array(calls));
+        }
+        let content = if answer.is_empty() && !extra.is_empty() { Value::Null } else { Value::String(answer) };
+        messages.push(ChatMessage { role: "assistant".into(), content, extra });
         self.sessions.append(&self.session, messages, task_id);
     }
 }

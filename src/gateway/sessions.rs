@@ -26,8 +26,9 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, GatewayError>
 /// A session turn begun for a call, until its task is queued.
 pub(super) struct Turn {
     lease: TurnLease,
-    /// The call's own new messages (its last user message), appended with
-    /// the answer when the turn ends well.
+    /// The call's own new messages (after its last assistant message: the
+    /// user's question, tool results), appended with the answer when the
+    /// turn ends well.
     user: Vec<ChatMessage>,
 }
 
@@ -88,10 +89,19 @@ impl Gateway {
             return Err(GatewayError::invalid("'session_id' applies to chat calls only"));
         }
         let owner = Owner::of(&req.identity, None)?;
-        let user: Vec<ChatMessage> =
-            req.messages.iter().rev().find(|m| m.role == "user").cloned().into_iter().collect();
+        // The call's new messages: those after its last assistant message
+        // (a caller may resend the answer its tool results follow), the
+        // user's question or the tool results of the session's last answer,
+        // without its system and developer messages, which are the call's
+        // own instructions and are not kept.
+        let start = req.messages.iter().rposition(|m| m.role == "assistant").map_or(0, |i| i + 1);
+        let user: Vec<ChatMessage> = req.messages[start..]
+            .iter()
+            .filter(|m| !matches!(m.role.as_str(), "system" | "developer"))
+            .cloned()
+            .collect();
         let new_tokens = user.iter().map(crate::context::estimate_message).sum();
-        let lease = self.sessions.begin_turn(&owner, &id, new_tokens, req.timeouts.queue).await?;
+        let lease = self.sessions.begin_turn(&owner, &id, user.len(), new_tokens, req.timeouts.queue).await?;
         if let Some(model) = self.config().models.get(&req.logical_model) {
             let done = assembly::assemble(req, &lease.history(), model.context_tokens);
             tracing::debug!(session = %id, used = done.turns_used, left_out = done.turns_left_out, "session turns in the prompt");
@@ -109,18 +119,23 @@ impl Gateway {
         tokio::spawn(async move {
             let mut answer = String::new();
             let mut succeeded = false;
+            let mut calls = Vec::new();
             while let Some((_, ev)) = events.recv().await {
                 match ev {
                     TaskEvent::Delta { text } => answer.push_str(&text),
                     TaskEvent::Done(m) => {
                         succeeded = m.status == TaskState::Succeeded;
+                        // The calls whole, as the next turn's tool results
+                        // answer them (their ids).
+                        calls =
+                            m.tool_calls.iter().map(|c| (c.id.clone(), c.name.clone(), c.arguments.clone())).collect();
                         break;
                     }
                     TaskEvent::Error { .. } => break,
                     _ => {}
                 }
             }
-            turn.lease.finish(turn.user, answer, succeeded, &task_id);
+            turn.lease.finish(turn.user, answer, calls, succeeded, &task_id);
         });
     }
 }

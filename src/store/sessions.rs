@@ -81,7 +81,9 @@ pub struct SessionRow {
 }
 
 /// One message of a session's history. `content` is the message content
-/// as JSON text (a string or content parts), after redaction.
+/// as JSON text (a string, content parts or null), after redaction; for a
+/// message with other fields (an answer's `tool_calls`, a tool result's
+/// `tool_call_id`) a JSON object of those fields and `content`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MessageRow {
     pub session_id: String,
