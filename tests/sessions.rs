@@ -476,3 +476,22 @@ async fn a_turn_ending_in_tool_calls_keeps_the_calls_and_the_next_tool_result() 
     assert_eq!(sent.as_array().unwrap()[..4], want.as_array().unwrap()[..4], "{sent}");
     gw.stop().await;
 }
+
+/// However many users an application names, it holds at most
+/// `max_per_application` sessions, and the gateway `max_sessions` in all.
+#[tokio::test]
+async fn sessions_are_bounded_per_application_and_in_all() {
+    let (_fake, gw) = gateway("max_per_application = 3\nmax_sessions = 4", true).await;
+    for u in ["u1", "u2", "u3"] {
+        create(&gw, DEMO_KEY, Some(u), json!({})).await;
+    }
+    let (status, v) = call(&gw, reqwest::Method::POST, "/v1/sessions", DEMO_KEY, Some("u4"), Some(json!({}))).await;
+    assert_eq!((status, error_code(&v)), (409, "SESSION_LIMIT"), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("application"), "{v}");
+
+    create(&gw, OTHER_KEY, Some("u1"), json!({})).await;
+    let (status, v) = call(&gw, reqwest::Method::POST, "/v1/sessions", OTHER_KEY, Some("u2"), Some(json!({}))).await;
+    assert_eq!((status, error_code(&v)), (409, "SESSION_LIMIT"), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("gateway"), "{v}");
+    gw.stop().await;
+}

@@ -188,6 +188,10 @@ pub struct SessionsConfig {
     pub max_tokens: u64,
     /// Live sessions one user of one application may hold.
     pub max_per_user: usize,
+    /// Live sessions all the users of one application may hold together.
+    pub max_per_application: usize,
+    /// Live sessions the gateway holds in all (they are all in memory).
+    pub max_sessions: usize,
     /// Memory entries one session may hold.
     pub max_memory_entries: usize,
     /// Append a turn that ended failed, cancelled or timed out as well
@@ -203,6 +207,8 @@ impl Default for SessionsConfig {
             max_messages: 200,
             max_tokens: 200_000,
             max_per_user: 100,
+            max_per_application: 10_000,
+            max_sessions: 100_000,
             max_memory_entries: 100,
             append_failed_turns: false,
         }

@@ -223,6 +223,8 @@ pub struct RawSessions {
     pub max_messages: u32,
     pub max_tokens: u64,
     pub max_per_user: usize,
+    pub max_per_application: usize,
+    pub max_sessions: usize,
     pub max_memory_entries: usize,
     pub append_failed_turns: bool,
 }
@@ -235,6 +237,8 @@ impl Default for RawSessions {
             max_messages: 200,
             max_tokens: 200_000,
             max_per_user: 100,
+            max_per_application: 10_000,
+            max_sessions: 100_000,
             max_memory_entries: 100,
             append_failed_turns: false,
         }

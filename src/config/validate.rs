@@ -150,6 +150,8 @@ fn sessions(s: super::raw::RawSessions, p: &mut Problems) -> super::SessionsConf
     for (key, v) in [
         ("max_tokens", s.max_tokens),
         ("max_per_user", s.max_per_user as u64),
+        ("max_per_application", s.max_per_application as u64),
+        ("max_sessions", s.max_sessions as u64),
         ("max_memory_entries", s.max_memory_entries as u64),
     ] {
         if v == 0 {
@@ -162,6 +164,8 @@ fn sessions(s: super::raw::RawSessions, p: &mut Problems) -> super::SessionsConf
         max_messages: s.max_messages,
         max_tokens: s.max_tokens,
         max_per_user: s.max_per_user,
+        max_per_application: s.max_per_application,
+        max_sessions: s.max_sessions,
         max_memory_entries: s.max_memory_entries,
         append_failed_turns: s.append_failed_turns,
     }

@@ -5,8 +5,8 @@
 //! it exists).
 //!
 //! Owns: the live sessions (all of them are held here, in memory), their
-//! limits (lifetime, idle expiry, messages, tokens, sessions per user,
-//! memory entries), the raw history of each (the turns that ended well,
+//! limits (lifetime, idle expiry, messages, tokens, sessions per user, per
+//! application and in all, memory entries), the sweep of expired ones, the raw history of each (the turns that ended well,
 //! redacted by the application's rules before anything is kept), the
 //! long-term memory entries written through the API, and the one-turn-at-
 //! a-time rule of a session ([`TurnLease`]).
@@ -335,6 +335,22 @@ impl Sessions {
                 format!("this user already holds {held} sessions, the most allowed; delete one first"),
             ));
         }
+        // Any caller may name any user (`x-user-id`): the application's
+        // and the gateway's own bounds hold whatever users it names.
+        let of_app =
+            map.values().filter(|s| s.owner.tenant == owner.tenant && s.owner.application == owner.application).count();
+        if of_app >= c.max_per_application {
+            return Err(GatewayError::new(
+                ErrorCode::SessionLimit,
+                format!("this application already holds {of_app} sessions, the most allowed; delete one first"),
+            ));
+        }
+        if map.len() >= c.max_sessions {
+            return Err(GatewayError::new(
+                ErrorCode::SessionLimit,
+                format!("the gateway holds {} sessions, the most allowed; try again later", map.len()),
+            ));
+        }
         let session = Session {
             id: format!("sess_{}", uuid::Uuid::now_v7().simple()),
             owner,
@@ -360,6 +376,29 @@ impl Sessions {
         let view = session.view();
         map.insert(session.id.clone(), Arc::new(session));
         Ok(view)
+    }
+
+    /// Drops expired sessions from memory, now (see [`Sessions::sweep_every`]).
+    pub fn sweep_expired(&self) {
+        let mut map = self.by_id.lock().expect("sessions");
+        self.sweep(&mut map, now_ms());
+    }
+
+    /// Sweeps expired sessions every `period` for as long as `sessions`
+    /// lives, so that memory is freed without waiting for a create or a
+    /// list. Needs a Tokio runtime.
+    pub fn sweep_every(sessions: &Arc<Sessions>, period: Duration) {
+        let weak = Arc::downgrade(sessions);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(s) = weak.upgrade() else { return };
+                s.sweep_expired();
+            }
+        });
     }
 
     /// Drops expired sessions from memory (the store's retention pass

@@ -182,6 +182,9 @@ const STORE_RETRY_AFTER_MS: u64 = 5000;
 /// How long a caller refused during a drain is told to wait (the restart).
 const DRAIN_RETRY_AFTER_MS: u64 = 5000;
 
+/// How often expired sessions are swept from memory.
+const SESSION_SWEEP: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The error for a write the store could not make durable.
 pub(crate) fn store_failed(e: StoreError) -> GatewayError {
     tracing::error!(error = %e, "a write the caller waits for failed");
@@ -191,6 +194,17 @@ pub(crate) fn store_failed(e: StoreError) -> GatewayError {
 
 impl Gateway {
     pub fn new(p: Parts) -> Gateway {
+        let sessions = Arc::new(crate::context::sessions::Sessions::new(
+            p.config.sessions.clone(),
+            p.store.clone(),
+            crate::context::redact::Redactor::from_config(&p.config),
+        ));
+        // Expired sessions leave memory within a minute even when nobody
+        // creates or lists one (a facade built outside a runtime, in a unit
+        // test, sweeps on access only).
+        if tokio::runtime::Handle::try_current().is_ok() {
+            crate::context::sessions::Sessions::sweep_every(&sessions, SESSION_SWEEP);
+        }
         Gateway {
             reloads: reload::Reloads::new(&p.metrics),
             config: std::sync::RwLock::new(p.config.clone()),
@@ -206,11 +220,7 @@ impl Gateway {
             draining: AtomicBool::new(false),
             ingress_faults: Default::default(),
             admitting: Admissions::default(),
-            sessions: Arc::new(crate::context::sessions::Sessions::new(
-                p.config.sessions.clone(),
-                p.store.clone(),
-                crate::context::redact::Redactor::from_config(&p.config),
-            )),
+            sessions,
         }
     }
 
