@@ -495,3 +495,44 @@ async fn sessions_are_bounded_per_application_and_in_all() {
     assert!(v["error"]["message"].as_str().unwrap().contains("gateway"), "{v}");
     gw.stop().await;
 }
+
+/// A canned answer (every engine down) is not the model's turn: it reaches
+/// the caller but is not appended, even with `append_failed_turns`.
+#[tokio::test]
+async fn a_canned_answer_is_not_appended() {
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine_edit(
+        &fake.url(),
+        "openai",
+        "canned_answer = \"Busy; call the desk.\"",
+        edit("append_failed_turns = true", true),
+    )
+    .await;
+    gw.wait_ready().await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    assert_eq!(turn(&gw, DEMO_KEY, None, &id, user_msg("first")).await.0, 200);
+    fake.set(|k| k.healthy = false);
+    instance_up(&gw, false).await;
+    let (status, v) = turn(&gw, DEMO_KEY, None, &id, user_msg("second")).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "Busy; call the desk.");
+    // The next turn of the session waits for this one to end: once it
+    // has answered, the canned turn has been judged.
+    fake.set(|k| k.healthy = true);
+    instance_up(&gw, true).await;
+    assert_eq!(turn(&gw, DEMO_KEY, None, &id, user_msg("third")).await.0, 200);
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!(v["message_count"], 4, "{v}");
+    assert!(!stored_text(&gw).await.contains("Busy"), "the canned text is not kept");
+    gw.stop().await;
+}
+
+/// Waits until the scheduler has the instance `fake` in dispatch (`up`) or
+/// out of it (its health checks run every 100 ms).
+async fn instance_up(gw: &TestGateway, up: bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !gw.scheduler().snapshot().await.unwrap().instances.iter().any(|i| i.name == "fake" && i.up == up) {
+        assert!(tokio::time::Instant::now() < deadline, "fake never became up={up}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -11,7 +11,7 @@ use crate::context::assembly;
 use crate::context::sessions::{CreateSession, MemoryEntry, MemoryWrite, Owner, SessionView, TurnLease};
 use crate::error::GatewayError;
 use crate::scheduler::TaskStream;
-use crate::task::{ChatMessage, Identity, Operation, TaskEvent, TaskRequest, TaskState};
+use crate::task::{ChatMessage, FallbackStep, Identity, Operation, TaskEvent, TaskRequest, TaskState};
 
 use super::Gateway;
 
@@ -124,6 +124,12 @@ impl Gateway {
                 match ev {
                     TaskEvent::Delta { text } => answer.push_str(&text),
                     TaskEvent::Done(m) => {
+                        // A canned answer (no engine could take the call)
+                        // is not the model's turn: nothing is appended,
+                        // whatever `append_failed_turns` says.
+                        if m.route.hops.last().is_some_and(|h| h.step == FallbackStep::Canned) {
+                            return;
+                        }
                         succeeded = m.status == TaskState::Succeeded;
                         // The calls whole, as the next turn's tool results
                         // answer them (their ids).
