@@ -458,6 +458,12 @@ impl Sessions {
         }
         let s = self.find(owner, id)?;
         let rules = self.rules();
+        // Held across the write, as in `append`: a delete between `find`
+        // and the write must not be followed by a row nothing purges.
+        let map = self.by_id.lock().expect("sessions");
+        if !map.get(id).is_some_and(|live| Arc::ptr_eq(live, &s)) {
+            return Err(not_found(id));
+        }
         let mut st = s.state.lock().expect("session state");
         if !st.memory.contains_key(&w.key) && st.memory.len() >= rules.cfg.max_memory_entries {
             return Err(GatewayError::new(
