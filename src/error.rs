@@ -47,13 +47,16 @@ pub enum ErrorCode {
     SessionTokenLimit,
     /// The caller holds its maximum number of sessions.
     SessionLimit,
+    /// Another turn of the session was still running when the call's
+    /// queue timeout passed (turns of a session run one at a time).
+    SessionBusy,
     /// A configuration reload was refused (invalid file, or a change that
     /// needs a restart); the configuration in force stays.
     ConfigInvalid,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 25] = [
+    pub const ALL: [ErrorCode; 26] = [
         ErrorCode::AuthFailed,
         ErrorCode::PermissionDenied,
         ErrorCode::RateLimited,
@@ -78,6 +81,7 @@ impl ErrorCode {
         ErrorCode::SessionMessageLimit,
         ErrorCode::SessionTokenLimit,
         ErrorCode::SessionLimit,
+        ErrorCode::SessionBusy,
         ErrorCode::ConfigInvalid,
     ];
 
@@ -107,6 +111,7 @@ impl ErrorCode {
             ErrorCode::SessionMessageLimit => "SESSION_MESSAGE_LIMIT",
             ErrorCode::SessionTokenLimit => "SESSION_TOKEN_LIMIT",
             ErrorCode::SessionLimit => "SESSION_LIMIT",
+            ErrorCode::SessionBusy => "SESSION_BUSY",
             ErrorCode::ConfigInvalid => "CONFIG_INVALID",
         }
     }
@@ -135,7 +140,10 @@ impl ErrorCode {
             ErrorCode::InternalError => 500,
             ErrorCode::SessionNotFound => 404,
             ErrorCode::SessionExpired => 410,
-            ErrorCode::SessionMessageLimit | ErrorCode::SessionTokenLimit | ErrorCode::SessionLimit => 409,
+            ErrorCode::SessionMessageLimit
+            | ErrorCode::SessionTokenLimit
+            | ErrorCode::SessionLimit
+            | ErrorCode::SessionBusy => 409,
         }
     }
 
@@ -152,6 +160,7 @@ impl ErrorCode {
             | ErrorCode::SessionMessageLimit
             | ErrorCode::SessionTokenLimit
             | ErrorCode::SessionLimit
+            | ErrorCode::SessionBusy
             | ErrorCode::ConfigInvalid => "invalid_request_error",
             ErrorCode::QueueFull
             | ErrorCode::QueueTimeout
@@ -174,6 +183,7 @@ impl ErrorCode {
             ErrorCode::RateLimited
                 | ErrorCode::QueueFull
                 | ErrorCode::QueueTimeout
+                | ErrorCode::SessionBusy
                 | ErrorCode::ModelUnavailable
                 | ErrorCode::ResourceExhausted
                 | ErrorCode::FirstTokenTimeout

@@ -536,3 +536,30 @@ async fn instance_up(gw: &TestGateway, up: bool) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A call that waits past its `queue_ms` for another turn of its session
+/// is refused `SESSION_BUSY` (it never was in a queue).
+#[tokio::test]
+async fn a_turn_waiting_past_its_queue_timeout_for_another_is_session_busy() {
+    let (fake, gw) = gateway("", true).await;
+    fake.set(|k| k.token_delay = Duration::from_millis(100));
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    let slow = turn(&gw, DEMO_KEY, None, &id, user_msg("slow"));
+    let busy = async {
+        // The first turn holds the session once its engine call runs.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while fake.active() == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the first turn never ran");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let body = json!({"model": "general-chat", "messages": user_msg("impatient"), "session_id": id,
+            "max_tokens": 20, "timeouts": {"queue_ms": 50}});
+        let resp = post_chat(&gw, DEMO_KEY, &body).await;
+        let status = resp.status().as_u16();
+        (status, resp.json::<Value>().await.unwrap())
+    };
+    let (a, b) = tokio::join!(slow, busy);
+    assert_eq!(a.0, 200, "{}", a.1);
+    assert_eq!((b.0, error_code(&b.1)), (409, "SESSION_BUSY"), "{}", b.1);
+    gw.stop().await;
+}

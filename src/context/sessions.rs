@@ -541,8 +541,8 @@ impl Sessions {
             Ok(g) => g,
             Err(_) => {
                 return Err(GatewayError::new(
-                    ErrorCode::QueueTimeout,
-                    format!("another turn of session '{id}' was still running"),
+                    ErrorCode::SessionBusy,
+                    format!("another turn of session '{id}' was still running; try again when it has ended"),
                 ))
             }
         };

@@ -412,6 +412,11 @@ impl Gateway {
         // (a repeat is not a new turn) and before the task is recorded, so
         // that its record holds the prompt as assembled.
         let turn = self.begin_turn(&mut req).await.map_err(refuse)?;
+        // The turn may have waited for the one before: a drain begun
+        // meanwhile refuses it as it refuses any new work.
+        if let Some(e) = self.closed_to_new_work() {
+            return Err(self.refused(ingress, e));
+        }
         self.recorder.received(&req);
         let admitted = match &retry_of {
             // The record links the new run to the one whose end it retries.
