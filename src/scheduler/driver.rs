@@ -111,6 +111,9 @@ struct Progress {
     /// Inputs of an embedding list answered so far (in order): a retry or
     /// a preempted task goes on from here.
     embeddings_done: usize,
+    /// The logical model that answered them: the rest of the list must
+    /// come from the same model (one vector space, one dimension).
+    embeddings_model: Option<String>,
     hops: Vec<RouteHop>,
     /// The logical model and step that answered (or last tried).
     model: Option<String>,
@@ -244,6 +247,20 @@ impl Driver {
                 Ok(lease) => lease,
                 Err(outcome) => return outcome,
             };
+            // A part-answered embedding list is pinned to its model
+            // (`Cmd::Requeue::pinned`); should a slot of another model come
+            // anyway (a step taken while it waited), the task fails rather
+            // than mixing vectors of two models in one answer.
+            if p.embeddings_done > 0 && p.embeddings_model.as_deref().is_some_and(|m| m != lease.model) {
+                let reason = format!(
+                    "{} of the inputs were answered by '{}'; '{}' cannot answer the rest",
+                    p.embeddings_done,
+                    p.embeddings_model.as_deref().unwrap_or_default(),
+                    lease.model
+                );
+                let e = GatewayError::new(ErrorCode::ModelUnavailable, reason.clone()).with_retry_after(1000);
+                return Outcome { error: Some((e, "scheduler")), reason };
+            }
             // The same instance again after a failure: back off first.
             let tries_here = failed_on.iter().filter(|&&i| i == lease.instance).count() as u32;
             if tries_here > 0 {
@@ -287,7 +304,7 @@ impl Driver {
                         p.attempts, lease.instance_name, error.reason
                     );
                     tracing::info!(task_id = %r.task_id, engine = %lease.instance_name, error = %error.reason, "engine attempt failed before the first token; retrying");
-                    grant = self.requeue(lease, Some(instance), &reason);
+                    grant = self.requeue(lease, Some(instance), p.embeddings_done > 0, &reason);
                 }
                 AttemptEnd::Preempted => {
                     // Which task took the slot is for the logs: it may be
@@ -300,7 +317,7 @@ impl Driver {
                         h.reason = format!("{}; preempted for a P0 task", h.reason);
                     }
                     let reason = format!("preempted on {} for a P0 task", lease.instance_name);
-                    grant = self.requeue(lease, None, &reason);
+                    grant = self.requeue(lease, None, p.embeddings_done > 0, &reason);
                 }
             }
             // A re-queued task waits within its total time limit only.
@@ -354,7 +371,13 @@ impl Driver {
 
     /// Gives the slot back and puts the task at the front of its queue
     /// again, recording why; returns where its next slot will come.
-    fn requeue(&self, mut lease: SlotLease, avoid: Option<usize>, reason: &str) -> oneshot::Receiver<SlotGrant> {
+    fn requeue(
+        &self,
+        mut lease: SlotLease,
+        avoid: Option<usize>,
+        pinned: bool,
+        reason: &str,
+    ) -> oneshot::Receiver<SlotGrant> {
         let r = &self.req;
         self.shared.recorder.transition(r, TaskState::Queued, reason, Some(&lease.instance_name), "scheduler");
         self.preempt.reset();
@@ -363,6 +386,7 @@ impl Driver {
         let _ = self.tx.send(Cmd::Requeue {
             task_id: r.task_id.clone(),
             avoid,
+            pinned,
             grant: tx,
             log: self.log.clone(),
             preempt: self.preempt.clone(),
@@ -707,6 +731,7 @@ impl Driver {
             match &r.operation {
                 Operation::Embedding { input, .. } => {
                     p.embeddings_done = offset as usize + count;
+                    p.embeddings_model.get_or_insert_with(|| lease.model.clone());
                     if p.embeddings_done >= input.len() {
                         break;
                     }

@@ -225,6 +225,11 @@ enum Cmd {
     Requeue {
         task_id: String,
         avoid: Option<usize>,
+        /// An embedding list that has answered inputs already: a failed
+        /// attempt is not moved to another model of the chain (its vectors
+        /// would mix two vector spaces), only to another instance of its
+        /// model or the same one again.
+        pinned: bool,
         grant: oneshot::Sender<SlotGrant>,
         log: TaskLog,
         preempt: Arc<Preempt>,
@@ -880,7 +885,7 @@ impl Actor {
                 }
                 let _ = reply.send(result);
             }
-            Cmd::Requeue { task_id, avoid, grant, log, preempt } => {
+            Cmd::Requeue { task_id, avoid, pinned, grant, log, preempt } => {
                 let now = self.now();
                 self.running.remove(&task_id);
                 // A preemption asked after the driver gave its slot up
@@ -895,7 +900,7 @@ impl Actor {
                 // A failed attempt with no other instance of its step left
                 // to try: the next step of the chain, if one can take it
                 // (else the same instance again, after the driver's back-off).
-                if avoid.is_some() && !self.policy.has_fresh_candidate(&task_id) {
+                if avoid.is_some() && !pinned && !self.policy.has_fresh_candidate(&task_id) {
                     let detail = "an attempt failed before its first token and no other instance of the step serves";
                     let requested = self.policy.waiting_requested(&task_id).map(|r| self.model_name(r).to_string());
                     if let Some(a) = self.policy.reroute(&task_id, now, "failed", detail) {
