@@ -531,3 +531,32 @@ async fn an_mqtt_device_removed_at_reload_is_disconnected_and_its_requests_never
     assert_eq!(runs(), before + 1, "only the kept device's request ran");
     r.gw.stop().await;
 }
+
+/// `general-chat` on two instances of the one fake engine.
+fn two_instances(t: String) -> String {
+    let fake = t.find("[engines.fake]").unwrap();
+    let end = t.find("[models.general-chat]").unwrap();
+    let second = t[fake..end].replace("[engines.fake]", "[engines.fake2]");
+    let t = format!("{}{second}{}", &t[..end], &t[end..]);
+    t.replace("instances = [\"fake\"]", "instances = [\"fake\", \"fake2\"]")
+}
+
+/// Review 13 MEDIUM-1: the driver told the gateway's own first-token
+/// limit from a caller's by the start-up default; after a reload lowered
+/// the default, every first-token timeout counted as the caller's own
+/// short limit, so a hung engine was never retried elsewhere (nor its
+/// breaker told).
+#[tokio::test]
+async fn a_first_token_default_lowered_at_reload_still_retries_a_hung_engine_elsewhere() {
+    let knobs = Knobs { first_token_delay: Duration::from_secs(2), ..Knobs::default() };
+    let r = Reloadable::start_edited(knobs, "[timeouts]\nfirst_token_ms = 30000\n", two_instances).await;
+    r.write(&two_instances(config_toml(&r.engine.url(), "openai", &r.dir.0, "[timeouts]\nfirst_token_ms = 300\n")));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, v) = r.chat(DEMO_KEY).await;
+    assert_ne!(status, 200);
+    assert_eq!(error_code(&v), "FIRST_TOKEN_TIMEOUT", "{v}");
+    let sent = r.engine.stats.requests.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(sent >= 2, "the timed-out attempt was retried (on the other instance): {sent} engine request(s)");
+    r.gw.stop().await;
+}

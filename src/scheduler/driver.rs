@@ -515,7 +515,10 @@ impl Driver {
         // time out the same (each retry counted failed would open every
         // embedding instance's breaker).
         let embedding = matches!(r.operation, Operation::Embedding { .. });
-        let own_limit = t.first_token >= self.shared.config.timeouts.first_token && !embedding;
+        // The default in force now (a reload may have changed it), not the
+        // one of the start-up configuration.
+        let default_first_token = self.shared.first_token_default();
+        let own_limit = t.first_token >= default_first_token && !embedding;
         let first_token_timeout = |d: tokio::time::Instant, raw: tokio::time::Instant| -> AttemptEnd {
             let outcome = deadline_code(d, Some(raw));
             if own_limit && d == raw && d != total_deadline {
@@ -691,6 +694,13 @@ impl Driver {
                                 self.first_token(p, lease, call_start);
                             } else {
                                 router.attempt_ended(lease.instance, Attempt::Success { ttft: call_start.elapsed() });
+                                if calls == 1 {
+                                    // A retried or preempted list was charged
+                                    // its prefill again at its new grant (the
+                                    // long-prompt lane): released at this
+                                    // attempt's first vector, as at the first.
+                                    let _ = self.tx.send(Cmd::Prefilled { task_id: r.task_id.clone() });
+                                }
                             }
                             answered = true;
                         }

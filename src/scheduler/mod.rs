@@ -333,6 +333,10 @@ pub struct QueueSnapshot {
 
 struct Shared {
     config: Arc<Config>,
+    /// `[timeouts] first_token` of the configuration in force, ms (a
+    /// reload changes it: [`SchedulerHandle::set_limits`]): the driver
+    /// tells the gateway's own first-token limit from a caller's by it.
+    first_token_default_ms: std::sync::atomic::AtomicU64,
     router: Arc<Router>,
     recorder: Recorder,
     metrics: Arc<Metrics>,
@@ -340,6 +344,13 @@ struct Shared {
     shutdown: CancellationToken,
     /// Live and recently ended tasks.
     registry: Registry,
+}
+
+impl Shared {
+    /// `[timeouts] first_token` in force now.
+    fn first_token_default(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.first_token_default_ms.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 /// The way into the scheduler. Cheap to clone.
@@ -421,6 +432,7 @@ pub fn start(
     });
     let shared = Arc::new(Shared {
         config: config.clone(),
+        first_token_default_ms: (config.timeouts.first_token.as_millis() as u64).into(),
         router: router.clone(),
         recorder,
         metrics: metrics.clone(),
@@ -772,6 +784,9 @@ impl SchedulerHandle {
             busy_retry_after_ms: config.scheduler.busy_retry_after_ms,
         };
         let _ = self.tx.send(Cmd::Limits { limits, retired });
+        self.shared
+            .first_token_default_ms
+            .store(config.timeouts.first_token.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Returns once the instance named `instance` runs no task (at once if
