@@ -560,3 +560,27 @@ async fn a_first_token_default_lowered_at_reload_still_retries_a_hung_engine_els
     assert!(sent >= 2, "the timed-out attempt was retried (on the other instance): {sent} engine request(s)");
     r.gw.stop().await;
 }
+
+/// Review 13 MEDIUM-5: MQTT took `[auth.jwt]` once at start, so tokens
+/// added by a reload were refused at CONNECT until a restart.
+#[tokio::test]
+async fn jwt_logins_added_at_reload_are_accepted_at_the_next_mqtt_connect() {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    use mqtt_support::{connect, mqtt_toml, V};
+    let mqtt = mqtt_toml("coalesce_ms = 0");
+    let r = Reloadable::start(Knobs::default(), &mqtt).await;
+    let addr = r.gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
+    let pem = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/jwt-test-private.pem")).unwrap();
+    let exp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 600;
+    let claims = json!({"sub": "cam-j", "app": "demo", "tenant": "demo", "exp": exp});
+    let token = encode(&Header::new(Algorithm::RS256), &claims, &EncodingKey::from_rsa_pem(&pem).unwrap()).unwrap();
+    assert!(connect(addr, V::V5, "cam-j", "cam-j", &token).await.is_err(), "no [auth.jwt] yet");
+
+    let public = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/jwt-test-public.pem");
+    r.rewrite(&format!("{mqtt}[auth.jwt]\nrs256_public_key_file = {public:?}\nleeway_s = 0\n"));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let mut d = connect(addr, V::V5, "cam-j", "cam-j", &token).await.expect("the token is accepted after the reload");
+    d.subscribe(&d.topic("res/#")).await;
+    r.gw.stop().await;
+}
