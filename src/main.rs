@@ -65,6 +65,12 @@ fn main() -> ExitCode {
 }
 
 async fn serve(cfg: Config) -> ExitCode {
+    use tokio::signal::unix::{signal, SignalKind};
+    // Before any start-up work: a SIGHUP meanwhile (logrotate, an early
+    // `systemctl reload`) would otherwise meet the default disposition and
+    // end the process. One that arrives during start-up is taken as a
+    // reload once edgeway runs (the file may have changed meanwhile).
+    let hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
     edgeway::telemetry::init_logging(&cfg.log);
     let drain = cfg.server.drain_timeout;
     let running = match edgeway::server::start(cfg).await {
@@ -75,7 +81,7 @@ async fn serve(cfg: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    wait_for_signal(&running.gateway).await;
+    wait_for_signal(&running.gateway, hup).await;
     tracing::info!(drain_s = drain.as_secs(), "shutting down: draining (new calls refused, running tasks may finish)");
     running.drain_and_shutdown(drain, Duration::from_secs(10)).await;
     tracing::info!("stopped");
@@ -86,10 +92,9 @@ async fn serve(cfg: Config) -> ExitCode {
 /// start the graceful stop. SIGHUP meanwhile reloads the configuration
 /// file (refused with its errors logged, and nothing changed, when it is
 /// invalid or changes what needs a restart).
-async fn wait_for_signal(gateway: &edgeway::gateway::Gateway) {
+async fn wait_for_signal(gateway: &edgeway::gateway::Gateway, mut hup: tokio::signal::unix::Signal) {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
     loop {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => return,

@@ -445,3 +445,39 @@ async fn a_cancel_stops_the_remaining_calls() {
     assert_eq!(emb.requests(), 2, "no call after the cancel");
     gw.stop().await;
 }
+
+/// Review 13 HIGH-4: a list whose call 2 failed used to be moved to the
+/// model's fallback (another model, another vector space, here another
+/// dimension) for the rest of its inputs, so one answer mixed vectors of
+/// two models. A part-answered list stays on its model: the failed call is
+/// retried there (the same instance after the back-off) and every vector
+/// comes from it.
+#[tokio::test]
+async fn a_list_retried_after_a_call_answered_stays_on_its_model_and_one_dimension() {
+    let chat = FakeEngine::start().await;
+    let emb = FakeEngine::start_with(Knobs { fail_requests: vec![2], ..Knobs::default() }).await;
+    let small = FakeEngine::start_with(Knobs { embedding_dim: 4, ..Knobs::default() }).await;
+    let mut section = embed_section(&emb.url(), "openai", "max_batch_inputs = 4\nfallback_models = [\"embed-small\"]");
+    section.push_str(&format!(
+        "[engines.emb-small]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-embed\"\nhealth_interval_ms = 100\n\
+         [models.embed-small]\nkind = \"embedding\"\ninstances = [\"emb-small\"]\ncontext_tokens = 512\nmax_batch_inputs = 4\n",
+        small.url()
+    ));
+    // The demo application may take a smaller model (the fallback step).
+    let allow =
+        |t: String| t.replacen("default_priority = \"P2\"", "default_priority = \"P2\"\nallow_smaller_model = true", 1);
+    let gw = TestGateway::with_engine_edit(&chat.url(), "openai", &section, allow).await;
+    gw.wait_ready().await;
+    let inputs = numbered(10);
+    let (status, v) = post(&gw, "/v1/embeddings", Some(DEMO_KEY), &json!({"model": "embed", "input": inputs})).await;
+    assert_eq!(status, 200, "{v}");
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 10, "{v}");
+    let dims: Vec<usize> = data.iter().map(|d| floats(&d["embedding"]).len()).collect();
+    assert_eq!(dims, vec![8; 10], "every vector from the model that answered the first call");
+    for (i, d) in data.iter().enumerate() {
+        assert_eq!(floats(&d["embedding"]), fake_embedding(&inputs[i], 8));
+    }
+    assert_eq!(small.requests(), 0, "the fallback model never answered part of the list");
+    gw.stop().await;
+}

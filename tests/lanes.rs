@@ -90,3 +90,74 @@ async fn long_prompts_wait_for_the_lane_while_short_ones_run() {
     assert!(statuses.values().all(|&s| s == 200), "{statuses:?}");
     gw.stop().await;
 }
+
+/// Review 13 MEDIUM-4: an embedding list retried after its second call
+/// failed is charged its prefill again at its new grant, and used to keep
+/// that share of the lane until the whole list ended (its release was sent
+/// only at the task's very first vector). Now each attempt's first vector
+/// releases it, so a second long list starts while the first still runs.
+#[tokio::test]
+async fn a_retried_embedding_list_frees_the_lane_at_its_retrys_first_vector() {
+    let chat = FakeEngine::start().await;
+    let emb = FakeEngine::start_with(Knobs {
+        fail_requests: vec![2],
+        first_token_delay: Duration::from_millis(300),
+        ..Knobs::default()
+    })
+    .await;
+    let section = format!(
+        r#"
+[engines.emb]
+type = "openai"
+base_url = "{}"
+model = "fake-embed"
+max_concurrency = 4
+max_prefill_tokens = 600
+long_prompt_tokens = 200
+health_interval_ms = 100
+[models.embed]
+kind = "embedding"
+instances = ["emb"]
+context_tokens = 8192
+max_batch_inputs = 2
+"#,
+        emb.url()
+    );
+    let gw = TestGateway::with_engine(&chat.url(), "openai", &section).await;
+    gw.wait_ready().await;
+    let mut events = gw.recorder().subscribe();
+    // Ten inputs of about 43 estimated tokens: about 430, long; two lists
+    // do not fit 600.
+    let inputs: Vec<String> = (0..10).map(|i| format!("{i} {}", "word ".repeat(29))).collect();
+    let send = |id: &str| {
+        let url = gw.base_url.clone();
+        let body = json!({"model": "embed", "input": inputs});
+        let id = id.to_string();
+        tokio::spawn(async move {
+            let r = client()
+                .post(format!("{url}/v1/embeddings"))
+                .bearer_auth(DEMO_KEY)
+                .header("x-request-id", id)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        })
+    };
+    let first = send("list-a");
+    // Call 2 failed, its retry answered (call 3 of the list is under way).
+    assert!(emb.wait_for(Duration::from_secs(20), |s| s.requests.load(std::sync::atomic::Ordering::SeqCst) >= 4).await);
+    let second = send("list-b");
+    let mut seen: Vec<(String, TaskState)> = Vec::new();
+    while !seen.iter().any(|(id, s)| id == "list-b" && *s == TaskState::Dispatching) {
+        let e = next_event(&mut events, "list-b starts", |_| true).await;
+        seen.push((e.request_id.clone(), e.state));
+    }
+    assert!(
+        !seen.iter().any(|(id, s)| id == "list-a" && s.is_terminal()),
+        "list-b waited for the whole of list-a: {seen:?}"
+    );
+    assert_eq!((first.await.unwrap(), second.await.unwrap()), (200, 200));
+    gw.stop().await;
+}

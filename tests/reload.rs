@@ -4,6 +4,7 @@
 //! refused file leaves in force.
 
 mod common;
+mod mqtt_support;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -485,5 +486,159 @@ async fn sessions_limits_and_redaction_changed_at_reload_apply_at_once() {
 
     let (status, v) = session("u1").await;
     assert_eq!((status, error_code(&v)), (409, "SESSION_LIMIT"), "{v}");
+    r.gw.stop().await;
+}
+
+const SECOND_KEY: &str = "sk-edgeway-second-app";
+const THIRD_KEY: &str = "sk-edgeway-second-app-new";
+
+/// `[applications.second]` with one key, for `extra`.
+fn second_app(key: &str) -> String {
+    format!(
+        "[applications.second]\ntenant = \"demo\"\napi_key_sha256 = [\"{}\"]\n",
+        hex::encode(edgeway::config::hash_api_key(key))
+    )
+}
+
+type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+async fn ws_open(gw: &TestGateway, key: &str) -> Ws {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut req = format!("{}/v1/ws", gw.base_url.replace("http://", "ws://")).into_client_request().unwrap();
+    req.headers_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+    tokio_tungstenite::connect_async(req).await.expect("upgrade").0
+}
+
+/// Sends a request frame and returns the first event of that request.
+async fn ws_request(ws: &mut Ws, rid: &str) -> Value {
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let frame = json!({"type": "request", "request_id": rid, "model": "general-chat",
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    ws.send(Message::text(frame.to_string())).await.unwrap();
+    let wait = async {
+        loop {
+            match ws.next().await.expect("socket open").expect("frame") {
+                Message::Text(t) => {
+                    let v: Value = serde_json::from_str(t.as_str()).unwrap();
+                    if v["request_id"] == rid {
+                        return v;
+                    }
+                }
+                Message::Ping(_) | Message::Pong(_) => {}
+                m => panic!("unexpected frame {m:?}"),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), wait).await.expect("an event within 30 s")
+}
+
+/// Review 13 HIGH-3: a socket opened with a key of an application a reload
+/// removed, or with a key a reload removed from its application, used to
+/// keep submitting (with no limits and no tool policy: admission found no
+/// application and applied none).
+#[tokio::test]
+async fn a_websocket_whose_key_or_application_a_reload_removed_is_refused_at_its_next_request() {
+    let r = Reloadable::start(Knobs::default(), &format!("{}{}", added_app(), second_app(SECOND_KEY))).await;
+    let mut gone_app = ws_open(&r.gw, NEW_KEY).await;
+    let mut gone_key = ws_open(&r.gw, SECOND_KEY).await;
+    let mut kept = ws_open(&r.gw, DEMO_KEY).await;
+    assert_eq!(ws_request(&mut gone_app, "a0").await["type"], "accepted");
+    assert_eq!(ws_request(&mut gone_key, "b0").await["type"], "accepted");
+
+    // "added" is gone; "second" stays with another key.
+    r.rewrite(&second_app(THIRD_KEY));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+
+    let refused = ws_request(&mut gone_app, "a1").await;
+    assert_eq!((refused["type"].as_str(), refused["code"].as_str()), (Some("error"), Some("AUTH_FAILED")), "{refused}");
+    let refused = ws_request(&mut gone_key, "b1").await;
+    assert_eq!((refused["type"].as_str(), refused["code"].as_str()), (Some("error"), Some("AUTH_FAILED")), "{refused}");
+    assert_eq!(ws_request(&mut kept, "c1").await["type"], "accepted", "a key the file still has goes on");
+    r.gw.stop().await;
+}
+
+/// Review 13 HIGH-3: an MQTT device a reload removed used to stay
+/// connected and keep submitting with the identity of its CONNECT.
+#[tokio::test]
+async fn an_mqtt_device_removed_at_reload_is_disconnected_and_its_requests_never_run() {
+    use mqtt_support::{connect, mqtt_toml, request, D1, D2, V};
+    let both = mqtt_toml("coalesce_ms = 0");
+    let r = Reloadable::start(Knobs::default(), &both).await;
+    let addr = r.gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
+    let mut kept = connect(addr, V::V5, D1.0, D1.0, D1.1).await.unwrap();
+    kept.subscribe(&kept.topic("res/#")).await;
+    let mut removed = connect(addr, V::V5, D2.0, D2.0, D2.1).await.unwrap();
+    removed.subscribe(&removed.topic("res/#")).await;
+    let runs = || r.engine.stats.requests.load(std::sync::atomic::Ordering::SeqCst);
+
+    let d2 = both.find("[devices.demo-device-2]").expect("the demo device 2 section");
+    r.rewrite(&both[..d2]);
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let before = runs();
+
+    removed.try_publish(&removed.topic("req"), request("after").to_string()).await;
+    let (msgs, why) = removed.until_closed().await;
+    println!("the removed device's connection ended: {why}");
+    assert!(msgs.iter().all(|m| m.json()["type"] != "done"), "{msgs:?}");
+    assert!(connect(addr, V::V5, D2.0, D2.0, D2.1).await.is_err(), "the removed device cannot connect again");
+    kept.publish(&kept.topic("req"), request("k1").to_string()).await;
+    assert_eq!(kept.stream(&kept.topic("res/k1")).await.last().unwrap()["type"], "done");
+    assert_eq!(runs(), before + 1, "only the kept device's request ran");
+    r.gw.stop().await;
+}
+
+/// `general-chat` on two instances of the one fake engine.
+fn two_instances(t: String) -> String {
+    let fake = t.find("[engines.fake]").unwrap();
+    let end = t.find("[models.general-chat]").unwrap();
+    let second = t[fake..end].replace("[engines.fake]", "[engines.fake2]");
+    let t = format!("{}{second}{}", &t[..end], &t[end..]);
+    t.replace("instances = [\"fake\"]", "instances = [\"fake\", \"fake2\"]")
+}
+
+/// Review 13 MEDIUM-1: the driver told the gateway's own first-token
+/// limit from a caller's by the start-up default; after a reload lowered
+/// the default, every first-token timeout counted as the caller's own
+/// short limit, so a hung engine was never retried elsewhere (nor its
+/// breaker told).
+#[tokio::test]
+async fn a_first_token_default_lowered_at_reload_still_retries_a_hung_engine_elsewhere() {
+    let knobs = Knobs { first_token_delay: Duration::from_secs(2), ..Knobs::default() };
+    let r = Reloadable::start_edited(knobs, "[timeouts]\nfirst_token_ms = 30000\n", two_instances).await;
+    r.write(&two_instances(config_toml(&r.engine.url(), "openai", &r.dir.0, "[timeouts]\nfirst_token_ms = 300\n")));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, v) = r.chat(DEMO_KEY).await;
+    assert_ne!(status, 200);
+    assert_eq!(error_code(&v), "FIRST_TOKEN_TIMEOUT", "{v}");
+    let sent = r.engine.stats.requests.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(sent >= 2, "the timed-out attempt was retried (on the other instance): {sent} engine request(s)");
+    r.gw.stop().await;
+}
+
+/// Review 13 MEDIUM-5: MQTT took `[auth.jwt]` once at start, so tokens
+/// added by a reload were refused at CONNECT until a restart.
+#[tokio::test]
+async fn jwt_logins_added_at_reload_are_accepted_at_the_next_mqtt_connect() {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    use mqtt_support::{connect, mqtt_toml, V};
+    let mqtt = mqtt_toml("coalesce_ms = 0");
+    let r = Reloadable::start(Knobs::default(), &mqtt).await;
+    let addr = r.gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
+    let pem = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/jwt-test-private.pem")).unwrap();
+    let exp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 600;
+    let claims = json!({"sub": "cam-j", "app": "demo", "tenant": "demo", "exp": exp});
+    let token = encode(&Header::new(Algorithm::RS256), &claims, &EncodingKey::from_rsa_pem(&pem).unwrap()).unwrap();
+    assert!(connect(addr, V::V5, "cam-j", "cam-j", &token).await.is_err(), "no [auth.jwt] yet");
+
+    let public = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/jwt-test-public.pem");
+    r.rewrite(&format!("{mqtt}[auth.jwt]\nrs256_public_key_file = {public:?}\nleeway_s = 0\n"));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let mut d = connect(addr, V::V5, "cam-j", "cam-j", &token).await.expect("the token is accepted after the reload");
+    d.subscribe(&d.topic("res/#")).await;
     r.gw.stop().await;
 }

@@ -211,6 +211,13 @@ impl Authenticator {
         self.creds().by_key.contains_key(&digest)
     }
 
+    /// Tells the holders of [`Authenticator::revocations`] to check their
+    /// credentials again without a revocation (a reload removed devices,
+    /// keys or applications).
+    pub fn announce(&self) {
+        self.revocations.send_modify(|n| *n += 1);
+    }
+
     /// Changes after every revocation (see [`Authenticator::is_revoked`]).
     pub fn revocations(&self) -> tokio::sync::watch::Receiver<u64> {
         self.revocations.subscribe()

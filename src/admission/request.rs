@@ -142,6 +142,16 @@ pub fn admit(
     ingress: Ingress,
     request_id_hint: Option<String>,
 ) -> Result<TaskRequest, GatewayError> {
+    // An identity outlives the check that made it (an open WebSocket, an
+    // MQTT connection): an application a reload removed, or moved to
+    // another tenant, no longer admits anything, rather than admitting
+    // without its limits and tool policy.
+    if cfg.applications.get(&identity.application).is_none_or(|a| a.tenant != identity.tenant) {
+        return Err(GatewayError::new(
+            ErrorCode::AuthFailed,
+            format!("application '{}' is no longer configured", identity.application),
+        ));
+    }
     // The deprecated forms of `tools`/`tool_choice`: refused rather than
     // dropped, so a client never believes a function was offered.
     for deprecated in ["functions", "function_call"] {

@@ -156,6 +156,9 @@ impl Gateway {
         self.auth.reload(&new);
         self.sessions.reconfigure(&new);
         *self.config.write().unwrap_or_else(std::sync::PoisonError::into_inner) = new;
+        // Connections that outlive one call (MQTT) check their credential
+        // again: a device or application the file no longer has ends.
+        self.auth.announce();
         *self.reloads.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(SystemTime::now());
         // The scheduler took the limits once it answers a later command:
         // the reload's answer means "in force".
@@ -180,5 +183,12 @@ impl Gateway {
     /// The time of the last accepted reload (`None`: none since start).
     pub fn last_reload(&self) -> Option<SystemTime> {
         *self.reloads.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The tenant and application an API key digest belongs to in the
+    /// configuration in force (`None`: not a key, or one a reload
+    /// removed): for connections that outlive one call (WebSocket).
+    pub fn key_owner(&self, digest: &[u8; 32]) -> Option<(String, String)> {
+        self.auth.key_owner(digest)
     }
 }

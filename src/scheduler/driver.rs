@@ -111,6 +111,9 @@ struct Progress {
     /// Inputs of an embedding list answered so far (in order): a retry or
     /// a preempted task goes on from here.
     embeddings_done: usize,
+    /// The logical model that answered them: the rest of the list must
+    /// come from the same model (one vector space, one dimension).
+    embeddings_model: Option<String>,
     hops: Vec<RouteHop>,
     /// The logical model and step that answered (or last tried).
     model: Option<String>,
@@ -244,6 +247,20 @@ impl Driver {
                 Ok(lease) => lease,
                 Err(outcome) => return outcome,
             };
+            // A part-answered embedding list is pinned to its model
+            // (`Cmd::Requeue::pinned`); should a slot of another model come
+            // anyway (a step taken while it waited), the task fails rather
+            // than mixing vectors of two models in one answer.
+            if p.embeddings_done > 0 && p.embeddings_model.as_deref().is_some_and(|m| m != lease.model) {
+                let reason = format!(
+                    "{} of the inputs were answered by '{}'; '{}' cannot answer the rest",
+                    p.embeddings_done,
+                    p.embeddings_model.as_deref().unwrap_or_default(),
+                    lease.model
+                );
+                let e = GatewayError::new(ErrorCode::ModelUnavailable, reason.clone()).with_retry_after(1000);
+                return Outcome { error: Some((e, "scheduler")), reason };
+            }
             // The same instance again after a failure: back off first.
             let tries_here = failed_on.iter().filter(|&&i| i == lease.instance).count() as u32;
             if tries_here > 0 {
@@ -287,7 +304,7 @@ impl Driver {
                         p.attempts, lease.instance_name, error.reason
                     );
                     tracing::info!(task_id = %r.task_id, engine = %lease.instance_name, error = %error.reason, "engine attempt failed before the first token; retrying");
-                    grant = self.requeue(lease, Some(instance), &reason);
+                    grant = self.requeue(lease, Some(instance), p.embeddings_done > 0, &reason);
                 }
                 AttemptEnd::Preempted => {
                     // Which task took the slot is for the logs: it may be
@@ -300,7 +317,7 @@ impl Driver {
                         h.reason = format!("{}; preempted for a P0 task", h.reason);
                     }
                     let reason = format!("preempted on {} for a P0 task", lease.instance_name);
-                    grant = self.requeue(lease, None, &reason);
+                    grant = self.requeue(lease, None, p.embeddings_done > 0, &reason);
                 }
             }
             // A re-queued task waits within its total time limit only.
@@ -354,7 +371,13 @@ impl Driver {
 
     /// Gives the slot back and puts the task at the front of its queue
     /// again, recording why; returns where its next slot will come.
-    fn requeue(&self, mut lease: SlotLease, avoid: Option<usize>, reason: &str) -> oneshot::Receiver<SlotGrant> {
+    fn requeue(
+        &self,
+        mut lease: SlotLease,
+        avoid: Option<usize>,
+        pinned: bool,
+        reason: &str,
+    ) -> oneshot::Receiver<SlotGrant> {
         let r = &self.req;
         self.shared.recorder.transition(r, TaskState::Queued, reason, Some(&lease.instance_name), "scheduler");
         self.preempt.reset();
@@ -363,6 +386,7 @@ impl Driver {
         let _ = self.tx.send(Cmd::Requeue {
             task_id: r.task_id.clone(),
             avoid,
+            pinned,
             grant: tx,
             log: self.log.clone(),
             preempt: self.preempt.clone(),
@@ -491,7 +515,10 @@ impl Driver {
         // time out the same (each retry counted failed would open every
         // embedding instance's breaker).
         let embedding = matches!(r.operation, Operation::Embedding { .. });
-        let own_limit = t.first_token >= self.shared.config.timeouts.first_token && !embedding;
+        // The default in force now (a reload may have changed it), not the
+        // one of the start-up configuration.
+        let default_first_token = self.shared.first_token_default();
+        let own_limit = t.first_token >= default_first_token && !embedding;
         let first_token_timeout = |d: tokio::time::Instant, raw: tokio::time::Instant| -> AttemptEnd {
             let outcome = deadline_code(d, Some(raw));
             if own_limit && d == raw && d != total_deadline {
@@ -667,6 +694,13 @@ impl Driver {
                                 self.first_token(p, lease, call_start);
                             } else {
                                 router.attempt_ended(lease.instance, Attempt::Success { ttft: call_start.elapsed() });
+                                if calls == 1 {
+                                    // A retried or preempted list was charged
+                                    // its prefill again at its new grant (the
+                                    // long-prompt lane): released at this
+                                    // attempt's first vector, as at the first.
+                                    let _ = self.tx.send(Cmd::Prefilled { task_id: r.task_id.clone() });
+                                }
                             }
                             answered = true;
                         }
@@ -707,6 +741,7 @@ impl Driver {
             match &r.operation {
                 Operation::Embedding { input, .. } => {
                     p.embeddings_done = offset as usize + count;
+                    p.embeddings_model.get_or_insert_with(|| lease.model.clone());
                     if p.embeddings_done >= input.len() {
                         break;
                     }

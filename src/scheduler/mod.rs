@@ -225,6 +225,11 @@ enum Cmd {
     Requeue {
         task_id: String,
         avoid: Option<usize>,
+        /// An embedding list that has answered inputs already: a failed
+        /// attempt is not moved to another model of the chain (its vectors
+        /// would mix two vector spaces), only to another instance of its
+        /// model or the same one again.
+        pinned: bool,
         grant: oneshot::Sender<SlotGrant>,
         log: TaskLog,
         preempt: Arc<Preempt>,
@@ -328,6 +333,10 @@ pub struct QueueSnapshot {
 
 struct Shared {
     config: Arc<Config>,
+    /// `[timeouts] first_token` of the configuration in force, ms (a
+    /// reload changes it: [`SchedulerHandle::set_limits`]): the driver
+    /// tells the gateway's own first-token limit from a caller's by it.
+    first_token_default_ms: std::sync::atomic::AtomicU64,
     router: Arc<Router>,
     recorder: Recorder,
     metrics: Arc<Metrics>,
@@ -335,6 +344,13 @@ struct Shared {
     shutdown: CancellationToken,
     /// Live and recently ended tasks.
     registry: Registry,
+}
+
+impl Shared {
+    /// `[timeouts] first_token` in force now.
+    fn first_token_default(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.first_token_default_ms.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 /// The way into the scheduler. Cheap to clone.
@@ -416,6 +432,7 @@ pub fn start(
     });
     let shared = Arc::new(Shared {
         config: config.clone(),
+        first_token_default_ms: (config.timeouts.first_token.as_millis() as u64).into(),
         router: router.clone(),
         recorder,
         metrics: metrics.clone(),
@@ -767,6 +784,9 @@ impl SchedulerHandle {
             busy_retry_after_ms: config.scheduler.busy_retry_after_ms,
         };
         let _ = self.tx.send(Cmd::Limits { limits, retired });
+        self.shared
+            .first_token_default_ms
+            .store(config.timeouts.first_token.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Returns once the instance named `instance` runs no task (at once if
@@ -880,7 +900,7 @@ impl Actor {
                 }
                 let _ = reply.send(result);
             }
-            Cmd::Requeue { task_id, avoid, grant, log, preempt } => {
+            Cmd::Requeue { task_id, avoid, pinned, grant, log, preempt } => {
                 let now = self.now();
                 self.running.remove(&task_id);
                 // A preemption asked after the driver gave its slot up
@@ -895,7 +915,7 @@ impl Actor {
                 // A failed attempt with no other instance of its step left
                 // to try: the next step of the chain, if one can take it
                 // (else the same instance again, after the driver's back-off).
-                if avoid.is_some() && !self.policy.has_fresh_candidate(&task_id) {
+                if avoid.is_some() && !pinned && !self.policy.has_fresh_candidate(&task_id) {
                     let detail = "an attempt failed before its first token and no other instance of the step serves";
                     let requested = self.policy.waiting_requested(&task_id).map(|r| self.model_name(r).to_string());
                     if let Some(a) = self.policy.reroute(&task_id, now, "failed", detail) {

@@ -11,8 +11,8 @@
 //! (`Authorization: Bearer …`, `x-api-key`) or, for browsers, which cannot
 //! set headers on a WebSocket, a subprotocol `bearer.<key>` offered next to
 //! `edgeway` (the one edgeway answers with). Not in the query string: URLs
-//! end up in logs. A revoked key is refused at its next request frame and
-//! the socket closed.
+//! end up in logs. A revoked key, or one a reload removed, is refused at its
+//! next request frame and the socket closed.
 //!
 //! A closed socket follows each request's `on_disconnect`: `cancel` (the
 //! default here) cancels it; `continue` keeps it running, and a new socket
@@ -86,11 +86,14 @@ pub async fn upgrade(
     let cred = cred.or_else(|| protocol_key(&headers));
     let identity = gw.authenticate(cred.as_deref()).map_err(|e| gw.refused(Ingress::Ws, e))?;
     let max = gw.config().http.max_body_bytes;
+    // An API key (not a JWT, whose id digest names no key): checked again
+    // at each request frame against the keys in force.
+    let from_key = identity.credential.is_some_and(|d| gw.key_owner(&d).is_some());
     Ok(ws
         .protocols([PROTOCOL])
         .max_message_size(max)
         .max_frame_size(max)
-        .on_upgrade(move |socket| Socket::new(gw, identity).run(socket, shutdown)))
+        .on_upgrade(move |socket| Socket::new(gw, identity, from_key).run(socket, shutdown)))
 }
 
 /// What happens to a request when its socket closes.
@@ -112,6 +115,8 @@ struct Flight {
 struct Socket {
     gw: Arc<Gateway>,
     identity: Identity,
+    /// The socket was opened with an API key (see `upgrade`).
+    from_key: bool,
     flights: HashMap<String, Flight>,
     forwarders: JoinSet<(String, u64)>,
     next_no: u64,
@@ -129,11 +134,12 @@ fn valid_id(s: &str) -> bool {
 }
 
 impl Socket {
-    fn new(gw: Arc<Gateway>, identity: Identity) -> Socket {
+    fn new(gw: Arc<Gateway>, identity: Identity, from_key: bool) -> Socket {
         let (out, outbox) = mpsc::channel(OUTBOX);
         Socket {
             gw,
             identity,
+            from_key,
             flights: HashMap::new(),
             forwarders: JoinSet::new(),
             next_no: 0,
@@ -262,6 +268,16 @@ impl Socket {
     async fn request(&mut self, rid: String, body: Map<String, Value>) -> bool {
         if self.identity.credential.is_some_and(|d| self.gw.credential_revoked(&d)) {
             let e = GatewayError::new(ErrorCode::AuthFailed, "the API key of this socket was revoked");
+            self.send(rejection_json(Some(&rid), &self.gw.refused(Ingress::Ws, e))).await;
+            return false;
+        }
+        // A key a reload removed (or gave to another application) no
+        // longer holds for the socket it opened.
+        if self.from_key
+            && self.identity.credential.and_then(|d| self.gw.key_owner(&d))
+                != Some((self.identity.tenant.clone(), self.identity.application.clone()))
+        {
+            let e = GatewayError::new(ErrorCode::AuthFailed, "the API key of this socket is no longer configured");
             self.send(rejection_json(Some(&rid), &self.gw.refused(Ingress::Ws, e))).await;
             return false;
         }

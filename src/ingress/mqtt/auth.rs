@@ -28,7 +28,9 @@
 //!   is refused at CONNECT, and a connection that logged in with it ends
 //!   as soon as the token is revoked (MQTT 5 DISCONNECT 0x87), even if the
 //!   device only listens ([`DeviceDirectory::revocations`],
-//!   [`DeviceDirectory::lapsed`]).
+//!   [`DeviceDirectory::lapsed`]). The same holds for a connection whose
+//!   device or application a reload removed ([`DeviceDirectory::withdrawn`]);
+//!   `[auth.jwt]` is read at each CONNECT, so a reload turns tokens on or off.
 //! - **Bounded slow checks**: at most [`argon2_permits`] Argon2
 //!   verifications run at once; a CONNECT that finds none free is refused
 //!   as "server busy" (MQTT 5 0x89, 3.1.1 code 3) without running one, so
@@ -90,6 +92,17 @@ pub struct Login<'a> {
     pub expires_at: Option<i64>,
 }
 
+/// What a connection's login rests on in the configuration
+/// ([`DeviceDirectory::withdrawn`]).
+#[derive(Debug, Clone)]
+pub struct Grant {
+    device: String,
+    tenant: String,
+    application: String,
+    /// A password login of a `[devices.ID]` entry.
+    registered: bool,
+}
+
 /// How many JWT-only device ids keep their tenant binding (least recently
 /// used first to go), unless `[mqtt] max_jwt_device_bindings` says.
 pub const TENANT_BINDINGS: usize = 100_000;
@@ -146,18 +159,14 @@ pub fn hash_password(password: &str) -> String {
 
 /// The registered devices, the JWT verifier and the tenant bindings.
 pub struct DeviceDirectory {
-    /// The registered devices are read from the configuration in force at
-    /// each CONNECT, so that a reload adds and removes devices (a connected
-    /// device keeps its session).
+    /// The registered devices and `[auth.jwt]` are read from the
+    /// configuration in force at each CONNECT, so that a reload adds and
+    /// removes devices and turns tokens on or off (a connected device keeps
+    /// its session while its device and application stay). JWTs are checked
+    /// by the gateway's authenticator (its revocations are the gateway's).
     gw: Arc<Gateway>,
-    /// The gateway's authenticator (its revocations are the gateway's),
-    /// when `[auth.jwt]` is configured.
-    jwt: Option<Arc<Gateway>>,
     /// Argon2 verifications that may start now ([`argon2_permits`]).
     slow_checks: Semaphore,
-    /// The JWT leeway, ms: a token is valid until `exp` plus this, as at
-    /// CONNECT.
-    leeway_ms: i64,
     /// The tenant each JWT-only device id was first accepted for.
     tenants: Mutex<Bindings>,
     /// SHA-256 of the password that last passed a device's slow check.
@@ -189,26 +198,48 @@ impl DeviceDirectory {
         }
         DeviceDirectory {
             gw: gw.clone(),
-            leeway_ms: cfg.auth.jwt.as_ref().map_or(0, |j| j.leeway_s as i64 * 1000),
-            jwt: cfg.auth.jwt.is_some().then(|| gw.clone()),
             slow_checks: Semaphore::new(slow_checks),
             tenants: Mutex::new(Bindings::new(bindings)),
             verified: Mutex::new(HashMap::new()),
         }
     }
 
+    /// Changes after every revocation, and after every accepted reload,
+    /// which may remove the device or its application
+    /// ([`DeviceDirectory::withdrawn`]).
+    pub fn revocations(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.gw.revocations()
+    }
+
     /// Whether a connection's credential no longer holds: its `exp` passed
     /// ([`expired`]) or its token id was revoked since (`credential`: the
     /// login identity's [`Identity::credential`]). Checked at every packet
     /// a device sends.
-    /// Changes after every revocation (`None` without `[auth.jwt]`: no
-    /// token to revoke).
-    pub fn revocations(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
-        self.jwt.as_ref().map(|gw| gw.revocations())
+    pub fn lapsed(&self, expires_at: Option<i64>, credential: Option<[u8; 32]>) -> bool {
+        expired(expires_at) || credential.is_some_and(|c| self.gw.credential_revoked(&c))
     }
 
-    pub fn lapsed(&self, expires_at: Option<i64>, credential: Option<[u8; 32]>) -> bool {
-        expired(expires_at) || credential.is_some_and(|c| self.jwt.as_ref().is_some_and(|gw| gw.credential_revoked(&c)))
+    /// What `login`'s connection rests on in the configuration.
+    pub fn grant(login: &Login<'_>) -> Grant {
+        Grant {
+            device: login.device.to_string(),
+            tenant: login.identity.tenant.clone(),
+            application: login.identity.application.clone(),
+            // A JWT always has an `exp`; a password login needs the
+            // device in the file.
+            registered: login.expires_at.is_none(),
+        }
+    }
+
+    /// Whether a reload removed what a connection's login rests on: its
+    /// application (or moved it to another tenant), or, for a password
+    /// login, its device (or gave it to another application). Checked at
+    /// every packet and after every reload, like a revocation.
+    pub fn withdrawn(&self, g: &Grant) -> bool {
+        let cfg = self.gw.config();
+        cfg.applications.get(&g.application).is_none_or(|a| a.tenant != g.tenant)
+            || (g.registered
+                && cfg.devices.get(&g.device).is_none_or(|d| d.tenant != g.tenant || d.application != g.application))
     }
 
     /// The device a client id names: `{device}` or `{device}:{instance}`
@@ -281,7 +312,7 @@ impl DeviceDirectory {
         let device = cfg.devices.get(client_id);
         // A JWT-shaped password is tried as one first: a device that logs
         // in with tokens does not pay Argon2 at every connect.
-        let jwt_shaped = self.jwt.is_some() && looks_like_jwt(password);
+        let jwt_shaped = cfg.auth.jwt.is_some() && looks_like_jwt(password);
         if jwt_shaped {
             match self.jwt_login(device, client_id, password) {
                 Ok(login) => return Ok(login),
@@ -314,7 +345,10 @@ impl DeviceDirectory {
         client_id: &str,
         password: &str,
     ) -> Result<(Identity, Option<i64>), Refusal> {
-        let gw = self.jwt.as_ref().ok_or(Refusal::BadCredentials)?;
+        let gw = &self.gw;
+        // The leeway in force at this CONNECT: a token is valid until `exp`
+        // plus this.
+        let leeway_ms = gw.config().auth.jwt.as_ref().ok_or(Refusal::BadCredentials)?.leeway_s as i64 * 1000;
         let mut id = gw.authenticate(Some(password)).map_err(|_| Refusal::BadCredentials)?;
         if id.user_id.as_deref() != Some(client_id) {
             return Err(Refusal::BadCredentials);
@@ -330,7 +364,7 @@ impl DeviceDirectory {
             self.bind(client_id, &id.tenant)?;
         }
         id.is_admin = false;
-        Ok((id, token_expiry(password).map(|at| at + self.leeway_ms)))
+        Ok((id, token_expiry(password).map(|at| at + leeway_ms)))
     }
 
     /// Binds a JWT-only device id to `tenant`, or refuses it if it is bound

@@ -154,6 +154,9 @@ pub struct DeviceProtocol {
     expires_at: Option<i64>,
     /// The login's token id digest, checked for revocation at every read.
     credential: Option<[u8; 32]>,
+    /// What the login rests on, checked at every read and after every
+    /// reload ([`super::auth::DeviceDirectory::withdrawn`]).
+    grant: Option<super::auth::Grant>,
     /// QoS 2 publishes awaiting their PUBREL, by packet id: what the router
     /// applies at the PUBREL, counted again then ([`DeviceQuotas::release`]).
     awaiting_pubrel: HashMap<u16, Pending>,
@@ -187,6 +190,7 @@ impl DeviceProtocol {
             state: Conn::AwaitingConnect,
             expires_at: None,
             credential: None,
+            grant: None,
             awaiting_pubrel: HashMap::new(),
             aliases: HashMap::new(),
             peer: None,
@@ -278,13 +282,15 @@ impl DeviceProtocol {
                 // closes (`Drop`), and per tenant.
                 Err(Refused::TooManyInstances)
             } else {
-                Ok((login.device.to_string(), mount, router_id, login.identity, login.expires_at))
+                let grant = super::auth::DeviceDirectory::grant(&login);
+                Ok((login.device.to_string(), mount, router_id, login.identity, login.expires_at, grant))
             }
         });
         let (device, mount, router_id, identity) = match authenticated {
-            Ok((device, mount, router_id, identity, expires_at)) => {
+            Ok((device, mount, router_id, identity, expires_at, grant)) => {
                 self.expires_at = expires_at;
                 self.credential = identity.credential;
+                self.grant = Some(grant);
                 (device, mount, router_id, identity)
             }
             Err(why) => {
@@ -460,16 +466,15 @@ impl DeviceProtocol {
 
 impl Protocol for DeviceProtocol {
     /// Ends the connection at its token's expiry (MQTT 5 DISCONNECT 0xA0)
-    /// or as soon as its token is revoked (0x87), even if the device only
-    /// listens: patched rumqttd's link waits on this next to the socket.
+    /// or as soon as its token is revoked or a reload removes its device
+    /// or application (0x87), even if the device only listens: patched
+    /// rumqttd's link waits on this next to the socket.
     /// Revocations are announced (`DeviceDirectory::revocations`), not
     /// polled; 3.1.1 has no server DISCONNECT: the socket is closed.
     fn ending(&self) -> Option<rumqttd::protocol::Ending> {
         let (expires_at, credential) = (self.expires_at, self.credential);
-        let revocations = credential.and_then(|_| self.shared.directory.revocations());
-        if expires_at.is_none() && revocations.is_none() {
-            return None;
-        }
+        let grant = self.grant.clone()?;
+        let mut changes = self.shared.directory.revocations();
         let shared = self.shared.clone();
         let device = self.state.session().map(|s| s.device.clone());
         let v5 = self.version == Version::V5;
@@ -484,10 +489,9 @@ impl Protocol for DeviceProtocol {
                 }
             };
             let revoked = async {
-                let Some(mut changes) = revocations else { return std::future::pending().await };
                 // A revocation between the CONNECT and now is seen here;
                 // later ones are announced.
-                while !shared.directory.lapsed(None, credential) {
+                while !shared.directory.lapsed(None, credential) && !shared.directory.withdrawn(&grant) {
                     if changes.changed().await.is_err() {
                         return std::future::pending().await;
                     }
@@ -537,8 +541,10 @@ impl Protocol for DeviceProtocol {
     }
 
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error> {
-        if self.shared.directory.lapsed(self.expires_at, self.credential) {
-            tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired or revoked, connection closed");
+        if self.shared.directory.lapsed(self.expires_at, self.credential)
+            || self.grant.as_ref().is_some_and(|g| self.shared.directory.withdrawn(g))
+        {
+            tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired or revoked, or device removed, connection closed");
             return Err(self.end_link());
         }
         if self.version == Version::Unknown {
