@@ -57,12 +57,10 @@ pub fn assemble(req: &mut TaskRequest, history: &[HistoryMessage], context_token
 
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant, SystemTime};
 
     use serde_json::Value;
 
     use super::*;
-    use crate::task::{Identity, Ingress, Priority, Routing, SamplingParams, Timeouts};
 
     fn msg(role: &str, text: &str) -> ChatMessage {
         ChatMessage { role: role.into(), content: Value::String(text.into()), extra: Default::default() }
@@ -74,41 +72,11 @@ mod tests {
     }
 
     fn request(messages: Vec<ChatMessage>, max_output_tokens: u32) -> TaskRequest {
-        let t = Duration::from_secs(60);
-        TaskRequest {
-            task_id: "t1".into(),
-            request_id: "r1".into(),
-            identity: Identity {
-                tenant: "demo".into(),
-                application: "demo".into(),
-                user_id: None,
-                max_priority: Priority::P0,
-                default_priority: Priority::P2,
-                is_admin: false,
-                credential: None,
-                data_class: None,
-            },
-            ingress: Ingress::Http,
-            logical_model: "general-chat".into(),
-            input_tokens_estimate: crate::context::estimate_tokens(&messages),
-            messages,
-            params: SamplingParams::default(),
-            priority: Priority::P2,
-            max_output_tokens,
-            timeouts: Timeouts { queue: t, first_token: t, inference: t, idle: t, total: t },
-            session_id: Some("s".into()),
-            idempotency_key: None,
-            routing: Routing::default(),
-            data_class: Default::default(),
-            allow_smaller_model: false,
-            metadata: Default::default(),
-            prompt_sha256: String::new(),
-            received_at: Instant::now(),
-            received_wall: SystemTime::now(),
-            degrade_reason: None,
-            tools: None,
-            operation: Default::default(),
-        }
+        let mut req = TaskRequest::sample(messages);
+        req.input_tokens_estimate = crate::context::estimate_tokens(&req.messages);
+        req.max_output_tokens = max_output_tokens;
+        req.session_id = Some("s".into());
+        req
     }
 
     fn roles_and_text(req: &TaskRequest) -> Vec<(String, String)> {

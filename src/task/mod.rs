@@ -597,6 +597,51 @@ pub fn now_ms() -> i64 {
 }
 
 /// A new task id: a UUIDv7 (time-ordered), so ids sort by creation.
+/// Test support: a chat request of the demo application (tenant and
+/// application `demo`, P2, 60 s timeouts, 16 output tokens), for the unit
+/// tests of the layers above that need a `TaskRequest` (one builder, not
+/// one per test module).
+#[cfg(test)]
+impl TaskRequest {
+    pub(crate) fn sample(messages: Vec<ChatMessage>) -> TaskRequest {
+        let t = Duration::from_secs(60);
+        TaskRequest {
+            task_id: new_task_id(),
+            request_id: "r1".into(),
+            identity: Identity {
+                tenant: "demo".into(),
+                application: "demo".into(),
+                user_id: None,
+                max_priority: Priority::P0,
+                default_priority: Priority::P2,
+                is_admin: false,
+                credential: None,
+                data_class: None,
+            },
+            ingress: Ingress::Http,
+            logical_model: "general-chat".into(),
+            messages,
+            params: SamplingParams::default(),
+            priority: Priority::P2,
+            max_output_tokens: 16,
+            timeouts: Timeouts { queue: t, first_token: t, inference: t, idle: t, total: t },
+            session_id: None,
+            idempotency_key: None,
+            routing: Routing::default(),
+            data_class: Default::default(),
+            allow_smaller_model: false,
+            metadata: Default::default(),
+            input_tokens_estimate: 1,
+            prompt_sha256: String::new(),
+            received_at: Instant::now(),
+            received_wall: SystemTime::now(),
+            degrade_reason: None,
+            tools: None,
+            operation: Default::default(),
+        }
+    }
+}
+
 pub fn new_task_id() -> String {
     uuid::Uuid::now_v7().simple().to_string()
 }

@@ -285,10 +285,8 @@ impl Recorder {
 #[cfg(test)]
 mod tests {
     use std::panic::{catch_unwind, AssertUnwindSafe};
-    use std::time::{Duration, Instant, SystemTime};
 
     use super::*;
-    use crate::task::{Priority, Routing, SamplingParams, Timeouts};
     use TaskState::*;
 
     struct Setup {
@@ -307,41 +305,7 @@ mod tests {
     }
 
     fn request() -> TaskRequest {
-        let t = Duration::from_secs(60);
-        TaskRequest {
-            task_id: crate::task::new_task_id(),
-            request_id: "r1".into(),
-            identity: Identity {
-                tenant: "demo".into(),
-                application: "demo".into(),
-                user_id: None,
-                max_priority: Priority::P0,
-                default_priority: Priority::P2,
-                is_admin: false,
-                credential: None,
-                data_class: None,
-            },
-            ingress: Ingress::Http,
-            logical_model: "general-chat".into(),
-            messages: Vec::new(),
-            params: SamplingParams::default(),
-            priority: Priority::P2,
-            max_output_tokens: 16,
-            timeouts: Timeouts { queue: t, first_token: t, inference: t, idle: t, total: t },
-            session_id: None,
-            idempotency_key: None,
-            routing: Routing::default(),
-            data_class: Default::default(),
-            allow_smaller_model: false,
-            metadata: Default::default(),
-            input_tokens_estimate: 1,
-            prompt_sha256: String::new(),
-            received_at: Instant::now(),
-            received_wall: SystemTime::now(),
-            degrade_reason: None,
-            tools: None,
-            operation: Default::default(),
-        }
+        TaskRequest::sample(Vec::new())
     }
 
     fn meta(req: &TaskRequest, status: TaskState) -> ResultMeta {
