@@ -363,7 +363,9 @@ impl LinkRx {
             router_tx,
             router_rx,
             send_buffer: outgoing_data_buffer,
-            cache: VecDeque::with_capacity(100),
+            // Grows as notifications come (edgeway patch, see PATCHES.md:
+            // an idle connection reserved 100 of them, 25 KB).
+            cache: VecDeque::new(),
             link_id: 0,
         }
     }

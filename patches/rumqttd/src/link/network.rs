@@ -199,11 +199,16 @@ impl<P: Protocol> Network<P> {
             if self.socket.shutdown().await.is_err() {
                 return;
             }
-            let mut discard = [0u8; 4096];
-            while let Ok(n) = self.socket.read(&mut discard).await {
+            // Read into the read buffer, emptied each time: a buffer of
+            // its own in this future (4 kB) made every connection's task
+            // that much larger for its whole life, idle or not. (edgeway
+            // patch, see PATCHES.md)
+            self.read.clear();
+            while let Ok(n) = self.socket.read_buf(&mut self.read).await {
                 if n == 0 {
                     return;
                 }
+                self.read.clear();
             }
         };
         let _ = timeout(within, drain).await;

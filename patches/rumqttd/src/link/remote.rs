@@ -252,7 +252,9 @@ impl<P: Protocol> RemoteLink<P> {
             network,
             link_tx,
             link_rx,
-            notifications: VecDeque::with_capacity(100),
+            // Grows as notifications come (edgeway patch, see PATCHES.md:
+            // an idle connection reserved 100 of them, 25 KB).
+            notifications: VecDeque::new(),
             will_delay_interval,
             completions: Completions::default(),
         })

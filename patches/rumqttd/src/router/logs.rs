@@ -416,7 +416,9 @@ impl AckLog {
     /// New log
     pub fn new() -> AckLog {
         AckLog {
-            committed: VecDeque::with_capacity(100),
+            // Grows as acknowledgements are due (edgeway patch, see
+            // PATCHES.md: 100 reserved per connection, 23 KB, idle or not).
+            committed: VecDeque::new(),
             recorded: HashMap::new(),
         }
     }
