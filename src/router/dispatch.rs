@@ -24,6 +24,11 @@ use crate::error::{ErrorCode, GatewayError};
 /// An engine failure as the client sees it, with the reason for the record
 /// ([`EngineError::class`]: the record is shown to callers, so the engine's
 /// own text goes to the debug log only).
+/// The retry label of an attempt that met a supervised engine process
+/// that is down and being restarted: not a failure of the task (the driver
+/// neither counts it nor spends the retry budget on it).
+pub const ENGINE_RESTARTING: &str = "engine_restarting";
+
 #[derive(Debug)]
 pub struct DispatchError {
     pub error: GatewayError,
@@ -126,6 +131,24 @@ impl Router {
         tracing::debug!(engine = %self.instance(i).name, error = %truncate(&e.to_string(), 500), mid_stream, "engine error");
         if e.is_unreachable() {
             self.request_recheck(i);
+        }
+        // The supervised process is down (killed, restarting): the request
+        // reached no engine, so it says nothing of the engine (the breaker
+        // is not told, as the probes do not tell it), and the driver
+        // retries it without counting a failure or spending the retry
+        // budget; while no instance can take it, it queues until the
+        // process is back.
+        let engine = &self.instance(i).engine;
+        if !mid_stream && e.is_unreachable() && engine.process_down() {
+            self.attempt_abandoned(i);
+            let restarting = engine.process_restarting();
+            let error = GatewayError::new(
+                ErrorCode::ModelUnavailable,
+                if restarting { "the model's engine is restarting" } else { "the model's engine is not reachable" },
+            )
+            .with_retry_after(2000);
+            let retryable = Some(if restarting { ENGINE_RESTARTING } else { "unreachable" });
+            return DispatchError { error, reason: e.class(), retryable };
         }
         // What it tells the breaker: a 4xx is the request's fault, not the
         // instance's (a 429 is the instance's: it is overloaded).

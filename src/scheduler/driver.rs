@@ -280,9 +280,16 @@ impl Driver {
                 AttemptEnd::Over(outcome) => return outcome,
                 AttemptEnd::Retry { error, label } => {
                     // Preempted attempts do not count: they did not fail.
-                    p.failures += 1;
-                    let exhausted = p.failures >= router.max_attempts;
-                    let refused = !exhausted && !router.try_retry();
+                    // Nor do attempts that met an engine process being
+                    // restarted: they reached no engine, and the task waits
+                    // for the process (or another instance) in the queue,
+                    // within its deadlines.
+                    let restarting = label == crate::router::ENGINE_RESTARTING;
+                    if !restarting {
+                        p.failures += 1;
+                    }
+                    let exhausted = !restarting && p.failures >= router.max_attempts;
+                    let refused = !restarting && !exhausted && !router.try_retry();
                     if exhausted || refused {
                         if refused {
                             self.shared.metrics.retries_refused.with_label_values(&[&r.logical_model]).inc();
