@@ -63,10 +63,31 @@ impl Router {
         req: &EngineRequest,
         first_token_by: Option<std::time::Instant>,
     ) -> Result<EngineStream, DispatchError> {
-        let lease = match self.residency.acquire(i, first_token_by).await {
-            Ok(l) => l,
-            Err(refused) => return Err(self.refused(i, refused)),
-        };
+        let lease = self.acquire_model(i, first_token_by).await?;
+        self.open_leased(i, req, lease).await
+    }
+
+    /// The first half of [`Router::open_before`]: instance `i`'s model, in
+    /// memory (loaded first if need be, while the task waits), or the
+    /// refusal that sends the task to its next step. For a caller that
+    /// tells its task's client about the wait before it, and about the
+    /// dispatch after it.
+    pub async fn acquire_model(
+        &self,
+        i: usize,
+        first_token_by: Option<std::time::Instant>,
+    ) -> Result<Lease, DispatchError> {
+        self.residency.acquire(i, first_token_by).await.map_err(|refused| self.refused(i, refused))
+    }
+
+    /// The second half of [`Router::open_before`]: starts `req` on instance
+    /// `i`, whose model `lease` holds in memory while the stream lives.
+    pub async fn open_leased(
+        &self,
+        i: usize,
+        req: &EngineRequest,
+        lease: Lease,
+    ) -> Result<EngineStream, DispatchError> {
         self.attempt_started(i);
         let engine = &self.instance(i).engine;
         let first = match engine.stream(req).await {

@@ -1139,7 +1139,7 @@ impl Actor {
             if let Some(w) = self.grants.get_mut(id) {
                 if w.position != position {
                     w.position = position;
-                    w.log.push(TaskEvent::Queued { position });
+                    w.log.push(TaskEvent::Queued { position, loading_ms: None });
                 }
             }
         }
