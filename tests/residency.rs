@@ -9,7 +9,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::{json, Value};
@@ -107,8 +107,8 @@ async fn an_on_demand_model_loads_at_first_use_and_unloads_when_idle() {
         .json()
         .await
         .unwrap();
-    let dispatching = t["transitions"].as_array().unwrap().iter().find(|t| t["state"] == "DISPATCHING").unwrap();
-    assert!(dispatching["reason"].as_str().unwrap().contains("model not loaded, loading it"), "{t}");
+    let queued = t["transitions"].as_array().unwrap().iter().rev().find(|t| t["state"] == "QUEUED").unwrap();
+    assert!(queued["reason"].as_str().unwrap().contains("loading: model not loaded, loading it"), "{t}");
     assert_eq!(fake.requests(), 1, "the generation was sent after the load, once");
     assert_eq!(residency_of(&gw, "general-chat").await.1, "loaded");
 
@@ -126,6 +126,105 @@ async fn an_on_demand_model_loads_at_first_use_and_unloads_when_idle() {
     let (status, v) = call(&gw, DEMO_KEY, &chat("general-chat")).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(fake.model_events(), vec!["load demo-a", "unload demo-a", "load demo-a"]);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_task_waiting_for_its_model_to_load_is_queued_with_the_reason_loading() {
+    // Before, it waited in DISPATCHING, and only that transition's reason
+    // said why; its clients were told nothing.
+    let fake = FakeEngine::start_with(router_fake(&["demo-a"], 700)).await;
+    let gw = gateway(&fake.url(), "residency = \"on_demand\"\nidle_unload_s = 1", "").await;
+    gw.wait_ready().await;
+    let mut b = chat("general-chat");
+    b["stream"] = json!(true);
+    let resp = post_chat(&gw, DEMO_KEY, &b).await;
+    assert_eq!(resp.status(), 200);
+    let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    let body = resp.text().await.unwrap();
+    // The OpenAI stream shows the wait as a comment.
+    assert!(body.contains(": queued position 0 (model loading, "), "{body}");
+    assert!(body.contains("data: [DONE]"), "{body}");
+
+    // The record: QUEUED with the reason "loading" after the slot was
+    // granted, then DISPATCHING once the model was in.
+    let t: Value = client()
+        .get(format!("{}/v1/tasks/{task_id}", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let tr = t["transitions"].as_array().unwrap();
+    let states: Vec<&str> = tr.iter().map(|t| t["state"].as_str().unwrap()).collect();
+    assert_eq!(
+        states,
+        ["RECEIVED", "VALIDATING", "QUEUED", "QUEUED", "DISPATCHING", "RUNNING", "STREAMING", "SUCCEEDED"],
+        "{t}"
+    );
+    assert!(tr[3]["reason"].as_str().unwrap().starts_with("loading: model not loaded"), "{t}");
+    let dispatching = tr[4]["reason"].as_str().unwrap();
+    let ms: u64 = dispatching.strip_prefix("model loaded after ").unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(ms >= 600, "{dispatching}");
+
+    // The task's events (as MQTT and NATS send them): a `queued` event with
+    // the reason and the load time so far, valid against its schema.
+    let resp =
+        client().get(format!("{}/v1/tasks/{task_id}/events", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
+    let (events, _) = read_sse(resp).await;
+    let queued: Vec<&Value> = events.iter().filter(|e| e["type"] == "queued").collect();
+    assert_eq!(queued.len(), 1, "{events:?}");
+    assert_eq!((&queued[0]["reason"], &queued[0]["position"]), (&json!("loading"), &json!(0)), "{events:?}");
+    assert!(queued[0]["loading_ms"].is_u64(), "{events:?}");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("topics/schemas/event-queued.json");
+    let schema: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    assert!(jsonschema::validator_for(&schema).unwrap().is_valid(queued[0]), "{}", queued[0]);
+
+    // A second task that comes while the load runs joins it: its event
+    // says how long the load has run so far, and it waits only the rest.
+    assert!(has_event(&fake, "unload demo-a", Duration::from_secs(5)).await, "{:?}", fake.model_events());
+    let mut rx = gw.recorder().subscribe();
+    let first = tokio::spawn({
+        let (base, b) = (gw.base_url.clone(), chat("general-chat"));
+        async move {
+            client().post(format!("{base}/v1/chat/completions")).bearer_auth(DEMO_KEY).json(&b).send().await.unwrap()
+        }
+    });
+    let load_started = Instant::now();
+    loop {
+        let ev = rx.recv().await.unwrap();
+        if ev.state == TaskState::Queued && ev.reason.starts_with("loading:") {
+            break;
+        }
+    }
+    let resp = post_chat(&gw, DEMO_KEY, &b).await;
+    let second = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    let body = resp.text().await.unwrap();
+    assert!(body.contains(": queued position 0 (model loading, "), "{body}");
+    assert_eq!(first.await.unwrap().status(), 200);
+    let resp =
+        client().get(format!("{}/v1/tasks/{second}/events", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
+    let (events, _) = read_sse(resp).await;
+    let e = events.iter().find(|e| e["type"] == "queued").unwrap();
+    let so_far = e["loading_ms"].as_u64().unwrap();
+    assert!(so_far as u128 <= load_started.elapsed().as_millis(), "{e}");
+    let t: Value = client()
+        .get(format!("{}/v1/tasks/{second}", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let d =
+        t["transitions"].as_array().unwrap().iter().find(|t| t["state"] == "DISPATCHING").unwrap()["reason"].clone();
+    let waited: u64 =
+        d.as_str().unwrap().strip_prefix("model loaded after ").unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(waited + so_far < 2 * 700, "one load, not two: {d} after {so_far} ms");
+    assert_eq!(fake.model_events().iter().filter(|e| e.starts_with("load")).count(), 2, "{:?}", fake.model_events());
     gw.stop().await;
 }
 

@@ -99,14 +99,22 @@ async fn an_engine_killed_with_9_is_restarted_and_work_meanwhile_falls_back_and_
     let port = free_port();
     // `fake` is run by edgeway; `backup`, in this process, is its fallback.
     let backup = FakeEngine::start().await;
+    // No retry budget to spare, and probes (1 s) too slow to see the kill before
+    // the requests do: an attempt that meets the dead process must neither
+    // spend the budget nor count as a failure (it reached no engine). The
+    // test failed before with MODEL_UNAVAILABLE "not retried: the retry
+    // budget is spent", as it did once under load with the default budget.
     let section = process_section("python3", &fake_args(port, &log), "")
         + &format!(
-            "[engines.backup]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\nmax_concurrency = 2\nhealth_interval_ms = 100\n",
+            "[engines.backup]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\nmax_concurrency = 2\nhealth_interval_ms = 100\n\
+             [routing]\nretry_budget_percent = 0.0\nretry_budget_min = 0\n",
             backup.url()
         );
     let url = format!("http://127.0.0.1:{port}");
     let gw = TestGateway::with_engine_edit(&url, "openai", "", move |t| {
-        t.replace("instances = [\"fake\"]", "instances = [\"fake\", \"backup\"]") + &section
+        t.replace("instances = [\"fake\"]", "instances = [\"fake\", \"backup\"]")
+            .replace("health_interval_ms = 100\n[models", "health_interval_ms = 1000\n[models")
+            + &section
     })
     .await;
     let status = gw.running.as_ref().unwrap().internals.processes.status("fake").unwrap();
@@ -166,6 +174,55 @@ async fn an_engine_killed_with_9_is_restarted_and_work_meanwhile_falls_back_and_
     let pid = after.pid.unwrap();
     gw.stop().await;
     assert!(group_members(pid).is_empty(), "engine group {pid} still has {:?}", group_members(pid));
+}
+
+#[tokio::test]
+async fn work_for_the_only_instance_of_a_killed_engine_queues_until_it_is_back() {
+    // One instance, no fallback: while its process restarts, requests queue
+    // (within their queue deadline, 30 s by default) and run on the
+    // restarted engine. Before,
+    // they failed MODEL_UNAVAILABLE ("no instance of model ... is healthy").
+    let dir = TempDir::new("edgeway-sup-only");
+    let log = dir.0.join("requests.log");
+    let port = free_port();
+    let section = process_section("python3", &fake_args(port, &log), "");
+    let url = format!("http://127.0.0.1:{port}");
+    let gw = TestGateway::with_engine_edit(&url, "openai", "", move |t| t + &section).await;
+    let status = gw.running.as_ref().unwrap().internals.processes.status("fake").unwrap();
+    assert!(status.wait_for(ProcessState::Ready, Duration::from_secs(20)).await, "{:?}", status.report());
+    gw.wait_ready().await;
+    let pid = status.report().pid.unwrap();
+    kill9(pid);
+    let send = |nonce: String| {
+        let base = gw.base_url.clone();
+        tokio::spawn(async move {
+            let r = client()
+                .post(format!("{base}/v1/chat/completions"))
+                .bearer_auth(DEMO_KEY)
+                .json(&nonce_body(&nonce))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        })
+    };
+    // Some meet the dying process, some arrive while it restarts.
+    let mut during: Vec<_> = (0..3).map(|i| send(format!("only{i}"))).collect();
+    assert!(status.wait_for(ProcessState::Restarting, Duration::from_secs(20)).await, "{:?}", status.report());
+    during.extend((3..6).map(|i| send(format!("only{i}"))));
+    for d in during {
+        let (code, body) = d.await.unwrap();
+        assert_eq!(code, 200, "{body}");
+    }
+    let after = status.report();
+    assert_eq!((after.state, after.restarts), (ProcessState::Ready, 1), "{after:?}");
+    assert_ne!(after.pid, Some(pid));
+    // Each ran once, on the restarted engine.
+    let seen = std::fs::read_to_string(&log).unwrap();
+    for i in 0..6 {
+        assert_eq!(seen.lines().filter(|l| *l == format!("only{i}")).count(), 1, "{seen}");
+    }
+    gw.stop().await;
 }
 
 #[tokio::test]

@@ -179,6 +179,13 @@ pub trait Engine: Send + Sync + 'static {
     fn process_down(&self) -> bool {
         false
     }
+    /// Whether the engine is down only until its supervisor has it ready
+    /// again (starting or restarting, not given up or stopped): work for
+    /// it queues rather than failing when no other instance or step can
+    /// take it.
+    fn process_restarting(&self) -> bool {
+        false
+    }
     /// What the engine's model API (`model_api`) says of the model:
     /// `None` for an engine without one (its model is there while it is
     /// healthy).

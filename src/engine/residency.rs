@@ -18,6 +18,35 @@
 //! first-token deadline), or the wire calls (the adapters'
 //! [`Engine::load_model`] and friends).
 //!
+//! # Two memory counts, one configuration
+//! edgeway counts engine memory in two places, from the same keys
+//! (`[engines.X] memory_budget_mb`, `[models.Y] weights_mb`, and for the
+//! scheduler also `kv_bytes_per_token` and `memory_margin`):
+//! - **The scheduler** (`scheduler::policy`, per instance = per engine
+//!   section): weights of the instance's model (the largest `weights_mb`
+//!   among the models naming it, counted once from the first grant there or
+//!   from a probe that says the model is loaded, and dropped when a probe
+//!   says it is not and nothing runs there) plus the KV estimate of every
+//!   running task. A slot is granted only when that stays within the
+//!   section's budget; admission shrinks the output budget to fit it.
+//! - **Residency** (this file, per engine *server* = all sections with one
+//!   `base_url`, i.e. one llama-server router or one Ollama): only weights,
+//!   of the models `loaded` or `loading` there; before a load, idle models
+//!   of the server are unloaded (least recently used first) until the sum
+//!   plus the new model fits the budget of the section being loaded.
+//!   Residency never counts KV: on a router-mode llama-server each model is
+//!   its own process, whose KV cache the scheduler's per-section count
+//!   covers.
+//!
+//! They meet in one direction only: the scheduler learns of loads and
+//! unloads from the health probes (`model_resident`), so after an unload
+//! it may count the weights until the next probe (over-counting delays a
+//! grant, never over-commits). They are not one mechanism because the
+//! scheduler's check is a synchronous decision in its actor, over one
+//! section, while eviction spans sections and waits on engine calls;
+//! making one would move residency into the actor (a rewrite), left for
+//! later (issue 11). Give the sections of one server the same budget.
+//!
 //! # The engines' APIs (checked against the pinned llama.cpp)
 //! - **llama-server router mode** (`--models-dir DIR`, one model per
 //!   `NAME.gguf`, named `NAME`; `--models-max N` caps the models loaded,

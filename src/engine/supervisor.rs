@@ -9,8 +9,10 @@
 //! `stopped`), the `edgeway_engine_process_*` metrics, and the adapter
 //! wrapper ([`Processes::wrap`]) through which routing sees a process that
 //! is not ready as an engine that is down. Does not own: what routing does
-//! with a down instance (it falls back or queues, as for any engine outage;
-//! `router`), or when edgeway stops (`server` calls [`Processes::stop`]
+//! with a down instance (it falls back as for any engine outage, and work
+//! with nowhere else to go queues while the process is `starting` or
+//! `restarting`, see [`Engine::process_restarting`]; `router`,
+//! `scheduler`), or when edgeway stops (`server` calls [`Processes::stop`]
 //! after its drain).
 //!
 //! # No orphans
@@ -356,7 +358,29 @@ impl Engine for Supervised {
         if !self.status.usable() {
             return Err(EngineError::Unreachable(self.status.summary()));
         }
-        self.inner.stream(req).await
+        let pid = self.status.tx.borrow().pid;
+        match self.inner.stream(req).await {
+            Err(e) if matches!(e, EngineError::Unreachable(_) | EngineError::ConnectionLost(_)) => {
+                // The process died under the request (a kill -9), and its
+                // supervisor may not have seen the exit yet: wait until it
+                // has, so dispatch sees a process that is down (a planned
+                // outage: no breaker failure, no retry budget spent) rather
+                // than an engine that failed. Only when the process is
+                // provably gone or going, so a live engine that refused a
+                // connection costs no wait.
+                if pid.is_some_and(exited_or_exiting) {
+                    let mut rx = self.status.tx.subscribe();
+                    let _ =
+                        tokio::time::timeout(HEALTH_WAIT_MAX, rx.wait_for(|s| s.state != ProcessState::Ready)).await;
+                }
+                if self.status.usable() {
+                    Err(e)
+                } else {
+                    Err(EngineError::Unreachable(self.status.summary()))
+                }
+            }
+            r => r,
+        }
     }
     async fn health(&self) -> EngineHealth {
         use std::sync::atomic::Ordering;
@@ -376,6 +400,9 @@ impl Engine for Supervised {
     }
     fn process_down(&self) -> bool {
         !self.status.usable()
+    }
+    fn process_restarting(&self) -> bool {
+        matches!(self.status.state(), ProcessState::Starting | ProcessState::Restarting)
     }
     async fn model_state(&self) -> Option<Result<super::residency::ModelState, EngineError>> {
         if !self.status.usable() {
@@ -716,7 +743,19 @@ async fn wait_group_empty(pgid: u32, deadline: tokio::time::Instant) {
 struct ProcStat {
     zombie: bool,
     pgrp: u32,
+    /// The kernel's `PF_*` flags of the leader thread (field 9).
+    flags: u32,
     start_time: u64,
+}
+
+/// `PF_EXITING` (include/linux/sched.h): the thread has begun to exit. It
+/// is set before the process closes its files, so an engine whose socket
+/// refused a connection because it died has it, or is a zombie or gone.
+const PF_EXITING: u32 = 0x4;
+
+/// Whether process `pid` has exited or is exiting.
+fn exited_or_exiting(pid: u32) -> bool {
+    proc_stat(pid).is_none_or(|s| s.zombie || s.flags & PF_EXITING != 0)
 }
 
 fn proc_stat(pid: u32) -> Option<ProcStat> {
@@ -725,7 +764,12 @@ fn proc_stat(pid: u32) -> Option<ProcStat> {
     // parentheses itself: the fields that follow start after the last ')'.
     let rest = &text[text.rfind(')')? + 1..];
     let f: Vec<&str> = rest.split_whitespace().collect();
-    Some(ProcStat { zombie: f.first()? == &"Z", pgrp: f.get(2)?.parse().ok()?, start_time: f.get(19)?.parse().ok()? })
+    Some(ProcStat {
+        zombie: f.first()? == &"Z",
+        pgrp: f.get(2)?.parse().ok()?,
+        flags: f.get(6)?.parse().ok()?,
+        start_time: f.get(19)?.parse().ok()?,
+    })
 }
 
 /// Whether group `pgid` has a live member. [`group_members`] reads all of

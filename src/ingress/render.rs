@@ -16,9 +16,14 @@ pub fn event_json(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
             "seq": seq, "type": "accepted", "request_id": request_id,
             "task_id": task_id, "queue_position": queue_position,
         }),
-        TaskEvent::Queued { position } => json!({
-            "seq": seq, "type": "queued", "request_id": request_id, "position": position,
-        }),
+        TaskEvent::Queued { position, loading_ms } => {
+            let mut v = json!({ "seq": seq, "type": "queued", "request_id": request_id, "position": position });
+            if let Some(ms) = loading_ms {
+                v["reason"] = "loading".into();
+                v["loading_ms"] = (*ms).into();
+            }
+            v
+        }
         TaskEvent::Delta { text } => json!({ "seq": seq, "type": "delta", "request_id": request_id, "text": text }),
         // The first piece of each call carries `id` and `name`; every piece
         // a fragment of the JSON `arguments`, to be concatenated by `index`.
@@ -73,4 +78,14 @@ pub fn rejection_json(request_id: Option<&str>, e: &crate::error::GatewayError) 
         v["retry_after_ms"] = ms.into();
     }
     v
+}
+
+/// The SSE comment the OpenAI-style streams send for a `queued` event (the
+/// SDKs skip comments; it shows the wait and keeps idle-closing proxies
+/// from dropping the stream).
+pub fn queued_comment(position: usize, loading_ms: Option<u64>) -> String {
+    match loading_ms {
+        Some(ms) => format!(": queued position {position} (model loading, {ms} ms so far)\n\n"),
+        None => format!(": queued position {position}\n\n"),
+    }
 }

@@ -24,6 +24,11 @@ use crate::error::{ErrorCode, GatewayError};
 /// An engine failure as the client sees it, with the reason for the record
 /// ([`EngineError::class`]: the record is shown to callers, so the engine's
 /// own text goes to the debug log only).
+/// The retry label of an attempt that met a supervised engine process
+/// that is down and being restarted: not a failure of the task (the driver
+/// neither counts it nor spends the retry budget on it).
+pub const ENGINE_RESTARTING: &str = "engine_restarting";
+
 #[derive(Debug)]
 pub struct DispatchError {
     pub error: GatewayError,
@@ -58,10 +63,31 @@ impl Router {
         req: &EngineRequest,
         first_token_by: Option<std::time::Instant>,
     ) -> Result<EngineStream, DispatchError> {
-        let lease = match self.residency.acquire(i, first_token_by).await {
-            Ok(l) => l,
-            Err(refused) => return Err(self.refused(i, refused)),
-        };
+        let lease = self.acquire_model(i, first_token_by).await?;
+        self.open_leased(i, req, lease).await
+    }
+
+    /// The first half of [`Router::open_before`]: instance `i`'s model, in
+    /// memory (loaded first if need be, while the task waits), or the
+    /// refusal that sends the task to its next step. For a caller that
+    /// tells its task's client about the wait before it, and about the
+    /// dispatch after it.
+    pub async fn acquire_model(
+        &self,
+        i: usize,
+        first_token_by: Option<std::time::Instant>,
+    ) -> Result<Lease, DispatchError> {
+        self.residency.acquire(i, first_token_by).await.map_err(|refused| self.refused(i, refused))
+    }
+
+    /// The second half of [`Router::open_before`]: starts `req` on instance
+    /// `i`, whose model `lease` holds in memory while the stream lives.
+    pub async fn open_leased(
+        &self,
+        i: usize,
+        req: &EngineRequest,
+        lease: Lease,
+    ) -> Result<EngineStream, DispatchError> {
         self.attempt_started(i);
         let engine = &self.instance(i).engine;
         let first = match engine.stream(req).await {
@@ -126,6 +152,24 @@ impl Router {
         tracing::debug!(engine = %self.instance(i).name, error = %truncate(&e.to_string(), 500), mid_stream, "engine error");
         if e.is_unreachable() {
             self.request_recheck(i);
+        }
+        // The supervised process is down (killed, restarting): the request
+        // reached no engine, so it says nothing of the engine (the breaker
+        // is not told, as the probes do not tell it), and the driver
+        // retries it without counting a failure or spending the retry
+        // budget; while no instance can take it, it queues until the
+        // process is back.
+        let engine = &self.instance(i).engine;
+        if !mid_stream && e.is_unreachable() && engine.process_down() {
+            self.attempt_abandoned(i);
+            let restarting = engine.process_restarting();
+            let error = GatewayError::new(
+                ErrorCode::ModelUnavailable,
+                if restarting { "the model's engine is restarting" } else { "the model's engine is not reachable" },
+            )
+            .with_retry_after(2000);
+            let retryable = Some(if restarting { ENGINE_RESTARTING } else { "unreachable" });
+            return DispatchError { error, reason: e.class(), retryable };
         }
         // What it tells the breaker: a 4xx is the request's fault, not the
         // instance's (a 429 is the instance's: it is overloaded).

@@ -36,6 +36,7 @@ pub(super) async fn probe_loop(
     let engine = inst.engine.clone();
     let mut failures = 0u32;
     let mut up: Option<bool> = None;
+    let mut was_restarting = false;
     let mut tick = tokio::time::interval(inst.health_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -76,6 +77,7 @@ pub(super) async fn probe_loop(
         if !planned {
             router.probe_verdict(index, h.up);
         }
+        let restarting = planned && engine.process_restarting();
         let now_up = if h.up {
             failures = 0;
             true
@@ -84,7 +86,7 @@ pub(super) async fn probe_loop(
             // Until the first verdict, one failure is enough.
             !(planned || failures >= FAILURES_TO_DOWN || up.is_none())
         };
-        if up != Some(now_up) {
+        if up != Some(now_up) || (!now_up && restarting != was_restarting) {
             if now_up {
                 tracing::info!(engine = engine.name(), "engine instance is up");
             } else {
@@ -92,8 +94,9 @@ pub(super) async fn probe_loop(
             }
             up = Some(now_up);
             metrics.engine_up.with_label_values(&[engine.name()]).set(i64::from(now_up));
-            sink(InstanceEvent::Health { instance: index, up: now_up, detail: h.detail });
+            sink(InstanceEvent::Health { instance: index, up: now_up, restarting, detail: h.detail });
         }
+        was_restarting = restarting;
     }
 }
 

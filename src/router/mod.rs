@@ -42,7 +42,7 @@ use crate::telemetry::Metrics;
 use breaker::{Attempt, Breaker, BreakerState, Transition};
 use budget::RetryBudget;
 
-pub use dispatch::DispatchError;
+pub use dispatch::{DispatchError, ENGINE_RESTARTING};
 pub use pick::{pick, InstanceView};
 
 /// One engine instance: an adapter and what the config says about it.
@@ -66,7 +66,10 @@ pub enum InstanceEvent {
     /// The instance went up or down (only changes are sent), with the
     /// probe's detail (short, for logs and `/ready`, never for clients of
     /// tasks).
-    Health { instance: usize, up: bool, detail: String },
+    /// `restarting`: down only while a supervised engine process is
+    /// (re)started; it will be up again (see
+    /// [`Engine::process_restarting`]).
+    Health { instance: usize, up: bool, restarting: bool, detail: String },
     /// What a healthy engine said about itself at a probe: its load and,
     /// where it tells, whether its model is in memory; with what its
     /// breaker measured of recent attempts (failure ratio, p95 time to

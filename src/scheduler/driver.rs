@@ -280,9 +280,16 @@ impl Driver {
                 AttemptEnd::Over(outcome) => return outcome,
                 AttemptEnd::Retry { error, label } => {
                     // Preempted attempts do not count: they did not fail.
-                    p.failures += 1;
-                    let exhausted = p.failures >= router.max_attempts;
-                    let refused = !exhausted && !router.try_retry();
+                    // Nor do attempts that met an engine process being
+                    // restarted: they reached no engine, and the task waits
+                    // for the process (or another instance) in the queue,
+                    // within its deadlines.
+                    let restarting = label == crate::router::ENGINE_RESTARTING;
+                    if !restarting {
+                        p.failures += 1;
+                    }
+                    let exhausted = !restarting && p.failures >= router.max_attempts;
+                    let refused = !restarting && !exhausted && !router.try_retry();
                     if exhausted || refused {
                         if refused {
                             self.shared.metrics.retries_refused.with_label_values(&[&r.logical_model]).inc();
@@ -464,17 +471,26 @@ impl Driver {
             dispatch_reason = format!("{dispatch_reason}, attempt {}", p.attempts);
         }
         // Residency: the model is not in the engine's memory yet, so the
-        // task waits here for its load (or takes the next step).
-        if let Some(loading) = self.shared.router.residency().loading_note(lease.instance) {
-            dispatch_reason = format!("{dispatch_reason}, {loading}");
+        // task waits for its load (or takes the next step) in QUEUED, with
+        // the reason "loading" and the time the load took so far; it is
+        // DISPATCHING once the model is in.
+        let residency = self.shared.router.residency();
+        let loading = residency.loading_note(lease.instance).map(|note| {
+            let so_far = residency.loading_for(lease.instance).unwrap_or_default();
+            let reason = format!("loading: {note}, on {} ({dispatch_reason})", lease.instance_name);
+            self.shared.recorder.transition(r, TaskState::Queued, &reason, Some(&lease.instance_name), "scheduler");
+            self.log.push(TaskEvent::Queued { position: 0, loading_ms: Some(so_far.as_millis() as u64) });
+            Instant::now()
+        });
+        if loading.is_none() {
+            self.shared.recorder.transition(
+                r,
+                TaskState::Dispatching,
+                &dispatch_reason,
+                Some(&lease.instance_name),
+                "scheduler",
+            );
         }
-        self.shared.recorder.transition(
-            r,
-            TaskState::Dispatching,
-            &dispatch_reason,
-            Some(&lease.instance_name),
-            "scheduler",
-        );
         // Its pending request is dropped at the first dispatch: from here a
         // restart must not run it again.
         if r.idempotency_key.is_some() && !p.started {
@@ -585,7 +601,14 @@ impl Driver {
                 _ = sleep_until(first_token_deadline) => return first_token_timeout(first_token_deadline, first_token_raw),
                 // A model still to be loaded makes the task wait here, or
                 // take the next step when the load would pass the deadline.
-                s = router.open_before(lease.instance, &engine_req, Some(first_token_deadline.into_std())) => match s {
+                s = async {
+                    let model = router.acquire_model(lease.instance, Some(first_token_deadline.into_std())).await?;
+                    if let (Some(waited), 1) = (loading, calls) {
+                        let reason = format!("model loaded after {} ms; {dispatch_reason}", waited.elapsed().as_millis());
+                        self.shared.recorder.transition(r, TaskState::Dispatching, &reason, Some(&lease.instance_name), "scheduler");
+                    }
+                    router.open_leased(lease.instance, &engine_req, model).await
+                } => match s {
                     Ok(s) => s,
                     Err(e) => return match e.retryable {
                         Some(label) => AttemptEnd::Retry { error: e, label },

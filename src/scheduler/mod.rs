@@ -254,6 +254,8 @@ enum Cmd {
     Health {
         instance: usize,
         up: bool,
+        /// Down only while its engine process restarts: work waits for it.
+        restarting: bool,
         detail: String,
     },
     Danger {
@@ -462,7 +464,9 @@ pub fn start(
     let probe_tx = tx.clone();
     let sink = Arc::new(move |e: InstanceEvent| {
         let _ = probe_tx.send(match e {
-            InstanceEvent::Health { instance, up, detail } => Cmd::Health { instance, up, detail },
+            InstanceEvent::Health { instance, up, restarting, detail } => {
+                Cmd::Health { instance, up, restarting, detail }
+            }
             InstanceEvent::Load { instance, load, model_resident, error_rate, ttft_p95_ms } => {
                 Cmd::EngineState { instance, load, model_resident, error_rate, ttft_p95_ms }
             }
@@ -951,8 +955,9 @@ impl Actor {
             // An instance removed by a reload stays down whatever its
             // probe says.
             Cmd::Health { instance, .. } if self.retired.contains(&instance) => {}
-            Cmd::Health { instance, up, detail } => {
+            Cmd::Health { instance, up, restarting, detail } => {
                 self.policy.set_instance_up(instance, up);
+                self.policy.set_instance_restarting(instance, !up && restarting);
                 if !self.policy.instance_paused(instance) {
                     self.details[instance] = detail;
                 }
@@ -1134,7 +1139,7 @@ impl Actor {
             if let Some(w) = self.grants.get_mut(id) {
                 if w.position != position {
                     w.position = position;
-                    w.log.push(TaskEvent::Queued { position });
+                    w.log.push(TaskEvent::Queued { position, loading_ms: None });
                 }
             }
         }

@@ -302,6 +302,8 @@ struct InstanceState {
     /// The health probe's verdict: a model with no instance up refuses new
     /// work at once.
     up: bool,
+    /// Down only until its supervised engine process is ready again.
+    restarting: bool,
     /// Out of dispatch for now (an engine still running cancelled work);
     /// new work still queues for it.
     paused: bool,
@@ -426,6 +428,14 @@ impl Policy {
 
     pub fn set_instance_up(&mut self, instance: usize, up: bool) {
         self.instances[instance].up = up;
+    }
+
+    /// The instance is down only while its engine process restarts: a
+    /// task whose chain has nothing else to take it waits for it (at
+    /// admission, and when its instances go down while it waits) rather
+    /// than failing `MODEL_UNAVAILABLE`.
+    pub fn set_instance_restarting(&mut self, instance: usize, restarting: bool) {
+        self.instances[instance].restarting = restarting;
     }
 
     pub fn set_instance_paused(&mut self, instance: usize, paused: bool) {
@@ -736,6 +746,10 @@ impl Policy {
         }
         let mut passed: Vec<Passed> = Vec::new();
         let mut first: Option<GatewayError> = None;
+        // The first step whose instances are all down only while their
+        // engine processes restart: the task waits there when no step can
+        // take it now.
+        let mut restarting: Option<Link> = None;
         for link in self.chain(&info) {
             let model_name = &self.cfg.models[link.model].name;
             if link.step == FallbackStep::Canned {
@@ -776,6 +790,12 @@ impl Policy {
                 continue;
             }
             if !link.instances.iter().any(|&i| self.instances[i].up) {
+                if !link.immediate
+                    && restarting.is_none()
+                    && link.instances.iter().any(|&i| self.instances[i].restarting)
+                {
+                    restarting = Some(link.clone());
+                }
                 passed.push(passed_over(link.step, "unavailable", format!("no instance of '{model_name}' is healthy")));
                 first.get_or_insert_with(|| {
                     busy(
@@ -813,6 +833,21 @@ impl Policy {
                     passed.push(passed_over(link.step, "no_room", e.message.clone()));
                     first.get_or_insert(e);
                 }
+            }
+        }
+        if let Some(link) = restarting {
+            let mut task = info.clone();
+            task.model = link.model;
+            match self.admit_on(task, &link, now, None) {
+                Ok(mut a) => {
+                    // Only the steps before it were passed over: it waits
+                    // on this one.
+                    passed.retain(|p| p.step < link.step);
+                    a.passed = passed;
+                    return Ok(a);
+                }
+                Err(Refusal::Final(e)) => return Err(e),
+                Err(Refusal::Capacity(e)) => first = Some(e),
             }
         }
         let mut e = first.unwrap_or_else(|| {
@@ -1428,7 +1463,10 @@ impl Policy {
             .iter()
             .flatten()
             .filter(|w| !w.candidates.iter().any(|&i| self.serving(i)))
-            .map(|w| (w.info.task_id.clone(), w.candidates.iter().any(|&i| self.instances[i].up)))
+            .map(|w| {
+                let back = w.candidates.iter().any(|&i| self.instances[i].up || self.instances[i].restarting);
+                (w.info.task_id.clone(), back)
+            })
             .collect()
     }
 

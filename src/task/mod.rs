@@ -112,7 +112,9 @@ impl TaskState {
     ///   `MODEL_UNAVAILABLE` when no healthy instance of its model is left,
     ///   or when the scheduler stops.
     /// - `Queued → Queued`: a task that never started is queued again after
-    ///   a gateway restart (queues live in memory; the restart emptied it).
+    ///   a gateway restart (queues live in memory; the restart emptied it),
+    ///   or, holding its slot, waits for its model to be loaded (reason
+    ///   `loading: …`).
     /// - `Dispatching → Queued`, `Running → Queued`: an engine attempt
     ///   failed before its first token and the task waits for another
     ///   (a retry), or a P0 task preempted it before any output went out.
@@ -566,8 +568,11 @@ pub enum TaskEvent {
     },
     /// The task still waits; `position` tasks of its model are ahead of it
     /// (sent when it changed, at most once per `scheduler.queue_update_ms`).
+    /// `loading_ms`: it has its slot and waits for its model to be loaded
+    /// into the engine (position 0), which has taken this long so far.
     Queued {
         position: usize,
+        loading_ms: Option<u64>,
     },
     Delta {
         text: String,

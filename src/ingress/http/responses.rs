@@ -579,10 +579,10 @@ fn push_event(buf: &mut Vec<u8>, seq: &mut u64, mut v: Value) {
 impl sse::Render for Events {
     fn event(&mut self, ev: TaskEvent) -> Bytes {
         let mut buf = Vec::with_capacity(256);
-        if let TaskEvent::Queued { position } = &ev {
+        if let TaskEvent::Queued { position, loading_ms } = &ev {
             // A comment: the SDKs skip it; it shows the wait and keeps
             // idle-closing proxies from dropping the stream.
-            buf.extend_from_slice(format!(": queued position {position}\n\n").as_bytes());
+            buf.extend_from_slice(crate::ingress::render::queued_comment(*position, *loading_ms).as_bytes());
         }
         for v in self.out.take(&ev) {
             push_event(&mut buf, &mut self.seq, v);

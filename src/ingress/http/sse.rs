@@ -145,7 +145,9 @@ impl Render for Chunks {
                 None => Bytes::from_static(b": accepted\n\n"),
             },
             // Likewise: it shows the wait.
-            TaskEvent::Queued { position } => Bytes::from(format!(": queued position {position}\n\n")),
+            TaskEvent::Queued { position, loading_ms } => {
+                Bytes::from(crate::ingress::render::queued_comment(position, loading_ms))
+            }
             TaskEvent::Delta { text } => self.piece(Piece::Text(text)).map_or_else(Bytes::new, |v| sse(&v)),
             TaskEvent::ToolCallDelta(d) => self.piece(Piece::ToolCall(&d)).map_or_else(Bytes::new, |v| sse(&v)),
             // Chat and completion tasks have none (embeddings have their own
