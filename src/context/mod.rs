@@ -9,13 +9,15 @@
 //! ends (the gateway follows the task).
 
 pub mod assembly;
+pub mod fence;
+pub mod inputs;
 pub mod redact;
 pub mod sessions;
 
 use crate::task::ChatMessage;
 
 /// Per-message overhead of chat templates (role markers, separators).
-const TOKENS_PER_MESSAGE: u32 = 4;
+pub(crate) const TOKENS_PER_MESSAGE: u32 = 4;
 
 /// A conservative estimate of prompt tokens: about 3.5 bytes per token for
 /// English text with BPE/SentencePiece vocabularies, rounded up, plus the
