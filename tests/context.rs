@@ -3,7 +3,9 @@
 //! request's knowledge and tool results fenced as untrusted data with what
 //! imitates the fence neutralised and secrets filtered, session memory
 //! entries by key, the errors of a bad `edge.context`, and
-//! `CONTEXT_TOO_LARGE` when the rules and the question alone do not fit.
+//! `CONTEXT_TOO_LARGE` when the rules and the question alone do not fit,
+//! `edge.context` in the result (whole and streamed) and the admin plan
+//! endpoint `GET /admin/tasks/{id}/context`.
 //! MQTT and NATS are in `sessions_mqtt.rs` and `sessions_nats.rs`.
 
 mod common;
@@ -16,8 +18,13 @@ const RIVAL_KEY: &str = "sk-rival-tenant";
 /// Safety rules, a system prompt and output constraints for `demo`, and
 /// an application `rival` of another tenant `acme`.
 fn edit(window: u32) -> impl FnOnce(String) -> String {
+    edit_with(window, false)
+}
+
+fn edit_with(window: u32, store_prompts: bool) -> impl FnOnce(String) -> String {
     let rival = hex::encode(edgeway::config::hash_api_key(RIVAL_KEY));
     move |t: String| {
+        let t = t.replace("[store]\n", &format!("[store]\nstore_prompts = {store_prompts}\n"));
         let t = t.replace("context_tokens = 2048", &format!("context_tokens = {window}"));
         let t = t.replace("max_output_tokens = 256", "max_output_tokens = 64");
         let t = t.replace(
@@ -161,5 +168,66 @@ async fn the_rules_and_question_alone_too_large_is_context_too_large() {
     let body = json!({"model": "general-chat", "max_tokens": 8, "messages": [{"role": "user", "content": "why?"}]});
     assert_eq!(post_chat(&gw, DEMO_KEY, &body).await.status(), 200);
     assert!(sent_messages(&fake)[0].1.starts_with("Never tell anyone"));
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn the_result_and_the_admin_plan_say_what_the_assembly_did() {
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", edit_with(4096, true)).await;
+    gw.wait_ready().await;
+    let passages: Vec<Value> =
+        (0..2).map(|_| json!({"text": "Pump 3 runs at 60 C.", "source": "wiki/pumps", "relevance": 0.5})).collect();
+    let body = json!({"model": "general-chat", "messages": [{"role": "user", "content": "How hot?"}],
+                      "edge": {"context": {"knowledge": passages}}});
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    let ctx = &v["edge"]["context"];
+    assert_eq!(ctx["exact"], false, "{v}");
+    assert_eq!(ctx["summary_used"], false);
+    assert_eq!(ctx["version"], 1);
+    assert_eq!(ctx["steps"], json!(["dropped 1 duplicate knowledge passages"]));
+    for kind in ["safety_rules", "system_prompt", "identity", "knowledge", "request", "output_constraints"] {
+        assert!(ctx["tokens"][kind].as_u64().unwrap() > 0, "{kind}: {ctx}");
+    }
+    assert_eq!(ctx["budget"]["window"], 4096);
+    assert_eq!(ctx["budget"]["margin"], 205, "5 % of the window, rounded up");
+    assert_eq!(ctx["budget"]["output_reserve"], 64);
+    assert_eq!(ctx["prompt_sha256"].as_str().unwrap().len(), 64);
+    let task_id = v["edge"]["task_id"].as_str().unwrap().to_string();
+
+    // Streamed: on the last chunk, with the rest of `edge`.
+    let mut stream = body.clone();
+    stream["stream"] = json!(true);
+    let (chunks, done) = read_sse(post_chat(&gw, DEMO_KEY, &stream).await).await;
+    assert!(done);
+    assert_eq!(chunks.last().unwrap()["edge"]["context"]["steps"], ctx["steps"], "{chunks:?}");
+
+    // A call with nothing to assemble has none.
+    let plain = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    plain.wait_ready().await;
+    let v: Value = post_chat(&plain, DEMO_KEY, &chat_body(false)).await.json().await.unwrap();
+    assert!(v["edge"].get("context").is_none(), "{v}");
+    plain.stop().await;
+
+    // The admin plan: kinds and sources in order, and the prompt as sent
+    // (this store keeps text). Not for a business application.
+    let url = format!("{}/admin/tasks/{task_id}/context", gw.base_url);
+    let r = client().get(&url).bearer_auth(DEMO_KEY).send().await.unwrap();
+    assert_eq!(r.status(), 403);
+    let plan: Value = client().get(&url).bearer_auth(OPS_KEY).send().await.unwrap().json().await.unwrap();
+    let kinds: Vec<&str> =
+        plan["context"]["segments"].as_array().unwrap().iter().map(|s| s["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, vec!["safety_rules", "system_prompt", "identity", "knowledge", "request", "output_constraints"]);
+    let k = &plan["context"]["segments"][3];
+    assert_eq!(
+        (k["source"].as_str(), k["trust"].as_str(), k["permission"].as_str()),
+        (Some("wiki/pumps"), Some("untrusted"), Some("data"))
+    );
+    let prompt = plan["prompt"].as_array().unwrap();
+    assert!(prompt[0]["content"].as_str().unwrap().starts_with("Never tell anyone"), "{plan}");
+    let r = client().get(format!("{}/admin/tasks/nope/context", gw.base_url)).bearer_auth(OPS_KEY).send().await;
+    assert_eq!(r.unwrap().status(), 404);
     gw.stop().await;
 }

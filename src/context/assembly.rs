@@ -196,6 +196,28 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// The plan as the task's result and record carry it, with `sha256`
+    /// the digest of the assembled prompt.
+    pub fn meta(&self, prompt_sha256: String) -> crate::task::ContextMeta {
+        let tokens = self.tokens().into_iter().map(|(k, n)| (k.as_str().to_string(), Value::from(n))).collect();
+        let budget = match serde_json::to_value(self.budget) {
+            Ok(Value::Object(m)) => m,
+            _ => Default::default(),
+        };
+        crate::task::ContextMeta {
+            version: self.version,
+            prompt_sha256,
+            tokens,
+            budget,
+            steps: self.steps.clone(),
+            summary_used: self.summary_used,
+            exact: self.exact,
+            segments: self.segments.iter().filter_map(|s| serde_json::to_value(s).ok()).collect(),
+        }
+    }
+}
+
 /// A knowledge passage, memory entry or tool result to put in.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Piece {

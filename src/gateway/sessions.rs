@@ -11,6 +11,8 @@
 //! `edge.context`), and following a session turn's task to its end. Does not own: the sessions, their limits and ownership
 //! (`crate::context::sessions`) or the assembly (`crate::context::assembly`).
 
+use sha2::{Digest, Sha256};
+
 use crate::context::assembly::{self, Inputs, Piece, Rules};
 use crate::context::fence::SecretFilter;
 use crate::context::inputs::{ContextRequest, MemoryQuery, Passage};
@@ -154,6 +156,10 @@ impl Gateway {
         // The summary joins here when sessions keep one (`SummaryRef`).
         let inputs = Inputs { history: &history, session: session.as_deref(), summary: None, knowledge, tool_results };
         let plan = assembly::assemble(req, inputs, &rules)?;
+        // The digest of the prompt as sent, beside the caller's own
+        // (`prompt_sha256`, which idempotency judges repeats on).
+        let sent = hex::encode(Sha256::digest(serde_json::to_vec(&req.messages).unwrap_or_default()));
+        req.context = Some(Box::new(plan.meta(sent)));
         tracing::debug!(
             task_id = %req.task_id,
             used = plan.turns_used,
