@@ -354,6 +354,7 @@ pub fn admit(
         degrade_reason,
         tools,
         operation: body.operation,
+        context: None,
     })
 }
 

@@ -87,6 +87,7 @@ pub struct Config {
     pub store: StoreConfig,
     pub server: ServerConfig,
     pub sessions: SessionsConfig,
+    pub context: ContextConfig,
     pub log: LogConfig,
     pub timeouts: Timeouts,
     pub scheduler: SchedulerConfig,
@@ -171,6 +172,35 @@ pub struct ServerConfig {
     /// On SIGTERM/SIGINT: how long running tasks may finish before the
     /// rest are cancelled.
     pub drain_timeout: Duration,
+}
+
+/// `[context]`: what prompt assembly adds to every chat call and filters
+/// from untrusted content.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContextConfig {
+    /// The platform's safety rules, first in every assembled prompt.
+    pub safety_rules: Option<String>,
+    /// Regular expressions (checked to compile) filtered from untrusted
+    /// content, beside the built-in API-key patterns.
+    pub secret_patterns: Vec<String>,
+}
+
+/// The prompt budget of a logical model (`[models.X] context_*`,
+/// `*_budget_percent`), read by `context::assembly`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ContextBudget {
+    /// Fraction of the window left unused (0.05..=0.10).
+    pub margin: f64,
+    /// Fractions of the prompt budget knowledge passages and tool results
+    /// may take at most.
+    pub knowledge_share: f64,
+    pub tool_results_share: f64,
+}
+
+impl Default for ContextBudget {
+    fn default() -> Self {
+        ContextBudget { margin: 0.05, knowledge_share: 0.4, tool_results_share: 0.4 }
+    }
 }
 
 /// `[sessions]`: the ceilings of every session. A session may be created
@@ -380,6 +410,10 @@ pub struct ApplicationConfig {
     /// before anything of the application's sessions is kept (checked to
     /// compile).
     pub redact: Vec<String>,
+    /// Its system prompt, put into every assembled prompt of its calls.
+    pub system_prompt: Option<String>,
+    /// Output constraints, last in every assembled prompt of its calls.
+    pub output_constraints: Option<String>,
 }
 
 /// Limits of one application against the others (all optional). The
@@ -525,6 +559,8 @@ pub struct ModelConfig {
     pub weights_bytes: u64,
     /// Safety margin on KV estimates, as a fraction.
     pub memory_margin: f64,
+    /// How prompt assembly budgets the window.
+    pub context_budget: ContextBudget,
     /// Smaller logical models that may answer instead, in order.
     pub fallback_models: Vec<String>,
     /// The answer given when no engine step can take a request.

@@ -102,6 +102,7 @@ pub struct RawConfig {
     pub store: RawStore,
     pub server: RawServer,
     pub sessions: RawSessions,
+    pub context: RawContext,
     pub log: RawLog,
     pub timeouts: RawTimeouts,
     pub scheduler: RawScheduler,
@@ -125,6 +126,7 @@ impl Default for RawConfig {
             store: RawStore::default(),
             server: RawServer::default(),
             sessions: RawSessions::default(),
+            context: RawContext::default(),
             log: RawLog::default(),
             timeouts: RawTimeouts::default(),
             scheduler: RawScheduler::default(),
@@ -243,6 +245,18 @@ impl Default for RawSessions {
             append_failed_turns: false,
         }
     }
+}
+
+/// `[context]`: what prompt assembly adds to every chat call and filters
+/// from untrusted content (see `context::assembly`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawContext {
+    /// The platform's safety rules, first in every assembled prompt.
+    pub safety_rules: Option<String>,
+    /// Regular expressions filtered from untrusted content before it is
+    /// sent (beside the built-in API-key patterns).
+    pub secret_patterns: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -435,6 +449,11 @@ pub struct RawApplication {
     /// Patterns (regular expressions) replaced before anything of its
     /// sessions is kept.
     pub redact: Vec<String>,
+    /// The application's system prompt, second in every assembled prompt
+    /// of its calls (after the platform's safety rules).
+    pub system_prompt: Option<String>,
+    /// Output constraints, last in every assembled prompt of its calls.
+    pub output_constraints: Option<String>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -475,6 +494,8 @@ impl Default for RawApplication {
             allowed_tools: None,
             high_risk_tools: Vec::new(),
             redact: Vec::new(),
+            system_prompt: None,
+            output_constraints: None,
         }
     }
 }
@@ -576,6 +597,13 @@ pub struct RawModel {
     pub weights_mb: u64,
     /// Safety margin added to KV estimates.
     pub memory_margin_percent: f64,
+    /// The part of the window prompt assembly leaves unused (5..=10), for
+    /// the error of its token estimate.
+    pub context_margin_percent: u32,
+    /// The most of the prompt budget knowledge passages may take (0..=100).
+    pub knowledge_budget_percent: u32,
+    /// The most of the prompt budget tool results may take (0..=100).
+    pub tool_results_budget_percent: u32,
     /// Smaller or quantized logical models that may answer instead (their
     /// local instances), in order, when the request or its application
     /// allows a smaller model.
@@ -610,6 +638,9 @@ impl Default for RawModel {
             architecture: None,
             weights_mb: 0,
             memory_margin_percent: 10.0,
+            context_margin_percent: 5,
+            knowledge_budget_percent: 40,
+            tool_results_budget_percent: 40,
             fallback_models: Vec::new(),
             canned_answer: None,
             kind: None,

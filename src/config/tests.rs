@@ -206,6 +206,24 @@ fn kv_bytes_per_token_comes_from_the_architecture() {
 }
 
 #[test]
+fn context_budget_keys_are_checked() {
+    for (key, bad) in [
+        ("context_margin_percent", "4"),
+        ("context_margin_percent", "11"),
+        ("knowledge_budget_percent", "101"),
+        ("tool_results_budget_percent", "101"),
+    ] {
+        let e = parse(&format!("{MINIMAL}{key} = {bad}\n"), &[]).unwrap_err();
+        assert_eq!(e.0[0].path, format!("models.general-chat.{key}"), "{bad}: {e}");
+    }
+    let m = &parse(&format!("{MINIMAL}context_margin_percent = 10\n"), &[]).unwrap().models["general-chat"];
+    assert_eq!(m.context_budget.margin, 0.1);
+    assert_eq!(parse(MINIMAL, &[]).unwrap().models["general-chat"].context_budget.margin, 0.05);
+    let e = parse(&format!("{MINIMAL}[context]\nsecret_patterns = ['(']\n"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "context.secret_patterns[0]");
+}
+
+#[test]
 fn memory_margin_is_a_positive_percentage() {
     for bad in ["-100", "-1", "nan", "inf"] {
         let e = parse(&format!("{MINIMAL}memory_margin_percent = {bad}\n"), &[]).unwrap_err();

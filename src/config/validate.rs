@@ -72,6 +72,7 @@ impl RawConfig {
             p.add("server.drain_timeout_s", "must be at most 3600");
         }
         let sessions = sessions(self.sessions, &mut p);
+        let context = context(self.context, &mut p);
         let log = log(self.log, &mut p);
         let timeouts = timeouts(self.timeouts, &mut p);
         let default_queue_capacity = self.scheduler.queue_capacity;
@@ -103,6 +104,7 @@ impl RawConfig {
                 store,
                 server,
                 sessions,
+                context,
                 log: log?,
                 timeouts,
                 scheduler,
@@ -168,6 +170,18 @@ fn sessions(s: super::raw::RawSessions, p: &mut Problems) -> super::SessionsConf
         max_sessions: s.max_sessions,
         max_memory_entries: s.max_memory_entries,
         append_failed_turns: s.append_failed_turns,
+    }
+}
+
+fn context(c: super::raw::RawContext, p: &mut Problems) -> super::ContextConfig {
+    for (i, pat) in c.secret_patterns.iter().enumerate() {
+        if let Err(e) = regex::Regex::new(pat) {
+            p.add(format!("context.secret_patterns[{i}]"), format!("not a regular expression: {e}"));
+        }
+    }
+    super::ContextConfig {
+        safety_rules: c.safety_rules.filter(|r| !r.trim().is_empty()),
+        secret_patterns: c.secret_patterns,
     }
 }
 
@@ -532,6 +546,8 @@ fn application(
         allowed_tools: a.allowed_tools,
         high_risk_tools: a.high_risk_tools,
         redact: a.redact,
+        system_prompt: a.system_prompt.filter(|t| !t.trim().is_empty()),
+        output_constraints: a.output_constraints.filter(|t| !t.trim().is_empty()),
     })
 }
 
@@ -756,6 +772,17 @@ fn model(
     if m.queue_capacity == Some(0) {
         p.add(format!("{path}.queue_capacity"), "must be at least 1");
     }
+    if !(5..=10).contains(&m.context_margin_percent) {
+        p.add(format!("{path}.context_margin_percent"), "must be 5..10 (percent of the window)");
+    }
+    for (key, v) in [
+        ("knowledge_budget_percent", m.knowledge_budget_percent),
+        ("tool_results_budget_percent", m.tool_results_budget_percent),
+    ] {
+        if v > 100 {
+            p.add(format!("{path}.{key}"), "must be 0..100 (percent of the prompt budget)");
+        }
+    }
     if !(m.memory_margin_percent.is_finite() && m.memory_margin_percent >= 0.0) {
         p.add(format!("{path}.memory_margin_percent"), "must be a number of percent, 0 or more");
     }
@@ -820,6 +847,11 @@ fn model(
         kv_bytes_per_token: kv_bytes_per_token?,
         weights_bytes: weights_bytes?,
         memory_margin: m.memory_margin_percent / 100.0,
+        context_budget: super::ContextBudget {
+            margin: f64::from(m.context_margin_percent) / 100.0,
+            knowledge_share: f64::from(m.knowledge_budget_percent) / 100.0,
+            tool_results_share: f64::from(m.tool_results_budget_percent) / 100.0,
+        },
         fallback_models: m.fallback_models,
         canned_answer: m.canned_answer,
         kind: kind?,

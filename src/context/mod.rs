@@ -1,21 +1,24 @@
 //! Context: how many tokens a prompt takes and how much output still fits
 //! in a model's context window, the sessions that keep a conversation's
 //! history (`sessions.rs`, with redaction of what they keep in
-//! `redact.rs`), and the assembly of a prompt from a call and its session
-//! (`assembly.rs`).
+//! `redact.rs`), and the assembly of a prompt from a call, its session and
+//! its `edge.context` (`inputs.rs`) in a token budget (`assembly.rs`), with
+//! untrusted content fenced and filtered (`fence.rs`).
 //!
 //! Owns: token estimates, the fit decision, sessions and assembly. Does
 //! not own: admission of the call (`crate::admission`) or when a turn
 //! ends (the gateway follows the task).
 
 pub mod assembly;
+pub mod fence;
+pub mod inputs;
 pub mod redact;
 pub mod sessions;
 
 use crate::task::ChatMessage;
 
 /// Per-message overhead of chat templates (role markers, separators).
-const TOKENS_PER_MESSAGE: u32 = 4;
+pub(crate) const TOKENS_PER_MESSAGE: u32 = 4;
 
 /// A conservative estimate of prompt tokens: about 3.5 bytes per token for
 /// English text with BPE/SentencePiece vocabularies, rounded up, plus the

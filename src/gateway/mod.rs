@@ -380,7 +380,11 @@ impl Gateway {
     /// Dropping the future (an HTTP client gone mid-call) before it answers
     /// ends the call's record REJECTED and leaves no queued task behind.
     pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
-        let Call { identity, body, ingress, request_id_hint } = call;
+        let Call { identity, mut body, ingress, request_id_hint } = call;
+        // `edge` (today only `edge.context`) is for the assembly, not the
+        // engine: read after admission, so a bad one is refused after the
+        // request's other checks.
+        let edge = body.extra.remove("edge");
         // Held until the call is queued (or refused): a drain waits for
         // every call that passed the check below before it began.
         let _admitting = self.admitting.enter();
@@ -400,6 +404,7 @@ impl Gateway {
         };
         let mut req =
             admission::admit(&self.config(), identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
+        let context = crate::context::inputs::parse(edge.as_ref()).map_err(refuse)?;
         let retry_of = match self.known_repeat(&req).await {
             Ok(Repeat::Join(stream)) => return Ok(stream),
             Ok(Repeat::Run { retry_of }) => retry_of,
@@ -411,7 +416,7 @@ impl Gateway {
         // A session turn begins here, after a repeat has joined its task
         // (a repeat is not a new turn) and before the task is recorded, so
         // that its record holds the prompt as assembled.
-        let turn = self.begin_turn(&mut req).await.map_err(refuse)?;
+        let turn = self.begin_turn(&mut req, context).await.map_err(refuse)?;
         // The turn may have waited for the one before: a drain begun
         // meanwhile refuses it as it refuses any new work.
         if let Some(e) = self.closed_to_new_work() {

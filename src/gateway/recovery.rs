@@ -139,6 +139,9 @@ impl Gateway {
             degrade_reason: r.degrade_reason.clone(),
             tools: r.tools.clone(),
             operation: r.operation.clone(),
+            // The stored messages are the prompt as assembled; what the
+            // assembly did is not kept apart (the result says nothing).
+            context: None,
         })
     }
 }

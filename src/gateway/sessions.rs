@@ -3,11 +3,19 @@
 //! prompt gets the session's recent turns) and ends when the task ends
 //! (the user's message and the answer are appended).
 //!
-//! Owns: reading the API's JSON bodies, and following a session turn's
-//! task to its end. Does not own: the sessions, their limits and ownership
+//! Every chat call whose prompt gets more than its own messages (configured
+//! rules, a session, `edge.context`) is assembled here, session or not.
+//!
+//! Owns: reading the API's JSON bodies, gathering what the assembly needs
+//! (configuration, the session's turns and memory, the request's
+//! `edge.context`), and following a session turn's task to its end. Does not own: the sessions, their limits and ownership
 //! (`crate::context::sessions`) or the assembly (`crate::context::assembly`).
 
-use crate::context::assembly;
+use sha2::{Digest, Sha256};
+
+use crate::context::assembly::{self, Inputs, Piece, Rules};
+use crate::context::fence::SecretFilter;
+use crate::context::inputs::{ContextRequest, MemoryQuery, Passage};
 use crate::context::sessions::{CreateSession, MemoryEntry, MemoryWrite, Owner, SessionView, TurnLease};
 use crate::error::GatewayError;
 use crate::scheduler::TaskStream;
@@ -80,14 +88,96 @@ impl Gateway {
         self.sessions.clear_memory(&Owner::of(who, user)?, id)
     }
 
-    /// Begins the session turn of an admitted call that names a session,
-    /// and assembles its prompt with the session's recent turns. `None`
-    /// without a session.
-    pub(super) async fn begin_turn(&self, req: &mut TaskRequest) -> Result<Option<Turn>, GatewayError> {
-        let Some(id) = req.session_id.clone() else { return Ok(None) };
+    /// Assembles the prompt of an admitted chat call
+    /// ([`assembly::assemble`]: configured rules, the session's turns and
+    /// memory, the request's `edge.context`), beginning its session turn
+    /// when it names a session. A call with nothing to add keeps its
+    /// messages and skips the assembly.
+    pub(super) async fn begin_turn(
+        &self,
+        req: &mut TaskRequest,
+        context: Option<ContextRequest>,
+    ) -> Result<Option<Turn>, GatewayError> {
         if req.operation != Operation::Chat {
-            return Err(GatewayError::invalid("'session_id' applies to chat calls only"));
+            if req.session_id.is_some() {
+                return Err(GatewayError::invalid("'session_id' applies to chat calls only"));
+            }
+            if context.is_some() {
+                return Err(GatewayError::invalid("'edge.context' applies to chat calls only"));
+            }
+            return Ok(None);
         }
+        let cfg = self.config();
+        let app = cfg.applications.get(&req.identity.application);
+        let configured = cfg.context.safety_rules.is_some()
+            || app.is_some_and(|a| a.system_prompt.is_some() || a.output_constraints.is_some());
+        if req.session_id.is_none() && context.is_none() && !configured {
+            return Ok(None);
+        }
+        let context = context.unwrap_or_default();
+        let memory = context.memory.clone().unwrap_or_default();
+        let (turn, history, entries) = match req.session_id.clone() {
+            Some(id) => {
+                let (turn, entries) = self.begin_session_turn(req, &id, &memory).await?;
+                let history = turn.lease.history();
+                (Some(turn), history, entries)
+            }
+            None if !(memory.keys.is_empty() && memory.tags.is_empty()) => {
+                return Err(GatewayError::invalid("'edge.context.memory' needs a 'session_id'"));
+            }
+            None => (None, Vec::new(), Vec::new()),
+        };
+        let Some(model) = cfg.models.get(&req.logical_model) else { return Ok(turn) };
+        let piece = |p: Passage| Piece {
+            text: p.text,
+            source: p.source.unwrap_or_else(|| "request".into()),
+            relevance: p.relevance,
+            time_ms: Some(crate::task::unix_ms(req.received_wall)),
+        };
+        let mut knowledge: Vec<Piece> = context.knowledge.into_iter().map(piece).collect();
+        knowledge.extend(entries.into_iter().map(|e| Piece {
+            text: e.content,
+            source: format!("memory:{}", e.key),
+            relevance: None,
+            time_ms: Some(e.created_at_ms),
+        }));
+        let tool_results: Vec<Piece> = context.tool_results.into_iter().map(piece).collect();
+        // Compiled once per configuration, needed only for untrusted text.
+        let filter = (!knowledge.is_empty() || !tool_results.is_empty()).then(|| SecretFilter::of(&cfg));
+        let rules = Rules {
+            safety_rules: cfg.context.safety_rules.as_deref(),
+            system_prompt: app.and_then(|a| a.system_prompt.as_deref()),
+            output_constraints: app.and_then(|a| a.output_constraints.as_deref()),
+            context_tokens: model.context_tokens,
+            budget: model.context_budget,
+            filter: filter.as_deref(),
+        };
+        let session = req.session_id.clone();
+        // The summary joins here when sessions keep one (`SummaryRef`).
+        let inputs = Inputs { history: &history, session: session.as_deref(), summary: None, knowledge, tool_results };
+        let plan = assembly::assemble(req, inputs, &rules)?;
+        // The digest of the prompt as sent, beside the caller's own
+        // (`prompt_sha256`, which idempotency judges repeats on).
+        let sent = hex::encode(Sha256::digest(serde_json::to_vec(&req.messages).unwrap_or_default()));
+        req.context = Some(Box::new(plan.meta(sent)));
+        tracing::debug!(
+            task_id = %req.task_id,
+            used = plan.turns_used,
+            left_out = plan.turns_left_out,
+            steps = ?plan.steps,
+            "prompt assembled"
+        );
+        Ok(turn)
+    }
+
+    /// Begins the turn of session `id` (waiting for the one before), and
+    /// reads the memory entries `memory` asks for.
+    async fn begin_session_turn(
+        &self,
+        req: &TaskRequest,
+        id: &str,
+        memory: &MemoryQuery,
+    ) -> Result<(Turn, Vec<MemoryEntry>), GatewayError> {
         let owner = Owner::of(&req.identity, None)?;
         // The call's new messages: those after its last assistant message
         // (a caller may resend the answer its tool results follow), the
@@ -101,12 +191,21 @@ impl Gateway {
             .cloned()
             .collect();
         let new_tokens = user.iter().map(crate::context::estimate_message).sum();
-        let lease = self.sessions.begin_turn(&owner, &id, user.len(), new_tokens, req.timeouts.queue).await?;
-        if let Some(model) = self.config().models.get(&req.logical_model) {
-            let done = assembly::assemble(req, &lease.history(), model.context_tokens);
-            tracing::debug!(session = %id, used = done.turns_used, left_out = done.turns_left_out, "session turns in the prompt");
+        let lease = self.sessions.begin_turn(&owner, id, user.len(), new_tokens, req.timeouts.queue).await?;
+        let mut entries: Vec<MemoryEntry> = Vec::new();
+        let wanted = memory
+            .keys
+            .iter()
+            .map(|k| (Some(k.as_str()), None))
+            .chain(memory.tags.iter().map(|t| (None, Some(t.as_str()))));
+        for (key, tag) in wanted {
+            for e in self.sessions.memory(&owner, id, key, tag)? {
+                if !entries.iter().any(|x| x.key == e.key) {
+                    entries.push(e);
+                }
+            }
         }
-        Ok(Some(Turn { lease, user }))
+        Ok((Turn { lease, user }, entries))
     }
 
     /// Follows a queued session turn's task to its end, then ends the turn

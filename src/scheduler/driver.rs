@@ -932,6 +932,7 @@ impl Driver {
                 (!tool_calls.is_empty()).then(|| tool_calls.iter().all(|c| c.valid))
             },
             tool_calls,
+            context: r.context.clone(),
         };
         let error_code = outcome.error.as_ref().map(|(e, _)| e.code.as_str());
         // The arguments are answer text: stored only where the text is;

@@ -481,6 +481,32 @@ pub struct TaskRequest {
     /// says otherwise). For the others, `messages` holds their text as user
     /// messages, for estimates and recovery.
     pub operation: Operation,
+    /// What prompt assembly did (`None`: the messages went as they came).
+    pub context: Option<Box<ContextMeta>>,
+}
+
+/// What prompt assembly did for a task (`edge.context` of its result, and
+/// in its record): tokens per segment kind, the budget, the ladder steps
+/// taken, whether a session summary was used and whether the counts are
+/// the engine's (`exact`) or edgeway's estimate; with the SHA-256 of the
+/// assembled prompt and the assembly rules' version. Made by
+/// `context::assembly`; absent for a call whose messages went as they came.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ContextMeta {
+    pub version: u32,
+    /// SHA-256 (hex) of the assembled messages' JSON, as sent.
+    pub prompt_sha256: String,
+    /// Tokens per segment kind (`safety_rules`, `system_prompt`, …).
+    pub tokens: Map<String, Value>,
+    /// `window`, `margin`, `prompt`, `output_reserve`, `knowledge_max`,
+    /// `tool_results_max`.
+    pub budget: Map<String, Value>,
+    pub steps: Vec<String>,
+    pub summary_used: bool,
+    pub exact: bool,
+    /// The segment plan in order: kind, source, trust, permission, tokens.
+    #[serde(default)]
+    pub segments: Vec<Value>,
 }
 
 /// Token counts. `estimated` is true when the engine did not report them
@@ -532,6 +558,9 @@ pub struct ResultMeta {
     /// `tool_choice` required a call and the model made none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_calls_valid: Option<bool>,
+    /// What prompt assembly did; absent when it did nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<Box<ContextMeta>>,
 }
 
 impl ResultMeta {
@@ -554,6 +583,7 @@ impl ResultMeta {
             route: Route { requested_model: logical_model.to_string(), ..Route::default() },
             tool_calls: Vec::new(),
             tool_calls_valid: None,
+            context: None,
         }
     }
 }
@@ -643,6 +673,7 @@ impl TaskRequest {
             degrade_reason: None,
             tools: None,
             operation: Default::default(),
+            context: None,
         }
     }
 }

@@ -81,6 +81,7 @@ fn admin_routes(state: AppState, guarded: bool) -> Router {
         .route("/admin/keys/revoke", post(revoke_key))
         .route("/admin/keys/reinstate", post(reinstate_key))
         .route("/admin/reload", post(reload_config))
+        .route("/admin/tasks/{id}/context", get(tasks::context))
         .layer(Extension(OpsGuard(guarded)))
         .with_state(state)
 }

@@ -86,6 +86,31 @@ pub async fn get(
     Ok(resp)
 }
 
+/// `GET /admin/tasks/{id}/context` (admin applications only, tasks of
+/// their tenant): the segment plan of the task's assembled prompt (kinds,
+/// sources, trust, token counts, the budget and the ladder steps taken;
+/// recorded with its result, so `null` until the task has ended or when
+/// its messages went as they came), and the prompt as sent only where the
+/// store keeps text (`[store] store_prompts`).
+pub async fn context(
+    State(gw): State<Arc<Gateway>>,
+    Caller(who): Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    if !who.is_admin {
+        return Err(GatewayError::new(ErrorCode::PermissionDenied, "admin applications only").into());
+    }
+    let rec = gw.task(&who, &id).await?.ok_or(ApiError::NotFound(NO_SUCH_TASK))?;
+    let prompt = rec.prompt_text.as_deref().and_then(|t| serde_json::from_str::<Value>(t).ok());
+    let body = json!({
+        "task_id": rec.task_id,
+        "status": rec.state,
+        "context": rec.result.and_then(|r| r.context),
+        "prompt": prompt,
+    });
+    Ok(Json(body).into_response())
+}
+
 /// `DELETE /v1/tasks/{id}`: cancels a queued or running task. 202 when it
 /// was cancelled, 409 when it had already ended.
 pub async fn cancel(
