@@ -1,0 +1,103 @@
+//! deploy/ checked as far as this machine can without Docker (issue 13):
+//! the alert rules pass `promtool check rules` and their unit tests
+//! (`promtool test rules`), the scrape example passes `promtool check
+//! config`, and every metric a rule uses is one edgeway exports (the README
+//! table, which tests/metrics_readme.rs holds to the live `/metrics`).
+//!
+//! promtool comes from scripts/setup-deps.sh (Debian's prometheus package,
+//! the binary alone, in the cache). The promtool tests skip only where it
+//! is missing and setup-deps.sh has not run here (no cache); after
+//! setup-deps.sh a missing promtool fails them.
+
+#[path = "common/readme_metrics.rs"]
+mod readme_metrics;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use yaml_rust2::YamlLoader;
+
+fn repo(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(repo(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// setup-deps.sh's cache, as scripts/test.sh and the e2e tests find it.
+fn cache() -> PathBuf {
+    std::env::var_os("EDGEWAY_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/edgeway"))
+}
+
+/// promtool from the cache or the PATH; `None` (skip) only where
+/// setup-deps.sh never ran.
+fn promtool() -> Option<PathBuf> {
+    let cached = cache().join("bin/promtool");
+    if cached.is_file() {
+        return Some(cached);
+    }
+    if Command::new("promtool").arg("--version").output().is_ok_and(|o| o.status.success()) {
+        return Some("promtool".into());
+    }
+    assert!(
+        !cache().join("venv").exists(),
+        "setup-deps.sh ran ({}) but left no promtool: run it again (it fetches Debian's prometheus package)",
+        cache().display()
+    );
+    eprintln!("SKIPPED: promtool missing and scripts/setup-deps.sh not run");
+    None
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
+    text
+}
+
+#[test]
+fn the_alert_rules_pass_promtool_and_their_unit_tests() {
+    let Some(promtool) = promtool() else { return };
+    let dir = repo("deploy/prometheus");
+    let checked = run(Command::new(&promtool).current_dir(&dir).args(["check", "rules", "rules.yml"]));
+    assert!(checked.contains("SUCCESS: 10 rules found"), "{checked}");
+    let tested = run(Command::new(&promtool).current_dir(&dir).args(["test", "rules", "rules_test.yml"]));
+    assert!(tested.contains("SUCCESS"), "{tested}");
+    // The scrape example, with the rule file it names.
+    run(Command::new(&promtool).current_dir(&dir).args(["check", "config", "prometheus.yml"]));
+}
+
+#[test]
+fn every_alert_has_a_unit_test() {
+    let rules = YamlLoader::load_from_str(&read("deploy/prometheus/rules.yml")).unwrap();
+    let tests = read("deploy/prometheus/rules_test.yml");
+    let alerts: Vec<String> = rules[0]["groups"][0]["rules"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|r| r["alert"].as_str().unwrap().to_string())
+        .collect();
+    // The eight of FR-10.3, breaker-open and degradation.
+    assert_eq!(alerts.len(), 10, "{alerts:?}");
+    for a in &alerts {
+        assert!(tests.contains(&format!("alertname: {a}\n")), "{a} has no test in rules_test.yml");
+    }
+}
+
+/// The `edgeway_…` names in `text`.
+fn metric_names(text: &str) -> Vec<String> {
+    let re = regex::Regex::new(r"edgeway_[a-z0-9_]+").unwrap();
+    re.find_iter(text).map(|m| m.as_str().to_string()).collect()
+}
+
+#[test]
+fn every_metric_a_rule_uses_is_one_edgeway_exports() {
+    let exported = readme_metrics::series_names();
+    let used = metric_names(&read("deploy/prometheus/rules.yml"));
+    assert!(used.len() > 10, "the expressions were read");
+    let unknown: Vec<_> = used.iter().filter(|n| !exported.contains(*n)).collect();
+    assert!(unknown.is_empty(), "rules.yml uses metrics edgeway does not export: {unknown:?}");
+}
