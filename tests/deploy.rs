@@ -1,8 +1,9 @@
 //! deploy/ checked as far as this machine can without Docker (issue 13):
 //! the alert rules pass `promtool check rules` and their unit tests
 //! (`promtool test rules`), the scrape example passes `promtool check
-//! config`, and every metric a rule uses is one edgeway exports (the README
-//! table, which tests/metrics_readme.rs holds to the live `/metrics`).
+//! config`, and every metric a rule or dashboard panel uses is one edgeway
+//! exports (the README table, which tests/metrics_readme.rs holds to the
+//! live `/metrics`).
 //!
 //! promtool comes from scripts/setup-deps.sh (Debian's prometheus package,
 //! the binary alone, in the cache). The promtool tests skip only where it
@@ -94,10 +95,40 @@ fn metric_names(text: &str) -> Vec<String> {
 }
 
 #[test]
-fn every_metric_a_rule_uses_is_one_edgeway_exports() {
+fn every_metric_a_rule_or_a_dashboard_panel_uses_is_one_edgeway_exports() {
     let exported = readme_metrics::series_names();
-    let used = metric_names(&read("deploy/prometheus/rules.yml"));
-    assert!(used.len() > 10, "the expressions were read");
-    let unknown: Vec<_> = used.iter().filter(|n| !exported.contains(*n)).collect();
-    assert!(unknown.is_empty(), "rules.yml uses metrics edgeway does not export: {unknown:?}");
+    let rules = read("deploy/prometheus/rules.yml");
+    let dashboard = read("deploy/grafana/dashboards/edgeway.json");
+    let panels: serde_json::Value = serde_json::from_str(&dashboard).unwrap();
+    let mut exprs = String::new();
+    for p in panels["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            exprs.push_str(t["expr"].as_str().unwrap());
+            exprs.push('\n');
+        }
+    }
+    let used_by_rules = metric_names(&rules);
+    let used_by_panels = metric_names(&exprs);
+    assert!(used_by_rules.len() > 10 && used_by_panels.len() > 40, "the expressions were read");
+    for (what, names) in [("rules.yml", &used_by_rules), ("the dashboard", &used_by_panels)] {
+        let unknown: Vec<_> = names.iter().filter(|n| !exported.contains(*n)).collect();
+        assert!(unknown.is_empty(), "{what} uses metrics edgeway does not export: {unknown:?}");
+    }
+    // The dashboard's sections (issue 13).
+    let rows: Vec<&str> = panels["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["type"] == "row")
+        .filter_map(|p| p["title"].as_str())
+        .collect();
+    for section in
+        ["Traffic and errors", "Latency and TTFT", "Queues by priority", "Engines and residency", "GPU", "Devices"]
+    {
+        assert!(rows.contains(&section), "no {section} row: {rows:?}");
+    }
+    // Each panel asks the provisioned datasource.
+    let ds = read("deploy/grafana/provisioning/datasources/edgeway.yml");
+    assert!(ds.contains("uid: edgeway-prometheus"));
+    assert!(dashboard.matches("\"uid\": \"edgeway-prometheus\"").count() > 40);
 }
