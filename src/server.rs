@@ -165,8 +165,12 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     let store = Store::open_with(&config.store.db_path(), &config.node_id, config.store.store_prompts, opts)?;
     metrics.export_store_errors(store.write_failures());
     metrics.export_store_health(store.health());
+    metrics.set_queue_capacities(&config);
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
+    // Host CPU, memory, the store's disk and network, on a timer.
+    let host = crate::telemetry::host::HostSampler::register(&metrics.registry, &config.store.data_dir);
+    tracker.spawn(host.run(shutdown.child_token()));
 
     // The engine instances, the scheduler over them and, started by it, the
     // router's health probes.

@@ -88,8 +88,13 @@ pub async fn watch(
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let n = nvml.clone();
-        let readings = match tokio::task::spawn_blocking(move || read_gpus(&n)).await {
+        let (n, m) = (nvml.clone(), metrics.clone());
+        let readings = match tokio::task::spawn_blocking(move || {
+            crate::telemetry::gpu::record(&n, &m);
+            read_gpus(&n)
+        })
+        .await
+        {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "reading the GPUs failed");

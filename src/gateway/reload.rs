@@ -153,6 +153,7 @@ impl Gateway {
         // admission reads; a call in between sees the new keys with the old
         // admission rules at worst, never a key without its application.
         self.scheduler.set_limits(&new);
+        self.metrics.set_queue_capacities(&new);
         self.auth.reload(&new);
         self.sessions.reconfigure(&new);
         *self.config.write().unwrap_or_else(std::sync::PoisonError::into_inner) = new;

@@ -443,6 +443,13 @@ impl Driver {
             self.shared.metrics.queue_wait.with_label_values(&labels).observe(r.received_at.elapsed().as_secs_f64());
         }
         p.dispatched_at.get_or_insert(now);
+        // Counted while this attempt lasts, however it ends.
+        let _running = crate::telemetry::GaugeGuard::inc(
+            self.shared
+                .metrics
+                .tasks_running
+                .with_label_values(&[r.logical_model.as_str(), r.identity.application.as_str()]),
+        );
         p.instance = Some(lease.instance_name.clone());
         p.instance_index = Some(lease.instance);
         p.actual_model = Some(format!("{}/{}", lease.instance_name, lease.engine_model));
@@ -960,6 +967,14 @@ impl Driver {
             .observe(r.received_at.elapsed().as_secs_f64());
         m.tokens.with_label_values(&[&r.logical_model, "input"]).inc_by(u64::from(usage.input_tokens));
         m.tokens.with_label_values(&[&r.logical_model, "output"]).inc_by(u64::from(usage.output_tokens));
+        // Decode speed: the tokens after the first over the time since it.
+        if let (Some(first), true) = (p.first_token_at, usage.output_tokens > 1) {
+            let per_token = end.saturating_duration_since(first).as_secs_f64() / f64::from(usage.output_tokens - 1);
+            m.time_per_output_token.with_label_values(&[r.logical_model.as_str()]).observe(per_token);
+        }
+        if state == TaskState::Cancelled {
+            m.cancellations.with_label_values(&[r.logical_model.as_str(), actor]).inc();
+        }
         m.requests
             .with_label_values(&[
                 r.ingress.as_str(),

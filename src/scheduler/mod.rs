@@ -460,6 +460,7 @@ pub fn start(
     tracker.spawn(actor.run(rx, shutdown.clone()));
     for inst in router.instances() {
         metrics.running.with_label_values(&[&inst.name]).set(0);
+        metrics.engine_unreleased.with_label_values(&[&inst.name]).set(0);
     }
     let probe_tx = tx.clone();
     let sink = Arc::new(move |e: InstanceEvent| {
@@ -982,6 +983,7 @@ impl Actor {
                     self.details[instance] =
                         format!("still running {busy} generation(s) for {ours} task(s) after a cancel");
                     self.policy.set_instance_paused(instance, true);
+                    self.metrics.engine_unreleased.with_label_values(&[name]).set(1);
                 }
             }
             Cmd::EngineState { instance, load, model_resident, error_rate, ttft_p95_ms } => {
@@ -992,6 +994,7 @@ impl Actor {
                         tracing::info!(engine = %name, "engine stopped the cancelled work; back in dispatch");
                         self.details[instance] = "ok".into();
                         self.policy.set_instance_paused(instance, false);
+                        self.metrics.engine_unreleased.with_label_values(&[name]).set(0);
                     }
                 }
                 let was_full = self.policy.kv_cache_full(instance);

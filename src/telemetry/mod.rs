@@ -6,6 +6,8 @@
 //! Does not own: what lower layers count themselves (the store's failed
 //! writes): those are read at scrape time, so they need not know metrics.
 
+pub mod gpu;
+pub mod host;
 pub mod lifecycle;
 
 use prometheus::core::{Collector, Desc};
@@ -22,6 +24,10 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
     600.0,
 ];
+
+/// Time per output token buckets in seconds: 1 ms (a fast GPU) to 2.5 s (a
+/// CPU swapping).
+const TOKEN_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5];
 
 pub struct Metrics {
     pub registry: Registry,
@@ -42,15 +48,38 @@ pub struct Metrics {
     /// Tasks holding an engine slot, by engine instance.
     pub running: IntGaugeVec,
     pub engine_up: IntGaugeVec,
+    /// 1 while an exclusive engine instance is out of dispatch because it
+    /// kept generating for a cancelled task past `cancel_grace`.
+    pub engine_unreleased: IntGaugeVec,
+    /// The queue bound of each model (`queue_capacity`), so that queue use
+    /// is `queue_depth / queue_capacity` in a rule.
+    pub queue_capacity: IntGaugeVec,
     /// KV-cache usage (0..=1) that an engine instance reports itself, by
     /// instance; absent while it reports none.
     pub engine_kv_cache_usage: GaugeVec,
     /// Task state transitions refused by the recorder, by `from` (`NONE`
     /// for a task that is not live) and `to`.
     pub illegal_transitions: IntCounterVec,
-    /// Per GPU index (from NVML, when present).
+    /// Time between output tokens of a task, by requested model: from its
+    /// first token to its end over the tokens after the first (tasks with
+    /// at least two output tokens).
+    pub time_per_output_token: HistogramVec,
+    /// Tasks in an engine attempt now, by requested model and application
+    /// (both names from the configuration).
+    pub tasks_running: IntGaugeVec,
+    /// Tasks that ended cancelled, by requested model and who cancelled
+    /// (`client`: the caller cancelled or went away; `gateway`: the danger
+    /// watch or a drain; `shutdown`).
+    pub cancellations: IntCounterVec,
+    /// Per GPU index (from NVML, when present; absent otherwise).
     pub gpu_temperature: IntGaugeVec,
     pub gpu_memory_used: IntGaugeVec,
+    pub gpu_memory_total: IntGaugeVec,
+    /// GPU busy share over NVML's last sample period (0..1).
+    pub gpu_utilization: GaugeVec,
+    pub gpu_power: GaugeVec,
+    /// 1 while the GPU slows its clocks for heat or power.
+    pub gpu_throttled: IntGaugeVec,
     /// 1 while the NATS bus is connected (0 when off or down).
     pub nats_connected: IntGauge,
     /// NATS connection events (`connected`, `disconnected`, `lame_duck`,
@@ -126,6 +155,43 @@ impl Metrics {
             "Running tasks preempted for P0 work, by model and priority",
             &["model", "priority"],
         );
+        let float_gauge = |name: &str, help: &str, labels: &[&str]| {
+            let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let time_per_output_token = {
+            let h = HistogramVec::new(
+                HistogramOpts::new(
+                    "time_per_output_token_seconds",
+                    "Time per output token after the first, by requested model",
+                )
+                .buckets(TOKEN_BUCKETS.to_vec()),
+                &["model"],
+            )
+            .expect("valid metric");
+            registry.register(Box::new(h.clone())).expect("unique metric");
+            h
+        };
+        let tasks_running = gauge(
+            "tasks_running",
+            "Tasks in an engine attempt, by requested model and application",
+            &["model", "application"],
+        );
+        let cancellations =
+            counter("cancellations_total", "Tasks ended cancelled, by requested model and by whom", &["model", "by"]);
+        let gpu_memory_total = gauge("gpu_memory_total_bytes", "GPU memory (NVML)", &["gpu"]);
+        let gpu_utilization =
+            float_gauge("gpu_utilization_ratio", "GPU busy share over NVML's sample period (0..1)", &["gpu"]);
+        let gpu_power = float_gauge("gpu_power_watts", "GPU power draw (NVML)", &["gpu"]);
+        let gpu_throttled =
+            gauge("gpu_throttled", "1 while the GPU slows its clocks for heat or power (NVML)", &["gpu"]);
+        let engine_unreleased = gauge(
+            "engine_unreleased",
+            "1 while the engine instance is out of dispatch: it kept generating for a cancelled task past cancel_grace",
+            &["engine"],
+        );
+        let queue_capacity = gauge("queue_capacity", "Tasks a model's queue holds at most", &["model"]);
         let degradation_level = IntGauge::new(
             "degradation_level",
             "Degradation level of the node: 0 normal, 1 alternates, 2 smaller or canned answers only, 3 busy",
@@ -133,6 +199,15 @@ impl Metrics {
         .expect("valid metric");
         registry.register(Box::new(degradation_level.clone())).expect("unique metric");
         Metrics {
+            engine_unreleased,
+            queue_capacity,
+            time_per_output_token,
+            tasks_running,
+            cancellations,
+            gpu_memory_total,
+            gpu_utilization,
+            gpu_power,
+            gpu_throttled,
             fallbacks,
             retries,
             retries_refused,
@@ -221,10 +296,39 @@ impl Metrics {
         self.registry.register(Box::new(StoreHealthGauges { health, degraded, buffered })).expect("unique metric");
     }
 
+    /// Sets `edgeway_queue_capacity` from `config` (at start and at each
+    /// reload: a reload may change the bounds).
+    pub fn set_queue_capacities(&self, config: &crate::config::Config) {
+        for (name, m) in &config.models {
+            self.queue_capacity
+                .with_label_values(&[name.as_str()])
+                .set(i64::try_from(m.queue_capacity).unwrap_or(i64::MAX));
+        }
+    }
+
     pub fn render(&self) -> String {
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
         String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+}
+
+/// One task counted in a gauge while this lives (an engine attempt in
+/// `edgeway_tasks_running`): the gauge goes down however the attempt ends,
+/// a panic or a dropped future included. The handle is resolved once, so
+/// holding it costs two atomic operations.
+pub struct GaugeGuard(IntGauge);
+
+impl GaugeGuard {
+    pub fn inc(gauge: IntGauge) -> GaugeGuard {
+        gauge.inc();
+        GaugeGuard(gauge)
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
