@@ -227,6 +227,12 @@ pub struct RawSessions {
     pub max_sessions: usize,
     pub max_memory_entries: usize,
     pub append_failed_turns: bool,
+    pub summary_model: Option<String>,
+    pub summary_priority: String,
+    pub summary_max_tokens: u32,
+    pub summary_deadline_ms: u64,
+    pub summary_after_messages: u32,
+    pub summary_history_share_pct: u32,
 }
 
 impl Default for RawSessions {
@@ -241,6 +247,12 @@ impl Default for RawSessions {
             max_sessions: 100_000,
             max_memory_entries: 100,
             append_failed_turns: false,
+            summary_model: None,
+            summary_priority: "P4".into(),
+            summary_max_tokens: 256,
+            summary_deadline_ms: 60_000,
+            summary_after_messages: 6,
+            summary_history_share_pct: 50,
         }
     }
 }

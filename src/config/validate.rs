@@ -71,7 +71,7 @@ impl RawConfig {
         if self.server.drain_timeout_s > 3600 {
             p.add("server.drain_timeout_s", "must be at most 3600");
         }
-        let sessions = sessions(self.sessions, &mut p);
+        let sessions = sessions(self.sessions, &self.models, &mut p);
         let log = log(self.log, &mut p);
         let timeouts = timeouts(self.timeouts, &mut p);
         let default_queue_capacity = self.scheduler.queue_capacity;
@@ -137,7 +137,11 @@ impl RawConfig {
     }
 }
 
-fn sessions(s: super::raw::RawSessions, p: &mut Problems) -> super::SessionsConfig {
+fn sessions(
+    s: super::raw::RawSessions,
+    models: &BTreeMap<String, RawModel>,
+    p: &mut Problems,
+) -> super::SessionsConfig {
     const YEAR_S: u64 = 366 * 24 * 3600;
     for (key, v) in [("max_lifetime_s", s.max_lifetime_s), ("idle_expiry_s", s.idle_expiry_s)] {
         if v == 0 || v > YEAR_S {
@@ -168,7 +172,49 @@ fn sessions(s: super::raw::RawSessions, p: &mut Problems) -> super::SessionsConf
         max_sessions: s.max_sessions,
         max_memory_entries: s.max_memory_entries,
         append_failed_turns: s.append_failed_turns,
+        summary: summary(&s, models, p),
     }
+}
+
+/// `[sessions] summary_*`: checked whether or not a model is named, so a
+/// wrong value is reported before someone turns summaries on.
+fn summary(
+    s: &super::raw::RawSessions,
+    models: &BTreeMap<String, RawModel>,
+    p: &mut Problems,
+) -> Option<super::SummaryConfig> {
+    let priority = crate::task::Priority::parse(&s.summary_priority);
+    if priority.is_none() {
+        p.add("sessions.summary_priority", "must be one of P0..P4");
+    }
+    if !(16..=8192).contains(&s.summary_max_tokens) {
+        p.add("sessions.summary_max_tokens", "must be 16..8192");
+    }
+    if !(1000..=3_600_000).contains(&s.summary_deadline_ms) {
+        p.add("sessions.summary_deadline_ms", "must be 1000..3600000");
+    }
+    if !(2..=1000).contains(&s.summary_after_messages) {
+        p.add("sessions.summary_after_messages", "must be 2..1000");
+    }
+    if !(10..=90).contains(&s.summary_history_share_pct) {
+        p.add("sessions.summary_history_share_pct", "must be 10..90");
+    }
+    let model = s.summary_model.as_ref()?;
+    match models.get(model) {
+        None => p.add("sessions.summary_model", format!("no model named {model:?} in [models]")),
+        Some(m) if matches!(&m.kind, Some(Field::Valid(k)) if *k != ModelKind::Chat) => {
+            p.add("sessions.summary_model", format!("{model:?} is not a chat model"))
+        }
+        Some(_) => {}
+    }
+    Some(super::SummaryConfig {
+        model: model.clone(),
+        priority: priority.unwrap_or(crate::task::Priority::P4),
+        max_tokens: s.summary_max_tokens,
+        deadline: Duration::from_millis(s.summary_deadline_ms),
+        after_messages: s.summary_after_messages,
+        history_share_pct: s.summary_history_share_pct,
+    })
 }
 
 /// `Some(None)` for an absent optional section, `None` for one with a problem.

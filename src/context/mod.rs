@@ -2,7 +2,8 @@
 //! in a model's context window, the sessions that keep a conversation's
 //! history (`sessions.rs`, with redaction of what they keep in
 //! `redact.rs`), and the assembly of a prompt from a call and its session
-//! (`assembly.rs`).
+//! (`assembly.rs`), and the summaries of a session's older turns
+//! (`summary.rs`).
 //!
 //! Owns: token estimates, the fit decision, sessions and assembly. Does
 //! not own: admission of the call (`crate::admission`) or when a turn
@@ -11,6 +12,7 @@
 pub mod assembly;
 pub mod redact;
 pub mod sessions;
+pub mod summary;
 
 use crate::task::ChatMessage;
 

@@ -30,6 +30,9 @@ pub(super) struct Turn {
     /// user's question, tool results), appended with the answer when the
     /// turn ends well.
     user: Vec<ChatMessage>,
+    /// The call's request without its messages: the summary task that may
+    /// follow the turn runs for the same caller, data class and routing.
+    template: TaskRequest,
 }
 
 impl Gateway {
@@ -106,7 +109,9 @@ impl Gateway {
             let done = assembly::assemble(req, &lease.history(), model.context_tokens);
             tracing::debug!(session = %id, used = done.turns_used, left_out = done.turns_left_out, "session turns in the prompt");
         }
-        Ok(Some(Turn { lease, user }))
+        let mut template = req.clone();
+        template.messages = Vec::new();
+        Ok(Some(Turn { lease, user, template }))
     }
 
     /// Follows a queued session turn's task to its end, then ends the turn
@@ -116,6 +121,12 @@ impl Gateway {
     pub(super) fn follow_turn(&self, turn: Turn, stream: &TaskStream) {
         let Some(mut events) = self.scheduler.attach(&stream.task_id, 0) else { return };
         let task_id = stream.task_id.clone();
+        let summarizer = crate::context::summary::Summarizer {
+            scheduler: self.scheduler.clone(),
+            recorder: self.recorder.clone(),
+            sessions: self.sessions.clone(),
+        };
+        let config = self.config();
         tokio::spawn(async move {
             let mut answer = String::new();
             let mut succeeded = false;
@@ -142,6 +153,12 @@ impl Gateway {
                 }
             }
             turn.lease.finish(turn.user, answer, calls, succeeded, &task_id);
+            // After the turn is appended and the next one may begin: a
+            // summary, when due, is made beside the session's later turns.
+            if succeeded {
+                let session_id = turn.template.session_id.clone().unwrap_or_default();
+                summarizer.after_turn(config, turn.template, session_id).await;
+            }
         });
     }
 }
