@@ -522,6 +522,12 @@ pub struct EngineConfig {
     /// may, alone); short ones are never held by them. `None`: no lane.
     pub max_prefill_tokens: Option<u32>,
     pub long_prompt_tokens: u32,
+    /// llama-server only: edgeway numbers the engine's slots (its
+    /// `--parallel`, which must equal `max_concurrency`), sends each task's
+    /// slot as `id_slot` with `cache_prompt: true`, and puts a session's
+    /// next turn in the slot that served its last one when it is free
+    /// (`crate::scheduler::affinity`).
+    pub slot_affinity: bool,
     pub memory_budget_bytes: Option<u64>,
     /// No other client uses the engine (enables the cancel grace check).
     pub exclusive: bool,

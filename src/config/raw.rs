@@ -523,6 +523,8 @@ pub struct RawEngine {
     pub max_prefill_tokens: Option<u32>,
     /// A prompt of more tokens than this is long (with `max_prefill_tokens`).
     pub long_prompt_tokens: Option<u32>,
+    /// llama-server KV-cache slot affinity (`id_slot`, `cache_prompt`).
+    pub slot_affinity: bool,
     /// Only edgeway sends work to this engine. Then an engine that reports
     /// more busy slots than edgeway runs after a cancel's grace period is
     /// taken out of dispatch; set false when other clients share it.
@@ -560,6 +562,7 @@ impl Default for RawEngine {
             reserved_realtime_slots: 0,
             max_prefill_tokens: None,
             long_prompt_tokens: None,
+            slot_affinity: false,
             exclusive: true,
             memory_budget_mb: None,
             tools: false,

@@ -588,3 +588,11 @@ fn a_summary_model_must_be_a_configured_chat_model_and_its_keys_in_range() {
     let e = parse(&text.replace("\"nope\"", "\"emb\""), &[]).unwrap_err();
     assert!(e.to_string().contains("\"emb\" is not a chat model"), "{e}");
 }
+
+#[test]
+fn slot_affinity_is_for_llama_server_only() {
+    let on = MINIMAL.replace("model = \"gemma\"", "model = \"gemma\"\nslot_affinity = true");
+    assert!(parse(&on, &[]).unwrap().engines["llama"].slot_affinity);
+    let e = parse(&on.replace("type = \"openai\"", "type = \"ollama\""), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "engines.llama.slot_affinity", "{e}");
+}

@@ -629,6 +629,9 @@ fn engine(
     } else if e.reserved_realtime_slots >= e.max_concurrency {
         p.add(format!("{path}.reserved_realtime_slots"), "must be less than max_concurrency");
     }
+    if e.slot_affinity && !matches!(kind, Some(EngineKind::OpenAi)) {
+        p.add(format!("{path}.slot_affinity"), "applies to llama-server (type = \"openai\") only");
+    }
     // Default: a quarter of the cap, so that up to four long prompts share it.
     let long_prompt_tokens = e.long_prompt_tokens.unwrap_or(e.max_prefill_tokens.unwrap_or(0) / 4);
     match (e.max_prefill_tokens, e.long_prompt_tokens) {
@@ -729,6 +732,7 @@ fn engine(
         reserved_realtime_slots: e.reserved_realtime_slots,
         max_prefill_tokens: e.max_prefill_tokens,
         long_prompt_tokens,
+        slot_affinity: e.slot_affinity,
         exclusive: e.exclusive,
         memory_budget_bytes: memory_budget_bytes?,
         tools: e.tools,

@@ -219,6 +219,7 @@ mod tests {
             max_output_tokens: 4,
             tools: None,
             operation: Default::default(),
+            slot: None,
         }
     }
 
