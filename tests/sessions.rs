@@ -741,3 +741,51 @@ async fn a_summary_survives_a_restart() {
     assert!(summary_prompts(&fake).last().unwrap().starts_with("Summary so far:\n"));
     gw.stop().await;
 }
+
+/// Review L5: a session turn queued when the gateway stopped runs after the
+/// restart and is appended when it ends, as any turn.
+#[tokio::test]
+async fn a_turn_requeued_after_a_restart_is_appended_when_it_ends() {
+    let fake = FakeEngine::start_with(edgeway::testing::Knobs::slow(100_000, 20)).await;
+    let dir = TempDir::new("edgeway-turn-restart");
+    let text = edit("", true)(config_toml(&fake.url(), "openai", &dir.0, ""))
+        .replace("max_concurrency = 2", "max_concurrency = 1");
+    let load = || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    let submit = |body: Value| {
+        let url = format!("{}/v1/tasks", gw.base_url);
+        async move {
+            let v: Value =
+                client().post(url).bearer_auth(DEMO_KEY).json(&body).send().await.unwrap().json().await.unwrap();
+            v["task_id"].as_str().unwrap_or_else(|| panic!("{v}")).to_string()
+        }
+    };
+    // The only slot is taken: the turn waits in the queue, kept (it has an
+    // idempotency key) when the gateway stops.
+    let blocker = submit(json!({"model": "general-chat", "messages": [{"role": "user", "content": "block"}]})).await;
+    gw.wait_for_state(&blocker, edgeway::task::TaskState::Streaming).await;
+    let turn = submit(json!({"model": "general-chat", "session_id": id, "idempotency_key": "turn-1", "max_tokens": 20,
+        "messages": [{"role": "user", "content": "asked before the restart"}]}))
+    .await;
+    gw.wait_for_state(&turn, edgeway::task::TaskState::Queued).await;
+    gw.stop().await;
+
+    fake.set(|k| *k = edgeway::testing::Knobs::default());
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    gw.wait_for_state(&turn, edgeway::task::TaskState::Succeeded).await;
+    // The next turn waits for the re-queued one to be appended, and sees it.
+    let (status, v) = turn_of(&gw, &id, "after it").await;
+    assert_eq!(status, 200, "{v}");
+    let sent = fake.last_request().unwrap().to_string();
+    assert!(sent.contains("asked before the restart") && sent.contains("after it"), "{sent}");
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!(v["message_count"], 4, "{v}");
+    gw.stop().await;
+}
+
+async fn turn_of(gw: &TestGateway, id: &str, text: &str) -> (u16, Value) {
+    turn(gw, DEMO_KEY, None, id, user_msg(text)).await
+}

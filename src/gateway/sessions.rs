@@ -10,10 +10,19 @@
 use crate::context::assembly;
 use crate::context::sessions::{CreateSession, MemoryEntry, MemoryWrite, Owner, SessionView, TurnLease};
 use crate::error::GatewayError;
-use crate::scheduler::TaskStream;
 use crate::task::{ChatMessage, FallbackStep, Identity, Operation, TaskEvent, TaskRequest, TaskState};
 
 use super::Gateway;
+
+/// A turn's new messages: those after its last assistant message (a
+/// caller may resend the answer its tool results follow), the user's
+/// question or the tool results of the session's last answer, without its
+/// system and developer messages, which are the call's own instructions
+/// and are not kept.
+fn new_messages(req: &TaskRequest) -> Vec<ChatMessage> {
+    let start = req.messages.iter().rposition(|m| m.role == "assistant").map_or(0, |i| i + 1);
+    req.messages[start..].iter().filter(|m| !matches!(m.role.as_str(), "system" | "developer")).cloned().collect()
+}
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, GatewayError> {
     let mut de = serde_json::Deserializer::from_slice(body);
@@ -92,17 +101,7 @@ impl Gateway {
             return Err(GatewayError::invalid("'session_id' applies to chat calls only"));
         }
         let owner = Owner::of(&req.identity, None)?;
-        // The call's new messages: those after its last assistant message
-        // (a caller may resend the answer its tool results follow), the
-        // user's question or the tool results of the session's last answer,
-        // without its system and developer messages, which are the call's
-        // own instructions and are not kept.
-        let start = req.messages.iter().rposition(|m| m.role == "assistant").map_or(0, |i| i + 1);
-        let user: Vec<ChatMessage> = req.messages[start..]
-            .iter()
-            .filter(|m| !matches!(m.role.as_str(), "system" | "developer"))
-            .cloned()
-            .collect();
+        let user = new_messages(req);
         let new_tokens = user.iter().map(crate::context::estimate_message).sum();
         let lease = self.sessions.begin_turn(&owner, &id, user.len(), new_tokens, req.timeouts.queue).await?;
         if let Some(model) = self.config().models.get(&req.logical_model) {
@@ -114,13 +113,39 @@ impl Gateway {
         Ok(Some(Turn { lease, user, template }))
     }
 
+    /// The session turn of a task re-queued at recovery (review L5): its
+    /// prompt was assembled before the restart (its stored messages are
+    /// that prompt, whose new messages follow its last answer, as in
+    /// [`Gateway::begin_turn`]); the turn is held again and appended when
+    /// the task ends, so the session's next call waits for it and sees it.
+    /// `None` (logged) when the session is gone or full: the task runs,
+    /// and nothing is appended.
+    pub(super) async fn resume_turn(&self, req: &TaskRequest) -> Option<Turn> {
+        let id = req.session_id.clone()?;
+        let owner = Owner::of(&req.identity, None).ok()?;
+        let user = new_messages(req);
+        let new_tokens = user.iter().map(crate::context::estimate_message).sum();
+        let wait = std::time::Duration::ZERO;
+        match self.sessions.begin_turn(&owner, &id, user.len(), new_tokens, wait).await {
+            Ok(lease) => {
+                let mut template = req.clone();
+                template.messages = Vec::new();
+                Some(Turn { lease, user, template })
+            }
+            Err(e) => {
+                tracing::warn!(task_id = %req.task_id, session = %id, error = %e, "a re-queued turn will not be appended");
+                None
+            }
+        }
+    }
+
     /// Follows a queued session turn's task to its end, then ends the turn
     /// (appending the user's message and the answer when it succeeded).
     /// The turn is held until then, so the session's next call waits for
     /// it and sees it.
-    pub(super) fn follow_turn(&self, turn: Turn, stream: &TaskStream) {
-        let Some(mut events) = self.scheduler.attach(&stream.task_id, 0) else { return };
-        let task_id = stream.task_id.clone();
+    pub(super) fn follow_turn(&self, turn: Turn, task_id: &str) {
+        let Some(mut events) = self.scheduler.attach(task_id, 0) else { return };
+        let task_id = task_id.to_string();
         let summarizer = crate::context::summary::Summarizer {
             scheduler: self.scheduler.clone(),
             recorder: self.recorder.clone(),
