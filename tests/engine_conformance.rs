@@ -58,6 +58,7 @@ fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig
         reserved_realtime_slots: 0,
         max_prefill_tokens: None,
         long_prompt_tokens: 0,
+        slot_affinity: false,
         memory_budget_bytes: None,
         exclusive: true,
         process: None,
@@ -94,6 +95,7 @@ impl Setup {
             max_output_tokens,
             tools: None,
             operation: Default::default(),
+            slot: None,
         }
     }
 
@@ -299,6 +301,7 @@ async fn closed_port_is_unreachable(kind: EngineKind) {
             max_output_tokens: 16,
             tools: None,
             operation: Default::default(),
+            slot: None,
         };
         let r = tokio::time::timeout(LIMIT, engine.stream(&req)).await.expect("stream() resolves");
         let e = match r {
@@ -547,6 +550,7 @@ impl Setup {
             max_output_tokens,
             tools: None,
             operation,
+            slot: None,
         };
         tokio::time::timeout(LIMIT, self.engine.stream(&req)).await.expect("stream() resolves")
     }

@@ -463,3 +463,86 @@ async fn previous_response_id_of_an_unknown_unstored_or_foreign_response_is_not_
     assert_eq!(post(&gw, DEMO_KEY, &body).await.status(), 200);
     gw.stop().await;
 }
+
+/// Review L6: a stored Response is continued by its own user only (the
+/// credential's, else `user` / `metadata.user_id`), as a session is.
+#[tokio::test]
+async fn previous_response_id_of_another_user_of_the_same_application_is_not_found() {
+    let (fake, gw) = gateway_with_other("").await;
+    let first: Value = post(
+        &gw,
+        DEMO_KEY,
+        &json!({"model": "general-chat", "input": "alice's secret", "user": "alice", "store": true}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    let sent = fake.requests();
+    for other in [json!({"user": "bob"}), json!({"metadata": {"user_id": "bob"}}), json!({})] {
+        let mut body = json!({"model": "general-chat", "input": "next", "previous_response_id": first["id"]});
+        body.as_object_mut().unwrap().extend(other.as_object().unwrap().clone());
+        let r = post(&gw, DEMO_KEY, &body).await;
+        assert_eq!(r.status(), 404, "{body}");
+        let v: Value = r.json().await.unwrap();
+        assert!(!v.to_string().contains("secret"), "{v}");
+    }
+    assert_eq!(fake.requests(), sent, "nothing reached the engine");
+    let body = json!({"model": "general-chat", "input": "next", "previous_response_id": first["id"],
+        "metadata": {"user_id": "alice"}});
+    assert_eq!(post(&gw, DEMO_KEY, &body).await.status(), 200);
+    assert!(fake.last_request().unwrap().to_string().contains("alice's secret"));
+    gw.stop().await;
+}
+
+/// The conversation rows of the database file.
+async fn conversation_rows(gw: &TestGateway) -> i64 {
+    gw.store().flush().await;
+    let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+    conn.query_row("SELECT COUNT(*) FROM response_conversations", [], |r| r.get(0)).unwrap()
+}
+
+/// Review L7: the input conversation of a Response is written to the store
+/// only under `store_prompts`; otherwise it is kept in memory, and the
+/// chain still continues.
+#[tokio::test]
+async fn a_conversation_is_stored_only_where_the_data_policy_keeps_prompts() {
+    for store_prompts in [false, true] {
+        let (fake, gw) = gateway_with_other(&format!("store_prompts = {store_prompts}")).await;
+        let body = json!({"model": "general-chat", "input": "the pump code is 7781", "store": true});
+        let first: Value = post(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+        assert_eq!(conversation_rows(&gw).await, i64::from(store_prompts), "store_prompts = {store_prompts}");
+        let next = json!({"model": "general-chat", "input": "and now?", "previous_response_id": first["id"]});
+        assert_eq!(post(&gw, DEMO_KEY, &next).await.status(), 200);
+        let sent = fake.last_request().unwrap().to_string();
+        assert!(sent.contains("the pump code is 7781") && sent.contains("and now?"), "{sent}");
+        gw.stop().await;
+    }
+}
+
+/// Review L7: a chain is bounded; past the bound it is refused with its
+/// own code, and nothing reaches the engine.
+#[tokio::test]
+async fn a_chain_past_its_bound_is_context_too_large() {
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        t.replace("context_tokens = 2048", "context_tokens = 200000")
+    })
+    .await;
+    gw.wait_ready().await;
+    let items = |n: usize| (0..n).map(|i| json!({"role": "user", "content": format!("m{i}")})).collect::<Vec<_>>();
+    let first: Value = post(&gw, DEMO_KEY, &json!({"model": "general-chat", "input": items(600), "store": true}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(first["status"], "completed", "{first}");
+    let sent = fake.requests();
+    let body = json!({"model": "general-chat", "input": items(400), "previous_response_id": first["id"]});
+    let r = post(&gw, DEMO_KEY, &body).await;
+    assert_eq!(r.status(), 413);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(error_code(&v), "CONTEXT_TOO_LARGE", "{v}");
+    assert_eq!(fake.requests(), sent);
+    gw.stop().await;
+}

@@ -563,3 +563,229 @@ async fn a_turn_waiting_past_its_queue_timeout_for_another_is_session_busy() {
     assert_eq!((b.0, error_code(&b.1)), (409, "SESSION_BUSY"), "{}", b.1);
     gw.stop().await;
 }
+
+/// `[sessions]` keys for summaries by `general-chat` itself: the recent
+/// turns may take 10 % of its 2048-token window, and a summary is due once
+/// 4 messages are left out of that and not yet covered.
+const SUMMARIES: &str = "summary_model = \"general-chat\"\nsummary_after_messages = 4\nsummary_history_share_pct = 10";
+
+/// A question of about 200 tokens (estimated): one fills the 10 % share.
+fn long_question(i: usize) -> Value {
+    user_msg(&format!("question {i}: {}", "pump pressure reading ".repeat(32)))
+}
+
+/// The summary tasks in the task store: (request id, priority, state).
+async fn summary_tasks(gw: &TestGateway) -> Vec<(String, String, String)> {
+    gw.store().flush().await;
+    let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+    let mut st = conn
+        .prepare(
+            "SELECT request_id, priority, state FROM tasks WHERE request_id LIKE 'summary-%' ORDER BY created_at_ms",
+        )
+        .unwrap();
+    st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect()
+}
+
+/// Waits (at most 10 s) until session `id` shows `want` as its summary
+/// version: the summary is made after its turn has ended, beside the
+/// session's next turns.
+async fn summary_version(gw: &TestGateway, id: &str, want: u64) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, v) = get(gw, DEMO_KEY, None, id).await;
+        if v["summary_version"].as_u64() == Some(want) || tokio::time::Instant::now() > deadline {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits (at most 10 s) until the summary tasks have all ended.
+async fn summary_tasks_ended(gw: &TestGateway, n: usize) -> Vec<(String, String, String)> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let t = summary_tasks(gw).await;
+        let ended = t.iter().filter(|(_, _, s)| matches!(s.as_str(), "SUCCEEDED" | "FAILED" | "TIMED_OUT")).count();
+        if ended >= n || tokio::time::Instant::now() > deadline {
+            return t;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn summary_prompts(fake: &FakeEngine) -> Vec<String> {
+    fake.bodies()
+        .iter()
+        .filter(|b| b["messages"][0]["content"] == edgeway::context::summary::SUMMARY_INSTRUCTION)
+        .map(|b| b["messages"][1]["content"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn older_turns_are_summarised_at_low_priority_reused_and_replaced_as_history_grows() {
+    let (fake, gw) = gateway(SUMMARIES, true).await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    // Turn 1: two messages left out of the share; not yet due.
+    let (status, v) = turn(&gw, DEMO_KEY, None, &id, long_question(1)).await;
+    assert_eq!(status, 200, "{v}");
+    let (status, _) = turn(&gw, DEMO_KEY, None, &id, long_question(2)).await;
+    assert_eq!(status, 200);
+    // Turn 2: four left out: the first summary, of those four.
+    let v = summary_version(&gw, &id, 1).await;
+    assert_eq!(v["summary_version"], 1, "{v}");
+    assert_eq!((v["summary_model"].as_str(), v["summary_covers"].as_u64()), (Some("general-chat"), Some(4)), "{v}");
+    assert!(v["summary_at_ms"].as_i64().unwrap() > 0);
+    let prompts = summary_prompts(&fake);
+    assert_eq!(prompts.len(), 1, "{prompts:?}");
+    assert!(prompts[0].starts_with("Conversation:\nuser: question 1:"), "{}", prompts[0]);
+    assert!(prompts[0].contains("user: question 2:"), "{}", prompts[0]);
+    let tasks = summary_tasks(&gw).await;
+    assert_eq!(tasks.len(), 1, "{tasks:?}");
+    assert_eq!((tasks[0].1.as_str(), tasks[0].2.as_str()), ("P4", "SUCCEEDED"), "{tasks:?}");
+
+    // Turn 3: two more messages out, not enough: the summary is reused.
+    let (status, _) = turn(&gw, DEMO_KEY, None, &id, long_question(3)).await;
+    assert_eq!(status, 200);
+    // Turn 4: four past the summary: version 2, made from version 1 and
+    // the turns after it only.
+    let (status, _) = turn(&gw, DEMO_KEY, None, &id, long_question(4)).await;
+    assert_eq!(status, 200);
+    let v = summary_version(&gw, &id, 2).await;
+    assert_eq!((v["summary_version"].as_u64(), v["summary_covers"].as_u64()), (Some(2), Some(8)), "{v}");
+    let prompts = summary_prompts(&fake);
+    assert_eq!(prompts.len(), 2, "turn 3 made none: {prompts:?}");
+    assert!(prompts[1].starts_with("Summary so far:\n"), "{}", prompts[1]);
+    assert!(!prompts[1].contains("question 2:") && prompts[1].contains("question 3:"), "{}", prompts[1]);
+
+    // Kept in the store with the session.
+    gw.store().flush().await;
+    let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+    let (version, covers, model, text): (u32, u32, String, String) = conn
+        .query_row(
+            "SELECT summary_version, summary_covers, summary_model, summary_text FROM sessions WHERE session_id = ?1",
+            [&id],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )
+        .unwrap();
+    assert_eq!((version, covers, model.as_str()), (2, 8, "general-chat"));
+    assert!(!text.is_empty());
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_failed_summary_leaves_the_session_working_and_is_tried_again() {
+    let (fake, gw) = gateway(SUMMARIES, true).await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    fake.set(|k| k.fail_matching = Some(("running summary".into(), 400)));
+    for i in 1..=2 {
+        let (status, v) = turn(&gw, DEMO_KEY, None, &id, long_question(i)).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let tasks = summary_tasks_ended(&gw, 1).await;
+    assert_eq!(tasks.len(), 1, "{tasks:?}");
+    assert_eq!(tasks[0].2, "FAILED", "{tasks:?}");
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!((v["message_count"].as_u64(), v["summary_version"].as_u64()), (Some(4), None), "{v}");
+
+    // The session goes on; the next turn's summary is made.
+    fake.set(|k| k.fail_matching = None);
+    let (status, v) = turn(&gw, DEMO_KEY, None, &id, long_question(3)).await;
+    assert_eq!(status, 200, "{v}");
+    let v = summary_version(&gw, &id, 1).await;
+    assert_eq!((v["summary_version"].as_u64(), v["summary_covers"].as_u64()), (Some(1), Some(6)), "{v}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn without_a_summary_model_no_summary_is_made() {
+    let (fake, gw) = gateway("", true).await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    for i in 1..=3 {
+        let (status, _) = turn(&gw, DEMO_KEY, None, &id, long_question(i)).await;
+        assert_eq!(status, 200);
+    }
+    assert_eq!(fake.requests(), 3);
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert!(v["summary_version"].is_null(), "{v}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_summary_survives_a_restart() {
+    let fake = FakeEngine::start().await;
+    let dir = TempDir::new("edgeway-summary");
+    let text = edit(SUMMARIES, true)(config_toml(&fake.url(), "openai", &dir.0, ""));
+    let load = || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    for i in 1..=2 {
+        assert_eq!(turn(&gw, DEMO_KEY, None, &id, long_question(i)).await.0, 200);
+    }
+    let before = summary_version(&gw, &id, 1).await;
+    assert_eq!(before["summary_version"], 1, "{before}");
+    gw.stop().await;
+
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let (status, after) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!(status, 200, "{after}");
+    for k in ["summary_version", "summary_model", "summary_at_ms", "summary_covers"] {
+        assert_eq!(after[k], before[k], "{k}: {after}");
+    }
+    // Reused, not made again: the next summary extends it.
+    assert_eq!(turn(&gw, DEMO_KEY, None, &id, long_question(3)).await.0, 200);
+    assert_eq!(turn(&gw, DEMO_KEY, None, &id, long_question(4)).await.0, 200);
+    let v = summary_version(&gw, &id, 2).await;
+    assert_eq!(v["summary_covers"], 8, "{v}");
+    assert!(summary_prompts(&fake).last().unwrap().starts_with("Summary so far:\n"));
+    gw.stop().await;
+}
+
+/// Review L5: a session turn queued when the gateway stopped runs after the
+/// restart and is appended when it ends, as any turn.
+#[tokio::test]
+async fn a_turn_requeued_after_a_restart_is_appended_when_it_ends() {
+    let fake = FakeEngine::start_with(edgeway::testing::Knobs::slow(100_000, 20)).await;
+    let dir = TempDir::new("edgeway-turn-restart");
+    let text = edit("", true)(config_toml(&fake.url(), "openai", &dir.0, ""))
+        .replace("max_concurrency = 2", "max_concurrency = 1");
+    let load = || Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap();
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let id = create(&gw, DEMO_KEY, None, json!({})).await;
+    let submit = |body: Value| {
+        let url = format!("{}/v1/tasks", gw.base_url);
+        async move {
+            let v: Value =
+                client().post(url).bearer_auth(DEMO_KEY).json(&body).send().await.unwrap().json().await.unwrap();
+            v["task_id"].as_str().unwrap_or_else(|| panic!("{v}")).to_string()
+        }
+    };
+    // The only slot is taken: the turn waits in the queue, kept (it has an
+    // idempotency key) when the gateway stops.
+    let blocker = submit(json!({"model": "general-chat", "messages": [{"role": "user", "content": "block"}]})).await;
+    gw.wait_for_state(&blocker, edgeway::task::TaskState::Streaming).await;
+    let turn = submit(json!({"model": "general-chat", "session_id": id, "idempotency_key": "turn-1", "max_tokens": 20,
+        "messages": [{"role": "user", "content": "asked before the restart"}]}))
+    .await;
+    gw.wait_for_state(&turn, edgeway::task::TaskState::Queued).await;
+    gw.stop().await;
+
+    fake.set(|k| *k = edgeway::testing::Knobs::default());
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    gw.wait_for_state(&turn, edgeway::task::TaskState::Succeeded).await;
+    // The next turn waits for the re-queued one to be appended, and sees it.
+    let (status, v) = turn_of(&gw, &id, "after it").await;
+    assert_eq!(status, 200, "{v}");
+    let sent = fake.last_request().unwrap().to_string();
+    assert!(sent.contains("asked before the restart") && sent.contains("after it"), "{sent}");
+    let (_, v) = get(&gw, DEMO_KEY, None, &id).await;
+    assert_eq!(v["message_count"], 4, "{v}");
+    gw.stop().await;
+}
+
+async fn turn_of(gw: &TestGateway, id: &str, text: &str) -> (u16, Value) {
+    turn(gw, DEMO_KEY, None, id, user_msg(text)).await
+}

@@ -227,6 +227,29 @@ pub struct SessionsConfig {
     /// Append a turn that ended failed, cancelled or timed out as well
     /// (with whatever answer text it produced).
     pub append_failed_turns: bool,
+    /// Summaries of a session's older turns (none without a summary model).
+    pub summary: Option<SummaryConfig>,
+}
+
+/// `[sessions] summary_*`: when and how a session's older turns are
+/// summarised (see `crate::context::summary`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SummaryConfig {
+    /// The logical (chat) model that writes summaries.
+    pub model: String,
+    /// The priority of a summary task (P4 by default: after every call).
+    pub priority: crate::task::Priority,
+    /// The output budget of a summary, in tokens.
+    pub max_tokens: u32,
+    /// A summary task's whole deadline; past it the session goes on
+    /// without the summary.
+    pub deadline: Duration,
+    /// A summary is made once this many history messages are left out of
+    /// the window and not yet covered by the summary.
+    pub after_messages: u32,
+    /// The part of the turn's model window (percent) that recent turns may
+    /// take before older ones are left out (the summary's trigger).
+    pub history_share_pct: u32,
 }
 
 impl Default for SessionsConfig {
@@ -241,6 +264,7 @@ impl Default for SessionsConfig {
             max_sessions: 100_000,
             max_memory_entries: 100,
             append_failed_turns: false,
+            summary: None,
         }
     }
 }
@@ -532,6 +556,12 @@ pub struct EngineConfig {
     /// may, alone); short ones are never held by them. `None`: no lane.
     pub max_prefill_tokens: Option<u32>,
     pub long_prompt_tokens: u32,
+    /// llama-server only: edgeway numbers the engine's slots (its
+    /// `--parallel`, which must equal `max_concurrency`), sends each task's
+    /// slot as `id_slot` with `cache_prompt: true`, and puts a session's
+    /// next turn in the slot that served its last one when it is free
+    /// (`crate::scheduler::affinity`).
+    pub slot_affinity: bool,
     pub memory_budget_bytes: Option<u64>,
     /// No other client uses the engine (enables the cancel grace check).
     pub exclusive: bool,

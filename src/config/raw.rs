@@ -229,6 +229,12 @@ pub struct RawSessions {
     pub max_sessions: usize,
     pub max_memory_entries: usize,
     pub append_failed_turns: bool,
+    pub summary_model: Option<String>,
+    pub summary_priority: String,
+    pub summary_max_tokens: u32,
+    pub summary_deadline_ms: u64,
+    pub summary_after_messages: u32,
+    pub summary_history_share_pct: u32,
 }
 
 impl Default for RawSessions {
@@ -243,6 +249,12 @@ impl Default for RawSessions {
             max_sessions: 100_000,
             max_memory_entries: 100,
             append_failed_turns: false,
+            summary_model: None,
+            summary_priority: "P4".into(),
+            summary_max_tokens: 256,
+            summary_deadline_ms: 60_000,
+            summary_after_messages: 6,
+            summary_history_share_pct: 50,
         }
     }
 }
@@ -532,6 +544,8 @@ pub struct RawEngine {
     pub max_prefill_tokens: Option<u32>,
     /// A prompt of more tokens than this is long (with `max_prefill_tokens`).
     pub long_prompt_tokens: Option<u32>,
+    /// llama-server KV-cache slot affinity (`id_slot`, `cache_prompt`).
+    pub slot_affinity: bool,
     /// Only edgeway sends work to this engine. Then an engine that reports
     /// more busy slots than edgeway runs after a cancel's grace period is
     /// taken out of dispatch; set false when other clients share it.
@@ -569,6 +583,7 @@ impl Default for RawEngine {
             reserved_realtime_slots: 0,
             max_prefill_tokens: None,
             long_prompt_tokens: None,
+            slot_affinity: false,
             exclusive: true,
             memory_budget_mb: None,
             tools: false,

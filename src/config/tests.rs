@@ -582,3 +582,35 @@ fn model_kinds_are_checked_against_fallbacks_and_options() {
     let e = parse(&format!("{MINIMAL}max_batch_inputs = 8\n"), &[]).unwrap_err();
     assert_eq!(e.0[0].path, "models.general-chat.max_batch_inputs", "{e}");
 }
+
+#[test]
+fn a_summary_model_must_be_a_configured_chat_model_and_its_keys_in_range() {
+    let ok = parse(&format!("{MINIMAL}\n[sessions]\nsummary_model = \"general-chat\"\n"), &[]).unwrap();
+    let s = ok.sessions.summary.expect("summaries on");
+    assert_eq!((s.model.as_str(), s.priority, s.max_tokens), ("general-chat", Priority::P4, 256));
+    assert_eq!(parse(MINIMAL, &[]).unwrap().sessions.summary, None, "off without a model");
+    let text = format!(
+        "{MINIMAL}\n[models.emb]\nkind = \"embedding\"\ninstances = [\"llama\"]\n[sessions]\nsummary_model = \"nope\"\n\
+         summary_priority = \"P7\"\nsummary_after_messages = 1\nsummary_history_share_pct = 95\n"
+    );
+    let e = parse(&text, &[]).unwrap_err();
+    let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
+    for want in [
+        "sessions.summary_model",
+        "sessions.summary_priority",
+        "sessions.summary_after_messages",
+        "sessions.summary_history_share_pct",
+    ] {
+        assert!(paths.contains(&want), "missing {want} in {paths:?}");
+    }
+    let e = parse(&text.replace("\"nope\"", "\"emb\""), &[]).unwrap_err();
+    assert!(e.to_string().contains("\"emb\" is not a chat model"), "{e}");
+}
+
+#[test]
+fn slot_affinity_is_for_llama_server_only() {
+    let on = MINIMAL.replace("model = \"gemma\"", "model = \"gemma\"\nslot_affinity = true");
+    assert!(parse(&on, &[]).unwrap().engines["llama"].slot_affinity);
+    let e = parse(&on.replace("type = \"openai\"", "type = \"ollama\""), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "engines.llama.slot_affinity", "{e}");
+}

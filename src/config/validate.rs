@@ -71,7 +71,7 @@ impl RawConfig {
         if self.server.drain_timeout_s > 3600 {
             p.add("server.drain_timeout_s", "must be at most 3600");
         }
-        let sessions = sessions(self.sessions, &mut p);
+        let sessions = sessions(self.sessions, &self.models, &mut p);
         let context = context(self.context, &mut p);
         let log = log(self.log, &mut p);
         let timeouts = timeouts(self.timeouts, &mut p);
@@ -139,7 +139,11 @@ impl RawConfig {
     }
 }
 
-fn sessions(s: super::raw::RawSessions, p: &mut Problems) -> super::SessionsConfig {
+fn sessions(
+    s: super::raw::RawSessions,
+    models: &BTreeMap<String, RawModel>,
+    p: &mut Problems,
+) -> super::SessionsConfig {
     const YEAR_S: u64 = 366 * 24 * 3600;
     for (key, v) in [("max_lifetime_s", s.max_lifetime_s), ("idle_expiry_s", s.idle_expiry_s)] {
         if v == 0 || v > YEAR_S {
@@ -170,6 +174,7 @@ fn sessions(s: super::raw::RawSessions, p: &mut Problems) -> super::SessionsConf
         max_sessions: s.max_sessions,
         max_memory_entries: s.max_memory_entries,
         append_failed_turns: s.append_failed_turns,
+        summary: summary(&s, models, p),
     }
 }
 
@@ -183,6 +188,47 @@ fn context(c: super::raw::RawContext, p: &mut Problems) -> super::ContextConfig 
         safety_rules: c.safety_rules.filter(|r| !r.trim().is_empty()),
         secret_patterns: c.secret_patterns,
     }
+}
+
+/// `[sessions] summary_*`: checked whether or not a model is named, so a
+/// wrong value is reported before someone turns summaries on.
+fn summary(
+    s: &super::raw::RawSessions,
+    models: &BTreeMap<String, RawModel>,
+    p: &mut Problems,
+) -> Option<super::SummaryConfig> {
+    let priority = crate::task::Priority::parse(&s.summary_priority);
+    if priority.is_none() {
+        p.add("sessions.summary_priority", "must be one of P0..P4");
+    }
+    if !(16..=8192).contains(&s.summary_max_tokens) {
+        p.add("sessions.summary_max_tokens", "must be 16..8192");
+    }
+    if !(1000..=3_600_000).contains(&s.summary_deadline_ms) {
+        p.add("sessions.summary_deadline_ms", "must be 1000..3600000");
+    }
+    if !(2..=1000).contains(&s.summary_after_messages) {
+        p.add("sessions.summary_after_messages", "must be 2..1000");
+    }
+    if !(10..=90).contains(&s.summary_history_share_pct) {
+        p.add("sessions.summary_history_share_pct", "must be 10..90");
+    }
+    let model = s.summary_model.as_ref()?;
+    match models.get(model) {
+        None => p.add("sessions.summary_model", format!("no model named {model:?} in [models]")),
+        Some(m) if matches!(&m.kind, Some(Field::Valid(k)) if *k != ModelKind::Chat) => {
+            p.add("sessions.summary_model", format!("{model:?} is not a chat model"))
+        }
+        Some(_) => {}
+    }
+    Some(super::SummaryConfig {
+        model: model.clone(),
+        priority: priority.unwrap_or(crate::task::Priority::P4),
+        max_tokens: s.summary_max_tokens,
+        deadline: Duration::from_millis(s.summary_deadline_ms),
+        after_messages: s.summary_after_messages,
+        history_share_pct: s.summary_history_share_pct,
+    })
 }
 
 /// `Some(None)` for an absent optional section, `None` for one with a problem.
@@ -599,6 +645,9 @@ fn engine(
     } else if e.reserved_realtime_slots >= e.max_concurrency {
         p.add(format!("{path}.reserved_realtime_slots"), "must be less than max_concurrency");
     }
+    if e.slot_affinity && !matches!(kind, Some(EngineKind::OpenAi)) {
+        p.add(format!("{path}.slot_affinity"), "applies to llama-server (type = \"openai\") only");
+    }
     // Default: a quarter of the cap, so that up to four long prompts share it.
     let long_prompt_tokens = e.long_prompt_tokens.unwrap_or(e.max_prefill_tokens.unwrap_or(0) / 4);
     match (e.max_prefill_tokens, e.long_prompt_tokens) {
@@ -699,6 +748,7 @@ fn engine(
         reserved_realtime_slots: e.reserved_realtime_slots,
         max_prefill_tokens: e.max_prefill_tokens,
         long_prompt_tokens,
+        slot_affinity: e.slot_affinity,
         exclusive: e.exclusive,
         memory_budget_bytes: memory_budget_bytes?,
         tools: e.tools,

@@ -1,9 +1,10 @@
 //! Context: how many tokens a prompt takes and how much output still fits
 //! in a model's context window, the sessions that keep a conversation's
 //! history (`sessions.rs`, with redaction of what they keep in
-//! `redact.rs`), and the assembly of a prompt from a call, its session and
+//! `redact.rs`), the assembly of a prompt from a call, its session and
 //! its `edge.context` (`inputs.rs`) in a token budget (`assembly.rs`), with
-//! untrusted content fenced and filtered (`fence.rs`).
+//! untrusted content fenced and filtered (`fence.rs`), and the summaries of
+//! a session's older turns (`summary.rs`).
 //!
 //! Owns: token estimates, the fit decision, sessions and assembly. Does
 //! not own: admission of the call (`crate::admission`) or when a turn
@@ -14,6 +15,7 @@ pub mod fence;
 pub mod inputs;
 pub mod redact;
 pub mod sessions;
+pub mod summary;
 
 use crate::task::ChatMessage;
 

@@ -30,11 +30,12 @@ use serde_json::{Map, Value};
 
 use crate::config::SessionsConfig;
 use crate::error::{ErrorCode, GatewayError};
-use crate::store::sessions::{MemoryRow, MessageRow, SessionRow, StoredSession};
+use crate::store::sessions::{MemoryRow, MessageRow, SessionRow, StoredSession, SummaryRow};
 use crate::store::Store;
 use crate::task::{now_ms, ChatMessage, Identity};
 
 use super::redact::Redactor;
+use super::summary::SessionSummary;
 
 const MAX_ID_LEN: usize = 128;
 const MAX_TAGS: usize = 16;
@@ -128,8 +129,14 @@ pub struct SessionView {
     /// Estimated tokens of the history.
     pub tokens: u64,
     pub memory_entries: usize,
-    /// The version of the session's summary; none is made yet.
+    /// The session's summary of its older turns (`crate::context::summary`):
+    /// its version, the model that wrote it, when (Unix milliseconds) and
+    /// how many of the oldest messages it replaces; all null until one is
+    /// made.
     pub summary_version: Option<u32>,
+    pub summary_model: Option<String>,
+    pub summary_at_ms: Option<i64>,
+    pub summary_covers: Option<u32>,
     pub limits: Limits,
 }
 
@@ -172,6 +179,9 @@ struct State {
     tokens: u64,
     next_seq: u32,
     memory: BTreeMap<String, MemoryEntry>,
+    summary: Option<SessionSummary>,
+    /// A summary task of this session is running (one at a time).
+    summarizing: bool,
 }
 
 impl State {
@@ -209,7 +219,10 @@ impl Session {
             message_count: s.history.len() as u32,
             tokens: s.tokens,
             memory_entries: s.memory.len(),
-            summary_version: None,
+            summary_version: s.summary.as_ref().map(|m| m.version),
+            summary_model: s.summary.as_ref().map(|m| m.model.clone()),
+            summary_at_ms: s.summary.as_ref().map(|m| m.at_ms),
+            summary_covers: s.summary.as_ref().map(|m| m.covers as u32),
             limits: s.limits,
         }
     }
@@ -230,6 +243,13 @@ impl Session {
             message_count: s.history.len() as u32,
             tokens: s.tokens,
             metadata: Value::Object(s.metadata.clone()).to_string(),
+            summary: s.summary.as_ref().map(|m| SummaryRow {
+                text: m.text.clone(),
+                version: m.version,
+                model: m.model.clone(),
+                at_ms: m.at_ms,
+                covers: m.covers as u32,
+            }),
         }
     }
 }
@@ -365,6 +385,8 @@ impl Sessions {
                 tokens: 0,
                 next_seq: 0,
                 memory: BTreeMap::new(),
+                summary: None,
+                summarizing: false,
             }),
         };
         {
@@ -568,6 +590,30 @@ impl Sessions {
         Ok(TurnLease { sessions: self.clone(), session: s, _turn: guard })
     }
 
+    /// The summary job of session `id` when one is due (see
+    /// `super::summary`) and none runs: the summary so far and the
+    /// messages after it up to where the recent turns fitting
+    /// `share_tokens` begin. The session counts as summarising until the
+    /// job is kept or dropped.
+    pub fn summary_due(self: &Arc<Self>, id: &str, share_tokens: u32, after: usize) -> Option<SummaryJob> {
+        let s = self.by_id.lock().expect("sessions").get(id).cloned()?;
+        let mut st = s.state.lock().expect("session state");
+        if st.summarizing {
+            return None;
+        }
+        let base = st.summary.as_ref().map_or(0, |m| m.covers);
+        let upto = super::summary::due(&st.history, base, share_tokens, after)?;
+        st.summarizing = true;
+        let job = SummaryJob {
+            sessions: self.clone(),
+            session: s.clone(),
+            previous: st.summary.clone(),
+            messages: st.history[base..upto].to_vec(),
+            base,
+        };
+        Some(job)
+    }
+
     fn append(&self, s: &Session, messages: Vec<ChatMessage>, task_id: &str) {
         let now = now_ms();
         // Held across the append: a delete meanwhile must not be undone by
@@ -697,6 +743,14 @@ fn from_stored(s: StoredSession) -> Session {
             tokens,
             next_seq,
             memory,
+            summary: r.summary.map(|m| SessionSummary {
+                text: m.text,
+                covers: m.covers as usize,
+                version: m.version,
+                model: m.model,
+                at_ms: m.at_ms,
+            }),
+            summarizing: false,
         }),
     }
 }
@@ -713,6 +767,12 @@ impl TurnLease {
     /// The session's history, oldest first, for the assembly.
     pub fn history(&self) -> Vec<HistoryMessage> {
         self.session.state.lock().expect("session state").history.clone()
+    }
+
+    /// The session's summary of its oldest messages (`covers` of them),
+    /// for the assembly; none until one is made.
+    pub fn summary(&self) -> Option<SessionSummary> {
+        self.session.state.lock().expect("session state").summary.clone()
     }
 
     /// Ends the turn: appends the user's messages and the answer when the
@@ -746,5 +806,46 @@ impl TurnLease {
         let content = if answer.is_empty() && !extra.is_empty() { Value::Null } else { Value::String(answer) };
         messages.push(ChatMessage { role: "assistant".into(), content, extra });
         self.sessions.append(&self.session, messages, task_id);
+    }
+}
+
+/// A summary of a session's older messages being made
+/// ([`Sessions::summary_due`]). Dropping it without [`SummaryJob::keep`]
+/// leaves the session's summary as it was.
+pub struct SummaryJob {
+    sessions: Arc<Sessions>,
+    session: Arc<Session>,
+    /// The summary so far, which the new one extends.
+    pub previous: Option<SessionSummary>,
+    /// The messages after what `previous` covers, to be summarised.
+    pub messages: Vec<HistoryMessage>,
+    /// How many messages `previous` covers (0 without one).
+    pub base: usize,
+}
+
+impl SummaryJob {
+    /// Keeps `text`, written by `model`, as the summary of the session's
+    /// first `covers` messages: the next version, in memory and (as the
+    /// session's messages are) in the store. Nothing when the session was
+    /// deleted meanwhile.
+    pub fn keep(self, text: String, covers: usize, model: String) {
+        // Held across the write, as in `append`: a delete meanwhile must
+        // not be undone by a row written after it.
+        let map = self.sessions.by_id.lock().expect("sessions");
+        if !map.get(&self.session.id).is_some_and(|live| Arc::ptr_eq(live, &self.session)) {
+            return;
+        }
+        let mut st = self.session.state.lock().expect("session state");
+        let version = st.summary.as_ref().map_or(0, |m| m.version) + 1;
+        st.summary = Some(SessionSummary { text, covers, version, model, at_ms: now_ms() });
+        if st.persist {
+            self.sessions.store.session_row(self.session.row(&st));
+        }
+    }
+}
+
+impl Drop for SummaryJob {
+    fn drop(&mut self) {
+        self.session.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).summarizing = false;
     }
 }

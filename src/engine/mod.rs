@@ -44,6 +44,9 @@ pub struct EngineRequest {
     pub tools: Option<ToolSet>,
     /// `Chat` uses `messages`; the others carry their own input.
     pub operation: Operation,
+    /// llama-server's slot for it (`id_slot`, with `cache_prompt`), when
+    /// its instance has slot affinity.
+    pub slot: Option<u32>,
 }
 
 /// One piece of an engine's answer, in the order the engine sent it.

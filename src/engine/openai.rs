@@ -112,6 +112,12 @@ struct WireRequest<'a> {
     tool_choice: Option<&'a Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     parallel_tool_calls: Option<bool>,
+    /// llama-server: the slot to run in, and keep its KV cache for the
+    /// next request with the same prefix (slot affinity, issue 12).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id_slot: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_prompt: Option<bool>,
 }
 
 #[derive(Serialize)]
@@ -292,6 +298,8 @@ impl Engine for OpenAiEngine {
             tools: req.tools.as_ref().map(|t| t.tools.as_slice()),
             tool_choice: req.tools.as_ref().and_then(|t| t.tool_choice.as_ref()),
             parallel_tool_calls: req.tools.as_ref().and_then(|t| t.parallel_tool_calls),
+            id_slot: req.slot,
+            cache_prompt: req.slot.map(|_| true),
         };
         let url = if prompt.is_some() { &self.completions_url } else { &self.url };
         let resp = super::send(self.post(url, &body)).await?;

@@ -437,7 +437,7 @@ impl Gateway {
         match submitted {
             Ok(Submitted::New(s)) => {
                 if let Some(turn) = turn {
-                    self.follow_turn(turn, &s);
+                    self.follow_turn(turn, &s.task_id);
                 }
                 Ok(s)
             }

@@ -18,8 +18,9 @@ impl Gateway {
     /// FAILED with the reason. Runs before the listeners open.
     pub async fn recover(&self) -> (usize, usize) {
         // The sessions the store kept come back first: a re-queued task
-        // of a session is not a new turn (it does not append), but a call
-        // arriving once the listeners open must find its session.
+        // of a session holds its turn again and appends it when it ends
+        // (`resume_turn`), and a call arriving once the listeners open must
+        // find its session.
         let restored = self.sessions.restore().await;
         if restored > 0 {
             tracing::info!(restored, "sessions restored from the store");
@@ -39,13 +40,20 @@ impl Gateway {
             };
             let mut why = None;
             match rebuilt {
-                Some(Ok(req)) => match self.scheduler.resubmit(req).await {
-                    Ok(()) => {
-                        requeued += 1;
-                        continue;
+                Some(Ok(req)) => {
+                    let turn = self.resume_turn(&req).await;
+                    let task_id = req.task_id.clone();
+                    match self.scheduler.resubmit(req).await {
+                        Ok(()) => {
+                            if let Some(turn) = turn {
+                                self.follow_turn(turn, &task_id);
+                            }
+                            requeued += 1;
+                            continue;
+                        }
+                        Err(e) => tracing::warn!(task_id = %u.task_id, error = %e, "could not re-queue task"),
                     }
-                    Err(e) => tracing::warn!(task_id = %u.task_id, error = %e, "could not re-queue task"),
-                },
+                }
                 Some(Err(e)) => why = Some(e),
                 None => {}
             }

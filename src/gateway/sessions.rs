@@ -13,15 +13,24 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::context::assembly::{self, Inputs, Piece, Rules};
+use crate::context::assembly::{self, Inputs, Piece, Rules, SummaryRef};
 use crate::context::fence::SecretFilter;
 use crate::context::inputs::{ContextRequest, MemoryQuery, Passage};
 use crate::context::sessions::{CreateSession, MemoryEntry, MemoryWrite, Owner, SessionView, TurnLease};
 use crate::error::GatewayError;
-use crate::scheduler::TaskStream;
 use crate::task::{ChatMessage, FallbackStep, Identity, Operation, TaskEvent, TaskRequest, TaskState};
 
 use super::Gateway;
+
+/// A turn's new messages: those after its last assistant message (a
+/// caller may resend the answer its tool results follow), the user's
+/// question or the tool results of the session's last answer, without its
+/// system and developer messages, which are the call's own instructions
+/// and are not kept.
+fn new_messages(req: &TaskRequest) -> Vec<ChatMessage> {
+    let start = req.messages.iter().rposition(|m| m.role == "assistant").map_or(0, |i| i + 1);
+    req.messages[start..].iter().filter(|m| !matches!(m.role.as_str(), "system" | "developer")).cloned().collect()
+}
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, GatewayError> {
     let mut de = serde_json::Deserializer::from_slice(body);
@@ -38,6 +47,9 @@ pub(super) struct Turn {
     /// user's question, tool results), appended with the answer when the
     /// turn ends well.
     user: Vec<ChatMessage>,
+    /// The call's request without its messages: the summary task that may
+    /// follow the turn runs for the same caller, data class and routing.
+    template: TaskRequest,
 }
 
 impl Gateway {
@@ -153,8 +165,11 @@ impl Gateway {
             filter: filter.as_deref(),
         };
         let session = req.session_id.clone();
-        // The summary joins here when sessions keep one (`SummaryRef`).
-        let inputs = Inputs { history: &history, session: session.as_deref(), summary: None, knowledge, tool_results };
+        // The session's summary of its older turns, when one is made: the
+        // ladder puts it in place of the turns it covers when they do not fit.
+        let summary = turn.as_ref().and_then(|t| t.lease.summary());
+        let summary = summary.as_ref().map(|s| SummaryRef { text: &s.text, covers: s.covers });
+        let inputs = Inputs { history: &history, session: session.as_deref(), summary, knowledge, tool_results };
         let plan = assembly::assemble(req, inputs, &rules)?;
         // The digest of the prompt as sent, beside the caller's own
         // (`prompt_sha256`, which idempotency judges repeats on).
@@ -179,17 +194,7 @@ impl Gateway {
         memory: &MemoryQuery,
     ) -> Result<(Turn, Vec<MemoryEntry>), GatewayError> {
         let owner = Owner::of(&req.identity, None)?;
-        // The call's new messages: those after its last assistant message
-        // (a caller may resend the answer its tool results follow), the
-        // user's question or the tool results of the session's last answer,
-        // without its system and developer messages, which are the call's
-        // own instructions and are not kept.
-        let start = req.messages.iter().rposition(|m| m.role == "assistant").map_or(0, |i| i + 1);
-        let user: Vec<ChatMessage> = req.messages[start..]
-            .iter()
-            .filter(|m| !matches!(m.role.as_str(), "system" | "developer"))
-            .cloned()
-            .collect();
+        let user = new_messages(req);
         let new_tokens = user.iter().map(crate::context::estimate_message).sum();
         let lease = self.sessions.begin_turn(&owner, id, user.len(), new_tokens, req.timeouts.queue).await?;
         let mut entries: Vec<MemoryEntry> = Vec::new();
@@ -205,16 +210,50 @@ impl Gateway {
                 }
             }
         }
-        Ok((Turn { lease, user }, entries))
+        let mut template = req.clone();
+        template.messages = Vec::new();
+        Ok((Turn { lease, user, template }, entries))
+    }
+
+    /// The session turn of a task re-queued at recovery (review L5): its
+    /// prompt was assembled before the restart (its stored messages are
+    /// that prompt, whose new messages follow its last answer, as in
+    /// [`Gateway::begin_turn`]); the turn is held again and appended when
+    /// the task ends, so the session's next call waits for it and sees it.
+    /// `None` (logged) when the session is gone or full: the task runs,
+    /// and nothing is appended.
+    pub(super) async fn resume_turn(&self, req: &TaskRequest) -> Option<Turn> {
+        let id = req.session_id.clone()?;
+        let owner = Owner::of(&req.identity, None).ok()?;
+        let user = new_messages(req);
+        let new_tokens = user.iter().map(crate::context::estimate_message).sum();
+        let wait = std::time::Duration::ZERO;
+        match self.sessions.begin_turn(&owner, &id, user.len(), new_tokens, wait).await {
+            Ok(lease) => {
+                let mut template = req.clone();
+                template.messages = Vec::new();
+                Some(Turn { lease, user, template })
+            }
+            Err(e) => {
+                tracing::warn!(task_id = %req.task_id, session = %id, error = %e, "a re-queued turn will not be appended");
+                None
+            }
+        }
     }
 
     /// Follows a queued session turn's task to its end, then ends the turn
     /// (appending the user's message and the answer when it succeeded).
     /// The turn is held until then, so the session's next call waits for
     /// it and sees it.
-    pub(super) fn follow_turn(&self, turn: Turn, stream: &TaskStream) {
-        let Some(mut events) = self.scheduler.attach(&stream.task_id, 0) else { return };
-        let task_id = stream.task_id.clone();
+    pub(super) fn follow_turn(&self, turn: Turn, task_id: &str) {
+        let Some(mut events) = self.scheduler.attach(task_id, 0) else { return };
+        let task_id = task_id.to_string();
+        let summarizer = crate::context::summary::Summarizer {
+            scheduler: self.scheduler.clone(),
+            recorder: self.recorder.clone(),
+            sessions: self.sessions.clone(),
+        };
+        let config = self.config();
         tokio::spawn(async move {
             let mut answer = String::new();
             let mut succeeded = false;
@@ -241,6 +280,12 @@ impl Gateway {
                 }
             }
             turn.lease.finish(turn.user, answer, calls, succeeded, &task_id);
+            // After the turn is appended and the next one may begin: a
+            // summary, when due, is made beside the session's later turns.
+            if succeeded {
+                let session_id = turn.template.session_id.clone().unwrap_or_default();
+                summarizer.after_turn(config, turn.template, session_id).await;
+            }
         });
     }
 }

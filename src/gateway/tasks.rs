@@ -90,14 +90,18 @@ impl Gateway {
     /// The Response object kept for a task and the conversation it
     /// answered (`previous_response_id`), on the same terms as
     /// [`Gateway::response`].
+    /// `user` is the caller's user (its credential's, else the one it
+    /// declares): a Response of another user of the same application is
+    /// not found (review L6), as a session of another user is not.
     pub async fn response_with_conversation(
         &self,
         who: &Identity,
+        user: Option<&str>,
         task_id: &str,
     ) -> Result<Option<(String, Option<String>)>, GatewayError> {
         let rec = self.task(who, task_id).await?;
         Ok(rec
-            .filter(|r| r.application == who.application)
+            .filter(|r| r.application == who.application && r.user_id.as_deref() == user)
             .and_then(|r| r.response.map(|body| (body, r.response_conversation))))
     }
 

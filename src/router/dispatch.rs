@@ -263,6 +263,7 @@ mod tests {
             max_output_tokens: 4,
             tools: None,
             operation: Default::default(),
+            slot: None,
         }
     }
 

@@ -594,6 +594,7 @@ impl Driver {
                 max_output_tokens: lease.max_output_tokens,
                 tools: r.tools.clone(),
                 operation,
+                slot: lease.slot,
             };
             let mut stream = tokio::select! {
                 biased;

@@ -23,6 +23,7 @@
 //! that is cancelled, times out or panics can never leak one. Dropping a
 //! [`TaskStream`] cancels its task (unless it was detached).
 
+pub mod affinity;
 mod driver;
 pub mod policy;
 mod preempt;
@@ -64,6 +65,9 @@ pub struct SlotLease {
     pub max_output_tokens: u32,
     /// Steps the task was moved past while it waited.
     pub passed: Vec<Passed>,
+    /// The engine slot to use (`id_slot`), on an instance with slot
+    /// affinity (`affinity.rs`).
+    pub slot: Option<u32>,
     /// Output tokens the task produced (refunds its token-rate charge).
     pub output_tokens: u64,
     tx: mpsc::UnboundedSender<Cmd>,
@@ -413,6 +417,7 @@ pub fn start(
                     cost: e.cost_per_1k_tokens,
                     max_prefill_tokens: e.max_prefill_tokens.map(u64::from),
                     long_prompt_tokens: e.long_prompt_tokens,
+                    slot_affinity: e.slot_affinity,
                 }
             })
             .collect(),
@@ -564,6 +569,7 @@ impl SchedulerHandle {
             max_output_tokens: req.max_output_tokens,
             class: req.data_class,
             allow_smaller: req.allow_smaller_model,
+            affinity: req.session_id.clone(),
         };
         let closed =
             || GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000);
@@ -1169,6 +1175,7 @@ impl Actor {
                 decided_by: g.decided_by,
                 max_output_tokens: g.max_output_tokens,
                 passed: g.passed,
+                slot: g.slot,
                 output_tokens: 0,
                 tx: self.tx.clone(),
                 armed: true,

@@ -92,6 +92,8 @@ pub struct InstancePolicy {
     pub max_prefill_tokens: Option<u64>,
     /// A prompt of more tokens than this is long.
     pub long_prompt_tokens: u32,
+    /// Its slots are numbered and sent (`id_slot`): llama-server.
+    pub slot_affinity: bool,
 }
 
 /// Queue fill ratios at which each backpressure step starts.
@@ -184,6 +186,9 @@ pub struct TaskInfo {
     pub class: DataClass,
     /// A smaller model may answer.
     pub allow_smaller: bool,
+    /// The session whose turn it is: its last instance and slot are
+    /// preferred (`super::affinity`).
+    pub affinity: Option<String>,
 }
 
 /// The terms on which a task was queued.
@@ -237,6 +242,9 @@ pub struct Grant {
     /// Steps the task was moved past while it waited (its instances went
     /// down), with why.
     pub passed: Vec<Passed>,
+    /// The engine slot it takes (`id_slot`), on an instance with slot
+    /// affinity.
+    pub slot: Option<u32>,
 }
 
 /// Why a step of the chain did not take a task.
@@ -388,6 +396,7 @@ pub struct Policy {
     /// Preemptions asked and not answered yet: victim → the P0 task it
     /// makes room for.
     preempting: HashMap<String, String>,
+    affinity: super::affinity::Affinity,
     /// Admissions asked for, for the bucket sweep.
     admissions: u64,
 }
@@ -417,6 +426,9 @@ impl Policy {
             total_waiting: 0,
             danger: None,
             preempting: HashMap::new(),
+            affinity: super::affinity::Affinity::new(
+                cfg.instances.iter().map(|i| i.slot_affinity.then_some(i.max_concurrency)),
+            ),
             admissions: 0,
             cfg,
         }
@@ -1216,7 +1228,22 @@ impl Policy {
                 }
             }
         }
-        let (_, m, idx, instance) = best?;
+        let (_, m, idx, mut instance) = best?;
+        // The task is chosen (priority and fairness decided); its session's
+        // last instance instead of the pick only when it has a free slot,
+        // may run the task and is no more loaded (`affinity.rs`).
+        let w = &self.waiting[m][idx];
+        let load = |i: usize| (views[i].running, views[i].max_concurrency.max(1));
+        let no_busier = |i: usize| {
+            let ((ra, ma), (rb, mb)) = (load(i), load(instance));
+            ra * mb <= rb * ma
+        };
+        let usable =
+            |i: usize| w.candidates.contains(&i) && views[i].has_free_slot() && self.eligible(w, i) && no_busier(i);
+        if let Some(i) = self.affinity.prefer(w.info.affinity.as_deref(), instance, usable) {
+            instance = i;
+            decided = "affinity";
+        }
         let w = self.waiting[m].swap_remove(idx);
         self.total_waiting -= 1;
         self.vtime = self.vtime.max(w.tag - 1e-9);
@@ -1245,6 +1272,7 @@ impl Policy {
         }
         self.model_running[m] += 1;
         let task_id = w.info.task_id.clone();
+        let slot = self.affinity.start(&task_id, w.info.affinity.as_deref(), instance);
         let charged_output = u64::from(w.info.max_output_tokens);
         let max_output_tokens = w.info.max_output_tokens;
         self.running.insert(
@@ -1270,6 +1298,7 @@ impl Policy {
             decided_by: decided,
             max_output_tokens,
             passed: w.passed,
+            slot,
         })
     }
 
@@ -1585,6 +1614,7 @@ impl Policy {
     /// produced (the rest of its token-rate charge is refunded).
     pub fn release(&mut self, task_id: &str, output_tokens: u64) -> Option<usize> {
         let r = self.running.remove(task_id)?;
+        self.affinity.end(task_id);
         self.preempting.remove(task_id);
         let inst = &mut self.instances[r.instance];
         inst.running -= 1;

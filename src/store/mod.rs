@@ -439,6 +439,7 @@ impl Store {
         {
             conn.execute_batch(schema).map_err(open_err)?;
         }
+        sessions::migrate(&conn).map_err(open_err)?;
         let expired = idempotency::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
         if expired > 0 {
             tracing::info!(expired, "dropped expired idempotency keys");

@@ -8,8 +8,11 @@
 //! one, or the limits themselves. Each row carries the time it expires
 //! (`expires_at_ms`: the earlier of its lifetime and its idle expiry), so the
 //! retention pass deletes what has expired without knowing the limits.
-//! The summary columns are reserved for the summaries of a later issue and
-//! stay NULL until then.
+//! The summary columns hold the session's summary of its older turns
+//! (`crate::context::summary`): its version, model, time and how many of
+//! the oldest messages it replaces (`summary_covers`, added to stores made
+//! before it by [`migrate`]); its text is written only as the session's
+//! messages are, where the store may keep text.
 
 use rusqlite::{params, Connection};
 
@@ -35,7 +38,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     summary_text    TEXT,
     summary_version INTEGER,
     summary_model   TEXT,
-    summary_at_ms   INTEGER
+    summary_at_ms   INTEGER,
+    summary_covers  INTEGER
 );
 CREATE INDEX IF NOT EXISTS sessions_by_owner ON sessions(tenant, application, user_id);
 CREATE INDEX IF NOT EXISTS sessions_by_expiry ON sessions(expires_at_ms);
@@ -78,6 +82,30 @@ pub struct SessionRow {
     pub tokens: u64,
     /// JSON object given at creation.
     pub metadata: String,
+    /// The session's summary, once one is made.
+    pub summary: Option<SummaryRow>,
+}
+
+/// A session's summary as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SummaryRow {
+    pub text: String,
+    pub version: u32,
+    pub model: String,
+    pub at_ms: i64,
+    /// How many of the session's oldest messages it replaces.
+    pub covers: u32,
+}
+
+/// Adds the columns later versions added to a store made before them
+/// (SQLite has no `ADD COLUMN IF NOT EXISTS`).
+pub fn migrate(c: &Connection) -> rusqlite::Result<()> {
+    let has: bool =
+        c.prepare("SELECT 1 FROM pragma_table_info('sessions') WHERE name = 'summary_covers'")?.exists([])?;
+    if !has {
+        c.execute_batch("ALTER TABLE sessions ADD COLUMN summary_covers INTEGER")?;
+    }
+    Ok(())
 }
 
 /// One message of a session's history. `content` is the message content
@@ -122,10 +150,13 @@ pub fn upsert(c: &Connection, r: &SessionRow) -> rusqlite::Result<()> {
         c,
         "INSERT INTO sessions (session_id, tenant, application, user_id, created_at_ms, last_used_ms, \
          expires_at_ms, max_lifetime_ms, idle_expiry_ms, max_messages, max_tokens, message_count, tokens, \
-         persist, metadata) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, 1, ?14) \
+         persist, metadata, summary_text, summary_version, summary_model, summary_at_ms, summary_covers) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, 1, ?14, ?15, ?16, ?17, ?18, ?19) \
          ON CONFLICT(session_id) DO UPDATE SET last_used_ms = excluded.last_used_ms, \
          expires_at_ms = excluded.expires_at_ms, message_count = excluded.message_count, \
-         tokens = excluded.tokens",
+         tokens = excluded.tokens, summary_text = excluded.summary_text, \
+         summary_version = excluded.summary_version, summary_model = excluded.summary_model, \
+         summary_at_ms = excluded.summary_at_ms, summary_covers = excluded.summary_covers",
         params![
             r.session_id,
             r.tenant,
@@ -141,6 +172,11 @@ pub fn upsert(c: &Connection, r: &SessionRow) -> rusqlite::Result<()> {
             r.message_count,
             r.tokens as i64,
             r.metadata,
+            r.summary.as_ref().map(|m| &m.text),
+            r.summary.as_ref().map(|m| m.version),
+            r.summary.as_ref().map(|m| &m.model),
+            r.summary.as_ref().map(|m| m.at_ms),
+            r.summary.as_ref().map(|m| m.covers),
         ],
     )?;
     Ok(())
@@ -198,8 +234,8 @@ pub fn load(c: &Connection, now: i64) -> rusqlite::Result<Vec<StoredSession>> {
     let rows: Vec<SessionRow> = c
         .prepare(
             "SELECT session_id, tenant, application, user_id, created_at_ms, last_used_ms, expires_at_ms, \
-             max_lifetime_ms, idle_expiry_ms, max_messages, max_tokens, message_count, tokens, metadata \
-             FROM sessions WHERE expires_at_ms >= ?1",
+             max_lifetime_ms, idle_expiry_ms, max_messages, max_tokens, message_count, tokens, metadata, \
+             summary_text, summary_version, summary_model, summary_at_ms, summary_covers FROM sessions WHERE expires_at_ms >= ?1",
         )?
         .query_map(params![now], |r| {
             Ok(SessionRow {
@@ -217,6 +253,12 @@ pub fn load(c: &Connection, now: i64) -> rusqlite::Result<Vec<StoredSession>> {
                 message_count: r.get(11)?,
                 tokens: r.get::<_, i64>(12)? as u64,
                 metadata: r.get(13)?,
+                summary: match (r.get(14)?, r.get(15)?, r.get(16)?, r.get(17)?, r.get(18)?) {
+                    (Some(text), Some(version), Some(model), Some(at_ms), Some(covers)) => {
+                        Some(SummaryRow { text, version, model, at_ms, covers })
+                    }
+                    _ => None,
+                },
             })
         })?
         .collect::<rusqlite::Result<_>>()?;
@@ -257,4 +299,32 @@ pub fn load(c: &Connection, now: i64) -> rusqlite::Result<Vec<StoredSession>> {
         out.push(StoredSession { row, messages, memory });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_made_before_summary_covers_gets_the_column_and_keeps_its_rows() {
+        let c = Connection::open_in_memory().unwrap();
+        let old = SCHEMA.replace(",\n    summary_covers  INTEGER", "");
+        assert!(!old.contains("summary_covers"));
+        c.execute_batch(&old).unwrap();
+        c.execute_batch(
+            "INSERT INTO sessions (session_id, tenant, application, created_at_ms, last_used_ms, expires_at_ms, \
+             max_lifetime_ms, idle_expiry_ms, max_messages, max_tokens, message_count, tokens, persist, metadata) \
+             VALUES ('s', 't', 'a', 1, 1, 9999999999999, 1, 1, 2, 2, 0, 0, 1, '{}')",
+        )
+        .unwrap();
+        c.execute_batch(SCHEMA).unwrap();
+        migrate(&c).unwrap();
+        migrate(&c).unwrap();
+        let rows = load(&c, 0).unwrap();
+        assert_eq!((rows.len(), rows[0].row.summary.clone()), (1, None));
+        let mut row = rows[0].row.clone();
+        row.summary = Some(SummaryRow { text: "t".into(), version: 1, model: "m".into(), at_ms: 5, covers: 4 });
+        upsert(&c, &row).unwrap();
+        assert_eq!(load(&c, 0).unwrap()[0].row.summary, row.summary);
+    }
 }

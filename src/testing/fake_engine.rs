@@ -66,6 +66,9 @@ pub struct Knobs {
     /// (1: the first this fake saw) with HTTP 500: a failure in the middle
     /// of a series of calls.
     pub fail_requests: Vec<u64>,
+    /// Answer the generation requests whose body (as JSON text) contains
+    /// `.0` with HTTP status `.1`: one kind of call failing beside others.
+    pub fail_matching: Option<(String, u16)>,
     /// llama-server router mode (with `--no-models-autoload`): the models
     /// of its models dir, all unloaded at start, listed by `GET /models`,
     /// loaded by `POST /models/load` (in the background, `load_delay`
@@ -115,6 +118,7 @@ impl Default for Knobs {
             tool_calls: Vec::new(),
             embedding_dim: 8,
             fail_requests: Vec::new(),
+            fail_matching: None,
             router_models: Vec::new(),
             load_delay: Duration::ZERO,
             unload_delay: Duration::ZERO,
@@ -328,7 +332,8 @@ async fn begin(s: &Shared, body: &Value) -> Result<Knobs, Response> {
     if !k.accept_delay.is_zero() {
         tokio::time::sleep(k.accept_delay).await;
     }
-    if let Some(code) = if fail_now { Some(500) } else { k.fail_status } {
+    let matching = k.fail_matching.as_ref().filter(|(text, _)| body.to_string().contains(text.as_str())).map(|m| m.1);
+    if let Some(code) = if fail_now { Some(500) } else { matching.or(k.fail_status) } {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         return Err((status, Json(json!({"error": {"message": k.fail_message}}))).into_response());
     }

@@ -24,8 +24,22 @@
 //! keeps the conversation it answered, so a chain of any length costs one
 //! lookup. An id that is unknown, not stored (`store: false`), purged,
 //! deleted, or another application's is answered 404 `INVALID_REQUEST`
-//! ("no such previous response"), as `GET /v1/responses/{id}` answers it.
-//! When the gateway has sessions (issue 12), a chain maps onto one.
+//! ("no such previous response"), as `GET /v1/responses/{id}` answers it;
+//! so is another user's (the credential's user, else `metadata.user_id`
+//! or `user`, as for sessions). A chain reads like a session whose history
+//! the client holds by id: its conversation goes into the prompt through
+//! the same admission and context checks as any call; it is not a
+//! `/v1/sessions` session (no turn lock, no summary).
+//!
+//! The conversation is written to the store only where the data policy
+//! lets it keep prompts (`[store] store_prompts`); otherwise, a Response
+//! kept because the caller asked (`"store": true`) keeps its conversation
+//! in memory only, for the last [`MEMORY_CONVERSATIONS`] Responses (after
+//! that, or after a restart, it continues from its output alone). A chain
+//! whose conversation would pass [`MAX_CHAIN_BYTES`] of JSON or
+//! [`MAX_CHAIN_MESSAGES`] messages is refused `CONTEXT_TOO_LARGE` (413):
+//! its prompt could not fit any window, and each link would store it
+//! whole again.
 //!
 //! Stored responses: a Response is a task, and `GET /v1/responses/{id}`
 //! returns the very object its create returned (status, output, usage),
@@ -307,6 +321,40 @@ pub async fn create(
 
 const NO_SUCH_PREVIOUS: &str = "no such previous response ('previous_response_id')";
 
+/// The most a `previous_response_id` chain's conversation may hold.
+pub const MAX_CHAIN_BYTES: usize = 1024 * 1024;
+pub const MAX_CHAIN_MESSAGES: usize = 1000;
+/// Conversations kept in memory (without `store_prompts`), newest last.
+pub const MEMORY_CONVERSATIONS: usize = 1000;
+
+/// Conversations of Responses kept where the store may not keep prompts:
+/// in this process only, bounded (oldest out first). Keyed by task id,
+/// which is unique across gateways in one process (tests run several).
+static IN_MEMORY: std::sync::Mutex<std::collections::VecDeque<(String, Arc<str>)>> =
+    std::sync::Mutex::new(std::collections::VecDeque::new());
+
+fn remember_conversation(task_id: &str, conversation: &str) {
+    let mut m = IN_MEMORY.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    m.retain(|(id, _)| id != task_id);
+    if m.len() >= MEMORY_CONVERSATIONS {
+        m.pop_front();
+    }
+    m.push_back((task_id.to_string(), Arc::from(conversation)));
+}
+
+fn remembered_conversation(task_id: &str) -> Option<String> {
+    let m = IN_MEMORY.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    m.iter().find(|(id, _)| id == task_id).map(|(_, c)| c.to_string())
+}
+
+/// The user a Responses call acts as: its credential's, else the one its
+/// body declares (`metadata.user_id`, then `user`), as admission reads it.
+fn caller_user(who: &crate::task::Identity, chat: &Value) -> Option<String> {
+    who.user_id.clone().or_else(|| {
+        chat.pointer("/metadata/user_id").or_else(|| chat.get("user")).and_then(Value::as_str).map(str::to_string)
+    })
+}
+
 /// Puts the conversation of the Response that `previous_response_id`
 /// names (its input chain, then its output) before the request's own
 /// input, after the request's `instructions`; returns the conversation
@@ -321,8 +369,12 @@ async fn continue_from(
     let mut conversation: Vec<Value> = Vec::new();
     if let Some(prev) = &echo.previous_response_id {
         let task_id = task_id(prev).map_err(|_| ApiError::NotFound(NO_SUCH_PREVIOUS))?;
-        let (body, earlier) =
-            gw.response_with_conversation(who, task_id).await?.ok_or(ApiError::NotFound(NO_SUCH_PREVIOUS))?;
+        let user = caller_user(who, chat);
+        let (body, earlier) = gw
+            .response_with_conversation(who, user.as_deref(), task_id)
+            .await?
+            .ok_or(ApiError::NotFound(NO_SUCH_PREVIOUS))?;
+        let earlier = earlier.or_else(|| remembered_conversation(task_id));
         let broken = |e: serde_json::Error| GatewayError::internal(format!("a stored response is unreadable: {e}"));
         // A Response kept by an earlier version has no conversation: it
         // continues from its output alone.
@@ -339,8 +391,21 @@ async fn continue_from(
     let messages = chat["messages"].as_array_mut().expect("to_chat sets messages");
     let instructions = usize::from(!echo.instructions.is_null());
     conversation.extend(messages.drain(instructions..));
+    let text = serde_json::to_string(&conversation).map_err(|e| GatewayError::internal(e.to_string()))?;
+    if text.len() > MAX_CHAIN_BYTES || conversation.len() > MAX_CHAIN_MESSAGES {
+        return Err(GatewayError::new(
+            crate::error::ErrorCode::ContextTooLarge,
+            format!(
+                "the 'previous_response_id' chain holds {} messages ({} bytes); at most {MAX_CHAIN_MESSAGES} \
+                 messages and {MAX_CHAIN_BYTES} bytes: start a new conversation",
+                conversation.len(),
+                text.len()
+            ),
+        )
+        .into());
+    }
     messages.extend(conversation.iter().cloned());
-    serde_json::to_string(&conversation).map_err(|e| GatewayError::internal(e.to_string()).into())
+    Ok(text)
 }
 
 /// One function call of the answer, as it streams in.
@@ -454,7 +519,15 @@ impl Output {
     /// Keeps the final Response `r` when it is stored.
     fn kept(&self, r: &Value) {
         if let Some((gw, conversation)) = &self.keep {
-            gw.keep_response(&self.task_id, r.to_string(), Some(conversation.clone()));
+            // The input text goes to the store only under the data policy
+            // that lets it keep prompts (review L7).
+            let stored = if gw.config().store.store_prompts {
+                Some(conversation.clone())
+            } else {
+                remember_conversation(&self.task_id, conversation);
+                None
+            };
+            gw.keep_response(&self.task_id, r.to_string(), stored);
         }
     }
 

@@ -29,6 +29,7 @@ fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
             cost: 0.0,
             max_prefill_tokens: None,
             long_prompt_tokens: 0,
+            slot_affinity: false,
         }],
         apps: HashMap::new(),
         tenant_weights: HashMap::new(),
@@ -63,6 +64,7 @@ fn task(id: &str, p: Priority, app: &str) -> TaskInfo {
         max_output_tokens: 100,
         class: DataClass::Personal,
         allow_smaller: false,
+        affinity: None,
     }
 }
 
@@ -748,6 +750,7 @@ fn sim_config() -> PolicyConfig {
         // A long-prompt lane, for the invariants.
         max_prefill_tokens: Some(4000),
         long_prompt_tokens: 1000,
+        slot_affinity: false,
     });
     c.apps.insert("a0".into(), AppLimits { weight: 2.0, max_running: Some(2), ..AppLimits::default() });
     c.apps
@@ -790,7 +793,8 @@ proptest! {
                         input_tokens: input,
                         max_output_tokens: 500,
                         class: DataClass::ALL[usize::from(class)],
-        allow_smaller: false,
+                        allow_smaller: false,
+                        affinity: None,
                     };
                     if p.enqueue(info, now).is_ok() {
                         accepted.insert(id, 0);
@@ -1026,4 +1030,39 @@ fn a_prompt_over_the_cap_runs_alone_and_no_cap_means_no_lane() {
         assert_eq!(p.enqueue(huge(id), now).unwrap().lane, None);
     }
     assert_eq!(std::iter::from_fn(|| p.next_grant(now)).count(), 3);
+}
+
+#[test]
+fn a_session_turn_returns_to_its_instance_and_slot_unless_it_is_busier() {
+    // Two llama-servers with numbered slots, two slots each.
+    let mut c = cfg(2, 0, 10);
+    c.instances[0].slot_affinity = true;
+    c.instances.push(InstancePolicy { name: "j".into(), ..c.instances[0].clone() });
+    c.models[0].instances = vec![0, 1];
+    let mut p = Policy::new(c);
+    let turn = |id: &str| TaskInfo { affinity: Some("s".into()), ..task(id, Priority::P2, "a") };
+    // Turn 1 goes where the router picks: the first, by config order.
+    p.enqueue(turn("t1"), T0).unwrap();
+    let g = p.next_grant(T0).unwrap();
+    assert_eq!((g.instance, g.slot), (0, Some(0)));
+    p.release("t1", 0);
+    // Another task takes instance 0 slot 0 meanwhile; the next turn would
+    // go to the idle instance 1 by load: affinity gives way.
+    p.enqueue(task("other", Priority::P2, "a"), T0).unwrap();
+    assert_eq!(p.next_grant(T0).unwrap().instance, 0);
+    p.enqueue(turn("t2"), T0).unwrap();
+    let g = p.next_grant(T0).unwrap();
+    assert_eq!((g.instance, g.slot, g.decided_by), (1, Some(0), "load"), "busier: the normal choice");
+    p.release("t2", 0);
+    p.release("other", 0);
+    // Both idle: the router would pick instance 0 (config order); the
+    // session's last turn ran on 1, slot 0: there again.
+    p.enqueue(turn("t3"), T0).unwrap();
+    let t3 = p.next_grant(T0).unwrap();
+    assert_eq!((t3.instance, t3.slot, t3.decided_by), (1, Some(0), "affinity"));
+    // A task of higher priority waiting beside it still goes first: the
+    // affinity only places the task the policy chose.
+    p.enqueue(turn("t4"), T0).unwrap();
+    p.enqueue(task("urgent", Priority::P1, "a"), T0).unwrap();
+    assert_eq!(p.next_grant(T0).unwrap().task_id, "urgent");
 }
