@@ -178,9 +178,22 @@ impl WriteOp {
     /// `Started` (after a crash, a task that had reached an engine must not
     /// be queued again). Transitions and results may wait: losing the last
     /// of them to a crash leaves the task in an earlier state, which
-    /// recovery ends as FAILED.
+    /// recovery ends as FAILED. Not so what an idempotency key answers
+    /// with (review 14 H1): the result of a task with a key (every device
+    /// request has one), and a key forgotten or handed over. Lost to a
+    /// crash, a repeat of the key after the restart would find the task
+    /// FAILED (or the key on a refused task) and run the request again,
+    /// though its client may already hold the answer.
     fn commits_at_once(&self) -> bool {
-        matches!(self, WriteOp::NewTask { .. } | WriteOp::Remember { .. } | WriteOp::Started(_))
+        matches!(
+            self,
+            WriteOp::NewTask { .. }
+                | WriteOp::Remember { .. }
+                | WriteOp::Started(_)
+                | WriteOp::Finish { idempotent_text: Some(_), .. }
+                | WriteOp::Forget { .. }
+                | WriteOp::Handover { .. }
+        )
     }
 }
 
@@ -1502,6 +1515,25 @@ mod tests {
         assert_eq!(store.health().commits(), before, "a transition waits for the window");
         store.started(&req.task_id);
         assert!(committed_after(before).await, "started was held back");
+
+        // What a repeat of an idempotency key is answered from (review 14
+        // H1): the result of a task with a key, a key forgotten.
+        let meta = ResultMeta::bare("r", &req.task_id, TaskState::Succeeded, "m", "n1");
+        let before = store.health().commits();
+        store.finish(&meta, "done", None, "engine", None, Some("answer".into()), true);
+        assert!(committed_after(before).await, "an idempotent result was held back");
+        let before = store.health().commits();
+        store.forget_key("t", "a", "k", &req.task_id);
+        assert!(committed_after(before).await, "a forgotten key was held back");
+        // A result without a key may wait.
+        let other = TaskRequest::sample(vec![]);
+        store.new_task(&other);
+        store.flush().await;
+        let before = store.health().commits();
+        let meta = ResultMeta::bare("r2", &other.task_id, TaskState::Succeeded, "m", "n1");
+        store.finish(&meta, "done", None, "engine", None, None, false);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(store.health().commits(), before, "a result without a key waits for the window");
     }
 
     /// A disk that fills up (the file may not grow: SQLite's own
