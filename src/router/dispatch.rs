@@ -21,13 +21,15 @@ use crate::engine::residency::{Lease, Refused};
 use crate::engine::{truncate, EngineError, EngineRequest, EngineStream};
 use crate::error::{ErrorCode, GatewayError};
 
+/// The retry label of an attempt that met a supervised engine process
+/// that is down and being restarted: a task's first such attempt is not a
+/// failure (the driver neither counts it nor spends the retry budget on
+/// it); later ones are.
+pub const ENGINE_RESTARTING: &str = "engine_restarting";
+
 /// An engine failure as the client sees it, with the reason for the record
 /// ([`EngineError::class`]: the record is shown to callers, so the engine's
 /// own text goes to the debug log only).
-/// The retry label of an attempt that met a supervised engine process
-/// that is down and being restarted: not a failure of the task (the driver
-/// neither counts it nor spends the retry budget on it).
-pub const ENGINE_RESTARTING: &str = "engine_restarting";
 
 #[derive(Debug)]
 pub struct DispatchError {

@@ -106,6 +106,11 @@ struct Progress {
     /// and the route so far.
     attempts: u32,
     failures: u32,
+    /// Attempts that met a supervised engine process being restarted: the
+    /// first is free (it reached no engine); later ones count as failures,
+    /// so a request that itself kills the engine cannot retry it down to
+    /// its restart limit for free (review 14 H2).
+    restarts_met: u32,
     /// Dispatched at least once.
     started: bool,
     /// Inputs of an embedding list answered so far (in order): a retry or
@@ -280,16 +285,20 @@ impl Driver {
                 AttemptEnd::Over(outcome) => return outcome,
                 AttemptEnd::Retry { error, label } => {
                     // Preempted attempts do not count: they did not fail.
-                    // Nor do attempts that met an engine process being
-                    // restarted: they reached no engine, and the task waits
-                    // for the process (or another instance) in the queue,
-                    // within its deadlines.
+                    // Nor does a task's first attempt that met an engine
+                    // process being restarted: it reached no engine, and the
+                    // task waits for the process (or another instance) in
+                    // the queue, within its deadlines.
                     let restarting = label == crate::router::ENGINE_RESTARTING;
-                    if !restarting {
+                    if restarting {
+                        p.restarts_met += 1;
+                    }
+                    let free = restarting && p.restarts_met == 1;
+                    if !free {
                         p.failures += 1;
                     }
-                    let exhausted = !restarting && p.failures >= router.max_attempts;
-                    let refused = !restarting && !exhausted && !router.try_retry();
+                    let exhausted = !free && p.failures >= router.max_attempts;
+                    let refused = !free && !exhausted && !router.try_retry();
                     if exhausted || refused {
                         if refused {
                             self.shared.metrics.retries_refused.with_label_values(&[&r.logical_model]).inc();
