@@ -231,3 +231,37 @@ async fn the_result_and_the_admin_plan_say_what_the_assembly_did() {
     assert_eq!(r.unwrap().status(), 404);
     gw.stop().await;
 }
+
+/// An idempotency key is judged on the whole call, `edge.context`
+/// included: the same question with other knowledge under the same key is
+/// refused as a reused key, never answered from the first call (review 14
+/// M5); the same call again is a repeat.
+#[tokio::test]
+async fn a_key_reused_with_other_knowledge_is_refused() {
+    let (fake, gw) = gateway(4096).await;
+    let body = |passage: &str| {
+        json!({"model": "general-chat", "messages": [{"role": "user", "content": "hi"}],
+               "edge": {"context": {"knowledge": [{"text": passage}]}}})
+    };
+    let send = |b: Value| {
+        client()
+            .post(format!("{}/v1/chat/completions", gw.base_url))
+            .bearer_auth(DEMO_KEY)
+            .header("idempotency-key", "ctx-key-1")
+            .json(&b)
+            .send()
+    };
+    let first = send(body("the sky is green")).await.unwrap();
+    assert_eq!(first.status(), 200);
+    let first: Value = first.json().await.unwrap();
+    let again = send(body("the sky is green")).await.unwrap();
+    assert_eq!(again.status(), 200);
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(again["id"], first["id"], "the same call is a repeat");
+    let other = send(body("the sky is red")).await.unwrap();
+    assert_eq!(other.status(), 400);
+    let other: Value = other.json().await.unwrap();
+    assert!(other["error"]["message"].as_str().unwrap().contains("already used"), "{other}");
+    assert_eq!(fake.requests(), 1, "one engine call for the three");
+    gw.stop().await;
+}

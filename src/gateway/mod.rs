@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use sha2::{Digest, Sha256};
 use tokio::sync::{broadcast, Notify};
 
 use crate::admission::{self, request::parse_body};
@@ -405,6 +406,16 @@ impl Gateway {
         let mut req =
             admission::admit(&self.config(), identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
         let context = crate::context::inputs::parse(edge.as_ref()).map_err(refuse)?;
+        // Knowledge, tool results and memory are part of the call: a repeat
+        // of its idempotency key with other ones is another request, not a
+        // repeat (review 14 M5). The digest changes only for calls that
+        // have an `edge`; `serde_json` writes object keys sorted.
+        if let Some(edge) = &edge {
+            let mut h = Sha256::new();
+            h.update(req.prompt_sha256.as_bytes());
+            h.update(serde_json::to_vec(edge).unwrap_or_default());
+            req.prompt_sha256 = hex::encode(h.finalize());
+        }
         let retry_of = match self.known_repeat(&req).await {
             Ok(Repeat::Join(stream)) => return Ok(stream),
             Ok(Repeat::Run { retry_of }) => retry_of,
