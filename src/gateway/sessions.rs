@@ -220,12 +220,21 @@ impl Gateway {
     /// that prompt, whose new messages follow its last answer, as in
     /// [`Gateway::begin_turn`]); the turn is held again and appended when
     /// the task ends, so the session's next call waits for it and sees it.
-    /// `None` (logged) when the session is gone or full: the task runs,
-    /// and nothing is appended.
+    /// `None` (logged) when the session is gone or full, or the prompt
+    /// holds fenced untrusted content: the task runs, and nothing is
+    /// appended.
     pub(super) async fn resume_turn(&self, req: &TaskRequest) -> Option<Turn> {
         let id = req.session_id.clone()?;
         let owner = Owner::of(&req.identity, None).ok()?;
         let user = new_messages(req);
+        // Its stored messages are the assembled prompt: where the assembly
+        // fenced untrusted content into the question, appending it would
+        // keep that content as the user's own words, outside any fence, in
+        // every later prompt (review 14 M1). Such a turn runs, unappended.
+        if user.iter().any(|m| m.content.to_string().contains("<untrusted-data id=")) {
+            tracing::warn!(task_id = %req.task_id, session = %id, "a re-queued turn with fenced content will not be appended");
+            return None;
+        }
         let new_tokens = user.iter().map(crate::context::estimate_message).sum();
         let wait = std::time::Duration::ZERO;
         match self.sessions.begin_turn(&owner, &id, user.len(), new_tokens, wait).await {
