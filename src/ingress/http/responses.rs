@@ -34,8 +34,9 @@
 //! The conversation is written to the store only where the data policy
 //! lets it keep prompts (`[store] store_prompts`); otherwise, a Response
 //! kept because the caller asked (`"store": true`) keeps its conversation
-//! in memory only, for the last [`MEMORY_CONVERSATIONS`] Responses (after
-//! that, or after a restart, it continues from its output alone). A chain
+//! in memory only, for the last [`MEMORY_CONVERSATIONS`] Responses and at
+//! most [`MEMORY_CONVERSATION_BYTES`] of them (after that, or after a
+//! restart, it continues from its output alone). A chain
 //! whose conversation would pass [`MAX_CHAIN_BYTES`] of JSON or
 //! [`MAX_CHAIN_MESSAGES`] messages is refused `CONTEXT_TOO_LARGE` (413):
 //! its prompt could not fit any window, and each link would store it
@@ -324,8 +325,12 @@ const NO_SUCH_PREVIOUS: &str = "no such previous response ('previous_response_id
 /// The most a `previous_response_id` chain's conversation may hold.
 pub const MAX_CHAIN_BYTES: usize = 1024 * 1024;
 pub const MAX_CHAIN_MESSAGES: usize = 1000;
-/// Conversations kept in memory (without `store_prompts`), newest last.
+/// Conversations kept in memory (without `store_prompts`), newest last:
+/// at most this many, and at most this many bytes in all (each may hold
+/// up to `MAX_CHAIN_BYTES`: 1000 full ones would be a gigabyte; review 14
+/// M4).
 pub const MEMORY_CONVERSATIONS: usize = 1000;
+pub const MEMORY_CONVERSATION_BYTES: usize = 64 * 1024 * 1024;
 
 /// Conversations of Responses kept where the store may not keep prompts:
 /// in this process only, bounded (oldest out first). Keyed by task id,
@@ -336,10 +341,13 @@ static IN_MEMORY: std::sync::Mutex<std::collections::VecDeque<(String, Arc<str>)
 fn remember_conversation(task_id: &str, conversation: &str) {
     let mut m = IN_MEMORY.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     m.retain(|(id, _)| id != task_id);
-    if m.len() >= MEMORY_CONVERSATIONS {
-        m.pop_front();
-    }
     m.push_back((task_id.to_string(), Arc::from(conversation)));
+    let mut bytes: usize = m.iter().map(|(_, c)| c.len()).sum();
+    while m.len() > MEMORY_CONVERSATIONS || (bytes > MEMORY_CONVERSATION_BYTES && m.len() > 1) {
+        if let Some((_, c)) = m.pop_front() {
+            bytes -= c.len();
+        }
+    }
 }
 
 fn remembered_conversation(task_id: &str) -> Option<String> {
