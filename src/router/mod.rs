@@ -43,7 +43,7 @@ use breaker::{Attempt, Breaker, BreakerState, Transition};
 use budget::RetryBudget;
 
 pub use dispatch::{DispatchError, ENGINE_RESTARTING};
-pub use pick::{pick, InstanceView};
+pub use pick::{may_stand_in, pick, InstanceView};
 
 /// One engine instance: an adapter and what the config says about it.
 pub struct Instance {

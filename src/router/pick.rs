@@ -115,9 +115,32 @@ pub fn pick(
     Some((i, decided))
 }
 
+/// Whether `a` may take a session's turn in place of the pick `b` (the
+/// scheduler's KV-cache affinity): no busier, and no worse on the factors
+/// that are not about load: the model loaded, the error rate (in its 5 %
+/// steps), the cost, and the same location. Affinity saves prompt
+/// processing; it never buys it with a cold model, a failing instance or
+/// a dearer, remote one (review 14 M3).
+pub fn may_stand_in(a: &InstanceView, b: &InstanceView) -> bool {
+    let (ra, rb) = (ranks(a, 0), ranks(b, 0));
+    ra[1] <= rb[1] && ra[3] <= rb[3] && ra[4] <= rb[4] && ra[6] <= rb[6] && a.location == b.location
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stand_in_is_no_busier_colder_worse_dearer_or_elsewhere() {
+        let b = v(true, 1, 2);
+        assert!(may_stand_in(&v(true, 1, 2), &b));
+        assert!(may_stand_in(&v(true, 0, 2), &b));
+        assert!(!may_stand_in(&v(true, 2, 2), &b), "busier");
+        assert!(!may_stand_in(&InstanceView { loaded: false, ..v(true, 0, 2) }, &b), "model not loaded");
+        assert!(!may_stand_in(&InstanceView { error_rate: 0.5, ..v(true, 0, 2) }, &b), "failing");
+        assert!(!may_stand_in(&InstanceView { cost: 1.0, ..v(true, 0, 2) }, &b), "dearer");
+        assert!(!may_stand_in(&InstanceView { location: Location::Cloud, ..v(true, 0, 2) }, &b), "elsewhere");
+    }
 
     fn v(up: bool, running: usize, max: usize) -> InstanceView {
         InstanceView { up, running, max_concurrency: max, ..InstanceView::default() }

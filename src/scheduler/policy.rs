@@ -1231,15 +1231,15 @@ impl Policy {
         let (_, m, idx, mut instance) = best?;
         // The task is chosen (priority and fairness decided); its session's
         // last instance instead of the pick only when it has a free slot,
-        // may run the task and is no more loaded (`affinity.rs`).
+        // may run the task and is no busier, colder, worse, dearer or
+        // farther than the pick (`affinity.rs`, `router::may_stand_in`).
         let w = &self.waiting[m][idx];
-        let load = |i: usize| (views[i].running, views[i].max_concurrency.max(1));
-        let no_busier = |i: usize| {
-            let ((ra, ma), (rb, mb)) = (load(i), load(instance));
-            ra * mb <= rb * ma
+        let usable = |i: usize| {
+            w.candidates.contains(&i)
+                && views[i].has_free_slot()
+                && self.eligible(w, i)
+                && router::may_stand_in(&views[i], &views[instance])
         };
-        let usable =
-            |i: usize| w.candidates.contains(&i) && views[i].has_free_slot() && self.eligible(w, i) && no_busier(i);
         if let Some(i) = self.affinity.prefer(w.info.affinity.as_deref(), instance, usable) {
             instance = i;
             decided = "affinity";
