@@ -81,10 +81,15 @@ impl Gateway {
 
     /// The Response object kept for a task (`GET /v1/responses/{id}`):
     /// for the application that created it only (not even an admin
-    /// application: it is answer text), while its task is kept.
+    /// application: it is answer text), while its task is kept; and where
+    /// the caller's credential names a user (a JWT's `sub`), for that user
+    /// only (review 14 L2). A bare application key acts for all its users.
     pub async fn response(&self, who: &Identity, task_id: &str) -> Result<Option<String>, GatewayError> {
         let rec = self.task(who, task_id).await?;
-        Ok(rec.filter(|r| r.application == who.application).and_then(|r| r.response))
+        Ok(rec
+            .filter(|r| r.application == who.application)
+            .filter(|r| who.user_id.is_none() || r.user_id == who.user_id)
+            .and_then(|r| r.response))
     }
 
     /// The Response object kept for a task and the conversation it
