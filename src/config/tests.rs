@@ -613,4 +613,14 @@ fn slot_affinity_is_for_llama_server_only() {
     assert!(parse(&on, &[]).unwrap().engines["llama"].slot_affinity);
     let e = parse(&on.replace("type = \"openai\"", "type = \"ollama\""), &[]).unwrap_err();
     assert_eq!(e.0[0].path, "engines.llama.slot_affinity", "{e}");
+    // A llama-server edgeway runs: its `--parallel` is the slot count
+    // (review 14 L1).
+    let run = |args: &str| {
+        on.replace("[models.general-chat]", &format!("max_concurrency = 2\n[engines.llama.process]\ncommand = \"/bin/true\"\nargs = [{args}]\n\n[models.general-chat]"))
+    };
+    assert!(parse(&run("\"--parallel\", \"2\""), &[]).is_ok());
+    for args in ["\"--parallel\", \"4\"", "\"-m\", \"x.gguf\""] {
+        let e = parse(&run(args), &[]).unwrap_err();
+        assert_eq!(e.0[0].path, "engines.llama.slot_affinity", "{args}: {e}");
+    }
 }

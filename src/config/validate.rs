@@ -648,6 +648,28 @@ fn engine(
     if e.slot_affinity && !matches!(kind, Some(EngineKind::OpenAi)) {
         p.add(format!("{path}.slot_affinity"), "applies to llama-server (type = \"openai\") only");
     }
+    // Slots are numbered 0..max_concurrency: a llama-server edgeway runs
+    // must have that many (`--parallel`), or an `id_slot` it does not have
+    // fails the task (review 14 L1). An engine run by something else
+    // cannot be checked here; the README says to keep them equal.
+    if let (true, Some(Some(c))) = (e.slot_affinity, &process) {
+        let parallel = c
+            .args
+            .iter()
+            .position(|a| a == "--parallel" || a == "-np")
+            .and_then(|i| c.args.get(i + 1))
+            .and_then(|v| v.parse::<usize>().ok());
+        if parallel != Some(e.max_concurrency) {
+            p.add(
+                format!("{path}.slot_affinity"),
+                format!(
+                    "needs the process's `--parallel` equal to max_concurrency ({}); it is {}",
+                    e.max_concurrency,
+                    parallel.map_or("not given".to_string(), |n| n.to_string())
+                ),
+            );
+        }
+    }
     // Default: a quarter of the cap, so that up to four long prompts share it.
     let long_prompt_tokens = e.long_prompt_tokens.unwrap_or(e.max_prefill_tokens.unwrap_or(0) / 4);
     match (e.max_prefill_tokens, e.long_prompt_tokens) {
