@@ -154,8 +154,14 @@ impl Gateway {
             time_ms: Some(e.created_at_ms),
         }));
         let tool_results: Vec<Piece> = context.tool_results.into_iter().map(piece).collect();
-        // Compiled once per configuration, needed only for untrusted text.
-        let filter = (!knowledge.is_empty() || !tool_results.is_empty()).then(|| SecretFilter::of(&cfg));
+        // The session's summary of its older turns, when one is made: the
+        // ladder puts it in place of the turns it covers when they do not
+        // fit. Untrusted like passages: filtered and fenced as they are.
+        let summary = turn.as_ref().and_then(|t| t.lease.summary());
+        // Compiled once per configuration, needed only for untrusted text
+        // (the summary included: review 14 M2).
+        let untrusted = !knowledge.is_empty() || !tool_results.is_empty() || summary.is_some();
+        let filter = untrusted.then(|| SecretFilter::of(&cfg));
         let rules = Rules {
             safety_rules: cfg.context.safety_rules.as_deref(),
             system_prompt: app.and_then(|a| a.system_prompt.as_deref()),
@@ -165,9 +171,6 @@ impl Gateway {
             filter: filter.as_deref(),
         };
         let session = req.session_id.clone();
-        // The session's summary of its older turns, when one is made: the
-        // ladder puts it in place of the turns it covers when they do not fit.
-        let summary = turn.as_ref().and_then(|t| t.lease.summary());
         let summary = summary.as_ref().map(|s| SummaryRef { text: &s.text, covers: s.covers });
         let inputs = Inputs { history: &history, session: session.as_deref(), summary, knowledge, tool_results };
         let plan = assembly::assemble(req, inputs, &rules)?;
