@@ -68,9 +68,19 @@ impl Gateway {
                 return Ok(Repeat::Join(s));
             }
         }
-        let Some(rec) = self.store.lookup_idempotency(&id.tenant, &id.application, key).await else {
+        let Some(mut rec) = self.store.lookup_idempotency(&id.tenant, &id.application, key).await else {
             return Ok(Repeat::Run { retry_of: None });
         };
+        // Not live here yet not ended in the store: its end may still be in
+        // the store's write-behind window (review 14 M7). Once committed,
+        // read again, rather than replay a task as if it had died.
+        if !rec.state.is_terminal() && self.scheduler.get(&rec.task_id).is_none() {
+            self.store.flush().await;
+            match self.store.lookup_idempotency(&id.tenant, &id.application, key).await {
+                Some(again) => rec = again,
+                None => return Ok(Repeat::Run { retry_of: None }),
+            }
+        }
         if rec.state == TaskState::Rejected {
             return Ok(Repeat::Run { retry_of: None });
         }
