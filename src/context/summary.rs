@@ -205,10 +205,12 @@ impl Summarizer {
     }
 }
 
-/// The summary task: the turn's caller, data class and routing, the
-/// summary model, its priority (never more urgent than the caller may
-/// use), output budget and deadline, no session (it is not a turn) and no
-/// idempotency key.
+/// The summary task: the turn's caller, the summary model, its priority
+/// (never more urgent than the caller may use), output budget and
+/// deadline, no session (it is not a turn) and no idempotency key. It
+/// never leaves the box (`local_only`): it reads older turns, which may
+/// have been sent under a stricter data class than the turn that made
+/// the summary due (review 14 M6).
 fn request(
     cfg: &SummaryConfig,
     model_max_output: u32,
@@ -228,6 +230,7 @@ fn request(
     req.timeouts.queue = req.timeouts.queue.min(limit);
     req.timeouts.first_token = req.timeouts.first_token.min(limit);
     req.timeouts.inference = req.timeouts.inference.min(limit);
+    req.routing.local_only = true;
     req.session_id = None;
     req.idempotency_key = None;
     req.tools = None;
@@ -290,5 +293,23 @@ mod tests {
         let (_, taken) = prompt(Some("they met"), &h, full - 2 * (h[4].tokens + h[5].tokens) + 8).unwrap();
         assert_eq!(taken, 2, "cut before a question");
         assert_eq!(prompt(None, &h, 10), None);
+    }
+
+    #[test]
+    fn a_summary_task_never_leaves_the_box_and_is_no_turn() {
+        let cfg = SummaryConfig {
+            model: "general-chat".into(),
+            priority: crate::task::Priority::P4,
+            max_tokens: 256,
+            deadline: std::time::Duration::from_secs(60),
+            after_messages: 6,
+            history_share_pct: 50,
+        };
+        let mut turn = TaskRequest::sample(vec![]);
+        turn.routing.data_class = Some(crate::task::DataClass::Public);
+        turn.session_id = Some("s".into());
+        let req = request(&cfg, 512, turn, vec![], "s", 1);
+        assert!(req.routing.local_only, "a summary reads older turns of any class");
+        assert_eq!((req.session_id, req.request_id.as_str()), (None, "summary-s-v1"));
     }
 }
