@@ -11,55 +11,12 @@
 //! still gets a packet larger than the buffers an idle connection starts
 //! with.
 
-mod mqtt_support;
+mod heap;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
+mod mqtt_support;
 
 use mqtt_support::raw;
 use tokio::io::AsyncWriteExt;
-
-/// The system allocator, counting the bytes it has handed out and not had
-/// back.
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call goes to the system allocator unchanged; the counter
-// is a side effect only.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = System.alloc(l);
-        if !p.is_null() {
-            LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        System.dealloc(p, l);
-        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
-    }
-
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(l);
-        if !p.is_null() {
-            LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new_size: usize) -> *mut u8 {
-        let q = System.realloc(p, l, new_size);
-        if !q.is_null() {
-            LIVE.fetch_add(new_size as isize - l.size() as isize, Ordering::Relaxed);
-        }
-        q
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
 
 const WARM: usize = 20;
 const IDLE: usize = 200;
@@ -102,12 +59,12 @@ async fn an_idle_device_costs_the_broker_little_heap_and_large_packets_still_pas
         sockets.push(connect(addr, i).await);
     }
     assert!(mqtt_support::until_devices_connected(&gw, WARM as i64).await);
-    let before = LIVE.load(Ordering::Relaxed);
+    let before = heap::live();
     for i in WARM..WARM + IDLE {
         sockets.push(connect(addr, i).await);
     }
     assert!(mqtt_support::until_devices_connected(&gw, (WARM + IDLE) as i64).await);
-    let per_connection = (LIVE.load(Ordering::Relaxed) - before) / IDLE as isize;
+    let per_connection = (heap::live() - before) / IDLE as isize;
     eprintln!("heap per idle connection: {per_connection} bytes");
     // Before the patch: about 215 000 bytes (queues reserved at their
     // bounds: 200 incoming packets, 2 x 200 and 2 x 100 notifications, 100
