@@ -54,7 +54,7 @@ fn chat(model: &str) -> Value {
 }
 
 async fn models(gw: &TestGateway) -> Value {
-    client().get(format!("{}/v1/models", gw.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap().json().await.unwrap()
+    get_json(gw, DEMO_KEY, "/v1/models").await
 }
 
 /// `(residency, state)` of `model` in `/v1/models`.
@@ -98,15 +98,7 @@ async fn an_on_demand_model_loads_at_first_use_and_unloads_when_idle() {
     assert_eq!(fake.model_events(), vec!["load demo-a"]);
     // The task's record says why it waited.
     let id = v["edge"]["task_id"].as_str().unwrap();
-    let t: Value = client()
-        .get(format!("{}/v1/tasks/{id}", gw.base_url))
-        .bearer_auth(DEMO_KEY)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let t: Value = get_json(&gw, DEMO_KEY, &format!("/v1/tasks/{id}")).await;
     let queued = t["transitions"].as_array().unwrap().iter().rev().find(|t| t["state"] == "QUEUED").unwrap();
     assert!(queued["reason"].as_str().unwrap().contains("loading: model not loaded, loading it"), "{t}");
     assert_eq!(fake.requests(), 1, "the generation was sent after the load, once");
@@ -148,15 +140,7 @@ async fn a_task_waiting_for_its_model_to_load_is_queued_with_the_reason_loading(
 
     // The record: QUEUED with the reason "loading" after the slot was
     // granted, then DISPATCHING once the model was in.
-    let t: Value = client()
-        .get(format!("{}/v1/tasks/{task_id}", gw.base_url))
-        .bearer_auth(DEMO_KEY)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let t: Value = get_json(&gw, DEMO_KEY, &format!("/v1/tasks/{task_id}")).await;
     let tr = t["transitions"].as_array().unwrap();
     let states: Vec<&str> = tr.iter().map(|t| t["state"].as_str().unwrap()).collect();
     assert_eq!(
@@ -210,15 +194,7 @@ async fn a_task_waiting_for_its_model_to_load_is_queued_with_the_reason_loading(
     let e = events.iter().find(|e| e["type"] == "queued").unwrap();
     let so_far = e["loading_ms"].as_u64().unwrap();
     assert!(so_far as u128 <= load_started.elapsed().as_millis(), "{e}");
-    let t: Value = client()
-        .get(format!("{}/v1/tasks/{second}", gw.base_url))
-        .bearer_auth(DEMO_KEY)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let t: Value = get_json(&gw, DEMO_KEY, &format!("/v1/tasks/{second}")).await;
     let d =
         t["transitions"].as_array().unwrap().iter().find(|t| t["state"] == "DISPATCHING").unwrap()["reason"].clone();
     let waited: u64 =

@@ -28,6 +28,12 @@ pub async fn post_chat(gw: &TestGateway, key: &str, body: &Value) -> reqwest::Re
     client().post(format!("{}/v1/chat/completions", gw.base_url)).bearer_auth(key).json(body).send().await.unwrap()
 }
 
+/// `GET {base_url}{path}` with `key`, the answer's JSON (whatever its
+/// status: the tests assert on the body).
+pub async fn get_json(gw: &TestGateway, key: &str, path: &str) -> Value {
+    client().get(format!("{}{path}", gw.base_url)).bearer_auth(key).send().await.unwrap().json().await.unwrap()
+}
+
 /// Reads an SSE body to its end; returns the JSON of every `data:` line
 /// and whether `[DONE]` was seen.
 pub async fn read_sse(resp: reqwest::Response) -> (Vec<Value>, bool) {
