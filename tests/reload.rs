@@ -161,7 +161,8 @@ async fn a_broken_file_is_refused_by_key_path_and_the_old_configuration_stays() 
     let (status, body) = r.reload(OPS_KEY).await;
     assert_eq!((status, error_code(&body)), (422, "CONFIG_INVALID"), "{body}");
 
-    // Valid, but it changes what needs a restart (and adds the key).
+    // Valid, but it changes what needs a restart (and adds the key, and
+    // changes a model, which alone would be taken).
     let text = config_toml(&r.engine.url(), "openai", &r.dir.0, &added_app())
         .replace("context_tokens = 2048", "context_tokens = 1024")
         .replace("node_id = \"test-node\"", "node_id = \"another\"");
@@ -170,7 +171,7 @@ async fn a_broken_file_is_refused_by_key_path_and_the_old_configuration_stays() 
     assert_eq!(status, 422, "{body}");
     let paths: Vec<&str> =
         body["error"]["errors"].as_array().unwrap().iter().filter_map(|e| e["path"].as_str()).collect();
-    assert_eq!(paths, ["node_id", "models.general-chat"], "{body}");
+    assert_eq!(paths, ["node_id"], "{body}");
 
     // Only an admin application may reload.
     r.rewrite(&added_app());
@@ -260,28 +261,95 @@ async fn an_engine_removed_at_reload_drains_its_stream_and_gets_no_new_work() {
     r.gw.stop().await;
 }
 
+/// Issue 11: an engine and a model added at reload take work at once;
+/// before, the reload was refused as restart-only (422, `engines.second`).
 #[tokio::test]
-async fn adding_an_engine_is_refused_and_nothing_changes() {
+async fn an_engine_and_a_model_added_at_reload_take_work_at_once() {
     let second = FakeEngine::start().await;
     let r = Reloadable::start(Knobs::default(), "").await;
     let before = r.ready().await["config_version"].clone();
     let text = format!(
-        "{}\n[engines.second]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\n{}",
+        "{}\n[engines.second]\ntype = \"openai\"\nbase_url = \"{}\"\nmodel = \"fake-model\"\nhealth_interval_ms = 100\n\
+         [models.second-chat]\ninstances = [\"second\"]\n{}",
         config_toml(&r.engine.url(), "openai", &r.dir.0, ""),
         second.url(),
         added_app()
-    )
-    .replace("instances = [\"fake\"]", "instances = [\"fake\", \"second\"]");
+    );
     r.write(&text);
     let (status, body) = r.reload(OPS_KEY).await;
-    assert_eq!(status, 422, "{body}");
-    let errors = body["error"]["errors"].as_array().unwrap();
-    let paths: Vec<&str> = errors.iter().filter_map(|e| e["path"].as_str()).collect();
-    assert_eq!(paths, ["engines.second"], "{body}");
-    assert!(errors[0]["message"].as_str().unwrap().contains("cannot start at reload"), "{body}");
-    assert_eq!(r.ready().await["instances"].as_array().unwrap().len(), 1);
-    assert_eq!(r.ready().await["config_version"], before);
-    assert_eq!(r.chat(NEW_KEY).await.0, 401);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["changes"]["engines"], json!({"added": 1, "removed": 0, "changed": 0}), "{body}");
+    assert_eq!(body["changes"]["models"], json!({"added": 1, "removed": 0, "changed": 0}), "{body}");
+    // Asked at once: the new instance is waited for until its first probe.
+    let chat = json!({"model": "second-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let answer = post_chat(&r.gw, NEW_KEY, &chat).await;
+    assert_eq!(answer.status(), 200, "{}", answer.text().await.unwrap());
+    assert_eq!(second.requests(), 1, "the added model ran on the added engine");
+    assert_eq!(r.chat(DEMO_KEY).await.0, 200, "the old model still answers");
+    let ready = r.ready().await;
+    assert_ne!(ready["config_version"], before);
+    let names: Vec<&str> = ready["instances"].as_array().unwrap().iter().filter_map(|i| i["name"].as_str()).collect();
+    assert_eq!(names, ["fake", "second"], "{ready}");
+    r.gw.stop().await;
+}
+
+/// `config_toml`'s text with `general-chat` renamed `other`.
+fn rename_model(text: &str) -> String {
+    text.replace("[models.general-chat]", "[models.other]")
+}
+
+/// Issue 11: a model removed at reload: new requests get the stable
+/// unknown-model error, the stream already running on it completes.
+/// Before, the reload was refused (422, `models.general-chat`).
+#[tokio::test]
+async fn a_model_removed_at_reload_refuses_new_work_while_its_stream_completes() {
+    let r = Reloadable::start(Knobs::slow(40, 50), "").await;
+    let mut rx = r.gw.recorder().subscribe();
+    let stream = stream_in_background(&r.gw, DEMO_KEY);
+    next_event(&mut rx, "the stream's first token", |e| e.state == TaskState::Streaming).await;
+    r.write(&rename_model(&config_toml(&r.engine.url(), "openai", &r.dir.0, "")));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["changes"]["models"], json!({"added": 1, "removed": 1, "changed": 0}), "{body}");
+    let (status, v) = r.chat(DEMO_KEY).await;
+    assert_eq!((status, error_code(&v)), (400, "INVALID_REQUEST"), "{v}");
+    assert!(v.to_string().contains("unknown model"), "{v}");
+    let other = json!({"model": "other", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    assert_eq!(post_chat(&r.gw, DEMO_KEY, &other).await.status(), 200, "the added model answers");
+    assert!(!stream.is_finished(), "the stream ran across the reload");
+    let (events, done) = stream.await.unwrap();
+    assert_completed(&events, done);
+    r.gw.stop().await;
+}
+
+/// Issue 11: an engine whose settings changed: its old instance drains
+/// (the running stream completes there), new work goes to the new one.
+/// Before, the reload was refused (422, `engines.fake`).
+#[tokio::test]
+async fn an_engine_changed_at_reload_drains_its_old_instance_and_new_work_goes_to_the_new_one() {
+    let next = FakeEngine::start().await;
+    let r = Reloadable::start(Knobs::slow(40, 50), "").await;
+    let mut rx = r.gw.recorder().subscribe();
+    let stream = stream_in_background(&r.gw, DEMO_KEY);
+    next_event(&mut rx, "the stream's first token", |e| e.state == TaskState::Streaming).await;
+    // The same engine, moved to another server.
+    r.write(&config_toml(&next.url(), "openai", &r.dir.0, ""));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["changes"]["engines"], json!({"added": 0, "removed": 0, "changed": 1}), "{body}");
+    for _ in 0..2 {
+        let (status, answer) = r.chat(DEMO_KEY).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    assert_eq!(next.requests(), 2, "new work went to the new instance");
+    assert_eq!(r.engine.requests(), 1, "the old instance got no new work");
+    let ready = r.ready().await;
+    let fakes: Vec<&Value> = ready["instances"].as_array().unwrap().iter().filter(|i| i["name"] == "fake").collect();
+    assert_eq!(fakes.len(), 2, "{ready}");
+    assert_eq!((fakes[0]["up"].clone(), fakes[1]["up"].clone()), (json!(false), json!(true)), "{ready}");
+    assert!(!stream.is_finished(), "the stream on the old instance ran across the reload");
+    let (events, done) = stream.await.unwrap();
+    assert_completed(&events, done);
     r.gw.stop().await;
 }
 
@@ -640,5 +708,54 @@ async fn jwt_logins_added_at_reload_are_accepted_at_the_next_mqtt_connect() {
     assert_eq!(status, 200, "{body}");
     let mut d = connect(addr, V::V5, "cam-j", "cam-j", &token).await.expect("the token is accepted after the reload");
     d.subscribe(&d.topic("res/#")).await;
+    r.gw.stop().await;
+}
+
+/// The Python fake engine run by edgeway on `port`, answering `tokens`
+/// tokens: an `[engines.NAME.process]` section.
+fn python_engine(name: &str, port: u16, dir: &std::path::Path, tokens: u32) -> String {
+    format!(
+        "[engines.{name}]\ntype = \"openai\"\nbase_url = \"http://127.0.0.1:{port}\"\nmodel = \"fake-model\"\nhealth_interval_ms = 100\n\
+         [engines.{name}.process]\ncommand = \"python3\"\nargs = [{:?}, \"--port\", \"{port}\", \"--log\", {:?}, \"--tokens\", \"{tokens}\", \"--delay-ms\", \"5\"]\n\
+         ready_timeout_ms = 20000\nstop_grace_ms = 2000\n[models.py-chat]\ninstances = [\"{name}\"]\n",
+        format!("{}/scripts/faults/fake_engine.py", env!("CARGO_MANIFEST_DIR")),
+        dir.join("requests.log").display().to_string()
+    )
+}
+
+/// Issue 11: a supervised engine added at reload is started by edgeway and
+/// takes work only once ready (a request sent at once waits for it); its
+/// args changed at a later reload restart it with the new ones. Before,
+/// both reloads were refused (422).
+#[tokio::test]
+async fn a_supervised_engine_added_at_reload_is_started_and_restarted_when_its_args_change() {
+    use edgeway::engine::supervisor::ProcessState;
+    let port = free_port();
+    let r = Reloadable::start(Knobs::default(), "").await;
+    let base = config_toml(&r.engine.url(), "openai", &r.dir.0, "");
+    r.write(&format!("{base}\n{}", python_engine("py", port, &r.dir.0, 3)));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let processes = r.gw.running.as_ref().unwrap().internals.processes.clone();
+    let status = processes.status("py").expect("supervised");
+    let chat = json!({"model": "py-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10});
+    let answer = post_chat(&r.gw, DEMO_KEY, &chat).await;
+    assert_eq!(answer.status(), 200, "the request waited for the new engine to be ready");
+    let v: Value = answer.json().await.unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    let pid = status.report().pid.expect("ready, with a pid");
+
+    // The same engine with other args: restarted with them.
+    r.write(&format!("{base}\n{}", python_engine("py", port, &r.dir.0, 5)));
+    let (code, body) = r.reload(OPS_KEY).await;
+    assert_eq!(code, 200, "{body}");
+    let answer = post_chat(&r.gw, DEMO_KEY, &chat).await;
+    assert_eq!(answer.status(), 200);
+    let v: Value = answer.json().await.unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 5, "the new args are in force: {v}");
+    let now = processes.status("py").unwrap();
+    assert_eq!(now.state(), ProcessState::Ready);
+    assert_ne!(now.report().pid, Some(pid), "a new process");
+    assert_eq!(status.state(), ProcessState::Stopped, "the old process was stopped");
     r.gw.stop().await;
 }

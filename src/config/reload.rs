@@ -11,20 +11,30 @@
 //! # What a reload changes
 //! Applied at once, to new work: applications (their API keys, priorities,
 //! limits, tools), `[auth.jwt]`, devices (checked at each MQTT CONNECT),
-//! tenants (weights, data classes), `[timeouts]` defaults, the scheduler's
-//! global limits (`max_queued`, `max_running`, `priority_aging_seconds`,
-//! `busy_retry_after_ms`), each model's `queue_capacity`, `max_running`,
-//! `instances` and `fallback_models` (routes and chains), and engines
-//! removed: they get no new work, their running work finishes (or meets its
-//! deadline), then edgeway stops their process. Work already admitted keeps
-//! what it was admitted with.
+//! tenants (weights, data classes), `[timeouts]` defaults, `[sessions]`,
+//! the scheduler's global limits (`max_queued`, `max_running`,
+//! `priority_aging_seconds`, `busy_retry_after_ms`), models (added,
+//! removed, any key changed: routes, fallback chains, residency classes),
+//! and engines:
+//! - added: a new instance joins routing once its first probe passes (a
+//!   supervised one once its process is ready; work meanwhile queues);
+//! - changed: the old instance drains (its running work finishes, it gets
+//!   no new work) and a new one with the new settings takes new work; a
+//!   supervised one whose `process`, `base_url` or `health_path` changed is
+//!   restarted with the new command once the old instance drained;
+//! - removed: drained, then its process (if edgeway runs it) is stopped.
+//!
+//! A model removed: new requests for it get the stable unknown-model
+//! error (`INVALID_REQUEST`); its queued and running work finishes. Work
+//! already admitted keeps what it was admitted with.
 //!
 //! Refused, naming the keys, with nothing changed (they need a restart):
-//! `node_id`, `[http]`, `[store]`, `[server]`, `[log]`, `[resources]`,
-//! `[routing]`, `[nats]`, `[mqtt]`, the other `[scheduler]` keys, engines
-//! added or changed (a changed engine is a removed one plus an added one,
-//! and the router's instances are fixed at start), and models added,
-//! removed or changed beyond their limits and routes.
+//! `node_id`, `[http]` (listener addresses), `[store]` (path), `[server]`,
+//! `[log]`, `[resources]`, `[routing]`, `[nats]`, `[mqtt]` (broker ports)
+//! and the other `[scheduler]` keys. The gateway also refuses a reload that
+//! would add more instances than a running edgeway has room for
+//! ([`crate::engine::RELOAD_ROOM`] since start: each engine added or
+//! changed takes one).
 //! A change of a `[nats]` secret alone is not seen (secrets are compared
 //! through their redacted form).
 
@@ -70,11 +80,10 @@ pub struct Changes {
     /// application to another counts as changed).
     pub api_keys: Counts,
     pub devices: Counts,
-    /// Models whose limits or routes changed (nothing else of a model
-    /// may).
+    /// Models added, removed and changed (any key).
     pub models: Counts,
-    /// Engines removed (they drain, then stop); none is added or changed
-    /// at reload (see the module doc).
+    /// Engines added, removed (they drain, then stop) and changed (the
+    /// old instance drains, a new one takes new work).
     pub engines: Counts,
     /// The other sections that changed: `timeouts`, `tenants`,
     /// `scheduler`, `auth.jwt`.
@@ -147,42 +156,6 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
             "keys other than max_queued, max_running, priority_aging_seconds and busy_retry_after_ms changed",
         );
     }
-    let mut engines = Counts::default();
-    for name in old.engines.keys().chain(new.engines.keys()).collect::<BTreeSet<_>>() {
-        match (old.engines.get(name), new.engines.get(name)) {
-            // It drains, then its process stops (the gateway's reload).
-            (Some(_), None) => engines.removed += 1,
-            (None, Some(_)) => restart(&format!("engines.{name}"), "added (an engine cannot start at reload)"),
-            (Some(o), Some(n)) if !same(o, n) => restart(
-                &format!("engines.{name}"),
-                "changed (a changed engine is a removed one and an added one, and an engine cannot start at reload)",
-            ),
-            _ => {}
-        }
-    }
-    let mut models = Counts::default();
-    for name in old.models.keys().chain(new.models.keys()).collect::<BTreeSet<_>>() {
-        match (old.models.get(name), new.models.get(name)) {
-            (Some(_), None) => restart(&format!("models.{name}"), "removed"),
-            (None, Some(_)) => restart(&format!("models.{name}"), "added"),
-            (Some(o), Some(n)) if !same(o, n) => {
-                let mut routes_only = n.clone();
-                routes_only.queue_capacity = o.queue_capacity;
-                routes_only.max_running = o.max_running;
-                routes_only.instances = o.instances.clone();
-                routes_only.fallback_models = o.fallback_models.clone();
-                if same(o, &routes_only) {
-                    models.changed += 1;
-                } else {
-                    restart(
-                        &format!("models.{name}"),
-                        "keys other than queue_capacity, max_running, instances and fallback_models changed",
-                    );
-                }
-            }
-            _ => {}
-        }
-    }
     if !refused.is_empty() {
         return Err(ConfigErrors(refused));
     }
@@ -214,10 +187,56 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
         applications: Counts::of(&old.applications, &new.applications),
         api_keys: Counts::of(&keys(old), &keys(new)),
         devices: Counts::of(&old.devices, &new.devices),
-        models,
-        engines,
+        models: Counts::of(&old.models, &new.models),
+        engines: Counts::of(&old.engines, &new.engines),
         sections: changed_sections,
     })
+}
+
+/// What a reload does to the engine instances, by engine name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EnginePlan {
+    /// Engines the new file adds: a new instance each.
+    pub added: Vec<String>,
+    /// Engines whose instance is replaced: the engine's settings changed,
+    /// or the residency of the model(s) naming it (class, idle time,
+    /// weights), which an instance takes when it is made. The old
+    /// instance drains; the new one takes new work.
+    pub replaced: Vec<String>,
+    /// Engines the new file no longer has: they drain, then stop.
+    pub removed: Vec<String>,
+    /// Supervised engines whose process changes (its `process` section,
+    /// `base_url` or `health_path`): the old process stops once its
+    /// instance drained, then the new one starts.
+    pub restarted: Vec<String>,
+}
+
+/// The engine part of a reload from `old` to `new` (see [`EnginePlan`]).
+pub fn engine_plan(old: &Config, new: &Config) -> EnginePlan {
+    let mut p = EnginePlan::default();
+    // What an instance's residency slot is made from (engine::residency).
+    let residency_of = |c: &Config, name: &str| -> String {
+        let models: Vec<_> = c.models.values().filter(|m| m.instances.iter().any(|n| n == name)).collect();
+        format!("{:?} {:?}", models.first().map(|m| &m.residency), models.iter().map(|m| m.weights_bytes).max())
+    };
+    for name in old.engines.keys().chain(new.engines.keys()).collect::<BTreeSet<_>>() {
+        match (old.engines.get(name), new.engines.get(name)) {
+            (Some(_), None) => p.removed.push(name.clone()),
+            (None, Some(_)) => p.added.push(name.clone()),
+            (Some(o), Some(n)) => {
+                if !same(o, n) || residency_of(old, name) != residency_of(new, name) {
+                    p.replaced.push(name.clone());
+                }
+                let runs = o.process.is_some() || n.process.is_some();
+                if runs && (!same(&o.process, &n.process) || o.base_url != n.base_url || o.health_path != n.health_path)
+                {
+                    p.restarted.push(name.clone());
+                }
+            }
+            (None, None) => {}
+        }
+    }
+    p
 }
 
 /// The version of a configuration: a hash of its effective content (the
@@ -275,6 +294,22 @@ instances = ["a"]
         let old = load("");
         let new = load("context_tokens = 8192\n[engines.b]\ntype = \"openai\"\nbase_url = \"http://127.0.0.1:9\"\nmodel = \"m\"\n[server]\ndrain_timeout_s = 1\n");
         let paths: Vec<String> = plan(&old, &new).unwrap_err().0.into_iter().map(|e| e.path).collect();
-        assert_eq!(paths, ["server", "engines.b", "models.chat"]);
+        assert_eq!(paths, ["server"], "engines and models change live");
+    }
+
+    #[test]
+    fn engines_and_models_added_changed_and_removed_are_planned() {
+        let old = load("[models.gone]\ninstances = [\"a\"]\n");
+        let b = "[engines.b]\ntype = \"openai\"\nbase_url = \"http://127.0.0.1:9\"\nmodel = \"m\"\n[models.new]\ninstances = [\"b\"]\n";
+        let new = load(&format!("context_tokens = 8192\n{b}"));
+        let c = plan(&old, &new).unwrap();
+        assert_eq!(c.engines, Counts { added: 1, removed: 0, changed: 0 });
+        assert_eq!(c.models, Counts { added: 1, removed: 1, changed: 1 });
+        let p = engine_plan(&old, &new);
+        assert_eq!((p.added, p.replaced, p.removed), (vec!["b".to_string()], vec![], vec![]));
+        // A residency class changed replaces the instances of its model.
+        let p = engine_plan(&load(""), &load("residency = \"forbidden\"\n"));
+        assert_eq!(p.replaced, ["a"]);
+        assert!(p.restarted.is_empty(), "a has no process");
     }
 }

@@ -254,6 +254,69 @@ fn causes(e: reqwest::Error) -> String {
     s
 }
 
+/// How many engine instances a running edgeway can add after start (each
+/// engine added or changed at reload takes one): the instance lists keep
+/// their items in place, so their room is set once. A reload past it is
+/// refused as needing a restart.
+pub const RELOAD_ROOM: usize = 64;
+
+/// A list that only grows and whose items never move, so a reader holds
+/// `&T` without a lock while a reload appends (instance lists: an instance's
+/// index is its identity for the scheduler, and a reload adds instances
+/// but never removes one: a removed one is retired in place).
+pub struct AppendOnly<T> {
+    items: Box<[std::sync::OnceLock<T>]>,
+    len: std::sync::atomic::AtomicUsize,
+    /// One push at a time.
+    push: std::sync::Mutex<()>,
+}
+
+impl<T> AppendOnly<T> {
+    /// `items`, with room for `room` more.
+    pub fn with_room(items: Vec<T>, room: usize) -> AppendOnly<T> {
+        let len = items.len();
+        let cells: Vec<std::sync::OnceLock<T>> = items
+            .into_iter()
+            .map(std::sync::OnceLock::from)
+            .chain((0..room).map(|_| std::sync::OnceLock::new()))
+            .collect();
+        AppendOnly { items: cells.into_boxed_slice(), len: len.into(), push: Default::default() }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Item `i`; panics past the end, as a slice does.
+    pub fn get(&self, i: usize) -> &T {
+        self.items[..self.len()][i].get().expect("an item below len is set")
+    }
+
+    /// Appends `item` and returns its index, or gives it back when there
+    /// is no room left.
+    pub fn push(&self, item: T) -> Result<usize, T> {
+        let _one = self.push.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let i = self.len();
+        let Some(cell) = self.items.get(i) else { return Err(item) };
+        assert!(cell.set(item).is_ok(), "cells past len are empty");
+        self.len.store(i + 1, std::sync::atomic::Ordering::Release);
+        Ok(i)
+    }
+
+    /// Room left for pushes.
+    pub fn room(&self) -> usize {
+        self.items.len() - self.len()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &T> + '_ {
+        (0..self.len()).map(|i| self.get(i))
+    }
+}
+
 pub fn truncate(s: &str, n: usize) -> String {
     if s.len() <= n {
         return s.to_string();

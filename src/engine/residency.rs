@@ -146,6 +146,9 @@ struct Slot {
     st: Mutex<SlotState>,
     /// The state after every change (loads are awaited on it).
     tx: watch::Sender<State>,
+    /// A reload removed or replaced the instance: `/ready` no longer
+    /// waits for its model.
+    retired: std::sync::atomic::AtomicBool,
 }
 
 struct SlotState {
@@ -170,7 +173,8 @@ struct SlotState {
 }
 
 struct Inner {
-    slots: Vec<Slot>,
+    /// By instance index; a reload appends the instances it adds.
+    slots: super::AppendOnly<Slot>,
     metrics: Mutex<Option<ResidencyMetrics>>,
     /// Told whenever a model's last user leaves (a load waiting for
     /// memory looks again).
@@ -272,6 +276,7 @@ impl Residency {
                     unloading: false,
                 }),
                 tx: watch::channel(State::Loaded).0,
+                retired: false.into(),
             })
             .collect();
         Residency::with_slots(slots)
@@ -280,7 +285,7 @@ impl Residency {
     fn with_slots(slots: Vec<Slot>) -> Residency {
         Residency {
             inner: Arc::new(Inner {
-                slots,
+                slots: super::AppendOnly::with_room(slots, super::RELOAD_ROOM),
                 metrics: Mutex::new(None),
                 freed: tokio::sync::Notify::new(),
                 tracker: TaskTracker::new(),
@@ -292,51 +297,77 @@ impl Residency {
     /// One slot per engine instance, in `engines`' order (the router's
     /// instance order), each with the class of the models naming it.
     pub fn new(config: &Config, engines: &[(String, Arc<dyn Engine>)]) -> Residency {
-        let slots = engines
-            .iter()
-            .map(|(name, engine)| {
-                let e = &config.engines[name];
-                let models: Vec<_> = config.models.values().filter(|m| m.instances.contains(name)).collect();
-                // A class is about this node: an edge-node or cloud
-                // instance is never loaded or refused here.
-                let residency = match models.first() {
-                    Some(m) if e.is_local() => m.residency.clone(),
-                    _ => Default::default(),
-                };
-                let api = if e.is_local() { e.model_api } else { ModelApi::None };
-                let state = match residency.class {
-                    ResidencyClass::Forbidden => State::Forbidden,
-                    // Until the engine says otherwise: an engine without a
-                    // model API keeps its model; one with it is asked.
-                    _ if api == ModelApi::None => State::Loaded,
-                    _ => State::Unloaded,
-                };
-                Slot {
-                    instance: name.clone(),
-                    model: models.first().map(|m| m.name.clone()).unwrap_or_default(),
-                    engine: engine.clone(),
-                    api,
-                    class: residency.class,
-                    idle_unload: residency.idle_unload,
-                    server: e.base_url.clone(),
-                    budget: e.memory_budget_bytes,
-                    weights: models.iter().map(|m| m.weights_bytes).max().unwrap_or(0),
-                    st: Mutex::new(SlotState {
-                        state,
-                        users: 0,
-                        last_used: Instant::now(),
-                        loading_since: None,
-                        last_load: None,
-                        epoch: 0,
-                        failure: None,
-                        changed_at: Instant::now(),
-                        unloading: false,
-                    }),
-                    tx: watch::channel(state).0,
-                }
-            })
-            .collect();
+        let slots = engines.iter().map(|(name, engine)| Self::make_slot(config, name, engine.clone())).collect();
         Residency::with_slots(slots)
+    }
+
+    /// The slot of instance `name` of `config`, with the class of the
+    /// models naming it.
+    fn make_slot(config: &Config, name: &str, engine: Arc<dyn Engine>) -> Slot {
+        let e = &config.engines[name];
+        let models: Vec<_> = config.models.values().filter(|m| m.instances.iter().any(|n| n == name)).collect();
+        // A class is about this node: an edge-node or cloud
+        // instance is never loaded or refused here.
+        let residency = match models.first() {
+            Some(m) if e.is_local() => m.residency.clone(),
+            _ => Default::default(),
+        };
+        let api = if e.is_local() { e.model_api } else { ModelApi::None };
+        let state = match residency.class {
+            ResidencyClass::Forbidden => State::Forbidden,
+            // Until the engine says otherwise: an engine without a
+            // model API keeps its model; one with it is asked.
+            _ if api == ModelApi::None => State::Loaded,
+            _ => State::Unloaded,
+        };
+        Slot {
+            instance: name.to_string(),
+            model: models.first().map(|m| m.name.clone()).unwrap_or_default(),
+            engine,
+            api,
+            class: residency.class,
+            idle_unload: residency.idle_unload,
+            server: e.base_url.clone(),
+            budget: e.memory_budget_bytes,
+            weights: models.iter().map(|m| m.weights_bytes).max().unwrap_or(0),
+            st: Mutex::new(SlotState {
+                state,
+                users: 0,
+                last_used: Instant::now(),
+                loading_since: None,
+                last_load: None,
+                epoch: 0,
+                failure: None,
+                changed_at: Instant::now(),
+                unloading: false,
+            }),
+            tx: watch::channel(state).0,
+            retired: false.into(),
+        }
+    }
+
+    /// Adds the slot of an instance a reload added (the router's next
+    /// index) and, once started, begins its work as [`Residency::start`]
+    /// does for the others. Returns its index.
+    pub fn add(&self, config: &Config, name: &str, engine: Arc<dyn Engine>) -> usize {
+        let Ok(i) = self.inner.slots.push(Self::make_slot(config, name, engine)) else {
+            // The router checks the room of the instance list, which has
+            // the same.
+            unreachable!("the router checked the room");
+        };
+        if self.inner.metrics.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            self.begin(i);
+        }
+        i
+    }
+
+    /// Instance `i` was removed or replaced by a reload: `/ready` no longer
+    /// waits for its model.
+    pub fn retire(&self, i: usize) {
+        self.slot(i).retired.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Its idle timer would unload the model its successor (a changed
+        // engine's new instance, on the same server) now serves.
+        self.lock(i).epoch += 1;
     }
 
     /// Starts the residency work: `always` models are loaded, `forbidden`
@@ -357,28 +388,36 @@ impl Residency {
             inner_tracker.close();
             inner_tracker.wait().await;
         });
-        for (i, s) in self.inner.slots.iter().enumerate() {
-            self.show(i);
-            if s.api == ModelApi::None {
-                continue;
+        for i in 0..self.inner.slots.len() {
+            self.begin(i);
+        }
+    }
+
+    /// Shows instance `i`'s state and starts what its class asks at start:
+    /// an `always` model is loaded, a `forbidden` one an engine has loaded
+    /// is unloaded.
+    fn begin(&self, i: usize) {
+        self.show(i);
+        let s = self.slot(i);
+        if s.api == ModelApi::None {
+            return;
+        }
+        match s.class {
+            ResidencyClass::Always => self.begin_load(i, "start"),
+            ResidencyClass::Forbidden => {
+                let me = self.clone();
+                self.spawn(async move {
+                    if matches!(me.slot(i).engine.model_state().await, Some(Ok(ModelState::Loaded))) {
+                        me.unload(i, "forbidden").await;
+                    }
+                });
             }
-            match s.class {
-                ResidencyClass::Always => self.begin_load(i, "start"),
-                ResidencyClass::Forbidden => {
-                    let me = self.clone();
-                    self.spawn(async move {
-                        if matches!(me.slot(i).engine.model_state().await, Some(Ok(ModelState::Loaded))) {
-                            me.unload(i, "forbidden").await;
-                        }
-                    });
-                }
-                _ => {}
-            }
+            _ => {}
         }
     }
 
     fn slot(&self, i: usize) -> &Slot {
-        &self.inner.slots[i]
+        self.inner.slots.get(i)
     }
 
     fn lock(&self, i: usize) -> std::sync::MutexGuard<'_, SlotState> {
@@ -403,13 +442,20 @@ impl Residency {
 
     /// The state of the instance named `instance`, if there is one.
     pub fn state_of(&self, instance: &str) -> Option<State> {
-        self.inner.slots.iter().position(|s| s.instance == instance).map(|i| self.state(i))
+        // The last: a changed engine's instance replaces the earlier one.
+        let i = self.inner.slots.iter().enumerate().filter(|(_, s)| s.instance == instance).last()?.0;
+        Some(self.state(i))
     }
 
     /// `always` models that are not loaded yet (for `/ready`).
     pub fn not_ready(&self) -> Vec<String> {
         (0..self.inner.slots.len())
-            .filter(|&i| self.slot(i).class == ResidencyClass::Always && self.state(i) != State::Loaded)
+            .filter(|&i| {
+                let s = self.slot(i);
+                s.class == ResidencyClass::Always
+                    && !s.retired.load(std::sync::atomic::Ordering::Relaxed)
+                    && self.state(i) != State::Loaded
+            })
             .map(|i| {
                 let s = self.slot(i);
                 let why = self.lock(i).failure.clone();

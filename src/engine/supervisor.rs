@@ -35,7 +35,7 @@ use std::collections::VecDeque;
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -226,13 +226,32 @@ struct Inner {
     /// second edgeway with the same data directory refuses to start its
     /// engines, even while ours restart (their pidfiles are gone then).
     /// The kernel drops the lock when edgeway dies, however it dies.
-    _lock: Option<std::fs::File>,
-    statuses: Vec<Arc<ProcessStatus>>,
+    lock: Mutex<Option<std::fs::File>>,
+    /// The status of each engine's process, the latest per name (a
+    /// changed engine's replaces the one before); shared with the metrics.
+    statuses: Arc<Mutex<Vec<Arc<ProcessStatus>>>>,
     stop: CancellationToken,
     tracker: TaskTracker,
     /// Per engine: what stops its supervisor alone (a child of `stop`) and
     /// what says it ended ([`Processes::stop_one`]).
-    each: std::collections::HashMap<String, (CancellationToken, CancellationToken)>,
+    each: Mutex<std::collections::HashMap<String, (CancellationToken, CancellationToken)>>,
+    /// Supervisors a reload prepared and has not launched yet.
+    prepared: Mutex<std::collections::HashMap<String, Supervisor>>,
+    /// Where pidfiles go and whom the metrics are registered with: what
+    /// a reload's [`Processes::prepare`] needs. `None` for the default.
+    base: Option<Base>,
+}
+
+struct Base {
+    data_dir: PathBuf,
+    client: reqwest::Client,
+    registry: prometheus::Registry,
+    metrics_registered: std::sync::atomic::AtomicBool,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every change is one step: a panic cannot leave half of one.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Processes {
@@ -242,65 +261,103 @@ impl Processes {
     /// routing until its ready check passes. The supervisors' metrics are
     /// registered on `metrics`.
     pub async fn start(config: &Config, metrics: &Metrics) -> anyhow::Result<Processes> {
-        let dir = config.store.data_dir.join("engines");
-        let mut statuses = Vec::new();
-        let mut supervisors = Vec::new();
         let client = super::http_client(Duration::from_secs(2)).map_err(|e| anyhow::anyhow!("{e}"))?;
-        // Before anything is reaped or started.
-        let any = config.engines.values().any(|e| e.process.is_some());
-        let lock = if any { Some(lock_data_dir(&config.store.data_dir)?) } else { None };
-        for e in config.engines.values() {
-            let Some(p) = &e.process else { continue };
-            std::fs::create_dir_all(&dir)
-                .map_err(|err| anyhow::anyhow!("cannot create {} for engine pidfiles: {err}", dir.display()))?;
-            let log_file = p.log_file.clone().unwrap_or_else(|| dir.join(format!("{}.log", e.name)));
-            let pidfile = dir.join(format!("{}.pid", e.name));
+        let processes = Processes {
+            inner: Arc::new(Inner {
+                base: Some(Base {
+                    data_dir: config.store.data_dir.clone(),
+                    client,
+                    registry: metrics.registry.clone(),
+                    metrics_registered: false.into(),
+                }),
+                ..Inner::default()
+            }),
+        };
+        let mut names = Vec::new();
+        for e in config.engines.values().filter(|e| e.process.is_some()) {
+            processes.prepare(e).await?;
+            names.push(e.name.clone());
+        }
+        for name in names {
+            processes.launch(&name);
+        }
+        Ok(processes)
+    }
+
+    /// Makes ready to run engine `e`'s process (its status, `starting`,
+    /// is what [`Processes::wrap`] hands its instance from now on) without
+    /// starting it: [`Processes::launch`] does. Kills what an earlier
+    /// edgeway left of it first, and takes the data directory's lock.
+    /// Nothing for an engine without a `process` section.
+    pub async fn prepare(&self, e: &EngineConfig) -> anyhow::Result<()> {
+        let Some(p) = &e.process else { return Ok(()) };
+        let base = self.inner.base.as_ref().ok_or_else(|| anyhow::anyhow!("no supervisor was started"))?;
+        {
+            let mut lock = locked(&self.inner.lock);
+            if lock.is_none() {
+                // Before anything is reaped or started.
+                *lock = Some(lock_data_dir(&base.data_dir)?);
+            }
+        }
+        let dir = base.data_dir.join("engines");
+        std::fs::create_dir_all(&dir)
+            .map_err(|err| anyhow::anyhow!("cannot create {} for engine pidfiles: {err}", dir.display()))?;
+        let log_file = p.log_file.clone().unwrap_or_else(|| dir.join(format!("{}.log", e.name)));
+        let pidfile = dir.join(format!("{}.pid", e.name));
+        // An engine being replaced still runs under our own supervisor,
+        // which owns its pidfile: only a stranger's is reaped.
+        if !locked(&self.inner.each).contains_key(&e.name) {
             reap_stale(&e.name, &pidfile, p.stop_grace).await?;
-            let status = Arc::new(ProcessStatus::new(&e.name, log_file.clone()));
-            let ready_path = p.ready_path.clone().unwrap_or_else(|| e.health_path.clone());
+        }
+        let status = Arc::new(ProcessStatus::new(&e.name, log_file.clone()));
+        let ready_path = p.ready_path.clone().unwrap_or_else(|| e.health_path.clone());
+        // Registered before any engine starts: an error here leaves nothing
+        // running.
+        if !base.metrics_registered.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            base.registry
+                .register(Box::new(ProcessMetrics::new(self.inner.statuses.clone())))
+                .map_err(|e| anyhow::anyhow!("engine process metrics: {e}"))?;
+        }
+        {
+            let mut statuses = locked(&self.inner.statuses);
+            statuses.retain(|s| s.name != e.name);
             statuses.push(status.clone());
-            supervisors.push(Supervisor {
+        }
+        locked(&self.inner.prepared).insert(
+            e.name.clone(),
+            Supervisor {
                 cfg: p.clone(),
                 ready_url: format!("{}{}", e.base_url, ready_path),
                 pidfile,
                 log_file,
                 status,
-                client: client.clone(),
-            });
-        }
-        // Registered before any engine starts: an error here leaves nothing
-        // running.
-        if !statuses.is_empty() {
-            metrics
-                .registry
-                .register(Box::new(ProcessMetrics::new(statuses.clone())))
-                .map_err(|e| anyhow::anyhow!("engine process metrics: {e}"))?;
-        }
-        let mut inner = Inner {
-            _lock: lock,
-            statuses,
-            stop: CancellationToken::new(),
-            tracker: TaskTracker::new(),
-            each: Default::default(),
-        };
-        for s in supervisors {
-            let (stop, ended) = (inner.stop.child_token(), CancellationToken::new());
-            inner.each.insert(s.status.name.clone(), (stop.clone(), ended.clone()));
-            inner.tracker.spawn(async move {
-                s.run(stop).await;
-                ended.cancel();
-            });
-        }
-        Ok(Processes { inner: Arc::new(inner) })
+                client: base.client.clone(),
+            },
+        );
+        Ok(())
     }
 
-    /// The supervised processes, in config order.
+    /// Starts the process [`Processes::prepare`] made ready for engine
+    /// `name` under its own supervisor (an engine changed at reload: once
+    /// the old process stopped). Nothing when none was prepared.
+    pub fn launch(&self, name: &str) {
+        let Some(s) = locked(&self.inner.prepared).remove(name) else { return };
+        let (stop, ended) = (self.inner.stop.child_token(), CancellationToken::new());
+        locked(&self.inner.each).insert(name.to_string(), (stop.clone(), ended.clone()));
+        self.inner.tracker.spawn(async move {
+            s.run(stop).await;
+            ended.cancel();
+        });
+    }
+
+    /// The supervised processes, in config order (then those a reload
+    /// added).
     pub fn reports(&self) -> Vec<ProcessReport> {
-        self.inner.statuses.iter().map(|s| s.report()).collect()
+        locked(&self.inner.statuses).iter().map(|s| s.report()).collect()
     }
 
     pub fn status(&self, instance: &str) -> Option<Arc<ProcessStatus>> {
-        self.inner.statuses.iter().find(|s| s.name == instance).cloned()
+        locked(&self.inner.statuses).iter().find(|s| s.name == instance).cloned()
     }
 
     /// The adapter routing uses for `cfg`: a supervised instance answers
@@ -308,17 +365,19 @@ impl Processes {
     /// its process is not ready, so a restart is an outage routing sees
     /// (it falls back or queues) without sending work to a dead port.
     pub fn wrap(&self, cfg: &EngineConfig, engine: Arc<dyn Engine>) -> Arc<dyn Engine> {
-        match self.status(&cfg.name) {
+        match self.status(&cfg.name).filter(|_| cfg.process.is_some()) {
             Some(status) => Arc::new(Supervised { inner: engine, status, told_down: false.into() }),
             None => engine,
         }
     }
 
     /// Stops one engine's process as [`Processes::stop`] stops them all,
-    /// and waits until it is gone: an engine a reload removed, once it
-    /// drained. Nothing for an engine edgeway does not run.
+    /// and waits until it is gone: an engine a reload removed or changed,
+    /// once it drained. Nothing for an engine edgeway does not run. A
+    /// status prepared since (a changed engine's) stays.
     pub async fn stop_one(&self, instance: &str) {
-        if let Some((stop, ended)) = self.inner.each.get(instance) {
+        let one = locked(&self.inner.each).remove(instance);
+        if let Some((stop, ended)) = one {
             stop.cancel();
             ended.cancelled().await;
         }
@@ -872,14 +931,14 @@ async fn reap_stale(name: &str, pidfile: &Path, grace: Duration) -> anyhow::Resu
 /// `engine`, as on `edgeway_engine_up`: Prometheus itself sets `instance`
 /// on every scraped series.
 struct ProcessMetrics {
-    statuses: Vec<Arc<ProcessStatus>>,
+    statuses: Arc<Mutex<Vec<Arc<ProcessStatus>>>>,
     up: IntGaugeVec,
     restarts: IntCounterVec,
     uptime: GaugeVec,
 }
 
 impl ProcessMetrics {
-    fn new(statuses: Vec<Arc<ProcessStatus>>) -> ProcessMetrics {
+    fn new(statuses: Arc<Mutex<Vec<Arc<ProcessStatus>>>>) -> ProcessMetrics {
         let o = |n: &str, h: &str| Opts::new(n, h).namespace("edgeway");
         ProcessMetrics {
             statuses,
@@ -908,7 +967,8 @@ impl Collector for ProcessMetrics {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        for s in &self.statuses {
+        let statuses = locked(&self.statuses).clone();
+        for s in &statuses {
             let r = s.report();
             self.up.with_label_values(&[&r.instance]).set(i64::from(r.state == ProcessState::Ready));
             let c = self.restarts.with_label_values(&[&r.instance]);

@@ -9,8 +9,12 @@
 //! MQTT CONNECT, `/ready`), the authenticator's keys and applications, and
 //! the scheduler's limits and routes. An engine the file no longer has
 //! drains: no new work from the swap on, its running tasks finish or meet
-//! their deadline, then its process (if edgeway runs it) is stopped. A
-//! refused reload changes nothing.
+//! their deadline, then its process (if edgeway runs it) is stopped. An
+//! engine the file adds gets a new instance (a supervised one's process is
+//! started; the instance takes work once its probe passes); a changed one
+//! gets a new instance too, and the old one drains as a removed one does
+//! (a supervised engine whose command changed is stopped once drained and
+//! started again with the new one). A refused reload changes nothing.
 //!
 //! Running and queued tasks keep what they were admitted with: their
 //! request was resolved against the configuration of their admission, and
@@ -144,37 +148,99 @@ impl Gateway {
         })?;
         let mut new = loaded.map_err(ReloadError::Invalid)?;
         let changes = crate::config::reload::plan(&old, &new).map_err(ReloadError::Invalid)?;
+        let engines = crate::config::reload::engine_plan(&old, &new);
+        let refuse = |path: &str, message: String| {
+            ReloadError::Invalid(ConfigErrors(vec![crate::config::ConfigError { path: path.to_string(), message }]))
+        };
+        let router = self.scheduler.router().clone();
+        let fresh: Vec<&String> = engines.added.iter().chain(&engines.replaced).collect();
+        if fresh.len() > router.room() {
+            return Err(refuse(
+                "engines",
+                format!(
+                    "{} engine(s) added or changed, room for {} more since start ({} in all); this needs a restart",
+                    fresh.len(),
+                    router.room(),
+                    crate::engine::RELOAD_ROOM
+                ),
+            ));
+        }
         let report =
             ReloadReport { previous_version: old.version.clone(), config_version: new.version.clone(), changes };
         new.source = old.source.clone();
-        let removed: Vec<String> = old.engines.keys().filter(|e| !new.engines.contains_key(*e)).cloned().collect();
         let new = Arc::new(new);
+        // Processes of engines added, or changed in how they run: made
+        // ready (their instance waits for them), started below or once
+        // the old one is gone.
+        // Every adapter can be built (a bad URL…) before anything changes.
+        for name in &fresh {
+            crate::engine::build(&new.engines[*name]).map_err(|e| refuse(&format!("engines.{name}"), e.to_string()))?;
+        }
+        let restarted = |n: &String| engines.restarted.contains(n);
+        for name in fresh.iter().filter(|n| engines.added.contains(n) || restarted(n)) {
+            self.processes
+                .prepare(&new.engines[*name])
+                .await
+                .map_err(|e| refuse(&format!("engines.{name}"), format!("cannot prepare its process: {e}")))?;
+        }
+        // Every instance is made before any is added: a failure leaves the
+        // router as it was.
+        let mut instances = Vec::new();
+        for name in &fresh {
+            let inst = crate::router::Router::build_instance(&new.engines[*name], &self.processes)
+                .map_err(|e| refuse(&format!("engines.{name}"), e.to_string()))?;
+            instances.push(inst);
+        }
+        let added: Vec<(String, usize)> = instances
+            .into_iter()
+            .filter_map(|inst| {
+                let name = inst.name.clone();
+                router.add_instance(&new, inst).map(|i| (name, i))
+            })
+            .collect();
         // The order: limits and credentials first, then the configuration
         // admission reads; a call in between sees the new keys with the old
         // admission rules at worst, never a key without its application.
-        self.scheduler.set_limits(&new);
+        let retired = self.scheduler.set_limits(&new, &added);
         self.metrics.set_queue_capacities(&new);
         self.auth.reload(&new);
         self.sessions.reconfigure(&new);
-        *self.config.write().unwrap_or_else(std::sync::PoisonError::into_inner) = new;
+        *self.config.write().unwrap_or_else(std::sync::PoisonError::into_inner) = new.clone();
         // Connections that outlive one call (MQTT) check their credential
         // again: a device or application the file no longer has ends.
         self.auth.announce();
         *self.reloads.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(SystemTime::now());
-        // The scheduler took the limits once it answers a later command:
-        // the reload's answer means "in force".
+        // The scheduler took the limits (and knows the new instances) once
+        // it answers a later command: the reload's answer means "in force".
         let _ = self.scheduler.snapshot().await;
-        for engine in removed {
+        for (name, i) in &added {
+            router.start_probe(*i);
+            if engines.added.contains(name) {
+                self.processes.launch(name);
+            }
+        }
+        for (engine, i) in retired {
             // Its running tasks end as they would (finished, or at their
-            // deadline), then its process stops. Not tracked: it ends by
-            // itself, and at shutdown with the scheduler (`when_idle`
+            // deadline), then its process stops (removed, or changed in how
+            // it runs: then the new one starts). Not tracked: it ends by
+            // itself, and at shutdown with the scheduler (`when_idle_at`
             // answers `None`) or the processes' own stop.
-            let (scheduler, processes) = (self.scheduler.clone(), self.processes.clone());
+            let (scheduler, processes, router) = (self.scheduler.clone(), self.processes.clone(), router.clone());
+            let removed = !new.engines.contains_key(&engine);
+            let restart = engines.restarted.contains(&engine);
+            let old_runs = old.engines.get(&engine).is_some_and(|e| e.process.is_some());
             tokio::spawn(async move {
-                tracing::info!(%engine, "engine removed from the configuration: draining");
-                if scheduler.when_idle(&engine).await.is_some() {
-                    processes.stop_one(&engine).await;
-                    tracing::info!(%engine, "engine removed from the configuration: drained and stopped");
+                let what = if removed { "removed from" } else { "changed in" };
+                tracing::info!(%engine, instance = i, "engine {what} the configuration: draining");
+                if scheduler.when_idle_at(i).await.is_some() {
+                    router.retire(i);
+                    if (removed || restart) && old_runs {
+                        processes.stop_one(&engine).await;
+                    }
+                    if restart {
+                        processes.launch(&engine);
+                    }
+                    tracing::info!(%engine, instance = i, "engine {what} the configuration: drained");
                 }
             });
         }

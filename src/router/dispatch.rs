@@ -326,7 +326,7 @@ mod tests {
             let r = router(engine.clone());
             let e = r.open(0, &request()).await.map(|_| ()).unwrap_err();
             // An engine that cannot be reached is probed again at once.
-            let rechecked = tokio::time::timeout(Duration::from_millis(1), r.recheck[0].notified()).await.is_ok();
+            let rechecked = tokio::time::timeout(Duration::from_millis(1), r.recheck(0).notified()).await.is_ok();
             assert_eq!(rechecked, unreachable, "{text}");
             assert_eq!(e.error.code, code, "{text}");
             assert_eq!(engine.sent.load(Ordering::SeqCst), 1, "{text}");

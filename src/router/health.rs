@@ -43,7 +43,7 @@ pub(super) async fn probe_loop(
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
-            _ = router.recheck[index].notified() => {}
+            _ = router.recheck(index).notified() => {}
         }
         let probed_at = std::time::Instant::now();
         let h = tokio::select! {

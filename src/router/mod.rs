@@ -83,11 +83,14 @@ pub enum InstanceEvent {
 pub type InstanceSink = Arc<dyn Fn(InstanceEvent) + Send + Sync>;
 
 pub struct Router {
-    instances: Vec<Instance>,
-    /// Probes wait on these to re-check an instance at once (after an
-    /// engine request failed to connect).
-    recheck: Vec<Notify>,
-    breakers: Vec<Mutex<Breaker>>,
+    /// The instances, in the config's order, then those reloads added (an
+    /// instance's index is its identity: a removed one stays, retired).
+    entries: engine::AppendOnly<Entry>,
+    /// The breaker settings of instances added at reload.
+    breaker_config: crate::config::BreakerConfig,
+    /// One [`Router::add_instance`] at a time: the residency's slots are
+    /// pushed in the same order as the instances.
+    adding: Mutex<()>,
     budget: RetryBudget,
     /// Engine attempts per task, the first included, and the first back-off
     /// before the same instance is tried again.
@@ -100,6 +103,19 @@ pub struct Router {
     me: OnceLock<std::sync::Weak<Router>>,
     /// Which instance has its model in memory; dispatch loads it first.
     residency: engine::residency::Residency,
+}
+
+/// One instance with its probe's wake-up, its breaker and what stops its
+/// probe (a reload retired it).
+struct Entry {
+    inst: Instance,
+    /// Probes wait on it to re-check the instance at once (after an engine
+    /// request failed to connect).
+    recheck: Notify,
+    breaker: Mutex<Breaker>,
+    /// Stops its probe (a child of the shutdown token, set when the probe
+    /// starts).
+    probe: OnceLock<CancellationToken>,
 }
 
 struct Wiring {
@@ -122,24 +138,81 @@ impl Router {
     pub fn from_config_with(config: &Config, processes: &engine::supervisor::Processes) -> anyhow::Result<Router> {
         let mut instances = Vec::with_capacity(config.engines.len());
         for e in config.engines.values() {
-            let adapter = engine::build(e).map_err(|err| anyhow::anyhow!("engine {}: {err}", e.name))?;
-            let adapter = processes.wrap(e, adapter);
-            instances.push(Instance {
-                name: e.name.clone(),
-                engine: adapter,
-                engine_model: e.model.clone(),
-                max_concurrency: e.max_concurrency,
-                exclusive: e.exclusive,
-                health_interval: e.health_interval,
-            });
+            instances.push(Self::build_instance(e, processes)?);
         }
         let mut router = Router::with_routing(instances, &config.routing);
         router.residency = engine::residency::Residency::new(config, &router.engines());
         Ok(router)
     }
 
+    /// The instance of engine `e`, its adapter wrapped by `processes`
+    /// when edgeway runs it.
+    pub fn build_instance(
+        e: &crate::config::EngineConfig,
+        processes: &engine::supervisor::Processes,
+    ) -> anyhow::Result<Instance> {
+        let adapter = engine::build(e).map_err(|err| anyhow::anyhow!("engine {}: {err}", e.name))?;
+        Ok(Instance {
+            name: e.name.clone(),
+            engine: processes.wrap(e, adapter),
+            engine_model: e.model.clone(),
+            max_concurrency: e.max_concurrency,
+            exclusive: e.exclusive,
+            health_interval: e.health_interval,
+        })
+    }
+
+    /// Adds `inst` (an engine a reload added or changed, of `config`) after
+    /// the others, with its model's residency, and returns its index; its
+    /// probe starts with [`Router::start_probe`], once the scheduler knows
+    /// it. `None` when there is no room ([`Router::room`]).
+    pub fn add_instance(&self, config: &Config, inst: Instance) -> Option<usize> {
+        let _one = self.adding.lock().unwrap_or_else(|e| e.into_inner());
+        let (name, engine) = (inst.name.clone(), inst.engine.clone());
+        let i = self.entries.push(self.entry(inst)).ok()?;
+        let slot = self.residency.add(config, &name, engine);
+        debug_assert_eq!(slot, i, "residency slots follow the instances");
+        Some(i)
+    }
+
+    /// Starts the probe of instance `i` that a reload added: it is down for
+    /// dispatch until its first probe passes (a supervised one until its
+    /// process is ready).
+    pub fn start_probe(&self, i: usize) {
+        if let (Some(w), Some(me)) = (self.wiring.get(), self.self_ref().and_then(|w| w.upgrade())) {
+            let name = &self.instance(i).name;
+            w.metrics.breaker_state.with_label_values(&[name]).set(BreakerState::Closed.gauge());
+            let cancel = self.entries.get(i).probe.get_or_init(|| w.shutdown.child_token()).clone();
+            w.tracker.spawn(health::probe_loop(me, i, w.metrics.clone(), w.sink.clone(), cancel));
+        }
+    }
+
+    /// How many more instances reloads may add.
+    pub fn room(&self) -> usize {
+        self.entries.room()
+    }
+
+    /// Instance `i` was removed from the configuration (or replaced by a
+    /// changed one) and drained: its probe stops, and `/ready` no longer
+    /// waits for its model. The scheduler already gives it no new work.
+    pub fn retire(&self, i: usize) {
+        if let Some(probe) = self.entries.get(i).probe.get() {
+            probe.cancel();
+        }
+        self.residency.retire(i);
+    }
+
+    fn entry(&self, inst: Instance) -> Entry {
+        Entry {
+            inst,
+            recheck: Notify::new(),
+            breaker: Mutex::new(Breaker::new(self.breaker_config.clone())),
+            probe: OnceLock::new(),
+        }
+    }
+
     fn engines(&self) -> Vec<(String, Arc<dyn Engine>)> {
-        self.instances.iter().map(|i| (i.name.clone(), i.engine.clone())).collect()
+        self.instances().iter().map(|i| (i.name.clone(), i.engine.clone())).collect()
     }
 
     /// The residency of the instances' models (for `/ready` and
@@ -154,16 +227,19 @@ impl Router {
     }
 
     pub fn with_routing(instances: Vec<Instance>, r: &RoutingConfig) -> Router {
-        let recheck = instances.iter().map(|_| Notify::new()).collect();
-        let breakers = instances.iter().map(|_| Mutex::new(Breaker::new(r.breaker.clone()))).collect();
-        let budget = RetryBudget::new(r.retry_budget.clone());
         let engines: Vec<_> = instances.iter().map(|i| (i.name.clone(), i.engine.clone())).collect();
+        let entry = |inst| Entry {
+            inst,
+            recheck: Notify::new(),
+            breaker: Mutex::new(Breaker::new(r.breaker.clone())),
+            probe: OnceLock::new(),
+        };
         Router {
             residency: engine::residency::Residency::unmanaged(&engines),
-            instances,
-            recheck,
-            breakers,
-            budget,
+            entries: engine::AppendOnly::with_room(instances.into_iter().map(entry).collect(), engine::RELOAD_ROOM),
+            breaker_config: r.breaker.clone(),
+            adding: Mutex::new(()),
+            budget: RetryBudget::new(r.retry_budget.clone()),
             max_attempts: r.max_attempts,
             retry_backoff: r.retry_backoff,
             wiring: OnceLock::new(),
@@ -171,24 +247,30 @@ impl Router {
         }
     }
 
-    pub fn instances(&self) -> &[Instance] {
-        &self.instances
+    /// Every instance, by index (retired ones too).
+    pub fn instances(&self) -> Vec<&Instance> {
+        self.entries.iter().map(|e| &e.inst).collect()
     }
 
     pub fn instance(&self, i: usize) -> &Instance {
-        &self.instances[i]
+        &self.entries.get(i).inst
+    }
+
+    /// Instance `i`'s probe wakes on it.
+    fn recheck(&self, i: usize) -> &Notify {
+        &self.entries.get(i).recheck
     }
 
     /// Asks the probe of instance `i` to check it now rather than at its
     /// next tick.
     pub fn request_recheck(&self, i: usize) {
-        self.recheck[i].notify_one();
+        self.recheck(i).notify_one();
     }
 
     /// The generations instance `i`'s engine says it runs (for any client),
     /// where it tells.
     pub async fn busy_slots(&self, i: usize) -> Option<usize> {
-        self.instances[i].engine.load().await.busy_slots
+        self.instance(i).engine.load().await.busy_slots
     }
 
     /// Counts a task's first attempt (the retry budget is a share of
@@ -264,12 +346,12 @@ impl Router {
     fn breaker(&self, i: usize) -> std::sync::MutexGuard<'_, Breaker> {
         // A panic while holding it cannot leave a half-made state: every
         // method finishes its change before it returns.
-        self.breakers[i].lock().unwrap_or_else(|e| e.into_inner())
+        self.entries.get(i).breaker.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Logs, counts and passes on a breaker's change.
     fn breaker_changed(&self, i: usize, t: Transition) {
-        let name = &self.instances[i].name;
+        let name = &self.instance(i).name;
         match t.to {
             BreakerState::Open => {
                 tracing::warn!(engine = %name, from = t.from.as_str(), reason = %t.reason, "circuit breaker opened")
@@ -321,12 +403,13 @@ impl Router {
             tracker: tracker.clone(),
             shutdown: shutdown.clone(),
         });
-        for inst in &self.instances {
+        for inst in self.instances() {
             metrics.breaker_state.with_label_values(&[&inst.name]).set(BreakerState::Closed.gauge());
         }
         self.residency.start(tracker, shutdown, &metrics);
-        for i in 0..self.instances.len() {
-            tracker.spawn(health::probe_loop(self.clone(), i, metrics.clone(), sink.clone(), shutdown.child_token()));
+        for i in 0..self.entries.len() {
+            let cancel = self.entries.get(i).probe.get_or_init(|| shutdown.child_token()).clone();
+            tracker.spawn(health::probe_loop(self.clone(), i, metrics.clone(), sink.clone(), cancel));
         }
     }
 }

@@ -44,6 +44,11 @@ impl Affinity {
         Affinity { slots: slots.into_iter().map(|n| n.map(|n| vec![false; n])).collect(), ..Default::default() }
     }
 
+    /// An instance a reload added, after the others.
+    pub fn add(&mut self, slots: Option<usize>) {
+        self.slots.push(slots.map(|n| vec![false; n]));
+    }
+
     /// The instance to run a task of `session` on instead of `picked`,
     /// when its last turn ran elsewhere and `usable` (free slot, the task
     /// may run there, no more loaded than `picked`) says that one will do.

@@ -270,6 +270,9 @@ enum Cmd {
     Limits {
         limits: policy::Limits,
         retired: Vec<usize>,
+        /// Every model the policy knows, by index, and whether the
+        /// configuration in force still has it.
+        models: Vec<(String, bool)>,
     },
     /// Answer once the instance runs no task.
     WhenIdle {
@@ -350,6 +353,57 @@ struct Shared {
     shutdown: CancellationToken,
     /// Live and recently ended tasks.
     registry: Registry,
+    /// The policy's models by index: those of the start, then those
+    /// reloads added (a removed one keeps its index).
+    model_names: std::sync::Mutex<Vec<String>>,
+    /// The instance in force for each engine of the configuration in
+    /// force, by name (a changed engine's new one).
+    live: std::sync::Mutex<HashMap<String, usize>>,
+}
+
+/// What the policy knows of a model of `config`; `instances` and `models`
+/// give the index of an engine and of a model by name.
+fn model_policy(
+    m: &crate::config::ModelConfig,
+    config: &Config,
+    instances: &HashMap<&str, usize>,
+    models: &[String],
+) -> ModelPolicy {
+    ModelPolicy {
+        name: m.name.clone(),
+        queue_capacity: m.queue_capacity,
+        max_running: m.max_running,
+        instances: m.instances.iter().filter_map(|n| instances.get(n.as_str()).copied()).collect(),
+        kv_bytes_per_token: m.kv_bytes_per_token,
+        weights_bytes: m.weights_bytes,
+        memory_margin: m.memory_margin,
+        fallback_models: m
+            .fallback_models
+            .iter()
+            .filter(|f| config.models.contains_key(*f))
+            .filter_map(|f| models.iter().position(|k| k == f))
+            .collect(),
+        canned: m.canned_answer.is_some(),
+        context_tokens: m.context_tokens,
+        max_output_tokens: m.max_output_tokens,
+        residency: m.residency.clone(),
+    }
+}
+
+/// What the policy knows of an engine instance.
+fn instance_policy(e: &crate::config::EngineConfig) -> InstancePolicy {
+    InstancePolicy {
+        name: e.name.clone(),
+        max_concurrency: e.max_concurrency,
+        reserved_realtime_slots: e.reserved_realtime_slots,
+        memory_budget_bytes: e.memory_budget_bytes,
+        location: e.location,
+        max_data_class: e.max_data_class,
+        cost: e.cost_per_1k_tokens,
+        max_prefill_tokens: e.max_prefill_tokens.map(u64::from),
+        long_prompt_tokens: e.long_prompt_tokens,
+        slot_affinity: e.slot_affinity,
+    }
 }
 
 impl Shared {
@@ -380,47 +434,11 @@ pub fn start(
     let (tx, rx) = mpsc::unbounded_channel();
     let instances = router.instances();
     let index: HashMap<&str, usize> = instances.iter().enumerate().map(|(i, x)| (x.name.as_str(), i)).collect();
-    let models: Vec<ModelPolicy> = config
-        .models
-        .values()
-        .map(|m| ModelPolicy {
-            name: m.name.clone(),
-            queue_capacity: m.queue_capacity,
-            max_running: m.max_running,
-            instances: m.instances.iter().map(|n| index[n.as_str()]).collect(),
-            kv_bytes_per_token: m.kv_bytes_per_token,
-            weights_bytes: m.weights_bytes,
-            memory_margin: m.memory_margin,
-            fallback_models: m
-                .fallback_models
-                .iter()
-                .filter_map(|f| config.models.keys().position(|k| k == f))
-                .collect(),
-            canned: m.canned_answer.is_some(),
-            context_tokens: m.context_tokens,
-            max_output_tokens: m.max_output_tokens,
-            residency: m.residency.clone(),
-        })
-        .collect();
+    let model_names: Vec<String> = config.models.keys().cloned().collect();
+    let models: Vec<ModelPolicy> =
+        config.models.values().map(|m| model_policy(m, &config, &index, &model_names)).collect();
     let policy = Policy::new(PolicyConfig {
-        instances: instances
-            .iter()
-            .map(|i| {
-                let e = &config.engines[&i.name];
-                InstancePolicy {
-                    name: i.name.clone(),
-                    max_concurrency: i.max_concurrency,
-                    reserved_realtime_slots: e.reserved_realtime_slots,
-                    memory_budget_bytes: e.memory_budget_bytes,
-                    location: e.location,
-                    max_data_class: e.max_data_class,
-                    cost: e.cost_per_1k_tokens,
-                    max_prefill_tokens: e.max_prefill_tokens.map(u64::from),
-                    long_prompt_tokens: e.long_prompt_tokens,
-                    slot_affinity: e.slot_affinity,
-                }
-            })
-            .collect(),
+        instances: instances.iter().map(|i| instance_policy(&config.engines[&i.name])).collect(),
         apps: config.applications.values().map(|a| (a.name.clone(), a.limits.clone())).collect(),
         tenant_weights: config.tenant_weights.clone(),
         max_queued: config.scheduler.max_queued,
@@ -446,6 +464,8 @@ pub fn start(
         tracker: tracker.clone(),
         shutdown: shutdown.clone(),
         registry: Registry::new(config.scheduler.replay_retention, config.scheduler.replay_max_bytes),
+        model_names: std::sync::Mutex::new(model_names),
+        live: std::sync::Mutex::new(index.iter().map(|(n, &i)| (n.to_string(), i)).collect()),
     });
     let actor = Actor {
         model_index: config.models.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect(),
@@ -762,30 +782,39 @@ impl SchedulerHandle {
 
     /// Takes the limits of a reloaded configuration (applications, users,
     /// tenants, models, the global bounds and aging) for the next
-    /// admissions and grants; see [`policy::Policy::set_limits`]. `config`
-    /// has the same models as the one the scheduler started with.
-    pub fn set_limits(&self, config: &Config) {
-        let index: HashMap<&str, usize> =
-            self.shared.router.instances().iter().enumerate().map(|(i, x)| (x.name.as_str(), i)).collect();
-        // Engines that left the configuration get no new work from now on
-        // (see [`SchedulerHandle::when_idle`]).
-        let retired: Vec<usize> =
-            index.iter().filter(|(name, _)| !config.engines.contains_key(**name)).map(|(_, &i)| i).collect();
+    /// admissions and grants; see [`policy::Policy::set_limits`].
+    /// `added` are the instances the router added for this configuration
+    /// (engines added or changed), with their index. Engines that left
+    /// the configuration, and the instances a changed engine replaced, get
+    /// no new work from now on (see [`SchedulerHandle::when_idle_at`]);
+    /// models that left it take no new work, and their queued and running
+    /// work finishes. Returns the instances retired, by name and index.
+    pub fn set_limits(&self, config: &Config, added: &[(String, usize)]) -> Vec<(String, usize)> {
+        let mut live = self.shared.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut names = self.shared.model_names.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut index: HashMap<String, usize> = HashMap::new();
+        for name in config.engines.keys() {
+            let i = added.iter().find(|(n, _)| n == name).map(|(_, i)| *i).or_else(|| live.get(name).copied());
+            if let Some(i) = i {
+                index.insert(name.clone(), i);
+            }
+        }
+        let retired: Vec<(String, usize)> =
+            live.iter().filter(|(n, i)| index.get(*n) != Some(*i)).map(|(n, i)| (n.clone(), *i)).collect();
+        for name in config.models.keys() {
+            if !names.contains(name) {
+                names.push(name.clone());
+            }
+        }
+        let by_name: HashMap<&str, usize> = index.iter().map(|(n, &i)| (n.as_str(), i)).collect();
+        let mut added_instances: Vec<(usize, InstancePolicy)> =
+            added.iter().map(|(n, i)| (*i, instance_policy(&config.engines[n]))).collect();
+        added_instances.sort_by_key(|(i, _)| *i);
         let limits = policy::Limits {
-            models: config
-                .models
-                .values()
-                .map(|m| policy::ModelLimits {
-                    queue_capacity: m.queue_capacity,
-                    max_running: m.max_running,
-                    // A reload adds no engine (`config::reload::plan`).
-                    instances: m.instances.iter().filter_map(|n| index.get(n.as_str()).copied()).collect(),
-                    fallback_models: m
-                        .fallback_models
-                        .iter()
-                        .filter_map(|f| config.models.keys().position(|k| k == f))
-                        .collect(),
-                })
+            added_instances,
+            models: names
+                .iter()
+                .map(|n| config.models.get(n).map(|m| model_policy(m, config, &by_name, &names)))
                 .collect(),
             apps: config.applications.values().map(|a| (a.name.clone(), a.limits.clone())).collect(),
             tenant_weights: config.tenant_weights.clone(),
@@ -794,15 +823,38 @@ impl SchedulerHandle {
             aging: config.scheduler.priority_aging,
             busy_retry_after_ms: config.scheduler.busy_retry_after_ms,
         };
-        let _ = self.tx.send(Cmd::Limits { limits, retired });
+        let models: Vec<(String, bool)> = names.iter().map(|n| (n.clone(), config.models.contains_key(n))).collect();
+        let _ = self.tx.send(Cmd::Limits { limits, retired: retired.iter().map(|(_, i)| *i).collect(), models });
+        *live = index;
         self.shared
             .first_token_default_ms
             .store(config.timeouts.first_token.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
+        retired
     }
 
-    /// Returns once the instance named `instance` runs no task (at once if
-    /// it runs none): an engine removed at reload has drained. `None` when
+    /// The router the scheduler dispatches to (a reload adds instances to
+    /// it before [`SchedulerHandle::set_limits`]).
+    pub fn router(&self) -> &Arc<Router> {
+        &self.shared.router
+    }
+
+    /// The instance in force for engine `name`.
+    pub fn instance_of(&self, name: &str) -> Option<usize> {
+        self.shared.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(name).copied()
+    }
+
+    /// Returns once instance `i` runs no task (at once if it runs none):
+    /// an engine removed or replaced at reload has drained. `None` when
     /// the scheduler stopped first.
+    pub async fn when_idle_at(&self, i: usize) -> Option<()> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Cmd::WhenIdle { instance: i, reply: tx }).ok()?;
+        rx.await.ok()
+    }
+
+    /// Returns once the (first) instance named `instance` runs no task (at
+    /// once if it runs none): an engine removed at reload has drained.
+    /// `None` when the scheduler stopped first.
     pub async fn when_idle(&self, instance: &str) -> Option<()> {
         let i = self.shared.router.instances().iter().position(|x| x.name == instance)?;
         let (tx, rx) = oneshot::channel();
@@ -1019,11 +1071,27 @@ impl Actor {
                 }
             }
             Cmd::Danger { reason } => self.policy.set_danger(reason),
-            Cmd::Limits { limits, retired } => {
+            Cmd::Limits { limits, retired, models } => {
+                for (_, inst) in &limits.added_instances {
+                    self.details.push("added by a reload: not checked yet".to_string());
+                    self.breaker_reasons.push(None);
+                    self.metrics.running.with_label_values(&[&inst.name]).set(0);
+                    self.metrics.engine_unreleased.with_label_values(&[&inst.name]).set(0);
+                }
                 self.policy.set_limits(limits);
+                // A model the file no longer has is unknown to new work;
+                // its queued and running tasks finish.
+                for (m, (name, kept)) in models.into_iter().enumerate() {
+                    if kept {
+                        self.model_index.insert(name, m);
+                    } else {
+                        self.model_index.remove(&name);
+                    }
+                }
                 for i in retired {
                     if self.retired.insert(i) {
                         self.policy.set_instance_up(i, false);
+                        self.policy.set_instance_restarting(i, false);
                         self.details[i] = "removed from the configuration: draining, then stopped".to_string();
                     }
                 }
@@ -1207,11 +1275,10 @@ impl Actor {
     fn snapshot(&self) -> Snapshot {
         let cfg = self.policy.config();
         Snapshot {
-            instances: self
-                .router
-                .instances()
-                .iter()
-                .enumerate()
+            // The policy's instances: the router may have one more a
+            // reload is adding, that the actor is not told of yet.
+            instances: (0..cfg.instances.len())
+                .map(|i| (i, self.router.instance(i)))
                 .map(|(i, inst)| InstanceSnapshot {
                     name: inst.name.clone(),
                     up: self.policy.instance_dispatchable(i),

@@ -148,24 +148,20 @@ pub struct PolicyConfig {
 /// ([`Policy::set_limits`]).
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// Each model's limits and routes, in model order.
-    pub models: Vec<ModelLimits>,
+    /// Instances a reload added (an engine added, or a changed one's new
+    /// instance), with their index, which follows the policy's last.
+    pub added_instances: Vec<(usize, InstancePolicy)>,
+    /// Each model's settings, by the policy's model index (after the
+    /// models a reload added, which take the next indices): `None` for a
+    /// model the reload removed, which keeps what it had for the work
+    /// it still holds.
+    pub models: Vec<Option<ModelPolicy>>,
     pub apps: HashMap<String, AppLimits>,
     pub tenant_weights: HashMap<String, f64>,
     pub max_queued: Option<usize>,
     pub max_running: Option<usize>,
     pub aging: Option<Duration>,
     pub busy_retry_after_ms: u64,
-}
-
-/// What a reload may change of one model: its bounds, its instances (among
-/// those the policy knows) and its fallback chain.
-#[derive(Debug, Clone)]
-pub struct ModelLimits {
-    pub queue_capacity: usize,
-    pub max_running: Option<usize>,
-    pub instances: Vec<usize>,
-    pub fallback_models: Vec<usize>,
 }
 
 /// What the policy needs to know about a task.
@@ -651,16 +647,29 @@ impl Policy {
     /// Takes the limits and routes of a reloaded configuration. They judge
     /// the next admission and grant only: running tasks keep their slots, waiting
     /// ones their place (a lowered bound refuses new work until the queue
-    /// is below it). Models are the same set, in the same order.
+    /// is below it). Instances and models a reload added are appended;
+    /// an added instance is down, and only waited for (as a restarting
+    /// one), until its first probe says otherwise.
     pub fn set_limits(&mut self, limits: Limits) {
-        debug_assert_eq!(limits.models.len(), self.cfg.models.len());
-        for (m, l) in self.cfg.models.iter_mut().zip(limits.models) {
-            m.queue_capacity = l.queue_capacity;
-            m.max_running = l.max_running;
-            // Chains are built from these at each admission and reroute:
-            // waiting tasks keep the candidates they were queued with.
-            m.instances = l.instances;
-            m.fallback_models = l.fallback_models;
+        for (i, inst) in limits.added_instances {
+            debug_assert_eq!(i, self.instances.len(), "instances are added in index order");
+            self.affinity.add(inst.slot_affinity.then_some(inst.max_concurrency));
+            self.instances.push(InstanceState { up: false, restarting: true, ..Default::default() });
+            self.cfg.instances.push(inst);
+        }
+        for (m, l) in limits.models.into_iter().enumerate() {
+            let Some(l) = l else { continue };
+            if m < self.cfg.models.len() {
+                // Chains are built from these at each admission and
+                // reroute: waiting tasks keep the candidates they were
+                // queued with.
+                self.cfg.models[m] = l;
+            } else {
+                debug_assert_eq!(m, self.cfg.models.len(), "models are added in index order");
+                self.cfg.models.push(l);
+                self.waiting.push(Vec::new());
+                self.model_running.push(0);
+            }
         }
         self.cfg.apps = limits.apps;
         self.cfg.tenant_weights = limits.tenant_weights;

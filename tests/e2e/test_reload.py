@@ -3,6 +3,9 @@ runs, the config file gains an application (a new API key) and POST
 /admin/reload puts it in force. The stream completes normally, the new key
 answers, and /ready shows the new config_version. A broken file is then
 refused (422 CONFIG_INVALID with key paths) and the new version stays.
+A second test adds, at reload, a llama-server that edgeway runs itself and
+a model on it: a request sent at once waits until the new engine is ready
+and is answered by it; edgeway's stop stops the engine too.
 
 edgeway runs here with a config of its own (one engine: the session's
 llama-server), so the test does not depend on config/edgeway.toml's
@@ -10,12 +13,13 @@ engines.
 """
 import hashlib
 import json
+import os
 import threading
 import time
 import urllib.error
 import urllib.request
 
-from conftest import DEMO_KEY, EDGEWAY_BIN, OPS_KEY, Proc, free_port, wait_http
+from conftest import DEMO_KEY, EDGEWAY_BIN, LLAMA_BIN, MODEL, OPS_KEY, ROOT, Proc, free_port, wait_http
 
 NEW_KEY = "sk-edgeway-added-by-reload"
 
@@ -138,3 +142,52 @@ def test_a_key_added_at_reload_answers_while_an_earlier_stream_completes(llama, 
                      "max_tokens": 2})[0] == 200
     finally:
         gw.stop()
+
+
+def test_a_llama_server_added_at_reload_is_started_and_answers(llama, workdir):
+    port, engine_port = free_port(), free_port()
+    d = workdir / f"reload-added-{time.monotonic_ns()}"
+    d.mkdir()
+    cfg = d / "edgeway.toml"
+    cfg.write_text(config(port, d / "data", llama))
+    base = f"http://127.0.0.1:{port}"
+    gw = Proc([str(EDGEWAY_BIN), "serve", "--config", str(cfg)], {"PATH": "/usr/bin:/bin"}, d / "edgeway.log")
+    try:
+        wait_http(base + "/ready", 60, gw.p, d / "edgeway.log")
+        args = ["-m", str(MODEL), "--alias", "gemma-3-270m-added", "--host", "127.0.0.1",
+                "--port", str(engine_port), "--parallel", "1", "--ctx-size", "2048", "--threads", "1",
+                "--no-webui", "--chat-template-file", str(ROOT / "config" / "templates" / "gemma.jinja")]
+        added = f"""
+[engines.llama-added]
+type = "openai"
+base_url = "http://127.0.0.1:{engine_port}"
+model = "gemma-3-270m-added"
+max_concurrency = 1
+health_interval_ms = 200
+[engines.llama-added.process]
+command = "{LLAMA_BIN}"
+args = {json.dumps(args)}
+ready_timeout_ms = 120000
+[models.added-chat]
+instances = ["llama-added"]
+context_tokens = 2048
+max_output_tokens = 64
+"""
+        cfg.write_text(config(port, d / "data", llama, added))
+        status, body = call(base + "/admin/reload", OPS_KEY)
+        assert status == 200, body
+        assert body["changes"]["engines"]["added"] == 1, body
+        # Sent at once: it waits for the new engine's process to be ready.
+        status, answer = call(base + "/v1/chat/completions", DEMO_KEY,
+                              {"model": "added-chat", "messages": [{"role": "user", "content": "Hi"}],
+                               "max_tokens": 4})
+        assert status == 200, answer
+        _, ready = call(base + "/ready", OPS_KEY)
+        proc = next(p for p in ready["engine_processes"] if p["instance"] == "llama-added")
+        assert proc["state"] == "ready", proc
+        pid = proc["pid"]
+    finally:
+        gw.stop()
+    with open(f"/proc/{pid}/stat") if os.path.exists(f"/proc/{pid}/stat") else open(os.devnull) as f:
+        stat = f.read()
+    assert not stat or stat.rsplit(")", 1)[1].split()[0] == "Z", "edgeway's stop stopped the engine it added"
