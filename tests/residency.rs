@@ -237,6 +237,103 @@ async fn a_one_model_memory_budget_unloads_the_least_recently_used_model_first()
     gw.stop().await;
 }
 
+/// Three router-mode models of 80 MB (`general-chat` as demo-a, `chat-b`,
+/// `chat-c`) on one fake whose sections have the budget `budget_mb`;
+/// `edit` changes the file's text further.
+async fn three_models(fake: &FakeEngine, budget_mb: u32, edit: impl FnOnce(String) -> String) -> TestGateway {
+    let budget = format!("memory_budget_mb = {budget_mb}");
+    let keys = "residency = \"on_demand\"\nweights_mb = 80\n";
+    let extra = format!(
+        "{}{}\n[models.chat-b]\ninstances = [\"fake-b\"]\ncontext_tokens = 2048\nmax_output_tokens = 256\nresidency = \"on_demand\"\nweights_mb = 80\n\
+         [models.chat-c]\ninstances = [\"fake-c\"]\ncontext_tokens = 2048\nmax_output_tokens = 256\nresidency = \"on_demand\"\nweights_mb = 80\n",
+        router_engine("fake-b", &fake.url(), "demo-b", &budget),
+        router_engine("fake-c", &fake.url(), "demo-c", &budget),
+    );
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", &format!("{keys}{extra}"), |t| {
+        edit(t.replacen(
+            "model = \"fake-model\"",
+            &format!("model = \"demo-a\"\nmodel_api = \"llama-router\"\n{budget}"),
+            1,
+        ))
+    })
+    .await;
+    gw.wait_ready().await;
+    gw
+}
+
+fn chat_at(model: &str, priority: &str) -> Value {
+    let mut b = chat(model);
+    b["priority"] = json!(priority);
+    b
+}
+
+/// Issue 11, priority-aware eviction: with room for two models, a load
+/// for P1 work unloads the model of P3 work, not the least recently used
+/// one (the model of P1 work). Failed before: "unload demo-a" (LRU only).
+#[tokio::test]
+async fn a_load_for_p1_work_unloads_the_model_of_p3_work_before_an_older_one_of_p1_work() {
+    let fake = FakeEngine::start_with(router_fake(&["demo-a", "demo-b", "demo-c"], 50)).await;
+    let gw = three_models(&fake, 200, |t| t).await;
+    for (model, p) in [("general-chat", "P1"), ("chat-b", "P3"), ("chat-c", "P1")] {
+        let (status, v) = call(&gw, DEMO_KEY, &chat_at(model, p)).await;
+        assert_eq!(status, 200, "{model}: {v}");
+    }
+    assert_eq!(fake.model_events(), vec!["load demo-a", "load demo-b", "unload demo-b", "load demo-c"]);
+    assert_eq!(residency_of(&gw, "general-chat").await.1, "loaded", "the model of P1 work stays");
+    let m = metrics_text(&gw).await;
+    assert_eq!(metric(&m, "edgeway_model_unloads_total", &[("reason", "memory")]), 1.0, "{m}");
+    gw.stop().await;
+}
+
+/// Issue 11, priority-aware eviction: a model with P1 work queued is not
+/// unloaded for P3 work, even while it is idle between two P1 tasks (one
+/// slot); the P3 task waits and is served after. Failed before: the model
+/// went idle after the first P1 task and was unloaded for the P3 load, so
+/// the queued P1 task loaded it again.
+#[tokio::test]
+async fn a_model_with_queued_p1_work_is_not_unloaded_for_p3_work() {
+    let knobs = Knobs {
+        tokens: 10,
+        token_delay: Duration::from_millis(30),
+        ..router_fake(&["demo-a", "demo-b", "demo-c"], 50)
+    };
+    let fake = FakeEngine::start_with(knobs).await;
+    let gw = three_models(&fake, 100, |t| t.replacen("max_concurrency = 2", "max_concurrency = 1", 1)).await;
+    let (base, p1) = (gw.base_url.clone(), chat_at("general-chat", "P1"));
+    let send = |body: Value| {
+        let base = base.clone();
+        tokio::spawn(async move {
+            let r = client()
+                .post(format!("{base}/v1/chat/completions"))
+                .bearer_auth(DEMO_KEY)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        })
+    };
+    let first = send(p1.clone());
+    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(std::sync::atomic::Ordering::SeqCst) >= 1).await);
+    let second = send(p1);
+    let queued = Instant::now();
+    while metric(&metrics_text(&gw).await, "edgeway_queue_depth", &[("model", "general-chat"), ("priority", "P1")])
+        < 1.0
+    {
+        assert!(queued.elapsed() < Duration::from_secs(10), "the second P1 task queues behind the first");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (status, v) = call(&gw, DEMO_KEY, &chat_at("chat-b", "P3")).await;
+    assert_eq!(status, 200, "the P3 task is served after the P1 work: {v}");
+    assert_eq!((first.await.unwrap(), second.await.unwrap()), (200, 200));
+    assert_eq!(
+        fake.model_events(),
+        vec!["load demo-a", "unload demo-a", "load demo-b"],
+        "demo-a stayed loaded for both P1 tasks"
+    );
+    gw.stop().await;
+}
+
 #[tokio::test]
 async fn a_restricted_model_serves_only_the_work_it_is_restricted_to() {
     let fake = FakeEngine::start_with(router_fake(&["demo-a"], 0)).await;

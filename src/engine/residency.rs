@@ -11,6 +11,18 @@
 //! `weights_mb`), the load of `always` models at start (and again when the
 //! engine dropped one), and the `edgeway_model_*` metrics and log lines.
 //!
+//! # Eviction by priority
+//! A load that needs memory unloads idle models of the same server, chosen
+//! by the priority of their work against the priority of the work the load
+//! is for (the most urgent task waiting on it): a model with queued work
+//! more urgent than that is never unloaded for it (the load waits for
+//! memory, within the task's first-token deadline, or the task takes its
+//! next routing step); among the others, the model whose work is least
+//! urgent goes first (its queued work, else the priority of its last
+//! use), then the least recently used. Residency does not see the
+//! scheduler's queues: the scheduler keeps a [`WaitingWork`] current (the
+//! tasks waiting, per logical model and priority), which this reads.
+//!
 //! Does not own: which work may use a model (`restricted`, `forbidden`:
 //! the scheduler's policy drops those instances from a task's routing
 //! steps), the decision to wait for a load or take the next step (the
@@ -77,7 +89,48 @@ use tokio_util::task::TaskTracker;
 
 use super::{Engine, EngineError};
 use crate::config::{Config, ModelApi, ResidencyClass};
+use crate::task::Priority;
 use crate::telemetry::Metrics;
+
+/// The tasks waiting in the scheduler's queues, per logical model and
+/// priority: the scheduler's view that eviction reads (it counts as a
+/// queue-depth gauge does, at each enqueue, grant and withdrawal).
+#[derive(Debug, Default)]
+pub struct WaitingWork {
+    counts: Mutex<std::collections::HashMap<String, [usize; 5]>>,
+}
+
+impl WaitingWork {
+    fn slot(p: Priority) -> usize {
+        Priority::ALL.iter().position(|&q| q == p).unwrap_or(4)
+    }
+
+    /// A task of `model` at priority `p` is queued.
+    pub fn add(&self, model: &str, p: Priority) {
+        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        c.entry(model.to_string()).or_default()[Self::slot(p)] += 1;
+    }
+
+    /// A task of `model` at priority `p` left its queue (granted,
+    /// withdrawn, refused).
+    pub fn remove(&self, model: &str, p: Priority) {
+        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = c.get_mut(model) {
+            let k = &mut n[Self::slot(p)];
+            *k = k.saturating_sub(1);
+        }
+    }
+
+    /// The most urgent priority queued for any of `models`.
+    pub fn best<'a>(&self, models: impl IntoIterator<Item = &'a String>) -> Option<Priority> {
+        let c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        models
+            .into_iter()
+            .filter_map(|m| c.get(m))
+            .filter_map(|n| n.iter().position(|&k| k > 0).map(|p| Priority::ALL[p]))
+            .min()
+    }
+}
 
 /// The longest a load may take before it counts as failed.
 const LOAD_TIMEOUT: Duration = Duration::from_secs(300);
@@ -135,6 +188,8 @@ struct Slot {
     instance: String,
     /// The logical model naming the instance (metrics label).
     model: String,
+    /// Every logical model naming it (their queued work protects it).
+    models: Vec<String>,
     engine: Arc<dyn Engine>,
     api: ModelApi,
     class: ResidencyClass,
@@ -170,6 +225,11 @@ struct SlotState {
     /// loaded until it is done (llama-server stops the model's process in
     /// the background), which is no news.
     unloading: bool,
+    /// The most urgent task waiting for the load under way (what memory
+    /// is made for).
+    need: Option<Priority>,
+    /// The priority of the last task that used the model.
+    last_priority: Option<Priority>,
 }
 
 struct Inner {
@@ -181,6 +241,8 @@ struct Inner {
     freed: tokio::sync::Notify,
     tracker: TaskTracker,
     shutdown: CancellationToken,
+    /// The scheduler's queued work, for eviction.
+    waiting: Arc<WaitingWork>,
 }
 
 /// The residency of every engine instance, shared by the router (which
@@ -257,6 +319,7 @@ impl Residency {
             .map(|(name, engine)| Slot {
                 instance: name.clone(),
                 model: String::new(),
+                models: Vec::new(),
                 engine: engine.clone(),
                 api: ModelApi::None,
                 class: ResidencyClass::Always,
@@ -274,6 +337,8 @@ impl Residency {
                     failure: None,
                     changed_at: Instant::now(),
                     unloading: false,
+                    need: None,
+                    last_priority: None,
                 }),
                 tx: watch::channel(State::Loaded).0,
                 retired: false.into(),
@@ -290,6 +355,7 @@ impl Residency {
                 freed: tokio::sync::Notify::new(),
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
+                waiting: Arc::default(),
             }),
         }
     }
@@ -323,6 +389,7 @@ impl Residency {
         Slot {
             instance: name.to_string(),
             model: models.first().map(|m| m.name.clone()).unwrap_or_default(),
+            models: models.iter().map(|m| m.name.clone()).collect(),
             engine,
             api,
             class: residency.class,
@@ -340,6 +407,8 @@ impl Residency {
                 failure: None,
                 changed_at: Instant::now(),
                 unloading: false,
+                need: None,
+                last_priority: None,
             }),
             tx: watch::channel(state).0,
             retired: false.into(),
@@ -359,6 +428,12 @@ impl Residency {
             self.begin(i);
         }
         i
+    }
+
+    /// The view of the scheduler's queues that eviction reads; the
+    /// scheduler keeps it current.
+    pub fn waiting_work(&self) -> Arc<WaitingWork> {
+        self.inner.waiting.clone()
     }
 
     /// Instance `i` was removed or replaced by a reload: `/ready` no longer
@@ -476,7 +551,9 @@ impl Residency {
     /// # Cancel safety
     /// The load runs on its own task: dropping this future only stops
     /// waiting for it.
-    pub async fn acquire(&self, i: usize, deadline: Option<Instant>) -> Result<Lease, Refused> {
+    /// `priority`: the task's, for the choice of what to unload when the
+    /// load needs memory.
+    pub async fn acquire(&self, i: usize, deadline: Option<Instant>, priority: Priority) -> Result<Lease, Refused> {
         let s = self.slot(i);
         if s.api == ModelApi::None {
             return match s.class {
@@ -494,9 +571,11 @@ impl Residency {
                     st.users += 1;
                     st.epoch += 1;
                     st.last_used = now;
+                    st.last_priority = Some(priority);
                     return Ok(Lease { residency: Some((self.clone(), i)) });
                 }
                 State::Loading | State::Unloaded => {
+                    st.need = Some(st.need.map_or(priority, |n| n.min(priority)));
                     let loading_for = st.loading_since.map_or(Duration::ZERO, |t| now - t);
                     if let (Some(d), Some(expected)) = (deadline, st.last_load) {
                         if now + expected.saturating_sub(loading_for) > d {
@@ -519,6 +598,7 @@ impl Residency {
             st.users += 1;
             st.epoch += 1;
             st.last_used = Instant::now();
+            st.last_priority = Some(priority);
             return Ok(Lease { residency: Some((self.clone(), i)) });
         }
         Err(Refused::LoadFailed(st.failure.clone().unwrap_or_else(|| "unloaded while loading".into())))
@@ -617,6 +697,7 @@ impl Residency {
         {
             let mut st = self.lock(i);
             st.loading_since = None;
+            st.need = None;
             st.changed_at = Instant::now();
             match &result {
                 Ok(()) => {
@@ -666,29 +747,52 @@ impl Residency {
         }
     }
 
-    /// Unloads the least recently used idle models of instance `i`'s
-    /// engine server until `i`'s model fits its memory budget.
+    /// Unloads idle models of instance `i`'s engine server until `i`'s
+    /// model fits its memory budget: never one with queued work more
+    /// urgent than the work the load is for; first the one whose work is
+    /// least urgent, then the least recently used (see the module doc).
     async fn make_room(&self, i: usize) -> Result<(), String> {
         let me = self.slot(i);
         let Some(budget) = me.budget else { return Ok(()) };
         let waiting_since = Instant::now();
         loop {
             let freed = self.inner.freed.notified();
+            // The load is for the most urgent of its waiting tasks, or of
+            // the model's queued ones; with neither (an `always` load),
+            // for the least urgent work.
+            let need = [self.lock(i).need, self.inner.waiting.best(&me.models)]
+                .into_iter()
+                .flatten()
+                .min()
+                .unwrap_or(Priority::P4);
             let mut busy = false;
             let mut used = 0u64;
-            let mut victim: Option<(usize, Instant)> = None;
+            // (index, work priority, last use): the least urgent, then the
+            // oldest, is unloaded first.
+            let mut victim: Option<(usize, Priority, Instant)> = None;
             for (j, s) in self.inner.slots.iter().enumerate() {
                 if j == i || s.server != me.server || s.api == ModelApi::None {
                     continue;
                 }
+                let queued = self.inner.waiting.best(&s.models);
                 let st = self.lock(j);
                 if matches!(st.state, State::Loaded | State::Loading) {
                     used += s.weights;
                     let unloadable = s.class != ResidencyClass::Always;
+                    // Queued work more urgent than ours keeps it.
+                    let protected = queued.is_some_and(|q| q < need);
                     let idle = st.state == State::Loaded && st.users == 0 && unloadable;
-                    busy |= unloadable && !idle;
-                    if idle && victim.is_none_or(|(_, t)| st.last_used < t) {
-                        victim = Some((j, st.last_used));
+                    busy |= unloadable && (protected || !idle);
+                    if !idle || protected {
+                        continue;
+                    }
+                    // A model used by none of our tasks yet counts as
+                    // least urgent.
+                    let work = [queued, st.last_priority].into_iter().flatten().min().unwrap_or(Priority::P4);
+                    let better = victim
+                        .is_none_or(|(_, w, t)| (work, std::cmp::Reverse(st.last_used)) > (w, std::cmp::Reverse(t)));
+                    if better {
+                        victim = Some((j, work, st.last_used));
                     }
                 }
             }
@@ -696,9 +800,19 @@ impl Residency {
                 return Ok(());
             }
             match victim {
-                Some((j, _)) => self.unload(j, "memory").await,
-                // Models in use (or loading) free their memory when their
-                // work ends: wait for that, within the load's own limit.
+                Some((j, work, _)) => {
+                    tracing::info!(
+                        model = %self.slot(j).model,
+                        work = work.as_str(),
+                        for_model = %me.model,
+                        for_work = need.as_str(),
+                        "unloading a model to make room"
+                    );
+                    self.unload(j, "memory").await
+                }
+                // Models in use (or loading, or kept by more urgent queued
+                // work) free their memory when their work ends: wait for
+                // that, within the load's own limit.
                 None if busy && waiting_since.elapsed() < LOAD_TIMEOUT => {
                     let _ = tokio::time::timeout(LOAD_POLL * 10, freed).await;
                 }

@@ -65,7 +65,7 @@ impl Router {
         req: &EngineRequest,
         first_token_by: Option<std::time::Instant>,
     ) -> Result<EngineStream, DispatchError> {
-        let lease = self.acquire_model(i, first_token_by).await?;
+        let lease = self.acquire_model(i, first_token_by, crate::task::Priority::P2).await?;
         self.open_leased(i, req, lease).await
     }
 
@@ -78,8 +78,9 @@ impl Router {
         &self,
         i: usize,
         first_token_by: Option<std::time::Instant>,
+        priority: crate::task::Priority,
     ) -> Result<Lease, DispatchError> {
-        self.residency.acquire(i, first_token_by).await.map_err(|refused| self.refused(i, refused))
+        self.residency.acquire(i, first_token_by, priority).await.map_err(|refused| self.refused(i, refused))
     }
 
     /// The second half of [`Router::open_before`]: starts `req` on instance

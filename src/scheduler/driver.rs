@@ -619,7 +619,7 @@ impl Driver {
                 // A model still to be loaded makes the task wait here, or
                 // take the next step when the load would pass the deadline.
                 s = async {
-                    let model = router.acquire_model(lease.instance, Some(first_token_deadline.into_std())).await?;
+                    let model = router.acquire_model(lease.instance, Some(first_token_deadline.into_std()), r.priority).await?;
                     if let (Some(waited), 1) = (loading, calls) {
                         let reason = format!("model loaded after {} ms; {dispatch_reason}", waited.elapsed().as_millis());
                         self.shared.recorder.transition(r, TaskState::Dispatching, &reason, Some(&lease.instance_name), "scheduler");

@@ -481,6 +481,8 @@ pub fn start(
         epoch: std::time::Instant::now(),
         retired: Default::default(),
         idle_waiters: Vec::new(),
+        waiting_work: router.residency().waiting_work(),
+        granted: HashMap::new(),
     };
     tracker.spawn(actor.run(rx, shutdown.clone()));
     for inst in router.instances() {
@@ -908,6 +910,11 @@ struct Actor {
     retired: std::collections::HashSet<usize>,
     /// [`Cmd::WhenIdle`] callers, answered when their instance runs nothing.
     idle_waiters: Vec<(usize, oneshot::Sender<()>)>,
+    /// The queued tasks per model and priority, as residency's eviction
+    /// reads them (kept with the queue-depth gauge).
+    waiting_work: Arc<crate::engine::residency::WaitingWork>,
+    /// Granted tasks still counted in `waiting_work`: (model, priority).
+    granted: HashMap<String, (String, Priority)>,
 }
 
 impl Actor {
@@ -966,6 +973,7 @@ impl Actor {
             Cmd::Requeue { task_id, avoid, pinned, grant, log, preempt } => {
                 let now = self.now();
                 self.running.remove(&task_id);
+                self.ungrant(&task_id);
                 // A preemption asked after the driver gave its slot up
                 // (before this message arrived) is void: the next grant
                 // starts clean.
@@ -1007,6 +1015,7 @@ impl Actor {
             Cmd::Prefilled { task_id } => self.policy.prefilled(&task_id),
             Cmd::Release { task_id, output_tokens } => {
                 self.running.remove(&task_id);
+                self.ungrant(&task_id);
                 if let Some(i) = self.policy.release(&task_id, output_tokens) {
                     self.metrics.running.with_label_values(&[&self.router.instance(i).name]).dec();
                 }
@@ -1120,6 +1129,15 @@ impl Actor {
     fn dec_depth(&self, m: usize, p: Priority) {
         let name = &self.policy.config().models[m].name;
         self.metrics.queue_depth.with_label_values(&[name, p.as_str()]).dec();
+        self.waiting_work.remove(name, p);
+    }
+
+    /// A granted task's work stops counting for eviction (its slot was
+    /// released, or it went back to a queue, which counts it again).
+    fn ungrant(&mut self, task_id: &str) {
+        if let Some((name, p)) = self.granted.remove(task_id) {
+            self.waiting_work.remove(&name, p);
+        }
     }
 
     /// The degradation level follows instance health and breakers only:
@@ -1135,6 +1153,7 @@ impl Actor {
     fn inc_depth(&self, m: usize, p: Priority) {
         let name = &self.policy.config().models[m].name;
         self.metrics.queue_depth.with_label_values(&[name, p.as_str()]).inc();
+        self.waiting_work.add(name, p);
     }
 
     /// Waiting tasks whose instances all went down, or whose breakers all
@@ -1231,7 +1250,12 @@ impl Actor {
                 self.policy.release(&g.task_id, 0);
                 continue;
             };
-            self.dec_depth(model, priority);
+            // Out of the queue, but its work still keeps its model in
+            // memory until it holds the model (or ends): counted as
+            // waiting until its slot is released.
+            let name = self.policy.config().models[model].name.clone();
+            self.metrics.queue_depth.with_label_values(&[&name, priority.as_str()]).dec();
+            self.granted.insert(g.task_id.clone(), (name, priority));
             let i = self.router.instance(g.instance);
             let lease = SlotLease {
                 task_id: g.task_id.clone(),
@@ -1255,6 +1279,7 @@ impl Actor {
                 }
                 // The driver is gone (cancelled or timed out meanwhile).
                 Err(lease) => {
+                    self.ungrant(&g.task_id);
                     if let SlotGrant::Slot(mut lease) = lease {
                         lease.armed = false;
                     }
