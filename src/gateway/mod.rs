@@ -83,6 +83,9 @@ pub struct SubmitOptions {
     /// The idempotency key to use when the body names none
     /// (`Idempotency-Key`).
     pub idempotency_key: Option<String>,
+    /// A W3C `traceparent` the protocol carried (HTTP and NATS header, MQTT
+    /// v5 user property): its trace id becomes the task's when valid.
+    pub traceparent: Option<String>,
 }
 
 /// An authenticated, parsed call that is not submitted yet (see
@@ -92,6 +95,7 @@ pub struct Call {
     body: ChatRequestBody,
     ingress: Ingress,
     request_id_hint: Option<String>,
+    traceparent: Option<String>,
 }
 
 impl Call {
@@ -348,7 +352,7 @@ impl Gateway {
         if body.idempotency_key.is_none() {
             body.idempotency_key = opts.idempotency_key;
         }
-        Ok(Call { identity, body, ingress, request_id_hint: opts.request_id_hint })
+        Ok(Call { identity, body, ingress, request_id_hint: opts.request_id_hint, traceparent: opts.traceparent })
     }
 
     /// [`Gateway::prepare`] for a body of another shape than chat (a legacy
@@ -370,7 +374,9 @@ impl Gateway {
         if body.idempotency_key.is_none() {
             body.idempotency_key = opts.idempotency_key;
         }
-        Ok((Call { identity, body, ingress, request_id_hint: opts.request_id_hint }, extra))
+        let call =
+            Call { identity, body, ingress, request_id_hint: opts.request_id_hint, traceparent: opts.traceparent };
+        Ok((call, extra))
     }
 
     /// The second half of [`Gateway::submit`]: admission, idempotency and
@@ -381,7 +387,14 @@ impl Gateway {
     /// Dropping the future (an HTTP client gone mid-call) before it answers
     /// ends the call's record REJECTED and leaves no queued task behind.
     pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
-        let Call { identity, mut body, ingress, request_id_hint } = call;
+        let Call { identity, mut body, ingress, request_id_hint, traceparent } = call;
+        // The caller's trace id (protocol header first, then the body's
+        // `trace_id` or `metadata.trace_id`), or a new one: never a refusal.
+        let trace_id = {
+            let field = body.extra.get("trace_id").and_then(serde_json::Value::as_str);
+            let meta = body.metadata.as_ref().and_then(|m| m.get("trace_id")).and_then(serde_json::Value::as_str);
+            crate::telemetry::trace::pick(traceparent.as_deref(), &[field, meta])
+        };
         // `edge` (today only `edge.context`) is for the assembly, not the
         // engine: read after admission, so a bad one is refused after the
         // request's other checks.
@@ -399,12 +412,13 @@ impl Gateway {
         let refuse = |e: GatewayError| match &closed {
             Some(c) => self.refused(ingress, c.clone()),
             None => {
-                self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
+                self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &trace_id, &e);
                 self.refused(ingress, e)
             }
         };
         let mut req =
             admission::admit(&self.config(), identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
+        req.trace_id = trace_id.clone();
         let context = crate::context::inputs::parse(edge.as_ref()).map_err(refuse)?;
         // Knowledge, tool results and memory are part of the call: a repeat
         // of its idempotency key with other ones is another request, not a

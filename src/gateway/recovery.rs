@@ -116,6 +116,12 @@ impl Gateway {
         Ok(TaskRequest {
             task_id: r.task_id.clone(),
             request_id: r.request_id.clone(),
+            // The same trace as before the restart.
+            trace_id: if crate::telemetry::trace::valid_trace_id(&r.trace_id) {
+                r.trace_id.clone()
+            } else {
+                crate::telemetry::trace::new_trace_id()
+            },
             identity: Identity {
                 tenant: app.tenant.clone(),
                 application: app.name.clone(),

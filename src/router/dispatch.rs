@@ -266,6 +266,7 @@ mod tests {
             tools: None,
             operation: Default::default(),
             slot: None,
+            traceparent: None,
         }
     }
 

@@ -604,6 +604,7 @@ impl Driver {
                 tools: r.tools.clone(),
                 operation,
                 slot: lease.slot,
+                traceparent: Some(crate::telemetry::trace::child_traceparent(&r.trace_id)),
             };
             let mut stream = tokio::select! {
                 biased;
@@ -812,6 +813,7 @@ impl Driver {
             &self.shared.config.node_id,
         );
         meta.session_id = r.session_id.clone();
+        meta.trace_id = Some(r.trace_id.clone());
         let e = GatewayError::new(
             ErrorCode::ShuttingDown,
             "the gateway is shutting down; the task stays queued and runs after the restart (repeat its idempotency key to follow it)",
@@ -908,6 +910,7 @@ impl Driver {
         let meta = ResultMeta {
             request_id: r.request_id.clone(),
             task_id: r.task_id.clone(),
+            trace_id: Some(r.trace_id.clone()),
             session_id: r.session_id.clone(),
             status: state,
             logical_model: r.logical_model.clone(),

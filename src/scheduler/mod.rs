@@ -123,6 +123,9 @@ impl CancelHandle {
 pub struct TaskStream {
     pub task_id: String,
     pub request_id: String,
+    /// The task's trace id (empty for the replay of a task recorded
+    /// before trace ids).
+    pub trace_id: String,
     pub queue_position: usize,
     /// True when this stream joined a task that an earlier call started
     /// (same idempotency key or request id).
@@ -518,7 +521,7 @@ impl SchedulerHandle {
 
     /// A stream that replays a finished task's outcome (from the store,
     /// after its live events are gone).
-    pub fn replay(&self, task_id: &str, request_id: &str, events: Vec<TaskEvent>) -> TaskStream {
+    pub fn replay(&self, task_id: &str, request_id: &str, trace_id: &str, events: Vec<TaskEvent>) -> TaskStream {
         let log = TaskLog::default();
         for e in events {
             log.push(e);
@@ -526,6 +529,7 @@ impl SchedulerHandle {
         TaskStream {
             task_id: task_id.to_string(),
             request_id: request_id.to_string(),
+            trace_id: trace_id.to_string(),
             queue_position: 0,
             joined: true,
             events: log.subscribe(0),
@@ -540,6 +544,7 @@ impl SchedulerHandle {
         let entry = Arc::new(TaskEntry {
             task_id: req.task_id.clone(),
             request_id: req.request_id.clone(),
+            trace_id: req.trace_id.clone(),
             tenant: req.identity.tenant.clone(),
             application: req.identity.application.clone(),
             ingress: req.ingress,
@@ -607,6 +612,7 @@ impl SchedulerHandle {
         let stream = TaskStream {
             task_id: req.task_id.clone(),
             request_id: req.request_id.clone(),
+            trace_id: req.trace_id.clone(),
             queue_position,
             joined: false,
             events: log.subscribe(0),
@@ -662,6 +668,7 @@ impl SchedulerHandle {
         TaskStream {
             task_id: e.task_id.clone(),
             request_id: e.request_id.clone(),
+            trace_id: e.trace_id.clone(),
             queue_position: 0,
             joined: true,
             events: e.log.subscribe(from_seq),

@@ -447,6 +447,10 @@ pub enum Operation {
 pub struct TaskRequest {
     pub task_id: String,
     pub request_id: String,
+    /// The W3C trace id (32 hex digits) that joins this task's logs,
+    /// record, events and engine calls: the caller's (`traceparent`, a
+    /// `trace_id` field) or a new one (see `telemetry::trace`).
+    pub trace_id: String,
     pub identity: Identity,
     pub ingress: Ingress,
     pub logical_model: String,
@@ -534,6 +538,9 @@ pub struct Timing {
 pub struct ResultMeta {
     pub request_id: String,
     pub task_id: String,
+    /// The task's trace id. Absent in results recorded before trace ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
     pub session_id: Option<String>,
     pub status: TaskState,
     pub logical_model: String,
@@ -570,6 +577,7 @@ impl ResultMeta {
         ResultMeta {
             request_id: request_id.to_string(),
             task_id: task_id.to_string(),
+            trace_id: None,
             session_id: None,
             status,
             logical_model: logical_model.to_string(),
@@ -643,6 +651,7 @@ impl TaskRequest {
         TaskRequest {
             task_id: new_task_id(),
             request_id: "r1".into(),
+            trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
             identity: Identity {
                 tenant: "demo".into(),
                 application: "demo".into(),

@@ -9,6 +9,7 @@
 pub mod gpu;
 pub mod host;
 pub mod lifecycle;
+pub mod trace;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;

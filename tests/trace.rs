@@ -1,0 +1,197 @@
+//! Trace ids end to end (FR-10.2): the trace id a caller sends (HTTP
+//! `traceparent`, the MQTT request field `trace_id` and v5 user property
+//! `traceparent`) comes back on the response, in every lifecycle event, in
+//! the store row and `GET /v1/tasks/{id}`, and reaches the engine as a
+//! `traceparent` with the same trace id and a span id of its own. The NATS
+//! header is tested in `tests/nats.rs`, with that file's client helpers.
+
+mod common;
+mod mqtt_support;
+
+use common::*;
+use mqtt_support::{device, request, start, D1, D2, V};
+use rumqttc::v5::mqttbytes::v5::PublishProperties;
+use serde_json::{json, Value};
+
+const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+fn is_trace_id(s: &str) -> bool {
+    s.len() == 32 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The `trace_id` column of the task's row.
+async fn stored_trace_id(gw: &TestGateway, task_id: &str) -> Option<String> {
+    gw.store().flush().await;
+    let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+    conn.query_row("SELECT trace_id FROM tasks WHERE task_id = ?1", [task_id], |r| r.get(0)).unwrap()
+}
+
+/// The trace id of each `traceparent` the engine received, checking that
+/// each call had one of its own span.
+fn engine_trace_ids(fake: &FakeEngine) -> Vec<String> {
+    let tps: Vec<String> =
+        fake.traceparents().into_iter().map(|t| t.expect("every engine call has a traceparent")).collect();
+    let mut spans = std::collections::HashSet::new();
+    tps.iter()
+        .map(|tp| {
+            let parts: Vec<&str> = tp.split('-').collect();
+            assert_eq!(parts.len(), 4, "{tp}");
+            assert_eq!(parts[0], "00", "{tp}");
+            assert_ne!(parts[2], "00f067aa0ba902b7", "the engine call is a span of its own: {tp}");
+            assert!(spans.insert(parts[2].to_string()), "a new span per call: {tp}");
+            parts[1].to_string()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn http_traceparent_joins_response_events_store_record_and_engine_call() {
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    let mut rx = gw.recorder().subscribe();
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .header("traceparent", PARENT)
+        .json(&chat_body(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-edgeway-trace-id"], TRACE);
+    let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["edge"]["trace_id"], TRACE, "{body}");
+
+    // Every lifecycle event of the task carries it.
+    let mut states = Vec::new();
+    loop {
+        let ev = next_event(&mut rx, "the task's events", |e| e.task_id == task_id).await;
+        assert_eq!(ev.trace_id, TRACE, "{:?}", ev.state);
+        let v = serde_json::to_value(&*ev).unwrap();
+        assert_eq!(v["trace_id"], TRACE);
+        states.push(ev.state);
+        if ev.state.is_terminal() {
+            assert_eq!(ev.result.as_ref().unwrap().trace_id.as_deref(), Some(TRACE));
+            break;
+        }
+    }
+    assert!(states.len() >= 6, "{states:?}");
+    assert_eq!(stored_trace_id(&gw, &task_id).await.as_deref(), Some(TRACE));
+    let rec = get_json(&gw, DEMO_KEY, &format!("/v1/tasks/{task_id}")).await;
+    assert_eq!(rec["trace_id"], TRACE, "{rec}");
+    assert_eq!(engine_trace_ids(&fake), [TRACE]);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn http_without_a_valid_traceparent_gets_a_new_trace_id_and_no_error() {
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    let mut seen = Vec::new();
+    let headers: [Option<&str>; 4] = [
+        None,
+        Some("garbage"),
+        Some("00-00000000000000000000000000000000-00f067aa0ba902b7-01"),
+        Some("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"),
+    ];
+    for h in headers {
+        let mut rb = client().post(format!("{}/v1/chat/completions", gw.base_url)).bearer_auth(DEMO_KEY);
+        if let Some(h) = h {
+            rb = rb.header("traceparent", h);
+        }
+        let resp = rb.json(&chat_body(true)).send().await.unwrap();
+        assert_eq!(resp.status(), 200, "{h:?}");
+        let id = resp.headers()["x-edgeway-trace-id"].to_str().unwrap().to_string();
+        let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+        let (_, done) = read_sse(resp).await;
+        assert!(done);
+        assert!(is_trace_id(&id) && id != TRACE && id != "0".repeat(32), "{h:?}: {id}");
+        assert_eq!(stored_trace_id(&gw, &task_id).await.as_deref(), Some(id.as_str()));
+        seen.push(id);
+    }
+    assert_eq!(engine_trace_ids(&fake), seen);
+    seen.dedup();
+    assert_eq!(seen.len(), headers.len(), "a new id per call");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_refused_call_keeps_its_trace_id_in_its_record() {
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    let mut rx = gw.recorder().subscribe();
+    let mut body = chat_body(false);
+    body["model"] = json!("no-such-model");
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .header("traceparent", PARENT)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let ev = next_event(&mut rx, "the refusal", |e| e.state == TaskState::Rejected).await;
+    assert_eq!(ev.trace_id, TRACE);
+    assert_eq!(stored_trace_id(&gw, &ev.task_id).await.as_deref(), Some(TRACE));
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn mqtt_trace_id_field_and_v5_traceparent_join_events_store_and_engine_call() {
+    let (fake, gw, addr) = start(Knobs::default(), "coalesce_ms = 0").await;
+    let other = "0af7651916cd43dd8448eb211c80319c";
+
+    // MQTT 3.1.1: the request field.
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut req = request("r-trace-field");
+    req["trace_id"] = json!(TRACE);
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let events = d.stream(&d.topic("res/r-trace-field")).await;
+    let task_id = events[0]["task_id"].as_str().unwrap().to_string();
+    check_events(&events, TRACE);
+    assert_eq!(stored_trace_id(&gw, &task_id).await.as_deref(), Some(TRACE));
+
+    // MQTT 5: the user property outranks the field.
+    let mut d5 = device(addr, V::V5, D2).await;
+    d5.subscribe(&d5.topic("res/#")).await;
+    let mut req = request("r-trace-prop");
+    req["trace_id"] = json!(TRACE);
+    let tp = format!("00-{other}-00f067aa0ba902b7-01");
+    let props = PublishProperties { user_properties: vec![("traceparent".into(), tp)], ..Default::default() };
+    d5.publish_v5(&d5.topic("req"), req.to_string(), props).await;
+    let events = d5.stream(&d5.topic("res/r-trace-prop")).await;
+    let task_id = events[0]["task_id"].as_str().unwrap().to_string();
+    check_events(&events, other);
+    assert_eq!(stored_trace_id(&gw, &task_id).await.as_deref(), Some(other));
+
+    // An invalid field is ignored: the request runs under a new id.
+    let mut req = request("r-trace-bad");
+    req["trace_id"] = json!("not-a-trace");
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let events = d.stream(&d.topic("res/r-trace-bad")).await;
+    let fresh = events[0]["trace_id"].as_str().unwrap().to_string();
+    assert!(is_trace_id(&fresh) && fresh != TRACE && fresh != other, "{fresh}");
+    check_events(&events, &fresh);
+
+    assert_eq!(engine_trace_ids(&fake), [TRACE, other, fresh.as_str()]);
+    gw.stop().await;
+}
+
+/// The lifecycle events of a device's stream carry `trace_id` (the answer
+/// pieces do not), and the result has it too.
+fn check_events(events: &[Value], trace_id: &str) {
+    assert_eq!(events[0]["type"], "accepted");
+    let done = events.last().unwrap();
+    assert_eq!(done["type"], "done", "{done}");
+    assert_eq!(done["result"]["trace_id"], trace_id);
+    for e in events {
+        match e["type"].as_str().unwrap() {
+            "accepted" | "queued" | "done" | "error" => assert_eq!(e["trace_id"], trace_id, "{e}"),
+            _ => assert!(e.get("trace_id").is_none(), "{e}"),
+        }
+    }
+}
