@@ -195,3 +195,160 @@ fn check_events(events: &[Value], trace_id: &str) {
         }
     }
 }
+
+/// The lines edgeway logs in this test binary, in its JSON format (one
+/// global subscriber for the binary: tests pick their own lines by id).
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Captured {
+    type Writer = Captured;
+
+    fn make_writer(&'w self) -> Captured {
+        self.clone()
+    }
+}
+
+fn logs() -> &'static Captured {
+    static LOGS: std::sync::OnceLock<Captured> = std::sync::OnceLock::new();
+    LOGS.get_or_init(|| {
+        let c = Captured::default();
+        let cfg = edgeway::config::LogConfig { format: edgeway::config::LogFormat::Json, level: "info".into() };
+        edgeway::telemetry::init_logging_to(&cfg, c.clone());
+        c
+    })
+}
+
+impl Captured {
+    fn lines(&self) -> Vec<(String, Value)> {
+        let bytes = self.0.lock().unwrap().clone();
+        String::from_utf8(bytes)
+            .unwrap()
+            .lines()
+            .map(|l| (l.to_string(), serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}"))))
+            .collect()
+    }
+}
+
+/// The trace id of the line's innermost span.
+fn line_trace(v: &Value) -> Option<&str> {
+    v["span"]["trace_id"].as_str()
+}
+
+#[tokio::test]
+async fn every_log_line_of_a_task_carries_its_trace_id_and_each_stage_logs_one_line() {
+    let logs = logs();
+    // The first attempt fails before the first token: one retry.
+    let fake = FakeEngine::start_with(Knobs { fail_next: 1, ..Knobs::default() }).await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    gw.wait_ready().await;
+    let trace = "5bf92f3577b34da6a3ce929d0e0e4737";
+    let marker = "PROMPT-TEXT-9c1e4b";
+    let mut body = chat_body(false);
+    body["messages"][0]["content"] = json!(format!("Tell me about {marker}"));
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .header("traceparent", format!("00-{trace}-00f067aa0ba902b7-01"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    let _: Value = resp.json().await.unwrap();
+
+    let lines = logs.lines();
+    let mine: Vec<&(String, Value)> = lines.iter().filter(|(l, _)| l.contains(&task_id) || l.contains(trace)).collect();
+    for (l, v) in &mine {
+        assert_eq!(line_trace(v), Some(trace), "a line of the task without its trace id: {l}");
+        assert!(!l.contains(marker), "prompt text in a log line: {l}");
+    }
+    assert!(lines.iter().all(|(l, _)| !l.contains(marker)), "prompt text logged");
+    let stage = |name: &str| -> Vec<&Value> { mine.iter().map(|(_, v)| v).filter(|v| v["stage"] == name).collect() };
+    let one = |name: &str| -> &Value {
+        let s = stage(name);
+        assert_eq!(s.len(), 1, "one {name} line: {s:?}");
+        s[0]
+    };
+    let access = one("access");
+    assert_eq!((access["ingress"].as_str(), access["application"].as_str()), (Some("http"), Some("demo")));
+    assert_eq!(access["model"], "general-chat");
+    assert!(one("context")["tokens"].as_u64().unwrap() > 0);
+    let retry = one("retry");
+    assert_eq!(retry["attempt"], 1);
+    let dispatches = stage("dispatch");
+    assert_eq!(dispatches.len(), 2, "one per attempt");
+    assert!(dispatches.iter().all(|d| d["instance"].is_string() && d["queue_ms"].is_u64()));
+    let inference = one("inference");
+    assert_eq!(inference["output_tokens"], 5);
+    assert!(inference["ttft_ms"].is_u64());
+    let end = one("end");
+    assert_eq!(end["state"], "SUCCEEDED");
+    // The task's id is in every line logged after admission made it.
+    for v in [retry, inference, end] {
+        assert_eq!(v["span"]["task_id"], task_id.as_str(), "{v}");
+    }
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_cancelled_task_and_a_refused_call_each_log_one_end_line_with_their_trace_id() {
+    let logs = logs();
+    let fake = FakeEngine::start_with(Knobs::slow(50, 100)).await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    gw.wait_ready().await;
+    let trace = "6bf92f3577b34da6a3ce929d0e0e4738";
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .header("traceparent", format!("00-{trace}-00f067aa0ba902b7-01"))
+        .json(&chat_body(true))
+        .send()
+        .await
+        .unwrap();
+    let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    gw.wait_for_state(&task_id, TaskState::Streaming).await;
+    drop(resp);
+    gw.wait_for_state(&task_id, TaskState::Cancelled).await;
+    let ends: Vec<Value> = logs
+        .lines()
+        .into_iter()
+        .map(|(_, v)| v)
+        .filter(|v| v["stage"] == "end" && line_trace(v) == Some(trace))
+        .collect();
+    assert_eq!(ends.len(), 1, "{ends:?}");
+    assert_eq!(ends[0]["state"], "CANCELLED");
+    assert_eq!(ends[0]["actor"], "client");
+
+    let refused = "7bf92f3577b34da6a3ce929d0e0e4739";
+    let mut body = chat_body(false);
+    body["model"] = json!("no-such-model");
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .header("traceparent", format!("00-{refused}-00f067aa0ba902b7-01"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let mine: Vec<Value> =
+        logs.lines().into_iter().map(|(_, v)| v).filter(|v| line_trace(v) == Some(refused)).collect();
+    let stages: Vec<&str> = mine.iter().filter_map(|v| v["stage"].as_str()).collect();
+    assert_eq!(stages, ["access", "end"], "{mine:?}");
+    assert_eq!(mine[1]["state"], "REJECTED");
+    assert_eq!(mine[1]["code"], "INVALID_REQUEST");
+    gw.stop().await;
+}

@@ -33,6 +33,7 @@ use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 use tokio::sync::{broadcast, Notify};
+use tracing::Instrument;
 
 use crate::admission::{self, request::parse_body};
 use crate::config::Config;
@@ -387,14 +388,45 @@ impl Gateway {
     /// Dropping the future (an HTTP client gone mid-call) before it answers
     /// ends the call's record REJECTED and leaves no queued task behind.
     pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
-        let Call { identity, mut body, ingress, request_id_hint, traceparent } = call;
         // The caller's trace id (protocol header first, then the body's
         // `trace_id` or `metadata.trace_id`), or a new one: never a refusal.
         let trace_id = {
+            let body = &call.body;
             let field = body.extra.get("trace_id").and_then(serde_json::Value::as_str);
             let meta = body.metadata.as_ref().and_then(|m| m.get("trace_id")).and_then(serde_json::Value::as_str);
-            crate::telemetry::trace::pick(traceparent.as_deref(), &[field, meta])
+            crate::telemetry::trace::pick(call.traceparent.as_deref(), &[field, meta])
         };
+        // Every log line of the call carries its trace id; the task id
+        // joins once admission made one.
+        let span = crate::telemetry::trace::task_span(&trace_id, None, call.body.request_id.as_deref());
+        let (ingress, application) = (call.ingress, call.identity.application.clone());
+        let submitted = self.submit_traced(call, trace_id).instrument(span.clone()).await;
+        if let Err(e) = &submitted {
+            span.in_scope(|| {
+                tracing::info!(
+                    stage = "end",
+                    state = "REJECTED",
+                    code = e.code.as_str(),
+                    ingress = ingress.as_str(),
+                    %application,
+                    "request refused"
+                )
+            });
+        }
+        submitted
+    }
+
+    async fn submit_traced(&self, call: Call, trace_id: String) -> Result<TaskStream, GatewayError> {
+        let Call { identity, mut body, ingress, request_id_hint, traceparent: _ } = call;
+        tracing::info!(
+            stage = "access",
+            ingress = ingress.as_str(),
+            tenant = %identity.tenant,
+            application = %identity.application,
+            model = %body.model.chars().take(128).collect::<String>(),
+            stream = body.stream,
+            "request received"
+        );
         // `edge` (today only `edge.context`) is for the assembly, not the
         // engine: read after admission, so a bad one is refused after the
         // request's other checks.
@@ -419,6 +451,9 @@ impl Gateway {
         let mut req =
             admission::admit(&self.config(), identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
         req.trace_id = trace_id.clone();
+        let span = tracing::Span::current();
+        span.record("task_id", req.task_id.as_str());
+        span.record("request_id", req.request_id.as_str());
         let context = crate::context::inputs::parse(edge.as_ref()).map_err(refuse)?;
         // Knowledge, tool results and memory are part of the call: a repeat
         // of its idempotency key with other ones is another request, not a
@@ -442,6 +477,16 @@ impl Gateway {
         // (a repeat is not a new turn) and before the task is recorded, so
         // that its record holds the prompt as assembled.
         let turn = self.begin_turn(&mut req, context).await.map_err(refuse)?;
+        match &req.context {
+            Some(c) => tracing::info!(
+                stage = "context",
+                tokens = req.input_tokens_estimate,
+                steps = %c.steps.join(","),
+                summary_used = c.summary_used,
+                "prompt assembled"
+            ),
+            None => tracing::info!(stage = "context", tokens = req.input_tokens_estimate, steps = "", "prompt as sent"),
+        }
         // The turn may have waited for the one before: a drain begun
         // meanwhile refuses it as it refuses any new work.
         if let Some(e) = self.closed_to_new_work() {

@@ -217,6 +217,7 @@ impl Driver {
         }
         p.hop(FallbackStep::Canned, &r.logical_model, None, "no engine step could take the request");
         if !passed.is_empty() {
+            tracing::info!(stage = "fallback", step = "canned", model = %r.logical_model, "moved to the canned answer");
             let why: Vec<String> = passed.iter().map(|x| format!("{}: {}", x.step.as_str(), x.detail)).collect();
             let reason = format!("moved to the canned answer; {}", why.join("; "));
             self.shared.recorder.transition(r, TaskState::Queued, &reason, None, "scheduler");
@@ -319,14 +320,14 @@ impl Driver {
                         "retry after attempt {} failed on {}: {}",
                         p.attempts, lease.instance_name, error.reason
                     );
-                    tracing::info!(task_id = %r.task_id, engine = %lease.instance_name, error = %error.reason, "engine attempt failed before the first token; retrying");
+                    tracing::info!(stage = "retry", attempt = p.attempts, instance = %lease.instance_name, why = label, error = %error.reason, "engine attempt failed before the first token; retrying");
                     grant = self.requeue(lease, Some(instance), p.embeddings_done > 0, &reason);
                 }
                 AttemptEnd::Preempted => {
                     // Which task took the slot is for the logs: it may be
                     // another tenant's.
                     let by = self.preempt.by().unwrap_or_default();
-                    tracing::info!(task_id = %r.task_id, engine = %lease.instance_name, for_task = %by, "preempted for a P0 task");
+                    tracing::info!(stage = "retry", attempt = p.attempts, instance = %lease.instance_name, why = "preempted", for_task = %by, "preempted for a P0 task");
                     let model = lease.model.clone();
                     self.shared.metrics.preemptions.with_label_values(&[&model, r.priority.as_str()]).inc();
                     if let Some(h) = p.hops.last_mut() {
@@ -468,6 +469,7 @@ impl Driver {
         // to the task (the scheduler only knows queues).
         let moved = std::mem::take(&mut lease.passed);
         if !moved.is_empty() {
+            tracing::info!(stage = "fallback", step = lease.step.as_str(), model = %lease.model, "moved to a fallback step while waiting");
             let why: Vec<String> = moved.iter().map(|x| format!("{}: {}", x.step.as_str(), x.detail)).collect();
             let reason = format!(
                 "moved to fallback step {} ({}) while waiting; {}",
@@ -498,6 +500,16 @@ impl Driver {
             self.log.push(TaskEvent::Queued { position: 0, loading_ms: Some(so_far.as_millis() as u64) });
             Instant::now()
         });
+        tracing::info!(
+            stage = "dispatch",
+            queue_ms = now.saturating_duration_since(r.received_at).as_millis() as u64,
+            instance = %lease.instance_name,
+            model = %lease.model,
+            step = lease.step.as_str(),
+            attempt = p.attempts,
+            loading = loading.is_some(),
+            "dispatched"
+        );
         if loading.is_none() {
             self.shared.recorder.transition(
                 r,
@@ -963,6 +975,32 @@ impl Driver {
             m.tool_calls = meta.tool_calls.iter().map(|c| c.for_record(self.keep_text)).collect();
             stored = Some(m);
         }
+        // One line for the engine's part (when one ran it) and one for the
+        // end, before the end is recorded: whoever sees the task ended
+        // finds them logged.
+        if p.instance.is_some() {
+            tracing::info!(
+                stage = "inference",
+                instance = p.instance.as_deref().unwrap_or_default(),
+                ttft_ms = meta.timing.first_token_ms,
+                inference_ms = meta.timing.inference_ms,
+                input_tokens = usage.input_tokens,
+                output_tokens = usage.output_tokens,
+                estimated = usage.estimated,
+                finish_reason = meta.finish_reason.as_deref().unwrap_or_default(),
+                "inference ended"
+            );
+        }
+        tracing::info!(
+            stage = "end",
+            state = state.as_str(),
+            code = error_code.unwrap_or_default(),
+            actor,
+            total_ms = meta.timing.total_ms,
+            attempts = p.attempts,
+            reason = %outcome.reason,
+            "task ended"
+        );
         self.shared.recorder.finished(
             r,
             stored.as_ref().unwrap_or(&meta),

@@ -631,6 +631,16 @@ impl SchedulerHandle {
         if let Some(lane) = &admission.lane {
             reason.push_str(&format!("; {lane}"));
         }
+        if admission.step != FallbackStep::SameModel {
+            let passed: Vec<&str> = admission.passed.iter().map(|p| p.step.as_str()).collect();
+            tracing::info!(
+                stage = "fallback",
+                step = admission.step.as_str(),
+                model = %model_name,
+                passed = %passed.join(","),
+                "fallback step taken at admission"
+            );
+        }
         if let Some(last) = admission.passed.last() {
             if admission.step != FallbackStep::SameModel {
                 self.shared
@@ -653,7 +663,8 @@ impl SchedulerHandle {
             parked: Default::default(),
         };
         d.accept();
-        self.shared.tracker.spawn(d.run(grant_rx));
+        let span = crate::telemetry::trace::task_span(&d.req.trace_id, Some(&d.req.task_id), Some(&d.req.request_id));
+        self.shared.tracker.spawn(tracing::Instrument::instrument(d.run(grant_rx), span));
         Ok(Submitted::New(stream))
     }
 

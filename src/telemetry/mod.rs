@@ -379,6 +379,15 @@ impl Collector for StoreHealthGauges {
 /// Installs the global log subscriber (once; later calls are ignored, which
 /// lets tests start several gateways). `RUST_LOG` overrides `log.level`.
 pub fn init_logging(cfg: &LogConfig) {
+    init_logging_to(cfg, std::io::stderr);
+}
+
+/// [`init_logging`] writing to `writer` (tests read the lines edgeway
+/// writes, in the format it writes them).
+pub fn init_logging_to<W>(cfg: &LogConfig, writer: W)
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
     use tracing_subscriber::EnvFilter;
     // rumqttd and hyper report vanished clients at ERROR/WARN; they are not
     // our errors.
@@ -388,7 +397,7 @@ pub fn init_logging(cfg: &LogConfig) {
     let rumqttd = if base.contains("rumqttd") { "" } else { ",rumqttd=off" };
     let filter =
         EnvFilter::try_new(format!("{base},hyper=warn,h2=warn{rumqttd}")).unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
     let _ = match cfg.format {
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
         LogFormat::Text => builder.try_init(),

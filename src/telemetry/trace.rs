@@ -54,6 +54,27 @@ pub fn pick(traceparent: Option<&str>, fields: &[Option<&str>]) -> String {
         .unwrap_or_else(new_trace_id)
 }
 
+/// The span around a task's work (admission, queueing, dispatch, the
+/// engine calls): every log line inside it carries `trace_id`, `task_id`
+/// and `request_id` (JSON logs: in `span` and `spans`). A root span, so a
+/// task's lines do not inherit the span of whatever started it.
+pub fn task_span(trace_id: &str, task_id: Option<&str>, request_id: Option<&str>) -> tracing::Span {
+    let span = tracing::info_span!(
+        parent: None,
+        "task",
+        trace_id = %trace_id,
+        task_id = tracing::field::Empty,
+        request_id = tracing::field::Empty
+    );
+    if let Some(t) = task_id {
+        span.record("task_id", t);
+    }
+    if let Some(r) = request_id {
+        span.record("request_id", r);
+    }
+    span
+}
+
 /// A new random trace id (UUIDv4 bits: 122 random, never all zero).
 pub fn new_trace_id() -> String {
     uuid::Uuid::new_v4().simple().to_string()
