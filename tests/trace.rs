@@ -352,3 +352,108 @@ async fn a_cancelled_task_and_a_refused_call_each_log_one_end_line_with_their_tr
     assert_eq!(mine[1]["code"], "INVALID_REQUEST");
     gw.stop().await;
 }
+
+/// `unix_s` as a TOML offset date-time (UTC).
+fn toml_datetime(unix_s: i64) -> String {
+    // Howard Hinnant's civil_from_days.
+    let (days, secs) = (unix_s.div_euclid(86_400), unix_s.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", secs / 3600, secs % 3600 / 60, secs % 60)
+}
+
+fn now_s() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64
+}
+
+/// Sends a chat with `content` under `trace` and returns the log lines of
+/// that trace.
+async fn prompt_lines(gw: &TestGateway, trace: &str, content: &str) -> Vec<Value> {
+    let mut body = chat_body(false);
+    body["messages"][0]["content"] = json!(content);
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .header("traceparent", format!("00-{trace}-00f067aa0ba902b7-01"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let _: Value = resp.json().await.unwrap();
+    logs().lines().into_iter().map(|(_, v)| v).filter(|v| line_trace(v) == Some(trace)).collect()
+}
+
+#[tokio::test]
+async fn debug_prompts_logs_filtered_prompts_only_while_on_and_sampled() {
+    let _ = logs();
+    let secret = "sk-abcdefghijklmnopqrstuvwxyz0123456789";
+    let marker = "PROMPT-DEBUG-4d2a";
+    let content = format!("{marker} my key is {secret}");
+    let fake = FakeEngine::start().await;
+
+    // On, every call sampled: the prompt is logged once, secrets filtered.
+    let until = toml_datetime(now_s() + 3600);
+    let extra = format!("[applications.demo.debug_prompts]\nuntil = {until}\nsample_rate = 1.0\n");
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &extra).await;
+    let lines = prompt_lines(&gw, "8bf92f3577b34da6a3ce929d0e0e473a", &content).await;
+    let logged: Vec<&Value> = lines.iter().filter(|v| v["stage"] == "prompt_debug").collect();
+    assert_eq!(logged.len(), 1, "{lines:?}");
+    let prompt = logged[0]["prompt"].as_str().unwrap();
+    assert!(prompt.contains(marker) && prompt.contains("[FILTERED]"), "{prompt}");
+    assert!(lines.iter().all(|v| !v.to_string().contains(secret)), "a secret was logged: {lines:?}");
+    assert_eq!(logged[0]["filtered"], 1);
+    gw.stop().await;
+
+    // Past its end: off by itself, whatever the sample.
+    let extra =
+        format!("[applications.demo.debug_prompts]\nuntil = {}\nsample_rate = 1.0\n", toml_datetime(now_s() - 1));
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &extra).await;
+    let lines = prompt_lines(&gw, "9bf92f3577b34da6a3ce929d0e0e473b", &content).await;
+    assert!(lines.iter().any(|v| v["stage"] == "end"), "{lines:?}");
+    assert!(lines.iter().all(|v| !v.to_string().contains(marker)), "logged after its end: {lines:?}");
+    gw.stop().await;
+
+    // Not configured: never.
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    let lines = prompt_lines(&gw, "abf92f3577b34da6a3ce929d0e0e473c", &content).await;
+    assert!(lines.iter().any(|v| v["stage"] == "end"), "{lines:?}");
+    assert!(lines.iter().all(|v| !v.to_string().contains(marker)), "logged while off: {lines:?}");
+    gw.stop().await;
+}
+
+#[test]
+fn debug_prompts_settings_are_checked() {
+    let dir = std::env::temp_dir();
+    let load = |extra: &str| {
+        let text = edgeway::testing::config_toml("http://127.0.0.1:9", "openai", &dir, extra);
+        edgeway::config::Config::from_toml_str(&text, Vec::new(), &dir)
+    };
+    let soon_s = now_s() + 600;
+    let soon = toml_datetime(soon_s);
+    let ok = load(&format!("[applications.demo.debug_prompts]\nuntil = {soon}\n")).expect("valid");
+    let d = ok.applications["demo"].debug_prompts.expect("on");
+    assert_eq!(d.until_ms, soon_s * 1000);
+    assert_eq!(d.sample_rate, 0.1);
+    assert!(ok.applications["ops"].debug_prompts.is_none());
+    for (bad, path) in [
+        ("sample_rate = 0.5".to_string(), "until"),
+        ("until = 2026-12-02T10:00:00".to_string(), "until"),
+        ("until = \"tomorrow\"".to_string(), "until"),
+        (format!("until = {}", toml_datetime(now_s() + 8 * 86_400)), "until"),
+        (format!("until = {soon}\nsample_rate = 0"), "sample_rate"),
+        (format!("until = {soon}\nsample_rate = 1.5"), "sample_rate"),
+        (format!("until = {soon}\nrate = 0.5"), "rate"),
+    ] {
+        let e = load(&format!("[applications.demo.debug_prompts]\n{bad}\n")).expect_err(&bad);
+        let want = format!("applications.demo.debug_prompts.{path}");
+        assert!(e.0.iter().any(|e| e.path == want), "{bad}: {e}");
+    }
+}

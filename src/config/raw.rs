@@ -466,6 +466,9 @@ pub struct RawApplication {
     pub system_prompt: Option<String>,
     /// Output constraints, last in every assembled prompt of its calls.
     pub output_constraints: Option<String>,
+    /// Prompt debug logging (`until`, `sample_rate`), checked by hand for
+    /// errors with their paths.
+    pub debug_prompts: Option<toml::Value>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -508,6 +511,7 @@ impl Default for RawApplication {
             redact: Vec::new(),
             system_prompt: None,
             output_constraints: None,
+            debug_prompts: None,
         }
     }
 }

@@ -487,6 +487,7 @@ impl Gateway {
             ),
             None => tracing::info!(stage = "context", tokens = req.input_tokens_estimate, steps = "", "prompt as sent"),
         }
+        self.debug_prompt(&req);
         // The turn may have waited for the one before: a drain begun
         // meanwhile refuses it as it refuses any new work.
         if let Some(e) = self.closed_to_new_work() {
@@ -546,6 +547,42 @@ impl Gateway {
                 Err(self.refused(ingress, e))
             }
         }
+    }
+
+    /// Logs the prompt as it goes to the engine, secrets filtered, when its
+    /// application's `debug_prompts` is on (before its `until`) and the
+    /// task is in its sample. Prompts are never logged otherwise.
+    fn debug_prompt(&self, req: &TaskRequest) {
+        let cfg = self.config();
+        let Some(app) = cfg.applications.get(&req.identity.application) else { return };
+        let Some(d) = app.debug_prompts else { return };
+        if crate::task::now_ms() >= d.until_ms || !crate::telemetry::trace::sampled(&req.task_id, d.sample_rate) {
+            return;
+        }
+        let filter = crate::context::fence::SecretFilter::of(&cfg);
+        let prompts: Vec<&str> = app.system_prompt.as_deref().into_iter().collect();
+        let mut filtered = 0;
+        let lines: Vec<String> = req
+            .messages
+            .iter()
+            .map(|m| {
+                let text = match &m.content {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                let (text, n) = filter.filter(&text, &req.identity.tenant, &prompts);
+                filtered += n;
+                format!("{}: {text}", m.role)
+            })
+            .collect();
+        tracing::info!(
+            stage = "prompt_debug",
+            application = %app.name,
+            filtered,
+            until_ms = d.until_ms,
+            prompt = %lines.join("\n"),
+            "prompt (debug_prompts is on for this application)"
+        );
     }
 
     /// Counts a call refused before it became a task and hands the error

@@ -75,6 +75,17 @@ pub fn task_span(trace_id: &str, task_id: Option<&str>, request_id: Option<&str>
     span
 }
 
+/// Whether task `task_id` falls in a sample of `rate` (0..=1): decided by
+/// the random tail of its id (a UUIDv7's last 62 bits are random), so the
+/// same task is always in or out and no extra randomness is drawn.
+pub fn sampled(task_id: &str, rate: f64) -> bool {
+    let tail = task_id.get(task_id.len().saturating_sub(15)..).and_then(|t| u64::from_str_radix(t, 16).ok());
+    match tail {
+        Some(t) => (t as f64) < rate * (1u64 << 60) as f64,
+        None => false,
+    }
+}
+
 /// A new random trace id (UUIDv4 bits: 122 random, never all zero).
 pub fn new_trace_id() -> String {
     uuid::Uuid::new_v4().simple().to_string()
@@ -136,6 +147,17 @@ mod tests {
         let fresh = pick(None, &[Some("nope")]);
         assert!(valid_trace_id(&fresh) && fresh != ID && fresh != other);
         assert_ne!(fresh, pick(None, &[]));
+    }
+
+    #[test]
+    fn sampling_follows_the_rate() {
+        let ids: Vec<String> = (0..4000).map(|_| crate::task::new_task_id()).collect();
+        for rate in [0.1, 0.5] {
+            let n = ids.iter().filter(|id| sampled(id, rate)).count() as f64 / ids.len() as f64;
+            assert!((n - rate).abs() < 0.05, "rate {rate}: {n}");
+        }
+        assert!(ids.iter().all(|id| sampled(id, 1.0)));
+        assert!(!sampled("not-hex", 1.0));
     }
 
     #[test]
