@@ -76,14 +76,13 @@ pub fn task_span(trace_id: &str, task_id: Option<&str>, request_id: Option<&str>
 }
 
 /// Whether task `task_id` falls in a sample of `rate` (0..=1): decided by
-/// the random tail of its id (a UUIDv7's last 62 bits are random), so the
-/// same task is always in or out and no extra randomness is drawn.
+/// a digest of its id, so the same task is always in or out. (Not by the
+/// id's own bits: UUIDv7's low bits hold a counter, not uniform noise.)
 pub fn sampled(task_id: &str, rate: f64) -> bool {
-    let tail = task_id.get(task_id.len().saturating_sub(15)..).and_then(|t| u64::from_str_radix(t, 16).ok());
-    match tail {
-        Some(t) => (t as f64) < rate * (1u64 << 60) as f64,
-        None => false,
-    }
+    use sha2::{Digest, Sha256};
+    let d = Sha256::digest(task_id.as_bytes());
+    let x = u64::from_be_bytes(d[..8].try_into().expect("8 bytes"));
+    (x as f64) < rate * u64::MAX as f64
 }
 
 /// A new random trace id (UUIDv4 bits: 122 random, never all zero).
@@ -157,7 +156,7 @@ mod tests {
             assert!((n - rate).abs() < 0.05, "rate {rate}: {n}");
         }
         assert!(ids.iter().all(|id| sampled(id, 1.0)));
-        assert!(!sampled("not-hex", 1.0));
+        assert!(!ids.iter().any(|id| sampled(id, 0.0)));
     }
 
     #[test]
