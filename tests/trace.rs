@@ -224,7 +224,11 @@ fn logs() -> &'static Captured {
     static LOGS: std::sync::OnceLock<Captured> = std::sync::OnceLock::new();
     LOGS.get_or_init(|| {
         let c = Captured::default();
-        let cfg = edgeway::config::LogConfig { format: edgeway::config::LogFormat::Json, level: "info".into() };
+        let cfg = edgeway::config::LogConfig {
+            format: edgeway::config::LogFormat::Json,
+            level: "info".into(),
+            otlp_endpoint: None,
+        };
         edgeway::telemetry::init_logging_to(&cfg, c.clone());
         c
     })
@@ -455,5 +459,96 @@ fn debug_prompts_settings_are_checked() {
         let e = load(&format!("[applications.demo.debug_prompts]\n{bad}\n")).expect_err(&bad);
         let want = format!("applications.demo.debug_prompts.{path}");
         assert!(e.0.iter().any(|e| e.path == want), "{bad}: {e}");
+    }
+}
+
+/// A collector that takes OTLP/HTTP JSON exports and hands each body over.
+async fn collector() -> (String, tokio::sync::mpsc::UnboundedReceiver<Value>) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+            let tx = tx.clone();
+            async move {
+                assert_eq!(headers["content-type"], "application/json");
+                let _ = tx.send(serde_json::from_slice::<Value>(&body).unwrap());
+                axum::Json(json!({}))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}"), rx)
+}
+
+#[tokio::test]
+async fn task_spans_are_exported_to_the_configured_otlp_collector() {
+    let (endpoint, mut exports) = collector().await;
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &format!("[log]\notlp_endpoint = \"{endpoint}\"\n")).await;
+    let marker = "PROMPT-OTLP-5e7f";
+    let mut body = chat_body(false);
+    body["messages"][0]["content"] = json!(marker);
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .header("traceparent", PARENT)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let task_id = resp.headers()["x-task-id"].to_str().unwrap().to_string();
+    let _: Value = resp.json().await.unwrap();
+
+    let export =
+        tokio::time::timeout(std::time::Duration::from_secs(20), exports.recv()).await.expect("an export").unwrap();
+    assert!(!export.to_string().contains(marker), "prompt text exported: {export}");
+    let rs = &export["resourceSpans"][0];
+    let resource: Vec<(&str, &str)> = rs["resource"]["attributes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["key"].as_str().unwrap(), a["value"]["stringValue"].as_str().unwrap()))
+        .collect();
+    assert!(
+        resource.contains(&("service.name", "edgeway")) && resource.contains(&("service.instance.id", "test-node"))
+    );
+    let spans = rs["scopeSpans"][0]["spans"].as_array().unwrap();
+    assert_eq!(spans.len(), 1, "{export}");
+    let span = &spans[0];
+    assert_eq!(span["traceId"], TRACE);
+    assert_eq!(span["parentSpanId"], "00f067aa0ba902b7", "a child of the caller's span");
+    assert_eq!(span["name"], "task");
+    assert_eq!(span["status"]["code"], 1);
+    let start: u128 = span["startTimeUnixNano"].as_str().unwrap().parse().unwrap();
+    let end: u128 = span["endTimeUnixNano"].as_str().unwrap().parse().unwrap();
+    assert!(start > 0 && end >= start);
+    let attr = |k: &str| -> Value {
+        let a = span["attributes"].as_array().unwrap().iter().find(|a| a["key"] == k);
+        a.unwrap_or_else(|| panic!("no {k} in {span}"))["value"].clone()
+    };
+    assert_eq!(attr("edgeway.task_id")["stringValue"], task_id.as_str());
+    assert_eq!(attr("edgeway.state")["stringValue"], "SUCCEEDED");
+    assert_eq!(attr("edgeway.output_tokens")["intValue"], "5");
+    // The engine call hangs under the task's span.
+    let tp = fake.traceparents()[0].clone().unwrap();
+    assert_eq!(tp, format!("00-{TRACE}-{}-01", span["spanId"].as_str().unwrap()));
+    gw.stop().await;
+}
+
+#[test]
+fn an_otlp_endpoint_must_be_an_http_url() {
+    let dir = std::env::temp_dir();
+    for bad in ["localhost:4318", "grpc://127.0.0.1:4317", "http://"] {
+        let text = edgeway::testing::config_toml(
+            "http://127.0.0.1:9",
+            "openai",
+            &dir,
+            &format!("[log]\notlp_endpoint = \"{bad}\"\n"),
+        );
+        let e = edgeway::config::Config::from_toml_str(&text, Vec::new(), &dir).expect_err(bad);
+        assert!(e.0.iter().any(|e| e.path == "log.otlp_endpoint"), "{bad}: {e}");
     }
 }

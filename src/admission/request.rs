@@ -335,6 +335,8 @@ pub fn admit(
         request_id,
         // The gateway sets it: the protocol's header outranks the body.
         trace_id: String::new(),
+        span_id: String::new(),
+        parent_span_id: None,
         identity,
         ingress,
         logical_model: model.name.clone(),

@@ -287,6 +287,9 @@ pub struct LogConfig {
     pub format: LogFormat,
     /// A `tracing` filter directive such as `info` or `edgeway=debug`.
     pub level: String,
+    /// The OTLP/HTTP collector (`http://host:4318`) that task spans are
+    /// sent to (`{endpoint}/v1/traces`, JSON); none: no export.
+    pub otlp_endpoint: Option<String>,
 }
 
 #[derive(Debug, Clone)]

@@ -277,11 +277,13 @@ pub struct RawLog {
     pub format: Field<LogFormat>,
     /// A `tracing` filter directive; checked in validation.
     pub level: String,
+    /// An OTLP/HTTP collector to send task spans to; checked in validation.
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Default for RawLog {
     fn default() -> Self {
-        RawLog { format: Field::Valid(LogFormat::Text), level: "info".into() }
+        RawLog { format: Field::Valid(LogFormat::Text), level: "info".into(), otlp_endpoint: None }
     }
 }
 

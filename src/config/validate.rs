@@ -301,7 +301,16 @@ fn log(raw: RawLog, p: &mut Problems) -> Option<LogConfig> {
     if tracing_subscriber::EnvFilter::try_new(&raw.level).is_err() {
         p.add("log.level", format!("{:?} is not a valid filter", raw.level));
     }
-    Some(LogConfig { format: format?, level: raw.level })
+    let otlp_endpoint = raw.otlp_endpoint.filter(|e| !e.trim().is_empty());
+    if let Some(e) = &otlp_endpoint {
+        if !(e.starts_with("http://") || e.starts_with("https://")) || reqwest::Url::parse(e).is_err() {
+            p.add(
+                "log.otlp_endpoint",
+                format!("{e:?} is not an http:// or https:// URL (an OTLP/HTTP collector, e.g. http://127.0.0.1:4318)"),
+            );
+        }
+    }
+    Some(LogConfig { format: format?, level: raw.level, otlp_endpoint })
 }
 
 fn timeouts(t: RawTimeouts, p: &mut Problems) -> Timeouts {

@@ -390,7 +390,7 @@ impl Gateway {
     pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
         // The caller's trace id (protocol header first, then the body's
         // `trace_id` or `metadata.trace_id`), or a new one: never a refusal.
-        let trace_id = {
+        let (trace_id, parent_span_id) = {
             let body = &call.body;
             let field = body.extra.get("trace_id").and_then(serde_json::Value::as_str);
             let meta = body.metadata.as_ref().and_then(|m| m.get("trace_id")).and_then(serde_json::Value::as_str);
@@ -400,7 +400,7 @@ impl Gateway {
         // joins once admission made one.
         let span = crate::telemetry::trace::task_span(&trace_id, None, call.body.request_id.as_deref());
         let (ingress, application) = (call.ingress, call.identity.application.clone());
-        let submitted = self.submit_traced(call, trace_id).instrument(span.clone()).await;
+        let submitted = self.submit_traced(call, trace_id, parent_span_id).instrument(span.clone()).await;
         if let Err(e) = &submitted {
             span.in_scope(|| {
                 tracing::info!(
@@ -416,7 +416,12 @@ impl Gateway {
         submitted
     }
 
-    async fn submit_traced(&self, call: Call, trace_id: String) -> Result<TaskStream, GatewayError> {
+    async fn submit_traced(
+        &self,
+        call: Call,
+        trace_id: String,
+        parent_span_id: Option<String>,
+    ) -> Result<TaskStream, GatewayError> {
         let Call { identity, mut body, ingress, request_id_hint, traceparent: _ } = call;
         tracing::info!(
             stage = "access",
@@ -451,6 +456,8 @@ impl Gateway {
         let mut req =
             admission::admit(&self.config(), identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
         req.trace_id = trace_id.clone();
+        req.span_id = crate::telemetry::trace::new_span_id();
+        req.parent_span_id = parent_span_id;
         let span = tracing::Span::current();
         span.record("task_id", req.task_id.as_str());
         span.record("request_id", req.request_id.as_str());

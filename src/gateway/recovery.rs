@@ -122,6 +122,9 @@ impl Gateway {
             } else {
                 crate::telemetry::trace::new_trace_id()
             },
+            // A new span: the run before the restart had its own.
+            span_id: crate::telemetry::trace::new_span_id(),
+            parent_span_id: None,
             identity: Identity {
                 tenant: app.tenant.clone(),
                 application: app.name.clone(),

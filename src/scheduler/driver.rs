@@ -616,7 +616,7 @@ impl Driver {
                 tools: r.tools.clone(),
                 operation,
                 slot: lease.slot,
-                traceparent: Some(crate::telemetry::trace::child_traceparent(&r.trace_id)),
+                traceparent: Some(crate::telemetry::trace::child_traceparent(&r.trace_id, &r.span_id)),
             };
             let mut stream = tokio::select! {
                 biased;
@@ -835,6 +835,53 @@ impl Driver {
         self.log.push(TaskEvent::Error { error: e, meta: Box::new(meta) });
     }
 
+    /// The task's span for the OTLP export: ids, what it asked and what
+    /// answered, how it ended, its counts. No prompt or answer text.
+    fn span(&self, meta: &ResultMeta, error_code: Option<&str>, actor: &str) -> crate::telemetry::otlp::TaskSpan {
+        let r = &self.req;
+        let mut attributes = vec![
+            ("edgeway.task_id", r.task_id.clone()),
+            ("edgeway.request_id", r.request_id.clone()),
+            ("edgeway.ingress", r.ingress.as_str().to_string()),
+            ("edgeway.tenant", r.identity.tenant.clone()),
+            ("edgeway.application", r.identity.application.clone()),
+            ("edgeway.model", r.logical_model.clone()),
+            ("edgeway.priority", r.priority.as_str().to_string()),
+            ("edgeway.state", meta.status.as_str().to_string()),
+            ("edgeway.actor", actor.to_string()),
+        ];
+        for (k, v) in [
+            ("edgeway.session_id", r.session_id.as_deref()),
+            ("edgeway.instance", meta.route.instance.as_deref()),
+            ("edgeway.error_code", error_code),
+            ("edgeway.finish_reason", meta.finish_reason.as_deref()),
+        ] {
+            if let Some(v) = v {
+                attributes.push((k, v.to_string()));
+            }
+        }
+        let mut counts = vec![
+            ("edgeway.input_tokens", i64::from(meta.usage.input_tokens)),
+            ("edgeway.output_tokens", i64::from(meta.usage.output_tokens)),
+            ("edgeway.attempts", i64::from(meta.route.attempts)),
+        ];
+        for (k, v) in [("edgeway.queue_ms", meta.timing.queue_ms), ("edgeway.ttft_ms", meta.timing.first_token_ms)] {
+            if let Some(v) = v {
+                counts.push((k, v as i64));
+            }
+        }
+        crate::telemetry::otlp::TaskSpan {
+            trace_id: r.trace_id.clone(),
+            span_id: r.span_id.clone(),
+            parent_span_id: r.parent_span_id.clone(),
+            start: r.received_wall,
+            end: std::time::SystemTime::now(),
+            ok: meta.status == TaskState::Succeeded,
+            attributes,
+            counts,
+        }
+    }
+
     /// Counts the calls (`edgeway_tool_calls_total`) and logs the
     /// high-risk ones: someone must confirm them before they run.
     fn count_tool_calls(&self, calls: &[crate::task::ToolCall]) {
@@ -1001,6 +1048,9 @@ impl Driver {
             reason = %outcome.reason,
             "task ended"
         );
+        if let Some(spans) = self.shared.metrics.spans() {
+            spans.export(self.span(&meta, error_code, actor));
+        }
         self.shared.recorder.finished(
             r,
             stored.as_ref().unwrap_or(&meta),

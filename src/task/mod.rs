@@ -451,6 +451,11 @@ pub struct TaskRequest {
     /// record, events and engine calls: the caller's (`traceparent`, a
     /// `trace_id` field) or a new one (see `telemetry::trace`).
     pub trace_id: String,
+    /// This task's span in its trace: the parent of its engine calls (their
+    /// `traceparent`) and its span in an OTLP export. 16 hex digits.
+    pub span_id: String,
+    /// The caller's span (from its `traceparent`), the parent of this one.
+    pub parent_span_id: Option<String>,
     pub identity: Identity,
     pub ingress: Ingress,
     pub logical_model: String,
@@ -652,6 +657,8 @@ impl TaskRequest {
             task_id: new_task_id(),
             request_id: "r1".into(),
             trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+            span_id: "00f067aa0ba902b7".into(),
+            parent_span_id: None,
             identity: Identity {
                 tenant: "demo".into(),
                 application: "demo".into(),

@@ -18,11 +18,11 @@ fn is_lower_hex(s: &str) -> bool {
     s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
-/// The trace id of a W3C `traceparent` header
+/// The trace id and parent span id of a W3C `traceparent` header
 /// (`00-<trace id>-<parent span id>-<flags>`), if it is a valid one.
 /// Versions above `00` may append fields (`-…`), which are ignored, as the
 /// specification asks; version `ff` is invalid.
-pub fn parse_traceparent(header: &str) -> Option<String> {
+pub fn parse_traceparent(header: &str) -> Option<(String, String)> {
     let h = header.trim();
     let mut parts = h.split('-');
     let version = parts.next()?;
@@ -40,18 +40,20 @@ pub fn parse_traceparent(header: &str) -> Option<String> {
     if !valid_trace_id(trace_id) || !span_ok || flags.len() != 2 || !is_lower_hex(flags) {
         return None;
     }
-    Some(trace_id.to_string())
+    Some((trace_id.to_string(), span_id.to_string()))
 }
 
 /// The trace id a caller sent, in the order its carriers are trusted: a
 /// `traceparent` (header or MQTT v5 user property), then a bare `trace_id`
 /// (a request field, or `metadata.trace_id`). Invalid ones are skipped; a
-/// new id when none is valid.
-pub fn pick(traceparent: Option<&str>, fields: &[Option<&str>]) -> String {
-    traceparent
-        .and_then(parse_traceparent)
-        .or_else(|| fields.iter().flatten().map(|s| s.trim()).find(|s| valid_trace_id(s)).map(str::to_string))
-        .unwrap_or_else(new_trace_id)
+/// new id when none is valid. With the caller's span when the id came
+/// from a `traceparent`.
+pub fn pick(traceparent: Option<&str>, fields: &[Option<&str>]) -> (String, Option<String>) {
+    if let Some((trace, span)) = traceparent.and_then(parse_traceparent) {
+        return (trace, Some(span));
+    }
+    let field = fields.iter().flatten().map(|s| s.trim()).find(|s| valid_trace_id(s)).map(str::to_string);
+    (field.unwrap_or_else(new_trace_id), None)
 }
 
 /// The span around a task's work (admission, queueing, dispatch, the
@@ -100,11 +102,12 @@ pub fn new_span_id() -> String {
     id
 }
 
-/// The `traceparent` of one engine call of trace `trace_id`: a new span id,
-/// sampled flag set (the caller's sampling decision is not kept; engines
-/// that trace want the call).
-pub fn child_traceparent(trace_id: &str) -> String {
-    format!("00-{trace_id}-{}-01", new_span_id())
+/// The `traceparent` of the engine calls of a task: its trace id and its
+/// own span (`span_id`, a new one, not the caller's), so that an engine's
+/// spans hang under the task's; sampled flag set (the caller's sampling
+/// decision is not kept; engines that trace want the call).
+pub fn child_traceparent(trace_id: &str, span_id: &str) -> String {
+    format!("00-{trace_id}-{span_id}-01")
 }
 
 #[cfg(test)]
@@ -115,9 +118,10 @@ mod tests {
 
     #[test]
     fn a_valid_traceparent_gives_its_trace_id() {
-        assert_eq!(parse_traceparent(&format!("00-{ID}-00f067aa0ba902b7-01")).as_deref(), Some(ID));
+        let ids = Some((ID.to_string(), "00f067aa0ba902b7".to_string()));
+        assert_eq!(parse_traceparent(&format!("00-{ID}-00f067aa0ba902b7-01")), ids);
         // A later version may add fields.
-        assert_eq!(parse_traceparent(&format!("01-{ID}-00f067aa0ba902b7-01-extra")).as_deref(), Some(ID));
+        assert_eq!(parse_traceparent(&format!("01-{ID}-00f067aa0ba902b7-01-extra")), ids);
     }
 
     #[test]
@@ -141,11 +145,11 @@ mod tests {
     fn pick_prefers_the_header_then_fields_then_a_new_id() {
         let header = format!("00-{ID}-00f067aa0ba902b7-01");
         let other = "0af7651916cd43dd8448eb211c80319c";
-        assert_eq!(pick(Some(&header), &[Some(other)]), ID);
-        assert_eq!(pick(Some("bad"), &[Some("nope"), Some(other)]), other);
-        let fresh = pick(None, &[Some("nope")]);
-        assert!(valid_trace_id(&fresh) && fresh != ID && fresh != other);
-        assert_ne!(fresh, pick(None, &[]));
+        assert_eq!(pick(Some(&header), &[Some(other)]), (ID.to_string(), Some("00f067aa0ba902b7".to_string())));
+        assert_eq!(pick(Some("bad"), &[Some("nope"), Some(other)]), (other.to_string(), None));
+        let (fresh, parent) = pick(None, &[Some("nope")]);
+        assert!(valid_trace_id(&fresh) && fresh != ID && fresh != other && parent.is_none());
+        assert_ne!(fresh, pick(None, &[]).0);
     }
 
     #[test]
@@ -160,11 +164,11 @@ mod tests {
     }
 
     #[test]
-    fn an_engine_call_gets_the_same_trace_and_a_new_span() {
-        let a = child_traceparent(ID);
-        let b = child_traceparent(ID);
-        assert_eq!(parse_traceparent(&a).as_deref(), Some(ID));
+    fn an_engine_call_gets_the_same_trace_and_the_tasks_span() {
+        let (a, b) = (new_span_id(), new_span_id());
         assert_ne!(a, b);
-        assert!(a.starts_with("00-") && a.ends_with("-01"));
+        let tp = child_traceparent(ID, &a);
+        assert_eq!(parse_traceparent(&tp), Some((ID.to_string(), a)));
+        assert!(tp.starts_with("00-") && tp.ends_with("-01"));
     }
 }
