@@ -166,6 +166,9 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     metrics.export_store_errors(store.write_failures());
     metrics.export_store_health(store.health());
     metrics.set_queue_capacities(&config);
+    if let Some(endpoint) = &config.log.otlp_endpoint {
+        metrics.start_otlp(endpoint, &config.node_id);
+    }
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
     // Host CPU, memory, the store's disk and network, on a timer.

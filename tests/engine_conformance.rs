@@ -96,6 +96,7 @@ impl Setup {
             tools: None,
             operation: Default::default(),
             slot: None,
+            traceparent: None,
         }
     }
 
@@ -302,6 +303,7 @@ async fn closed_port_is_unreachable(kind: EngineKind) {
             tools: None,
             operation: Default::default(),
             slot: None,
+            traceparent: None,
         };
         let r = tokio::time::timeout(LIMIT, engine.stream(&req)).await.expect("stream() resolves");
         let e = match r {
@@ -551,6 +553,7 @@ impl Setup {
             tools: None,
             operation,
             slot: None,
+            traceparent: None,
         };
         tokio::time::timeout(LIMIT, self.engine.stream(&req)).await.expect("stream() resolves")
     }

@@ -657,3 +657,32 @@ async fn a_stream_is_cancelled_when_the_bus_stays_away() {
     assert!(metrics.contains("edgeway_nats_callers_lost_total{reason=\"bus_unavailable\"} 1"), "{metrics}");
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn a_traceparent_header_joins_events_store_record_and_engine_call() {
+    let (fake, nats, gw) = setup(Knobs::default(), "").await;
+    let client = connect(&nats).await;
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut h = auth(DEMO_KEY);
+    h.insert("traceparent", format!("00-{trace}-00f067aa0ba902b7-01").as_str());
+    let events = Call::start(&client, h, &chat("nats-trace")).await.collect().await;
+    for m in &events {
+        match m.kind.as_str() {
+            "accepted" | "queued" | "done" | "error" => assert_eq!(m.v["trace_id"], trace, "{}", m.v),
+            _ => assert!(m.v.get("trace_id").is_none(), "{}", m.v),
+        }
+    }
+    let done = &events.last().unwrap().v;
+    assert_eq!(done["result"]["trace_id"], trace);
+    let task_id = events[0].v["task_id"].as_str().unwrap();
+    gw.store().flush().await;
+    let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+    let stored: String =
+        conn.query_row("SELECT trace_id FROM tasks WHERE task_id = ?1", [task_id], |r| r.get(0)).unwrap();
+    assert_eq!(stored, trace);
+    let tps = fake.traceparents();
+    assert_eq!(tps.len(), 1);
+    let tp = tps[0].as_deref().expect("the engine call has a traceparent");
+    assert!(tp.starts_with(&format!("00-{trace}-")) && !tp.contains("00f067aa0ba902b7"), "{tp}");
+    gw.stop().await;
+}

@@ -333,6 +333,10 @@ pub fn admit(
     Ok(TaskRequest {
         task_id: crate::task::new_task_id(),
         request_id,
+        // The gateway sets it: the protocol's header outranks the body.
+        trace_id: String::new(),
+        span_id: String::new(),
+        parent_span_id: None,
         identity,
         ingress,
         logical_model: model.name.clone(),

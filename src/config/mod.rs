@@ -287,6 +287,9 @@ pub struct LogConfig {
     pub format: LogFormat,
     /// A `tracing` filter directive such as `info` or `edgeway=debug`.
     pub level: String,
+    /// The OTLP/HTTP collector (`http://host:4318`) that task spans are
+    /// sent to (`{endpoint}/v1/traces`, JSON); none: no export.
+    pub otlp_endpoint: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -438,7 +441,24 @@ pub struct ApplicationConfig {
     pub system_prompt: Option<String>,
     /// Output constraints, last in every assembled prompt of its calls.
     pub output_constraints: Option<String>,
+    /// Prompt debug logging, off unless configured and before its end.
+    pub debug_prompts: Option<DebugPrompts>,
 }
+
+/// `[applications.X.debug_prompts]`: the application's prompts are logged
+/// (secrets filtered) for a sampled share of its calls, until a time after
+/// which it is off by itself. Prompts are never logged otherwise.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DebugPrompts {
+    /// Unix ms after which no prompt is logged.
+    pub until_ms: i64,
+    /// Share of calls (0 < rate <= 1) whose prompt is logged.
+    pub sample_rate: f64,
+}
+
+/// The longest `debug_prompts.until` may lie ahead when the configuration
+/// is loaded: the mode is short-lived by construction.
+pub const DEBUG_PROMPTS_MAX_AHEAD_MS: i64 = 7 * 24 * 3600 * 1000;
 
 /// Limits of one application against the others (all optional). The
 /// scheduler's policy reads them as they are.

@@ -277,11 +277,13 @@ pub struct RawLog {
     pub format: Field<LogFormat>,
     /// A `tracing` filter directive; checked in validation.
     pub level: String,
+    /// An OTLP/HTTP collector to send task spans to; checked in validation.
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Default for RawLog {
     fn default() -> Self {
-        RawLog { format: Field::Valid(LogFormat::Text), level: "info".into() }
+        RawLog { format: Field::Valid(LogFormat::Text), level: "info".into(), otlp_endpoint: None }
     }
 }
 
@@ -466,6 +468,9 @@ pub struct RawApplication {
     pub system_prompt: Option<String>,
     /// Output constraints, last in every assembled prompt of its calls.
     pub output_constraints: Option<String>,
+    /// Prompt debug logging (`until`, `sample_rate`), checked by hand for
+    /// errors with their paths.
+    pub debug_prompts: Option<toml::Value>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -508,6 +513,7 @@ impl Default for RawApplication {
             redact: Vec::new(),
             system_prompt: None,
             output_constraints: None,
+            debug_prompts: None,
         }
     }
 }

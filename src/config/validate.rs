@@ -301,7 +301,16 @@ fn log(raw: RawLog, p: &mut Problems) -> Option<LogConfig> {
     if tracing_subscriber::EnvFilter::try_new(&raw.level).is_err() {
         p.add("log.level", format!("{:?} is not a valid filter", raw.level));
     }
-    Some(LogConfig { format: format?, level: raw.level })
+    let otlp_endpoint = raw.otlp_endpoint.filter(|e| !e.trim().is_empty());
+    if let Some(e) = &otlp_endpoint {
+        if !(e.starts_with("http://") || e.starts_with("https://")) || reqwest::Url::parse(e).is_err() {
+            p.add(
+                "log.otlp_endpoint",
+                format!("{e:?} is not an http:// or https:// URL (an OTLP/HTTP collector, e.g. http://127.0.0.1:4318)"),
+            );
+        }
+    }
+    Some(LogConfig { format: format?, level: raw.level, otlp_endpoint })
 }
 
 fn timeouts(t: RawTimeouts, p: &mut Problems) -> Timeouts {
@@ -594,7 +603,79 @@ fn application(
         redact: a.redact,
         system_prompt: a.system_prompt.filter(|t| !t.trim().is_empty()),
         output_constraints: a.output_constraints.filter(|t| !t.trim().is_empty()),
+        debug_prompts: a.debug_prompts.and_then(|d| debug_prompts(&format!("{path}.debug_prompts"), &d, p)),
     })
+}
+
+/// `applications.*.debug_prompts`: `until` (a TOML date-time with its
+/// offset, at most [`DEBUG_PROMPTS_MAX_AHEAD_MS`] ahead; one in the past is
+/// allowed and means off) and `sample_rate` (0 < r <= 1, default 0.1).
+fn debug_prompts(path: &str, v: &toml::Value, p: &mut Problems) -> Option<super::DebugPrompts> {
+    let Some(t) = v.as_table() else {
+        p.add(path, "must be a table with 'until' and 'sample_rate'");
+        return None;
+    };
+    for k in t.keys().filter(|k| !matches!(k.as_str(), "until" | "sample_rate")) {
+        p.add(format!("{path}.{k}"), "unknown key (expected 'until' or 'sample_rate')");
+    }
+    let until = match t.get("until") {
+        None => {
+            p.add(format!("{path}.until"), "is required: the date-time after which prompts are no longer logged");
+            None
+        }
+        Some(u) => {
+            // A TOML date-time, or its text: the raw config passes through
+            // serde, which may hand it on in its private wrapper.
+            let dt = match u {
+                toml::Value::Datetime(d) => Some(*d),
+                toml::Value::String(s) => s.parse().ok(),
+                toml::Value::Table(t) if t.len() == 1 => t.values().next().and_then(|v| v.as_str()?.parse().ok()),
+                _ => None,
+            };
+            let ms = dt.as_ref().and_then(datetime_ms);
+            if ms.is_none() {
+                p.add(format!("{path}.until"), "must be a TOML date-time with an offset, e.g. 2026-12-02T18:00:00Z");
+            }
+            ms
+        }
+    };
+    if until.is_some_and(|u| u > crate::task::now_ms() + super::DEBUG_PROMPTS_MAX_AHEAD_MS) {
+        p.add(format!("{path}.until"), "must be at most 7 days ahead: prompt debug logging is short-lived");
+    }
+    let sample_rate = match t.get("sample_rate") {
+        None => Some(0.1),
+        Some(r) => {
+            let r = r.as_float().or_else(|| r.as_integer().map(|i| i as f64)).filter(|r| *r > 0.0 && *r <= 1.0);
+            if r.is_none() {
+                p.add(format!("{path}.sample_rate"), "must be a number above 0 and at most 1");
+            }
+            r
+        }
+    };
+    Some(super::DebugPrompts { until_ms: until?, sample_rate: sample_rate? })
+}
+
+/// Unix ms of a TOML offset date-time (a local one, without an offset,
+/// is refused: the end of a debug window must not depend on the box's
+/// time zone).
+fn datetime_ms(d: &toml::value::Datetime) -> Option<i64> {
+    let (date, time, offset) = (d.date?, d.time?, d.offset?);
+    let offset_min = match offset {
+        toml::value::Offset::Z => 0,
+        toml::value::Offset::Custom { minutes } => i64::from(minutes),
+    };
+    // Days since 1970-01-01 of a proleptic Gregorian date (Howard
+    // Hinnant's days_from_civil).
+    let (y, m, dd) = (i64::from(date.year), i64::from(date.month), i64::from(date.day));
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * ((m + 9) % 12) + 2) / 5 + dd - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + i64::from(time.hour) * 3600 + i64::from(time.minute) * 60 + i64::from(time.second)
+        - offset_min * 60;
+    Some(secs * 1000 + i64::from(time.nanosecond / 1_000_000))
 }
 
 fn engines(

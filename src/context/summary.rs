@@ -223,6 +223,8 @@ fn request(
     let limit = cfg.deadline;
     req.task_id = crate::task::new_task_id();
     req.request_id = format!("summary-{session_id}-v{version}");
+    // In the turn's trace, as a span of its own under the turn's.
+    req.parent_span_id = Some(std::mem::replace(&mut req.span_id, crate::telemetry::trace::new_span_id()));
     req.logical_model = cfg.model.clone();
     req.priority = cfg.priority.max(req.identity.max_priority);
     req.max_output_tokens = cfg.max_tokens.min(model_max_output);

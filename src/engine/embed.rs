@@ -128,8 +128,9 @@ async fn post<B: Serialize, R: for<'de> Deserialize<'de>>(
     cfg: &EngineConfig,
     path: &str,
     body: &B,
+    traceparent: Option<&str>,
 ) -> Result<R, EngineError> {
-    let mut rb = client.post(format!("{}{path}", cfg.base_url)).json(body);
+    let mut rb = super::traced(client.post(format!("{}{path}", cfg.base_url)).json(body), traceparent);
     if let Some(key) = &cfg.api_key {
         rb = rb.bearer_auth(key);
     }
@@ -150,9 +151,10 @@ pub(super) async fn openai(
     model: &str,
     input: &[String],
     dimensions: Option<u32>,
+    traceparent: Option<&str>,
 ) -> Result<EngineStream, EngineError> {
     let body = OpenAiRequest { model, input, encoding_format: "float", dimensions };
-    let r: OpenAiResponse = post(client, cfg, "/v1/embeddings", &body).await?;
+    let r: OpenAiResponse = post(client, cfg, "/v1/embeddings", &body, traceparent).await?;
     Ok(Vectors::try_from((r, input.len()))?.into_stream())
 }
 
@@ -163,9 +165,10 @@ pub(super) async fn ollama(
     model: &str,
     input: &[String],
     dimensions: Option<u32>,
+    traceparent: Option<&str>,
 ) -> Result<EngineStream, EngineError> {
     let body = OllamaRequest { model, input, dimensions, keep_alive: cfg.keep_alive.as_deref() };
-    let r: OllamaResponse = post(client, cfg, "/api/embed", &body).await?;
+    let r: OllamaResponse = post(client, cfg, "/api/embed", &body, traceparent).await?;
     Ok(Vectors::try_from((r, input.len()))?.into_stream())
 }
 

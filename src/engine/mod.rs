@@ -47,6 +47,9 @@ pub struct EngineRequest {
     /// llama-server's slot for it (`id_slot`, with `cache_prompt`), when
     /// its instance has slot affinity.
     pub slot: Option<u32>,
+    /// The W3C `traceparent` header of this call (the task's trace id, a
+    /// span id of its own), sent to the engine as it is.
+    pub traceparent: Option<String>,
 }
 
 /// One piece of an engine's answer, in the order the engine sent it.
@@ -231,6 +234,15 @@ fn http_client(connect_timeout: Duration) -> Result<reqwest::Client, EngineError
 /// that was already open, before any answer, is
 /// [`EngineError::ConnectionLost`]; a refused or timed-out connect is
 /// [`EngineError::Unreachable`].
+/// Adds the call's W3C `traceparent` header, when it has one, so an engine
+/// that traces (vLLM with OpenTelemetry, a proxy) joins the task's trace.
+pub(crate) fn traced(rb: reqwest::RequestBuilder, traceparent: Option<&str>) -> reqwest::RequestBuilder {
+    match traceparent {
+        Some(tp) => rb.header("traceparent", tp),
+        None => rb,
+    }
+}
+
 pub(crate) async fn send(rb: reqwest::RequestBuilder) -> Result<reqwest::Response, EngineError> {
     match rb.send().await {
         Ok(r) => Ok(r),

@@ -248,7 +248,10 @@ impl Engine for OllamaEngine {
             Operation::Chat => None,
             Operation::Completion { prompt } => Some(prompt.as_str()),
             Operation::Embedding { input, dimensions } => {
-                return super::embed::ollama(&self.client, &self.cfg, &req.model, input, *dimensions).await
+                return {
+                    let tp = req.traceparent.as_deref();
+                    super::embed::ollama(&self.client, &self.cfg, &req.model, input, *dimensions, tp).await
+                }
             }
         };
         let mut options = Map::new();
@@ -280,7 +283,8 @@ impl Engine for OllamaEngine {
             tools: req.tools.as_ref().map(|t| t.tools.as_slice()),
         };
         let path = if prompt.is_some() { "/api/generate" } else { "/api/chat" };
-        let resp = super::send(self.client.post(self.url(path)).json(&body)).await?;
+        let rb = super::traced(self.client.post(self.url(path)).json(&body), req.traceparent.as_deref());
+        let resp = super::send(rb).await?;
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().await.unwrap_or_default();

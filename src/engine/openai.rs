@@ -82,8 +82,8 @@ impl OpenAiEngine {
         value
     }
 
-    fn post(&self, url: &str, body: &WireRequest<'_>) -> reqwest::RequestBuilder {
-        let mut rb = self.client.post(url).json(body);
+    fn post(&self, url: &str, body: &WireRequest<'_>, traceparent: Option<&str>) -> reqwest::RequestBuilder {
+        let mut rb = super::traced(self.client.post(url).json(body), traceparent);
         if let Some(key) = &self.cfg.api_key {
             rb = rb.bearer_auth(key);
         }
@@ -283,7 +283,10 @@ impl Engine for OpenAiEngine {
             Operation::Chat => None,
             Operation::Completion { prompt } => Some(prompt.as_str()),
             Operation::Embedding { input, dimensions } => {
-                return super::embed::openai(&self.client, &self.cfg, &req.model, input, *dimensions).await
+                return {
+                    let tp = req.traceparent.as_deref();
+                    super::embed::openai(&self.client, &self.cfg, &req.model, input, *dimensions, tp).await
+                }
             }
         };
         let stream = self.cfg.stream;
@@ -302,7 +305,7 @@ impl Engine for OpenAiEngine {
             cache_prompt: req.slot.map(|_| true),
         };
         let url = if prompt.is_some() { &self.completions_url } else { &self.url };
-        let resp = super::send(self.post(url, &body)).await?;
+        let resp = super::send(self.post(url, &body, req.traceparent.as_deref())).await?;
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().await.unwrap_or_default();

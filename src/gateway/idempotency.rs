@@ -169,7 +169,11 @@ impl Gateway {
                 events.push(TaskEvent::Error { error: GatewayError::new(code, msg), meta: Box::new(meta) });
             }
         }
-        self.scheduler.replay(&rec.task_id, &rec.request_id, events)
+        let trace_id = match events.last() {
+            Some(TaskEvent::Done(m) | TaskEvent::Error { meta: m, .. }) => m.trace_id.clone().unwrap_or_default(),
+            _ => String::new(),
+        };
+        self.scheduler.replay(&rec.task_id, &rec.request_id, &trace_id, events)
     }
 }
 
@@ -181,6 +185,7 @@ fn stored_request(r: &TaskRequest) -> StoredRequest {
     StoredRequest {
         task_id: r.task_id.clone(),
         request_id: r.request_id.clone(),
+        trace_id: r.trace_id.clone(),
         tenant: r.identity.tenant.clone(),
         application: r.identity.application.clone(),
         user_id: r.identity.user_id.clone(),

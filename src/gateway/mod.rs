@@ -33,6 +33,7 @@ use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 use tokio::sync::{broadcast, Notify};
+use tracing::Instrument;
 
 use crate::admission::{self, request::parse_body};
 use crate::config::Config;
@@ -83,6 +84,9 @@ pub struct SubmitOptions {
     /// The idempotency key to use when the body names none
     /// (`Idempotency-Key`).
     pub idempotency_key: Option<String>,
+    /// A W3C `traceparent` the protocol carried (HTTP and NATS header, MQTT
+    /// v5 user property): its trace id becomes the task's when valid.
+    pub traceparent: Option<String>,
 }
 
 /// An authenticated, parsed call that is not submitted yet (see
@@ -92,6 +96,7 @@ pub struct Call {
     body: ChatRequestBody,
     ingress: Ingress,
     request_id_hint: Option<String>,
+    traceparent: Option<String>,
 }
 
 impl Call {
@@ -348,7 +353,7 @@ impl Gateway {
         if body.idempotency_key.is_none() {
             body.idempotency_key = opts.idempotency_key;
         }
-        Ok(Call { identity, body, ingress, request_id_hint: opts.request_id_hint })
+        Ok(Call { identity, body, ingress, request_id_hint: opts.request_id_hint, traceparent: opts.traceparent })
     }
 
     /// [`Gateway::prepare`] for a body of another shape than chat (a legacy
@@ -370,7 +375,9 @@ impl Gateway {
         if body.idempotency_key.is_none() {
             body.idempotency_key = opts.idempotency_key;
         }
-        Ok((Call { identity, body, ingress, request_id_hint: opts.request_id_hint }, extra))
+        let call =
+            Call { identity, body, ingress, request_id_hint: opts.request_id_hint, traceparent: opts.traceparent };
+        Ok((call, extra))
     }
 
     /// The second half of [`Gateway::submit`]: admission, idempotency and
@@ -381,7 +388,50 @@ impl Gateway {
     /// Dropping the future (an HTTP client gone mid-call) before it answers
     /// ends the call's record REJECTED and leaves no queued task behind.
     pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
-        let Call { identity, mut body, ingress, request_id_hint } = call;
+        // The caller's trace id (protocol header first, then the body's
+        // `trace_id` or `metadata.trace_id`), or a new one: never a refusal.
+        let (trace_id, parent_span_id) = {
+            let body = &call.body;
+            let field = body.extra.get("trace_id").and_then(serde_json::Value::as_str);
+            let meta = body.metadata.as_ref().and_then(|m| m.get("trace_id")).and_then(serde_json::Value::as_str);
+            crate::telemetry::trace::pick(call.traceparent.as_deref(), &[field, meta])
+        };
+        // Every log line of the call carries its trace id; the task id
+        // joins once admission made one.
+        let span = crate::telemetry::trace::task_span(&trace_id, None, call.body.request_id.as_deref());
+        let (ingress, application) = (call.ingress, call.identity.application.clone());
+        let submitted = self.submit_traced(call, trace_id, parent_span_id).instrument(span.clone()).await;
+        if let Err(e) = &submitted {
+            span.in_scope(|| {
+                tracing::info!(
+                    stage = "end",
+                    state = "REJECTED",
+                    code = e.code.as_str(),
+                    ingress = ingress.as_str(),
+                    %application,
+                    "request refused"
+                )
+            });
+        }
+        submitted
+    }
+
+    async fn submit_traced(
+        &self,
+        call: Call,
+        trace_id: String,
+        parent_span_id: Option<String>,
+    ) -> Result<TaskStream, GatewayError> {
+        let Call { identity, mut body, ingress, request_id_hint, traceparent: _ } = call;
+        tracing::info!(
+            stage = "access",
+            ingress = ingress.as_str(),
+            tenant = %identity.tenant,
+            application = %identity.application,
+            model = %body.model.chars().take(128).collect::<String>(),
+            stream = body.stream,
+            "request received"
+        );
         // `edge` (today only `edge.context`) is for the assembly, not the
         // engine: read after admission, so a bad one is refused after the
         // request's other checks.
@@ -399,12 +449,18 @@ impl Gateway {
         let refuse = |e: GatewayError| match &closed {
             Some(c) => self.refused(ingress, c.clone()),
             None => {
-                self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &e);
+                self.recorder.rejected(&identity, ingress, &model, request_id.as_deref(), &trace_id, &e);
                 self.refused(ingress, e)
             }
         };
         let mut req =
             admission::admit(&self.config(), identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
+        req.trace_id = trace_id.clone();
+        req.span_id = crate::telemetry::trace::new_span_id();
+        req.parent_span_id = parent_span_id;
+        let span = tracing::Span::current();
+        span.record("task_id", req.task_id.as_str());
+        span.record("request_id", req.request_id.as_str());
         let context = crate::context::inputs::parse(edge.as_ref()).map_err(refuse)?;
         // Knowledge, tool results and memory are part of the call: a repeat
         // of its idempotency key with other ones is another request, not a
@@ -428,6 +484,17 @@ impl Gateway {
         // (a repeat is not a new turn) and before the task is recorded, so
         // that its record holds the prompt as assembled.
         let turn = self.begin_turn(&mut req, context).await.map_err(refuse)?;
+        match &req.context {
+            Some(c) => tracing::info!(
+                stage = "context",
+                tokens = req.input_tokens_estimate,
+                steps = %c.steps.join(","),
+                summary_used = c.summary_used,
+                "prompt assembled"
+            ),
+            None => tracing::info!(stage = "context", tokens = req.input_tokens_estimate, steps = "", "prompt as sent"),
+        }
+        self.debug_prompt(&req);
         // The turn may have waited for the one before: a drain begun
         // meanwhile refuses it as it refuses any new work.
         if let Some(e) = self.closed_to_new_work() {
@@ -487,6 +554,42 @@ impl Gateway {
                 Err(self.refused(ingress, e))
             }
         }
+    }
+
+    /// Logs the prompt as it goes to the engine, secrets filtered, when its
+    /// application's `debug_prompts` is on (before its `until`) and the
+    /// task is in its sample. Prompts are never logged otherwise.
+    fn debug_prompt(&self, req: &TaskRequest) {
+        let cfg = self.config();
+        let Some(app) = cfg.applications.get(&req.identity.application) else { return };
+        let Some(d) = app.debug_prompts else { return };
+        if crate::task::now_ms() >= d.until_ms || !crate::telemetry::trace::sampled(&req.task_id, d.sample_rate) {
+            return;
+        }
+        let filter = crate::context::fence::SecretFilter::of(&cfg);
+        let prompts: Vec<&str> = app.system_prompt.as_deref().into_iter().collect();
+        let mut filtered = 0;
+        let lines: Vec<String> = req
+            .messages
+            .iter()
+            .map(|m| {
+                let text = match &m.content {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                let (text, n) = filter.filter(&text, &req.identity.tenant, &prompts);
+                filtered += n;
+                format!("{}: {text}", m.role)
+            })
+            .collect();
+        tracing::info!(
+            stage = "prompt_debug",
+            application = %app.name,
+            filtered,
+            until_ms = d.until_ms,
+            prompt = %lines.join("\n"),
+            "prompt (debug_prompts is on for this application)"
+        );
     }
 
     /// Counts a call refused before it became a task and hands the error

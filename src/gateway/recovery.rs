@@ -116,6 +116,15 @@ impl Gateway {
         Ok(TaskRequest {
             task_id: r.task_id.clone(),
             request_id: r.request_id.clone(),
+            // The same trace as before the restart.
+            trace_id: if crate::telemetry::trace::valid_trace_id(&r.trace_id) {
+                r.trace_id.clone()
+            } else {
+                crate::telemetry::trace::new_trace_id()
+            },
+            // A new span: the run before the restart had its own.
+            span_id: crate::telemetry::trace::new_span_id(),
+            parent_span_id: None,
             identity: Identity {
                 tenant: app.tenant.clone(),
                 application: app.name.clone(),

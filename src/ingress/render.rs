@@ -9,8 +9,23 @@ use serde_json::{json, Value};
 
 use crate::task::TaskEvent;
 
-/// `{"seq": n, "type": …, …}` for one event of `request_id`.
-pub fn event_json(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
+/// `{"seq": n, "type": …, …}` for one event of `request_id`. The
+/// lifecycle events (`accepted`, `queued`, `done`, `error`) carry the
+/// task's `trace_id` (when it has one); the pieces of the answer do not.
+pub fn event_json(seq: u64, request_id: &str, trace_id: &str, e: &TaskEvent) -> Value {
+    let mut v = event_body(seq, request_id, e);
+    if !trace_id.is_empty()
+        && matches!(
+            e,
+            TaskEvent::Accepted { .. } | TaskEvent::Queued { .. } | TaskEvent::Done(_) | TaskEvent::Error { .. }
+        )
+    {
+        v["trace_id"] = trace_id.into();
+    }
+    v
+}
+
+fn event_body(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
     match e {
         TaskEvent::Accepted { task_id, queue_position } => json!({
             "seq": seq, "type": "accepted", "request_id": request_id,

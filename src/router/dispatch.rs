@@ -267,6 +267,7 @@ mod tests {
             tools: None,
             operation: Default::default(),
             slot: None,
+            traceparent: None,
         }
     }
 

@@ -217,6 +217,7 @@ impl Driver {
         }
         p.hop(FallbackStep::Canned, &r.logical_model, None, "no engine step could take the request");
         if !passed.is_empty() {
+            tracing::info!(stage = "fallback", step = "canned", model = %r.logical_model, "moved to the canned answer");
             let why: Vec<String> = passed.iter().map(|x| format!("{}: {}", x.step.as_str(), x.detail)).collect();
             let reason = format!("moved to the canned answer; {}", why.join("; "));
             self.shared.recorder.transition(r, TaskState::Queued, &reason, None, "scheduler");
@@ -319,14 +320,14 @@ impl Driver {
                         "retry after attempt {} failed on {}: {}",
                         p.attempts, lease.instance_name, error.reason
                     );
-                    tracing::info!(task_id = %r.task_id, engine = %lease.instance_name, error = %error.reason, "engine attempt failed before the first token; retrying");
+                    tracing::info!(stage = "retry", attempt = p.attempts, instance = %lease.instance_name, why = label, error = %error.reason, "engine attempt failed before the first token; retrying");
                     grant = self.requeue(lease, Some(instance), p.embeddings_done > 0, &reason);
                 }
                 AttemptEnd::Preempted => {
                     // Which task took the slot is for the logs: it may be
                     // another tenant's.
                     let by = self.preempt.by().unwrap_or_default();
-                    tracing::info!(task_id = %r.task_id, engine = %lease.instance_name, for_task = %by, "preempted for a P0 task");
+                    tracing::info!(stage = "retry", attempt = p.attempts, instance = %lease.instance_name, why = "preempted", for_task = %by, "preempted for a P0 task");
                     let model = lease.model.clone();
                     self.shared.metrics.preemptions.with_label_values(&[&model, r.priority.as_str()]).inc();
                     if let Some(h) = p.hops.last_mut() {
@@ -468,6 +469,7 @@ impl Driver {
         // to the task (the scheduler only knows queues).
         let moved = std::mem::take(&mut lease.passed);
         if !moved.is_empty() {
+            tracing::info!(stage = "fallback", step = lease.step.as_str(), model = %lease.model, "moved to a fallback step while waiting");
             let why: Vec<String> = moved.iter().map(|x| format!("{}: {}", x.step.as_str(), x.detail)).collect();
             let reason = format!(
                 "moved to fallback step {} ({}) while waiting; {}",
@@ -498,6 +500,16 @@ impl Driver {
             self.log.push(TaskEvent::Queued { position: 0, loading_ms: Some(so_far.as_millis() as u64) });
             Instant::now()
         });
+        tracing::info!(
+            stage = "dispatch",
+            queue_ms = now.saturating_duration_since(r.received_at).as_millis() as u64,
+            instance = %lease.instance_name,
+            model = %lease.model,
+            step = lease.step.as_str(),
+            attempt = p.attempts,
+            loading = loading.is_some(),
+            "dispatched"
+        );
         if loading.is_none() {
             self.shared.recorder.transition(
                 r,
@@ -604,6 +616,7 @@ impl Driver {
                 tools: r.tools.clone(),
                 operation,
                 slot: lease.slot,
+                traceparent: Some(crate::telemetry::trace::child_traceparent(&r.trace_id, &r.span_id)),
             };
             let mut stream = tokio::select! {
                 biased;
@@ -812,6 +825,7 @@ impl Driver {
             &self.shared.config.node_id,
         );
         meta.session_id = r.session_id.clone();
+        meta.trace_id = Some(r.trace_id.clone());
         let e = GatewayError::new(
             ErrorCode::ShuttingDown,
             "the gateway is shutting down; the task stays queued and runs after the restart (repeat its idempotency key to follow it)",
@@ -819,6 +833,53 @@ impl Driver {
         .with_retry_after(5000);
         tracing::info!(task_id = %r.task_id, "queued idempotent task kept for the next start");
         self.log.push(TaskEvent::Error { error: e, meta: Box::new(meta) });
+    }
+
+    /// The task's span for the OTLP export: ids, what it asked and what
+    /// answered, how it ended, its counts. No prompt or answer text.
+    fn span(&self, meta: &ResultMeta, error_code: Option<&str>, actor: &str) -> crate::telemetry::otlp::TaskSpan {
+        let r = &self.req;
+        let mut attributes = vec![
+            ("edgeway.task_id", r.task_id.clone()),
+            ("edgeway.request_id", r.request_id.clone()),
+            ("edgeway.ingress", r.ingress.as_str().to_string()),
+            ("edgeway.tenant", r.identity.tenant.clone()),
+            ("edgeway.application", r.identity.application.clone()),
+            ("edgeway.model", r.logical_model.clone()),
+            ("edgeway.priority", r.priority.as_str().to_string()),
+            ("edgeway.state", meta.status.as_str().to_string()),
+            ("edgeway.actor", actor.to_string()),
+        ];
+        for (k, v) in [
+            ("edgeway.session_id", r.session_id.as_deref()),
+            ("edgeway.instance", meta.route.instance.as_deref()),
+            ("edgeway.error_code", error_code),
+            ("edgeway.finish_reason", meta.finish_reason.as_deref()),
+        ] {
+            if let Some(v) = v {
+                attributes.push((k, v.to_string()));
+            }
+        }
+        let mut counts = vec![
+            ("edgeway.input_tokens", i64::from(meta.usage.input_tokens)),
+            ("edgeway.output_tokens", i64::from(meta.usage.output_tokens)),
+            ("edgeway.attempts", i64::from(meta.route.attempts)),
+        ];
+        for (k, v) in [("edgeway.queue_ms", meta.timing.queue_ms), ("edgeway.ttft_ms", meta.timing.first_token_ms)] {
+            if let Some(v) = v {
+                counts.push((k, v as i64));
+            }
+        }
+        crate::telemetry::otlp::TaskSpan {
+            trace_id: r.trace_id.clone(),
+            span_id: r.span_id.clone(),
+            parent_span_id: r.parent_span_id.clone(),
+            start: r.received_wall,
+            end: std::time::SystemTime::now(),
+            ok: meta.status == TaskState::Succeeded,
+            attributes,
+            counts,
+        }
     }
 
     /// Counts the calls (`edgeway_tool_calls_total`) and logs the
@@ -908,6 +969,7 @@ impl Driver {
         let meta = ResultMeta {
             request_id: r.request_id.clone(),
             task_id: r.task_id.clone(),
+            trace_id: Some(r.trace_id.clone()),
             session_id: r.session_id.clone(),
             status: state,
             logical_model: r.logical_model.clone(),
@@ -959,6 +1021,35 @@ impl Driver {
             let mut m = meta.clone();
             m.tool_calls = meta.tool_calls.iter().map(|c| c.for_record(self.keep_text)).collect();
             stored = Some(m);
+        }
+        // One line for the engine's part (when one ran it) and one for the
+        // end, before the end is recorded: whoever sees the task ended
+        // finds them logged.
+        if p.instance.is_some() {
+            tracing::info!(
+                stage = "inference",
+                instance = p.instance.as_deref().unwrap_or_default(),
+                ttft_ms = meta.timing.first_token_ms,
+                inference_ms = meta.timing.inference_ms,
+                input_tokens = usage.input_tokens,
+                output_tokens = usage.output_tokens,
+                estimated = usage.estimated,
+                finish_reason = meta.finish_reason.as_deref().unwrap_or_default(),
+                "inference ended"
+            );
+        }
+        tracing::info!(
+            stage = "end",
+            state = state.as_str(),
+            code = error_code.unwrap_or_default(),
+            actor,
+            total_ms = meta.timing.total_ms,
+            attempts = p.attempts,
+            reason = %outcome.reason,
+            "task ended"
+        );
+        if let Some(spans) = self.shared.metrics.spans() {
+            spans.export(self.span(&meta, error_code, actor));
         }
         self.shared.recorder.finished(
             r,

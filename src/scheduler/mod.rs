@@ -123,6 +123,9 @@ impl CancelHandle {
 pub struct TaskStream {
     pub task_id: String,
     pub request_id: String,
+    /// The task's trace id (empty for the replay of a task recorded
+    /// before trace ids).
+    pub trace_id: String,
     pub queue_position: usize,
     /// True when this stream joined a task that an earlier call started
     /// (same idempotency key or request id).
@@ -540,7 +543,7 @@ impl SchedulerHandle {
 
     /// A stream that replays a finished task's outcome (from the store,
     /// after its live events are gone).
-    pub fn replay(&self, task_id: &str, request_id: &str, events: Vec<TaskEvent>) -> TaskStream {
+    pub fn replay(&self, task_id: &str, request_id: &str, trace_id: &str, events: Vec<TaskEvent>) -> TaskStream {
         let log = TaskLog::default();
         for e in events {
             log.push(e);
@@ -548,6 +551,7 @@ impl SchedulerHandle {
         TaskStream {
             task_id: task_id.to_string(),
             request_id: request_id.to_string(),
+            trace_id: trace_id.to_string(),
             queue_position: 0,
             joined: true,
             events: log.subscribe(0),
@@ -562,6 +566,7 @@ impl SchedulerHandle {
         let entry = Arc::new(TaskEntry {
             task_id: req.task_id.clone(),
             request_id: req.request_id.clone(),
+            trace_id: req.trace_id.clone(),
             tenant: req.identity.tenant.clone(),
             application: req.identity.application.clone(),
             ingress: req.ingress,
@@ -629,6 +634,7 @@ impl SchedulerHandle {
         let stream = TaskStream {
             task_id: req.task_id.clone(),
             request_id: req.request_id.clone(),
+            trace_id: req.trace_id.clone(),
             queue_position,
             joined: false,
             events: log.subscribe(0),
@@ -646,6 +652,16 @@ impl SchedulerHandle {
         }
         if let Some(lane) = &admission.lane {
             reason.push_str(&format!("; {lane}"));
+        }
+        if admission.step != FallbackStep::SameModel {
+            let passed: Vec<&str> = admission.passed.iter().map(|p| p.step.as_str()).collect();
+            tracing::info!(
+                stage = "fallback",
+                step = admission.step.as_str(),
+                model = %model_name,
+                passed = %passed.join(","),
+                "fallback step taken at admission"
+            );
         }
         if let Some(last) = admission.passed.last() {
             if admission.step != FallbackStep::SameModel {
@@ -669,7 +685,8 @@ impl SchedulerHandle {
             parked: Default::default(),
         };
         d.accept();
-        self.shared.tracker.spawn(d.run(grant_rx));
+        let span = crate::telemetry::trace::task_span(&d.req.trace_id, Some(&d.req.task_id), Some(&d.req.request_id));
+        self.shared.tracker.spawn(tracing::Instrument::instrument(d.run(grant_rx), span));
         Ok(Submitted::New(stream))
     }
 
@@ -684,6 +701,7 @@ impl SchedulerHandle {
         TaskStream {
             task_id: e.task_id.clone(),
             request_id: e.request_id.clone(),
+            trace_id: e.trace_id.clone(),
             queue_position: 0,
             joined: true,
             events: e.log.subscribe(from_seq),

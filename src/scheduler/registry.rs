@@ -127,6 +127,7 @@ impl Subscription {
 pub struct TaskEntry {
     pub task_id: String,
     pub request_id: String,
+    pub trace_id: String,
     pub tenant: String,
     pub application: String,
     /// Where it came from: a cancel by request id reaches only the tasks
@@ -313,6 +314,7 @@ mod tests {
         Arc::new(TaskEntry {
             task_id: task_id.into(),
             request_id: format!("r-{task_id}"),
+            trace_id: String::new(),
             tenant: "t".into(),
             application: "a".into(),
             ingress: Ingress::Http,

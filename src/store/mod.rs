@@ -82,6 +82,8 @@ pub struct Transition {
 pub struct TaskRecord {
     pub task_id: String,
     pub request_id: String,
+    /// The task's trace id; `None` for tasks recorded before trace ids.
+    pub trace_id: Option<String>,
     pub tenant: String,
     pub application: String,
     pub user_id: Option<String>,
@@ -230,6 +232,7 @@ enum ReadOp {
 /// A call refused at admission, before it had a validated task.
 struct RejectedCall {
     task_id: String,
+    trace_id: String,
     tenant: String,
     application: String,
     user_id: Option<String>,
@@ -453,6 +456,7 @@ impl Store {
             conn.execute_batch(schema).map_err(open_err)?;
         }
         sessions::migrate(&conn).map_err(open_err)?;
+        migrate(&conn).map_err(open_err)?;
         let expired = idempotency::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
         if expired > 0 {
             tracing::info!(expired, "dropped expired idempotency keys");
@@ -534,6 +538,7 @@ impl Store {
         let row = NewTaskRow {
             task_id: req.task_id.clone(),
             request_id: req.request_id.clone(),
+            trace_id: req.trace_id.clone(),
             tenant: req.identity.tenant.clone(),
             application: req.identity.application.clone(),
             user_id: req.identity.user_id.clone(),
@@ -568,10 +573,11 @@ impl Store {
 
     /// Records a call that admission refused, as a task that went
     /// RECEIVED → VALIDATING → REJECTED.
-    pub fn rejected(&self, who: &Identity, ingress: Ingress, model: &str, e: &GatewayError) -> String {
+    pub fn rejected(&self, who: &Identity, ingress: Ingress, model: &str, trace_id: &str, e: &GatewayError) -> String {
         let task_id = crate::task::new_task_id();
         let row = RejectedCall {
             task_id: task_id.clone(),
+            trace_id: trace_id.to_string(),
             tenant: who.tenant.clone(),
             application: who.application.clone(),
             user_id: who.user_id.clone(),
@@ -1306,6 +1312,7 @@ fn remember(c: &Connection, r: &StoredRequest, ttl_ms: i64, replaces: Option<&st
 struct NewTaskRow {
     task_id: String,
     request_id: String,
+    trace_id: String,
     tenant: String,
     application: String,
     user_id: Option<String>,
@@ -1318,13 +1325,23 @@ struct NewTaskRow {
     idempotency_key: Option<String>,
 }
 
+/// Columns added to `tasks` after its first release, for databases made
+/// before them (a new database gets them here too, so there is one path).
+fn migrate(c: &Connection) -> rusqlite::Result<()> {
+    let has: bool = c.prepare("SELECT 1 FROM pragma_table_info('tasks') WHERE name = 'trace_id'")?.exists([])?;
+    if !has {
+        c.execute_batch("ALTER TABLE tasks ADD COLUMN trace_id TEXT")?;
+    }
+    Ok(())
+}
+
 fn insert_task(c: &Connection, r: &NewTaskRow, prompt_text: Option<&str>) -> rusqlite::Result<()> {
     let now = r.created_at_ms;
     exec(
         c,
         "INSERT OR IGNORE INTO tasks (task_id, request_id, tenant, application, user_id, ingress, logical_model, \
-         priority, state, created_at_ms, updated_at_ms, prompt_sha256, prompt_text, session_id, idempotency_key) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'RECEIVED', ?9, ?9, ?10, ?11, ?12, ?13)",
+         priority, state, created_at_ms, updated_at_ms, prompt_sha256, prompt_text, session_id, idempotency_key, \
+         trace_id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'RECEIVED', ?9, ?9, ?10, ?11, ?12, ?13, ?14)",
         params![
             r.task_id,
             r.request_id,
@@ -1339,6 +1356,7 @@ fn insert_task(c: &Connection, r: &NewTaskRow, prompt_text: Option<&str>) -> rus
             prompt_text,
             r.session_id,
             r.idempotency_key,
+            r.trace_id,
         ],
     )?;
     Ok(())
@@ -1348,9 +1366,9 @@ fn insert_rejected(c: &Connection, r: &RejectedCall) -> rusqlite::Result<()> {
     exec(
         c,
         "INSERT INTO tasks (task_id, request_id, tenant, application, user_id, ingress, logical_model, priority, \
-         state, created_at_ms, updated_at_ms, prompt_sha256, error_code) \
-         VALUES (?1, '', ?2, ?3, ?4, ?5, ?6, '', 'REJECTED', ?7, ?7, '', ?8)",
-        params![r.task_id, r.tenant, r.application, r.user_id, r.ingress, r.model, r.at_ms, r.code],
+         state, created_at_ms, updated_at_ms, prompt_sha256, error_code, trace_id) \
+         VALUES (?1, '', ?2, ?3, ?4, ?5, ?6, '', 'REJECTED', ?7, ?7, '', ?8, ?9)",
+        params![r.task_id, r.tenant, r.application, r.user_id, r.ingress, r.model, r.at_ms, r.code, r.trace_id],
     )?;
     for (state, reason) in [("RECEIVED", r.ingress), ("VALIDATING", ""), ("REJECTED", r.message.as_str())] {
         exec(c,
@@ -1401,7 +1419,8 @@ fn read_task(c: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError>
     let rec = c
         .query_row(
             "SELECT task_id, request_id, tenant, application, user_id, ingress, logical_model, priority, state, \
-             created_at_ms, prompt_sha256, prompt_text, result_text, error_code, result_json FROM tasks WHERE task_id = ?1",
+             created_at_ms, prompt_sha256, prompt_text, result_text, error_code, result_json, trace_id \
+             FROM tasks WHERE task_id = ?1",
             params![id],
             |row| {
                 let state: String = row.get(8)?;
@@ -1409,6 +1428,7 @@ fn read_task(c: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError>
                 Ok(TaskRecord {
                     task_id: row.get(0)?,
                     request_id: row.get(1)?,
+                    trace_id: row.get(15)?,
                     tenant: row.get(2)?,
                     application: row.get(3)?,
                     user_id: row.get(4)?,
@@ -1621,7 +1641,8 @@ mod tests {
             credential: None,
             data_class: None,
         };
-        let id = store.rejected(&who, Ingress::Http, "m", &GatewayError::invalid("no"));
+        let id =
+            store.rejected(&who, Ingress::Http, "m", "4bf92f3577b34da6a3ce929d0e0e4736", &GatewayError::invalid("no"));
         store.flush().await;
         // Purged by a later pass of the writer (no write needed to wake it).
         let gone = async {

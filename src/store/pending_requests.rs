@@ -24,6 +24,9 @@ CREATE TABLE IF NOT EXISTS pending_requests (
 pub struct StoredRequest {
     pub task_id: String,
     pub request_id: String,
+    /// Empty in requests kept before trace ids.
+    #[serde(default)]
+    pub trace_id: String,
     pub tenant: String,
     pub application: String,
     pub user_id: Option<String>,

@@ -447,6 +447,15 @@ pub enum Operation {
 pub struct TaskRequest {
     pub task_id: String,
     pub request_id: String,
+    /// The W3C trace id (32 hex digits) that joins this task's logs,
+    /// record, events and engine calls: the caller's (`traceparent`, a
+    /// `trace_id` field) or a new one (see `telemetry::trace`).
+    pub trace_id: String,
+    /// This task's span in its trace: the parent of its engine calls (their
+    /// `traceparent`) and its span in an OTLP export. 16 hex digits.
+    pub span_id: String,
+    /// The caller's span (from its `traceparent`), the parent of this one.
+    pub parent_span_id: Option<String>,
     pub identity: Identity,
     pub ingress: Ingress,
     pub logical_model: String,
@@ -534,6 +543,9 @@ pub struct Timing {
 pub struct ResultMeta {
     pub request_id: String,
     pub task_id: String,
+    /// The task's trace id. Absent in results recorded before trace ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
     pub session_id: Option<String>,
     pub status: TaskState,
     pub logical_model: String,
@@ -570,6 +582,7 @@ impl ResultMeta {
         ResultMeta {
             request_id: request_id.to_string(),
             task_id: task_id.to_string(),
+            trace_id: None,
             session_id: None,
             status,
             logical_model: logical_model.to_string(),
@@ -643,6 +656,9 @@ impl TaskRequest {
         TaskRequest {
             task_id: new_task_id(),
             request_id: "r1".into(),
+            trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+            span_id: "00f067aa0ba902b7".into(),
+            parent_span_id: None,
             identity: Identity {
                 tenant: "demo".into(),
                 application: "demo".into(),

@@ -32,6 +32,7 @@ use crate::task::{Identity, Ingress, ResultMeta, TaskRequest, TaskState};
 pub struct LifecycleEvent {
     pub task_id: String,
     pub request_id: String,
+    pub trace_id: String,
     pub tenant: String,
     pub application: String,
     pub user_id: Option<String>,
@@ -222,14 +223,23 @@ impl Recorder {
     /// Records a call refused at admission (before it had a validated task):
     /// a new task that went RECEIVED → VALIDATING → REJECTED at once, so it
     /// never becomes live.
-    pub fn rejected(&self, who: &Identity, ingress: Ingress, model: &str, request_id: Option<&str>, e: &GatewayError) {
-        let task_id = self.store.rejected(who, ingress, model, e);
+    pub fn rejected(
+        &self,
+        who: &Identity,
+        ingress: Ingress,
+        model: &str,
+        request_id: Option<&str>,
+        trace_id: &str,
+        e: &GatewayError,
+    ) {
+        let task_id = self.store.rejected(who, ingress, model, trace_id, e);
         if self.tx.receiver_count() == 0 {
             return;
         }
         let _ = self.tx.send(Arc::new(LifecycleEvent {
             task_id,
             request_id: request_id.unwrap_or_default().to_string(),
+            trace_id: trace_id.to_string(),
             tenant: who.tenant.clone(),
             application: who.application.clone(),
             user_id: who.user_id.clone(),
@@ -264,6 +274,7 @@ impl Recorder {
         let _ = self.tx.send(Arc::new(LifecycleEvent {
             task_id: req.task_id.clone(),
             request_id: req.request_id.clone(),
+            trace_id: req.trace_id.clone(),
             tenant: req.identity.tenant.clone(),
             application: req.identity.application.clone(),
             user_id: req.identity.user_id.clone(),

@@ -9,6 +9,8 @@
 pub mod gpu;
 pub mod host;
 pub mod lifecycle;
+pub mod otlp;
+pub mod trace;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
@@ -110,6 +112,12 @@ pub struct Metrics {
     pub degradation_level: IntGauge,
     /// Running tasks preempted for P0 work, by model and priority.
     pub preemptions: IntCounterVec,
+    /// Task spans not exported to the OTLP collector (queue full, send
+    /// failed).
+    pub otlp_spans_dropped: prometheus::IntCounter,
+    /// Where task spans go: set once at start when `log.otlp_endpoint` is
+    /// configured, off otherwise.
+    pub otlp: std::sync::OnceLock<otlp::SpanExporter>,
 }
 
 impl Metrics {
@@ -242,6 +250,16 @@ impl Metrics {
                 registry.register(Box::new(g.clone())).expect("unique metric");
                 g
             },
+            otlp_spans_dropped: {
+                let c = prometheus::IntCounter::new(
+                    "otlp_spans_dropped_total",
+                    "Task spans not exported to the OTLP collector (queue full or send failed)",
+                )
+                .expect("valid metric");
+                registry.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
+            otlp: std::sync::OnceLock::new(),
             illegal_transitions: counter(
                 "illegal_transitions_total",
                 "Task state transitions refused because the state machine does not allow them, by from and to state",
@@ -280,6 +298,16 @@ impl Metrics {
 
     /// Exports the store's failed writes as `edgeway_store_errors` (read at
     /// each scrape). Call once, with the store the gateway uses.
+    /// Starts exporting task spans to `endpoint` (on the current runtime).
+    pub fn start_otlp(&self, endpoint: &str, node_id: &str) {
+        let _ = self.otlp.set(otlp::SpanExporter::start(endpoint, node_id, self.otlp_spans_dropped.clone()));
+    }
+
+    /// The span exporter (off unless [`Self::start_otlp`] ran).
+    pub fn spans(&self) -> Option<&otlp::SpanExporter> {
+        self.otlp.get()
+    }
+
     pub fn export_store_errors(&self, failures: WriteFailures) {
         let gauge = IntGauge::new("store_errors", "Task store writes that failed").expect("valid metric");
         self.registry.register(Box::new(StoreErrors { failures, gauge })).expect("unique metric");
@@ -378,6 +406,15 @@ impl Collector for StoreHealthGauges {
 /// Installs the global log subscriber (once; later calls are ignored, which
 /// lets tests start several gateways). `RUST_LOG` overrides `log.level`.
 pub fn init_logging(cfg: &LogConfig) {
+    init_logging_to(cfg, std::io::stderr);
+}
+
+/// [`init_logging`] writing to `writer` (tests read the lines edgeway
+/// writes, in the format it writes them).
+pub fn init_logging_to<W>(cfg: &LogConfig, writer: W)
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
     use tracing_subscriber::EnvFilter;
     // rumqttd and hyper report vanished clients at ERROR/WARN; they are not
     // our errors.
@@ -387,7 +424,7 @@ pub fn init_logging(cfg: &LogConfig) {
     let rumqttd = if base.contains("rumqttd") { "" } else { ",rumqttd=off" };
     let filter =
         EnvFilter::try_new(format!("{base},hyper=warn,h2=warn{rumqttd}")).unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
     let _ = match cfg.format {
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
         LogFormat::Text => builder.try_init(),

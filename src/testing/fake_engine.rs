@@ -144,6 +144,9 @@ pub struct Stats {
     pub metrics_requests: AtomicU64,
     /// The path of every POST, in order (which endpoint an adapter used).
     pub posts: Mutex<Vec<String>>,
+    /// The `traceparent` header of every POST (`None` when it had none),
+    /// in the order of `posts`.
+    pub traceparents: Mutex<Vec<Option<String>>>,
     /// Router mode: "load NAME" (when a load completes), "unload NAME"
     /// (by request), "evict NAME" (by `models_max`), in order.
     pub model_events: Mutex<Vec<String>>,
@@ -898,6 +901,8 @@ async fn record_post(
 ) -> Response {
     if req.method() == axum::http::Method::POST {
         s.stats.posts.lock().expect("posts").push(req.uri().path().to_string());
+        let tp = req.headers().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
+        s.stats.traceparents.lock().expect("traceparents").push(tp);
     }
     next.run(req).await
 }
@@ -906,6 +911,11 @@ impl FakeEngine {
     /// The paths POSTed to so far.
     pub fn posts(&self) -> Vec<String> {
         self.stats.posts.lock().expect("posts").clone()
+    }
+
+    /// The `traceparent` header of each POST so far, in order.
+    pub fn traceparents(&self) -> Vec<Option<String>> {
+        self.stats.traceparents.lock().expect("traceparents").clone()
     }
 
     /// Every generation or embedding request body so far, in order.

@@ -49,8 +49,17 @@ impl FromRequestParts<Arc<Gateway>> for Caller {
     }
 }
 
-/// `x-request-id` and `x-task-id` on a response about a task.
-pub fn id_headers(h: &mut HeaderMap, request_id: &str, task_id: &str) {
+/// The response header with a task's trace id (W3C's `traceresponse` is
+/// still a draft; a `traceparent` on a response would name a span the
+/// caller never saw).
+pub const TRACE_ID_HEADER: &str = "x-edgeway-trace-id";
+
+/// `x-request-id`, `x-task-id` and `x-edgeway-trace-id` on a response
+/// about a task.
+pub fn id_headers(h: &mut HeaderMap, request_id: &str, task_id: &str, trace_id: Option<&str>) {
+    if let Some(v) = trace_id.filter(|t| !t.is_empty()).and_then(|t| HeaderValue::from_str(t).ok()) {
+        h.insert(TRACE_ID_HEADER, v);
+    }
     if let Ok(v) = HeaderValue::from_str(request_id) {
         h.insert("x-request-id", v);
     }
@@ -61,13 +70,13 @@ pub fn id_headers(h: &mut HeaderMap, request_id: &str, task_id: &str) {
 
 /// A streamed answer: server-sent events, never cached or buffered by a
 /// proxy (`x-accel-buffering: no` for nginx), with the call's ids.
-pub fn event_stream(body: Body, request_id: &str, task_id: &str) -> Response {
+pub fn event_stream(body: Body, request_id: &str, task_id: &str, trace_id: &str) -> Response {
     let mut resp = Response::new(body);
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    id_headers(h, request_id, task_id);
+    id_headers(h, request_id, task_id, Some(trace_id));
     resp
 }
 

@@ -23,6 +23,7 @@ pub fn submit_options(headers: &HeaderMap) -> SubmitOptions {
     SubmitOptions {
         request_id_hint: header_text(headers, "x-request-id"),
         idempotency_key: header_text(headers, "idempotency-key"),
+        traceparent: header_text(headers, "traceparent"),
     }
 }
 
@@ -128,7 +129,7 @@ async fn whole_response(task: TaskStream, model: String) -> Response {
         "edge": serde_json::to_value(&*meta).unwrap_or(Value::Null),
     });
     let mut resp = (StatusCode::OK, Json(body)).into_response();
-    id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
+    id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id, meta.trace_id.as_deref());
     resp
 }
 

@@ -92,6 +92,6 @@ async fn whole_response(task: TaskStream, model: String) -> Response {
         "edge": serde_json::to_value(&*meta).unwrap_or(Value::Null),
     });
     let mut resp = (StatusCode::OK, Json(body)).into_response();
-    id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
+    id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id, meta.trace_id.as_deref());
     resp
 }

@@ -75,7 +75,7 @@ pub async fn embeddings(
                     "edge": serde_json::to_value(&*meta).unwrap_or(Value::Null),
                 });
                 let mut resp = (StatusCode::OK, Json(body)).into_response();
-                id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
+                id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id, meta.trace_id.as_deref());
                 return Ok(resp);
             }
             TaskEvent::Error { error, meta } => return Err(ApiError::Gateway(error, Some(meta))),

@@ -81,7 +81,7 @@ fn render(status: StatusCode, e: &GatewayError, meta: Option<&ResultMeta>) -> Re
         h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
     }
     if let Some(m) = meta {
-        super::caller::id_headers(h, &m.request_id, &m.task_id);
+        super::caller::id_headers(h, &m.request_id, &m.task_id, m.trace_id.as_deref());
     }
     resp
 }

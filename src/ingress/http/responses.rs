@@ -694,7 +694,7 @@ async fn whole_response(mut task: TaskStream, mut out: Output) -> Response {
             TaskEvent::Done(meta) => {
                 let body = last.and_then(|mut v| v.get_mut("response").map(Value::take)).unwrap_or(Value::Null);
                 let mut resp = (StatusCode::OK, Json(body)).into_response();
-                id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id);
+                id_headers(resp.headers_mut(), &meta.request_id, &meta.task_id, meta.trace_id.as_deref());
                 return resp;
             }
             TaskEvent::Error { error, meta } => return ApiError::Gateway(error, Some(meta)).into_response(),

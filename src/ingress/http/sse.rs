@@ -37,7 +37,7 @@ pub(super) trait Render: Send + 'static {
 /// Streams `task` rendered by `r` as the response body, with the SSE
 /// headers and the call's ids.
 pub(super) fn respond<R: Render>(task: TaskStream, r: R) -> Response {
-    let (request_id, task_id) = (task.request_id.clone(), task.task_id.clone());
+    let (request_id, task_id, trace_id) = (task.request_id.clone(), task.task_id.clone(), task.trace_id.clone());
     let body = futures::stream::unfold((task, r, false), |(mut task, mut r, finished)| async move {
         if finished {
             return None;
@@ -50,7 +50,7 @@ pub(super) fn respond<R: Render>(task: TaskStream, r: R) -> Response {
         let out = r.event(ev);
         Some((Ok(out), (task, r, finished)))
     });
-    event_stream(Body::from_stream(body), &request_id, &task_id)
+    event_stream(Body::from_stream(body), &request_id, &task_id, &trace_id)
 }
 
 /// The whole text of a chunk API's answer and its result, for a call that

@@ -46,7 +46,7 @@ pub async fn create(
         },
     });
     let mut resp = (StatusCode::ACCEPTED, Json(body)).into_response();
-    id_headers(resp.headers_mut(), &task.request_id, &task.task_id);
+    id_headers(resp.headers_mut(), &task.request_id, &task.task_id, Some(&task.trace_id));
     Ok(resp)
 }
 
@@ -71,6 +71,7 @@ pub async fn get(
     let body = json!({
         "task_id": rec.task_id,
         "request_id": rec.request_id,
+        "trace_id": rec.trace_id,
         "status": rec.state,
         "application": rec.application,
         "logical_model": rec.logical_model,
@@ -82,7 +83,7 @@ pub async fn get(
         "result_text": rec.result_text,
     });
     let mut resp = Json(body).into_response();
-    id_headers(resp.headers_mut(), &rec.request_id, &rec.task_id);
+    id_headers(resp.headers_mut(), &rec.request_id, &rec.task_id, rec.trace_id.as_deref());
     Ok(resp)
 }
 
@@ -161,9 +162,10 @@ pub async fn events(
     };
     let stream = gw.attach(&task, from).ok_or(ApiError::NotFound(NO_SUCH_TASK))?;
     let request_id = task.request_id().to_string();
+    let trace_id = stream.trace_id.clone();
     let body = futures::stream::unfold((stream, request_id), |(mut s, rid)| async move {
         let (seq, ev) = s.recv().await?;
-        let v = event_json(seq, &rid, &ev);
+        let v = event_json(seq, &rid, &s.trace_id, &ev);
         let ty = v["type"].as_str().unwrap_or("event").to_string();
         let frame = format!("id: {seq}\nevent: {ty}\ndata: {v}\n\n");
         Some((Ok::<_, std::convert::Infallible>(Bytes::from(frame)), (s, rid)))
@@ -172,6 +174,6 @@ pub async fn events(
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    id_headers(h, task.request_id(), task.task_id());
+    id_headers(h, task.request_id(), task.task_id(), Some(&trace_id));
     Ok(resp)
 }

@@ -336,7 +336,7 @@ impl Socket {
         let id = rid.clone();
         let abort = self.forwarders.spawn(async move {
             while let Some((seq, ev)) = task.recv().await {
-                if out.send(text(&event_json(seq, &id, &ev))).await.is_err() {
+                if out.send(text(&event_json(seq, &id, &task.trace_id, &ev))).await.is_err() {
                     break;
                 }
             }

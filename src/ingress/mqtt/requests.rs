@@ -551,7 +551,11 @@ impl DeviceIngress {
             return self.refuse(device, salvage_request_id(&payload).as_deref(), &props, 0, e);
         }
         let caller = Caller::Identity(identity);
-        let mut call = match self.gw.prepare(caller, &payload, Ingress::Mqtt, SubmitOptions::default()) {
+        // A v5 device may carry its trace in a `traceparent` user property;
+        // any device in the request's `trace_id` field (read by the gateway).
+        let traceparent = user_property(&props, "traceparent").map(str::to_string);
+        let opts = SubmitOptions { traceparent, ..SubmitOptions::default() };
+        let mut call = match self.gw.prepare(caller, &payload, Ingress::Mqtt, opts) {
             Ok(c) => c,
             Err(e) => return self.reject(device, salvage_request_id(&payload).as_deref(), &props, 0, &e),
         };

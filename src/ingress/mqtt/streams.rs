@@ -268,10 +268,11 @@ impl Held {
 pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: TaskStream, coalesce: Coalesce) {
     task.detach();
     let rid = stream.request_id.clone();
+    let trace_id = task.trace_id.clone();
     let mut seq: u64 = 0;
     let mut held: Option<Held> = None;
     let mut last_flush: Option<tokio::time::Instant> = None;
-    let render = |seq: u64, e: &TaskEvent| Bytes::from(event_json(seq, &rid, e).to_string());
+    let render = |seq: u64, e: &TaskEvent| Bytes::from(event_json(seq, &rid, &trace_id, e).to_string());
     let flush = |held: &mut Option<Held>, seq: &mut u64, last: &mut Option<tokio::time::Instant>| {
         if let Some(h) = held.take() {
             let e = match h {

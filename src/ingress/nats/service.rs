@@ -223,6 +223,12 @@ pub async fn run(
 
 /// The caller's credential: `Authorization: Bearer …` (or a bare value) or
 /// `X-Api-Key`, header names compared without case.
+/// The first value of header `name` (any case), if present.
+fn header(headers: Option<&HeaderMap>, name: &str) -> Option<String> {
+    let (_, values) = headers?.iter().find(|(n, _)| AsRef::<str>::as_ref(*n).eq_ignore_ascii_case(name))?;
+    values.first().map(|v| v.as_str().trim().to_string())
+}
+
 pub fn credential(headers: Option<&HeaderMap>) -> Option<String> {
     let headers = headers?;
     let mut api_key = None;
@@ -306,7 +312,8 @@ async fn handle_chat(ctx: Arc<Ctx>, req: Request) {
     }
     let cred = credential(req.message.headers.as_ref());
     let caller = Caller::Credential(cred.as_deref());
-    let call = match gw.prepare(caller, &req.message.payload, Ingress::Nats, SubmitOptions::default()) {
+    let opts = SubmitOptions { traceparent: header(req.message.headers.as_ref(), "traceparent"), ..Default::default() };
+    let call = match gw.prepare(caller, &req.message.payload, Ingress::Nats, opts) {
         Ok(c) => c,
         Err(e) => return reject(&req, None, &e).await,
     };
@@ -346,7 +353,7 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
             }
             ev = stream.recv() => {
                 let Some((seq, ev)) = ev else { break None };
-                let body = to_bytes(&event_json(seq, &stream.request_id, &ev));
+                let body = to_bytes(&event_json(seq, &stream.request_id, &stream.trace_id, &ev));
                 match &ev {
                     TaskEvent::Done(_) => {
                         let _ = req.respond_with_headers(Ok(body), headers_for("done")).await;
