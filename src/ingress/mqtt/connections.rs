@@ -174,6 +174,16 @@ impl Connections {
         true
     }
 
+    /// How many devices have a connection open, and up to `max` of their
+    /// ids, sorted (the status page).
+    pub fn devices(&self, max: usize) -> (usize, Vec<String>) {
+        let open = self.open.lock().expect("open");
+        let mut ids: Vec<String> = open.keys().cloned().collect();
+        ids.sort_unstable();
+        ids.truncate(max);
+        (open.len(), ids)
+    }
+
     /// A connection counted by [`Connections::open`] ended.
     pub fn close(&self, device: &str, client_id: &str) {
         let mut open = self.open.lock().expect("open");
