@@ -181,3 +181,31 @@ async fn the_stream_sends_a_snapshot_at_once_and_then_every_second() {
     assert!(at[1] - at[0] >= 500 && at[2] - at[1] >= 500, "about one a second: {at:?}");
     assert!(snapshots.iter().all(|s| s["engines"][0]["name"] == "fake"));
 }
+
+#[tokio::test]
+async fn edgeway_status_prints_the_picture_as_text() {
+    let (_fake, gw) = setup(Knobs::slow(200, 50)).await;
+    let id = submit(&gw).await;
+    status_until(&gw, "the task running", |s| task(s, &id).is_some_and(|t| t["tokens"].as_u64() >= Some(1))).await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_edgeway"))
+        .args(["status", "--url", &gw.base_url])
+        .env("EDGEWAY_ADMIN_KEY", OPS_KEY)
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("TASKS (1 live)"), "{text}");
+    let line = text.lines().find(|l| l.contains(&id)).unwrap_or_else(|| panic!("the task: {text}"));
+    assert!(line.contains("http") && line.contains("demo") && line.contains("general-chat"), "{line}");
+    assert!(text.lines().any(|l| l.trim_start().starts_with("fake") && l.contains("up")), "{text}");
+    assert!(text.contains("QUEUES") && text.contains("RECENT FAILURES") && text.contains("ttft ms"), "{text}");
+    // A plain application's key: refused, said on stderr, exit 1.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_edgeway"))
+        .args(["status", "--url", &gw.base_url, "--key", DEMO_KEY])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("PERMISSION_DENIED"));
+}
