@@ -3,6 +3,7 @@
 //! fake engine.
 
 mod common;
+mod mqtt_support;
 
 use std::time::Duration;
 
@@ -208,4 +209,16 @@ async fn edgeway_status_prints_the_picture_as_text() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("PERMISSION_DENIED"));
+}
+
+#[tokio::test]
+async fn connected_devices_are_counted_and_listed() {
+    let (_fake, gw, addr) = mqtt_support::start(Knobs::default(), "").await;
+    let s = status(&gw).await;
+    assert_eq!(s["devices"], json!({"connected": 0, "ids": []}), "MQTT on, nobody connected");
+    let d = mqtt_support::device(addr, mqtt_support::V::V4, mqtt_support::D1).await;
+    let s = status_until(&gw, "the device", |s| s["devices"]["connected"] == 1).await;
+    assert_eq!(s["devices"]["ids"], json!([mqtt_support::D1.0]));
+    drop(d);
+    status_until(&gw, "the device gone", |s| s["devices"]["connected"] == 0).await;
 }

@@ -38,9 +38,9 @@ pub const MAX_DEVICES_LISTED: usize = 100;
 
 /// The connected devices, offered by the MQTT ingress.
 pub trait DeviceList: Send + Sync {
-    /// How many devices have an open connection, and the ids of up to `max`
-    /// of them (sorted).
-    fn connected(&self, max: usize) -> (usize, Vec<String>);
+    /// How many devices have an open connection (all tenants), and the
+    /// ids of up to `max` of those of `tenant` (sorted).
+    fn connected(&self, tenant: &str, max: usize) -> (usize, Vec<String>);
 }
 
 /// The whole picture, as `GET /admin/status` serves it.
@@ -111,8 +111,9 @@ pub struct EngineStatus {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Devices {
+    /// Devices connected, of every tenant (as `edgeway_mqtt_devices_connected`).
     pub connected: usize,
-    /// At most [`MAX_DEVICES_LISTED`], sorted.
+    /// The caller's tenant's, at most [`MAX_DEVICES_LISTED`], sorted.
     pub ids: Vec<String>,
 }
 
@@ -310,7 +311,7 @@ impl Gateway {
             })
             .collect();
         let devices = self.devices.get().map(|d| {
-            let (connected, ids) = d.connected(MAX_DEVICES_LISTED);
+            let (connected, ids) = d.connected(&who.tenant, MAX_DEVICES_LISTED);
             Devices { connected, ids }
         });
         let mut failures: Vec<Failure> =

@@ -98,8 +98,8 @@ pub struct ProtocolShared {
 
 /// The status view's list of connected devices.
 impl crate::gateway::DeviceList for ProtocolShared {
-    fn connected(&self, max: usize) -> (usize, Vec<String>) {
-        self.connections.devices(max)
+    fn connected(&self, tenant: &str, max: usize) -> (usize, Vec<String>) {
+        self.connections.devices(tenant, max)
     }
 }
 
