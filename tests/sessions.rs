@@ -693,6 +693,10 @@ async fn a_failed_summary_leaves_the_session_working_and_is_tried_again() {
     assert_eq!(status, 200, "{v}");
     let v = summary_version(&gw, &id, 1).await;
     assert_eq!((v["summary_version"].as_u64(), v["summary_covers"].as_u64()), (Some(1), Some(6)), "{v}");
+    // Both attempts are counted by outcome (the failed one ended before the
+    // next could start: one summary task per session at a time).
+    let outcomes = |o: &str| gw.metrics().context_summaries.with_label_values(&[o]).get();
+    assert_eq!((outcomes("failed"), outcomes("made"), outcomes("empty")), (1, 1, 0));
     gw.stop().await;
 }
 

@@ -793,8 +793,73 @@ fn wrap(m: &mut ChatMessage, before: &str, after: Option<&str>) {
     }
 }
 
+/// The closed set of kinds of the assembly's steps (`ContextMeta::steps`),
+/// for `edgeway_context_trims_total{step}`.
+pub const STEP_KINDS: [&str; 9] = [
+    "secrets_filtered",
+    "output_reserve_reduced",
+    "knowledge_deduplicated",
+    "knowledge_dropped",
+    "tool_results_shortened",
+    "history_summarized",
+    "history_dropped",
+    "summary_left_out",
+    "knowledge_shortened",
+];
+
+/// The kind (one of [`STEP_KINDS`], else `other`) of a step this file
+/// writes. Kept beside the `steps.push` calls: a new step or a reworded
+/// one must be classified here too (the unit test runs every step).
+pub fn step_kind(step: &str) -> &'static str {
+    let kinds: [(&str, &str); 10] = [
+        ("filtered ", "secrets_filtered"),
+        ("output reserve reduced", "output_reserve_reduced"),
+        ("shortened the last knowledge", "knowledge_shortened"),
+        ("shortened ", "tool_results_shortened"),
+        ("the session summary replaced", "history_summarized"),
+        ("the session summary left out", "summary_left_out"),
+        ("dropped the last knowledge", "knowledge_dropped"),
+        ("dropped the ", "history_dropped"),
+        ("duplicate knowledge passages", "knowledge_deduplicated"),
+        ("knowledge passages", "knowledge_dropped"),
+    ];
+    kinds
+        .iter()
+        .find(|(p, _)| if p.ends_with("passages") { step.contains(p) } else { step.starts_with(p) })
+        .map_or("other", |(_, k)| k)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn every_step_the_assembly_writes_has_a_kind() {
+        // One of each `steps.push` above, as it is worded.
+        let steps = [
+            ("filtered 2 secrets or foreign identifiers from untrusted content", "secrets_filtered"),
+            ("output reserve reduced to 100 tokens", "output_reserve_reduced"),
+            ("dropped 1 duplicate knowledge passages", "knowledge_deduplicated"),
+            (
+                "dropped 2 least relevant knowledge passages (over the knowledge budget of 9 tokens)",
+                "knowledge_dropped",
+            ),
+            ("shortened 1 tool results to about 5 tokens each (head and tail kept)", "tool_results_shortened"),
+            ("the session summary replaced the 2 oldest messages", "history_summarized"),
+            ("dropped the 3 oldest messages after the summary", "history_dropped"),
+            ("the session summary left out: it does not fit with the pinned turns", "summary_left_out"),
+            ("dropped the 2 oldest messages (no pinned state)", "history_dropped"),
+            ("dropped 1 more knowledge passages to make room", "knowledge_dropped"),
+            ("shortened the last knowledge passage (head and tail kept)", "knowledge_shortened"),
+            ("dropped the last knowledge passage", "knowledge_dropped"),
+        ];
+        for (step, kind) in steps {
+            assert_eq!(super::step_kind(step), kind, "{step}");
+            assert!(super::STEP_KINDS.contains(&kind));
+        }
+        let source = include_str!("assembly.rs");
+        let pushes = source.matches("steps.push(").count();
+        // The pushes above, plus this test's own mention of it.
+        assert_eq!(pushes, 12 + 1, "a step was added or removed: classify it in step_kind and list it here");
+    }
 
     use serde_json::Value;
 

@@ -139,6 +139,10 @@ pub struct Summarizer {
     pub scheduler: SchedulerHandle,
     pub recorder: Recorder,
     pub sessions: Arc<Sessions>,
+    /// `edgeway_context_summaries_total{outcome}`: `made`, `empty`,
+    /// `failed` (refused, timed out, failed or cancelled), `too_large`
+    /// (the turns do not fit the summary model).
+    pub outcomes: prometheus::IntCounterVec,
 }
 
 impl Summarizer {
@@ -162,6 +166,7 @@ impl Summarizer {
         let room = summary_model.context_tokens.saturating_sub(cfg.max_tokens);
         let previous = job.previous.as_ref().map(|s| s.text.as_str());
         let Some((messages, taken)) = prompt(previous, &job.messages, room) else {
+            self.outcomes.with_label_values(&["too_large"]).inc();
             tracing::warn!(session = %session_id, "the turns to summarise do not fit the summary model's window");
             return;
         };
@@ -169,7 +174,14 @@ impl Summarizer {
         let version = job.previous.as_ref().map_or(1, |s| s.version + 1);
         let req = request(&cfg, summary_model.max_output_tokens, turn, messages, &session_id, version);
         let task_id = req.task_id.clone();
-        match self.run(req).await {
+        let outcome = self.run(req).await;
+        let label = match &outcome {
+            Ok(text) if !text.trim().is_empty() => "made",
+            Ok(_) => "empty",
+            Err(_) => "failed",
+        };
+        self.outcomes.with_label_values(&[label]).inc();
+        match outcome {
             Ok(text) if !text.trim().is_empty() => {
                 tracing::info!(session = %session_id, task_id, version, covers, "session summary made");
                 job.keep(text.trim().to_string(), covers, cfg.model.clone());

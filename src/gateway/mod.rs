@@ -24,6 +24,7 @@ mod readiness;
 mod recovery;
 mod reload;
 mod sessions;
+mod status;
 mod tasks;
 
 use idempotency::Repeat;
@@ -59,6 +60,7 @@ use crate::scheduler::Submitted;
 pub use crate::scheduler::{CancelHandle, TaskStream};
 pub use readiness::{ModelReadiness, Readiness};
 pub use reload::{ReloadError, ReloadReport};
+pub use status::{DeviceList, Status};
 pub use tasks::{CancelOutcome, LiveTask, RequestCancel, TaskLookup, TaskView};
 
 /// The state of the message bus as `/ready` reports it. Implemented by the
@@ -153,6 +155,10 @@ pub struct Gateway {
     /// Calls between the drain check and the queue (see [`Gateway::admissions_settled`]).
     admitting: Admissions,
     sessions: Arc<crate::context::sessions::Sessions>,
+    /// The last minutes of traffic, for the status view.
+    history: Arc<status::History>,
+    /// The connected devices, once the MQTT ingress offers them.
+    devices: std::sync::OnceLock<Arc<dyn status::DeviceList>>,
 }
 
 /// Counts the calls in [`Gateway::submit_call`], so that a drain can wait
@@ -211,6 +217,10 @@ impl Gateway {
         if tokio::runtime::Handle::try_current().is_ok() {
             crate::context::sessions::Sessions::sweep_every(&sessions, SESSION_SWEEP);
         }
+        let history = Arc::new(status::History::new(&p.metrics));
+        if tokio::runtime::Handle::try_current().is_ok() {
+            status::History::sample_every(&history, p.metrics.clone());
+        }
         Gateway {
             reloads: reload::Reloads::new(&p.metrics),
             config: std::sync::RwLock::new(p.config.clone()),
@@ -227,6 +237,8 @@ impl Gateway {
             ingress_faults: Default::default(),
             admitting: Admissions::default(),
             sessions,
+            history,
+            devices: Default::default(),
         }
     }
 

@@ -177,6 +177,9 @@ impl Gateway {
         // The digest of the prompt as sent, beside the caller's own
         // (`prompt_sha256`, which idempotency judges repeats on).
         let sent = hex::encode(Sha256::digest(serde_json::to_vec(&req.messages).unwrap_or_default()));
+        for step in &plan.steps {
+            self.metrics.context_trims.with_label_values(&[assembly::step_kind(step)]).inc();
+        }
         req.context = Some(Box::new(plan.meta(sent)));
         tracing::debug!(
             task_id = %req.task_id,
@@ -264,6 +267,7 @@ impl Gateway {
             scheduler: self.scheduler.clone(),
             recorder: self.recorder.clone(),
             sessions: self.sessions.clone(),
+            outcomes: self.metrics.context_summaries.clone(),
         };
         let config = self.config();
         tokio::spawn(async move {

@@ -573,6 +573,8 @@ impl SchedulerHandle {
             idempotency_key: req.idempotency_key.clone(),
             prompt_sha256: req.prompt_sha256.clone(),
             priority: req.priority,
+            logical_model: req.logical_model.clone(),
+            created: std::time::Instant::now(),
             credential: req.identity.credential,
             log: log.clone(),
             cancel: cancel.clone(),
@@ -725,6 +727,11 @@ impl SchedulerHandle {
     /// A known task of this tenant and application by its idempotency key.
     pub fn find_by_idempotency_key(&self, tenant: &str, app: &str, key: &str) -> Option<Arc<TaskEntry>> {
         self.shared.registry.by_idempotency_key(tenant, app, key)
+    }
+
+    /// Every live (not ended) task, for the status page.
+    pub fn live_tasks(&self) -> Vec<Arc<TaskEntry>> {
+        self.shared.registry.live_where(|_| true)
     }
 
     /// A known task (live or recently ended) by id.

@@ -18,6 +18,7 @@
 //! event: the position only advances when an event is returned.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,13 +28,13 @@ use crate::task::{Ingress, TaskEvent};
 
 /// The events of one task, in order; `Done` or `Error` ends it. Kept whole
 /// (no budget of its own): the registry bounds ended logs as a whole.
-/// Clones share the log (one allocation per task, however many hold it).
+/// Clones share the log (and the count of its text deltas).
 #[derive(Clone)]
-pub struct TaskLog(Arc<RetainedLog<TaskEvent>>);
+pub struct TaskLog(Arc<RetainedLog<TaskEvent>>, Arc<AtomicU64>);
 
 impl Default for TaskLog {
     fn default() -> Self {
-        TaskLog(Arc::new(RetainedLog::new(event_bytes)))
+        TaskLog(Arc::new(RetainedLog::new(event_bytes)), Arc::default())
     }
 }
 
@@ -67,6 +68,9 @@ impl TaskLog {
     /// Appends an event and returns its sequence number. `Done` and `Error`
     /// end the log.
     pub fn push(&self, e: TaskEvent) -> u64 {
+        if matches!(e, TaskEvent::Delta { .. } | TaskEvent::ToolCallDelta(_)) {
+            self.1.fetch_add(1, Ordering::Relaxed);
+        }
         if matches!(e, TaskEvent::Done(_) | TaskEvent::Error { .. }) {
             self.0.push_last(e)
         } else {
@@ -76,6 +80,13 @@ impl TaskLog {
 
     pub fn len(&self) -> u64 {
         self.0.range().next
+    }
+
+    /// Output deltas (text or tool-call pieces) pushed so far: the tokens
+    /// streamed so far for engines that send one token per chunk
+    /// (llama.cpp, vLLM), for the status page.
+    pub fn deltas(&self) -> u64 {
+        self.1.load(Ordering::Relaxed)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -137,6 +148,10 @@ pub struct TaskEntry {
     /// To tell a true retry from a different request reusing the key.
     pub prompt_sha256: String,
     pub priority: crate::task::Priority,
+    /// The logical model it asked for (the status page).
+    pub logical_model: String,
+    /// When the scheduler took it, for its age on the status page.
+    pub created: Instant,
     /// Digest of the API key that submitted it.
     pub credential: Option<[u8; 32]>,
     pub log: TaskLog,
@@ -321,6 +336,8 @@ mod tests {
             idempotency_key: key.map(Into::into),
             prompt_sha256: String::new(),
             priority: crate::task::Priority::P2,
+            logical_model: "m".into(),
+            created: Instant::now(),
             credential: None,
             log: TaskLog::default(),
             cancel: CancelHandle::new(tokio_util::sync::CancellationToken::new()),

@@ -13,7 +13,7 @@
 //! Does not own: the decisions (scheduler, gateway) or the SQL (store).
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
 
@@ -61,6 +61,32 @@ pub struct Recorder {
     /// Refused transitions, by `from` (a state, or `NONE` for a task not
     /// live) and `to`.
     illegal: IntCounterVec,
+    /// The last [`RECENT_FAILURES`] tasks that ended otherwise than SUCCEEDED
+    /// (and calls refused at admission), newest last, for the status page.
+    /// Written only when something fails: no cost on the success path.
+    failures: Arc<Mutex<VecDeque<Failure>>>,
+}
+
+/// How many recent failures the status page keeps.
+pub const RECENT_FAILURES: usize = 50;
+/// Reasons are cut to this many characters in the failure ring.
+const FAILURE_REASON_CHARS: usize = 200;
+
+/// A task that ended otherwise than SUCCEEDED, or a call refused at admission.
+#[derive(Debug, Clone, Serialize)]
+pub struct Failure {
+    pub at_ms: i64,
+    /// For the tenant filter of the status view; not shown.
+    #[serde(skip)]
+    pub tenant: String,
+    pub task_id: String,
+    pub application: String,
+    pub ingress: &'static str,
+    pub logical_model: String,
+    pub state: TaskState,
+    /// The error code (`REQUEST_CANCELLED`, `ENGINE_TIMEOUT`, …).
+    pub code: &'static str,
+    pub reason: String,
 }
 
 /// Events buffered per subscriber before the slowest one starts losing them.
@@ -94,7 +120,31 @@ impl LiveStates {
 impl Recorder {
     pub fn new(store: Store, metrics: &Metrics) -> Recorder {
         let (tx, _) = broadcast::channel(BROADCAST_CAPACITY);
-        Recorder { store, tx, live: Arc::new(LiveStates::new()), illegal: metrics.illegal_transitions.clone() }
+        Recorder {
+            store,
+            tx,
+            live: Arc::new(LiveStates::new()),
+            illegal: metrics.illegal_transitions.clone(),
+            failures: Arc::default(),
+        }
+    }
+
+    /// The current state of a live task (`None` once it has ended).
+    pub fn state_of(&self, task_id: &str) -> Option<TaskState> {
+        self.live.shard(task_id).get(task_id).copied()
+    }
+
+    /// The recent failures, oldest first (at most [`RECENT_FAILURES`]).
+    pub fn recent_failures(&self) -> Vec<Failure> {
+        self.failures.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect()
+    }
+
+    fn failed(&self, f: Failure) {
+        let mut ring = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+        if ring.len() == RECENT_FAILURES {
+            ring.pop_front();
+        }
+        ring.push_back(f);
     }
 
     /// Moves `task_id` to `to` if the state machine allows it from the
@@ -207,6 +257,19 @@ impl Recorder {
         let recorded = self.advance(&req.task_id, meta.status, reason, || {
             self.store.finish(meta, reason, instance, actor, error_code, result_text, req.idempotency_key.is_some());
         });
+        if let (true, Some(code)) = (recorded && meta.status != TaskState::Succeeded, error_code) {
+            self.failed(Failure {
+                at_ms: crate::task::now_ms(),
+                task_id: req.task_id.clone(),
+                tenant: req.identity.tenant.clone(),
+                application: req.identity.application.clone(),
+                ingress: req.ingress.as_str(),
+                logical_model: req.logical_model.clone(),
+                state: meta.status,
+                code,
+                reason: reason.chars().take(FAILURE_REASON_CHARS).collect(),
+            });
+        }
         if recorded {
             // Lifecycle events carry no answer text, and tool-call
             // arguments are answer text; names are made safe.
@@ -233,6 +296,18 @@ impl Recorder {
         e: &GatewayError,
     ) {
         let task_id = self.store.rejected(who, ingress, model, trace_id, e);
+        self.failed(Failure {
+            at_ms: crate::task::now_ms(),
+            task_id: task_id.clone(),
+            tenant: who.tenant.clone(),
+            application: who.application.clone(),
+            ingress: ingress.as_str(),
+            // The model a refused call named is the caller's text: cut.
+            logical_model: model.chars().take(128).collect(),
+            state: TaskState::Rejected,
+            code: e.code.as_str(),
+            reason: e.message.chars().take(FAILURE_REASON_CHARS).collect(),
+        });
         if self.tx.receiver_count() == 0 {
             return;
         }

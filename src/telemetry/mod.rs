@@ -73,6 +73,12 @@ pub struct Metrics {
     /// (`client`: the caller cancelled or went away; `gateway`: the danger
     /// watch or a drain; `shutdown`).
     pub cancellations: IntCounterVec,
+    /// Steps the context assembly took to fit a prompt, by kind
+    /// (`crate::context::assembly::STEP_KINDS`, or `other`).
+    pub context_trims: IntCounterVec,
+    /// Session summary attempts, by outcome (`made`, `empty`, `failed`,
+    /// `too_large`).
+    pub context_summaries: IntCounterVec,
     /// Per GPU index (from NVML, when present; absent otherwise).
     pub gpu_temperature: IntGaugeVec,
     pub gpu_memory_used: IntGaugeVec,
@@ -224,6 +230,12 @@ impl Metrics {
             degradation_level,
             preemptions,
             requests: counter("requests_total", "Calls received, by ingress and outcome", &["ingress", "outcome"]),
+            context_trims: counter(
+                "context_trims_total",
+                "Steps the context assembly took to fit a prompt into its model's window, by kind",
+                &["step"],
+            ),
+            context_summaries: counter("context_summaries_total", "Session summary attempts, by outcome", &["outcome"]),
             tasks_finished: counter(
                 "tasks_finished_total",
                 "Tasks ended, by model and final state",

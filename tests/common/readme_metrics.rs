@@ -11,7 +11,25 @@
 pub struct Row {
     pub names: Vec<String>,
     pub kind: String,
+    /// The label names of the `labels` cell (what is in parentheses is
+    /// their values or a note, not a label).
+    pub labels: Vec<String>,
     pub shown: String,
+}
+
+/// The backticked names of a `labels` cell outside parentheses.
+fn label_names(cell: &str) -> Vec<String> {
+    let mut depth = 0;
+    let mut outside = String::new();
+    for c in cell.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            c if depth == 0 => outside.push(c),
+            _ => {}
+        }
+    }
+    outside.split('`').skip(1).step_by(2).map(str::to_string).collect()
 }
 
 pub const SHOWN: [&str; 6] = ["always", "event", "gpu", "supervised", "model_api", "nats"];
@@ -37,7 +55,12 @@ pub fn rows() -> Vec<Row> {
         }
         assert!(["counter", "gauge", "histogram"].contains(&cells[1]), "a type: {line}");
         assert!(SHOWN.contains(&cells[3]), "a `shown` marker: {line}");
-        rows.push(Row { names, kind: cells[1].to_string(), shown: cells[3].to_string() });
+        rows.push(Row {
+            names,
+            kind: cells[1].to_string(),
+            labels: label_names(cells[2]),
+            shown: cells[3].to_string(),
+        });
     }
     assert!(rows.len() > 30, "the table was read: {rows:?}");
     rows

@@ -17,6 +17,7 @@ mod listener;
 mod responses;
 mod sessions;
 mod sse;
+mod status;
 mod tasks;
 mod ws;
 
@@ -38,6 +39,8 @@ use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::{Gateway, ReloadError};
 use caller::{Caller, Credential};
 use errors::ApiError;
+/// The text form of a status snapshot (`edgeway status`).
+pub use status::render_text as render_status_text;
 
 type AppState = Arc<Gateway>;
 
@@ -72,8 +75,9 @@ fn business_routes(state: AppState) -> Router {
 /// admin application's credential: they describe the deployment and its
 /// load. `/health` and the bare `/ready` status stay open for load
 /// balancers. On `admin_listen`, a port for the operator's network only,
-/// all of it is open.
-fn admin_routes(state: AppState, guarded: bool) -> Router {
+/// all of it is open. The status page and its data need an admin
+/// application's key on either port (`status.rs`).
+fn admin_routes(state: AppState, guarded: bool, shutdown: CancellationToken) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/ready", get(ready))
@@ -82,7 +86,12 @@ fn admin_routes(state: AppState, guarded: bool) -> Router {
         .route("/admin/keys/reinstate", post(reinstate_key))
         .route("/admin/reload", post(reload_config))
         .route("/admin/tasks/{id}/context", get(tasks::context))
+        .route("/admin/tasks/{id}", axum::routing::delete(status::cancel))
+        .route("/admin/status", get(status::json))
+        .route("/admin/status/stream", get(status::stream))
+        .route("/status", get(status::page))
         .layer(Extension(OpsGuard(guarded)))
+        .layer(Extension(ws::Shutdown(shutdown)))
         .with_state(state)
 }
 
@@ -131,7 +140,7 @@ pub async fn serve(
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot listen on {a} (http.admin_listen): {e}"))?;
             let admin_addr = l.local_addr()?;
-            let admin = admin_routes(gw.clone(), false);
+            let admin = admin_routes(gw.clone(), false, shutdown.clone());
             tracker.spawn(listener::run(
                 "admin",
                 l,
@@ -143,7 +152,7 @@ pub async fn serve(
             Some(admin_addr)
         }
         None => {
-            app = app.merge(admin_routes(gw.clone(), true));
+            app = app.merge(admin_routes(gw.clone(), true, shutdown.clone()));
             None
         }
     };

@@ -19,7 +19,7 @@ use super::errors::ApiError;
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::{self, CancelOutcome, Gateway, TaskLookup};
 use crate::ingress::render::event_json;
-use crate::task::Ingress;
+use crate::task::{Identity, Ingress};
 
 const NO_SUCH_TASK: &str = "no such task";
 
@@ -119,8 +119,13 @@ pub async fn cancel(
     Caller(who): Caller,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let outcome =
-        gw.cancel(&who, &id, "cancelled by DELETE /v1/tasks").await.ok_or(ApiError::NotFound(NO_SUCH_TASK))?;
+    cancel_as(&gw, &who, &id, "cancelled by DELETE /v1/tasks").await
+}
+
+/// The cancel of [`cancel`], with the reason to record (the status page's
+/// `DELETE /admin/tasks/{id}` shares it).
+pub async fn cancel_as(gw: &Gateway, who: &Identity, id: &str, reason: &str) -> Result<Response, ApiError> {
+    let outcome = gw.cancel(who, id, reason).await.ok_or(ApiError::NotFound(NO_SUCH_TASK))?;
     Ok(match outcome {
         CancelOutcome::Ended { state } => {
             (StatusCode::CONFLICT, Json(json!({"task_id": id, "status": state, "cancelled": false}))).into_response()

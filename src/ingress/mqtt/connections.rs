@@ -174,6 +174,18 @@ impl Connections {
         true
     }
 
+    /// How many devices have a connection open (all tenants), and up to
+    /// `max` ids of those of `tenant`, sorted (the status page). Devices
+    /// are counted by their mount, `{tenant}/{device}`.
+    pub fn devices(&self, tenant: &str, max: usize) -> (usize, Vec<String>) {
+        let open = self.open.lock().expect("open");
+        let prefix = format!("{tenant}/");
+        let mut ids: Vec<String> = open.keys().filter_map(|m| m.strip_prefix(&prefix)).map(str::to_string).collect();
+        ids.sort_unstable();
+        ids.truncate(max);
+        (open.len(), ids)
+    }
+
     /// A connection counted by [`Connections::open`] ended.
     pub fn close(&self, device: &str, client_id: &str) {
         let mut open = self.open.lock().expect("open");

@@ -351,6 +351,7 @@ pub async fn serve(
         )
         .with_config(&cfg),
     );
+    gw.set_device_list(shared.clone());
     let (addrs, links) =
         broker::start(&cfg, shared, &topics.gateway_filter(), &gw.metrics().registry, tracker, shutdown.clone())
             .await?;

@@ -96,6 +96,13 @@ pub struct ProtocolShared {
     receive_max: u16,
 }
 
+/// The status view's list of connected devices.
+impl crate::gateway::DeviceList for ProtocolShared {
+    fn connected(&self, tenant: &str, max: usize) -> (usize, Vec<String>) {
+        self.connections.devices(tenant, max)
+    }
+}
+
 impl ProtocolShared {
     pub fn new(directory: DeviceDirectory, topics: Topics, presence: PresenceReporter, wills: Arc<Wills>) -> Self {
         let shared_prefix = topics.shared_prefix();

@@ -1,0 +1,213 @@
+//! The status page and its data: `GET /admin/status` (one JSON snapshot),
+//! `GET /admin/status/stream` (the same as server-sent events, one a
+//! second), `GET /status` (a self-contained HTML page that shows them
+//! live) and `DELETE /admin/tasks/{id}` (the page's cancel button). Also
+//! the text form of a snapshot that `edgeway status` prints.
+//!
+//! The page needs an admin application's key, like the JSON it reads. The
+//! browser keeps it in `sessionStorage` (gone with the tab, never in a URL
+//! or a cookie, so no request from another site carries it) and sends it
+//! as `Authorization: Bearer` from `fetch()`; the stream is read with
+//! `fetch()` streaming, since `EventSource` cannot send a header. The page
+//! itself holds no data and is served to anyone who reaches the route.
+//!
+//! Owns: these routes, the page asset (`status.html`: no external script,
+//! style or font; works offline) and the text rendering. Does not own:
+//! what a snapshot holds (the gateway's status view) or the cancel
+//! (the facade's, as for `DELETE /v1/tasks/{id}`).
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde_json::Value;
+
+use super::caller::Caller;
+use super::errors::ApiError;
+use super::ws::Shutdown;
+use crate::error::{ErrorCode, GatewayError};
+use crate::gateway::Gateway;
+
+/// The page, compiled in.
+const PAGE: &str = include_str!("status.html");
+
+/// How often the stream sends a snapshot.
+pub const STREAM_PERIOD: Duration = Duration::from_secs(1);
+
+/// `GET /admin/status`: the snapshot as JSON (admin applications only).
+pub async fn json(State(gw): State<Arc<Gateway>>, Caller(who): Caller) -> Result<Response, ApiError> {
+    let s = gw.status(&who).await?;
+    let mut resp = Json(s).into_response();
+    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    Ok(resp)
+}
+
+/// `GET /admin/status/stream`: a `status` event with the snapshot at once
+/// and then every [`STREAM_PERIOD`], until the client goes, the server
+/// stops, or the key that opened it is revoked.
+pub async fn stream(
+    State(gw): State<Arc<Gateway>>,
+    Caller(who): Caller,
+    Extension(Shutdown(shutdown)): Extension<Shutdown>,
+) -> Result<Response, ApiError> {
+    // Refused before the stream starts: a plain error body.
+    let first = gw.status(&who).await?;
+    // The first snapshot goes at once; the next one a period later (a
+    // plain `interval` would tick at once again).
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + STREAM_PERIOD, STREAM_PERIOD);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let state = (gw, who, tick, shutdown, Some(first));
+    let body = futures::stream::unfold(state, |(gw, who, mut tick, shutdown, first)| async move {
+        let snapshot = match first {
+            Some(s) => s,
+            None => {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return None,
+                    _ = tick.tick() => {}
+                }
+                if who.credential.is_some_and(|d| gw.credential_revoked(&d)) {
+                    return None;
+                }
+                gw.status(&who).await.ok()?
+            }
+        };
+        let data = serde_json::to_string(&snapshot).ok()?;
+        let frame = Bytes::from(format!("event: status\ndata: {data}\n\n"));
+        Some((Ok::<_, std::convert::Infallible>(frame), (gw, who, tick, shutdown, None)))
+    });
+    let mut resp = Response::new(Body::from_stream(body));
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    Ok(resp)
+}
+
+/// `GET /status`: the page. A strict content policy: its own inline script
+/// and style, connections to this origin only, no frames.
+pub async fn page() -> Response {
+    let mut resp = ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], PAGE).into_response();
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+             connect-src 'self'; img-src data:; frame-ancestors 'none'; form-action 'none'",
+        ),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    resp
+}
+
+/// `DELETE /admin/tasks/{id}`: the page's cancel button. The facade's
+/// cancel, as `DELETE /v1/tasks/{id}` (same answers), for admin
+/// applications only: the page lives on the admin routes, which on
+/// `admin_listen` are another origin than `/v1`.
+pub async fn cancel(
+    State(gw): State<Arc<Gateway>>,
+    Caller(who): Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    if !who.is_admin {
+        return Err(GatewayError::new(ErrorCode::PermissionDenied, "admin applications only").into());
+    }
+    super::tasks::cancel_as(&gw, &who, &id, "cancelled by an operator (DELETE /admin/tasks)").await
+}
+
+/// The text form of a `/admin/status` snapshot, for a terminal.
+pub fn render_text(v: &Value) -> String {
+    let mut o = String::new();
+    let s = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".to_string(),
+        v => v.to_string(),
+    };
+    let _ = writeln!(
+        o,
+        "edgeway {}  up {}s  config {}  store {}  degradation level {}{}",
+        s(&v["node_id"]),
+        s(&v["uptime_s"]),
+        s(&v["config_version"]).chars().take(12).collect::<String>(),
+        s(&v["store"]),
+        s(&v["degradation_level"]),
+        if v["draining"] == Value::Bool(true) { "  DRAINING" } else { "" },
+    );
+    let _ = writeln!(o, "\nQUEUES");
+    for q in v["queues"].as_array().into_iter().flatten() {
+        let by: Vec<String> =
+            q["by_priority"].as_object().into_iter().flatten().map(|(p, n)| format!("{p}={n}")).collect();
+        let _ =
+            writeln!(o, "  {:<24} {:>4} / {:<5} {}", s(&q["model"]), s(&q["waiting"]), s(&q["capacity"]), by.join(" "));
+    }
+    let _ = writeln!(o, "\nENGINES");
+    for e in v["engines"].as_array().into_iter().flatten() {
+        let kv = e["kv_cache_usage"].as_f64().map_or("-".to_string(), |u| format!("{:.0}%", u * 100.0));
+        let _ = writeln!(
+            o,
+            "  {:<24} {:<5} running {}/{}  breaker {}  residency {}  kv {}  {}",
+            s(&e["name"]),
+            if e["up"] == Value::Bool(true) { "up" } else { "DOWN" },
+            s(&e["running"]),
+            s(&e["max_concurrency"]),
+            s(&e["breaker"]),
+            s(&e["residency"]),
+            kv,
+            s(&e["detail"]),
+        );
+    }
+    let _ = writeln!(o, "\nTASKS ({} live)", s(&v["tasks_total"]));
+    for t in v["tasks"].as_array().into_iter().flatten() {
+        let age = t["age_ms"].as_u64().unwrap_or(0) as f64 / 1000.0;
+        let _ = writeln!(
+            o,
+            "  {}  {:<11} {:<4} {:<5} {:<16} {:<20} age {:>6.1}s  tokens {}",
+            s(&t["task_id"]),
+            s(&t["state"]),
+            s(&t["priority"]),
+            s(&t["ingress"]),
+            s(&t["application"]),
+            s(&t["model"]),
+            age,
+            s(&t["tokens"]),
+        );
+    }
+    match &v["devices"] {
+        Value::Null => {
+            let _ = writeln!(o, "\nDEVICES  (MQTT off)");
+        }
+        d => {
+            let ids: Vec<String> = d["ids"].as_array().into_iter().flatten().map(&s).collect();
+            let _ = writeln!(o, "\nDEVICES  {} connected  {}", s(&d["connected"]), ids.join(" "));
+        }
+    }
+    let _ = writeln!(o, "\nRECENT FAILURES");
+    for f in v["failures"].as_array().into_iter().flatten().take(10) {
+        let _ = writeln!(
+            o,
+            "  {}  {:<20} {:<10} {:<16} {}  {}",
+            s(&f["task_id"]),
+            s(&f["code"]),
+            s(&f["state"]),
+            s(&f["application"]),
+            s(&f["logical_model"]),
+            s(&f["reason"]),
+        );
+    }
+    let _ = writeln!(o, "\nTRAFFIC (per 10 s, oldest first)");
+    let buckets: Vec<&Value> = v["traffic"].as_array().into_iter().flatten().collect();
+    let ended: Vec<String> = buckets.iter().map(|b| s(&b["finished"])).collect();
+    let failed: Vec<String> = buckets.iter().map(|b| s(&b["failed"])).collect();
+    let ttft: Vec<String> =
+        buckets.iter().map(|b| b["ttft_mean_ms"].as_f64().map_or("-".to_string(), |t| format!("{t:.0}"))).collect();
+    let _ = writeln!(o, "  ended      {}", ended.join(" "));
+    let _ = writeln!(o, "  failed     {}", failed.join(" "));
+    let _ = writeln!(o, "  ttft ms    {}", ttft.join(" "));
+    o
+}
