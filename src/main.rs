@@ -1,4 +1,5 @@
-//! The `edgeway` command: `serve`, `check-config`, `hash-key`, `hash-password`.
+//! The `edgeway` command: `serve`, `check-config`, `hash-key`, `hash-password`,
+//! `audit verify|export`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,6 +28,35 @@ enum Cmd {
     HashKey { key: String },
     /// Print a salted Argon2id hash of a device password, for `[devices.ID] password_hash`.
     HashPassword { password: String },
+    /// Check or export the audit trail of a task store (safe while edgeway runs).
+    Audit {
+        #[command(subcommand)]
+        cmd: AuditCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum AuditCmd {
+    /// Walk the hash chain: exit 0 when it holds, 1 naming the first record that
+    /// does not (edited, deleted or reordered), 2 when the store cannot be read.
+    Verify {
+        #[arg(long, default_value = "data/edgeway.db")]
+        db: PathBuf,
+    },
+    /// Write audit records as JSON lines to stdout, oldest first.
+    Export {
+        #[arg(long, default_value = "data/edgeway.db")]
+        db: PathBuf,
+        /// From this time on: unix milliseconds, RFC 3339 or a date (UTC).
+        #[arg(long)]
+        since: Option<String>,
+        /// Before this time (same forms).
+        #[arg(long)]
+        until: Option<String>,
+        /// Only this tenant's records.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -50,6 +80,7 @@ fn main() -> ExitCode {
             println!("{}", edgeway::ingress::mqtt::auth::hash_password(&password));
             ExitCode::SUCCESS
         }
+        Cmd::Audit { cmd } => audit(cmd),
         Cmd::Serve { config } => {
             let cfg = match Config::load(&config) {
                 Ok(c) => c,
@@ -60,6 +91,67 @@ fn main() -> ExitCode {
             };
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
             rt.block_on(serve(cfg))
+        }
+    }
+}
+
+fn audit(cmd: AuditCmd) -> ExitCode {
+    use edgeway::store::audit;
+    let open = |db: &PathBuf| {
+        // Read-only and never created: a wrong path is an error, not an empty chain.
+        audit::open_read_only(db).map_err(|e| eprintln!("cannot open the task store {}: {e}", db.display())).ok()
+    };
+    match cmd {
+        AuditCmd::Verify { db } => {
+            let Some(c) = open(&db) else { return ExitCode::from(2) };
+            match audit::verify(&c) {
+                Ok(n) => {
+                    println!("audit chain intact: {n} records");
+                    ExitCode::SUCCESS
+                }
+                Err(audit::VerifyError::Broken(b)) => {
+                    eprintln!("audit chain broken at {b}");
+                    ExitCode::from(1)
+                }
+                Err(e) => {
+                    eprintln!("{e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        AuditCmd::Export { db, since, until, tenant } => {
+            let time = |s: Option<String>, what: &str| match s {
+                None => Ok(None),
+                Some(s) => edgeway::gateway::parse_time(&s)
+                    .map(Some)
+                    .ok_or_else(|| eprintln!("--{what} {s:?}: expected unix milliseconds, RFC 3339 or YYYY-MM-DD")),
+            };
+            let (Ok(since_ms), Ok(until_ms)) = (time(since, "since"), time(until, "until")) else {
+                return ExitCode::from(2);
+            };
+            let Some(c) = open(&db) else { return ExitCode::from(2) };
+            let mut q = audit::AuditQuery { tenant, since_ms, until_ms, after_seq: None, limit: 1000 };
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            loop {
+                let page = match audit::query(&c, &q) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        eprintln!("cannot read the audit log: {e}");
+                        return ExitCode::from(2);
+                    }
+                };
+                for r in &page {
+                    use std::io::Write;
+                    if serde_json::to_writer(&mut out, r).is_err() || out.write_all(b"\n").is_err() {
+                        return ExitCode::from(2);
+                    }
+                }
+                match page.last() {
+                    Some(r) if page.len() == q.limit => q.after_seq = Some(r.seq),
+                    _ => break,
+                }
+            }
+            ExitCode::SUCCESS
         }
     }
 }

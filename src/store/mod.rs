@@ -26,6 +26,7 @@
 //! caller decides whether text is passed in at all) or metrics: it counts
 //! its failed writes in [`WriteFailures`], which telemetry exports.
 
+pub mod audit;
 mod idempotency;
 mod pending_requests;
 mod reserve;
@@ -34,6 +35,7 @@ mod retention;
 mod revoked_keys;
 pub mod sessions;
 
+pub use audit::{AuditEntry, AuditQuery, AuditRecord, ChainBroken, VerifyError};
 pub use idempotency::IdempotentRecord;
 pub use pending_requests::{StoredRequest, Unfinished};
 
@@ -124,6 +126,8 @@ enum WriteOp {
         result_text: Option<String>,
         /// The answer kept with the task's idempotency key, if it has one.
         idempotent_text: Option<String>,
+        /// For the task's audit record (see `audit.rs`).
+        key_id: Option<String>,
     },
     Rejected {
         row: Box<RejectedCall>,
@@ -225,6 +229,7 @@ const WRITER_GONE: &str = "the writer thread stopped";
 /// What the reader thread answers.
 enum ReadOp {
     Lookup { tenant: String, app: String, key: String, reply: oneshot::Sender<Option<IdempotentRecord>> },
+    Audit { q: AuditQuery, reply: oneshot::Sender<Result<Vec<AuditRecord>, StoreError>> },
 }
 
 /// A call refused at admission, before it had a validated task.
@@ -239,6 +244,8 @@ struct RejectedCall {
     message: String,
     at_ms: i64,
     node_id: String,
+    key_id: Option<String>,
+    data_class: Option<crate::task::DataClass>,
 }
 
 /// Handle to the store thread. Cheap to clone.
@@ -252,6 +259,9 @@ pub struct Store {
     store_prompts: bool,
     failures: WriteFailures,
     health: StoreHealth,
+    /// Audit records as they are committed (the NATS publisher reads it;
+    /// a slow reader loses records, the table keeps them).
+    audit_tx: tokio::sync::broadcast::Sender<Arc<AuditRecord>>,
 }
 
 /// What the store needs to know beyond its file (from `[store]`).
@@ -266,6 +276,9 @@ pub struct StoreOptions {
     /// Refused calls (REJECTED) older than this are purged; `None` keeps
     /// them.
     pub retention_rejected: Option<Duration>,
+    /// Audit records older than this are purged, oldest first (the chain
+    /// stays verifiable from an anchor); `None` keeps them.
+    pub retention_audit: Option<Duration>,
     /// How often the writer purges (each pass bounded by `purge_batch`).
     pub purge_interval: Duration,
     /// Tasks purged per pass at most, so that a pass never holds the writer
@@ -298,6 +311,7 @@ impl Default for StoreOptions {
             max_buffered_writes: 100_000,
             retention_tasks: None,
             retention_rejected: None,
+            retention_audit: None,
             purge_interval: Duration::from_secs(60),
             purge_batch: 1000,
             retry_interval: Duration::from_secs(1),
@@ -447,9 +461,14 @@ impl Store {
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
         conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
-        for schema in
-            [idempotency::SCHEMA, pending_requests::SCHEMA, revoked_keys::SCHEMA, responses::SCHEMA, sessions::SCHEMA]
-        {
+        for schema in [
+            idempotency::SCHEMA,
+            pending_requests::SCHEMA,
+            revoked_keys::SCHEMA,
+            responses::SCHEMA,
+            sessions::SCHEMA,
+            audit::SCHEMA,
+        ] {
             conn.execute_batch(schema).map_err(open_err)?;
         }
         sessions::migrate(&conn).map_err(open_err)?;
@@ -475,7 +494,9 @@ impl Store {
             tracing::error!(error = %e, bytes = opts.reserve_bytes, "cannot set aside the task store's reserve");
             health.set_degraded(format!("cannot set aside the store's reserve of {} bytes: {e}", opts.reserve_bytes));
         }
-        let writer = Writer::new(conn, failures.clone(), health.clone(), opts, reserve);
+        let (audit_tx, _) = tokio::sync::broadcast::channel(1024);
+        let mut writer = Writer::new(conn, failures.clone(), health.clone(), opts, reserve);
+        writer.audit_tx = Some(audit_tx.clone());
         let spawn_err = |e| StoreError::Dir { path: path.to_path_buf(), source: e };
         std::thread::Builder::new().name("edgeway-store".into()).spawn(move || writer.run(rx)).map_err(spawn_err)?;
         let (reads, read_rx) = mpsc::channel();
@@ -483,7 +504,7 @@ impl Store {
             .name("edgeway-store-read".into())
             .spawn(move || reader_loop(reader, read_rx))
             .map_err(spawn_err)?;
-        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health })
+        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health, audit_tx })
     }
 
     /// Whether writes succeed (shared: it follows the writer).
@@ -581,6 +602,8 @@ impl Store {
             message: e.message.chars().take(500).collect(),
             at_ms: crate::task::now_ms(),
             node_id: self.node_id.to_string(),
+            key_id: audit::key_id(who.credential.as_ref()),
+            data_class: who.data_class,
         };
         self.write(WriteOp::Rejected { row: Box::new(row) });
         task_id
@@ -590,7 +613,9 @@ impl Store {
     /// metadata together: a reader never sees the terminal state without
     /// its error code. `result_text` is dropped unless prompts are stored.
     /// With `idempotent`, the text is also kept with the task's idempotency
-    /// key (for the key's lifetime), whatever the prompt policy.
+    /// key (for the key's lifetime), whatever the prompt policy. The
+    /// task's audit record is written with it (`credential`: the digest of
+    /// the caller's API key or token id, named by its first digits).
     #[allow(clippy::too_many_arguments)]
     pub fn finish(
         &self,
@@ -601,6 +626,7 @@ impl Store {
         error_code: Option<&str>,
         result_text: Option<String>,
         idempotent: bool,
+        credential: Option<&[u8; 32]>,
     ) {
         let idempotent_text = if idempotent { result_text.clone() } else { None };
         self.write(WriteOp::Finish {
@@ -609,6 +635,7 @@ impl Store {
             error_code: error_code.map(str::to_string),
             result_text: result_text.filter(|_| self.store_prompts),
             idempotent_text,
+            key_id: audit::key_id(credential),
         });
     }
 
@@ -765,6 +792,20 @@ impl Store {
         rx.await.ok().flatten()
     }
 
+    /// Audit records as they are committed (best effort: a receiver that
+    /// lags loses records; the table has them all).
+    pub fn audit_feed(&self) -> tokio::sync::broadcast::Receiver<Arc<AuditRecord>> {
+        self.audit_tx.subscribe()
+    }
+
+    /// Committed audit records, oldest first (a record committed moments
+    /// ago may not be visible yet: `flush` first to see it).
+    pub async fn audit(&self, q: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        self.reads.send(ReadOp::Audit { q, reply }).map_err(|_| StoreError::Closed)?;
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+
     pub async fn get(&self, task_id: &str) -> Result<Option<TaskRecord>, StoreError> {
         let (tx, rx) = oneshot::channel();
         self.tx.send(Op::Get(task_id.to_string(), tx)).map_err(|_| StoreError::Closed)?;
@@ -794,6 +835,9 @@ fn reader_loop(conn: Connection, rx: mpsc::Receiver<ReadOp>) {
                     tracing::error!(error = %e, "idempotency lookup failed");
                     None
                 }));
+            }
+            ReadOp::Audit { q, reply } => {
+                let _ = reply.send(audit::query(&conn, &q).map_err(StoreError::from));
             }
         }
     }
@@ -857,6 +901,8 @@ struct Writer {
     settled: Vec<oneshot::Sender<()>>,
     /// A write that commits at once is held ([`WriteOp::commits_at_once`]).
     commit_now: bool,
+    /// Where committed audit records are offered (none in unit tests).
+    audit_tx: Option<tokio::sync::broadcast::Sender<Arc<AuditRecord>>>,
     /// Test support: asked to stop as a dead writer would.
     #[cfg(any(test, feature = "testing"))]
     exit: Option<oneshot::Sender<()>>,
@@ -886,6 +932,7 @@ impl Writer {
             reserve_retry_at,
             settled: Vec::new(),
             commit_now: false,
+            audit_tx: None,
             #[cfg(any(test, feature = "testing"))]
             exit: None,
         }
@@ -1066,7 +1113,12 @@ impl Writer {
             }
         }
         match res {
-            Ok(()) => {
+            Ok(audited) => {
+                if let Some(tx) = self.audit_tx.as_ref().filter(|tx| tx.receiver_count() > 0) {
+                    for r in audited {
+                        let _ = tx.send(Arc::new(r));
+                    }
+                }
                 let written = self.pending.len();
                 self.pending.clear();
                 self.health.0.commits.fetch_add(1, Ordering::Relaxed);
@@ -1123,13 +1175,14 @@ impl Writer {
 
     /// Writes every pending operation in one transaction (nothing of it on
     /// a storage failure).
-    fn write_pending(&mut self) -> rusqlite::Result<()> {
+    fn write_pending(&mut self) -> rusqlite::Result<Vec<AuditRecord>> {
         let failures = &self.failures;
         let pending = &self.pending;
         let txn = self.conn.transaction()?;
         let later = state_set_later(pending);
+        let mut audited = Vec::new();
         for (op, set_later) in pending.iter().zip(later) {
-            if let Err(e) = apply(&txn, op, set_later) {
+            if let Err(e) = apply(&txn, op, set_later, &mut audited) {
                 if is_storage_failure(&e) {
                     return Err(e);
                 }
@@ -1138,7 +1191,8 @@ impl Writer {
                 tracing::error!(error = %e, "task store write failed");
             }
         }
-        txn.commit()
+        txn.commit()?;
+        Ok(audited)
     }
 
     fn ack(&mut self, r: impl Fn() -> Result<(), StoreError>) {
@@ -1186,12 +1240,16 @@ impl Writer {
         let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
         let tasks_before = self.opts.retention_tasks.map(|d| now.saturating_sub(ms(d)));
         let rejected_before = self.opts.retention_rejected.map(|d| now.saturating_sub(ms(d)));
+        let audit_before = self.opts.retention_audit.map(|d| now.saturating_sub(ms(d)));
         let batch = self.opts.purge_batch;
         let res = (|| -> rusqlite::Result<usize> {
             let txn = self.conn.transaction()?;
             let mut n = retention::purge(&txn, now, tasks_before, rejected_before, batch)?;
             // Expired sessions: each row knows when it expires.
             n += sessions::purge_expired(&txn, now, batch)?;
+            if let Some(before) = audit_before {
+                n += audit::purge(&txn, before, batch)?;
+            }
             txn.commit()?;
             Ok(n)
         })();
@@ -1235,7 +1293,12 @@ fn state_set_later(pending: &VecDeque<WriteOp>) -> Vec<bool> {
 
 /// Applies one write. `state_set_later`: a later write of the batch sets
 /// this task's state (see [`state_set_later`]).
-fn apply(txn: &Connection, op: &WriteOp, state_set_later: bool) -> rusqlite::Result<()> {
+fn apply(
+    txn: &Connection,
+    op: &WriteOp,
+    state_set_later: bool,
+    audited: &mut Vec<AuditRecord>,
+) -> rusqlite::Result<()> {
     match op {
         WriteOp::NewTask { row, prompt_text } => insert_task(txn, row, prompt_text.as_deref()),
         WriteOp::Transition { task_id, t } => {
@@ -1245,17 +1308,24 @@ fn apply(txn: &Connection, op: &WriteOp, state_set_later: bool) -> rusqlite::Res
             }
             set_state(txn, task_id, t)
         }
-        WriteOp::Finish { t, meta, error_code, result_text, idempotent_text } => {
+        WriteOp::Finish { t, meta, error_code, result_text, idempotent_text, key_id } => {
             // finish_task sets the state with the result.
             append_transition(txn, &meta.task_id, t)?;
             finish_task(txn, meta, error_code.as_deref(), result_text.as_deref())?;
             pending_requests::drop_request(txn, &meta.task_id)?;
-            match idempotent_text {
-                Some(t) => idempotency::keep_result(txn, &meta.task_id, t),
-                None => Ok(()),
+            if let Some(t) = idempotent_text {
+                idempotency::keep_result(txn, &meta.task_id, t)?;
             }
+            // In the same transaction as the terminal state: both or neither.
+            let entry = audit::finished_entry(txn, meta, error_code.as_deref(), key_id.clone(), t.at_ms)?;
+            audited.push(audit::append(txn, entry)?);
+            Ok(())
         }
-        WriteOp::Rejected { row } => insert_rejected(txn, row),
+        WriteOp::Rejected { row } => {
+            insert_rejected(txn, row)?;
+            audited.push(audit::append(txn, rejected_entry(row))?);
+            Ok(())
+        }
         WriteOp::Remember { req, ttl_ms, replaces } => {
             remember(txn, req, *ttl_ms, replaces.as_deref(), crate::task::now_ms())
         }
@@ -1360,6 +1430,36 @@ fn insert_rejected(c: &Connection, r: &RejectedCall) -> rusqlite::Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// The audit entry of a refused call.
+fn rejected_entry(r: &RejectedCall) -> AuditEntry {
+    AuditEntry {
+        at_ms: r.at_ms,
+        task_id: r.task_id.clone(),
+        request_id: String::new(),
+        tenant: r.tenant.clone(),
+        application: r.application.clone(),
+        user_id: r.user_id.clone(),
+        key_id: r.key_id.clone(),
+        device: audit::device_of(r.ingress, r.user_id.as_deref()),
+        ingress: r.ingress.to_string(),
+        requested_model: r.model.clone(),
+        model: None,
+        instance: None,
+        route: Vec::new(),
+        data_class: r.data_class,
+        result: TaskState::Rejected.as_str().to_string(),
+        error_code: Some(r.code.to_string()),
+        input_tokens: 0,
+        output_tokens: 0,
+        cost: None,
+        cache_hit: false,
+        context_sha256: None,
+        queue_ms: None,
+        ttft_ms: None,
+        total_ms: None,
+    }
 }
 
 fn append_transition(c: &Connection, task_id: &str, t: &Transition) -> rusqlite::Result<()> {
@@ -1520,7 +1620,7 @@ mod tests {
         // H1): the result of a task with a key, a key forgotten.
         let meta = ResultMeta::bare("r", &req.task_id, TaskState::Succeeded, "m", "n1");
         let before = store.health().commits();
-        store.finish(&meta, "done", None, "engine", None, Some("answer".into()), true);
+        store.finish(&meta, "done", None, "engine", None, Some("answer".into()), true, None);
         assert!(committed_after(before).await, "an idempotent result was held back");
         let before = store.health().commits();
         store.forget_key("t", "a", "k", &req.task_id);
@@ -1531,7 +1631,7 @@ mod tests {
         store.flush().await;
         let before = store.health().commits();
         let meta = ResultMeta::bare("r2", &other.task_id, TaskState::Succeeded, "m", "n1");
-        store.finish(&meta, "done", None, "engine", None, None, false);
+        store.finish(&meta, "done", None, "engine", None, None, false, None);
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(store.health().commits(), before, "a result without a key waits for the window");
     }

@@ -149,7 +149,7 @@ impl Recorder {
     /// subscribers told: nobody waits for it in this run).
     pub fn end_recovered(&self, meta: &ResultMeta, reason: &str, error_code: &'static str) {
         self.advance(&meta.task_id, meta.status, reason, || {
-            self.store.finish(meta, reason, None, "gateway", Some(error_code), None, false);
+            self.store.finish(meta, reason, None, "gateway", Some(error_code), None, false, None);
         });
     }
 
@@ -204,7 +204,16 @@ impl Recorder {
         result_text: Option<String>,
     ) {
         let recorded = self.advance(&req.task_id, meta.status, reason, || {
-            self.store.finish(meta, reason, instance, actor, error_code, result_text, req.idempotency_key.is_some());
+            self.store.finish(
+                meta,
+                reason,
+                instance,
+                actor,
+                error_code,
+                result_text,
+                req.idempotency_key.is_some(),
+                req.identity.credential.as_ref(),
+            );
         });
         if recorded {
             // Lifecycle events carry no answer text, and tool-call

@@ -8,6 +8,7 @@
 //! header and idle timeouts, graceful shutdown (`listener.rs`). Does not own: authentication,
 //! validation, ownership of tasks or scheduling (the gateway facade).
 
+mod audit;
 mod caller;
 mod chat;
 mod completions;
@@ -82,6 +83,7 @@ fn admin_routes(state: AppState, guarded: bool) -> Router {
         .route("/admin/keys/reinstate", post(reinstate_key))
         .route("/admin/reload", post(reload_config))
         .route("/admin/tasks/{id}/context", get(tasks::context))
+        .route("/admin/audit", get(audit::page))
         .layer(Extension(OpsGuard(guarded)))
         .with_state(state)
 }
