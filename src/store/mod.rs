@@ -67,6 +67,21 @@ pub enum StoreError {
     Unavailable(String),
 }
 
+/// What the idempotency key of a finished task keeps for a repeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyedResult {
+    /// The task has no key.
+    None,
+    /// The outcome (state, error code, result metadata) but not the answer
+    /// text: a caller that did not choose its key (an MQTT device) under a
+    /// policy that keeps no text (`store_prompts = false`). The text of a
+    /// repeat then comes from the scheduler's replay, in memory only.
+    Outcome,
+    /// The outcome and the answer text, for the key's lifetime: the caller
+    /// sent the key (it asks for the replay), or the policy keeps text.
+    OutcomeAndText,
+}
+
 /// One recorded state change.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Transition {
@@ -124,7 +139,11 @@ enum WriteOp {
         meta: Box<ResultMeta>,
         error_code: Option<String>,
         result_text: Option<String>,
-        /// The answer kept with the task's idempotency key, if it has one.
+        /// The task has an idempotency key: a repeat is answered from what
+        /// this write records.
+        keyed: bool,
+        /// The answer kept with the task's idempotency key, where it may be
+        /// kept ([`KeyedResult`]).
         idempotent_text: Option<String>,
         /// For the task's audit record (see `audit.rs`).
         key_id: Option<String>,
@@ -194,7 +213,7 @@ impl WriteOp {
             WriteOp::NewTask { .. }
                 | WriteOp::Remember { .. }
                 | WriteOp::Started(_)
-                | WriteOp::Finish { idempotent_text: Some(_), .. }
+                | WriteOp::Finish { keyed: true, .. }
                 | WriteOp::Forget { .. }
                 | WriteOp::Handover { .. }
         )
@@ -612,8 +631,8 @@ impl Store {
     /// Records the terminal transition (to `meta.status`) and the final
     /// metadata together: a reader never sees the terminal state without
     /// its error code. `result_text` is dropped unless prompts are stored.
-    /// With `idempotent`, the text is also kept with the task's idempotency
-    /// key (for the key's lifetime), whatever the prompt policy. The
+    /// `keyed` says whether the text is also kept with the task's
+    /// idempotency key (for the key's lifetime). The
     /// task's audit record is written with it (`credential`: the digest of
     /// the caller's API key or token id, named by its first digits).
     #[allow(clippy::too_many_arguments)]
@@ -625,15 +644,16 @@ impl Store {
         actor: &str,
         error_code: Option<&str>,
         result_text: Option<String>,
-        idempotent: bool,
+        keyed: KeyedResult,
         credential: Option<&[u8; 32]>,
     ) {
-        let idempotent_text = if idempotent { result_text.clone() } else { None };
+        let idempotent_text = if keyed == KeyedResult::OutcomeAndText { result_text.clone() } else { None };
         self.write(WriteOp::Finish {
             t: Box::new(self.new_transition(meta.status, reason, instance, actor)),
             meta: Box::new(meta.clone()),
             error_code: error_code.map(str::to_string),
             result_text: result_text.filter(|_| self.store_prompts),
+            keyed: keyed != KeyedResult::None,
             idempotent_text,
             key_id: audit::key_id(credential),
         });
@@ -1308,7 +1328,7 @@ fn apply(
             }
             set_state(txn, task_id, t)
         }
-        WriteOp::Finish { t, meta, error_code, result_text, idempotent_text, key_id } => {
+        WriteOp::Finish { t, meta, error_code, result_text, idempotent_text, key_id, .. } => {
             // finish_task sets the state with the result.
             append_transition(txn, &meta.task_id, t)?;
             finish_task(txn, meta, error_code.as_deref(), result_text.as_deref())?;
@@ -1620,7 +1640,7 @@ mod tests {
         // H1): the result of a task with a key, a key forgotten.
         let meta = ResultMeta::bare("r", &req.task_id, TaskState::Succeeded, "m", "n1");
         let before = store.health().commits();
-        store.finish(&meta, "done", None, "engine", None, Some("answer".into()), true, None);
+        store.finish(&meta, "done", None, "engine", None, Some("answer".into()), KeyedResult::OutcomeAndText, None);
         assert!(committed_after(before).await, "an idempotent result was held back");
         let before = store.health().commits();
         store.forget_key("t", "a", "k", &req.task_id);
@@ -1631,7 +1651,7 @@ mod tests {
         store.flush().await;
         let before = store.health().commits();
         let meta = ResultMeta::bare("r2", &other.task_id, TaskState::Succeeded, "m", "n1");
-        store.finish(&meta, "done", None, "engine", None, None, false, None);
+        store.finish(&meta, "done", None, "engine", None, None, KeyedResult::None, None);
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(store.health().commits(), before, "a result without a key waits for the window");
     }
