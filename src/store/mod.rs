@@ -248,7 +248,6 @@ const WRITER_GONE: &str = "the writer thread stopped";
 /// What the reader thread answers.
 enum ReadOp {
     Lookup { tenant: String, app: String, key: String, reply: oneshot::Sender<Option<IdempotentRecord>> },
-    Audit { q: AuditQuery, reply: oneshot::Sender<Result<Vec<AuditRecord>, StoreError>> },
 }
 
 /// A call refused at admission, before it had a validated task.
@@ -278,6 +277,8 @@ pub struct Store {
     store_prompts: bool,
     failures: WriteFailures,
     health: StoreHealth,
+    /// The database file (audit queries open their own connection).
+    path: Arc<Path>,
     /// Audit records as they are committed (the NATS publisher reads it;
     /// a slow reader loses records, the table keeps them).
     audit_tx: tokio::sync::broadcast::Sender<Arc<AuditRecord>>,
@@ -523,7 +524,8 @@ impl Store {
             .name("edgeway-store-read".into())
             .spawn(move || reader_loop(reader, read_rx))
             .map_err(spawn_err)?;
-        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health, audit_tx })
+        let path = Arc::from(path);
+        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health, path, audit_tx })
     }
 
     /// Whether writes succeed (shared: it follows the writer).
@@ -819,11 +821,17 @@ impl Store {
     }
 
     /// Committed audit records, oldest first (a record committed moments
-    /// ago may not be visible yet: `flush` first to see it).
+    /// ago may not be visible yet: `flush` first to see it). On a
+    /// connection of its own, off the reader thread: a page that scans far
+    /// (a rare tenant) must not hold up idempotency lookups.
     pub async fn audit(&self, q: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
-        let (reply, rx) = oneshot::channel();
-        self.reads.send(ReadOp::Audit { q, reply }).map_err(|_| StoreError::Closed)?;
-        rx.await.map_err(|_| StoreError::Closed)?
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || {
+            let c = audit::open_read_only(&path)?;
+            Ok(audit::query(&c, &q)?)
+        })
+        .await
+        .map_err(|_| StoreError::Closed)?
     }
 
     pub async fn get(&self, task_id: &str) -> Result<Option<TaskRecord>, StoreError> {
@@ -855,9 +863,6 @@ fn reader_loop(conn: Connection, rx: mpsc::Receiver<ReadOp>) {
                     tracing::error!(error = %e, "idempotency lookup failed");
                     None
                 }));
-            }
-            ReadOp::Audit { q, reply } => {
-                let _ = reply.send(audit::query(&conn, &q).map_err(StoreError::from));
             }
         }
     }
