@@ -528,3 +528,73 @@ mod tests {
         assert_eq!(q(None, None, None, Some(2), 2), [3, 4]);
     }
 }
+
+/// What the audit log costs on a large store (run by hand:
+/// `cargo test --lib store::audit::timing -- --ignored --nocapture`).
+#[cfg(test)]
+mod timing {
+    use super::*;
+
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn append_verify_query_and_purge_on_a_large_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Connection::open(dir.path().join("t.db")).unwrap();
+        c.pragma_update(None, "journal_mode", "WAL").unwrap();
+        c.pragma_update(None, "synchronous", "NORMAL").unwrap();
+        c.execute_batch(SCHEMA).unwrap();
+        let n: i64 = 200_000;
+        let entry = |i: i64| AuditEntry {
+            at_ms: i,
+            task_id: format!("{i:032x}"),
+            request_id: format!("req-{i}"),
+            tenant: if i % 100 == 0 { "rare".into() } else { "demo".into() },
+            application: "demo".into(),
+            user_id: Some("user-1".into()),
+            key_id: Some("0123456789abcdef".into()),
+            device: None,
+            ingress: "http".into(),
+            requested_model: "general-chat".into(),
+            model: Some("general-chat".into()),
+            instance: Some("fake".into()),
+            route: Vec::new(),
+            data_class: Some(DataClass::Personal),
+            result: "SUCCEEDED".into(),
+            error_code: None,
+            input_tokens: 20,
+            output_tokens: 5,
+            cost: None,
+            cache_hit: false,
+            context_sha256: None,
+            queue_ms: Some(1),
+            ttft_ms: Some(2),
+            total_ms: Some(3),
+        };
+        let start = std::time::Instant::now();
+        for chunk in 0..n / 1000 {
+            let t = c.unchecked_transaction().unwrap();
+            for i in chunk * 1000..(chunk + 1) * 1000 {
+                append(&t, entry(i + 1)).unwrap();
+            }
+            t.commit().unwrap();
+        }
+        println!("{n} records appended (1000 a transaction) in {:?}", start.elapsed());
+        let start = std::time::Instant::now();
+        assert_eq!(verify(&c).unwrap(), n as u64);
+        println!("verify of {n} records: {:?}", start.elapsed());
+        let start = std::time::Instant::now();
+        let q = AuditQuery { tenant: Some("rare".into()), since_ms: Some(n / 2), limit: 100, ..Default::default() };
+        assert_eq!(query(&c, &q).unwrap().len(), 100);
+        println!("a page of 100 records of a tenant with 1 % of them, from the middle: {:?}", start.elapsed());
+        for batch in [1000, 1000, 5000] {
+            let start = std::time::Instant::now();
+            let t = c.unchecked_transaction().unwrap();
+            let purged = purge(&t, n + 1, batch).unwrap();
+            t.commit().unwrap();
+            println!("a purge pass of {batch} over {n} records purged {purged} in {:?}", start.elapsed());
+        }
+        let start = std::time::Instant::now();
+        assert_eq!(verify(&c).unwrap(), n as u64 - 7000);
+        println!("verify from the anchor: {:?}", start.elapsed());
+    }
+}
