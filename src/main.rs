@@ -1,5 +1,5 @@
 //! The `edgeway` command: `serve`, `check-config`, `hash-key`, `hash-password`,
-//! `status`.
+//! `status`, `audit verify|export`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,6 +40,35 @@ enum Cmd {
         /// Print the JSON snapshot instead of text.
         #[arg(long)]
         json: bool,
+    },
+    /// Check or export the audit trail of a task store (safe while edgeway runs).
+    Audit {
+        #[command(subcommand)]
+        cmd: AuditCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum AuditCmd {
+    /// Walk the hash chain: exit 0 when it holds, 1 naming the first record that
+    /// does not (edited, deleted or reordered), 2 when the store cannot be read.
+    Verify {
+        #[arg(long, default_value = "data/edgeway.db")]
+        db: PathBuf,
+    },
+    /// Write audit records as JSON lines to stdout, oldest first.
+    Export {
+        #[arg(long, default_value = "data/edgeway.db")]
+        db: PathBuf,
+        /// From this time on: unix milliseconds, RFC 3339 or a date (UTC).
+        #[arg(long)]
+        since: Option<String>,
+        /// Before this time (same forms).
+        #[arg(long)]
+        until: Option<String>,
+        /// Only this tenant's records.
+        #[arg(long)]
+        tenant: Option<String>,
     },
 }
 
@@ -85,6 +114,7 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Cmd::Audit { cmd } => audit(cmd),
         Cmd::Serve { config } => {
             let cfg = match Config::load(&config) {
                 Ok(c) => c,
@@ -112,6 +142,67 @@ async fn status(url: &str, key: &str) -> Result<serde_json::Value, String> {
         return Err(format!("{endpoint}: {code} {}: {msg}", body["error"]["code"].as_str().unwrap_or("")));
     }
     Ok(body)
+}
+
+fn audit(cmd: AuditCmd) -> ExitCode {
+    use edgeway::store::audit;
+    let open = |db: &PathBuf| {
+        // Read-only and never created: a wrong path is an error, not an empty chain.
+        audit::open_read_only(db).map_err(|e| eprintln!("cannot open the task store {}: {e}", db.display())).ok()
+    };
+    match cmd {
+        AuditCmd::Verify { db } => {
+            let Some(c) = open(&db) else { return ExitCode::from(2) };
+            match audit::verify(&c) {
+                Ok(n) => {
+                    println!("audit chain intact: {n} records");
+                    ExitCode::SUCCESS
+                }
+                Err(audit::VerifyError::Broken(b)) => {
+                    eprintln!("audit chain broken at {b}");
+                    ExitCode::from(1)
+                }
+                Err(e) => {
+                    eprintln!("{e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        AuditCmd::Export { db, since, until, tenant } => {
+            let time = |s: Option<String>, what: &str| match s {
+                None => Ok(None),
+                Some(s) => edgeway::gateway::parse_time(&s)
+                    .map(Some)
+                    .ok_or_else(|| eprintln!("--{what} {s:?}: expected unix milliseconds, RFC 3339 or YYYY-MM-DD")),
+            };
+            let (Ok(since_ms), Ok(until_ms)) = (time(since, "since"), time(until, "until")) else {
+                return ExitCode::from(2);
+            };
+            let Some(c) = open(&db) else { return ExitCode::from(2) };
+            let mut q = audit::AuditQuery { tenant, since_ms, until_ms, after_seq: None, limit: 1000 };
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            loop {
+                let page = match audit::query(&c, &q) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        eprintln!("cannot read the audit log: {e}");
+                        return ExitCode::from(2);
+                    }
+                };
+                for r in &page {
+                    use std::io::Write;
+                    if serde_json::to_writer(&mut out, r).is_err() || out.write_all(b"\n").is_err() {
+                        return ExitCode::from(2);
+                    }
+                }
+                match page.last() {
+                    Some(r) if page.len() == q.limit => q.after_seq = Some(r.seq),
+                    _ => break,
+                }
+            }
+            ExitCode::SUCCESS
+        }
+    }
 }
 
 async fn serve(cfg: Config) -> ExitCode {

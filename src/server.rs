@@ -159,6 +159,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         max_buffered_writes: config.store.max_buffered_writes,
         retention_tasks: config.store.retention_tasks,
         retention_rejected: config.store.retention_rejected,
+        retention_audit: config.store.retention_audit,
         reserve_bytes: config.store.reserve_bytes,
         ..StoreOptions::default()
     };

@@ -161,6 +161,8 @@ pub struct StoreConfig {
     pub retention_tasks: Option<Duration>,
     /// Refused calls are purged after this (`None`: kept).
     pub retention_rejected: Option<Duration>,
+    /// Audit records are purged after this, oldest first (`None`: kept).
+    pub retention_audit: Option<Duration>,
     /// Space set aside beside the database and given back when the disk
     /// fills up, for the writes of tasks already running; 0: none.
     pub reserve_bytes: u64,

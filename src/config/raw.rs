@@ -185,6 +185,8 @@ pub struct RawStore {
     pub retention_tasks_hours: u64,
     /// Refused calls are purged after this; 0 keeps them.
     pub retention_rejected_hours: u64,
+    /// Audit records are purged after this, oldest first; 0 keeps them.
+    pub retention_audit_hours: u64,
     /// Space set aside next to the database for a full disk; 0: none.
     pub reserve_bytes: u64,
 }
@@ -197,6 +199,7 @@ impl Default for RawStore {
             max_buffered_writes: 100_000,
             retention_tasks_hours: 30 * 24,
             retention_rejected_hours: 7 * 24,
+            retention_audit_hours: 365 * 24,
             reserve_bytes: 8 << 20,
         }
     }

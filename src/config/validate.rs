@@ -292,6 +292,7 @@ fn store(raw: RawStore, p: &mut Problems) -> StoreConfig {
         max_buffered_writes: raw.max_buffered_writes,
         retention_tasks: hours(raw.retention_tasks_hours),
         retention_rejected: hours(raw.retention_rejected_hours),
+        retention_audit: hours(raw.retention_audit_hours),
         reserve_bytes: raw.reserve_bytes,
     }
 }

@@ -18,6 +18,7 @@
 //! components or starting listeners (`crate::server`), or any policy
 //! (admission, scheduler and router own theirs).
 
+mod audit;
 mod idempotency;
 mod keys;
 mod readiness;
@@ -58,6 +59,7 @@ pub use crate::admission::ChatRequestBody;
 pub use crate::context::sessions::{MemoryEntry, SessionView};
 use crate::scheduler::Submitted;
 pub use crate::scheduler::{CancelHandle, TaskStream};
+pub use audit::{parse_time, AuditQuery, AuditRecord, DEFAULT_AUDIT_PAGE, MAX_AUDIT_PAGE};
 pub use readiness::{ModelReadiness, Readiness};
 pub use reload::{ReloadError, ReloadReport};
 pub use status::{DeviceList, Status};

@@ -26,6 +26,7 @@
 //! caller decides whether text is passed in at all) or metrics: it counts
 //! its failed writes in [`WriteFailures`], which telemetry exports.
 
+pub mod audit;
 mod idempotency;
 mod pending_requests;
 mod reserve;
@@ -34,6 +35,7 @@ mod retention;
 mod revoked_keys;
 pub mod sessions;
 
+pub use audit::{AuditEntry, AuditQuery, AuditRecord, ChainBroken, VerifyError};
 pub use idempotency::IdempotentRecord;
 pub use pending_requests::{StoredRequest, Unfinished};
 
@@ -63,6 +65,21 @@ pub enum StoreError {
     /// Writes fail (disk full, read-only, I/O error): the store is degraded.
     #[error("task store cannot write: {0}")]
     Unavailable(String),
+}
+
+/// What the idempotency key of a finished task keeps for a repeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyedResult {
+    /// The task has no key.
+    None,
+    /// The outcome (state, error code, result metadata) but not the answer
+    /// text: a caller that did not choose its key (an MQTT device) under a
+    /// policy that keeps no text (`store_prompts = false`). The text of a
+    /// repeat then comes from the scheduler's replay, in memory only.
+    Outcome,
+    /// The outcome and the answer text, for the key's lifetime: the caller
+    /// sent the key (it asks for the replay), or the policy keeps text.
+    OutcomeAndText,
 }
 
 /// One recorded state change.
@@ -124,8 +141,14 @@ enum WriteOp {
         meta: Box<ResultMeta>,
         error_code: Option<String>,
         result_text: Option<String>,
-        /// The answer kept with the task's idempotency key, if it has one.
+        /// The task has an idempotency key: a repeat is answered from what
+        /// this write records.
+        keyed: bool,
+        /// The answer kept with the task's idempotency key, where it may be
+        /// kept ([`KeyedResult`]).
         idempotent_text: Option<String>,
+        /// For the task's audit record (see `audit.rs`).
+        key_id: Option<String>,
     },
     Rejected {
         row: Box<RejectedCall>,
@@ -192,7 +215,7 @@ impl WriteOp {
             WriteOp::NewTask { .. }
                 | WriteOp::Remember { .. }
                 | WriteOp::Started(_)
-                | WriteOp::Finish { idempotent_text: Some(_), .. }
+                | WriteOp::Finish { keyed: true, .. }
                 | WriteOp::Forget { .. }
                 | WriteOp::Handover { .. }
         )
@@ -242,6 +265,8 @@ struct RejectedCall {
     message: String,
     at_ms: i64,
     node_id: String,
+    key_id: Option<String>,
+    data_class: Option<crate::task::DataClass>,
 }
 
 /// Handle to the store thread. Cheap to clone.
@@ -255,6 +280,11 @@ pub struct Store {
     store_prompts: bool,
     failures: WriteFailures,
     health: StoreHealth,
+    /// The database file (audit queries open their own connection).
+    path: Arc<Path>,
+    /// Audit records as they are committed (the NATS publisher reads it;
+    /// a slow reader loses records, the table keeps them).
+    audit_tx: tokio::sync::broadcast::Sender<Arc<AuditRecord>>,
 }
 
 /// What the store needs to know beyond its file (from `[store]`).
@@ -269,6 +299,9 @@ pub struct StoreOptions {
     /// Refused calls (REJECTED) older than this are purged; `None` keeps
     /// them.
     pub retention_rejected: Option<Duration>,
+    /// Audit records older than this are purged, oldest first (the chain
+    /// stays verifiable from an anchor); `None` keeps them.
+    pub retention_audit: Option<Duration>,
     /// How often the writer purges (each pass bounded by `purge_batch`).
     pub purge_interval: Duration,
     /// Tasks purged per pass at most, so that a pass never holds the writer
@@ -301,6 +334,7 @@ impl Default for StoreOptions {
             max_buffered_writes: 100_000,
             retention_tasks: None,
             retention_rejected: None,
+            retention_audit: None,
             purge_interval: Duration::from_secs(60),
             purge_batch: 1000,
             retry_interval: Duration::from_secs(1),
@@ -450,9 +484,14 @@ impl Store {
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
         conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
-        for schema in
-            [idempotency::SCHEMA, pending_requests::SCHEMA, revoked_keys::SCHEMA, responses::SCHEMA, sessions::SCHEMA]
-        {
+        for schema in [
+            idempotency::SCHEMA,
+            pending_requests::SCHEMA,
+            revoked_keys::SCHEMA,
+            responses::SCHEMA,
+            sessions::SCHEMA,
+            audit::SCHEMA,
+        ] {
             conn.execute_batch(schema).map_err(open_err)?;
         }
         sessions::migrate(&conn).map_err(open_err)?;
@@ -479,7 +518,9 @@ impl Store {
             tracing::error!(error = %e, bytes = opts.reserve_bytes, "cannot set aside the task store's reserve");
             health.set_degraded(format!("cannot set aside the store's reserve of {} bytes: {e}", opts.reserve_bytes));
         }
-        let writer = Writer::new(conn, failures.clone(), health.clone(), opts, reserve);
+        let (audit_tx, _) = tokio::sync::broadcast::channel(1024);
+        let mut writer = Writer::new(conn, failures.clone(), health.clone(), opts, reserve);
+        writer.audit_tx = Some(audit_tx.clone());
         let spawn_err = |e| StoreError::Dir { path: path.to_path_buf(), source: e };
         std::thread::Builder::new().name("edgeway-store".into()).spawn(move || writer.run(rx)).map_err(spawn_err)?;
         let (reads, read_rx) = mpsc::channel();
@@ -487,7 +528,8 @@ impl Store {
             .name("edgeway-store-read".into())
             .spawn(move || reader_loop(reader, read_rx))
             .map_err(spawn_err)?;
-        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health })
+        let path = Arc::from(path);
+        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health, path, audit_tx })
     }
 
     /// Whether writes succeed (shared: it follows the writer).
@@ -587,6 +629,8 @@ impl Store {
             message: e.message.chars().take(500).collect(),
             at_ms: crate::task::now_ms(),
             node_id: self.node_id.to_string(),
+            key_id: audit::key_id(who.credential.as_ref()),
+            data_class: who.data_class,
         };
         self.write(WriteOp::Rejected { row: Box::new(row) });
         task_id
@@ -595,8 +639,10 @@ impl Store {
     /// Records the terminal transition (to `meta.status`) and the final
     /// metadata together: a reader never sees the terminal state without
     /// its error code. `result_text` is dropped unless prompts are stored.
-    /// With `idempotent`, the text is also kept with the task's idempotency
-    /// key (for the key's lifetime), whatever the prompt policy.
+    /// `keyed` says whether the text is also kept with the task's
+    /// idempotency key (for the key's lifetime). The
+    /// task's audit record is written with it (`credential`: the digest of
+    /// the caller's API key or token id, named by its first digits).
     #[allow(clippy::too_many_arguments)]
     pub fn finish(
         &self,
@@ -606,15 +652,18 @@ impl Store {
         actor: &str,
         error_code: Option<&str>,
         result_text: Option<String>,
-        idempotent: bool,
+        keyed: KeyedResult,
+        credential: Option<&[u8; 32]>,
     ) {
-        let idempotent_text = if idempotent { result_text.clone() } else { None };
+        let idempotent_text = if keyed == KeyedResult::OutcomeAndText { result_text.clone() } else { None };
         self.write(WriteOp::Finish {
             t: Box::new(self.new_transition(meta.status, reason, instance, actor)),
             meta: Box::new(meta.clone()),
             error_code: error_code.map(str::to_string),
             result_text: result_text.filter(|_| self.store_prompts),
+            keyed: keyed != KeyedResult::None,
             idempotent_text,
+            key_id: audit::key_id(credential),
         });
     }
 
@@ -771,6 +820,26 @@ impl Store {
         rx.await.ok().flatten()
     }
 
+    /// Audit records as they are committed (best effort: a receiver that
+    /// lags loses records; the table has them all).
+    pub fn audit_feed(&self) -> tokio::sync::broadcast::Receiver<Arc<AuditRecord>> {
+        self.audit_tx.subscribe()
+    }
+
+    /// Committed audit records, oldest first (a record committed moments
+    /// ago may not be visible yet: `flush` first to see it). On a
+    /// connection of its own, off the reader thread: a page that scans far
+    /// (a rare tenant) must not hold up idempotency lookups.
+    pub async fn audit(&self, q: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || {
+            let c = audit::open_read_only(&path)?;
+            Ok(audit::query(&c, &q)?)
+        })
+        .await
+        .map_err(|_| StoreError::Closed)?
+    }
+
     pub async fn get(&self, task_id: &str) -> Result<Option<TaskRecord>, StoreError> {
         let (tx, rx) = oneshot::channel();
         self.tx.send(Op::Get(task_id.to_string(), tx)).map_err(|_| StoreError::Closed)?;
@@ -863,6 +932,8 @@ struct Writer {
     settled: Vec<oneshot::Sender<()>>,
     /// A write that commits at once is held ([`WriteOp::commits_at_once`]).
     commit_now: bool,
+    /// Where committed audit records are offered (none in unit tests).
+    audit_tx: Option<tokio::sync::broadcast::Sender<Arc<AuditRecord>>>,
     /// Test support: asked to stop as a dead writer would.
     #[cfg(any(test, feature = "testing"))]
     exit: Option<oneshot::Sender<()>>,
@@ -892,6 +963,7 @@ impl Writer {
             reserve_retry_at,
             settled: Vec::new(),
             commit_now: false,
+            audit_tx: None,
             #[cfg(any(test, feature = "testing"))]
             exit: None,
         }
@@ -1072,7 +1144,12 @@ impl Writer {
             }
         }
         match res {
-            Ok(()) => {
+            Ok(audited) => {
+                if let Some(tx) = self.audit_tx.as_ref().filter(|tx| tx.receiver_count() > 0) {
+                    for r in audited {
+                        let _ = tx.send(Arc::new(r));
+                    }
+                }
                 let written = self.pending.len();
                 self.pending.clear();
                 self.health.0.commits.fetch_add(1, Ordering::Relaxed);
@@ -1129,13 +1206,14 @@ impl Writer {
 
     /// Writes every pending operation in one transaction (nothing of it on
     /// a storage failure).
-    fn write_pending(&mut self) -> rusqlite::Result<()> {
+    fn write_pending(&mut self) -> rusqlite::Result<Vec<AuditRecord>> {
         let failures = &self.failures;
         let pending = &self.pending;
         let txn = self.conn.transaction()?;
         let later = state_set_later(pending);
+        let mut audited = Vec::new();
         for (op, set_later) in pending.iter().zip(later) {
-            if let Err(e) = apply(&txn, op, set_later) {
+            if let Err(e) = apply(&txn, op, set_later, &mut audited) {
                 if is_storage_failure(&e) {
                     return Err(e);
                 }
@@ -1144,7 +1222,8 @@ impl Writer {
                 tracing::error!(error = %e, "task store write failed");
             }
         }
-        txn.commit()
+        txn.commit()?;
+        Ok(audited)
     }
 
     fn ack(&mut self, r: impl Fn() -> Result<(), StoreError>) {
@@ -1192,12 +1271,16 @@ impl Writer {
         let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
         let tasks_before = self.opts.retention_tasks.map(|d| now.saturating_sub(ms(d)));
         let rejected_before = self.opts.retention_rejected.map(|d| now.saturating_sub(ms(d)));
+        let audit_before = self.opts.retention_audit.map(|d| now.saturating_sub(ms(d)));
         let batch = self.opts.purge_batch;
         let res = (|| -> rusqlite::Result<usize> {
             let txn = self.conn.transaction()?;
             let mut n = retention::purge(&txn, now, tasks_before, rejected_before, batch)?;
             // Expired sessions: each row knows when it expires.
             n += sessions::purge_expired(&txn, now, batch)?;
+            if let Some(before) = audit_before {
+                n += audit::purge(&txn, before, batch)?;
+            }
             txn.commit()?;
             Ok(n)
         })();
@@ -1241,7 +1324,12 @@ fn state_set_later(pending: &VecDeque<WriteOp>) -> Vec<bool> {
 
 /// Applies one write. `state_set_later`: a later write of the batch sets
 /// this task's state (see [`state_set_later`]).
-fn apply(txn: &Connection, op: &WriteOp, state_set_later: bool) -> rusqlite::Result<()> {
+fn apply(
+    txn: &Connection,
+    op: &WriteOp,
+    state_set_later: bool,
+    audited: &mut Vec<AuditRecord>,
+) -> rusqlite::Result<()> {
     match op {
         WriteOp::NewTask { row, prompt_text } => insert_task(txn, row, prompt_text.as_deref()),
         WriteOp::Transition { task_id, t } => {
@@ -1251,17 +1339,24 @@ fn apply(txn: &Connection, op: &WriteOp, state_set_later: bool) -> rusqlite::Res
             }
             set_state(txn, task_id, t)
         }
-        WriteOp::Finish { t, meta, error_code, result_text, idempotent_text } => {
+        WriteOp::Finish { t, meta, error_code, result_text, idempotent_text, key_id, .. } => {
             // finish_task sets the state with the result.
             append_transition(txn, &meta.task_id, t)?;
             finish_task(txn, meta, error_code.as_deref(), result_text.as_deref())?;
             pending_requests::drop_request(txn, &meta.task_id)?;
-            match idempotent_text {
-                Some(t) => idempotency::keep_result(txn, &meta.task_id, t),
-                None => Ok(()),
+            if let Some(t) = idempotent_text {
+                idempotency::keep_result(txn, &meta.task_id, t)?;
             }
+            // In the same transaction as the terminal state: both or neither.
+            let entry = audit::finished_entry(txn, meta, error_code.as_deref(), key_id.clone(), t.at_ms)?;
+            audited.push(audit::append(txn, entry)?);
+            Ok(())
         }
-        WriteOp::Rejected { row } => insert_rejected(txn, row),
+        WriteOp::Rejected { row } => {
+            insert_rejected(txn, row)?;
+            audited.push(audit::append(txn, rejected_entry(row))?);
+            Ok(())
+        }
         WriteOp::Remember { req, ttl_ms, replaces } => {
             remember(txn, req, *ttl_ms, replaces.as_deref(), crate::task::now_ms())
         }
@@ -1378,6 +1473,36 @@ fn insert_rejected(c: &Connection, r: &RejectedCall) -> rusqlite::Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// The audit entry of a refused call.
+fn rejected_entry(r: &RejectedCall) -> AuditEntry {
+    AuditEntry {
+        at_ms: r.at_ms,
+        task_id: r.task_id.clone(),
+        request_id: String::new(),
+        tenant: r.tenant.clone(),
+        application: r.application.clone(),
+        user_id: r.user_id.clone(),
+        key_id: r.key_id.clone(),
+        device: audit::device_of(r.ingress, r.user_id.as_deref()),
+        ingress: r.ingress.to_string(),
+        requested_model: r.model.clone(),
+        model: None,
+        instance: None,
+        route: Vec::new(),
+        data_class: r.data_class,
+        result: TaskState::Rejected.as_str().to_string(),
+        error_code: Some(r.code.to_string()),
+        input_tokens: 0,
+        output_tokens: 0,
+        cost: None,
+        cache_hit: false,
+        context_sha256: None,
+        queue_ms: None,
+        ttft_ms: None,
+        total_ms: None,
+    }
 }
 
 fn append_transition(c: &Connection, task_id: &str, t: &Transition) -> rusqlite::Result<()> {
@@ -1540,7 +1665,7 @@ mod tests {
         // H1): the result of a task with a key, a key forgotten.
         let meta = ResultMeta::bare("r", &req.task_id, TaskState::Succeeded, "m", "n1");
         let before = store.health().commits();
-        store.finish(&meta, "done", None, "engine", None, Some("answer".into()), true);
+        store.finish(&meta, "done", None, "engine", None, Some("answer".into()), KeyedResult::OutcomeAndText, None);
         assert!(committed_after(before).await, "an idempotent result was held back");
         let before = store.health().commits();
         store.forget_key("t", "a", "k", &req.task_id);
@@ -1551,7 +1676,7 @@ mod tests {
         store.flush().await;
         let before = store.health().commits();
         let meta = ResultMeta::bare("r2", &other.task_id, TaskState::Succeeded, "m", "n1");
-        store.finish(&meta, "done", None, "engine", None, None, false);
+        store.finish(&meta, "done", None, "engine", None, None, KeyedResult::None, None);
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(store.health().commits(), before, "a result without a key waits for the window");
     }

@@ -23,7 +23,7 @@ use tokio::sync::broadcast;
 
 use super::Metrics;
 use crate::error::GatewayError;
-use crate::store::Store;
+use crate::store::{KeyedResult, Store};
 use crate::task::{Identity, Ingress, ResultMeta, TaskRequest, TaskState};
 
 /// One state change, as published to subscribers. Never carries prompt or
@@ -200,7 +200,7 @@ impl Recorder {
     /// subscribers told: nobody waits for it in this run).
     pub fn end_recovered(&self, meta: &ResultMeta, reason: &str, error_code: &'static str) {
         self.advance(&meta.task_id, meta.status, reason, || {
-            self.store.finish(meta, reason, None, "gateway", Some(error_code), None, false);
+            self.store.finish(meta, reason, None, "gateway", Some(error_code), None, KeyedResult::None, None);
         });
     }
 
@@ -254,8 +254,25 @@ impl Recorder {
         error_code: Option<&'static str>,
         result_text: Option<String>,
     ) {
+        let keyed = match &req.idempotency_key {
+            None => KeyedResult::None,
+            // A device never chose its key (MQTT derives one for every
+            // request): its answer goes to the file only where the policy
+            // keeps text; a repeat meanwhile is answered from memory.
+            Some(_) if req.ingress == Ingress::Mqtt && !self.store.stores_prompts() => KeyedResult::Outcome,
+            Some(_) => KeyedResult::OutcomeAndText,
+        };
         let recorded = self.advance(&req.task_id, meta.status, reason, || {
-            self.store.finish(meta, reason, instance, actor, error_code, result_text, req.idempotency_key.is_some());
+            self.store.finish(
+                meta,
+                reason,
+                instance,
+                actor,
+                error_code,
+                result_text,
+                keyed,
+                req.identity.credential.as_ref(),
+            );
         });
         if let (true, Some(code)) = (recorded && meta.status != TaskState::Succeeded, error_code) {
             self.failed(Failure {

@@ -8,6 +8,7 @@
 //! header and idle timeouts, graceful shutdown (`listener.rs`). Does not own: authentication,
 //! validation, ownership of tasks or scheduling (the gateway facade).
 
+mod audit;
 mod caller;
 mod chat;
 mod completions;
@@ -90,6 +91,7 @@ fn admin_routes(state: AppState, guarded: bool, shutdown: CancellationToken) -> 
         .route("/admin/status", get(status::json))
         .route("/admin/status/stream", get(status::stream))
         .route("/status", get(status::page))
+        .route("/admin/audit", get(audit::page))
         .layer(Extension(OpsGuard(guarded)))
         .layer(Extension(ws::Shutdown(shutdown)))
         .with_state(state)

@@ -21,6 +21,7 @@
 //! keeps serving HTTP and MQTT, reconnects with backoff in the background
 //! and reports `nats: disconnected` in `/ready` (without becoming unready).
 
+mod audit;
 pub mod lifecycle;
 pub mod service;
 
@@ -167,6 +168,7 @@ pub fn start(gw: Arc<Gateway>, status: NatsStatus, tracker: &TaskTracker, shutdo
     // Subscribe now, so no transition between start-up and the first
     // connection is missed (the bounded queue keeps them until then).
     let events = cfg.events.then(|| gw.subscribe_lifecycle());
+    let audit = gw.audit_feed();
     let t = tracker.clone();
     tracker.spawn(async move {
         let client = match connect(&cfg, &status, gw.metrics()).await {
@@ -181,6 +183,7 @@ pub fn start(gw: Arc<Gateway>, status: NatsStatus, tracker: &TaskTracker, shutdo
             let metrics = gw.metrics().clone();
             lifecycle::spawn_publisher(client.clone(), cfg.clone(), metrics, status.clone(), rx, &t, shutdown.clone());
         }
+        audit::spawn_publisher(client.clone(), cfg.clone(), status.clone(), audit, &t, shutdown.clone());
         service::run(client, cfg, gw, status, t, shutdown).await;
     });
 }
