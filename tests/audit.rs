@@ -81,6 +81,7 @@ async fn http_mqtt_nats_and_refused_calls_each_leave_one_record_also_published_o
     let r = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
     assert_eq!(r.status(), 200);
     let http_task = r.headers()["x-task-id"].to_str().unwrap().to_string();
+    let http_trace = r.headers()["x-edgeway-trace-id"].to_str().unwrap().to_string();
     // HTTP, refused at admission.
     let r = post_chat(&gw, DEMO_KEY, &json!({"model": "nope", "messages": [{"role": "user", "content": "Say hello"}]}))
         .await;
@@ -109,6 +110,7 @@ async fn http_mqtt_nats_and_refused_calls_each_leave_one_record_also_published_o
 
     let http = by_ingress[&k("http", "SUCCEEDED")];
     assert_eq!(http["task_id"], http_task.as_str());
+    assert_eq!(http["trace_id"], http_trace.as_str(), "the record joins the task's trace");
     assert_eq!((&http["tenant"], &http["application"]), (&json!("demo"), &json!("demo")));
     assert_eq!(http["key_id"], demo_key_id);
     assert_eq!(http["device"], Value::Null);
@@ -127,6 +129,7 @@ async fn http_mqtt_nats_and_refused_calls_each_leave_one_record_also_published_o
     assert_eq!(refused["requested_model"], "nope");
     assert!(refused["error_code"].is_string(), "{refused}");
     assert_eq!(refused["key_id"], demo_key_id);
+    assert_eq!(refused["trace_id"].as_str().map(str::len), Some(32), "a refused call's trace id: {refused}");
 
     let mqtt = by_ingress[&k("mqtt", "SUCCEEDED")];
     assert_eq!(mqtt["device"], D1.0);

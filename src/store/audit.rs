@@ -59,6 +59,10 @@ pub struct AuditEntry {
     pub at_ms: i64,
     pub task_id: String,
     pub request_id: String,
+    /// The task's W3C trace id (absent in records written before trace ids
+    /// existed; `verify` hashes the stored JSON, so those stay valid).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
     pub tenant: String,
     pub application: String,
     pub user_id: Option<String>,
@@ -125,6 +129,7 @@ pub fn finished_entry(
         at_ms,
         task_id: meta.task_id.clone(),
         request_id: meta.request_id.clone(),
+        trace_id: meta.trace_id.clone(),
         tenant,
         application,
         user_id,
@@ -340,6 +345,7 @@ mod tests {
             at_ms,
             task_id: format!("t{at_ms}"),
             request_id: "r".into(),
+            trace_id: None,
             tenant: tenant.into(),
             application: "a".into(),
             user_id: None,
@@ -548,6 +554,7 @@ mod timing {
             at_ms: i,
             task_id: format!("{i:032x}"),
             request_id: format!("req-{i}"),
+            trace_id: Some(format!("{i:032x}")),
             tenant: if i % 100 == 0 { "rare".into() } else { "demo".into() },
             application: "demo".into(),
             user_id: Some("user-1".into()),

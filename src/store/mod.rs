@@ -1481,6 +1481,7 @@ fn rejected_entry(r: &RejectedCall) -> AuditEntry {
         at_ms: r.at_ms,
         task_id: r.task_id.clone(),
         request_id: String::new(),
+        trace_id: (!r.trace_id.is_empty()).then(|| r.trace_id.clone()),
         tenant: r.tenant.clone(),
         application: r.application.clone(),
         user_id: r.user_id.clone(),
