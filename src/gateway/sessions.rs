@@ -172,7 +172,9 @@ impl Gateway {
         };
         let session = req.session_id.clone();
         let summary = summary.as_ref().map(|s| SummaryRef { text: &s.text, covers: s.covers });
-        let inputs = Inputs { history: &history, session: session.as_deref(), summary, knowledge, tool_results };
+        let fence_id = turn.as_ref().map(|t| t.lease.fence_id());
+        let inputs =
+            Inputs { history: &history, session: session.as_deref(), summary, fence_id, knowledge, tool_results };
         let plan = assembly::assemble(req, inputs, &rules)?;
         // The digest of the prompt as sent, beside the caller's own
         // (`prompt_sha256`, which idempotency judges repeats on).
