@@ -92,11 +92,22 @@ pub struct Call {
     body: ChatRequestBody,
     ingress: Ingress,
     request_id_hint: Option<String>,
+    /// Earlier messages of the conversation the client holds by id (a
+    /// Responses `previous_response_id` chain): history for the assembly.
+    history: Vec<crate::task::ChatMessage>,
 }
 
 impl Call {
     pub fn body(&self) -> &ChatRequestBody {
         &self.body
+    }
+
+    /// The conversation's earlier messages, oldest first: they enter the
+    /// prompt as a session's turns do, through the assembly's ladder
+    /// (trimmed, not refused, when they outgrow the window).
+    pub fn with_history(mut self, history: Vec<crate::task::ChatMessage>) -> Call {
+        self.history = history;
+        self
     }
 
     /// For an ingress that derives fields (MQTT: the idempotency key from
@@ -348,7 +359,7 @@ impl Gateway {
         if body.idempotency_key.is_none() {
             body.idempotency_key = opts.idempotency_key;
         }
-        Ok(Call { identity, body, ingress, request_id_hint: opts.request_id_hint })
+        Ok(Call { identity, body, ingress, request_id_hint: opts.request_id_hint, history: Vec::new() })
     }
 
     /// [`Gateway::prepare`] for a body of another shape than chat (a legacy
@@ -370,7 +381,7 @@ impl Gateway {
         if body.idempotency_key.is_none() {
             body.idempotency_key = opts.idempotency_key;
         }
-        Ok((Call { identity, body, ingress, request_id_hint: opts.request_id_hint }, extra))
+        Ok((Call { identity, body, ingress, request_id_hint: opts.request_id_hint, history: Vec::new() }, extra))
     }
 
     /// The second half of [`Gateway::submit`]: admission, idempotency and
@@ -381,7 +392,7 @@ impl Gateway {
     /// Dropping the future (an HTTP client gone mid-call) before it answers
     /// ends the call's record REJECTED and leaves no queued task behind.
     pub async fn submit_call(&self, call: Call) -> Result<TaskStream, GatewayError> {
-        let Call { identity, mut body, ingress, request_id_hint } = call;
+        let Call { identity, mut body, ingress, request_id_hint, history } = call;
         // `edge` (today only `edge.context`) is for the assembly, not the
         // engine: read after admission, so a bad one is refused after the
         // request's other checks.
@@ -416,6 +427,14 @@ impl Gateway {
             h.update(serde_json::to_vec(edge).unwrap_or_default());
             req.prompt_sha256 = hex::encode(h.finalize());
         }
+        // So is the conversation it continues.
+        if !history.is_empty() {
+            let mut h = Sha256::new();
+            h.update(req.prompt_sha256.as_bytes());
+            h.update(b"history");
+            h.update(serde_json::to_vec(&history).unwrap_or_default());
+            req.prompt_sha256 = hex::encode(h.finalize());
+        }
         let retry_of = match self.known_repeat(&req).await {
             Ok(Repeat::Join(stream)) => return Ok(stream),
             Ok(Repeat::Run { retry_of }) => retry_of,
@@ -427,7 +446,7 @@ impl Gateway {
         // A session turn begins here, after a repeat has joined its task
         // (a repeat is not a new turn) and before the task is recorded, so
         // that its record holds the prompt as assembled.
-        let turn = self.begin_turn(&mut req, context).await.map_err(refuse)?;
+        let turn = self.begin_turn(&mut req, context, history).await.map_err(refuse)?;
         // The turn may have waited for the one before: a drain begun
         // meanwhile refuses it as it refuses any new work.
         if let Some(e) = self.closed_to_new_work() {
