@@ -872,3 +872,58 @@ async fn a_summary_spends_no_user_limit_and_its_request_id_is_its_own() {
     assert_eq!(resp.status(), 400);
     gw.stop().await;
 }
+
+/// Isolation of summaries (issue 12 "## Tests"): two users of one
+/// application and a user of another tenant, each with a session whose
+/// older turns are summarised; each summary is made from its own
+/// session's turns only, and a later turn's prompt holds nothing of
+/// another's session, turns or summary. (Not a regression: this held
+/// before; kept so that it stays so.)
+#[tokio::test]
+async fn summaries_do_not_cross_users_or_tenants() {
+    let (fake, gw) = gateway(SUMMARIES, true).await;
+    let q =
+        |who: &str, i: usize| user_msg(&format!("{who}-marker question {i}: {}", "pump pressure reading ".repeat(32)));
+    let callers = [("alice", DEMO_KEY), ("bob", DEMO_KEY), ("carol", OTHER_KEY)];
+    let mut ids = Vec::new();
+    for (who, key) in callers {
+        let id = create(&gw, key, Some(who), json!({})).await;
+        for i in 1..=2 {
+            let (status, v) = turn(&gw, key, Some(who), &id, q(who, i)).await;
+            assert_eq!(status, 200, "{who}: {v}");
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, v) = get(&gw, key, Some(who), &id).await;
+            if v["summary_version"] == 1 {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{who}: no summary: {v}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        ids.push(id);
+    }
+    let prompts = summary_prompts(&fake);
+    assert_eq!(prompts.len(), 3, "{prompts:?}");
+    for (p, (who, _)) in prompts.iter().zip(callers) {
+        let others: Vec<&str> = callers.iter().map(|c| c.0).filter(|w| *w != who).collect();
+        assert!(p.contains(&format!("{who}-marker")), "{who}: {p}");
+        assert!(others.iter().all(|o| !p.contains(&format!("{o}-marker"))), "{who}: {p}");
+    }
+    // A third turn each: its prompt holds its own summary and turns only.
+    for ((who, key), id) in callers.iter().zip(&ids) {
+        let (status, v) = turn(&gw, key, Some(who), id, q(who, 3)).await;
+        assert_eq!(status, 200, "{who}: {v}");
+        let sent = fake.last_request().unwrap()["messages"].to_string();
+        assert!(sent.contains(&format!("{who}-marker")), "{who}: {sent}");
+        for (o, _) in callers.iter().filter(|c| c.0 != *who) {
+            assert!(!sent.contains(&format!("{o}-marker")), "{who} sees {o}: {sent}");
+        }
+        // Nobody else reads it.
+        for (o, okey) in callers.iter().filter(|c| c.0 != *who) {
+            let (status, _) = get(&gw, okey, Some(o), id).await;
+            assert_eq!(status, 404, "{o} reads {who}'s session");
+        }
+    }
+    gw.stop().await;
+}
