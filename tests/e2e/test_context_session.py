@@ -46,6 +46,7 @@ def edgeway_ctx(llama, llama_embed, nats, workdir):
         "EDGEWAY__LOG__FORMAT": "json",
         "EDGEWAY__NATS__URL": nats,
         "EDGEWAY__MODELS__GENERAL_CHAT__CONTEXT_TOKENS": "512",
+        "EDGEWAY__MODELS__GENERAL_CHAT__MAX_OUTPUT_TOKENS": "64",
         "EDGEWAY__SESSIONS__SUMMARY_MODEL": "general-chat",
         "EDGEWAY__SESSIONS__SUMMARY_AFTER_MESSAGES": "4",
         "EDGEWAY__SESSIONS__SUMMARY_HISTORY_SHARE_PCT": "30",
