@@ -265,3 +265,54 @@ async fn a_key_reused_with_other_knowledge_is_refused() {
     assert_eq!(fake.requests(), 1, "one engine call for the three");
     gw.stop().await;
 }
+
+async fn new_session(gw: &TestGateway) -> String {
+    let resp = client().post(format!("{}/v1/sessions", gw.base_url)).bearer_auth(DEMO_KEY).json(&json!({})).send();
+    resp.await.unwrap().json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
+}
+
+/// A turn of session `id` (none: a call without a session) with one
+/// knowledge passage or none; the messages the engine received.
+async fn fenced_turn(gw: &TestGateway, fake: &FakeEngine, id: Option<&str>, q: &str, passage: bool) -> Vec<String> {
+    let mut body = json!({"model": "general-chat", "messages": [{"role": "user", "content": q}]});
+    if let Some(id) = id {
+        body["session_id"] = json!(id);
+    }
+    if passage {
+        body["edge"] = json!({"context": {"knowledge": [{"text": "Pump 3 runs at 60 C.", "source": "wiki"}]}});
+    }
+    assert_eq!(post_chat(gw, DEMO_KEY, &body).await.status(), 200);
+    sent_messages(fake).into_iter().map(|(_, t)| t).collect()
+}
+
+/// A session's fence id is the same every turn, so its prompt head (the
+/// system message, which names the fence) is byte-identical turn to turn
+/// and the engine's KV cache serves it; fenced data or not in a turn
+/// changes nothing there. Two sessions have different ids; calls without
+/// a session a random one each.
+#[tokio::test]
+async fn a_sessions_fence_id_and_prompt_head_stay_the_same_turn_to_turn() {
+    let (fake, gw) = gateway(4096).await;
+    let a = new_session(&gw).await;
+    let t1 = fenced_turn(&gw, &fake, Some(&a), "How hot is pump 3?", true).await;
+    let t2 = fenced_turn(&gw, &fake, Some(&a), "And pump 4?", true).await;
+    let t3 = fenced_turn(&gw, &fake, Some(&a), "Thanks.", false).await;
+    let id = fence_id(&t1[0]);
+    assert_eq!(fence_id(&t1[1]), id, "the data's fence is the one the rules name");
+    assert_eq!(fence_id(t2.last().unwrap()), id);
+    assert_eq!(t2[0], t1[0], "the prompt head is byte-identical");
+    assert_eq!(t3[0], t1[0], "a turn without fenced data keeps the head too");
+    // The earlier turns follow the head unchanged.
+    assert_eq!(t3.len(), 6, "{t3:?}");
+    assert_eq!(t3[1..3], t2[1..3]);
+
+    let b = new_session(&gw).await;
+    let other = fenced_turn(&gw, &fake, Some(&b), "How hot is pump 3?", true).await;
+    assert_ne!(fence_id(&other[0]), id, "another session, another fence");
+    assert!(!a.contains(&id) && !b.contains(&fence_id(&other[0])), "not derived visibly from the session id");
+
+    let n1 = fenced_turn(&gw, &fake, None, "How hot is pump 3?", true).await;
+    let n2 = fenced_turn(&gw, &fake, None, "How hot is pump 3?", true).await;
+    assert_ne!(fence_id(&n1[0]), fence_id(&n2[0]), "random per call without a session");
+    gw.stop().await;
+}

@@ -546,3 +546,42 @@ async fn a_chain_past_its_bound_is_context_too_large() {
     assert_eq!(fake.requests(), sent);
     gw.stop().await;
 }
+
+/// A `previous_response_id` chain goes through the same ladder as a
+/// session's history: once it outgrows the model's window its oldest
+/// links are left out of the prompt (a step recorded in `edge.context`),
+/// and the call is answered, not refused; the newest input is always
+/// there. The chain kept with the Response stays whole.
+#[tokio::test]
+async fn a_chain_longer_than_the_window_is_trimmed_not_refused() {
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        t.replace("context_tokens = 2048", "context_tokens = 1024")
+    })
+    .await;
+    gw.wait_ready().await;
+    // About 100 tokens each (estimated): the window holds some 9 of them.
+    let text = |i: usize| format!("link {i}: {}", "pressure ".repeat(36));
+    let mut prev = Value::Null;
+    for i in 0..12 {
+        let mut body = json!({"model": "general-chat", "input": text(i), "max_output_tokens": 16, "store": true});
+        if !prev.is_null() {
+            body["previous_response_id"] = prev.clone();
+        }
+        let r = post(&gw, DEMO_KEY, &body).await;
+        let status = r.status();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(status, 200, "link {i}: {v}");
+        assert_eq!(v["status"], "completed", "link {i}: {v}");
+        prev = v["id"].clone();
+        let sent = sent_messages(&fake);
+        assert_eq!(sent.last().unwrap(), &msg("user", &text(i)), "link {i}: the newest input is there");
+        if i == 11 {
+            assert!(sent.len() < 2 * 12 - 1, "older links left out: {} messages", sent.len());
+            assert_eq!(sent[0].0, "user", "never an answer without its question: {sent:?}");
+            let steps = v["edge"]["context"]["steps"].to_string();
+            assert!(steps.contains("oldest messages"), "{v}");
+        }
+    }
+    gw.stop().await;
+}

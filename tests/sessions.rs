@@ -462,9 +462,26 @@ async fn a_turn_ending_in_tool_calls_keeps_the_calls_and_the_next_tool_result() 
         {"role": "assistant", "content": answer},
         {"role": "user", "content": "thanks"},
     ]);
+    // The tool's output is untrusted content (review 14 L5): in the
+    // prompt, fenced where it stands, with the fence notice in a system
+    // message before the turns; kept as it came in the history.
+    let sent_turns = |sent: &Value| {
+        let sent = sent.as_array().unwrap();
+        assert_eq!(sent[0]["role"], "system", "{sent:?}");
+        assert!(sent[0]["content"].as_str().unwrap().contains("untrusted data"), "{sent:?}");
+        let mut turns = sent[1..].to_vec();
+        let tool = turns[2]["content"].as_str().unwrap().to_string();
+        assert!(
+            tool.starts_with("<untrusted-data id=\"")
+                && tool.contains(&format!("kind=\"tool_message\" source=\"{call_id}\">\nsunny\n</untrusted-data")),
+            "{tool}"
+        );
+        turns[2]["content"] = json!("sunny");
+        turns
+    };
     let (status, v) = turn(&gw, DEMO_KEY, None, &id, user_msg("thanks")).await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(fake.last_request().unwrap()["messages"], want);
+    assert_eq!(Value::Array(sent_turns(&fake.last_request().unwrap()["messages"])), want);
     gw.stop().await;
 
     // The same history after a restart, read back from the file.
@@ -472,8 +489,8 @@ async fn a_turn_ending_in_tool_calls_keeps_the_calls_and_the_next_tool_result() 
     gw.wait_ready().await;
     let (status, v) = turn(&gw, DEMO_KEY, None, &id, user_msg("thanks")).await;
     assert_eq!(status, 200, "{v}");
-    let sent = fake.last_request().unwrap()["messages"].clone();
-    assert_eq!(sent.as_array().unwrap()[..4], want.as_array().unwrap()[..4], "{sent}");
+    let sent = sent_turns(&fake.last_request().unwrap()["messages"]);
+    assert_eq!(sent[..4], want.as_array().unwrap()[..4]);
     gw.stop().await;
 }
 
@@ -580,7 +597,7 @@ async fn summary_tasks(gw: &TestGateway) -> Vec<(String, String, String)> {
     let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
     let mut st = conn
         .prepare(
-            "SELECT request_id, priority, state FROM tasks WHERE request_id LIKE 'summary-%' ORDER BY created_at_ms",
+            "SELECT request_id, priority, state FROM tasks WHERE request_id LIKE 'summary/%' ORDER BY created_at_ms",
         )
         .unwrap();
     st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect()
@@ -792,4 +809,125 @@ async fn a_turn_requeued_after_a_restart_is_appended_when_it_ends() {
 
 async fn turn_of(gw: &TestGateway, id: &str, text: &str) -> (u16, Value) {
     turn(gw, DEMO_KEY, None, id, user_msg(text)).await
+}
+
+/// The summary tasks (P4) in the task store once all have ended:
+/// (request id, user id, state).
+async fn ended_summary_tasks(gw: &TestGateway, n: usize) -> Vec<(String, Option<String>, String)> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        gw.store().flush().await;
+        let conn = rusqlite::Connection::open(gw.db_path()).unwrap();
+        let mut st = conn
+            .prepare("SELECT request_id, user_id, state FROM tasks WHERE priority = 'P4' ORDER BY created_at_ms")
+            .unwrap();
+        let t: Vec<(String, Option<String>, String)> =
+            st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect();
+        let ended = t
+            .iter()
+            .filter(|(_, _, s)| matches!(s.as_str(), "SUCCEEDED" | "FAILED" | "TIMED_OUT" | "REJECTED" | "CANCELLED"))
+            .count();
+        if ended >= n || tokio::time::Instant::now() > deadline {
+            return t;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Review 14 L8: a summary runs under the platform's own user, not the
+/// caller's, so it never spends the user's limits (here a token rate the
+/// user's two turns nearly use up, which the summary would pass); its
+/// request id names its session and version and is unique, in a form no
+/// client request id can take (admission refuses it), so it never
+/// collides with one.
+#[tokio::test]
+async fn a_summary_spends_no_user_limit_and_its_request_id_is_its_own() {
+    let fake = FakeEngine::start().await;
+    let edit = edit(SUMMARIES, true);
+    let edit = move |t: String| {
+        edit(t).replace("[applications.demo]\n", "[applications.demo]\nuser_tokens_per_minute = 1100\n")
+    };
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", edit).await;
+    gw.wait_ready().await;
+    let id = create(&gw, DEMO_KEY, Some("alice"), json!({})).await;
+    for i in 1..=2 {
+        let (status, v) = turn(&gw, DEMO_KEY, Some("alice"), &id, long_question(i)).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let tasks = ended_summary_tasks(&gw, 1).await;
+    assert_eq!(tasks.len(), 1, "{tasks:?}");
+    let (request_id, user, state) = &tasks[0];
+    assert_eq!(state, "SUCCEEDED", "{tasks:?}");
+    assert_eq!(user.as_deref(), Some("edgeway:summary"), "{tasks:?}");
+    assert!(request_id.starts_with(&format!("summary/{id}/v1/")), "{request_id}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let v = loop {
+        let (_, v) = get(&gw, DEMO_KEY, Some("alice"), &id).await;
+        if v["summary_version"] == 1 || tokio::time::Instant::now() > deadline {
+            break v;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(v["summary_version"], 1, "{v}");
+
+    // No client may take that request id.
+    let body = json!({"model": "general-chat", "request_id": request_id, "messages": user_msg("hi")});
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 400);
+    gw.stop().await;
+}
+
+/// Isolation of summaries (issue 12 "## Tests"): two users of one
+/// application and a user of another tenant, each with a session whose
+/// older turns are summarised; each summary is made from its own
+/// session's turns only, and a later turn's prompt holds nothing of
+/// another's session, turns or summary. (Not a regression: this held
+/// before; kept so that it stays so.)
+#[tokio::test]
+async fn summaries_do_not_cross_users_or_tenants() {
+    let (fake, gw) = gateway(SUMMARIES, true).await;
+    let q =
+        |who: &str, i: usize| user_msg(&format!("{who}-marker question {i}: {}", "pump pressure reading ".repeat(32)));
+    let callers = [("alice", DEMO_KEY), ("bob", DEMO_KEY), ("carol", OTHER_KEY)];
+    let mut ids = Vec::new();
+    for (who, key) in callers {
+        let id = create(&gw, key, Some(who), json!({})).await;
+        for i in 1..=2 {
+            let (status, v) = turn(&gw, key, Some(who), &id, q(who, i)).await;
+            assert_eq!(status, 200, "{who}: {v}");
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, v) = get(&gw, key, Some(who), &id).await;
+            if v["summary_version"] == 1 {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{who}: no summary: {v}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        ids.push(id);
+    }
+    let prompts = summary_prompts(&fake);
+    assert_eq!(prompts.len(), 3, "{prompts:?}");
+    for (p, (who, _)) in prompts.iter().zip(callers) {
+        let others: Vec<&str> = callers.iter().map(|c| c.0).filter(|w| *w != who).collect();
+        assert!(p.contains(&format!("{who}-marker")), "{who}: {p}");
+        assert!(others.iter().all(|o| !p.contains(&format!("{o}-marker"))), "{who}: {p}");
+    }
+    // A third turn each: its prompt holds its own summary and turns only.
+    for ((who, key), id) in callers.iter().zip(&ids) {
+        let (status, v) = turn(&gw, key, Some(who), id, q(who, 3)).await;
+        assert_eq!(status, 200, "{who}: {v}");
+        let sent = fake.last_request().unwrap()["messages"].to_string();
+        assert!(sent.contains(&format!("{who}-marker")), "{who}: {sent}");
+        for (o, _) in callers.iter().filter(|c| c.0 != *who) {
+            assert!(!sent.contains(&format!("{o}-marker")), "{who} sees {o}: {sent}");
+        }
+        // Nobody else reads it.
+        for (o, okey) in callers.iter().filter(|c| c.0 != *who) {
+            let (status, _) = get(&gw, okey, Some(o), id).await;
+            assert_eq!(status, 404, "{o} reads {who}'s session");
+        }
+    }
+    gw.stop().await;
 }

@@ -199,6 +199,11 @@ impl State {
 struct Session {
     id: String,
     owner: Owner,
+    /// The secret its prompts' fence id is derived from
+    /// (`super::fence::session_fence_id`). Kept in memory only: a session
+    /// read back after a restart gets a new one (one turn without the
+    /// engine's cached prompt head, no secret in the database).
+    fence_secret: String,
     /// Held by the turn in progress: turns of one session run one at a time.
     turn: Arc<tokio::sync::Mutex<()>>,
     state: Mutex<State>,
@@ -374,6 +379,7 @@ impl Sessions {
         let session = Session {
             id: format!("sess_{}", uuid::Uuid::now_v7().simple()),
             owner,
+            fence_secret: super::fence::new_fence_secret(),
             turn: Default::default(),
             state: Mutex::new(State {
                 created_ms: now,
@@ -727,6 +733,7 @@ fn from_stored(s: StoredSession) -> Session {
     Session {
         id: r.session_id,
         owner: Owner { tenant: r.tenant, application: r.application, user_id: r.user_id },
+        fence_secret: super::fence::new_fence_secret(),
         turn: Default::default(),
         state: Mutex::new(State {
             created_ms: r.created_at_ms,
@@ -767,6 +774,11 @@ impl TurnLease {
     /// The session's history, oldest first, for the assembly.
     pub fn history(&self) -> Vec<HistoryMessage> {
         self.session.state.lock().expect("session state").history.clone()
+    }
+
+    /// The fence id of the session's prompts, the same every turn.
+    pub fn fence_id(&self) -> String {
+        super::fence::session_fence_id(&self.session.fence_secret)
     }
 
     /// The session's summary of its oldest messages (`covers` of them),

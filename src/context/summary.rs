@@ -37,6 +37,13 @@ pub const SUMMARY_INSTRUCTION: &str = "You write the running summary of a conver
      without its older messages. Keep the facts, names, numbers, decisions and open questions; leave out \
      greetings and repetition. Answer with the summary only, in the conversation's language.";
 
+/// The user a summary task runs as (review 14 L8): the platform's own, so
+/// that it spends none of the caller's per-user limits (running, queued,
+/// token rate) and a user's next turn never waits behind their own
+/// summary. It still runs in the caller's tenant and application (their
+/// records, their application's limits).
+pub const SUMMARY_USER: &str = "edgeway:summary";
+
 /// A session's summary of its oldest messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionSummary {
@@ -219,7 +226,11 @@ impl Summarizer {
 
 /// The summary task: the turn's caller, the summary model, its priority
 /// (never more urgent than the caller may use), output budget and
-/// deadline, no session (it is not a turn) and no idempotency key. It
+/// deadline, no session (it is not a turn) and no idempotency key, as the
+/// platform's user ([`SUMMARY_USER`]). Its request id,
+/// `summary/{session}/v{version}/{task id}`, names its session and is
+/// unique (a retried version gets its own); admission refuses `/` in a
+/// client's request id, so none can collide with it (review 14 L8). It
 /// never leaves the box (`local_only`): it reads older turns, which may
 /// have been sent under a stricter data class than the turn that made
 /// the summary due (review 14 M6).
@@ -234,7 +245,8 @@ fn request(
     let mut req = turn;
     let limit = cfg.deadline;
     req.task_id = crate::task::new_task_id();
-    req.request_id = format!("summary-{session_id}-v{version}");
+    req.request_id = format!("summary/{session_id}/v{version}/{}", req.task_id);
+    req.identity.user_id = Some(SUMMARY_USER.to_string());
     // In the turn's trace, as a span of its own under the turn's.
     req.parent_span_id = Some(std::mem::replace(&mut req.span_id, crate::telemetry::trace::new_span_id()));
     req.logical_model = cfg.model.clone();
@@ -324,6 +336,8 @@ mod tests {
         turn.session_id = Some("s".into());
         let req = request(&cfg, 512, turn, vec![], "s", 1);
         assert!(req.routing.local_only, "a summary reads older turns of any class");
-        assert_eq!((req.session_id, req.request_id.as_str()), (None, "summary-s-v1"));
+        assert_eq!(req.session_id, None);
+        assert_eq!(req.request_id, format!("summary/s/v1/{}", req.task_id));
+        assert_eq!(req.identity.user_id.as_deref(), Some(SUMMARY_USER));
     }
 }

@@ -101,11 +101,22 @@ pub struct Call {
     ingress: Ingress,
     request_id_hint: Option<String>,
     traceparent: Option<String>,
+    /// Earlier messages of the conversation the client holds by id (a
+    /// Responses `previous_response_id` chain): history for the assembly.
+    history: Vec<crate::task::ChatMessage>,
 }
 
 impl Call {
     pub fn body(&self) -> &ChatRequestBody {
         &self.body
+    }
+
+    /// The conversation's earlier messages, oldest first: they enter the
+    /// prompt as a session's turns do, through the assembly's ladder
+    /// (trimmed, not refused, when they outgrow the window).
+    pub fn with_history(mut self, history: Vec<crate::task::ChatMessage>) -> Call {
+        self.history = history;
+        self
     }
 
     /// For an ingress that derives fields (MQTT: the idempotency key from
@@ -367,7 +378,14 @@ impl Gateway {
         if body.idempotency_key.is_none() {
             body.idempotency_key = opts.idempotency_key;
         }
-        Ok(Call { identity, body, ingress, request_id_hint: opts.request_id_hint, traceparent: opts.traceparent })
+        Ok(Call {
+            identity,
+            body,
+            ingress,
+            request_id_hint: opts.request_id_hint,
+            traceparent: opts.traceparent,
+            history: Vec::new(),
+        })
     }
 
     /// [`Gateway::prepare`] for a body of another shape than chat (a legacy
@@ -389,8 +407,14 @@ impl Gateway {
         if body.idempotency_key.is_none() {
             body.idempotency_key = opts.idempotency_key;
         }
-        let call =
-            Call { identity, body, ingress, request_id_hint: opts.request_id_hint, traceparent: opts.traceparent };
+        let call = Call {
+            identity,
+            body,
+            ingress,
+            request_id_hint: opts.request_id_hint,
+            traceparent: opts.traceparent,
+            history: Vec::new(),
+        };
         Ok((call, extra))
     }
 
@@ -436,7 +460,7 @@ impl Gateway {
         trace_id: String,
         parent_span_id: Option<String>,
     ) -> Result<TaskStream, GatewayError> {
-        let Call { identity, mut body, ingress, request_id_hint, traceparent: _ } = call;
+        let Call { identity, mut body, ingress, request_id_hint, traceparent: _, history } = call;
         tracing::info!(
             stage = "access",
             ingress = ingress.as_str(),
@@ -486,6 +510,14 @@ impl Gateway {
             h.update(serde_json::to_vec(edge).unwrap_or_default());
             req.prompt_sha256 = hex::encode(h.finalize());
         }
+        // So is the conversation it continues.
+        if !history.is_empty() {
+            let mut h = Sha256::new();
+            h.update(req.prompt_sha256.as_bytes());
+            h.update(b"history");
+            h.update(serde_json::to_vec(&history).unwrap_or_default());
+            req.prompt_sha256 = hex::encode(h.finalize());
+        }
         let retry_of = match self.known_repeat(&req).await {
             Ok(Repeat::Join(stream)) => return Ok(stream),
             Ok(Repeat::Run { retry_of }) => retry_of,
@@ -497,7 +529,7 @@ impl Gateway {
         // A session turn begins here, after a repeat has joined its task
         // (a repeat is not a new turn) and before the task is recorded, so
         // that its record holds the prompt as assembled.
-        let turn = self.begin_turn(&mut req, context).await.map_err(refuse)?;
+        let turn = self.begin_turn(&mut req, context, history).await.map_err(refuse)?;
         match &req.context {
             Some(c) => tracing::info!(
                 stage = "context",

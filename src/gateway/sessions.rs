@@ -4,7 +4,8 @@
 //! (the user's message and the answer are appended).
 //!
 //! Every chat call whose prompt gets more than its own messages (configured
-//! rules, a session, `edge.context`) is assembled here, session or not.
+//! rules, a session, `edge.context`, the earlier messages of a Responses
+//! `previous_response_id` chain) is assembled here, session or not.
 //!
 //! Owns: reading the API's JSON bodies, gathering what the assembly needs
 //! (configuration, the session's turns and memory, the request's
@@ -16,7 +17,9 @@ use sha2::{Digest, Sha256};
 use crate::context::assembly::{self, Inputs, Piece, Rules, SummaryRef};
 use crate::context::fence::SecretFilter;
 use crate::context::inputs::{ContextRequest, MemoryQuery, Passage};
-use crate::context::sessions::{CreateSession, MemoryEntry, MemoryWrite, Owner, SessionView, TurnLease};
+use crate::context::sessions::{
+    CreateSession, HistoryMessage, MemoryEntry, MemoryWrite, Owner, SessionView, TurnLease,
+};
 use crate::error::GatewayError;
 use crate::task::{ChatMessage, FallbackStep, Identity, Operation, TaskEvent, TaskRequest, TaskState};
 
@@ -102,13 +105,15 @@ impl Gateway {
 
     /// Assembles the prompt of an admitted chat call
     /// ([`assembly::assemble`]: configured rules, the session's turns and
-    /// memory, the request's `edge.context`), beginning its session turn
-    /// when it names a session. A call with nothing to add keeps its
-    /// messages and skips the assembly.
+    /// memory, the request's `edge.context`, the `chain` of earlier
+    /// messages a call continues), beginning its session turn when it names
+    /// a session. A call with nothing to add keeps its messages and skips
+    /// the assembly.
     pub(super) async fn begin_turn(
         &self,
         req: &mut TaskRequest,
         context: Option<ContextRequest>,
+        chain: Vec<ChatMessage>,
     ) -> Result<Option<Turn>, GatewayError> {
         if req.operation != Operation::Chat {
             if req.session_id.is_some() {
@@ -123,8 +128,13 @@ impl Gateway {
         let app = cfg.applications.get(&req.identity.application);
         let configured = cfg.context.safety_rules.is_some()
             || app.is_some_and(|a| a.system_prompt.is_some() || a.output_constraints.is_some());
-        if req.session_id.is_none() && context.is_none() && !configured {
+        if req.session_id.is_none() && context.is_none() && !configured && chain.is_empty() {
             return Ok(None);
+        }
+        if req.session_id.is_some() && !chain.is_empty() {
+            return Err(GatewayError::invalid(
+                "'session_id' and 'previous_response_id' cannot be used together: each names the conversation",
+            ));
         }
         let context = context.unwrap_or_default();
         let memory = context.memory.clone().unwrap_or_default();
@@ -137,7 +147,14 @@ impl Gateway {
             None if !(memory.keys.is_empty() && memory.tags.is_empty()) => {
                 return Err(GatewayError::invalid("'edge.context.memory' needs a 'session_id'"));
             }
-            None => (None, Vec::new(), Vec::new()),
+            // A chain's earlier messages are its history, as a session's.
+            None => {
+                let history = chain
+                    .into_iter()
+                    .map(|message| HistoryMessage { tokens: crate::context::estimate_message(&message), message })
+                    .collect();
+                (None, history, Vec::new())
+            }
         };
         let Some(model) = cfg.models.get(&req.logical_model) else { return Ok(turn) };
         let piece = |p: Passage| Piece {
@@ -172,7 +189,9 @@ impl Gateway {
         };
         let session = req.session_id.clone();
         let summary = summary.as_ref().map(|s| SummaryRef { text: &s.text, covers: s.covers });
-        let inputs = Inputs { history: &history, session: session.as_deref(), summary, knowledge, tool_results };
+        let fence_id = turn.as_ref().map(|t| t.lease.fence_id());
+        let inputs =
+            Inputs { history: &history, session: session.as_deref(), summary, fence_id, knowledge, tool_results };
         let plan = assembly::assemble(req, inputs, &rules)?;
         // The digest of the prompt as sent, beside the caller's own
         // (`prompt_sha256`, which idempotency judges repeats on).

@@ -27,9 +27,13 @@
 //! ("no such previous response"), as `GET /v1/responses/{id}` answers it;
 //! so is another user's (the credential's user, else `metadata.user_id`
 //! or `user`, as for sessions). A chain reads like a session whose history
-//! the client holds by id: its conversation goes into the prompt through
-//! the same admission and context checks as any call; it is not a
-//! `/v1/sessions` session (no turn lock, no summary).
+//! the client holds by id: the request's own messages go through
+//! admission as any call's, and the chain's earlier messages enter the
+//! prompt as a session's turns do, through the assembly's ladder (the
+//! oldest left out, recorded in `edge.context`, when they outgrow the
+//! model's window: trimmed, not refused); it is not a `/v1/sessions`
+//! session (no turn lock, no summary), and a request naming both is
+//! refused.
 //!
 //! The conversation is written to the store only where the data policy
 //! lets it keep prompts (`[store] store_prompts`); otherwise, a Response
@@ -309,9 +313,10 @@ pub async fn create(
     // Who is calling comes before what the body says, as for chat.
     let identity = gw.authenticate(cred.as_deref()).map_err(|e| gw.refused(Ingress::Http, e))?;
     let (mut chat, stream, echo) = to_chat(&body).map_err(|e| gw.refused(Ingress::Http, e))?;
-    let conversation = continue_from(&gw, &identity, &mut chat, &echo).await?;
+    let (conversation, chain) = continue_from(&gw, &identity, &mut chat, &echo).await?;
     let chat = serde_json::to_vec(&chat).map_err(|e| GatewayError::internal(e.to_string()))?;
     let call = gw.prepare(Caller::Identity(identity), &chat, Ingress::Http, submit_options(&headers))?;
+    let call = call.with_history(chain);
     let model = call.body().model.clone();
     let store = echo.store.unwrap_or(gw.config().store.store_prompts);
     let task = gw.submit_call(call).await?;
@@ -363,17 +368,17 @@ fn caller_user(who: &crate::task::Identity, chat: &Value) -> Option<String> {
     })
 }
 
-/// Puts the conversation of the Response that `previous_response_id`
-/// names (its input chain, then its output) before the request's own
-/// input, after the request's `instructions`; returns the conversation
-/// this request answers (without its instructions), as it is kept with
-/// its Response.
+/// Reads the conversation of the Response that `previous_response_id`
+/// names (its input chain, then its output); returns the conversation
+/// this request answers (without its instructions, the request's input
+/// after the chain), as it is kept with its Response, and the chain's
+/// messages, the call's history (`chat` keeps only the request's own).
 async fn continue_from(
     gw: &Gateway,
     who: &crate::task::Identity,
     chat: &mut Value,
     echo: &Echo,
-) -> Result<String, ApiError> {
+) -> Result<(String, Vec<crate::task::ChatMessage>), ApiError> {
     let mut conversation: Vec<Value> = Vec::new();
     if let Some(prev) = &echo.previous_response_id {
         let task_id = task_id(prev).map_err(|_| ApiError::NotFound(NO_SUCH_PREVIOUS))?;
@@ -396,9 +401,11 @@ async fn continue_from(
                 .map_err(|e| GatewayError::internal(format!("a stored response's output: {}", e.message)))?;
         }
     }
-    let messages = chat["messages"].as_array_mut().expect("to_chat sets messages");
+    let chain = serde_json::from_value(Value::Array(conversation.clone()))
+        .map_err(|e| GatewayError::internal(format!("a stored conversation is unreadable: {e}")))?;
+    let messages = chat["messages"].as_array().expect("to_chat sets messages");
     let instructions = usize::from(!echo.instructions.is_null());
-    conversation.extend(messages.drain(instructions..));
+    conversation.extend(messages[instructions..].iter().cloned());
     let text = serde_json::to_string(&conversation).map_err(|e| GatewayError::internal(e.to_string()))?;
     if text.len() > MAX_CHAIN_BYTES || conversation.len() > MAX_CHAIN_MESSAGES {
         return Err(GatewayError::new(
@@ -412,8 +419,7 @@ async fn continue_from(
         )
         .into());
     }
-    messages.extend(conversation.iter().cloned());
-    Ok(text)
+    Ok((text, chain))
 }
 
 /// One function call of the answer, as it streams in.
