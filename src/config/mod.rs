@@ -562,6 +562,10 @@ pub struct EngineConfig {
     /// next turn in the slot that served its last one when it is free
     /// (`crate::scheduler::affinity`).
     pub slot_affinity: bool,
+    /// llama-server only: prompt assembly counts tokens with the engine's
+    /// own tokenizer (`/tokenize`, `/apply-template`), cached per text
+    /// (`crate::context::tokens`), instead of the estimate.
+    pub tokenize: bool,
     pub memory_budget_bytes: Option<u64>,
     /// No other client uses the engine (enables the cancel grace check).
     pub exclusive: bool,

@@ -546,6 +546,9 @@ pub struct RawEngine {
     pub long_prompt_tokens: Option<u32>,
     /// llama-server KV-cache slot affinity (`id_slot`, `cache_prompt`).
     pub slot_affinity: bool,
+    /// llama-server: prompt assembly counts tokens with its `/tokenize`
+    /// and `/apply-template`.
+    pub tokenize: bool,
     /// Only edgeway sends work to this engine. Then an engine that reports
     /// more busy slots than edgeway runs after a cancel's grace period is
     /// taken out of dispatch; set false when other clients share it.
@@ -584,6 +587,7 @@ impl Default for RawEngine {
             max_prefill_tokens: None,
             long_prompt_tokens: None,
             slot_affinity: false,
+            tokenize: false,
             exclusive: true,
             memory_budget_mb: None,
             tools: false,

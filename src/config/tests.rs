@@ -624,3 +624,12 @@ fn slot_affinity_is_for_llama_server_only() {
         assert_eq!(e.0[0].path, "engines.llama.slot_affinity", "{args}: {e}");
     }
 }
+
+#[test]
+fn tokenize_is_for_llama_server_only() {
+    let on = MINIMAL.replace("model = \"gemma\"", "model = \"gemma\"\ntokenize = true");
+    assert!(parse(&on, &[]).unwrap().engines["llama"].tokenize);
+    assert!(!parse(MINIMAL, &[]).unwrap().engines["llama"].tokenize);
+    let e = parse(&on.replace("type = \"openai\"", "type = \"ollama\""), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "engines.llama.tokenize", "{e}");
+}

@@ -648,6 +648,9 @@ fn engine(
     if e.slot_affinity && !matches!(kind, Some(EngineKind::OpenAi)) {
         p.add(format!("{path}.slot_affinity"), "applies to llama-server (type = \"openai\") only");
     }
+    if e.tokenize && !matches!(kind, Some(EngineKind::OpenAi)) {
+        p.add(format!("{path}.tokenize"), "applies to llama-server (type = \"openai\") only");
+    }
     // Slots are numbered 0..max_concurrency: a llama-server edgeway runs
     // must have that many (`--parallel`), or an `id_slot` it does not have
     // fails the task (review 14 L1). An engine run by something else
@@ -771,6 +774,7 @@ fn engine(
         max_prefill_tokens: e.max_prefill_tokens,
         long_prompt_tokens,
         slot_affinity: e.slot_affinity,
+        tokenize: e.tokenize,
         exclusive: e.exclusive,
         memory_budget_bytes: memory_budget_bytes?,
         tools: e.tools,

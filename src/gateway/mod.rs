@@ -148,6 +148,8 @@ pub struct Gateway {
     /// Calls between the drain check and the queue (see [`Gateway::admissions_settled`]).
     admitting: Admissions,
     sessions: Arc<crate::context::sessions::Sessions>,
+    /// The engines' tokenizers and their per-text caches, for assembly.
+    tokenizers: crate::context::tokens::Tokenizers,
 }
 
 /// Counts the calls in [`Gateway::submit_call`], so that a drain can wait
@@ -222,6 +224,7 @@ impl Gateway {
             ingress_faults: Default::default(),
             admitting: Admissions::default(),
             sessions,
+            tokenizers: crate::context::tokens::Tokenizers::new(),
         }
     }
 

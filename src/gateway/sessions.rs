@@ -13,7 +13,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::context::assembly::{self, Inputs, Piece, Rules, SummaryRef};
+use crate::context::assembly::{Inputs, Piece, Rules, SummaryRef};
 use crate::context::fence::SecretFilter;
 use crate::context::inputs::{ContextRequest, MemoryQuery, Passage};
 use crate::context::sessions::{CreateSession, MemoryEntry, MemoryWrite, Owner, SessionView, TurnLease};
@@ -169,11 +169,13 @@ impl Gateway {
             context_tokens: model.context_tokens,
             budget: model.context_budget,
             filter: filter.as_deref(),
+            ..Default::default()
         };
         let session = req.session_id.clone();
         let summary = summary.as_ref().map(|s| SummaryRef { text: &s.text, covers: s.covers });
         let inputs = Inputs { history: &history, session: session.as_deref(), summary, knowledge, tool_results };
-        let plan = assembly::assemble(req, inputs, &rules)?;
+        // Counted by the model's own tokenizer where it has one.
+        let plan = self.tokenizers.assemble(&cfg, req, inputs, &rules).await?;
         // The digest of the prompt as sent, beside the caller's own
         // (`prompt_sha256`, which idempotency judges repeats on).
         let sent = hex::encode(Sha256::digest(serde_json::to_vec(&req.messages).unwrap_or_default()));
