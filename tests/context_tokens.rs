@@ -114,3 +114,80 @@ async fn a_slow_tokenizer_does_not_hold_the_call_past_its_deadline() {
     assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
     gw.stop().await;
 }
+
+/// `general-chat` with a 512-token window naming `big-chat` (8192 tokens)
+/// as its larger-window model, served by instance `far` (an edge node:
+/// sensitive data at most) on the same fake engine.
+async fn two_windows() -> (FakeEngine, TestGateway) {
+    let fake = FakeEngine::start().await;
+    let extra = "larger_window_model = \"big-chat\"\n\n[models.big-chat]\ninstances = [\"far\"]\ncontext_tokens = 8192\nmax_output_tokens = 256\n";
+    let url = fake.url();
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", extra, move |t| {
+        let far = format!(
+            "[engines.far]\ntype = \"openai\"\nbase_url = \"{url}\"\nmodel = \"fake-model\"\nmax_concurrency = 2\n\
+             health_interval_ms = 100\nlocation = \"edge-node\"\n\n[models.general-chat]"
+        );
+        t.replace("context_tokens = 2048", "context_tokens = 512").replace("[models.general-chat]", &far)
+    })
+    .await;
+    gw.wait_ready().await;
+    (fake, gw)
+}
+
+/// A session whose first turn is a pinned question of about 450 tokens:
+/// it fits 512 alone, but the next question does not fit beside it.
+async fn pinned_session(gw: &TestGateway, routing: &Value) -> String {
+    let id = session(gw).await;
+    let body = json!({"model": "general-chat", "session_id": id, "max_tokens": 20, "routing": routing,
+                      "messages": [{"role": "user", "content": "p ".repeat(775), "pinned": true}]});
+    let resp = post_chat(gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 200, "{:?}", resp.text().await);
+    id
+}
+
+fn second_turn(id: &str, routing: &Value) -> Value {
+    json!({"model": "general-chat", "session_id": id, "max_tokens": 20, "routing": routing,
+           "messages": [{"role": "user", "content": "and now, what about the second pump in the east hall?"}]})
+}
+
+#[tokio::test]
+async fn a_prompt_too_large_after_trimming_goes_to_the_larger_window_model() {
+    let (fake, gw) = two_windows().await;
+    let routing = json!({});
+    let id = pinned_session(&gw, &routing).await;
+    let resp = post_chat(&gw, DEMO_KEY, &second_turn(&id, &routing)).await;
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    let ctx = &v["edge"]["context"];
+    let steps = ctx["steps"].as_array().unwrap();
+    assert!(
+        steps[0].as_str().unwrap().starts_with(
+            "switched to model 'big-chat' (8192 tokens): the prompt does not fit 'general-chat' (512 tokens)"
+        ),
+        "{ctx}"
+    );
+    assert_eq!(ctx["budget"]["window"], 8192, "{ctx}");
+    assert_eq!(v["edge"]["logical_model"], "big-chat", "the result names the model used: {v}");
+    // The whole conversation went, the pinned question first.
+    let sent = fake.last_request().unwrap();
+    let messages = sent["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 3, "{sent}");
+    assert!(messages[0]["content"].as_str().unwrap().starts_with("p p p"));
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn the_switch_never_takes_data_where_its_class_may_not_go() {
+    let (fake, gw) = two_windows().await;
+    // Secret data: `far`, an edge node, may not have it.
+    let routing = json!({"local_only": true});
+    let id = pinned_session(&gw, &routing).await;
+    let before = fake.requests();
+    let resp = post_chat(&gw, DEMO_KEY, &second_turn(&id, &routing)).await;
+    assert_eq!(resp.status(), 413);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(error_code(&v), "CONTEXT_TOO_LARGE", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("'general-chat'"), "{v}");
+    assert_eq!(fake.requests(), before);
+    gw.stop().await;
+}

@@ -597,6 +597,11 @@ pub struct ModelConfig {
     pub context_budget: ContextBudget,
     /// Smaller logical models that may answer instead, in order.
     pub fallback_models: Vec<String>,
+    /// A chat model with a larger window that takes a call whose prompt
+    /// does not fit this one's after the trimming ladder (issue 12), where
+    /// the call's data class may go to one of its instances
+    /// (`crate::context::window`).
+    pub larger_window_model: Option<String>,
     /// The answer given when no engine step can take a request.
     pub canned_answer: Option<String>,
     /// Chat (and completions) or embeddings.

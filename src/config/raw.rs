@@ -627,6 +627,9 @@ pub struct RawModel {
     /// local instances), in order, when the request or its application
     /// allows a smaller model.
     pub fallback_models: Vec<String>,
+    /// A chat model with a larger window that takes a prompt this one's
+    /// window cannot hold after trimming.
+    pub larger_window_model: Option<String>,
     /// A fixed answer given when no engine step of the chain can take a
     /// request (marked degraded).
     pub canned_answer: Option<String>,
@@ -661,6 +664,7 @@ impl Default for RawModel {
             knowledge_budget_percent: 40,
             tool_results_budget_percent: 40,
             fallback_models: Vec::new(),
+            larger_window_model: None,
             canned_answer: None,
             kind: None,
             supports_dimensions: false,

@@ -807,6 +807,27 @@ fn models(
             )
         })
         .collect();
+    // The larger-window alternative (issue 12): another chat model, with a
+    // larger window, so a chain of them ends.
+    for (name, m) in &raw {
+        let Some(alt) = &m.larger_window_model else { continue };
+        let path = format!("models.{name}.larger_window_model");
+        match raw.get(alt) {
+            None => p.add(path, format!("no model named {alt:?} in [models]")),
+            Some(_) if alt == name => p.add(path, "a model cannot be its own larger-window model"),
+            Some(a) if a.context_tokens <= m.context_tokens => p.add(
+                path,
+                format!(
+                    "{alt:?} has a window of {} tokens, not larger than this model's {}",
+                    a.context_tokens, m.context_tokens
+                ),
+            ),
+            Some(_) if kinds.get(name) != Some(&ModelKind::Chat) || kinds.get(alt) != Some(&ModelKind::Chat) => {
+                p.add(path, "applies to chat models only")
+            }
+            Some(_) => {}
+        }
+    }
     raw.into_iter()
         .map(|(name, m)| {
             let model = model(&name, m, engine_names, model_names, &kinds, default_queue_capacity, p);
@@ -929,6 +950,7 @@ fn model(
             tool_results_share: f64::from(m.tool_results_budget_percent) / 100.0,
         },
         fallback_models: m.fallback_models,
+        larger_window_model: m.larger_window_model,
         canned_answer: m.canned_answer,
         kind: kind?,
         supports_dimensions: m.supports_dimensions,

@@ -46,8 +46,9 @@
 //!
 //! Does not own: making summaries (`super::summary`, passed in here as a
 //! [`SummaryRef`]), where fenced text is filtered (`super::fence`), or
-//! switching to a model with a larger window (routing has no such step:
-//! fallback models are smaller ones).
+//! switching to a model with a larger window (the gateway assembles again
+//! for it when `CONTEXT_TOO_LARGE` comes out of here and
+//! `super::window` allows it).
 
 use serde::Serialize;
 use serde_json::Value;
@@ -689,7 +690,7 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
             steps.push("dropped the last knowledge passage".to_string());
         }
     }
-    // 6. A model with a larger window: routing has no such step.
+    // 6. A model with a larger window: the caller's (`super::window`).
     let overflow = over(&knowledge);
     if overflow > 0 {
         let pinned_tokens = sum(&keep);

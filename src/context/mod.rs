@@ -5,7 +5,8 @@
 //! its `edge.context` (`inputs.rs`) in a token budget (`assembly.rs`), with
 //! untrusted content fenced and filtered (`fence.rs`), the summaries of
 //! a session's older turns (`summary.rs`), and exact counts from the
-//! engine's tokenizer, cached per text (`tokens.rs`).
+//! engine's tokenizer, cached per text (`tokens.rs`), and whether a call
+//! may go to a model with a larger window (`window.rs`).
 //!
 //! Owns: token estimates, the fit decision, sessions and assembly. Does
 //! not own: admission of the call (`crate::admission`) or when a turn
@@ -18,6 +19,7 @@ pub mod redact;
 pub mod sessions;
 pub mod summary;
 pub mod tokens;
+pub mod window;
 
 use crate::task::ChatMessage;
 

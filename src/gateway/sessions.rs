@@ -17,7 +17,7 @@ use crate::context::assembly::{Inputs, Piece, Rules, SummaryRef};
 use crate::context::fence::SecretFilter;
 use crate::context::inputs::{ContextRequest, MemoryQuery, Passage};
 use crate::context::sessions::{CreateSession, MemoryEntry, MemoryWrite, Owner, SessionView, TurnLease};
-use crate::error::GatewayError;
+use crate::error::{ErrorCode, GatewayError};
 use crate::task::{ChatMessage, FallbackStep, Identity, Operation, TaskEvent, TaskRequest, TaskState};
 
 use super::Gateway;
@@ -174,8 +174,29 @@ impl Gateway {
         let session = req.session_id.clone();
         let summary = summary.as_ref().map(|s| SummaryRef { text: &s.text, covers: s.covers });
         let inputs = Inputs { history: &history, session: session.as_deref(), summary, knowledge, tool_results };
-        // Counted by the model's own tokenizer where it has one.
-        let plan = self.tokenizers.assemble(&cfg, req, inputs, &rules).await?;
+        // Counted by the model's own tokenizer where it has one. A prompt
+        // that does not fit after trimming goes to the model's larger-window
+        // alternative where the policy lets it (`crate::context::window`).
+        let mut rules = rules;
+        let mut switched = Vec::new();
+        let mut plan = loop {
+            let before = (req.max_output_tokens, req.degrade_reason.clone());
+            match self.tokenizers.assemble(&cfg, req, inputs.clone(), &rules).await {
+                Err(e) if e.code == ErrorCode::ContextTooLarge => {
+                    let Some(alt) = crate::context::window::larger_model(&cfg, req) else { return Err(e) };
+                    switched.push(format!(
+                        "switched to model '{}' ({} tokens): the prompt does not fit '{}' ({} tokens) after trimming",
+                        alt.name, alt.context_tokens, req.logical_model, rules.context_tokens
+                    ));
+                    (req.max_output_tokens, req.degrade_reason) = before;
+                    req.max_output_tokens = req.max_output_tokens.min(alt.max_output_tokens);
+                    req.logical_model = alt.name.clone();
+                    rules = Rules { context_tokens: alt.context_tokens, budget: alt.context_budget, ..rules };
+                }
+                r => break r?,
+            }
+        };
+        plan.steps.splice(0..0, switched);
         // The digest of the prompt as sent, beside the caller's own
         // (`prompt_sha256`, which idempotency judges repeats on).
         let sent = hex::encode(Sha256::digest(serde_json::to_vec(&req.messages).unwrap_or_default()));
