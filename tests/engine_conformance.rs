@@ -59,6 +59,7 @@ fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig
         max_prefill_tokens: None,
         long_prompt_tokens: 0,
         slot_affinity: false,
+        tokenize: false,
         memory_budget_bytes: None,
         exclusive: true,
         process: None,

@@ -584,6 +584,10 @@ pub struct EngineConfig {
     /// next turn in the slot that served its last one when it is free
     /// (`crate::scheduler::affinity`).
     pub slot_affinity: bool,
+    /// llama-server only: prompt assembly counts tokens with the engine's
+    /// own tokenizer (`/tokenize`, `/apply-template`), cached per text
+    /// (`crate::context::tokens`), instead of the estimate.
+    pub tokenize: bool,
     pub memory_budget_bytes: Option<u64>,
     /// No other client uses the engine (enables the cancel grace check).
     pub exclusive: bool,
@@ -615,6 +619,11 @@ pub struct ModelConfig {
     pub context_budget: ContextBudget,
     /// Smaller logical models that may answer instead, in order.
     pub fallback_models: Vec<String>,
+    /// A chat model with a larger window that takes a call whose prompt
+    /// does not fit this one's after the trimming ladder (issue 12), where
+    /// the call's data class may go to one of its instances
+    /// (`crate::context::window`).
+    pub larger_window_model: Option<String>,
     /// The answer given when no engine step can take a request.
     pub canned_answer: Option<String>,
     /// Chat (and completions) or embeddings.

@@ -555,6 +555,9 @@ pub struct RawEngine {
     pub long_prompt_tokens: Option<u32>,
     /// llama-server KV-cache slot affinity (`id_slot`, `cache_prompt`).
     pub slot_affinity: bool,
+    /// llama-server: prompt assembly counts tokens with its `/tokenize`
+    /// and `/apply-template`.
+    pub tokenize: bool,
     /// Only edgeway sends work to this engine. Then an engine that reports
     /// more busy slots than edgeway runs after a cancel's grace period is
     /// taken out of dispatch; set false when other clients share it.
@@ -593,6 +596,7 @@ impl Default for RawEngine {
             max_prefill_tokens: None,
             long_prompt_tokens: None,
             slot_affinity: false,
+            tokenize: false,
             exclusive: true,
             memory_budget_mb: None,
             tools: false,
@@ -632,6 +636,9 @@ pub struct RawModel {
     /// local instances), in order, when the request or its application
     /// allows a smaller model.
     pub fallback_models: Vec<String>,
+    /// A chat model with a larger window that takes a prompt this one's
+    /// window cannot hold after trimming.
+    pub larger_window_model: Option<String>,
     /// A fixed answer given when no engine step of the chain can take a
     /// request (marked degraded).
     pub canned_answer: Option<String>,
@@ -666,6 +673,7 @@ impl Default for RawModel {
             knowledge_budget_percent: 40,
             tool_results_budget_percent: 40,
             fallback_models: Vec::new(),
+            larger_window_model: None,
             canned_answer: None,
             kind: None,
             supports_dimensions: false,

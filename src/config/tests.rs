@@ -624,3 +624,36 @@ fn slot_affinity_is_for_llama_server_only() {
         assert_eq!(e.0[0].path, "engines.llama.slot_affinity", "{args}: {e}");
     }
 }
+
+#[test]
+fn tokenize_is_for_llama_server_only() {
+    let on = MINIMAL.replace("model = \"gemma\"", "model = \"gemma\"\ntokenize = true");
+    assert!(parse(&on, &[]).unwrap().engines["llama"].tokenize);
+    assert!(!parse(MINIMAL, &[]).unwrap().engines["llama"].tokenize);
+    let e = parse(&on.replace("type = \"openai\"", "type = \"ollama\""), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "engines.llama.tokenize", "{e}");
+}
+
+#[test]
+fn a_larger_window_model_exists_is_a_chat_model_and_has_a_larger_window() {
+    let with = |alt_window: u32, extra: &str| {
+        format!(
+            "{}larger_window_model = \"big\"\n\n[models.big]\ninstances = [\"llama\"]\ncontext_tokens = {alt_window}\n{extra}",
+            MINIMAL
+        )
+    };
+    let c = parse(&with(8192, ""), &[]).unwrap();
+    assert_eq!(c.models["general-chat"].larger_window_model.as_deref(), Some("big"));
+    for (text, why) in [
+        (with(4096, ""), "not larger"),
+        (with(8192, "kind = \"embedding\"\n"), "chat models only"),
+        (
+            MINIMAL.replace("instances = [\"llama\"]", "instances = [\"llama\"]\nlarger_window_model = \"nope\""),
+            "no model named",
+        ),
+    ] {
+        let e = parse(&text, &[]).unwrap_err();
+        assert_eq!(e.0[0].path, "models.general-chat.larger_window_model", "{e}");
+        assert!(e.to_string().contains(why), "{why}: {e}");
+    }
+}

@@ -730,6 +730,9 @@ fn engine(
     if e.slot_affinity && !matches!(kind, Some(EngineKind::OpenAi)) {
         p.add(format!("{path}.slot_affinity"), "applies to llama-server (type = \"openai\") only");
     }
+    if e.tokenize && !matches!(kind, Some(EngineKind::OpenAi)) {
+        p.add(format!("{path}.tokenize"), "applies to llama-server (type = \"openai\") only");
+    }
     // Slots are numbered 0..max_concurrency: a llama-server edgeway runs
     // must have that many (`--parallel`), or an `id_slot` it does not have
     // fails the task (review 14 L1). An engine run by something else
@@ -853,6 +856,7 @@ fn engine(
         max_prefill_tokens: e.max_prefill_tokens,
         long_prompt_tokens,
         slot_affinity: e.slot_affinity,
+        tokenize: e.tokenize,
         exclusive: e.exclusive,
         memory_budget_bytes: memory_budget_bytes?,
         tools: e.tools,
@@ -885,6 +889,27 @@ fn models(
             )
         })
         .collect();
+    // The larger-window alternative (issue 12): another chat model, with a
+    // larger window, so a chain of them ends.
+    for (name, m) in &raw {
+        let Some(alt) = &m.larger_window_model else { continue };
+        let path = format!("models.{name}.larger_window_model");
+        match raw.get(alt) {
+            None => p.add(path, format!("no model named {alt:?} in [models]")),
+            Some(_) if alt == name => p.add(path, "a model cannot be its own larger-window model"),
+            Some(a) if a.context_tokens <= m.context_tokens => p.add(
+                path,
+                format!(
+                    "{alt:?} has a window of {} tokens, not larger than this model's {}",
+                    a.context_tokens, m.context_tokens
+                ),
+            ),
+            Some(_) if kinds.get(name) != Some(&ModelKind::Chat) || kinds.get(alt) != Some(&ModelKind::Chat) => {
+                p.add(path, "applies to chat models only")
+            }
+            Some(_) => {}
+        }
+    }
     raw.into_iter()
         .map(|(name, m)| {
             let model = model(&name, m, engine_names, model_names, &kinds, default_queue_capacity, p);
@@ -1007,6 +1032,7 @@ fn model(
             tool_results_share: f64::from(m.tool_results_budget_percent) / 100.0,
         },
         fallback_models: m.fallback_models,
+        larger_window_model: m.larger_window_model,
         canned_answer: m.canned_answer,
         kind: kind?,
         supports_dimensions: m.supports_dimensions,

@@ -33,8 +33,10 @@
 //! (`context_margin_percent`, 5-10 %) is the prompt budget; the output
 //! reserve (the call's output budget) comes off it, and knowledge and tool
 //! results may take at most their share of it (`knowledge_budget_percent`,
-//! `tool_results_budget_percent`). Counts are the calibrated estimate
-//! (`super::estimate_message`), reported with `exact: false`.
+//! `tool_results_budget_percent`). Counts come from the engine's tokenizer
+//! where the model has one (`super::tokens`, through [`Count`]), reported
+//! with `exact: true` when every one did; else the calibrated estimate
+//! (`super::estimate_message`), with `exact: false`.
 //!
 //! **Over budget**, in this order, each step recorded in the plan: drop
 //! duplicate knowledge passages, then the least relevant ones over the
@@ -50,8 +52,9 @@
 //!
 //! Does not own: making summaries (`super::summary`, passed in here as a
 //! [`SummaryRef`]), where fenced text is filtered (`super::fence`), or
-//! switching to a model with a larger window (routing has no such step:
-//! fallback models are smaller ones).
+//! switching to a model with a larger window (the gateway assembles again
+//! for it when `CONTEXT_TOO_LARGE` comes out of here and
+//! `super::window` allows it).
 
 use serde::Serialize;
 use serde_json::Value;
@@ -183,7 +186,8 @@ pub struct Plan {
     pub budget: Budget,
     pub steps: Vec<String>,
     pub summary_used: bool,
-    /// Counted by the engine's tokenizer (today always the estimate).
+    /// Every count came from the engine's tokenizer (`super::tokens`);
+    /// `false`: some or all are the calibrated estimate.
     pub exact: bool,
     /// History messages put into the prompt, and left out (by the summary
     /// or for lack of room).
@@ -234,7 +238,7 @@ pub struct Piece {
 }
 
 /// What the call brings beside its messages.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Inputs<'a> {
     /// The session's history, oldest first.
     pub history: &'a [HistoryMessage],
@@ -249,8 +253,20 @@ pub struct Inputs<'a> {
     pub tool_results: Vec<Piece>,
 }
 
+/// Token counts from the engine's tokenizer (`super::tokens`), for the
+/// texts it has counted.
+pub trait Count: Sync {
+    /// The tokens of `text`, when known; `None`: the assembly estimates it
+    /// and the plan is not exact.
+    fn count(&self, text: &str) -> Option<u32>;
+    /// The chat template's tokens per message.
+    fn per_message(&self) -> u32;
+    /// The chat template's tokens per prompt.
+    fn per_prompt(&self) -> u32;
+}
+
 /// What the configuration says for this call.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Clone, Copy, Default)]
 pub struct Rules<'a> {
     pub safety_rules: Option<&'a str>,
     pub system_prompt: Option<&'a str>,
@@ -259,6 +275,53 @@ pub struct Rules<'a> {
     pub budget: ContextBudget,
     /// Filters untrusted text; `None`: sent as it came (tests).
     pub filter: Option<&'a SecretFilter>,
+    /// The engine's counts; `None`: every count is the estimate.
+    pub counter: Option<&'a dyn Count>,
+    /// The fence id to use; `None`: a new one (a second pass over the
+    /// same call keeps the first one's, so its fenced blocks are the
+    /// same texts).
+    pub fence_id: Option<&'a str>,
+}
+
+/// Counts texts with the engine's counts where there are, else the
+/// estimate, remembering whether every count was the engine's.
+struct Counting<'a> {
+    counter: Option<&'a dyn Count>,
+    exact: std::cell::Cell<bool>,
+}
+
+impl Counting<'_> {
+    fn text(&self, text: &str) -> u32 {
+        match self.counter.and_then(|c| c.count(text)) {
+            Some(n) => n,
+            None => {
+                self.exact.set(false);
+                est(text)
+            }
+        }
+    }
+
+    fn per_message(&self) -> u32 {
+        self.counter.map_or(super::TOKENS_PER_MESSAGE, |c| c.per_message())
+    }
+
+    fn per_prompt(&self) -> u32 {
+        self.counter.map_or(2, |c| c.per_prompt())
+    }
+
+    /// A message: its text and the template's markers. Text parts only
+    /// (as the estimate); a message with other content or tool calls is
+    /// estimated.
+    fn message(&self, m: &ChatMessage) -> u32 {
+        let plain = matches!(m.content, Value::String(_) | Value::Array(_)) && !m.extra.contains_key("tool_calls");
+        match self.counter.filter(|_| plain).and_then(|c| c.count(&text_of(m))) {
+            Some(n) => n + self.per_message(),
+            None => {
+                self.exact.set(false);
+                super::estimate_message(m)
+            }
+        }
+    }
 }
 
 fn est(text: &str) -> u32 {
@@ -308,10 +371,10 @@ struct Fenced {
 }
 
 impl Fenced {
-    fn new(fence_id: &str, kind: &str, piece: Piece) -> Fenced {
+    fn new(fence_id: &str, kind: &str, piece: Piece, count: &Counting<'_>) -> Fenced {
         let block = fence::fenced(fence_id, kind, &piece.source, piece.relevance, &piece.text);
         // One for the blank line between blocks.
-        let tokens = est(&block) + 1;
+        let tokens = count.text(&block) + 1;
         Fenced { piece, block, tokens }
     }
 }
@@ -339,10 +402,13 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
     let request: Vec<ChatMessage> = req.messages[lead..].to_vec();
     let caller_system: Vec<String> = req.messages[..lead].iter().map(text_of).collect();
     let mut steps = Vec::new();
+    let count = Counting { counter: rules.counter, exact: std::cell::Cell::new(rules.counter.is_some()) };
 
     // Untrusted pieces, filtered before anything is counted.
+    // A session's own fence id (stable turn to turn), else the one the
+    // tokenizer's two passes share (`Rules::fence_id`), else a new one.
     let session_fence = inputs.fence_id.is_some();
-    let fence_id = inputs.fence_id.unwrap_or_else(fence::new_fence_id);
+    let fence_id = inputs.fence_id.or_else(|| rules.fence_id.map(str::to_string)).unwrap_or_else(fence::new_fence_id);
     let mut prompts: Vec<&str> = rules.system_prompt.into_iter().collect();
     prompts.extend(caller_system.iter().map(String::as_str));
     let mut filtered = 0;
@@ -355,7 +421,7 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
                     filtered += n;
                     p.text = text;
                 }
-                Fenced::new(&fence_id, kind, p)
+                Fenced::new(&fence_id, kind, p, &count)
             })
             .collect()
     };
@@ -372,7 +438,7 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
         };
         let source = format!("session:{}/summary", inputs.session.unwrap_or_default());
         let block = fence::fenced(&fence_id, "summary", &source, None, &text);
-        (est(&block) + 1, block, s.covers)
+        (count.text(&block) + 1, block, s.covers)
     });
     // Tool messages (a tool's output) of the turns and the request: fenced
     // where they stand, counted as fenced.
@@ -442,7 +508,7 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
             .collect::<Vec<_>>()
             .join("\n\n");
         let id_text = identity.clone().unwrap_or_default();
-        let (s, a, i) = (est(&safety), est(&app), est(&id_text));
+        let (s, a, i) = (count.text(&safety), count.text(&app), count.text(&id_text));
         if !safety.is_empty() {
             seg_push(
                 &mut segments,
@@ -485,9 +551,9 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
             None,
             id_text,
         );
-        super::TOKENS_PER_MESSAGE + s + a + i
+        count.per_message() + s + a + i
     } else {
-        let n: u32 = req.messages[..lead].iter().map(super::estimate_message).sum();
+        let n: u32 = req.messages[..lead].iter().map(|m| count.message(m)).sum();
         if lead > 0 {
             let text = caller_system.join("\n\n");
             seg_push(
@@ -504,11 +570,13 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
         }
         n
     };
-    let constraints = rules.output_constraints.map(|c| (est(c) + 1, c.to_string()));
+    let constraints = rules.output_constraints.map(|c| (count.text(c) + 1, c.to_string()));
     // A user message of its own when the request does not end with one.
     let own_message = (!knowledge.is_empty() || !tools.is_empty() || constraints.is_some())
         && request.last().is_none_or(|m| m.role != "user");
-    let request_tokens = super::estimate_tokens(&request) + if own_message { super::TOKENS_PER_MESSAGE } else { 0 };
+    let request_tokens = request.iter().map(|m| count.message(m)).sum::<u32>()
+        + count.per_prompt()
+        + if own_message { count.per_message() } else { 0 };
     let constraint_tokens = constraints.as_ref().map_or(0, |c| c.0);
     let fixed = system_tokens + request_tokens + constraint_tokens;
 
@@ -567,7 +635,7 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
         for f in tools.iter_mut().filter(|f| f.tokens > each) {
             let mut p = f.piece.clone();
             p.text = shorten(&p.text, each.saturating_sub(est(&f.block) - est(&f.piece.text)));
-            *f = Fenced::new(&fence_id, "tool_result", p);
+            *f = Fenced::new(&fence_id, "tool_result", p, &count);
             n += 1;
         }
         steps.push(format!("shortened {n} tool results to about {each} tokens each (head and tail kept)"));
@@ -580,7 +648,16 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
         history[from..to].iter().any(|h| h.message.extra.get("pinned").and_then(Value::as_bool) == Some(true))
     };
     let room_for_turns = prompt_max.saturating_sub(fixed + total(&knowledge) + total(&tools));
-    let sum = |keep: &[bool]| -> u32 { history.iter().zip(keep).filter(|(_, k)| **k).map(|(h, _)| h.tokens).sum() };
+    // The engine's count of each message where there is one, else the
+    // estimate kept with it.
+    let message_tokens: Vec<u32> = history
+        .iter()
+        .map(|h| match rules.counter {
+            Some(_) => count.message(&h.message),
+            None => h.tokens,
+        })
+        .collect();
+    let sum = |keep: &[bool]| -> u32 { message_tokens.iter().zip(keep).filter(|(_, k)| **k).map(|(t, _)| t).sum() };
     // Never an answer whose question is not there (before the first user
     // message), unless a summary stands before it.
     let first_user = group_starts.first().copied().unwrap_or(history.len());
@@ -646,7 +723,7 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
         if want >= overhead + MIN_SHORT_TOKENS {
             let mut p = f.piece.clone();
             p.text = shorten(&p.text, want - overhead);
-            knowledge[0] = Fenced::new(&fence_id, "knowledge", p);
+            knowledge[0] = Fenced::new(&fence_id, "knowledge", p, &count);
             steps.push("shortened the last knowledge passage (head and tail kept)".to_string());
         }
         if over(&knowledge) > 0 {
@@ -654,7 +731,7 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
             steps.push("dropped the last knowledge passage".to_string());
         }
     }
-    // 6. A model with a larger window: routing has no such step.
+    // 6. A model with a larger window: the caller's (`super::window`).
     let overflow = over(&knowledge);
     if overflow > 0 {
         let pinned_tokens = sum(&keep);
@@ -791,14 +868,19 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
         }
     }
     req.messages = messages;
-    req.input_tokens_estimate = super::estimate_tokens(&req.messages);
+    let exact = count.exact.get();
+    req.input_tokens_estimate = if exact {
+        fixed + turn_tokens + total(&knowledge) + total(&tools)
+    } else {
+        super::estimate_tokens(&req.messages)
+    };
     Ok(Plan {
         version: CONTEXT_VERSION,
         segments,
         budget,
         steps,
         summary_used: summary_used.is_some(),
-        exact: false,
+        exact,
         turns_used,
         turns_left_out: history.len() - turns_used,
     })
@@ -863,7 +945,8 @@ fn wrap(m: &mut ChatMessage, before: &str, after: Option<&str>) {
 
 /// The closed set of kinds of the assembly's steps (`ContextMeta::steps`),
 /// for `edgeway_context_trims_total{step}`.
-pub const STEP_KINDS: [&str; 9] = [
+pub const STEP_KINDS: [&str; 10] = [
+    "model_switched",
     "secrets_filtered",
     "output_reserve_reduced",
     "knowledge_deduplicated",
@@ -879,7 +962,9 @@ pub const STEP_KINDS: [&str; 9] = [
 /// writes. Kept beside the `steps.push` calls: a new step or a reworded
 /// one must be classified here too (the unit test runs every step).
 pub fn step_kind(step: &str) -> &'static str {
-    let kinds: [(&str, &str); 10] = [
+    let kinds: [(&str, &str); 11] = [
+        // Written by the gateway's larger-window switch (`crate::context::window`).
+        ("switched to model ", "model_switched"),
         ("filtered ", "secrets_filtered"),
         ("output reserve reduced", "output_reserve_reduced"),
         ("shortened the last knowledge", "knowledge_shortened"),
@@ -903,6 +988,10 @@ mod tests {
     fn every_step_the_assembly_writes_has_a_kind() {
         // One of each `steps.push` above, as it is worded.
         let steps = [
+            (
+                "switched to model 'big' (8192 tokens): the prompt does not fit 'small' (512 tokens) after trimming",
+                "model_switched",
+            ),
             ("filtered 2 secrets or foreign identifiers from untrusted content", "secrets_filtered"),
             ("output reserve reduced to 100 tokens", "output_reserve_reduced"),
             ("dropped 1 duplicate knowledge passages", "knowledge_deduplicated"),

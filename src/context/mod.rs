@@ -3,8 +3,10 @@
 //! history (`sessions.rs`, with redaction of what they keep in
 //! `redact.rs`), the assembly of a prompt from a call, its session and
 //! its `edge.context` (`inputs.rs`) in a token budget (`assembly.rs`), with
-//! untrusted content fenced and filtered (`fence.rs`), and the summaries of
-//! a session's older turns (`summary.rs`).
+//! untrusted content fenced and filtered (`fence.rs`), the summaries of
+//! a session's older turns (`summary.rs`), and exact counts from the
+//! engine's tokenizer, cached per text (`tokens.rs`), and whether a call
+//! may go to a model with a larger window (`window.rs`).
 //!
 //! Owns: token estimates, the fit decision, sessions and assembly. Does
 //! not own: admission of the call (`crate::admission`) or when a turn
@@ -16,6 +18,8 @@ pub mod inputs;
 pub mod redact;
 pub mod sessions;
 pub mod summary;
+pub mod tokens;
+pub mod window;
 
 use crate::task::ChatMessage;
 

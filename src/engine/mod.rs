@@ -219,7 +219,7 @@ pub fn build(cfg: &EngineConfig) -> Result<Arc<dyn Engine>, EngineError> {
     })
 }
 
-fn http_client(connect_timeout: Duration) -> Result<reqwest::Client, EngineError> {
+pub fn http_client(connect_timeout: Duration) -> Result<reqwest::Client, EngineError> {
     crate::tls::install_default_provider();
     reqwest::Client::builder()
         .connect_timeout(connect_timeout)

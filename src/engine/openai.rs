@@ -91,6 +91,65 @@ impl OpenAiEngine {
     }
 }
 
+/// llama-server's tokenizer (issue 12, `[engines.X] tokenize`): the
+/// number of tokens of `text` by `POST /tokenize`; `special`: with the
+/// model's special tokens added (BOS) and parsed (a templated prompt's
+/// markers), as the engine does with a prompt. Bounded by `limit`: a
+/// caller falls back to an estimate rather than wait.
+pub async fn tokenize(
+    client: &reqwest::Client,
+    cfg: &EngineConfig,
+    text: &str,
+    special: bool,
+    limit: Duration,
+) -> Result<u32, EngineError> {
+    #[derive(Deserialize)]
+    struct Tokens {
+        tokens: Vec<Value>,
+    }
+    let body = serde_json::json!({"content": text, "add_special": special, "parse_special": special});
+    let t: Tokens = post_json(client, cfg, "/tokenize", &body, limit).await?;
+    Ok(t.tokens.len() as u32)
+}
+
+/// llama-server's chat template applied to `messages` (`POST
+/// /apply-template`): the prompt text the engine would generate from, for
+/// measuring the template's own tokens.
+pub async fn apply_template(
+    client: &reqwest::Client,
+    cfg: &EngineConfig,
+    messages: &[ChatMessage],
+    limit: Duration,
+) -> Result<String, EngineError> {
+    #[derive(Deserialize)]
+    struct Prompt {
+        prompt: String,
+    }
+    let p: Prompt =
+        post_json(client, cfg, "/apply-template", &serde_json::json!({"messages": messages}), limit).await?;
+    Ok(p.prompt)
+}
+
+async fn post_json<T: serde::de::DeserializeOwned>(
+    client: &reqwest::Client,
+    cfg: &EngineConfig,
+    path: &str,
+    body: &Value,
+    limit: Duration,
+) -> Result<T, EngineError> {
+    let mut rb = client.post(format!("{}{path}", cfg.base_url)).json(body).timeout(limit);
+    if let Some(key) = &cfg.api_key {
+        rb = rb.bearer_auth(key);
+    }
+    let r = super::send(rb).await?;
+    let status = r.status();
+    if !status.is_success() {
+        let body = r.text().await.unwrap_or_default();
+        return Err(EngineError::Status { status: status.as_u16(), body: truncate(&body, 200) });
+    }
+    r.json().await.map_err(|e| EngineError::Protocol(format!("{path}: {e}")))
+}
+
 #[derive(Serialize)]
 struct WireRequest<'a> {
     model: &'a str,

@@ -172,6 +172,8 @@ pub struct Gateway {
     history: Arc<status::History>,
     /// The connected devices, once the MQTT ingress offers them.
     devices: std::sync::OnceLock<Arc<dyn status::DeviceList>>,
+    /// The engines' tokenizers and their per-text caches, for assembly.
+    tokenizers: crate::context::tokens::Tokenizers,
 }
 
 /// Counts the calls in [`Gateway::submit_call`], so that a drain can wait
@@ -252,6 +254,7 @@ impl Gateway {
             sessions,
             history,
             devices: Default::default(),
+            tokenizers: crate::context::tokens::Tokenizers::new(),
         }
     }
 

@@ -14,13 +14,13 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::context::assembly::{self, Inputs, Piece, Rules, SummaryRef};
+use crate::context::assembly::{Inputs, Piece, Rules, SummaryRef};
 use crate::context::fence::SecretFilter;
 use crate::context::inputs::{ContextRequest, MemoryQuery, Passage};
 use crate::context::sessions::{
     CreateSession, HistoryMessage, MemoryEntry, MemoryWrite, Owner, SessionView, TurnLease,
 };
-use crate::error::GatewayError;
+use crate::error::{ErrorCode, GatewayError};
 use crate::task::{ChatMessage, FallbackStep, Identity, Operation, TaskEvent, TaskRequest, TaskState};
 
 use super::Gateway;
@@ -186,18 +186,41 @@ impl Gateway {
             context_tokens: model.context_tokens,
             budget: model.context_budget,
             filter: filter.as_deref(),
+            ..Default::default()
         };
         let session = req.session_id.clone();
         let summary = summary.as_ref().map(|s| SummaryRef { text: &s.text, covers: s.covers });
         let fence_id = turn.as_ref().map(|t| t.lease.fence_id());
         let inputs =
             Inputs { history: &history, session: session.as_deref(), summary, fence_id, knowledge, tool_results };
-        let plan = assembly::assemble(req, inputs, &rules)?;
+        // Counted by the model's own tokenizer where it has one. A prompt
+        // that does not fit after trimming goes to the model's larger-window
+        // alternative where the policy lets it (`crate::context::window`).
+        let mut rules = rules;
+        let mut switched = Vec::new();
+        let mut plan = loop {
+            let before = (req.max_output_tokens, req.degrade_reason.clone());
+            match self.tokenizers.assemble(&cfg, req, inputs.clone(), &rules).await {
+                Err(e) if e.code == ErrorCode::ContextTooLarge => {
+                    let Some(alt) = crate::context::window::larger_model(&cfg, req) else { return Err(e) };
+                    switched.push(format!(
+                        "switched to model '{}' ({} tokens): the prompt does not fit '{}' ({} tokens) after trimming",
+                        alt.name, alt.context_tokens, req.logical_model, rules.context_tokens
+                    ));
+                    (req.max_output_tokens, req.degrade_reason) = before;
+                    req.max_output_tokens = req.max_output_tokens.min(alt.max_output_tokens);
+                    req.logical_model = alt.name.clone();
+                    rules = Rules { context_tokens: alt.context_tokens, budget: alt.context_budget, ..rules };
+                }
+                r => break r?,
+            }
+        };
+        plan.steps.splice(0..0, switched);
         // The digest of the prompt as sent, beside the caller's own
         // (`prompt_sha256`, which idempotency judges repeats on).
         let sent = hex::encode(Sha256::digest(serde_json::to_vec(&req.messages).unwrap_or_default()));
         for step in &plan.steps {
-            self.metrics.context_trims.with_label_values(&[assembly::step_kind(step)]).inc();
+            self.metrics.context_trims.with_label_values(&[crate::context::assembly::step_kind(step)]).inc();
         }
         req.context = Some(Box::new(plan.meta(sent)));
         tracing::debug!(

@@ -648,10 +648,10 @@ pub fn now_ms() -> i64 {
 /// Test support: a chat request of the demo application (tenant and
 /// application `demo`, P2, 60 s timeouts, 16 output tokens), for the unit
 /// tests of the layers above that need a `TaskRequest` (one builder, not
-/// one per test module).
-#[cfg(test)]
+/// one per test module), and for benchmarks (`testing` feature).
+#[cfg(any(test, feature = "testing"))]
 impl TaskRequest {
-    pub(crate) fn sample(messages: Vec<ChatMessage>) -> TaskRequest {
+    pub fn sample(messages: Vec<ChatMessage>) -> TaskRequest {
         let t = Duration::from_secs(60);
         TaskRequest {
             task_id: new_task_id(),

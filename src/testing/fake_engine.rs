@@ -85,6 +85,11 @@ pub struct Knobs {
     pub models_max: usize,
     /// Loads fail (the model's process exits: `unloaded`, `failed`).
     pub load_fails: bool,
+    /// llama-server's `/tokenize` and `/apply-template` answer with this
+    /// HTTP status instead (a tokenizer that fails).
+    pub tokenize_status: Option<u16>,
+    /// Delay before `/tokenize` and `/apply-template` answer.
+    pub tokenize_delay: Duration,
 }
 
 /// Bytes of a tool call's arguments per streamed piece.
@@ -124,6 +129,8 @@ impl Default for Knobs {
             unload_delay: Duration::ZERO,
             models_max: 0,
             load_fails: false,
+            tokenize_status: None,
+            tokenize_delay: Duration::ZERO,
         }
     }
 }
@@ -150,6 +157,8 @@ pub struct Stats {
     /// Router mode: "load NAME" (when a load completes), "unload NAME"
     /// (by request), "evict NAME" (by `models_max`), in order.
     pub model_events: Mutex<Vec<String>>,
+    /// The `content` of every `/tokenize` request, in order.
+    pub tokenized: Mutex<Vec<String>>,
     changed: Notify,
 }
 
@@ -193,6 +202,8 @@ impl FakeEngine {
             .route("/models", get(router_list))
             .route("/models/load", post(router_load))
             .route("/models/unload", post(router_unload))
+            .route("/tokenize", post(tokenize))
+            .route("/apply-template", post(apply_template))
             .layer(axum::middleware::from_fn_with_state(shared.clone(), record_post))
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind fake engine");
@@ -907,7 +918,53 @@ async fn record_post(
     next.run(req).await
 }
 
+/// llama-server's `/tokenize`, deterministic: one token per
+/// whitespace-separated word, plus a BOS with `add_special`.
+async fn tokenize(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let (status, delay) = {
+        let k = s.knobs.lock().expect("knobs");
+        (k.tokenize_status, k.tokenize_delay)
+    };
+    tokio::time::sleep(delay).await;
+    if let Some(code) = status {
+        return (StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), "tokenizer failed")
+            .into_response();
+    }
+    let text = body["content"].as_str().unwrap_or_default().to_string();
+    let special = body["add_special"].as_bool().unwrap_or(false);
+    let n = text.split_whitespace().count() + usize::from(special);
+    s.stats.tokenized.lock().expect("tokenized").push(text);
+    Json(json!({"tokens": (0..n as u32).collect::<Vec<_>>()})).into_response()
+}
+
+/// llama-server's `/apply-template`, with a template of two marker words
+/// per message (`<|role|> … <|end|>`) and one for the answer to come: with
+/// [`tokenize`]'s BOS, 2 tokens per message and 2 per prompt.
+async fn apply_template(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let (status, delay) = {
+        let k = s.knobs.lock().expect("knobs");
+        (k.tokenize_status, k.tokenize_delay)
+    };
+    tokio::time::sleep(delay).await;
+    if let Some(code) = status {
+        return (StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), "template failed")
+            .into_response();
+    }
+    let mut prompt = String::new();
+    for m in body["messages"].as_array().into_iter().flatten() {
+        let role = m["role"].as_str().unwrap_or("user");
+        prompt.push_str(&format!("<|{role}|> {} <|end|>\n", m["content"].as_str().unwrap_or_default()));
+    }
+    prompt.push_str("<|assistant|>");
+    Json(json!({"prompt": prompt})).into_response()
+}
+
 impl FakeEngine {
+    /// The texts `/tokenize` was asked to count so far, in order.
+    pub fn tokenized(&self) -> Vec<String> {
+        self.stats.tokenized.lock().expect("tokenized").clone()
+    }
+
     /// The paths POSTed to so far.
     pub fn posts(&self) -> Vec<String> {
         self.stats.posts.lock().expect("posts").clone()
