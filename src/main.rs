@@ -212,7 +212,8 @@ async fn serve(cfg: Config) -> ExitCode {
     // end the process. One that arrives during start-up is taken as a
     // reload once edgeway runs (the file may have changed meanwhile).
     let hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
-    edgeway::telemetry::init_logging(&cfg.log);
+    // Held to the end of `serve`: its drop writes the lines still queued.
+    let _log_writer = edgeway::telemetry::init_logging(&cfg.log);
     let drain = cfg.server.drain_timeout;
     let running = match edgeway::server::start(cfg).await {
         Ok(r) => r,

@@ -552,3 +552,60 @@ fn an_otlp_endpoint_must_be_an_http_url() {
         assert!(e.0.iter().any(|e| e.path == "log.otlp_endpoint"), "{bad}: {e}");
     }
 }
+
+/// Review 15 M4: with every stage line written to stderr from the runtime's
+/// workers, a reader of stderr that stops reading (a stalled journald, a
+/// full pipe) stopped every request once the pipe's 64 KiB were full. The
+/// real binary, its stderr a pipe nobody reads, `info` logs: 600 calls
+/// (several stage lines each: the pipe several times over) all answer; the
+/// lines wait in the writer's queue (8192 lines, then dropped and counted
+/// in `edgeway_log_lines_dropped_total`), not in the request.
+#[tokio::test]
+async fn a_stderr_nobody_reads_holds_up_no_request() {
+    use std::process::{Command, Stdio};
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let dir = edgeway::testing::TempDir::new("edgeway-stderr");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let text = edgeway::testing::config_toml(&fake.url(), "openai", &dir.0, "")
+        .replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
+    let file = dir.0.join("edgeway.toml");
+    std::fs::write(&file, text).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_edgeway"))
+        .args(["serve", "--config"])
+        .arg(&file)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Held open and never read.
+    let _stderr = child.stderr.take();
+    let base = format!("http://127.0.0.1:{port}");
+    let ready = async {
+        while !matches!(client().get(format!("{base}/ready")).send().await, Ok(r) if r.status() == 200) {
+            tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(30), ready).await.expect("ready");
+    let calls = async {
+        for _ in 0..600 {
+            let r = client()
+                .post(format!("{base}/v1/chat/completions"))
+                .bearer_auth(DEMO_KEY)
+                .json(&chat_body(false))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    };
+    let answered = tokio::time::timeout(std::time::Duration::from_secs(120), calls).await;
+    let metrics =
+        client().get(format!("{base}/metrics")).bearer_auth(OPS_KEY).send().await.unwrap().text().await.unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    answered.expect("every call answered with stderr unread");
+    // Exported as a number (how many were dropped depends on the lines per call).
+    let dropped = metrics.lines().find_map(|l| l.strip_prefix("edgeway_log_lines_dropped_total "));
+    assert!(dropped.expect("the counter").parse::<f64>().is_ok(), "{metrics}");
+}

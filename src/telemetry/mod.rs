@@ -121,6 +121,9 @@ pub struct Metrics {
     /// Task spans not exported to the OTLP collector (queue full, send
     /// failed).
     pub otlp_spans_dropped: prometheus::IntCounter,
+    /// Log lines the writer thread dropped because its queue was full
+    /// (read from [`log_lines_dropped`] at each scrape).
+    log_lines_dropped: prometheus::IntCounter,
     /// Where task spans go: set once at start when `log.otlp_endpoint` is
     /// configured, off otherwise.
     pub otlp: std::sync::OnceLock<otlp::SpanExporter>,
@@ -272,6 +275,15 @@ impl Metrics {
                 c
             },
             otlp: std::sync::OnceLock::new(),
+            log_lines_dropped: {
+                let c = prometheus::IntCounter::new(
+                    "log_lines_dropped_total",
+                    "Log lines dropped because the log writer's queue was full (a slow stderr consumer)",
+                )
+                .expect("valid metric");
+                registry.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
             illegal_transitions: counter(
                 "illegal_transitions_total",
                 "Task state transitions refused because the state machine does not allow them, by from and to state",
@@ -347,6 +359,11 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
+        let dropped = log_lines_dropped();
+        let counted = self.log_lines_dropped.get();
+        if dropped > counted {
+            self.log_lines_dropped.inc_by(dropped - counted);
+        }
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
         String::from_utf8(buf).expect("prometheus text is UTF-8")
@@ -415,10 +432,34 @@ impl Collector for StoreHealthGauges {
     }
 }
 
+/// Lines the log writer may hold before it drops new ones.
+const LOG_QUEUE_LINES: usize = 8192;
+
+static LOG_DROPS: std::sync::OnceLock<tracing_appender::non_blocking::ErrorCounter> = std::sync::OnceLock::new();
+
+/// Log lines dropped so far because the writer's queue was full.
+pub fn log_lines_dropped() -> u64 {
+    LOG_DROPS.get().map_or(0, |c| c.dropped_lines() as u64)
+}
+
 /// Installs the global log subscriber (once; later calls are ignored, which
 /// lets tests start several gateways). `RUST_LOG` overrides `log.level`.
-pub fn init_logging(cfg: &LogConfig) {
-    init_logging_to(cfg, std::io::stderr);
+///
+/// Lines go to stderr from a thread of their own through a bounded queue:
+/// a task's stage lines never make a runtime worker wait on a slow
+/// consumer of stderr (journald, a full pipe); when the queue is full a
+/// line is dropped and counted (`edgeway_log_lines_dropped_total`). Keep
+/// the guard until exit: dropping it writes what is still queued.
+#[must_use = "dropping the guard stops the log writer"]
+pub fn init_logging(cfg: &LogConfig) -> tracing_appender::non_blocking::WorkerGuard {
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(LOG_QUEUE_LINES)
+        .thread_name("edgeway-log")
+        .finish(std::io::stderr());
+    let _ = LOG_DROPS.set(writer.error_counter());
+    init_logging_to(cfg, writer);
+    guard
 }
 
 /// [`init_logging`] writing to `writer` (tests read the lines edgeway
