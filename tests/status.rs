@@ -222,3 +222,44 @@ async fn connected_devices_are_counted_and_listed() {
     drop(d);
     status_until(&gw, "the device gone", |s| s["devices"]["connected"] == 0).await;
 }
+
+/// Review 15 M1: the stream judges its credential again at each snapshot,
+/// so an application that stops being an admin at a reload (or whose key is
+/// removed) stops receiving the tenant's tasks and devices.
+#[tokio::test]
+async fn the_stream_ends_when_its_key_stops_being_an_admins_at_a_reload() {
+    const KEY: &str = "sk-edgeway-second-admin";
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let dir = edgeway::testing::TempDir::new("edgeway-status-reload");
+    let file = dir.0.join("edgeway.toml");
+    let second = |admin: bool| {
+        let hash = hex::encode(edgeway::config::hash_api_key(KEY));
+        format!("\n[applications.watch]\ntenant = \"demo\"\napi_key_sha256 = [\"{hash}\"]\nadmin = {admin}\n")
+    };
+    let write = |admin: bool| {
+        std::fs::write(&file, edgeway::testing::config_toml(&fake.url(), "openai", &dir.0, &second(admin))).unwrap()
+    };
+    write(true);
+    let gw = TestGateway::start(edgeway::config::Config::load(&file).expect("valid config")).await;
+    gw.wait_ready().await;
+    let r = client().get(format!("{}/admin/status/stream", gw.base_url)).bearer_auth(KEY).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut body = r.bytes_stream();
+    body.next().await.expect("the first snapshot").unwrap();
+
+    write(false);
+    let reload = client().post(format!("{}/admin/reload", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap();
+    assert_eq!(reload.status(), 200, "{}", reload.text().await.unwrap());
+    // At most one snapshot already on its way, then the end.
+    let end = async {
+        let mut after = 0;
+        while let Some(chunk) = body.next().await {
+            chunk.unwrap();
+            after += 1;
+        }
+        after
+    };
+    let after = tokio::time::timeout(Duration::from_secs(10), end).await.expect("the stream ends after the reload");
+    assert!(after <= 1, "{after} snapshots after the key lost admin");
+    gw.stop().await;
+}

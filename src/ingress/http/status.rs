@@ -27,7 +27,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde_json::Value;
 
-use super::caller::Caller;
+use super::caller::{Caller, Credential};
 use super::errors::ApiError;
 use super::ws::Shutdown;
 use crate::error::{ErrorCode, GatewayError};
@@ -49,10 +49,12 @@ pub async fn json(State(gw): State<Arc<Gateway>>, Caller(who): Caller) -> Result
 
 /// `GET /admin/status/stream`: a `status` event with the snapshot at once
 /// and then every [`STREAM_PERIOD`], until the client goes, the server
-/// stops, or the key that opened it is revoked.
+/// stops, or the credential that opened it no longer opens it (revoked,
+/// removed or no longer an admin's at a reload, expired).
 pub async fn stream(
     State(gw): State<Arc<Gateway>>,
     Caller(who): Caller,
+    Credential(credential): Credential,
     Extension(Shutdown(shutdown)): Extension<Shutdown>,
 ) -> Result<Response, ApiError> {
     // Refused before the stream starts: a plain error body.
@@ -62,23 +64,32 @@ pub async fn stream(
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + STREAM_PERIOD, STREAM_PERIOD);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let state = (gw, who, tick, shutdown, Some(first));
-    let body = futures::stream::unfold(state, |(gw, who, mut tick, shutdown, first)| async move {
-        let snapshot = match first {
-            Some(s) => s,
-            None => {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return None,
-                    _ = tick.tick() => {}
+    let body = futures::stream::unfold(state, move |(gw, who, mut tick, shutdown, first)| {
+        let credential = credential.clone();
+        async move {
+            let (who, snapshot) = match first {
+                Some(s) => (who, s),
+                None => {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return None,
+                        _ = tick.tick() => {}
+                    }
+                    // The credential is judged again at each snapshot, as a
+                    // new call would be: a key revoked or removed at reload,
+                    // an application that lost `admin` or moved tenant, an
+                    // expired token: the stream ends.
+                    let now = gw.authenticate(credential.as_deref()).ok()?;
+                    if !now.is_admin || now.tenant != who.tenant {
+                        return None;
+                    }
+                    let s = gw.status(&now).await.ok()?;
+                    (now, s)
                 }
-                if who.credential.is_some_and(|d| gw.credential_revoked(&d)) {
-                    return None;
-                }
-                gw.status(&who).await.ok()?
-            }
-        };
-        let data = serde_json::to_string(&snapshot).ok()?;
-        let frame = Bytes::from(format!("event: status\ndata: {data}\n\n"));
-        Some((Ok::<_, std::convert::Infallible>(frame), (gw, who, tick, shutdown, None)))
+            };
+            let data = serde_json::to_string(&snapshot).ok()?;
+            let frame = Bytes::from(format!("event: status\ndata: {data}\n\n"));
+            Some((Ok::<_, std::convert::Infallible>(frame), (gw, who, tick, shutdown, None)))
+        }
     });
     let mut resp = Response::new(Body::from_stream(body));
     let h = resp.headers_mut();
@@ -124,8 +135,11 @@ pub async fn cancel(
 /// The text form of a `/admin/status` snapshot, for a terminal.
 pub fn render_text(v: &Value) -> String {
     let mut o = String::new();
+    // Model names, task ids and failure reasons are callers' text: no
+    // control character (an ANSI escape, a carriage return) reaches the
+    // operator's terminal (review 15 L1).
     let s = |v: &Value| match v {
-        Value::String(s) => s.clone(),
+        Value::String(s) => s.chars().map(|c| if c.is_control() { '\u{fffd}' } else { c }).collect(),
         Value::Null => "-".to_string(),
         v => v.to_string(),
     };
@@ -210,4 +224,23 @@ pub fn render_text(v: &Value) -> String {
     let _ = writeln!(o, "  failed     {}", failed.join(" "));
     let _ = writeln!(o, "  ttft ms    {}", ttft.join(" "));
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn callers_text_reaches_the_terminal_without_control_characters() {
+        let v = json!({
+            "queues": [{"model": "m\u{1b}[2J", "waiting": 0, "capacity": 1, "by_priority": {}}],
+            "failures": [{"task_id": "t", "code": "FAILED", "reason": "bad\r\u{1b}]0;owned\u{7}\nline"}],
+        });
+        let text = super::render_text(&v);
+        assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
+        assert!(
+            text.contains("m\u{fffd}[2J") && text.contains("bad\u{fffd}\u{fffd}]0;owned\u{fffd}\u{fffd}line"),
+            "{text}"
+        );
+    }
 }
