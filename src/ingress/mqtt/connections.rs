@@ -179,7 +179,9 @@ impl Connections {
     /// are counted by their mount, `{tenant}/{device}`.
     pub fn devices(&self, tenant: &str, max: usize) -> (usize, Vec<String>) {
         let open = self.open.lock().expect("open");
-        let prefix = format!("{tenant}/");
+        // The tenant's part of a device's mount name: the tenant as it is,
+        // or its digest where it is not plain (review 15 L3).
+        let prefix = super::topics::mount_name(tenant, "");
         let mut ids: Vec<String> = open.keys().filter_map(|m| m.strip_prefix(&prefix)).map(str::to_string).collect();
         ids.sort_unstable();
         ids.truncate(max);
@@ -311,6 +313,16 @@ fn address_key(ip: IpAddr) -> IpAddr {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_devices_of_a_tenant_whose_name_is_not_plain_are_listed() {
+        let c = Connections::new(4, 10.0, 10.0);
+        for (tenant, device) in [("Acme Corp", "d1"), ("demo", "d2"), ("Acme Corp", "d3")] {
+            assert!(c.open(&super::super::topics::mount_name(tenant, device), "c"));
+        }
+        assert_eq!(c.devices("Acme Corp", 10), (3, vec!["d1".to_string(), "d3".to_string()]));
+        assert_eq!(c.devices("demo", 10), (3, vec!["d2".to_string()]));
+    }
+
     use std::time::Duration;
 
     use super::*;
