@@ -759,3 +759,53 @@ async fn a_supervised_engine_added_at_reload_is_started_and_restarted_when_its_a
     assert_eq!(status.state(), ProcessState::Stopped, "the old process was stopped");
     r.gw.stop().await;
 }
+
+/// `extra` for [`config_toml`]: `general-chat` may fall back to
+/// `small-chat` on engine `small` at `url`.
+fn with_small_fallback(url: &str) -> String {
+    format!(
+        "fallback_models = [\"small-chat\"]\n[engines.small]\ntype = \"openai\"\nbase_url = \"{url}\"\nmodel = \"small-model\"\nhealth_interval_ms = 100\n\
+         [models.small-chat]\ninstances = [\"small\"]\ncontext_tokens = 2048\nmax_output_tokens = 256\n"
+    )
+}
+
+/// Review 15 H1: a call queued for an engine that a reload changes waits
+/// for the engine's new instance and runs there, with no fallback hop
+/// (a smaller model is allowed and free) and no `MODEL_UNAVAILABLE`.
+/// Before, it was moved to the smaller model (or, with none, refused).
+#[tokio::test]
+async fn a_call_queued_for_an_engine_changed_at_reload_runs_on_the_new_instance() {
+    let small = FakeEngine::start().await;
+    let extra = with_small_fallback(&small.url());
+    let one = |t: String| t.replacen("max_concurrency = 2", "max_concurrency = 1", 1);
+    let r = Reloadable::start_edited(Knobs::slow(40, 50), &extra, one).await;
+    let mut rx = r.gw.recorder().subscribe();
+    let stream = stream_in_background(&r.gw, DEMO_KEY);
+    next_event(&mut rx, "the stream's first token", |e| e.state == TaskState::Streaming).await;
+    let queued = tokio::spawn({
+        let url = format!("{}/v1/chat/completions", r.gw.base_url);
+        let mut b = chat_body(false);
+        b["routing"] = json!({"allow_smaller_model": true});
+        async move {
+            let resp = client().post(url).bearer_auth(DEMO_KEY).json(&b).send().await.unwrap();
+            (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+        }
+    });
+    next_event(&mut rx, "the second call queued", |e| e.state == TaskState::Queued).await;
+    // The same engine with a higher max_concurrency: a new instance.
+    r.rewrite(&extra);
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["changes"]["engines"], json!({"added": 0, "removed": 0, "changed": 1}), "{body}");
+    let (status, v) = queued.await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    let route = &v["edge"]["route"];
+    assert_eq!(route["model"], "general-chat", "{route}");
+    assert_eq!(route["instance"], "fake", "{route}");
+    assert_eq!(route["degraded"], false, "{route}");
+    assert_eq!(small.requests(), 0, "nothing fell back to the smaller model");
+    assert_eq!(r.engine.requests(), 2);
+    let (events, done) = stream.await.unwrap();
+    assert_completed(&events, done);
+    r.gw.stop().await;
+}

@@ -1106,6 +1106,8 @@ impl Actor {
             }
             Cmd::Danger { reason } => self.policy.set_danger(reason),
             Cmd::Limits { limits, retired, models } => {
+                let added: Vec<(usize, String)> =
+                    limits.added_instances.iter().map(|(i, inst)| (*i, inst.name.clone())).collect();
                 for (_, inst) in &limits.added_instances {
                     self.details.push("added by a reload: not checked yet".to_string());
                     self.breaker_reasons.push(None);
@@ -1127,6 +1129,12 @@ impl Actor {
                         self.policy.set_instance_up(i, false);
                         self.policy.set_instance_restarting(i, false);
                         self.details[i] = "removed from the configuration: draining, then stopped".to_string();
+                        // A changed engine: its queued work is its new
+                        // instance's, waited for rather than rerouted.
+                        let name = &self.policy.config().instances[i].name;
+                        if let Some(&(new, _)) = added.iter().find(|(_, n)| n == name) {
+                            self.policy.replace_instance(i, new);
+                        }
                     }
                 }
                 // Waiting tasks whose only instances left go elsewhere now.
