@@ -809,3 +809,67 @@ async fn a_call_queued_for_an_engine_changed_at_reload_runs_on_the_new_instance(
     assert_completed(&events, done);
     r.gw.stop().await;
 }
+
+/// Review 15 H3: a changed engine's old residency slot, retired once
+/// drained, no longer counts its model's memory nor is an eviction
+/// victim: its model is the new instance's too. Two 80 MB models fit a
+/// 200 MB budget; before, the retired slot counted demo-a a second time,
+/// so loading demo-b unloaded demo-a under the new instance
+/// ("unload demo-a" reached the engine).
+#[tokio::test]
+async fn a_retired_slot_neither_counts_its_model_nor_is_unloaded_to_make_room() {
+    use edgeway::engine::residency::State;
+    let knobs = Knobs { router_models: vec!["demo-a".into(), "demo-b".into()], ..Knobs::default() };
+    let budget = "memory_budget_mb = 200";
+    let keys = "residency = \"on_demand\"\nweights_mb = 80\n";
+    let section = |c: &str| {
+        format!(
+            "{keys}[engines.fake-b]\ntype = \"openai\"\nbase_url = \"URL\"\nmodel = \"demo-b\"\nmodel_api = \"llama-router\"\n\
+             health_interval_ms = 100\n{budget}\n[models.chat-b]\ninstances = [\"fake-b\"]\ncontext_tokens = 2048\n\
+             max_output_tokens = 256\nresidency = \"on_demand\"\nweights_mb = 80\n# {c}\n"
+        )
+    };
+    let edit = |t: String, url: &str, concurrency: &str| {
+        t.replace("URL", url)
+            .replacen(
+                "model = \"fake-model\"",
+                &format!("model = \"demo-a\"\nmodel_api = \"llama-router\"\n{budget}"),
+                1,
+            )
+            .replacen("max_concurrency = 2", &format!("max_concurrency = {concurrency}"), 1)
+    };
+    let engine = FakeEngine::start_with(knobs).await;
+    let (dir, url) = (TempDir::new("edgeway-reload-retired"), engine.url());
+    let file = dir.0.join("edgeway.toml");
+    std::fs::write(&file, edit(config_toml(&url, "openai", &dir.0, &section("before")), &url, "2")).unwrap();
+    let gw = TestGateway::start(Config::load(&file).expect("valid config")).await;
+    gw.wait_ready().await;
+    let chat = |model: &str| {
+        let mut b = chat_body(false);
+        b["model"] = json!(model);
+        b
+    };
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat("general-chat")).await.status(), 200);
+    // `fake` changed: instance 0 drains (nothing runs) and is retired.
+    std::fs::write(&file, edit(config_toml(&url, "openai", &dir.0, &section("after")), &url, "3")).unwrap();
+    let resp = client().post(format!("{}/admin/reload", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap();
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+    let residency = gw.scheduler().router().residency();
+    // The drain task retires it at once; bounded, as a broken retire
+    // never says so.
+    for _ in 0..200 {
+        if residency.state(0) != State::Loaded {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat("general-chat")).await.status(), 200, "the new instance serves demo-a");
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat("chat-b")).await.status(), 200);
+    assert!(
+        !engine.model_events().iter().any(|e| e == "unload demo-a"),
+        "demo-a was unloaded under the new instance: {:?}",
+        engine.model_events()
+    );
+    assert_eq!(residency.state(0), State::Unloaded, "a retired slot is marked unloaded");
+    gw.stop().await;
+}

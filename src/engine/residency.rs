@@ -438,11 +438,28 @@ impl Residency {
 
     /// Instance `i` was removed or replaced by a reload: `/ready` no longer
     /// waits for its model.
+    ///
+    /// It is drained (no users), and its model is no longer its own: a
+    /// changed engine's new instance serves the same model on the same
+    /// server. So it counts as unloaded from here, without asking the
+    /// engine: eviction neither counts its weights a second time nor
+    /// unloads the model under the new instance's work (review 15 H3).
     pub fn retire(&self, i: usize) {
         self.slot(i).retired.store(true, std::sync::atomic::Ordering::Relaxed);
-        // Its idle timer would unload the model its successor (a changed
-        // engine's new instance, on the same server) now serves.
-        self.lock(i).epoch += 1;
+        let mut st = self.lock(i);
+        // Its idle timer would unload the model its successor now serves.
+        st.epoch += 1;
+        if st.state != State::Forbidden && self.slot(i).api != ModelApi::None {
+            st.state = State::Unloaded;
+            st.changed_at = Instant::now();
+            self.slot(i).tx.send_replace(State::Unloaded);
+        }
+        // Its `edgeway_model_resident` series is the successor's (same
+        // model and engine name): left as it is.
+    }
+
+    fn is_retired(&self, i: usize) -> bool {
+        self.slot(i).retired.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Starts the residency work: `always` models are loaded, `forbidden`
@@ -527,9 +544,7 @@ impl Residency {
         (0..self.inner.slots.len())
             .filter(|&i| {
                 let s = self.slot(i);
-                s.class == ResidencyClass::Always
-                    && !s.retired.load(std::sync::atomic::Ordering::Relaxed)
-                    && self.state(i) != State::Loaded
+                s.class == ResidencyClass::Always && !self.is_retired(i) && self.state(i) != State::Loaded
             })
             .map(|i| {
                 let s = self.slot(i);
@@ -659,7 +674,7 @@ impl Residency {
     fn begin_load(&self, i: usize, why: &'static str) {
         {
             let mut st = self.lock(i);
-            if st.state != State::Unloaded {
+            if st.state != State::Unloaded || self.is_retired(i) {
                 return;
             }
             st.state = State::Loading;
@@ -771,7 +786,8 @@ impl Residency {
             // oldest, is unloaded first.
             let mut victim: Option<(usize, Priority, Instant)> = None;
             for (j, s) in self.inner.slots.iter().enumerate() {
-                if j == i || s.server != me.server || s.api == ModelApi::None {
+                // A retired slot's model is unloaded or its successor's.
+                if j == i || s.server != me.server || s.api == ModelApi::None || self.is_retired(j) {
                     continue;
                 }
                 let queued = self.inner.waiting.best(&s.models);
@@ -867,7 +883,7 @@ impl Residency {
     /// change is ignored).
     pub fn observe(&self, i: usize, resident: bool, probed_at: Instant) {
         let s = self.slot(i);
-        if s.api == ModelApi::None {
+        if s.api == ModelApi::None || self.is_retired(i) {
             return;
         }
         let changed = {
