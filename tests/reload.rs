@@ -873,3 +873,51 @@ async fn a_retired_slot_neither_counts_its_model_nor_is_unloaded_to_make_room() 
     assert_eq!(residency.state(0), State::Unloaded, "a retired slot is marked unloaded");
     gw.stop().await;
 }
+
+/// Review 15 H2: a reload that touches an engine whose previous instance
+/// still drains (here: changed twice during one stream) is refused with
+/// the engine's key path, and nothing changes; once the drain ended, the
+/// same file is taken. Before, the second change was accepted (and for a
+/// supervised engine stopped the process the stream ran on).
+#[tokio::test]
+async fn a_reload_touching_an_engine_that_still_drains_is_refused_until_the_drain_ends() {
+    let r = Reloadable::start(Knobs::slow(40, 50), "").await;
+    let mut rx = r.gw.recorder().subscribe();
+    let stream = stream_in_background(&r.gw, DEMO_KEY);
+    next_event(&mut rx, "the stream's first token", |e| e.state == TaskState::Streaming).await;
+    let concurrency = |n: &str| {
+        config_toml(&r.engine.url(), "openai", &r.dir.0, "").replacen(
+            "max_concurrency = 2",
+            &format!("max_concurrency = {n}"),
+            1,
+        )
+    };
+    r.write(&concurrency("3"));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let version = r.ready().await["config_version"].clone();
+    r.write(&concurrency("4"));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!((status, error_code(&body)), (422, "CONFIG_INVALID"), "{body}");
+    let errors = body["error"]["errors"].as_array().unwrap();
+    assert_eq!(errors[0]["path"], "engines.fake", "{body}");
+    assert!(errors[0]["message"].as_str().unwrap().contains("draining"), "{body}");
+    assert_eq!(r.ready().await["config_version"], version, "nothing changed");
+    assert_eq!(r.chat(DEMO_KEY).await.0, 200, "new work still runs");
+    let (events, done) = stream.await.unwrap();
+    assert_completed(&events, done);
+    // The drain ends with the stream; its end is not observable from
+    // outside, so the reload is asked again (bounded) until taken.
+    let mut taken = None;
+    for _ in 0..100 {
+        let (status, body) = r.reload(OPS_KEY).await;
+        if status == 200 {
+            taken = Some(body);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let body = taken.expect("the reload was taken once the old instance drained");
+    assert_eq!(body["changes"]["engines"], json!({"added": 0, "removed": 0, "changed": 1}), "{body}");
+    r.gw.stop().await;
+}
