@@ -317,8 +317,13 @@ async fn a_model_removed_at_reload_refuses_new_work_while_its_stream_completes()
     let other = json!({"model": "other", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     assert_eq!(post_chat(&r.gw, DEMO_KEY, &other).await.status(), 200, "the added model answers");
     assert!(!stream.is_finished(), "the stream ran across the reload");
+    let queues = |ready: &Value| -> Vec<String> {
+        ready["queues"].as_array().unwrap().iter().map(|q| q["model"].as_str().unwrap().to_string()).collect()
+    };
     let (events, done) = stream.await.unwrap();
     assert_completed(&events, done);
+    // Review 15 L5: a removed model's empty queue is no longer listed.
+    assert_eq!(queues(&r.ready().await), ["other"]);
     r.gw.stop().await;
 }
 
@@ -347,10 +352,25 @@ async fn an_engine_changed_at_reload_drains_its_old_instance_and_new_work_goes_t
     let fakes: Vec<&Value> = ready["instances"].as_array().unwrap().iter().filter(|i| i["name"] == "fake").collect();
     assert_eq!(fakes.len(), 2, "{ready}");
     assert_eq!((fakes[0]["up"].clone(), fakes[1]["up"].clone()), (json!(false), json!(true)), "{ready}");
+    // Review 15 L5: the gauge counts the old instance's stream (it was
+    // reset to 0 by the reload, and went to -1 at the stream's end).
+    assert_eq!(running_gauge(&r, "fake"), 1.0, "the stream still holds a slot of engine fake");
     assert!(!stream.is_finished(), "the stream on the old instance ran across the reload");
     let (events, done) = stream.await.unwrap();
     assert_completed(&events, done);
+    r.gw.scheduler().when_idle_at(0).await.expect("the old instance drains");
+    let ready = r.ready().await;
+    let fakes: Vec<&Value> = ready["instances"].as_array().unwrap().iter().filter(|i| i["name"] == "fake").collect();
+    assert_eq!(fakes.len(), 1, "a drained retired instance is no longer listed: {ready}");
+    assert_eq!(running_gauge(&r, "fake"), 0.0);
     r.gw.stop().await;
+}
+
+/// `edgeway_running_tasks{engine}`.
+fn running_gauge(r: &Reloadable, engine: &str) -> f64 {
+    let text = r.gw.gateway().render_metrics();
+    let line = format!("edgeway_running_tasks{{engine=\"{engine}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&line)).map_or(0.0, |v| v.trim().parse().unwrap())
 }
 
 fn free_port() -> u16 {

@@ -1111,8 +1111,13 @@ impl Actor {
                 for (_, inst) in &limits.added_instances {
                     self.details.push("added by a reload: not checked yet".to_string());
                     self.breaker_reasons.push(None);
-                    self.metrics.running.with_label_values(&[&inst.name]).set(0);
-                    self.metrics.engine_unreleased.with_label_values(&[&inst.name]).set(0);
+                    // The gauges are by engine name: a changed engine's old
+                    // instance still counts its running tasks there (their
+                    // end decrements it), so only a new name starts at 0.
+                    if !self.policy.config().instances.iter().any(|i| i.name == inst.name) {
+                        self.metrics.running.with_label_values(&[&inst.name]).set(0);
+                        self.metrics.engine_unreleased.with_label_values(&[&inst.name]).set(0);
+                    }
                 }
                 self.policy.set_limits(limits);
                 // A model the file no longer has is unknown to new work;
@@ -1335,7 +1340,9 @@ impl Actor {
         Snapshot {
             // The policy's instances: the router may have one more a
             // reload is adding, that the actor is not told of yet.
+            // A retired instance is listed while it drains, not after.
             instances: (0..cfg.instances.len())
+                .filter(|&i| !self.retired.contains(&i) || self.policy.running_on(i) > 0)
                 .map(|i| (i, self.router.instance(i)))
                 .map(|(i, inst)| InstanceSnapshot {
                     name: inst.name.clone(),
@@ -1354,6 +1361,8 @@ impl Actor {
                 .models
                 .iter()
                 .enumerate()
+                // A model a reload removed: listed while tasks wait for it.
+                .filter(|(m, q)| self.model_index.contains_key(&q.name) || self.policy.waiting(*m) > 0)
                 .map(|(m, q)| QueueSnapshot {
                     model: q.name.clone(),
                     waiting: self.policy.waiting(m),
