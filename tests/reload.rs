@@ -941,3 +941,44 @@ async fn a_reload_touching_an_engine_that_still_drains_is_refused_until_the_drai
     assert_eq!(body["changes"]["engines"], json!({"added": 0, "removed": 0, "changed": 1}), "{body}");
     r.gw.stop().await;
 }
+
+/// Review 15 M5: a reload refused after it prepared a supervised engine's
+/// process (here: the second of two added engines cannot be prepared, as
+/// another live edgeway owns its pidfile) leaves no prepared process and
+/// no `starting` status behind; the first engine, added alone later,
+/// starts and answers. Before, `pya` kept a never-launched status.
+#[tokio::test]
+async fn a_reload_refused_after_preparing_a_process_leaves_no_status_behind() {
+    use edgeway::engine::supervisor::ProcessState;
+    let r = Reloadable::start(Knobs::default(), "").await;
+    // A live process stands for "another edgeway" owning pyb's pidfile.
+    let owner = Proc(Command::new("sleep").arg("60").spawn().unwrap());
+    let pid = owner.0.id();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let start = stat[stat.rfind(')').unwrap() + 1..].split_whitespace().nth(19).unwrap().to_string();
+    std::fs::create_dir_all(r.dir.0.join("engines")).unwrap();
+    std::fs::write(
+        r.dir.0.join("engines/pyb.pid"),
+        format!("pid={pid}\nstart_time={start}\ntoken=t\nowner_pid={pid}\nowner_start_time={start}\n"),
+    )
+    .unwrap();
+    let (pa, pb) = (free_port(), free_port());
+    let base = config_toml(&r.engine.url(), "openai", &r.dir.0, "");
+    let pyb = python_engine("pyb", pb, &r.dir.0, 3).replace("[models.py-chat]", "[models.pyb-chat]");
+    r.write(&format!("{base}\n{}\n{pyb}", python_engine("pya", pa, &r.dir.0, 3)));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!((status, error_code(&body)), (422, "CONFIG_INVALID"), "{body}");
+    assert_eq!(body["error"]["errors"][0]["path"], "engines.pyb", "{body}");
+    let processes = r.gw.running.as_ref().unwrap().internals.processes.clone();
+    assert!(processes.status("pya").is_none(), "{:?}", processes.reports());
+    assert!(processes.reports().is_empty(), "{:?}", processes.reports());
+
+    r.write(&format!("{base}\n{}", python_engine("pya", pa, &r.dir.0, 3)));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let chat = json!({"model": "py-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10});
+    assert_eq!(post_chat(&r.gw, DEMO_KEY, &chat).await.status(), 200, "pya started and answers");
+    assert_eq!(processes.status("pya").unwrap().state(), ProcessState::Ready);
+    drop(owner);
+    r.gw.stop().await;
+}

@@ -19,7 +19,7 @@
 //! touches an engine whose previous instance still drains is refused
 //! (`engines.NAME`): a supervised process is known by its engine's name,
 //! so two generations in flight could stop the wrong one. A refused reload
-//! changes nothing.
+//! changes nothing (a process prepared before the refusal is undone).
 //!
 //! Running and queued tasks keep what they were admitted with: their
 //! request was resolved against the configuration of their admission, and
@@ -207,19 +207,35 @@ impl Gateway {
             crate::engine::build(&new.engines[*name]).map_err(|e| refuse(&format!("engines.{name}"), e.to_string()))?;
         }
         let restarted = |n: &String| engines.restarted.contains(n);
+        // What each prepare replaced: a refusal after it puts that back,
+        // so a refused reload leaves no prepared process or status.
+        let mut undo = Vec::new();
+        let rollback = |undo: Vec<(&String, _)>| {
+            for (name, before) in undo {
+                self.processes.unprepare(name, before);
+            }
+        };
         for name in fresh.iter().filter(|n| engines.added.contains(n) || restarted(n)) {
-            self.processes
-                .prepare(&new.engines[*name])
-                .await
-                .map_err(|e| refuse(&format!("engines.{name}"), format!("cannot prepare its process: {e}")))?;
+            let before = self.processes.before_prepare(name);
+            if let Err(e) = self.processes.prepare(&new.engines[*name]).await {
+                rollback(undo);
+                return Err(refuse(&format!("engines.{name}"), format!("cannot prepare its process: {e}")));
+            }
+            if new.engines[*name].process.is_some() {
+                undo.push((*name, before));
+            }
         }
         // Every instance is made before any is added: a failure leaves the
         // router as it was.
         let mut instances = Vec::new();
         for name in &fresh {
-            let inst = crate::router::Router::build_instance(&new.engines[*name], &self.processes)
-                .map_err(|e| refuse(&format!("engines.{name}"), e.to_string()))?;
-            instances.push(inst);
+            match crate::router::Router::build_instance(&new.engines[*name], &self.processes) {
+                Ok(inst) => instances.push(inst),
+                Err(e) => {
+                    rollback(undo);
+                    return Err(refuse(&format!("engines.{name}"), e.to_string()));
+                }
+            }
         }
         let added: Vec<(String, usize)> = instances
             .into_iter()
