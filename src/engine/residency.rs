@@ -79,6 +79,7 @@
 //! - **vLLM** sleep / wake-up is not used: an engine with `model_api =
 //!   "none"` keeps its model, which counts as loaded while it is healthy.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -230,6 +231,11 @@ struct SlotState {
     need: Option<Priority>,
     /// The priority of the last task that used the model.
     last_priority: Option<Priority>,
+    /// A load under way that has its memory (past `make_room`): counted
+    /// as used by other loads. A `loading` slot still waiting for its
+    /// server's turn is not (two such loads would each wait for the
+    /// other's memory: review 15 M3).
+    reserved: bool,
 }
 
 struct Inner {
@@ -243,6 +249,9 @@ struct Inner {
     shutdown: CancellationToken,
     /// The scheduler's queued work, for eviction.
     waiting: Arc<WaitingWork>,
+    /// One load at a time per engine server (by `base_url`) makes room
+    /// and loads: two at once could each count the other's model.
+    turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// The residency of every engine instance, shared by the router (which
@@ -339,6 +348,7 @@ impl Residency {
                     unloading: false,
                     need: None,
                     last_priority: None,
+                    reserved: false,
                 }),
                 tx: watch::channel(State::Loaded).0,
                 retired: false.into(),
@@ -356,6 +366,7 @@ impl Residency {
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
                 waiting: Arc::default(),
+                turns: Mutex::default(),
             }),
         }
     }
@@ -409,6 +420,7 @@ impl Residency {
                 unloading: false,
                 need: None,
                 last_priority: None,
+                reserved: false,
             }),
             tx: watch::channel(state).0,
             retired: false.into(),
@@ -690,7 +702,26 @@ impl Residency {
         let s = self.slot(i);
         let started = Instant::now();
         tracing::info!(model = %s.model, engine = %s.instance, why, "loading model");
-        let result = match self.make_room(i).await {
+        // The server's turn, for a load that has a budget to respect.
+        let turn = match s.budget {
+            Some(_) => {
+                let t = self
+                    .inner
+                    .turns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(s.server.clone())
+                    .or_default()
+                    .clone();
+                Some(t.lock_owned().await)
+            }
+            None => None,
+        };
+        let room = self.make_room(i).await;
+        if room.is_ok() {
+            self.lock(i).reserved = true;
+        }
+        let result = match room {
             Err(e) => Err(e),
             Ok(()) => match tokio::time::timeout(LOAD_TIMEOUT, async {
                 // An unload of this model still under way would make the
@@ -713,6 +744,7 @@ impl Residency {
             let mut st = self.lock(i);
             st.loading_since = None;
             st.need = None;
+            st.reserved = false;
             st.changed_at = Instant::now();
             match &result {
                 Ok(()) => {
@@ -729,6 +761,8 @@ impl Residency {
             }
             s.tx.send_replace(st.state);
         }
+        // Loaded (counted as such) or failed: the next load's turn.
+        drop(turn);
         match &result {
             Ok(()) => {
                 tracing::info!(model = %s.model, engine = %s.instance, seconds = took.as_secs_f64(), "model loaded");
@@ -792,7 +826,8 @@ impl Residency {
                 }
                 let queued = self.inner.waiting.best(&s.models);
                 let st = self.lock(j);
-                if matches!(st.state, State::Loaded | State::Loading) {
+                // A load that waits for its turn has no memory yet.
+                if st.state == State::Loaded || (st.state == State::Loading && st.reserved) {
                     used += s.weights;
                     let unloadable = s.class != ResidencyClass::Always;
                     // Queued work more urgent than ours keeps it.
