@@ -8,8 +8,10 @@
 //! unload after `idle_unload_s` without work, the unload of the least
 //! recently used idle model of the same engine server when a load would
 //! pass the engine's memory budget (`memory_budget_mb` against the models'
-//! `weights_mb`), the load of `always` models at start (and again when the
-//! engine dropped one), and the `edgeway_model_*` metrics and log lines.
+//! `weights_mb`; the loads of one server make room and load one at a
+//! time, so two never wait for each other's memory), the load of `always`
+//! models at start (and again when the engine dropped one), and the
+//! `edgeway_model_*` metrics and log lines.
 //!
 //! # Eviction by priority
 //! A load that needs memory unloads idle models of the same server, chosen
