@@ -317,8 +317,13 @@ async fn a_model_removed_at_reload_refuses_new_work_while_its_stream_completes()
     let other = json!({"model": "other", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     assert_eq!(post_chat(&r.gw, DEMO_KEY, &other).await.status(), 200, "the added model answers");
     assert!(!stream.is_finished(), "the stream ran across the reload");
+    let queues = |ready: &Value| -> Vec<String> {
+        ready["queues"].as_array().unwrap().iter().map(|q| q["model"].as_str().unwrap().to_string()).collect()
+    };
     let (events, done) = stream.await.unwrap();
     assert_completed(&events, done);
+    // Review 15 L5: a removed model's empty queue is no longer listed.
+    assert_eq!(queues(&r.ready().await), ["other"]);
     r.gw.stop().await;
 }
 
@@ -347,10 +352,25 @@ async fn an_engine_changed_at_reload_drains_its_old_instance_and_new_work_goes_t
     let fakes: Vec<&Value> = ready["instances"].as_array().unwrap().iter().filter(|i| i["name"] == "fake").collect();
     assert_eq!(fakes.len(), 2, "{ready}");
     assert_eq!((fakes[0]["up"].clone(), fakes[1]["up"].clone()), (json!(false), json!(true)), "{ready}");
+    // Review 15 L5: the gauge counts the old instance's stream (it was
+    // reset to 0 by the reload, and went to -1 at the stream's end).
+    assert_eq!(running_gauge(&r, "fake"), 1.0, "the stream still holds a slot of engine fake");
     assert!(!stream.is_finished(), "the stream on the old instance ran across the reload");
     let (events, done) = stream.await.unwrap();
     assert_completed(&events, done);
+    r.gw.scheduler().when_idle_at(0).await.expect("the old instance drains");
+    let ready = r.ready().await;
+    let fakes: Vec<&Value> = ready["instances"].as_array().unwrap().iter().filter(|i| i["name"] == "fake").collect();
+    assert_eq!(fakes.len(), 1, "a drained retired instance is no longer listed: {ready}");
+    assert_eq!(running_gauge(&r, "fake"), 0.0);
     r.gw.stop().await;
+}
+
+/// `edgeway_running_tasks{engine}`.
+fn running_gauge(r: &Reloadable, engine: &str) -> f64 {
+    let text = r.gw.gateway().render_metrics();
+    let line = format!("edgeway_running_tasks{{engine=\"{engine}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&line)).map_or(0.0, |v| v.trim().parse().unwrap())
 }
 
 fn free_port() -> u16 {
@@ -757,5 +777,208 @@ async fn a_supervised_engine_added_at_reload_is_started_and_restarted_when_its_a
     assert_eq!(now.state(), ProcessState::Ready);
     assert_ne!(now.report().pid, Some(pid), "a new process");
     assert_eq!(status.state(), ProcessState::Stopped, "the old process was stopped");
+    r.gw.stop().await;
+}
+
+/// `extra` for [`config_toml`]: `general-chat` may fall back to
+/// `small-chat` on engine `small` at `url`.
+fn with_small_fallback(url: &str) -> String {
+    format!(
+        "fallback_models = [\"small-chat\"]\n[engines.small]\ntype = \"openai\"\nbase_url = \"{url}\"\nmodel = \"small-model\"\nhealth_interval_ms = 100\n\
+         [models.small-chat]\ninstances = [\"small\"]\ncontext_tokens = 2048\nmax_output_tokens = 256\n"
+    )
+}
+
+/// Review 15 H1: a call queued for an engine that a reload changes waits
+/// for the engine's new instance and runs there, with no fallback hop
+/// (a smaller model is allowed and free) and no `MODEL_UNAVAILABLE`.
+/// Before, it was moved to the smaller model (or, with none, refused).
+#[tokio::test]
+async fn a_call_queued_for_an_engine_changed_at_reload_runs_on_the_new_instance() {
+    let small = FakeEngine::start().await;
+    let extra = with_small_fallback(&small.url());
+    let one = |t: String| t.replacen("max_concurrency = 2", "max_concurrency = 1", 1);
+    let r = Reloadable::start_edited(Knobs::slow(40, 50), &extra, one).await;
+    let mut rx = r.gw.recorder().subscribe();
+    let stream = stream_in_background(&r.gw, DEMO_KEY);
+    next_event(&mut rx, "the stream's first token", |e| e.state == TaskState::Streaming).await;
+    let queued = tokio::spawn({
+        let url = format!("{}/v1/chat/completions", r.gw.base_url);
+        let mut b = chat_body(false);
+        b["routing"] = json!({"allow_smaller_model": true});
+        async move {
+            let resp = client().post(url).bearer_auth(DEMO_KEY).json(&b).send().await.unwrap();
+            (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+        }
+    });
+    next_event(&mut rx, "the second call queued", |e| e.state == TaskState::Queued).await;
+    // The same engine with a higher max_concurrency: a new instance.
+    r.rewrite(&extra);
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["changes"]["engines"], json!({"added": 0, "removed": 0, "changed": 1}), "{body}");
+    let (status, v) = queued.await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    let route = &v["edge"]["route"];
+    assert_eq!(route["model"], "general-chat", "{route}");
+    assert_eq!(route["instance"], "fake", "{route}");
+    assert_eq!(route["degraded"], false, "{route}");
+    assert_eq!(small.requests(), 0, "nothing fell back to the smaller model");
+    assert_eq!(r.engine.requests(), 2);
+    let (events, done) = stream.await.unwrap();
+    assert_completed(&events, done);
+    r.gw.stop().await;
+}
+
+/// Review 15 H3: a changed engine's old residency slot, retired once
+/// drained, no longer counts its model's memory nor is an eviction
+/// victim: its model is the new instance's too. Two 80 MB models fit a
+/// 200 MB budget; before, the retired slot counted demo-a a second time,
+/// so loading demo-b unloaded demo-a under the new instance
+/// ("unload demo-a" reached the engine).
+#[tokio::test]
+async fn a_retired_slot_neither_counts_its_model_nor_is_unloaded_to_make_room() {
+    use edgeway::engine::residency::State;
+    let knobs = Knobs { router_models: vec!["demo-a".into(), "demo-b".into()], ..Knobs::default() };
+    let budget = "memory_budget_mb = 200";
+    let keys = "residency = \"on_demand\"\nweights_mb = 80\n";
+    let section = |c: &str| {
+        format!(
+            "{keys}[engines.fake-b]\ntype = \"openai\"\nbase_url = \"URL\"\nmodel = \"demo-b\"\nmodel_api = \"llama-router\"\n\
+             health_interval_ms = 100\n{budget}\n[models.chat-b]\ninstances = [\"fake-b\"]\ncontext_tokens = 2048\n\
+             max_output_tokens = 256\nresidency = \"on_demand\"\nweights_mb = 80\n# {c}\n"
+        )
+    };
+    let edit = |t: String, url: &str, concurrency: &str| {
+        t.replace("URL", url)
+            .replacen(
+                "model = \"fake-model\"",
+                &format!("model = \"demo-a\"\nmodel_api = \"llama-router\"\n{budget}"),
+                1,
+            )
+            .replacen("max_concurrency = 2", &format!("max_concurrency = {concurrency}"), 1)
+    };
+    let engine = FakeEngine::start_with(knobs).await;
+    let (dir, url) = (TempDir::new("edgeway-reload-retired"), engine.url());
+    let file = dir.0.join("edgeway.toml");
+    std::fs::write(&file, edit(config_toml(&url, "openai", &dir.0, &section("before")), &url, "2")).unwrap();
+    let gw = TestGateway::start(Config::load(&file).expect("valid config")).await;
+    gw.wait_ready().await;
+    let chat = |model: &str| {
+        let mut b = chat_body(false);
+        b["model"] = json!(model);
+        b
+    };
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat("general-chat")).await.status(), 200);
+    // `fake` changed: instance 0 drains (nothing runs) and is retired.
+    std::fs::write(&file, edit(config_toml(&url, "openai", &dir.0, &section("after")), &url, "3")).unwrap();
+    let resp = client().post(format!("{}/admin/reload", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap();
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+    let residency = gw.scheduler().router().residency();
+    // The drain task retires it at once; bounded, as a broken retire
+    // never says so.
+    for _ in 0..200 {
+        if residency.state(0) != State::Loaded {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat("general-chat")).await.status(), 200, "the new instance serves demo-a");
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat("chat-b")).await.status(), 200);
+    assert!(
+        !engine.model_events().iter().any(|e| e == "unload demo-a"),
+        "demo-a was unloaded under the new instance: {:?}",
+        engine.model_events()
+    );
+    assert_eq!(residency.state(0), State::Unloaded, "a retired slot is marked unloaded");
+    gw.stop().await;
+}
+
+/// Review 15 H2: a reload that touches an engine whose previous instance
+/// still drains (here: changed twice during one stream) is refused with
+/// the engine's key path, and nothing changes; once the drain ended, the
+/// same file is taken. Before, the second change was accepted (and for a
+/// supervised engine stopped the process the stream ran on).
+#[tokio::test]
+async fn a_reload_touching_an_engine_that_still_drains_is_refused_until_the_drain_ends() {
+    let r = Reloadable::start(Knobs::slow(40, 50), "").await;
+    let mut rx = r.gw.recorder().subscribe();
+    let stream = stream_in_background(&r.gw, DEMO_KEY);
+    next_event(&mut rx, "the stream's first token", |e| e.state == TaskState::Streaming).await;
+    let concurrency = |n: &str| {
+        config_toml(&r.engine.url(), "openai", &r.dir.0, "").replacen(
+            "max_concurrency = 2",
+            &format!("max_concurrency = {n}"),
+            1,
+        )
+    };
+    r.write(&concurrency("3"));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let version = r.ready().await["config_version"].clone();
+    r.write(&concurrency("4"));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!((status, error_code(&body)), (422, "CONFIG_INVALID"), "{body}");
+    let errors = body["error"]["errors"].as_array().unwrap();
+    assert_eq!(errors[0]["path"], "engines.fake", "{body}");
+    assert!(errors[0]["message"].as_str().unwrap().contains("draining"), "{body}");
+    assert_eq!(r.ready().await["config_version"], version, "nothing changed");
+    assert_eq!(r.chat(DEMO_KEY).await.0, 200, "new work still runs");
+    let (events, done) = stream.await.unwrap();
+    assert_completed(&events, done);
+    // The drain ends with the stream; its end is not observable from
+    // outside, so the reload is asked again (bounded) until taken.
+    let mut taken = None;
+    for _ in 0..100 {
+        let (status, body) = r.reload(OPS_KEY).await;
+        if status == 200 {
+            taken = Some(body);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let body = taken.expect("the reload was taken once the old instance drained");
+    assert_eq!(body["changes"]["engines"], json!({"added": 0, "removed": 0, "changed": 1}), "{body}");
+    r.gw.stop().await;
+}
+
+/// Review 15 M5: a reload refused after it prepared a supervised engine's
+/// process (here: the second of two added engines cannot be prepared, as
+/// another live edgeway owns its pidfile) leaves no prepared process and
+/// no `starting` status behind; the first engine, added alone later,
+/// starts and answers. Before, `pya` kept a never-launched status.
+#[tokio::test]
+async fn a_reload_refused_after_preparing_a_process_leaves_no_status_behind() {
+    use edgeway::engine::supervisor::ProcessState;
+    let r = Reloadable::start(Knobs::default(), "").await;
+    // A live process stands for "another edgeway" owning pyb's pidfile.
+    let owner = Proc(Command::new("sleep").arg("60").spawn().unwrap());
+    let pid = owner.0.id();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let start = stat[stat.rfind(')').unwrap() + 1..].split_whitespace().nth(19).unwrap().to_string();
+    std::fs::create_dir_all(r.dir.0.join("engines")).unwrap();
+    std::fs::write(
+        r.dir.0.join("engines/pyb.pid"),
+        format!("pid={pid}\nstart_time={start}\ntoken=t\nowner_pid={pid}\nowner_start_time={start}\n"),
+    )
+    .unwrap();
+    let (pa, pb) = (free_port(), free_port());
+    let base = config_toml(&r.engine.url(), "openai", &r.dir.0, "");
+    let pyb = python_engine("pyb", pb, &r.dir.0, 3).replace("[models.py-chat]", "[models.pyb-chat]");
+    r.write(&format!("{base}\n{}\n{pyb}", python_engine("pya", pa, &r.dir.0, 3)));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!((status, error_code(&body)), (422, "CONFIG_INVALID"), "{body}");
+    assert_eq!(body["error"]["errors"][0]["path"], "engines.pyb", "{body}");
+    let processes = r.gw.running.as_ref().unwrap().internals.processes.clone();
+    assert!(processes.status("pya").is_none(), "{:?}", processes.reports());
+    assert!(processes.reports().is_empty(), "{:?}", processes.reports());
+
+    r.write(&format!("{base}\n{}", python_engine("pya", pa, &r.dir.0, 3)));
+    let (status, body) = r.reload(OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let chat = json!({"model": "py-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10});
+    assert_eq!(post_chat(&r.gw, DEMO_KEY, &chat).await.status(), 200, "pya started and answers");
+    assert_eq!(processes.status("pya").unwrap().state(), ProcessState::Ready);
+    drop(owner);
     r.gw.stop().await;
 }

@@ -526,3 +526,23 @@ async fn the_ollama_adapter_loads_with_an_empty_generate_and_unloads_with_keep_a
     assert_eq!(fake.requests(), 0, "no generation ran: {sent:?}");
     assert_eq!(*fake.stats.posts.lock().unwrap(), vec!["/api/generate", "/api/generate"]);
 }
+
+/// Review 15 M3: with room for one model, two loads asked for at once on
+/// one server do not wait on each other: one loads, its task runs, then
+/// it is unloaded for the other. Before, each load counted the other
+/// (`loading`) as used and in use, and both waited up to the load limit
+/// (300 s).
+#[tokio::test]
+async fn two_loads_at_once_with_room_for_one_take_turns_instead_of_waiting_on_each_other() {
+    let fake = FakeEngine::start_with(router_fake(&["demo-a", "demo-b", "demo-c"], 200)).await;
+    let gw = three_models(&fake, 100, |t| t).await;
+    let (a, b) = (chat("general-chat"), chat("chat-b"));
+    let both = async { tokio::join!(call(&gw, DEMO_KEY, &a), call(&gw, DEMO_KEY, &b)) };
+    let ((sa, va), (sb, vb)) =
+        tokio::time::timeout(Duration::from_secs(20), both).await.expect("both loads were done within 20 s");
+    assert_eq!((sa, sb), (200, 200), "{va} {vb}");
+    let events = fake.model_events();
+    assert_eq!(events.iter().filter(|e| e.starts_with("load")).count(), 2, "{events:?}");
+    assert_eq!(events.iter().filter(|e| e.starts_with("unload")).count(), 1, "{events:?}");
+    gw.stop().await;
+}

@@ -8,8 +8,10 @@
 //! unload after `idle_unload_s` without work, the unload of the least
 //! recently used idle model of the same engine server when a load would
 //! pass the engine's memory budget (`memory_budget_mb` against the models'
-//! `weights_mb`), the load of `always` models at start (and again when the
-//! engine dropped one), and the `edgeway_model_*` metrics and log lines.
+//! `weights_mb`; the loads of one server make room and load one at a
+//! time, so two never wait for each other's memory), the load of `always`
+//! models at start (and again when the engine dropped one), and the
+//! `edgeway_model_*` metrics and log lines.
 //!
 //! # Eviction by priority
 //! A load that needs memory unloads idle models of the same server, chosen
@@ -79,6 +81,7 @@
 //! - **vLLM** sleep / wake-up is not used: an engine with `model_api =
 //!   "none"` keeps its model, which counts as loaded while it is healthy.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -230,6 +233,11 @@ struct SlotState {
     need: Option<Priority>,
     /// The priority of the last task that used the model.
     last_priority: Option<Priority>,
+    /// A load under way that has its memory (past `make_room`): counted
+    /// as used by other loads. A `loading` slot still waiting for its
+    /// server's turn is not (two such loads would each wait for the
+    /// other's memory: review 15 M3).
+    reserved: bool,
 }
 
 struct Inner {
@@ -243,6 +251,9 @@ struct Inner {
     shutdown: CancellationToken,
     /// The scheduler's queued work, for eviction.
     waiting: Arc<WaitingWork>,
+    /// One load at a time per engine server (by `base_url`) makes room
+    /// and loads: two at once could each count the other's model.
+    turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// The residency of every engine instance, shared by the router (which
@@ -339,6 +350,7 @@ impl Residency {
                     unloading: false,
                     need: None,
                     last_priority: None,
+                    reserved: false,
                 }),
                 tx: watch::channel(State::Loaded).0,
                 retired: false.into(),
@@ -356,6 +368,7 @@ impl Residency {
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
                 waiting: Arc::default(),
+                turns: Mutex::default(),
             }),
         }
     }
@@ -409,6 +422,7 @@ impl Residency {
                 unloading: false,
                 need: None,
                 last_priority: None,
+                reserved: false,
             }),
             tx: watch::channel(state).0,
             retired: false.into(),
@@ -438,11 +452,28 @@ impl Residency {
 
     /// Instance `i` was removed or replaced by a reload: `/ready` no longer
     /// waits for its model.
+    ///
+    /// It is drained (no users), and its model is no longer its own: a
+    /// changed engine's new instance serves the same model on the same
+    /// server. So it counts as unloaded from here, without asking the
+    /// engine: eviction neither counts its weights a second time nor
+    /// unloads the model under the new instance's work (review 15 H3).
     pub fn retire(&self, i: usize) {
         self.slot(i).retired.store(true, std::sync::atomic::Ordering::Relaxed);
-        // Its idle timer would unload the model its successor (a changed
-        // engine's new instance, on the same server) now serves.
-        self.lock(i).epoch += 1;
+        let mut st = self.lock(i);
+        // Its idle timer would unload the model its successor now serves.
+        st.epoch += 1;
+        if st.state != State::Forbidden && self.slot(i).api != ModelApi::None {
+            st.state = State::Unloaded;
+            st.changed_at = Instant::now();
+            self.slot(i).tx.send_replace(State::Unloaded);
+        }
+        // Its `edgeway_model_resident` series is the successor's (same
+        // model and engine name): left as it is.
+    }
+
+    fn is_retired(&self, i: usize) -> bool {
+        self.slot(i).retired.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Starts the residency work: `always` models are loaded, `forbidden`
@@ -527,9 +558,7 @@ impl Residency {
         (0..self.inner.slots.len())
             .filter(|&i| {
                 let s = self.slot(i);
-                s.class == ResidencyClass::Always
-                    && !s.retired.load(std::sync::atomic::Ordering::Relaxed)
-                    && self.state(i) != State::Loaded
+                s.class == ResidencyClass::Always && !self.is_retired(i) && self.state(i) != State::Loaded
             })
             .map(|i| {
                 let s = self.slot(i);
@@ -659,7 +688,7 @@ impl Residency {
     fn begin_load(&self, i: usize, why: &'static str) {
         {
             let mut st = self.lock(i);
-            if st.state != State::Unloaded {
+            if st.state != State::Unloaded || self.is_retired(i) {
                 return;
             }
             st.state = State::Loading;
@@ -675,7 +704,26 @@ impl Residency {
         let s = self.slot(i);
         let started = Instant::now();
         tracing::info!(model = %s.model, engine = %s.instance, why, "loading model");
-        let result = match self.make_room(i).await {
+        // The server's turn, for a load that has a budget to respect.
+        let turn = match s.budget {
+            Some(_) => {
+                let t = self
+                    .inner
+                    .turns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(s.server.clone())
+                    .or_default()
+                    .clone();
+                Some(t.lock_owned().await)
+            }
+            None => None,
+        };
+        let room = self.make_room(i).await;
+        if room.is_ok() {
+            self.lock(i).reserved = true;
+        }
+        let result = match room {
             Err(e) => Err(e),
             Ok(()) => match tokio::time::timeout(LOAD_TIMEOUT, async {
                 // An unload of this model still under way would make the
@@ -698,6 +746,7 @@ impl Residency {
             let mut st = self.lock(i);
             st.loading_since = None;
             st.need = None;
+            st.reserved = false;
             st.changed_at = Instant::now();
             match &result {
                 Ok(()) => {
@@ -714,6 +763,8 @@ impl Residency {
             }
             s.tx.send_replace(st.state);
         }
+        // Loaded (counted as such) or failed: the next load's turn.
+        drop(turn);
         match &result {
             Ok(()) => {
                 tracing::info!(model = %s.model, engine = %s.instance, seconds = took.as_secs_f64(), "model loaded");
@@ -771,12 +822,14 @@ impl Residency {
             // oldest, is unloaded first.
             let mut victim: Option<(usize, Priority, Instant)> = None;
             for (j, s) in self.inner.slots.iter().enumerate() {
-                if j == i || s.server != me.server || s.api == ModelApi::None {
+                // A retired slot's model is unloaded or its successor's.
+                if j == i || s.server != me.server || s.api == ModelApi::None || self.is_retired(j) {
                     continue;
                 }
                 let queued = self.inner.waiting.best(&s.models);
                 let st = self.lock(j);
-                if matches!(st.state, State::Loaded | State::Loading) {
+                // A load that waits for its turn has no memory yet.
+                if st.state == State::Loaded || (st.state == State::Loading && st.reserved) {
                     used += s.weights;
                     let unloadable = s.class != ResidencyClass::Always;
                     // Queued work more urgent than ours keeps it.
@@ -867,7 +920,7 @@ impl Residency {
     /// change is ignored).
     pub fn observe(&self, i: usize, resident: bool, probed_at: Instant) {
         let s = self.slot(i);
-        if s.api == ModelApi::None {
+        if s.api == ModelApi::None || self.is_retired(i) {
             return;
         }
         let changed = {

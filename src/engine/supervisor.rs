@@ -337,6 +337,28 @@ impl Processes {
         Ok(())
     }
 
+    /// What [`Processes::prepare`] replaces for engine `name` (its status
+    /// in force, if any), for [`Processes::unprepare`].
+    pub fn before_prepare(&self, name: &str) -> Option<Arc<ProcessStatus>> {
+        self.status(name)
+    }
+
+    /// Undoes [`Processes::prepare`] for engine `name` (a reload refused
+    /// after it): the prepared process is dropped and `before`, the status
+    /// in force until then, is put back (review 15 M5).
+    pub fn unprepare(&self, name: &str, before: Option<Arc<ProcessStatus>>) {
+        locked(&self.inner.prepared).remove(name);
+        let mut statuses = locked(&self.inner.statuses);
+        match (statuses.iter().position(|s| s.name == name), before) {
+            (Some(at), Some(old)) => statuses[at] = old,
+            (Some(at), None) => {
+                statuses.remove(at);
+            }
+            (None, Some(old)) => statuses.push(old),
+            (None, None) => {}
+        }
+    }
+
     /// Starts the process [`Processes::prepare`] made ready for engine
     /// `name` under its own supervisor (an engine changed at reload: once
     /// the old process stopped). Nothing when none was prepared.

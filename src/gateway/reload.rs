@@ -14,7 +14,12 @@
 //! started; the instance takes work once its probe passes); a changed one
 //! gets a new instance too, and the old one drains as a removed one does
 //! (a supervised engine whose command changed is stopped once drained and
-//! started again with the new one). A refused reload changes nothing.
+//! started again with the new one). Work queued for a changed engine
+//! waits for its new instance (the scheduler maps it over). A reload that
+//! touches an engine whose previous instance still drains is refused
+//! (`engines.NAME`): a supervised process is known by its engine's name,
+//! so two generations in flight could stop the wrong one. A refused reload
+//! changes nothing (a process prepared before the refusal is undone).
 //!
 //! Running and queued tasks keep what they were admitted with: their
 //! request was resolved against the configuration of their admission, and
@@ -24,6 +29,7 @@
 //! of the last reload. Does not own: the rule of what may change (`config`)
 //! or the triggers (the HTTP admin route, the signal in `main`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -46,6 +52,10 @@ pub(super) struct Reloads {
     total: IntCounterVec,
     /// When the configuration in force was put in force by a reload.
     last: std::sync::Mutex<Option<SystemTime>>,
+    /// Engines whose previous instance still drains (with how many such
+    /// instances): a reload that touches one is refused until the drain
+    /// task (which stops and starts its process) has ended.
+    draining: Arc<std::sync::Mutex<HashMap<String, usize>>>,
 }
 
 impl Reloads {
@@ -61,7 +71,7 @@ impl Reloads {
         for r in ["ok", "refused"] {
             total.with_label_values(&[r]).reset();
         }
-        Reloads { one_at_a_time: Default::default(), total, last: Default::default() }
+        Reloads { one_at_a_time: Default::default(), total, last: Default::default(), draining: Default::default() }
     }
 }
 
@@ -152,6 +162,26 @@ impl Gateway {
         let refuse = |path: &str, message: String| {
             ReloadError::Invalid(ConfigErrors(vec![crate::config::ConfigError { path: path.to_string(), message }]))
         };
+        // A supervised engine's process is known by its name: a second
+        // generation started, stopped or replaced while the first still
+        // drains would stop the wrong process (review 15 H2). The simple
+        // rule: wait for the drain.
+        {
+            let draining = self.reloads.draining.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let touched = engines.added.iter().chain(&engines.replaced).chain(&engines.removed);
+            let busy: Vec<crate::config::ConfigError> = touched
+                .filter(|name| draining.contains_key(*name))
+                .map(|name| crate::config::ConfigError {
+                    path: format!("engines.{name}"),
+                    message: "its previous instance, removed or changed by an earlier reload, is still draining; \
+                              reload again once its running tasks have ended"
+                        .to_string(),
+                })
+                .collect();
+            if !busy.is_empty() {
+                return Err(ReloadError::Invalid(ConfigErrors(busy)));
+            }
+        }
         let router = self.scheduler.router().clone();
         let fresh: Vec<&String> = engines.added.iter().chain(&engines.replaced).collect();
         if fresh.len() > router.room() {
@@ -177,19 +207,35 @@ impl Gateway {
             crate::engine::build(&new.engines[*name]).map_err(|e| refuse(&format!("engines.{name}"), e.to_string()))?;
         }
         let restarted = |n: &String| engines.restarted.contains(n);
+        // What each prepare replaced: a refusal after it puts that back,
+        // so a refused reload leaves no prepared process or status.
+        let mut undo = Vec::new();
+        let rollback = |undo: Vec<(&String, _)>| {
+            for (name, before) in undo {
+                self.processes.unprepare(name, before);
+            }
+        };
         for name in fresh.iter().filter(|n| engines.added.contains(n) || restarted(n)) {
-            self.processes
-                .prepare(&new.engines[*name])
-                .await
-                .map_err(|e| refuse(&format!("engines.{name}"), format!("cannot prepare its process: {e}")))?;
+            let before = self.processes.before_prepare(name);
+            if let Err(e) = self.processes.prepare(&new.engines[*name]).await {
+                rollback(undo);
+                return Err(refuse(&format!("engines.{name}"), format!("cannot prepare its process: {e}")));
+            }
+            if new.engines[*name].process.is_some() {
+                undo.push((*name, before));
+            }
         }
         // Every instance is made before any is added: a failure leaves the
         // router as it was.
         let mut instances = Vec::new();
         for name in &fresh {
-            let inst = crate::router::Router::build_instance(&new.engines[*name], &self.processes)
-                .map_err(|e| refuse(&format!("engines.{name}"), e.to_string()))?;
-            instances.push(inst);
+            match crate::router::Router::build_instance(&new.engines[*name], &self.processes) {
+                Ok(inst) => instances.push(inst),
+                Err(e) => {
+                    rollback(undo);
+                    return Err(refuse(&format!("engines.{name}"), e.to_string()));
+                }
+            }
         }
         let added: Vec<(String, usize)> = instances
             .into_iter()
@@ -229,6 +275,8 @@ impl Gateway {
             let removed = !new.engines.contains_key(&engine);
             let restart = engines.restarted.contains(&engine);
             let old_runs = old.engines.get(&engine).is_some_and(|e| e.process.is_some());
+            let draining = self.reloads.draining.clone();
+            *draining.lock().unwrap_or_else(std::sync::PoisonError::into_inner).entry(engine.clone()).or_default() += 1;
             tokio::spawn(async move {
                 let what = if removed { "removed from" } else { "changed in" };
                 tracing::info!(%engine, instance = i, "engine {what} the configuration: draining");
@@ -241,6 +289,13 @@ impl Gateway {
                         processes.launch(&engine);
                     }
                     tracing::info!(%engine, instance = i, "engine {what} the configuration: drained");
+                }
+                let mut draining = draining.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if let Some(n) = draining.get_mut(&engine) {
+                    *n -= 1;
+                    if *n == 0 {
+                        draining.remove(&engine);
+                    }
                 }
             });
         }

@@ -1106,11 +1106,18 @@ impl Actor {
             }
             Cmd::Danger { reason } => self.policy.set_danger(reason),
             Cmd::Limits { limits, retired, models } => {
+                let added: Vec<(usize, String)> =
+                    limits.added_instances.iter().map(|(i, inst)| (*i, inst.name.clone())).collect();
                 for (_, inst) in &limits.added_instances {
                     self.details.push("added by a reload: not checked yet".to_string());
                     self.breaker_reasons.push(None);
-                    self.metrics.running.with_label_values(&[&inst.name]).set(0);
-                    self.metrics.engine_unreleased.with_label_values(&[&inst.name]).set(0);
+                    // The gauges are by engine name: a changed engine's old
+                    // instance still counts its running tasks there (their
+                    // end decrements it), so only a new name starts at 0.
+                    if !self.policy.config().instances.iter().any(|i| i.name == inst.name) {
+                        self.metrics.running.with_label_values(&[&inst.name]).set(0);
+                        self.metrics.engine_unreleased.with_label_values(&[&inst.name]).set(0);
+                    }
                 }
                 self.policy.set_limits(limits);
                 // A model the file no longer has is unknown to new work;
@@ -1127,6 +1134,12 @@ impl Actor {
                         self.policy.set_instance_up(i, false);
                         self.policy.set_instance_restarting(i, false);
                         self.details[i] = "removed from the configuration: draining, then stopped".to_string();
+                        // A changed engine: its queued work is its new
+                        // instance's, waited for rather than rerouted.
+                        let name = &self.policy.config().instances[i].name;
+                        if let Some(&(new, _)) = added.iter().find(|(_, n)| n == name) {
+                            self.policy.replace_instance(i, new);
+                        }
                     }
                 }
                 // Waiting tasks whose only instances left go elsewhere now.
@@ -1327,7 +1340,9 @@ impl Actor {
         Snapshot {
             // The policy's instances: the router may have one more a
             // reload is adding, that the actor is not told of yet.
+            // A retired instance is listed while it drains, not after.
             instances: (0..cfg.instances.len())
+                .filter(|&i| !self.retired.contains(&i) || self.policy.running_on(i) > 0)
                 .map(|i| (i, self.router.instance(i)))
                 .map(|(i, inst)| InstanceSnapshot {
                     name: inst.name.clone(),
@@ -1346,6 +1361,8 @@ impl Actor {
                 .models
                 .iter()
                 .enumerate()
+                // A model a reload removed: listed while tasks wait for it.
+                .filter(|(m, q)| self.model_index.contains_key(&q.name) || self.policy.waiting(*m) > 0)
                 .map(|(m, q)| QueueSnapshot {
                     model: q.name.clone(),
                     waiting: self.policy.waiting(m),

@@ -308,6 +308,11 @@ struct InstanceState {
     up: bool,
     /// Down only until its supervised engine process is ready again.
     restarting: bool,
+    /// It replaces an instance of the same engine that a reload changed
+    /// and was not up yet: the work queued for the old one waits for it
+    /// while it is `restarting` (not yet probed, or its process starting)
+    /// instead of falling back.
+    replacement: bool,
     /// Out of dispatch for now (an engine still running cancelled work);
     /// new work still queues for it.
     paused: bool,
@@ -436,6 +441,10 @@ impl Policy {
 
     pub fn set_instance_up(&mut self, instance: usize, up: bool) {
         self.instances[instance].up = up;
+        // Up once: from here it is an instance like any other.
+        if up {
+            self.instances[instance].replacement = false;
+        }
     }
 
     /// The instance is down only while its engine process restarts: a
@@ -1493,14 +1502,30 @@ impl Policy {
         self.preempting.remove(victim);
     }
 
+    /// A reload replaced instance `old` (retired) by `new`, of the same
+    /// engine: tasks queued for `old`, and running ones should they be
+    /// retried, now have `new` as their candidate, and wait for it while
+    /// it comes up (see [`Self::stranded`]).
+    pub fn replace_instance(&mut self, old: usize, new: usize) {
+        self.instances[new].replacement = true;
+        let lists = self.waiting.iter_mut().flatten().map(|w| &mut w.candidates);
+        for c in lists.chain(self.running.values_mut().map(|r| &mut r.candidates)).flatten() {
+            if *c == old {
+                *c = new;
+            }
+        }
+    }
+
     /// Waiting tasks none of whose candidate instances is up any more
     /// (`serving`: none is up with its breaker not open), with whether
-    /// any is still up.
+    /// any is still up. A task that has a replacement instance still
+    /// coming up is not stranded: it waits for it.
     pub fn stranded(&self) -> Vec<(String, bool)> {
         self.waiting
             .iter()
             .flatten()
             .filter(|w| !w.candidates.iter().any(|&i| self.serving(i)))
+            .filter(|w| !w.candidates.iter().any(|&i| self.instances[i].replacement && self.instances[i].restarting))
             .map(|w| {
                 let back = w.candidates.iter().any(|&i| self.instances[i].up || self.instances[i].restarting);
                 (w.info.task_id.clone(), back)
