@@ -1,12 +1,14 @@
 //! The audit trail: one record per call, refused calls included, in an
 //! append-only, hash-chained table (`audit_log`).
 //!
-//! A record is written by the store's writer in the same transaction as
-//! the task's terminal state (a finished task) or its REJECTED row (a
-//! refused call), so it survives a crash (`kill -9`) exactly as that state
-//! does: a keyed task's result commits at once, any other end may be lost
-//! to a crash within the write-behind window (`commit_window`), and then
-//! its audit record with it, never one without the other.
+//! A record is written by the store's writer in the same transaction (and
+//! savepoint) as the task's terminal state (a finished task, or a
+//! validated one the scheduler refused or its caller left before it was
+//! queued) or its REJECTED row (a call refused at admission), so it
+//! survives a crash (`kill -9`) exactly as that state does: a keyed task's
+//! result commits at once, any other end may be lost to a crash within the
+//! write-behind window (`commit_window`), and then its audit record with
+//! it, never one without the other.
 //!
 //! Each record holds its canonical bytes (the JSON of [`AuditEntry`], as
 //! written; never prompt or answer text), the SHA-256 of the record before

@@ -153,6 +153,15 @@ enum WriteOp {
     Rejected {
         row: Box<RejectedCall>,
     },
+    /// A validated task refused before it ran (the scheduler refused it,
+    /// or its caller went away before it was queued): the terminal
+    /// transition, the error code and the audit record in one op, so no
+    /// batch commits the REJECTED state without its record (review 15 H4).
+    Refused {
+        t: Box<Transition>,
+        code: String,
+        entry: Box<AuditEntry>,
+    },
     Remember {
         req: Box<StoredRequest>,
         ttl_ms: i64,
@@ -634,6 +643,43 @@ impl Store {
         };
         self.write(WriteOp::Rejected { row: Box::new(row) });
         task_id
+    }
+
+    /// Ends a validated task REJECTED with `code` (refused by the
+    /// scheduler, or its caller went away before it was queued): the
+    /// transition, the code and the task's audit record are written
+    /// together (`credential`: as for [`Self::finish`]).
+    pub fn refuse(&self, req: &TaskRequest, reason: &str, actor: &str, code: &str) {
+        let t = self.new_transition(TaskState::Rejected, reason, None, actor);
+        let user_id = req.identity.user_id.clone();
+        let entry = AuditEntry {
+            at_ms: t.at_ms,
+            task_id: req.task_id.clone(),
+            request_id: req.request_id.clone(),
+            trace_id: (!req.trace_id.is_empty()).then(|| req.trace_id.clone()),
+            tenant: req.identity.tenant.clone(),
+            application: req.identity.application.clone(),
+            device: audit::device_of(req.ingress.as_str(), user_id.as_deref()),
+            user_id,
+            key_id: audit::key_id(req.identity.credential.as_ref()),
+            ingress: req.ingress.as_str().to_string(),
+            requested_model: req.logical_model.clone(),
+            model: None,
+            instance: None,
+            route: Vec::new(),
+            data_class: Some(req.data_class),
+            result: TaskState::Rejected.as_str().to_string(),
+            error_code: Some(code.to_string()),
+            input_tokens: 0,
+            output_tokens: 0,
+            cost: None,
+            cache_hit: false,
+            context_sha256: None,
+            queue_ms: None,
+            ttft_ms: None,
+            total_ms: None,
+        };
+        self.write(WriteOp::Refused { t: Box::new(t), code: code.to_string(), entry: Box::new(entry) });
     }
 
     /// Records the terminal transition (to `meta.status`) and the final
@@ -1315,6 +1361,7 @@ fn state_set_later(pending: &VecDeque<WriteOp>) -> Vec<bool> {
         let task = match op {
             WriteOp::Transition { task_id, .. } => task_id.as_str(),
             WriteOp::Finish { meta, .. } => meta.task_id.as_str(),
+            WriteOp::Refused { entry, .. } => entry.task_id.as_str(),
             _ => continue,
         };
         later[i] = !seen.insert(task);
@@ -1355,6 +1402,19 @@ fn apply(
         WriteOp::Rejected { row } => {
             insert_rejected(txn, row)?;
             audited.push(audit::append(txn, rejected_entry(row))?);
+            Ok(())
+        }
+        WriteOp::Refused { t, code, entry } => {
+            // Sets the state whatever a later write does: a refused task
+            // has no later transition.
+            append_transition(txn, &entry.task_id, t)?;
+            exec(
+                txn,
+                "UPDATE tasks SET state = ?2, updated_at_ms = ?3, error_code = ?4 WHERE task_id = ?1",
+                params![entry.task_id, t.state.as_str(), t.at_ms, code],
+            )?;
+            pending_requests::drop_request(txn, &entry.task_id)?;
+            audited.push(audit::append(txn, (**entry).clone())?);
             Ok(())
         }
         WriteOp::Remember { req, ttl_ms, replaces } => {
