@@ -267,6 +267,29 @@ async fn a_call_refused_by_a_full_queue_leaves_a_rejected_record() {
     gw.stop().await;
 }
 
+#[tokio::test]
+async fn a_caller_cannot_claim_the_platforms_user() {
+    let (_fake, gw) = gateway("").await;
+    let mut as_user = chat_body(false);
+    as_user["user"] = json!("edgeway:summary");
+    let mut as_metadata = chat_body(false);
+    as_metadata["metadata"] = json!({"user_id": "edgeway:anything"});
+    for body in [as_user, as_metadata] {
+        let r = post_chat(&gw, DEMO_KEY, &body).await;
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(error_code(&v), "INVALID_REQUEST", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("'edgeway:'"), "{v}");
+    }
+    let mut plain = chat_body(false);
+    plain["user"] = json!("edgeway-fan");
+    assert_eq!(post_chat(&gw, DEMO_KEY, &plain).await.status(), 200, "only the prefix is reserved");
+    let page = audit_page(&gw, OPS_KEY, "").await;
+    let users: Vec<&Value> = page["records"].as_array().unwrap().iter().map(|r| &r["user_id"]).collect();
+    assert_eq!(users, [&Value::Null, &Value::Null, &json!("edgeway-fan")], "no record names the platform's user");
+    gw.stop().await;
+}
+
 fn edgeway(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_edgeway")).args(args).output().unwrap();
     (

@@ -131,6 +131,14 @@ fn check_user_id(field: &str, u: &str) -> Result<(), GatewayError> {
             "'{field}' must be 1..{MAX_USER_ID_LEN} bytes without control characters"
         )));
     }
+    // The platform's own tasks run as these users, exempt from per-user
+    // limits: a caller that could claim one could spend their budget.
+    if crate::task::is_platform_user(u) {
+        return Err(GatewayError::invalid(format!(
+            "'{field}' must not start with '{}': user ids with that prefix are the platform's own",
+            crate::task::PLATFORM_USER_PREFIX
+        )));
+    }
     Ok(())
 }
 

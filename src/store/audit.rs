@@ -157,8 +157,10 @@ pub fn finished_entry(
 }
 
 /// A device's calls come over MQTT, where the user is the client id.
+/// A platform task (a summary made after a device's turn) names no device.
 pub fn device_of(ingress: &str, user_id: Option<&str>) -> Option<String> {
-    (ingress == "mqtt").then(|| user_id.map(str::to_string)).flatten()
+    let user = user_id.filter(|u| !crate::task::is_platform_user(u));
+    (ingress == "mqtt").then(|| user.map(str::to_string)).flatten()
 }
 
 fn chain_hash(seq: i64, prev: &str, record: &str) -> String {
@@ -335,6 +337,13 @@ pub fn open_read_only(path: &std::path::Path) -> rusqlite::Result<Connection> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_platform_task_names_no_device() {
+        assert_eq!(device_of("mqtt", Some("sensor-1")).as_deref(), Some("sensor-1"));
+        assert_eq!(device_of("mqtt", Some("edgeway:summary")), None, "a summary after a device's turn");
+        assert_eq!(device_of("http", Some("alice")), None);
+    }
 
     fn db() -> Connection {
         let c = Connection::open_in_memory().unwrap();

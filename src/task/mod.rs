@@ -698,6 +698,17 @@ pub fn new_task_id() -> String {
     uuid::Uuid::now_v7().simple().to_string()
 }
 
+/// User ids under this prefix are the platform's own (a session summary
+/// runs as `edgeway:summary`): admission refuses them from callers, they
+/// are held to their application's limits but not to per-user ones, and an
+/// audit record names no device after them.
+pub const PLATFORM_USER_PREFIX: &str = "edgeway:";
+
+/// Whether `user_id` is one of the platform's own ([`PLATFORM_USER_PREFIX`]).
+pub fn is_platform_user(user_id: &str) -> bool {
+    user_id.starts_with(PLATFORM_USER_PREFIX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
