@@ -88,7 +88,7 @@ const MAX_ID_LEN: usize = 128;
 
 /// Idempotency keys with this prefix are the MQTT ingress's (one per device
 /// and request); other callers' keys may not start with it.
-pub const DEVICE_KEY_PREFIX: &str = "mqtt-";
+pub use crate::task::DEVICE_KEY_PREFIX;
 
 fn check_id(name: &str, v: &str) -> Result<(), GatewayError> {
     if v.is_empty() || v.len() > MAX_ID_LEN || !v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c)) {

@@ -281,10 +281,12 @@ impl Recorder {
     ) {
         let keyed = match &req.idempotency_key {
             None => KeyedResult::None,
-            // A device never chose its key (MQTT derives one for every
-            // request): its answer goes to the file only where the policy
-            // keeps text; a repeat meanwhile is answered from memory.
-            Some(_) if req.ingress == Ingress::Mqtt && !self.store.stores_prompts() => KeyedResult::Outcome,
+            // A device that sent no key never chose one (the ingress
+            // derived it from the request id): its answer goes to the file
+            // only where the policy keeps text; a repeat meanwhile is
+            // answered from memory. A device that sent its own key asked
+            // for the replay, as any caller does (review 15 L4).
+            Some(k) if crate::task::is_derived_device_key(k) && !self.store.stores_prompts() => KeyedResult::Outcome,
             Some(_) => KeyedResult::OutcomeAndText,
         };
         let recorded = self.advance(&req.task_id, meta.status, reason, || {
