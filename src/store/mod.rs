@@ -65,7 +65,14 @@ pub enum StoreError {
     /// Writes fail (disk full, read-only, I/O error): the store is degraded.
     #[error("task store cannot write: {0}")]
     Unavailable(String),
+    /// As many audit queries run as the store allows at once.
+    #[error("too many audit queries at once")]
+    Busy,
 }
+
+/// Audit queries at once (each holds a connection and a blocking thread
+/// while it scans).
+pub const AUDIT_QUERIES_AT_ONCE: usize = 4;
 
 /// What the idempotency key of a finished task keeps for a repeat.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,6 +301,8 @@ pub struct Store {
     /// Audit records as they are committed (the NATS publisher reads it;
     /// a slow reader loses records, the table keeps them).
     audit_tx: tokio::sync::broadcast::Sender<Arc<AuditRecord>>,
+    /// Bounds the audit queries running at once ([`AUDIT_QUERIES_AT_ONCE`]).
+    audit_queries: Arc<tokio::sync::Semaphore>,
 }
 
 /// What the store needs to know beyond its file (from `[store]`).
@@ -538,7 +547,8 @@ impl Store {
             .spawn(move || reader_loop(reader, read_rx))
             .map_err(spawn_err)?;
         let path = Arc::from(path);
-        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health, path, audit_tx })
+        let audit_queries = Arc::new(tokio::sync::Semaphore::new(AUDIT_QUERIES_AT_ONCE));
+        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health, path, audit_tx, audit_queries })
     }
 
     /// Whether writes succeed (shared: it follows the writer).
@@ -876,9 +886,14 @@ impl Store {
     /// ago may not be visible yet: `flush` first to see it). On a
     /// connection of its own, off the reader thread: a page that scans far
     /// (a rare tenant) must not hold up idempotency lookups.
+    /// At most [`AUDIT_QUERIES_AT_ONCE`] run at once; one more is refused
+    /// ([`StoreError::Busy`]) rather than queued behind them.
     pub async fn audit(&self, q: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
         let path = self.path.clone();
+        let permit = self.audit_queries.clone().try_acquire_owned().map_err(|_| StoreError::Busy)?;
         tokio::task::spawn_blocking(move || {
+            // Held until the scan ends, even if its caller went away.
+            let _permit = permit;
             let c = audit::open_read_only(&path)?;
             Ok(audit::query(&c, &q)?)
         })
@@ -1255,17 +1270,28 @@ impl Writer {
     fn write_pending(&mut self) -> rusqlite::Result<Vec<AuditRecord>> {
         let failures = &self.failures;
         let pending = &self.pending;
-        let txn = self.conn.transaction()?;
+        let mut txn = self.conn.transaction()?;
         let later = state_set_later(pending);
         let mut audited = Vec::new();
         for (op, set_later) in pending.iter().zip(later) {
-            if let Err(e) = apply(&txn, op, set_later, &mut audited) {
-                if is_storage_failure(&e) {
-                    return Err(e);
+            // Each op in a savepoint: one that fails part way (a terminal
+            // state written, its audit record refused) leaves nothing of
+            // itself, so a state never commits without its record.
+            let sp = txn.savepoint()?;
+            let before = audited.len();
+            match apply(&sp, op, set_later, &mut audited) {
+                Ok(()) => sp.commit()?,
+                Err(e) => {
+                    audited.truncate(before);
+                    // Dropped, the savepoint rolls back.
+                    drop(sp);
+                    if is_storage_failure(&e) {
+                        return Err(e);
+                    }
+                    // One bad write must not roll back the others.
+                    failures.inc();
+                    tracing::error!(error = %e, "task store write failed");
                 }
-                // One bad write must not roll back the others.
-                failures.inc();
-                tracing::error!(error = %e, "task store write failed");
             }
         }
         txn.commit()?;
@@ -1661,6 +1687,57 @@ fn read_task(c: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review 15 L6: a finish whose audit record cannot be written (an
+    /// error that is not the disk's: here a trigger refuses it) leaves the
+    /// task as it was, not ended without its record; the batch's other
+    /// writes commit.
+    #[tokio::test]
+    async fn a_finish_whose_record_fails_commits_neither() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edgeway.db");
+        let store = Store::open_with(&path, "n1", false, StoreOptions::default()).unwrap();
+        let (a, b) = (TaskRequest::sample(vec![]), TaskRequest::sample(vec![]));
+        for r in [&a, &b] {
+            store.new_task(r);
+            store.transition(&r.task_id, TaskState::Received, "r", None, "client");
+        }
+        store.flush().await;
+        let refuse = format!(
+            "CREATE TRIGGER refuse_audit BEFORE INSERT ON audit_log WHEN NEW.record LIKE '%{}%' \
+             BEGIN SELECT RAISE(ABORT, 'refused'); END;",
+            a.task_id
+        );
+        Connection::open(&path).unwrap().execute_batch(&refuse).unwrap();
+        let failures = store.write_failures().get();
+        for r in [&a, &b] {
+            let meta = ResultMeta::bare(&r.request_id, &r.task_id, TaskState::Succeeded, "m", "n1");
+            store.finish(&meta, "done", None, "engine", None, None, KeyedResult::None, None);
+        }
+        store.flush().await;
+        assert_eq!(store.write_failures().get(), failures + 1);
+        let a = store.get(&a.task_id).await.unwrap().unwrap();
+        assert_eq!((a.state, a.transitions.len()), (TaskState::Received, 1), "not ended without its record");
+        assert_eq!(store.get(&b.task_id).await.unwrap().unwrap().state, TaskState::Succeeded);
+        let c = Connection::open(&path).unwrap();
+        let records: i64 = c.query_row("SELECT COUNT(*) FROM audit_log", [], |r| r.get(0)).unwrap();
+        assert_eq!(records, 1, "b's record only");
+    }
+
+    /// Review 15 L6: no more than `AUDIT_QUERIES_AT_ONCE` audit scans at
+    /// once; one more is refused at once, not queued.
+    #[tokio::test]
+    async fn audit_queries_beyond_the_bound_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open_with(&dir.path().join("edgeway.db"), "n1", false, StoreOptions::default()).unwrap();
+        let q = || AuditQuery { limit: 10, ..AuditQuery::default() };
+        assert!(store.audit(q()).await.is_ok());
+        let running: Vec<_> =
+            (0..AUDIT_QUERIES_AT_ONCE).map(|_| store.audit_queries.clone().try_acquire_owned().unwrap()).collect();
+        assert!(matches!(store.audit(q()).await, Err(StoreError::Busy)));
+        drop(running);
+        assert!(store.audit(q()).await.is_ok(), "free again once one ends");
+    }
 
     fn transitions(path: &Path) -> i64 {
         let c = Connection::open(path).unwrap();
