@@ -195,6 +195,101 @@ async fn the_admin_query_needs_an_admin_of_the_tenant_and_is_bounded() {
     gw.stop().await;
 }
 
+/// The records of `page` as (result, error_code) pairs, in order.
+fn outcomes(page: &Value) -> Vec<(String, Option<String>)> {
+    let records = page["records"].as_array().unwrap_or_else(|| panic!("{page}"));
+    records
+        .iter()
+        .map(|r| (r["result"].as_str().unwrap().to_string(), r["error_code"].as_str().map(str::to_string)))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_call_the_scheduler_rate_limits_leaves_a_rejected_record() {
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        t.replacen("default_priority = \"P2\"\n", "default_priority = \"P2\"\nuser_requests_per_minute = 1\n", 1)
+    })
+    .await;
+    gw.wait_ready().await;
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat_body(false)).await.status(), 200);
+    let r = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(r.status(), 429);
+    let refused_task = r.headers().get("x-task-id").map(|v| v.to_str().unwrap().to_string());
+    assert_eq!(error_code(&r.json().await.unwrap()), "RATE_LIMITED");
+
+    let page = audit_page(&gw, OPS_KEY, "").await;
+    let rate = ("REJECTED".to_string(), Some("RATE_LIMITED".to_string()));
+    assert_eq!(outcomes(&page), [("SUCCEEDED".to_string(), None), rate], "{page}");
+    let rec = &page["records"][1];
+    assert_eq!(
+        (&rec["tenant"], &rec["application"], &rec["ingress"]),
+        (&json!("demo"), &json!("demo"), &json!("http"))
+    );
+    assert_eq!(rec["requested_model"], "general-chat");
+    if let Some(id) = refused_task {
+        assert_eq!(rec["task_id"], id.as_str());
+    }
+    // The task row ends with the same code.
+    let task = gw.store().get(rec["task_id"].as_str().unwrap()).await.unwrap().expect("the refused task's row");
+    assert_eq!((task.state, task.error_code.as_deref()), (edgeway::task::TaskState::Rejected, Some("RATE_LIMITED")));
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_call_refused_by_a_full_queue_leaves_a_rejected_record() {
+    let fake = FakeEngine::start_with(Knobs::slow(1000, 50)).await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "queue_capacity = 1", |t| {
+        t.replace("max_concurrency = 2", "max_concurrency = 1")
+    })
+    .await;
+    gw.wait_ready().await;
+    let mut rx = gw.recorder().subscribe();
+    // One call runs, a second waits in the queue, a third finds it full.
+    let mut running = post_chat(&gw, DEMO_KEY, &chat_body(true)).await;
+    assert_eq!(running.status(), 200);
+    running.chunk().await.unwrap().expect("first chunk");
+    let queued = tokio::spawn({
+        let (body, url) = (chat_body(false), gw.base_url.clone());
+        async move { client().post(format!("{url}/v1/chat/completions")).bearer_auth(DEMO_KEY).json(&body).send().await }
+    });
+    common::next_event(&mut rx, "the second call queued", |e| e.state == edgeway::task::TaskState::Queued).await;
+    let r = post_chat(&gw, DEMO_KEY, &chat_body(false)).await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(error_code(&r.json().await.unwrap()), "QUEUE_FULL");
+    queued.abort();
+    drop(running);
+
+    let page = audit_page(&gw, OPS_KEY, "").await;
+    let full = ("REJECTED".to_string(), Some("QUEUE_FULL".to_string()));
+    assert!(outcomes(&page).contains(&full), "{page}");
+    assert_eq!(outcomes(&page).iter().filter(|o| o.0 == "REJECTED").count(), 1, "{page}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_caller_cannot_claim_the_platforms_user() {
+    let (_fake, gw) = gateway("").await;
+    let mut as_user = chat_body(false);
+    as_user["user"] = json!("edgeway:summary");
+    let mut as_metadata = chat_body(false);
+    as_metadata["metadata"] = json!({"user_id": "edgeway:anything"});
+    for body in [as_user, as_metadata] {
+        let r = post_chat(&gw, DEMO_KEY, &body).await;
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(error_code(&v), "INVALID_REQUEST", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("'edgeway:'"), "{v}");
+    }
+    let mut plain = chat_body(false);
+    plain["user"] = json!("edgeway-fan");
+    assert_eq!(post_chat(&gw, DEMO_KEY, &plain).await.status(), 200, "only the prefix is reserved");
+    let page = audit_page(&gw, OPS_KEY, "").await;
+    let users: Vec<&Value> = page["records"].as_array().unwrap().iter().map(|r| &r["user_id"]).collect();
+    assert_eq!(users, [&Value::Null, &Value::Null, &json!("edgeway-fan")], "no record names the platform's user");
+    gw.stop().await;
+}
+
 fn edgeway(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_edgeway")).args(args).output().unwrap();
     (

@@ -88,7 +88,7 @@ const MAX_ID_LEN: usize = 128;
 
 /// Idempotency keys with this prefix are the MQTT ingress's (one per device
 /// and request); other callers' keys may not start with it.
-pub const DEVICE_KEY_PREFIX: &str = "mqtt-";
+pub use crate::task::DEVICE_KEY_PREFIX;
 
 fn check_id(name: &str, v: &str) -> Result<(), GatewayError> {
     if v.is_empty() || v.len() > MAX_ID_LEN || !v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c)) {
@@ -129,6 +129,14 @@ fn check_user_id(field: &str, u: &str) -> Result<(), GatewayError> {
     if u.is_empty() || u.len() > MAX_USER_ID_LEN || u.chars().any(char::is_control) {
         return Err(GatewayError::invalid(format!(
             "'{field}' must be 1..{MAX_USER_ID_LEN} bytes without control characters"
+        )));
+    }
+    // The platform's own tasks run as these users, exempt from per-user
+    // limits: a caller that could claim one could spend their budget.
+    if crate::task::is_platform_user(u) {
+        return Err(GatewayError::invalid(format!(
+            "'{field}' must not start with '{}': user ids with that prefix are the platform's own",
+            crate::task::PLATFORM_USER_PREFIX
         )));
     }
     Ok(())

@@ -206,7 +206,7 @@ impl Summarizer {
             Ok(Submitted::New(s)) => s,
             Ok(Submitted::Known(_)) => return Err("a task with its request id exists".into()),
             Err(e) => {
-                self.recorder.transition(&req, TaskState::Rejected, e.code.as_str(), None, "scheduler");
+                self.recorder.refused(&req, e.code.as_str(), e.code.as_str(), "scheduler");
                 return Err(e.code.as_str().to_string());
             }
         };

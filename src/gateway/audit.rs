@@ -19,6 +19,8 @@ pub type AuditQuery = crate::store::AuditQuery;
 
 /// Records per page at most (`limit` above it is lowered to it).
 pub const MAX_AUDIT_PAGE: usize = 1000;
+/// The wait a refused audit query is told to take.
+const AUDIT_BUSY_RETRY_MS: u64 = 1000;
 /// Records per page when the query names no `limit`.
 pub const DEFAULT_AUDIT_PAGE: usize = 100;
 
@@ -43,7 +45,14 @@ impl Gateway {
             0 => DEFAULT_AUDIT_PAGE,
             n => n.min(MAX_AUDIT_PAGE),
         };
-        self.store.audit(q).await.map_err(store_failed)
+        match self.store.audit(q).await {
+            Err(crate::store::StoreError::Busy) => Err(GatewayError::new(
+                ErrorCode::RateLimited,
+                format!("at most {} audit queries run at once; retry shortly", crate::store::AUDIT_QUERIES_AT_ONCE),
+            )
+            .with_retry_after(AUDIT_BUSY_RETRY_MS)),
+            r => r.map_err(store_failed),
+        }
     }
 
     /// Audit records as they are committed, for the NATS publisher (best

@@ -96,7 +96,10 @@ impl Gateway {
         if let Some(s) = self.scheduler.attach(&rec.task_id, 0) {
             return Ok(Repeat::Join(s));
         }
-        Ok(Repeat::Join(self.replay_stored(rec)))
+        // A device's derived key keeps no text under the default policy:
+        // the repeat says so rather than look like an empty answer.
+        let text_not_kept = crate::task::is_derived_device_key(key) && rec.result_text.is_none();
+        Ok(Repeat::Join(self.replay_stored(rec, text_not_kept)))
     }
 
     /// A repeat of the live task `existing` (same key): joins it from its
@@ -143,14 +146,15 @@ impl Gateway {
 
     /// The outcome of a finished task as a stream: accepted, the kept
     /// answer text, then done or error.
-    fn replay_stored(&self, rec: IdempotentRecord) -> TaskStream {
+    fn replay_stored(&self, rec: IdempotentRecord, text_not_kept: bool) -> TaskStream {
         let mut events = vec![TaskEvent::Accepted { task_id: rec.task_id.clone(), queue_position: 0 }];
         if let Some(t) = rec.result_text.filter(|t| !t.is_empty()) {
             events.push(TaskEvent::Delta { text: t });
         }
-        let meta = rec
+        let mut meta = rec
             .result
             .unwrap_or_else(|| ResultMeta::bare(&rec.request_id, &rec.task_id, rec.state, "", &self.config().node_id));
+        meta.text_not_kept = text_not_kept && rec.state == TaskState::Succeeded;
         // The calls come back whole, one piece each, as they were kept.
         for c in &meta.tool_calls {
             events.push(TaskEvent::ToolCallDelta(crate::task::ToolCallDelta {

@@ -572,11 +572,15 @@ impl Gateway {
                 // Lost a race with a retry of the same key: judged as any
                 // repeat, and this call's own record ends here.
                 let joined = self.join_repeat(&existing, &meta_req);
-                let why = match &joined {
-                    Ok(_) => format!("idempotent repeat of task {}", existing.task_id),
-                    Err(e) => e.code.as_str().to_string(),
-                };
-                self.recorder.transition(&meta_req, TaskState::Rejected, &why, None, "gateway");
+                match &joined {
+                    // A repeat that joins its task leaves no record of its
+                    // own: the task has its one.
+                    Ok(_) => {
+                        let why = format!("idempotent repeat of task {}", existing.task_id);
+                        self.recorder.transition(&meta_req, TaskState::Rejected, &why, None, "gateway");
+                    }
+                    Err(e) => self.recorder.refused(&meta_req, e.code.as_str(), e.code.as_str(), "gateway"),
+                }
                 if joined.is_ok() {
                     self.hand_over_key(&meta_req, &existing.task_id);
                 }
@@ -598,7 +602,7 @@ impl Gateway {
                 }
             }
             Err(e) => {
-                self.recorder.transition(&meta_req, TaskState::Rejected, e.code.as_str(), None, "scheduler");
+                self.recorder.refused(&meta_req, e.code.as_str(), e.code.as_str(), "scheduler");
                 self.forget_key(&meta_req);
                 Err(self.refused(ingress, e))
             }
@@ -665,7 +669,8 @@ impl Drop for Unqueued<'_> {
     fn drop(&mut self) {
         if self.armed {
             let why = "the caller went away before the task was queued";
-            self.gw.recorder.transition(self.req, TaskState::Rejected, why, None, "client");
+            let code = ErrorCode::RequestCancelled.as_str();
+            self.gw.recorder.refused(self.req, code, why, "client");
             self.gw.forget_key(self.req);
         }
     }

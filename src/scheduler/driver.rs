@@ -1012,6 +1012,7 @@ impl Driver {
             },
             tool_calls,
             context: r.context.clone(),
+            text_not_kept: false,
         };
         let error_code = outcome.error.as_ref().map(|(e, _)| e.code.as_str());
         // The arguments are answer text: stored only where the text is;

@@ -1038,7 +1038,10 @@ impl Policy {
                 retry,
             )));
         }
-        if again.is_none() && app.user_max_queued.is_some_and(|cap| user_c >= cap) {
+        // The platform's own tasks (a session's summary) answer to their
+        // application's limits, not to one user's shared by all of them.
+        let per_user = !crate::task::is_platform_user(&info.user);
+        if again.is_none() && per_user && app.user_max_queued.is_some_and(|cap| user_c >= cap) {
             return Err(Refusal::Final(busy(
                 ErrorCode::QueueFull,
                 "this user has too many waiting tasks".into(),
@@ -1047,7 +1050,7 @@ impl Policy {
         }
 
         // Rates, charged last so a refused task costs nothing.
-        let rpm = app.user_requests_per_minute.filter(|_| again.is_none());
+        let rpm = app.user_requests_per_minute.filter(|_| again.is_none() && per_user);
         if let Some(rpm) = rpm {
             let b = self.rpm.entry(user_key.clone()).or_insert(Bucket { tokens: f64::from(rpm), at: now });
             if let Err(ms) = b.take(now, f64::from(rpm), 1.0) {
@@ -1059,7 +1062,7 @@ impl Policy {
             }
         }
         let charged = u64::from(info.input_tokens) + u64::from(info.max_output_tokens);
-        if let Some(tpm) = app.user_tokens_per_minute.filter(|_| again.is_none()) {
+        if let Some(tpm) = app.user_tokens_per_minute.filter(|_| again.is_none() && per_user) {
             let b = self.tpm.entry(user_key.clone()).or_insert(Bucket { tokens: tpm as f64, at: now });
             if let Err(ms) = b.take(now, tpm as f64, charged as f64) {
                 if let (Some(rpm), Some(b)) = (app.user_requests_per_minute, self.rpm.get_mut(&user_key)) {
@@ -1220,7 +1223,8 @@ impl Policy {
         let uk = (w.info.app.clone(), w.info.user.clone());
         let same_user = same_app && freed.is_some_and(|r| r.info.user == w.info.user);
         let user_running = self.user_counts.get(&uk).map(|c| c.running).unwrap_or(0) - f(same_user);
-        if app.user_max_running.is_some_and(|cap| user_running >= cap) {
+        let per_user = !crate::task::is_platform_user(&w.info.user);
+        if per_user && app.user_max_running.is_some_and(|cap| user_running >= cap) {
             return false;
         }
         true

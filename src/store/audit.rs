@@ -1,12 +1,14 @@
 //! The audit trail: one record per call, refused calls included, in an
 //! append-only, hash-chained table (`audit_log`).
 //!
-//! A record is written by the store's writer in the same transaction as
-//! the task's terminal state (a finished task) or its REJECTED row (a
-//! refused call), so it survives a crash (`kill -9`) exactly as that state
-//! does: a keyed task's result commits at once, any other end may be lost
-//! to a crash within the write-behind window (`commit_window`), and then
-//! its audit record with it, never one without the other.
+//! A record is written by the store's writer in the same transaction (and
+//! savepoint) as the task's terminal state (a finished task, or a
+//! validated one the scheduler refused or its caller left before it was
+//! queued) or its REJECTED row (a call refused at admission), so it
+//! survives a crash (`kill -9`) exactly as that state does: a keyed task's
+//! result commits at once, any other end may be lost to a crash within the
+//! write-behind window (`commit_window`), and then its audit record with
+//! it, never one without the other.
 //!
 //! Each record holds its canonical bytes (the JSON of [`AuditEntry`], as
 //! written; never prompt or answer text), the SHA-256 of the record before
@@ -41,6 +43,9 @@ CREATE TABLE IF NOT EXISTS audit_log (
 );
 CREATE INDEX IF NOT EXISTS audit_by_tenant_time ON audit_log(tenant, at_ms);
 CREATE INDEX IF NOT EXISTS audit_by_time ON audit_log(at_ms);
+-- A tenant's page in chain order without walking other tenants' records
+-- (review 15 L6). Created on open in an existing file too.
+CREATE INDEX IF NOT EXISTS audit_by_tenant_seq ON audit_log(tenant, seq);
 -- The last record retention deleted: where the remaining chain starts.
 CREATE TABLE IF NOT EXISTS audit_anchor (
     id      INTEGER PRIMARY KEY CHECK (id = 1),
@@ -155,8 +160,10 @@ pub fn finished_entry(
 }
 
 /// A device's calls come over MQTT, where the user is the client id.
+/// A platform task (a summary made after a device's turn) names no device.
 pub fn device_of(ingress: &str, user_id: Option<&str>) -> Option<String> {
-    (ingress == "mqtt").then(|| user_id.map(str::to_string)).flatten()
+    let user = user_id.filter(|u| !crate::task::is_platform_user(u));
+    (ingress == "mqtt").then(|| user.map(str::to_string)).flatten()
 }
 
 fn chain_hash(seq: i64, prev: &str, record: &str) -> String {
@@ -217,13 +224,11 @@ pub struct AuditQuery {
     pub limit: usize,
 }
 
-/// The records of a query, oldest first.
+/// The records of a query, oldest first. A query for one tenant has its
+/// own statement: `(?1 IS NULL OR tenant = ?1)` would keep SQLite from
+/// using `audit_by_tenant_seq`.
 pub fn query(c: &Connection, q: &AuditQuery) -> rusqlite::Result<Vec<AuditRecord>> {
-    let mut st = c.prepare_cached(
-        "SELECT seq, record, prev_sha256, sha256 FROM audit_log \
-         WHERE (?1 IS NULL OR tenant = ?1) AND (?2 IS NULL OR at_ms >= ?2) AND (?3 IS NULL OR at_ms < ?3) \
-         AND seq > ?4 ORDER BY seq LIMIT ?5",
-    )?;
+    let mut st = c.prepare_cached(if q.tenant.is_some() { TENANT_PAGE } else { PAGE })?;
     let limit = i64::try_from(q.limit).unwrap_or(i64::MAX);
     let rows = st.query_map(params![q.tenant, q.since_ms, q.until_ms, q.after_seq.unwrap_or(0), limit], |r| {
         let record: String = r.get(1)?;
@@ -233,6 +238,13 @@ pub fn query(c: &Connection, q: &AuditQuery) -> rusqlite::Result<Vec<AuditRecord
     })?;
     rows.collect()
 }
+
+const TENANT_PAGE: &str = "SELECT seq, record, prev_sha256, sha256 FROM audit_log \
+     WHERE tenant = ?1 AND (?2 IS NULL OR at_ms >= ?2) AND (?3 IS NULL OR at_ms < ?3) \
+     AND seq > ?4 ORDER BY seq LIMIT ?5";
+const PAGE: &str = "SELECT seq, record, prev_sha256, sha256 FROM audit_log \
+     WHERE ?1 IS NULL AND (?2 IS NULL OR at_ms >= ?2) AND (?3 IS NULL OR at_ms < ?3) \
+     AND seq > ?4 ORDER BY seq LIMIT ?5";
 
 /// Why the chain does not hold, at the first record where it breaks.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -333,6 +345,26 @@ pub fn open_read_only(path: &std::path::Path) -> rusqlite::Result<Connection> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tenants_page_uses_its_index() {
+        let c = db();
+        let plan = |sql: &str| -> String {
+            let mut st = c.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+            let rows = st.query_map(params!["t", None::<i64>, None::<i64>, 0, 10], |r| r.get::<_, String>(3)).unwrap();
+            rows.map(Result::unwrap).collect::<Vec<_>>().join("; ")
+        };
+        let p = plan(TENANT_PAGE);
+        assert!(p.contains("audit_by_tenant_seq"), "{p}");
+        assert!(!p.contains("TEMP B-TREE"), "no sort: {p}");
+    }
+
+    #[test]
+    fn a_platform_task_names_no_device() {
+        assert_eq!(device_of("mqtt", Some("sensor-1")).as_deref(), Some("sensor-1"));
+        assert_eq!(device_of("mqtt", Some("edgeway:summary")), None, "a summary after a device's turn");
+        assert_eq!(device_of("http", Some("alice")), None);
+    }
 
     fn db() -> Connection {
         let c = Connection::open_in_memory().unwrap();

@@ -65,7 +65,14 @@ pub enum StoreError {
     /// Writes fail (disk full, read-only, I/O error): the store is degraded.
     #[error("task store cannot write: {0}")]
     Unavailable(String),
+    /// As many audit queries run as the store allows at once.
+    #[error("too many audit queries at once")]
+    Busy,
 }
+
+/// Audit queries at once (each holds a connection and a blocking thread
+/// while it scans).
+pub const AUDIT_QUERIES_AT_ONCE: usize = 4;
 
 /// What the idempotency key of a finished task keeps for a repeat.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,6 +159,15 @@ enum WriteOp {
     },
     Rejected {
         row: Box<RejectedCall>,
+    },
+    /// A validated task refused before it ran (the scheduler refused it,
+    /// or its caller went away before it was queued): the terminal
+    /// transition, the error code and the audit record in one op, so no
+    /// batch commits the REJECTED state without its record (review 15 H4).
+    Refused {
+        t: Box<Transition>,
+        code: String,
+        entry: Box<AuditEntry>,
     },
     Remember {
         req: Box<StoredRequest>,
@@ -285,6 +301,8 @@ pub struct Store {
     /// Audit records as they are committed (the NATS publisher reads it;
     /// a slow reader loses records, the table keeps them).
     audit_tx: tokio::sync::broadcast::Sender<Arc<AuditRecord>>,
+    /// Bounds the audit queries running at once ([`AUDIT_QUERIES_AT_ONCE`]).
+    audit_queries: Arc<tokio::sync::Semaphore>,
 }
 
 /// What the store needs to know beyond its file (from `[store]`).
@@ -529,7 +547,8 @@ impl Store {
             .spawn(move || reader_loop(reader, read_rx))
             .map_err(spawn_err)?;
         let path = Arc::from(path);
-        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health, path, audit_tx })
+        let audit_queries = Arc::new(tokio::sync::Semaphore::new(AUDIT_QUERIES_AT_ONCE));
+        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health, path, audit_tx, audit_queries })
     }
 
     /// Whether writes succeed (shared: it follows the writer).
@@ -634,6 +653,43 @@ impl Store {
         };
         self.write(WriteOp::Rejected { row: Box::new(row) });
         task_id
+    }
+
+    /// Ends a validated task REJECTED with `code` (refused by the
+    /// scheduler, or its caller went away before it was queued): the
+    /// transition, the code and the task's audit record are written
+    /// together (`credential`: as for [`Self::finish`]).
+    pub fn refuse(&self, req: &TaskRequest, reason: &str, actor: &str, code: &str) {
+        let t = self.new_transition(TaskState::Rejected, reason, None, actor);
+        let user_id = req.identity.user_id.clone();
+        let entry = AuditEntry {
+            at_ms: t.at_ms,
+            task_id: req.task_id.clone(),
+            request_id: req.request_id.clone(),
+            trace_id: (!req.trace_id.is_empty()).then(|| req.trace_id.clone()),
+            tenant: req.identity.tenant.clone(),
+            application: req.identity.application.clone(),
+            device: audit::device_of(req.ingress.as_str(), user_id.as_deref()),
+            user_id,
+            key_id: audit::key_id(req.identity.credential.as_ref()),
+            ingress: req.ingress.as_str().to_string(),
+            requested_model: req.logical_model.clone(),
+            model: None,
+            instance: None,
+            route: Vec::new(),
+            data_class: Some(req.data_class),
+            result: TaskState::Rejected.as_str().to_string(),
+            error_code: Some(code.to_string()),
+            input_tokens: 0,
+            output_tokens: 0,
+            cost: None,
+            cache_hit: false,
+            context_sha256: None,
+            queue_ms: None,
+            ttft_ms: None,
+            total_ms: None,
+        };
+        self.write(WriteOp::Refused { t: Box::new(t), code: code.to_string(), entry: Box::new(entry) });
     }
 
     /// Records the terminal transition (to `meta.status`) and the final
@@ -830,9 +886,14 @@ impl Store {
     /// ago may not be visible yet: `flush` first to see it). On a
     /// connection of its own, off the reader thread: a page that scans far
     /// (a rare tenant) must not hold up idempotency lookups.
+    /// At most [`AUDIT_QUERIES_AT_ONCE`] run at once; one more is refused
+    /// ([`StoreError::Busy`]) rather than queued behind them.
     pub async fn audit(&self, q: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
         let path = self.path.clone();
+        let permit = self.audit_queries.clone().try_acquire_owned().map_err(|_| StoreError::Busy)?;
         tokio::task::spawn_blocking(move || {
+            // Held until the scan ends, even if its caller went away.
+            let _permit = permit;
             let c = audit::open_read_only(&path)?;
             Ok(audit::query(&c, &q)?)
         })
@@ -1209,17 +1270,28 @@ impl Writer {
     fn write_pending(&mut self) -> rusqlite::Result<Vec<AuditRecord>> {
         let failures = &self.failures;
         let pending = &self.pending;
-        let txn = self.conn.transaction()?;
+        let mut txn = self.conn.transaction()?;
         let later = state_set_later(pending);
         let mut audited = Vec::new();
         for (op, set_later) in pending.iter().zip(later) {
-            if let Err(e) = apply(&txn, op, set_later, &mut audited) {
-                if is_storage_failure(&e) {
-                    return Err(e);
+            // Each op in a savepoint: one that fails part way (a terminal
+            // state written, its audit record refused) leaves nothing of
+            // itself, so a state never commits without its record.
+            let sp = txn.savepoint()?;
+            let before = audited.len();
+            match apply(&sp, op, set_later, &mut audited) {
+                Ok(()) => sp.commit()?,
+                Err(e) => {
+                    audited.truncate(before);
+                    // Dropped, the savepoint rolls back.
+                    drop(sp);
+                    if is_storage_failure(&e) {
+                        return Err(e);
+                    }
+                    // One bad write must not roll back the others.
+                    failures.inc();
+                    tracing::error!(error = %e, "task store write failed");
                 }
-                // One bad write must not roll back the others.
-                failures.inc();
-                tracing::error!(error = %e, "task store write failed");
             }
         }
         txn.commit()?;
@@ -1315,6 +1387,7 @@ fn state_set_later(pending: &VecDeque<WriteOp>) -> Vec<bool> {
         let task = match op {
             WriteOp::Transition { task_id, .. } => task_id.as_str(),
             WriteOp::Finish { meta, .. } => meta.task_id.as_str(),
+            WriteOp::Refused { entry, .. } => entry.task_id.as_str(),
             _ => continue,
         };
         later[i] = !seen.insert(task);
@@ -1355,6 +1428,19 @@ fn apply(
         WriteOp::Rejected { row } => {
             insert_rejected(txn, row)?;
             audited.push(audit::append(txn, rejected_entry(row))?);
+            Ok(())
+        }
+        WriteOp::Refused { t, code, entry } => {
+            // Sets the state whatever a later write does: a refused task
+            // has no later transition.
+            append_transition(txn, &entry.task_id, t)?;
+            exec(
+                txn,
+                "UPDATE tasks SET state = ?2, updated_at_ms = ?3, error_code = ?4 WHERE task_id = ?1",
+                params![entry.task_id, t.state.as_str(), t.at_ms, code],
+            )?;
+            pending_requests::drop_request(txn, &entry.task_id)?;
+            audited.push(audit::append(txn, (**entry).clone())?);
             Ok(())
         }
         WriteOp::Remember { req, ttl_ms, replaces } => {
@@ -1601,6 +1687,57 @@ fn read_task(c: &Connection, id: &str) -> Result<Option<TaskRecord>, StoreError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review 15 L6: a finish whose audit record cannot be written (an
+    /// error that is not the disk's: here a trigger refuses it) leaves the
+    /// task as it was, not ended without its record; the batch's other
+    /// writes commit.
+    #[tokio::test]
+    async fn a_finish_whose_record_fails_commits_neither() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edgeway.db");
+        let store = Store::open_with(&path, "n1", false, StoreOptions::default()).unwrap();
+        let (a, b) = (TaskRequest::sample(vec![]), TaskRequest::sample(vec![]));
+        for r in [&a, &b] {
+            store.new_task(r);
+            store.transition(&r.task_id, TaskState::Received, "r", None, "client");
+        }
+        store.flush().await;
+        let refuse = format!(
+            "CREATE TRIGGER refuse_audit BEFORE INSERT ON audit_log WHEN NEW.record LIKE '%{}%' \
+             BEGIN SELECT RAISE(ABORT, 'refused'); END;",
+            a.task_id
+        );
+        Connection::open(&path).unwrap().execute_batch(&refuse).unwrap();
+        let failures = store.write_failures().get();
+        for r in [&a, &b] {
+            let meta = ResultMeta::bare(&r.request_id, &r.task_id, TaskState::Succeeded, "m", "n1");
+            store.finish(&meta, "done", None, "engine", None, None, KeyedResult::None, None);
+        }
+        store.flush().await;
+        assert_eq!(store.write_failures().get(), failures + 1);
+        let a = store.get(&a.task_id).await.unwrap().unwrap();
+        assert_eq!((a.state, a.transitions.len()), (TaskState::Received, 1), "not ended without its record");
+        assert_eq!(store.get(&b.task_id).await.unwrap().unwrap().state, TaskState::Succeeded);
+        let c = Connection::open(&path).unwrap();
+        let records: i64 = c.query_row("SELECT COUNT(*) FROM audit_log", [], |r| r.get(0)).unwrap();
+        assert_eq!(records, 1, "b's record only");
+    }
+
+    /// Review 15 L6: no more than `AUDIT_QUERIES_AT_ONCE` audit scans at
+    /// once; one more is refused at once, not queued.
+    #[tokio::test]
+    async fn audit_queries_beyond_the_bound_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open_with(&dir.path().join("edgeway.db"), "n1", false, StoreOptions::default()).unwrap();
+        let q = || AuditQuery { limit: 10, ..AuditQuery::default() };
+        assert!(store.audit(q()).await.is_ok());
+        let running: Vec<_> =
+            (0..AUDIT_QUERIES_AT_ONCE).map(|_| store.audit_queries.clone().try_acquire_owned().unwrap()).collect();
+        assert!(matches!(store.audit(q()).await, Err(StoreError::Busy)));
+        drop(running);
+        assert!(store.audit(q()).await.is_ok(), "free again once one ends");
+    }
 
     fn transitions(path: &Path) -> i64 {
         let c = Connection::open(path).unwrap();

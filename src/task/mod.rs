@@ -573,6 +573,12 @@ pub struct ResultMeta {
     /// What prompt assembly did; absent when it did nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<Box<ContextMeta>>,
+    /// A repeat answered from the store when the answer's text was not
+    /// kept (a device's derived key under `store_prompts = false`, past the
+    /// replay window or after a restart): the outcome only, so that a
+    /// missing answer is not taken for an empty one (review 15 L4).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub text_not_kept: bool,
 }
 
 impl ResultMeta {
@@ -597,6 +603,7 @@ impl ResultMeta {
             tool_calls: Vec::new(),
             tool_calls_valid: None,
             context: None,
+            text_not_kept: false,
         }
     }
 }
@@ -696,6 +703,32 @@ impl TaskRequest {
 
 pub fn new_task_id() -> String {
     uuid::Uuid::now_v7().simple().to_string()
+}
+
+/// Idempotency keys with this prefix are the MQTT ingress's (one per device
+/// and request); other callers' keys may not start with it.
+pub const DEVICE_KEY_PREFIX: &str = "mqtt-";
+
+/// Of the device keys, those made from a key the device sent itself: it
+/// asked for the replay, as an HTTP caller with `Idempotency-Key` does. The
+/// others the ingress derived from the request id (the device chose none).
+pub const DEVICE_OWN_KEY_PREFIX: &str = "mqtt-own-";
+
+/// A key the MQTT ingress derived for a device request that named none:
+/// its answer is kept with it only where the policy keeps text.
+pub fn is_derived_device_key(key: &str) -> bool {
+    key.starts_with(DEVICE_KEY_PREFIX) && !key.starts_with(DEVICE_OWN_KEY_PREFIX)
+}
+
+/// User ids under this prefix are the platform's own (a session summary
+/// runs as `edgeway:summary`): admission refuses them from callers, they
+/// are held to their application's limits but not to per-user ones, and an
+/// audit record names no device after them.
+pub const PLATFORM_USER_PREFIX: &str = "edgeway:";
+
+/// Whether `user_id` is one of the platform's own ([`PLATFORM_USER_PREFIX`]).
+pub fn is_platform_user(user_id: &str) -> bool {
+    user_id.starts_with(PLATFORM_USER_PREFIX)
 }
 
 #[cfg(test)]

@@ -242,6 +242,31 @@ impl Recorder {
         }
     }
 
+    /// Ends a validated task REJECTED with `code` (the scheduler refused
+    /// it, or its caller went away before it was queued), with its audit
+    /// record: a refused call is audited wherever it is refused.
+    pub fn refused(&self, req: &TaskRequest, code: &'static str, reason: &str, actor: &'static str) {
+        let state = TaskState::Rejected;
+        let recorded = self.advance(&req.task_id, state, reason, || {
+            self.store.refuse(req, reason, actor, code);
+        });
+        if !recorded {
+            return;
+        }
+        self.failed(Failure {
+            at_ms: crate::task::now_ms(),
+            task_id: req.task_id.clone(),
+            tenant: req.identity.tenant.clone(),
+            application: req.identity.application.clone(),
+            ingress: req.ingress.as_str(),
+            logical_model: req.logical_model.clone(),
+            state,
+            code,
+            reason: reason.chars().take(FAILURE_REASON_CHARS).collect(),
+        });
+        self.publish(req, state, reason, None, actor, Some(code), None);
+    }
+
     /// Records the terminal state with the result metadata.
     #[allow(clippy::too_many_arguments)]
     pub fn finished(
@@ -256,10 +281,12 @@ impl Recorder {
     ) {
         let keyed = match &req.idempotency_key {
             None => KeyedResult::None,
-            // A device never chose its key (MQTT derives one for every
-            // request): its answer goes to the file only where the policy
-            // keeps text; a repeat meanwhile is answered from memory.
-            Some(_) if req.ingress == Ingress::Mqtt && !self.store.stores_prompts() => KeyedResult::Outcome,
+            // A device that sent no key never chose one (the ingress
+            // derived it from the request id): its answer goes to the file
+            // only where the policy keeps text; a repeat meanwhile is
+            // answered from memory. A device that sent its own key asked
+            // for the replay, as any caller does (review 15 L4).
+            Some(k) if crate::task::is_derived_device_key(k) && !self.store.stores_prompts() => KeyedResult::Outcome,
             Some(_) => KeyedResult::OutcomeAndText,
         };
         let recorded = self.advance(&req.task_id, meta.status, reason, || {

@@ -279,11 +279,21 @@ pub struct DeviceIngress {
 /// tasks, and in the key space only the MQTT ingress may use
 /// ([`DEVICE_KEY_PREFIX`]), so no other caller can take it first.
 fn device_key(mount: &str, key: &str) -> String {
+    format!("{DEVICE_KEY_PREFIX}{}", device_key_digest(mount, key))
+}
+
+/// [`device_key`] of a key the device sent itself
+/// ([`crate::task::DEVICE_OWN_KEY_PREFIX`]).
+fn device_own_key(mount: &str, key: &str) -> String {
+    format!("{}{}", crate::task::DEVICE_OWN_KEY_PREFIX, device_key_digest(mount, key))
+}
+
+fn device_key_digest(mount: &str, key: &str) -> String {
     let mut h = Sha256::new();
     h.update(mount.as_bytes());
     h.update([0]);
     h.update(key.as_bytes());
-    format!("{DEVICE_KEY_PREFIX}{}", &hex::encode(h.finalize())[..40])
+    hex::encode(h.finalize())[..40].to_string()
 }
 
 /// A resume (or a repeat sent again from the start) the device's resume
@@ -584,8 +594,13 @@ impl DeviceIngress {
             let t = call.body_mut().timeouts.get_or_insert_with(RequestTimeouts::default);
             t.queue_ms = Some(t.queue_ms.map_or(left as u64, |q| q.min(left as u64)));
         }
-        let key = call.body().idempotency_key.clone().unwrap_or_else(|| rid.clone());
-        call.body_mut().idempotency_key = Some(device_key(device, &key));
+        // Whether the device chose its key decides whether its answer is
+        // kept with it (see `DEVICE_OWN_KEY_PREFIX`).
+        let key = match call.body().idempotency_key.clone() {
+            Some(own) => device_own_key(device, &own),
+            None => device_key(device, &rid),
+        };
+        call.body_mut().idempotency_key = Some(key);
         let Some(dest) = self.destination(device, Some(&rid), &props) else { return };
         let (online, epoch) = self.sessions.state(device);
 
@@ -759,6 +774,10 @@ mod tests {
         assert_eq!(device_key("t/dev1", "r1"), device_key("t/dev1", "r1"));
         assert!(device_key("a", "b").len() <= 128);
         assert!(device_key("a", "b").starts_with(DEVICE_KEY_PREFIX));
+        assert!(crate::task::is_derived_device_key(&device_key("a", "b")));
+        let own = device_own_key("a", "b");
+        assert!(own.starts_with(DEVICE_KEY_PREFIX) && own.len() <= 128);
+        assert!(!crate::task::is_derived_device_key(&own));
     }
 
     #[test]

@@ -200,6 +200,39 @@ fn queue_caps_per_application_and_user() {
 }
 
 #[test]
+fn the_platforms_own_user_is_held_to_the_application_limits_only() {
+    // Review 15 M2: every summary of an application runs as one user; with
+    // per-user limits they starved each other.
+    let mut c = cfg(4, 0, 100);
+    let limits = AppLimits {
+        max_queued: Some(2),
+        user_max_queued: Some(1),
+        user_max_running: Some(1),
+        user_requests_per_minute: Some(1),
+        user_tokens_per_minute: Some(150),
+        ..AppLimits::default()
+    };
+    c.apps.insert("a".into(), limits);
+    let mut p = Policy::new(c);
+    let summary = |id: &str| TaskInfo { user: "edgeway:summary".into(), ..task(id, Priority::P2, "a") };
+    p.enqueue(summary("s1"), T0).unwrap();
+    p.enqueue(summary("s2"), T0).unwrap();
+    assert_eq!(drain(&mut p, T0), ["s1", "s2"], "both run at once");
+    p.enqueue(summary("s3"), T0).unwrap();
+    p.enqueue(summary("s4"), T0).unwrap();
+    // The application's own cap still counts them.
+    assert_eq!(p.enqueue(summary("s5"), T0).unwrap_err().code, ErrorCode::QueueFull);
+    // A caller's user keeps its limits.
+    let mut p = Policy::new({
+        let mut c = cfg(4, 0, 100);
+        c.apps.insert("a".into(), AppLimits { user_requests_per_minute: Some(1), ..AppLimits::default() });
+        c
+    });
+    p.enqueue(task("u1", Priority::P2, "a"), T0).unwrap();
+    assert_eq!(p.enqueue(task("u2", Priority::P2, "a"), T0).unwrap_err().code, ErrorCode::RateLimited);
+}
+
+#[test]
 fn backpressure_ladder() {
     let mut c = cfg(1, 0, 20);
     c.backpressure = Backpressure::default();
