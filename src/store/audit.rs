@@ -99,6 +99,41 @@ pub struct AuditEntry {
     pub total_ms: Option<u64>,
 }
 
+impl AuditEntry {
+    /// The entry of a call refused with `code` before anything ran (no
+    /// model, instance, route, tokens or timings); the caller fills in who
+    /// and what with struct update syntax.
+    pub fn refused(code: &str) -> AuditEntry {
+        AuditEntry {
+            at_ms: 0,
+            task_id: String::new(),
+            request_id: String::new(),
+            trace_id: None,
+            tenant: String::new(),
+            application: String::new(),
+            user_id: None,
+            key_id: None,
+            device: None,
+            ingress: String::new(),
+            requested_model: String::new(),
+            model: None,
+            instance: None,
+            route: Vec::new(),
+            data_class: None,
+            result: crate::task::TaskState::Rejected.as_str().to_string(),
+            error_code: Some(code.to_string()),
+            input_tokens: 0,
+            output_tokens: 0,
+            cost: None,
+            cache_hit: false,
+            context_sha256: None,
+            queue_ms: None,
+            ttft_ms: None,
+            total_ms: None,
+        }
+    }
+}
+
 /// A stored record: the entry with its place in the chain.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AuditRecord {

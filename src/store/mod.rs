@@ -674,20 +674,8 @@ impl Store {
             key_id: audit::key_id(req.identity.credential.as_ref()),
             ingress: req.ingress.as_str().to_string(),
             requested_model: req.logical_model.clone(),
-            model: None,
-            instance: None,
-            route: Vec::new(),
             data_class: Some(req.data_class),
-            result: TaskState::Rejected.as_str().to_string(),
-            error_code: Some(code.to_string()),
-            input_tokens: 0,
-            output_tokens: 0,
-            cost: None,
-            cache_hit: false,
-            context_sha256: None,
-            queue_ms: None,
-            ttft_ms: None,
-            total_ms: None,
+            ..AuditEntry::refused(code)
         };
         self.write(WriteOp::Refused { t: Box::new(t), code: code.to_string(), entry: Box::new(entry) });
     }
@@ -1566,7 +1554,6 @@ fn rejected_entry(r: &RejectedCall) -> AuditEntry {
     AuditEntry {
         at_ms: r.at_ms,
         task_id: r.task_id.clone(),
-        request_id: String::new(),
         trace_id: (!r.trace_id.is_empty()).then(|| r.trace_id.clone()),
         tenant: r.tenant.clone(),
         application: r.application.clone(),
@@ -1575,20 +1562,8 @@ fn rejected_entry(r: &RejectedCall) -> AuditEntry {
         device: audit::device_of(r.ingress, r.user_id.as_deref()),
         ingress: r.ingress.to_string(),
         requested_model: r.model.clone(),
-        model: None,
-        instance: None,
-        route: Vec::new(),
         data_class: r.data_class,
-        result: TaskState::Rejected.as_str().to_string(),
-        error_code: Some(r.code.to_string()),
-        input_tokens: 0,
-        output_tokens: 0,
-        cost: None,
-        cache_hit: false,
-        context_sha256: None,
-        queue_ms: None,
-        ttft_ms: None,
-        total_ms: None,
+        ..AuditEntry::refused(r.code)
     }
 }
 
