@@ -240,6 +240,27 @@ struct SlotState {
     reserved: bool,
 }
 
+impl SlotState {
+    /// A slot in `state` that nothing has used yet.
+    fn new(state: State) -> SlotState {
+        let now = Instant::now();
+        SlotState {
+            state,
+            users: 0,
+            last_used: now,
+            loading_since: None,
+            last_load: None,
+            epoch: 0,
+            failure: None,
+            changed_at: now,
+            unloading: false,
+            need: None,
+            last_priority: None,
+            reserved: false,
+        }
+    }
+}
+
 struct Inner {
     /// By instance index; a reload appends the instances it adds.
     slots: super::AppendOnly<Slot>,
@@ -338,20 +359,7 @@ impl Residency {
                 server: String::new(),
                 budget: None,
                 weights: 0,
-                st: Mutex::new(SlotState {
-                    state: State::Loaded,
-                    users: 0,
-                    last_used: Instant::now(),
-                    loading_since: None,
-                    last_load: None,
-                    epoch: 0,
-                    failure: None,
-                    changed_at: Instant::now(),
-                    unloading: false,
-                    need: None,
-                    last_priority: None,
-                    reserved: false,
-                }),
+                st: Mutex::new(SlotState::new(State::Loaded)),
                 tx: watch::channel(State::Loaded).0,
                 retired: false.into(),
             })
@@ -410,20 +418,7 @@ impl Residency {
             server: e.base_url.clone(),
             budget: e.memory_budget_bytes,
             weights: models.iter().map(|m| m.weights_bytes).max().unwrap_or(0),
-            st: Mutex::new(SlotState {
-                state,
-                users: 0,
-                last_used: Instant::now(),
-                loading_since: None,
-                last_load: None,
-                epoch: 0,
-                failure: None,
-                changed_at: Instant::now(),
-                unloading: false,
-                need: None,
-                last_priority: None,
-                reserved: false,
-            }),
+            st: Mutex::new(SlotState::new(state)),
             tx: watch::channel(state).0,
             retired: false.into(),
         }
