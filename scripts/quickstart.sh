@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs edgeway for real: installs what it needs (first time only: building
-# llama.cpp takes about 20 minutes on 2 cores), builds edgeway, then runs
+# llama.cpp and edgeway take about 20 minutes on 2 cores), builds edgeway, then runs
 # `edgeway serve --config config/edgeway.toml`, which starts llama-server with
 # Gemma 3 270M on 127.0.0.1:8081 (chat) and a second one on 127.0.0.1:8082
 # (embeddings: a server started with --embeddings serves nothing else) as
