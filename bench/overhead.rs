@@ -9,6 +9,12 @@
 //! first chunk with content). Reports p50/p90/p99/max, the difference
 //! (added latency) and edgeway's CPU and memory.
 //!
+//! With `--litellm PATH` (the `litellm` executable that
+//! `bench/setup-litellm.sh` installs), LiteLLM's proxy (one worker, in its
+//! own process, pointed at the same fake engine) is measured by the same
+//! load generator in the same run, as a third column: the comparison a user
+//! makes. Its rows' "proxy" CPU and RSS columns are LiteLLM's process.
+//!
 //! Cancel mode (`--cancel`): a real llama-server and edgeway in front of it.
 //! A raw TCP client starts a streaming answer, reads a few tokens, closes
 //! the socket and polls `GET /slots` until the engine's slot is idle again;
@@ -17,6 +23,8 @@
 //! ```text
 //! cargo bench --bench overhead -- --rates 500,2000 --seconds 10
 //! cargo bench --bench overhead -- --cancel --iterations 20
+//! bench/setup-litellm.sh && cargo bench --bench overhead -- --rates 100,500 \
+//!     --litellm ~/.cache/edgeway/litellm-venv/bin/litellm
 //! ```
 //!
 //! Results are printed as Markdown and written to `bench/results/`.
@@ -68,6 +76,9 @@ struct Args {
     /// The edgeway binary (default: <target dir>/release/edgeway, built first).
     #[arg(long)]
     edgeway_bin: Option<PathBuf>,
+    /// LiteLLM's `litellm` executable: measure its proxy too (overhead mode).
+    #[arg(long)]
+    litellm: Option<PathBuf>,
     /// Do not run `cargo build --release --bin edgeway` first.
     #[arg(long)]
     no_build: bool,
@@ -156,6 +167,10 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
     let gw = Proc::spawn("edgeway", cmd, &tmp.0.join("edgeway.log"))?;
     wait_http_ok(&format!("{gw_url}/ready"), Duration::from_secs(30), &gw).await?;
     eprintln!("edgeway (pid {}) ready at {gw_url}", gw.pid());
+    let litellm = match &args.litellm {
+        Some(exe) => Some(start_litellm(exe, &fake.url(), &tmp.0).await?),
+        None => None,
+    };
 
     let client = reqwest::Client::builder()
         .http1_only()
@@ -175,17 +190,16 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
             .to_string(),
         )
     };
-    let target = |via: bool, stream: bool| {
-        Arc::new(Target {
-            url: if via {
-                format!("{gw_url}/v1/chat/completions")
-            } else {
-                format!("{}/v1/chat/completions", fake.url())
-            },
-            auth: via.then(|| DEMO_KEY.to_string()),
-            body: body(if via { "general-chat" } else { "fake-model" }, stream),
-            stream,
-        })
+    let target = |via: Via, stream: bool| {
+        let (url, auth, model) = match via {
+            Via::Direct => (format!("{}/v1/chat/completions", fake.url()), None, "fake-model"),
+            Via::Edgeway => (format!("{gw_url}/v1/chat/completions"), Some(DEMO_KEY.to_string()), "general-chat"),
+            Via::LiteLlm => {
+                let l = litellm.as_ref().expect("LiteLLM phases run only with --litellm");
+                (format!("{}/v1/chat/completions", l.url), Some(LITELLM_KEY.to_string()), "fake-model")
+            }
+        };
+        Arc::new(Target { url, auth, body: body(model, stream), stream })
     };
 
     writeln!(
@@ -198,21 +212,29 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
     )?;
     writeln!(
         report,
-        "| rate (req/s) | phase | ok | errors | p50 | p90 | p99 | max | send lag p50 / p99 | edgeway CPU (cores) | edgeway CPU per request (µs) | bench CPU (cores) | other CPU (cores) | edgeway RSS (MiB) |"
+        "| rate (req/s) | phase | ok | errors | p50 | p90 | p99 | max | send lag p50 / p99 | proxy CPU (cores) | proxy CPU per request (µs) | bench CPU (cores) | other CPU (cores) | proxy RSS (MiB) |"
     )?;
     writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     let mut all = Vec::new();
     for &rate in &args.rates {
-        let phases = [
-            ("non-stream direct", false, false),
-            ("non-stream via edgeway", true, false),
-            ("TTFT direct", false, true),
-            ("TTFT via edgeway", true, true),
+        let mut phases = vec![
+            ("non-stream direct", Via::Direct, false),
+            ("non-stream via edgeway", Via::Edgeway, false),
+            ("TTFT direct", Via::Direct, true),
+            ("TTFT via edgeway", Via::Edgeway, true),
         ];
+        if litellm.is_some() {
+            phases.push(("non-stream via LiteLLM", Via::LiteLlm, false));
+            phases.push(("TTFT via LiteLLM", Via::LiteLlm, true));
+        }
         let mut results = Vec::new();
         for (name, via, stream) in phases {
             let t = target(via, stream);
-            let pid = via.then(|| gw.pid());
+            let pid = match via {
+                Via::Direct => None,
+                Via::Edgeway => Some(gw.pid()),
+                Via::LiteLlm => litellm.as_ref().map(|l| l.proc.pid()),
+            };
             eprintln!("rate {rate}/s: {name} …");
             let _ = run_phase(&client, &t, rate, secs(args.warmup), None, name).await;
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -223,6 +245,9 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
                 }
             }
             gw.check_alive()?;
+            if let Some(l) = &litellm {
+                l.proc.check_alive()?;
+            }
             writeln!(report, "{}", phase_row(rate, &r))?;
             results.push(r);
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -230,10 +255,13 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
         all.push((rate, results));
     }
     let hwm = proc_status_kb(gw.pid(), "VmHWM");
+    let litellm_hwm = litellm.as_ref().and_then(|l| proc_status_kb(l.proc.pid(), "VmHWM"));
+    let mib = |k: Option<u64>| k.map(|k| format!("{:.1} MiB", k as f64 / 1024.0)).unwrap_or_else(|| "n/a".into());
     writeln!(
         report,
-        "\nAdded latency (via edgeway minus direct, ms), edgeway peak RSS over the whole run: {}\n",
-        hwm.map(|k| format!("{:.1} MiB", k as f64 / 1024.0)).unwrap_or_else(|| "n/a".into())
+        "\nAdded latency (via edgeway minus direct, ms), edgeway peak RSS over the whole run: {}{}\n",
+        mib(hwm),
+        if litellm.is_some() { format!("; LiteLLM's: {}", mib(litellm_hwm)) } else { String::new() }
     )?;
     writeln!(
         report,
@@ -242,7 +270,12 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
     writeln!(report, "|---|---|---|---|---|---|---|---|")?;
     let mut jrates = Vec::new();
     for (rate, results) in &all {
-        for (label, d, v) in [("non-stream", &results[0], &results[1]), ("TTFT", &results[2], &results[3])] {
+        let mut pairs = vec![("non-stream", &results[0], &results[1]), ("TTFT", &results[2], &results[3])];
+        if results.len() == 6 {
+            pairs.push(("non-stream, LiteLLM", &results[0], &results[4]));
+            pairs.push(("TTFT, LiteLLM", &results[2], &results[5]));
+        }
+        for (label, d, v) in pairs {
             let (d50, v50) = (pct(&d.lat_us, 0.50), pct(&v.lat_us, 0.50));
             let (d99, v99) = (pct(&d.lat_us, 0.99), pct(&v.lat_us, 0.99));
             writeln!(
@@ -261,13 +294,102 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
             "phases": results.iter().map(phase_json).collect::<Vec<_>>(),
         }));
     }
+    if let Some(l) = &litellm {
+        writeln!(report, "\n{}", litellm_ratio_table(&all))?;
+        json_out["litellm_version"] = json!(l.version);
+    }
     json_out["overhead"] = json!({
         "seconds": args.seconds, "warmup": args.warmup, "tokens": args.tokens,
-        "edgeway_vm_hwm_kb": hwm, "rates": jrates,
+        "edgeway_vm_hwm_kb": hwm, "litellm_vm_hwm_kb": litellm_hwm, "rates": jrates,
     });
+    drop(litellm);
     drop(gw);
     drop(fake);
     Ok(())
+}
+
+/// Where a phase's requests go.
+#[derive(Clone, Copy)]
+enum Via {
+    Direct,
+    Edgeway,
+    LiteLlm,
+}
+
+/// LiteLLM's master key in the bench (it refuses to start without one).
+const LITELLM_KEY: &str = "sk-bench-litellm-0123456789abcdef0123456789";
+
+struct LiteLlm {
+    proc: Proc,
+    url: String,
+    version: String,
+}
+
+/// Starts LiteLLM's proxy with one worker in front of the fake engine (an
+/// OpenAI-compatible server, as edgeway's `openai` adapter sees it) and
+/// waits until it answers. Offline: its model cost map is the local copy.
+async fn start_litellm(exe: &Path, engine_url: &str, dir: &Path) -> Result<LiteLlm> {
+    let port = free_port()?;
+    let cfg = dir.join("litellm.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "model_list:\n  - model_name: fake-model\n    litellm_params:\n      model: openai/fake-model\n      \
+             api_base: {engine_url}/v1\n      api_key: none\n"
+        ),
+    )?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("--config").arg(&cfg).args(["--host", "127.0.0.1", "--port"]).arg(port.to_string());
+    cmd.args(["--num_workers", "1"]);
+    cmd.env("LITELLM_MASTER_KEY", LITELLM_KEY).env("LITELLM_LOCAL_MODEL_COST_MAP", "True");
+    cmd.env("LITELLM_LOG", "ERROR");
+    let proc = Proc::spawn("litellm", cmd, &dir.join("litellm.log"))?;
+    let url = format!("http://127.0.0.1:{port}");
+    wait_http_ok(&format!("{url}/health/liveliness"), Duration::from_secs(180), &proc).await?;
+    let version = exe
+        .parent()
+        .map(|bin| bin.join("python3"))
+        .and_then(|py| {
+            Command::new(py).args(["-c", "import importlib.metadata as m; print(m.version('litellm'))"]).output().ok()
+        })
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    eprintln!("LiteLLM {version} (pid {}) ready at {url}", proc.pid());
+    Ok(LiteLlm { proc, url, version })
+}
+
+/// Per rate: added latency and CPU per request of edgeway and of LiteLLM,
+/// and LiteLLM's figure over edgeway's (results in phase order: direct,
+/// edgeway, direct, edgeway, LiteLLM, LiteLLM).
+fn litellm_ratio_table(all: &[(u32, Vec<PhaseResult>)]) -> String {
+    let mut t = String::from(
+        "edgeway against LiteLLM (same fake engine, same load generator, same run):\n\n\
+         | rate (req/s) | measure | edgeway added p50 / p99 (ms) | LiteLLM added p50 / p99 (ms) | edgeway CPU per request (µs) | LiteLLM CPU per request (µs) | LiteLLM errors |\n\
+         |---|---|---|---|---|---|---|\n",
+    );
+    for (rate, r) in all {
+        if r.len() < 6 {
+            continue;
+        }
+        for (label, d, e, l) in [("non-stream", &r[0], &r[1], &r[4]), ("TTFT", &r[2], &r[3], &r[5])] {
+            let added = |x: &PhaseResult, q: f64| ms_signed(pct(&x.lat_us, q) as i64 - pct(&d.lat_us, q) as i64);
+            let cpu = |x: &PhaseResult| {
+                x.edgeway_cpu_us_per_request().map(|c| format!("{c:.0}")).unwrap_or_else(|| "–".into())
+            };
+            let _ = writeln!(
+                t,
+                "| {rate} | {label} | {} / {} | {} / {} | {} | {} | {} |",
+                added(e, 0.5),
+                added(e, 0.99),
+                added(l, 0.5),
+                added(l, 0.99),
+                cpu(e),
+                cpu(l),
+                error_summary(&l.errors),
+            );
+        }
+    }
+    t
 }
 
 async fn run_phase(
