@@ -4,6 +4,8 @@
 //! Another device of the same application is told `SESSION_NOT_FOUND` (an
 //! error event that matches its schema), and its request never reaches the
 //! engine. A device's knowledge (`edge.context`) reaches the prompt fenced.
+//! A device's conversation that does not fit the window, without a
+//! session, loses its oldest turns (`context_policy`).
 
 mod common;
 mod mqtt_support;
@@ -83,5 +85,48 @@ async fn a_devices_knowledge_reaches_the_prompt_fenced() {
     );
     assert_eq!(last.matches("untrusted-data").count(), 2, "{last}");
     assert!(last.ends_with("\">\n\nSay hello"), "{last}");
+    gw.stop().await;
+}
+
+/// Issue 12, oversized plain calls, over MQTT: a device request without a
+/// session whose conversation does not fit the model (512 tokens here)
+/// was refused at admission; now its oldest turns are left out, as a
+/// session's are, the step in the `done` event's result. With
+/// `context_policy` "disabled" it is refused `CONTEXT_TOO_LARGE`.
+#[tokio::test]
+async fn a_devices_conversation_too_large_for_the_window_loses_its_oldest_turns() {
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", &mqtt_toml("coalesce_ms = 0"), |t| {
+        t.replace("context_tokens = 2048", "context_tokens = 512")
+    })
+    .await;
+    gw.wait_ready().await;
+    let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut r = request("big1");
+    r["max_tokens"] = json!(20);
+    r["messages"] = json!([
+        {"role": "user", "content": "o ".repeat(900)}, {"role": "assistant", "content": "noted"},
+        {"role": "user", "content": "and pump 4?"}]);
+    validate("request", &r);
+    d.publish(&d.topic("req"), r.to_string()).await;
+    let events = d.stream(&d.topic("res/big1")).await;
+    let end = events.last().unwrap();
+    assert_eq!(end["type"], "done", "{events:?}");
+    assert_eq!(end["result"]["context"]["steps"], json!(["dropped the 2 oldest messages (no pinned state)"]), "{end}");
+    let sent = fake.last_request().unwrap();
+    assert_eq!(sent["messages"], json!([{"role": "user", "content": "and pump 4?"}]));
+
+    let calls = fake.requests();
+    r["request_id"] = json!("big2");
+    r["context_policy"] = json!("disabled");
+    validate("request", &r);
+    d.publish(&d.topic("req"), r.to_string()).await;
+    let events = d.stream(&d.topic("res/big2")).await;
+    let end = events.last().unwrap();
+    assert_eq!((end["type"].as_str(), end["code"].as_str()), (Some("error"), Some("CONTEXT_TOO_LARGE")), "{end}");
+    validate("event-error", end);
+    assert_eq!(fake.requests(), calls);
     gw.stop().await;
 }

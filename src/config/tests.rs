@@ -30,6 +30,15 @@ fn minimal_config_gets_defaults() {
 }
 
 #[test]
+fn an_applications_context_policy_is_auto_or_disabled() {
+    assert_eq!(parse(MINIMAL, &[]).unwrap().applications["demo"].context_policy, ContextPolicy::Auto);
+    let with = |v: &str| MINIMAL.replace("[engines.llama]", &format!("context_policy = \"{v}\"\n\n[engines.llama]"));
+    assert_eq!(parse(&with("disabled"), &[]).unwrap().applications["demo"].context_policy, ContextPolicy::Disabled);
+    let e = parse(&with("truncate"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "applications.demo.context_policy", "{e}");
+}
+
+#[test]
 fn store_retention_buffer_and_drain_have_defaults_and_bounds() {
     let c = parse(MINIMAL, &[]).unwrap();
     assert_eq!(c.store.max_buffered_writes, 100_000);

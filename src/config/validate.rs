@@ -605,6 +605,14 @@ fn application(
         system_prompt: a.system_prompt.filter(|t| !t.trim().is_empty()),
         output_constraints: a.output_constraints.filter(|t| !t.trim().is_empty()),
         debug_prompts: a.debug_prompts.and_then(|d| debug_prompts(&format!("{path}.debug_prompts"), &d, p)),
+        context_policy: match a.context_policy.as_deref().map(|c| (c, super::ContextPolicy::parse(c))) {
+            None => super::ContextPolicy::Auto,
+            Some((_, Some(c))) => c,
+            Some((c, None)) => {
+                p.add(format!("{path}.context_policy"), format!("must be \"auto\" or \"disabled\", not {c:?}"));
+                return None;
+            }
+        },
     })
 }
 
