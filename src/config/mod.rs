@@ -32,6 +32,7 @@ pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
 pub use process::{expand as expand_vars, ProcessConfig};
 pub use raw::RawConfig;
 pub use residency::{ModelApi, Residency, ResidencyClass, Restriction};
+pub use validate::SUMMARY_PROMPT_MIN_TOKENS;
 
 /// One problem in a configuration, with the key path it is about.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -616,6 +616,27 @@ fn a_summary_model_must_be_a_configured_chat_model_and_its_keys_in_range() {
     assert!(e.to_string().contains("\"emb\" is not a chat model"), "{e}");
 }
 
+/// Review 14 L8 (b): a summary model whose window leaves no room for the
+/// summary prompt beside `summary_max_tokens` was accepted, then every
+/// turn warned that the turns do not fit. Refused at load, with its key.
+#[test]
+fn a_summary_model_must_leave_room_for_the_summary_prompt() {
+    let with = |window: u32, max: u32| {
+        format!(
+            "{MINIMAL}context_tokens = {window}\nmax_output_tokens = 16\n[sessions]\nsummary_model = \"general-chat\"\n\
+             summary_max_tokens = {max}\n"
+        )
+    };
+    for (window, max) in [(256, 256), (200, 256), (256 + SUMMARY_PROMPT_MIN_TOKENS - 1, 256)] {
+        let e = parse(&with(window, max), &[]).unwrap_err();
+        assert_eq!(e.0.len(), 1, "{window}/{max}: {e}");
+        assert_eq!(e.0[0].path, "sessions.summary_max_tokens", "{window}/{max}: {e}");
+        assert!(e.to_string().contains(&format!("context_tokens = {window}")), "{e}");
+    }
+    let ok = parse(&with(256 + SUMMARY_PROMPT_MIN_TOKENS, 256), &[]).unwrap();
+    assert_eq!(ok.sessions.summary.unwrap().max_tokens, 256);
+}
+
 #[test]
 fn slot_affinity_is_for_llama_server_only() {
     let on = MINIMAL.replace("model = \"gemma\"", "model = \"gemma\"\nslot_affinity = true");

@@ -297,6 +297,17 @@ mod tests {
         assert_eq!(due(&h, 0, 100 * each, 2), None, "everything fits");
     }
 
+    /// The room configuration checks for (`[sessions] summary_max_tokens`
+    /// against the summary model's window) holds the instruction and a
+    /// short turn.
+    #[test]
+    fn the_least_room_configuration_allows_holds_the_instruction_and_a_turn() {
+        let turn = [hist("user", "how hot is pump three today?"), hist("assistant", "about 60 C, as yesterday")];
+        let (messages, taken) = prompt(None, &turn, crate::config::SUMMARY_PROMPT_MIN_TOKENS).expect("fits");
+        assert_eq!(taken, 2);
+        assert!(crate::context::estimate_tokens(&messages) <= crate::config::SUMMARY_PROMPT_MIN_TOKENS);
+    }
+
     #[test]
     fn the_window_opens_at_a_question() {
         let h = turns(4);
