@@ -62,6 +62,30 @@ async fn a_device_uses_its_session_across_two_requests() {
     gw.stop().await;
 }
 
+/// Unconfirmed report (session 11, item 5a): with `[mqtt]
+/// replay_retention_ms = 0`, a device that repeats a request that has
+/// ended (same `request_id`, same connection) got no answer. Both the
+/// request and its repeat must end with their terminal message, the same
+/// task's.
+#[tokio::test]
+async fn a_repeat_of_an_ended_request_is_answered_without_replay_retention() {
+    let (fake, gw, addr) = start(Knobs::default(), "coalesce_ms = 0\nreplay_retention_ms = 0").await;
+    let mut d = device(addr, V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("once").to_string()).await;
+    let first = d.stream(&d.topic("res/once")).await;
+    let end = first.last().unwrap();
+    assert_eq!(end["type"], "done", "{first:?}");
+    let task_id = end["result"]["task_id"].clone();
+    d.publish(&d.topic("req"), request("once").to_string()).await;
+    let again = d.stream(&d.topic("res/once")).await;
+    let end = again.last().unwrap();
+    assert_eq!(end["type"], "done", "{again:?}");
+    assert_eq!(end["result"]["task_id"], task_id, "the same task: {end}");
+    assert_eq!(fake.requests(), 1, "one inference");
+    gw.stop().await;
+}
+
 /// Issue 12: a device's request may bring knowledge (`edge.context`, the
 /// request schema's field); it reaches the prompt inside the untrusted
 /// fence, with a passage imitating the fence kept inside it.
