@@ -6,6 +6,10 @@
 //! counts and `edge.context.exact: true`; a session's turns are tokenized
 //! once, not again on later turns; a failing or slow tokenizer leaves the
 //! estimate, `exact: false`, and the call goes on within the deadline.
+//! The larger-window switch, for a session turn and for a call without a
+//! session that does not fit (which otherwise loses its oldest turns, per
+//! its `context_policy`); a call that fits is neither assembled nor
+//! tokenized.
 
 mod common;
 
@@ -189,5 +193,99 @@ async fn the_switch_never_takes_data_where_its_class_may_not_go() {
     assert_eq!(error_code(&v), "CONTEXT_TOO_LARGE", "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("'general-chat'"), "{v}");
     assert_eq!(fake.requests(), before);
+    gw.stop().await;
+}
+
+/// Issue 12, oversized plain calls: a call without a session or
+/// `edge.context` whose own question does not fit its model (about 580
+/// tokens by the estimate, for a 512-token window) was refused at
+/// admission, so it never reached the larger-window model. Now it goes
+/// there, whole. A call that fits is not assembled at all.
+#[tokio::test]
+async fn a_plain_call_too_large_for_its_model_goes_to_the_larger_window_model() {
+    let (fake, gw) = two_windows().await;
+    let question = "p ".repeat(1000);
+    let body = json!({"model": "general-chat", "max_tokens": 20, "messages": [{"role": "user", "content": question}]});
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    let status = resp.status();
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["edge"]["logical_model"], "big-chat", "{v}");
+    let steps = v["edge"]["context"]["steps"].as_array().unwrap();
+    assert!(steps[0].as_str().unwrap().starts_with("switched to model 'big-chat' (8192 tokens)"), "{v}");
+    assert_eq!(steps.len(), 1, "nothing trimmed: {v}");
+    let sent = fake.last_request().unwrap();
+    assert_eq!(sent["messages"], json!([{"role": "user", "content": question}]), "sent whole");
+
+    let body = json!({"model": "general-chat", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]});
+    let v: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    assert_eq!(v["edge"]["logical_model"], "general-chat", "{v}");
+    assert!(v["edge"]["context"].is_null(), "a call that fits is not assembled: {v}");
+    gw.stop().await;
+}
+
+/// The same call where the switch may not take its data (`local_only`):
+/// under `context_policy` "auto" (the default) its earlier turns are
+/// trimmed as a session's are, oldest first, its question and system
+/// message kept; "disabled" refuses it `CONTEXT_TOO_LARGE`; another value
+/// is `INVALID_REQUEST`. Before, all three were refused at admission (the
+/// field was read by nobody).
+#[tokio::test]
+async fn a_plain_call_that_may_not_switch_loses_its_oldest_turns_unless_its_policy_says_no() {
+    let (fake, gw) = two_windows().await;
+    let mut body = json!({"model": "general-chat", "max_tokens": 20, "routing": {"local_only": true}, "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "o ".repeat(900)}, {"role": "assistant", "content": "noted"},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+        {"role": "user", "content": "and the east hall?"}]});
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    let status = resp.status();
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["edge"]["logical_model"], "general-chat", "{v}");
+    assert_eq!(v["edge"]["context"]["steps"], json!(["dropped the 2 oldest messages (no pinned state)"]), "{v}");
+    let sent = fake.last_request().unwrap();
+    let contents: Vec<&str> =
+        sent["messages"].as_array().unwrap().iter().map(|m| m["content"].as_str().unwrap()).collect();
+    assert_eq!(contents, ["You are terse.", "q2", "a2", "and the east hall?"]);
+
+    let calls = fake.requests();
+    body["context_policy"] = json!("disabled");
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 413);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(error_code(&v), "CONTEXT_TOO_LARGE", "{v}");
+    body["context_policy"] = json!("sometimes");
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("'context_policy'"), "{v}");
+    assert_eq!(fake.requests(), calls, "refused calls never reach the engine");
+    gw.stop().await;
+}
+
+/// Only a call that does not fit by admission's estimate is assembled, so
+/// the common call that fits asks the tokenizer nothing. One whose
+/// estimate is too large (long words: 8800 bytes) may fit by the engine's
+/// count (800 words): it is counted, and runs untrimmed.
+#[tokio::test]
+async fn a_plain_call_that_fits_is_not_tokenized_and_one_over_the_estimate_is_counted() {
+    let (fake, gw) = gateway(Knobs::default()).await;
+    let body = json!({"model": "general-chat", "max_tokens": 20, "messages": [{"role": "user", "content": "hello"}]});
+    let v: Value = post_chat(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    assert!(v["edge"]["context"].is_null(), "{v}");
+    assert_eq!(tokenize_posts(&fake), 0, "{:?}", fake.posts());
+
+    let body = json!({"model": "general-chat", "max_tokens": 20, "messages": [
+        {"role": "user", "content": "abcdefghij ".repeat(800)}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "and now?"}]});
+    let resp = post_chat(&gw, DEMO_KEY, &body).await;
+    let status = resp.status();
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    let ctx = &v["edge"]["context"];
+    assert_eq!((&ctx["exact"], &ctx["steps"]), (&json!(true), &json!([])), "{v}");
+    assert!(tokenize_posts(&fake) > 0);
+    assert_eq!(fake.last_request().unwrap()["messages"].as_array().unwrap().len(), 3);
     gw.stop().await;
 }

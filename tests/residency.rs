@@ -204,6 +204,47 @@ async fn a_task_waiting_for_its_model_to_load_is_queued_with_the_reason_loading(
     gw.stop().await;
 }
 
+/// Review 14 L8 (d): `edgeway_tasks_running` counted a task from the
+/// moment its slot was granted, so while it waited in QUEUED for its
+/// model's load it was "running" too. Now it counts from DISPATCHING, as
+/// the task's state says.
+#[tokio::test]
+async fn a_task_waiting_for_its_model_to_load_is_not_counted_running() {
+    let knobs = Knobs { first_token_delay: Duration::from_millis(1500), ..router_fake(&["demo-a"], 1500) };
+    let fake = FakeEngine::start_with(knobs).await;
+    let gw = gateway(&fake.url(), "residency = \"on_demand\"", "").await;
+    gw.wait_ready().await;
+    let mut rx = gw.recorder().subscribe();
+    let call = tokio::spawn({
+        let (base, b) = (gw.base_url.clone(), chat("general-chat"));
+        async move {
+            client().post(format!("{base}/v1/chat/completions")).bearer_auth(DEMO_KEY).json(&b).send().await.unwrap()
+        }
+    });
+    loop {
+        let ev = rx.recv().await.unwrap();
+        if ev.state == TaskState::Queued && ev.reason.starts_with("loading:") {
+            break;
+        }
+    }
+    let running = |m: &str| metric(m, "edgeway_tasks_running", &[("model", "general-chat")]);
+    let m = metrics_text(&gw).await;
+    assert!(fake.model_status("demo-a") != "loaded", "the load is still under way");
+    assert_eq!(running(&m), 0.0, "a task waiting in QUEUED for a load is not running: {m}");
+    // Counted once the model is in (DISPATCHING), until it ends.
+    loop {
+        let ev = rx.recv().await.unwrap();
+        if ev.state == TaskState::Dispatching {
+            assert!(ev.reason.starts_with("model loaded after"), "{}", ev.reason);
+            break;
+        }
+    }
+    assert_eq!(running(&metrics_text(&gw).await), 1.0);
+    assert_eq!(call.await.unwrap().status(), 200);
+    assert_eq!(running(&metrics_text(&gw).await), 0.0);
+    gw.stop().await;
+}
+
 #[tokio::test]
 async fn a_one_model_memory_budget_unloads_the_least_recently_used_model_first() {
     let fake = FakeEngine::start_with(router_fake(&["demo-a", "demo-b", "demo-c"], 50)).await;

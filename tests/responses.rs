@@ -196,10 +196,18 @@ async fn unsupported_fields_are_refused_by_name() {
         assert_eq!(error_code(&v), "INVALID_REQUEST", "{v}");
         assert!(v["error"]["message"].as_str().unwrap().contains(says), "{says}: {v}");
     }
+    let body = json!({"model": "general-chat", "input": "hi", "truncation": "sometimes"});
+    let resp = post(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("'truncation'"), "{v}");
     // Defaults that mean nothing unsupported are fine.
     let body = json!({"model": "general-chat", "input": "hi", "background": false, "truncation": "disabled",
         "text": {"format": {"type": "text"}}, "user": "u1"});
-    assert_eq!(post(&gw, DEMO_KEY, &body).await.status(), 200);
+    let resp = post(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["truncation"], "disabled", "as asked: {v}");
     assert_eq!(fake.requests(), 1, "refused calls never reach the engine");
     gw.stop().await;
 }
@@ -576,6 +584,9 @@ async fn a_chain_longer_than_the_window_is_trimmed_not_refused() {
         prev = v["id"].clone();
         let sent = sent_messages(&fake);
         assert_eq!(sent.last().unwrap(), &msg("user", &text(i)), "link {i}: the newest input is there");
+        // The policy it ran under, as OpenAI names it (review: it said
+        // "disabled" while the chain was trimmed).
+        assert_eq!(v["truncation"], "auto", "link {i}: {v}");
         if i == 11 {
             assert!(sent.len() < 2 * 12 - 1, "older links left out: {} messages", sent.len());
             assert_eq!(sent[0].0, "user", "never an answer without its question: {sent:?}");
@@ -583,5 +594,19 @@ async fn a_chain_longer_than_the_window_is_trimmed_not_refused() {
             assert!(steps.contains("oldest messages"), "{v}");
         }
     }
+    // `truncation: "disabled"`: no link may go, so the call is refused,
+    // as OpenAI refuses it; "auto" said so is the default's behaviour.
+    let calls = fake.requests();
+    let body = json!({"model": "general-chat", "input": "and now?", "max_output_tokens": 16,
+                      "previous_response_id": prev, "truncation": "disabled"});
+    let resp = post(&gw, DEMO_KEY, &body).await;
+    assert_eq!(resp.status(), 413);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(error_code(&v), "CONTEXT_TOO_LARGE", "{v}");
+    assert_eq!(fake.requests(), calls);
+    let body = json!({"model": "general-chat", "input": "and now?", "max_output_tokens": 16,
+                      "previous_response_id": prev, "truncation": "auto"});
+    let v: Value = post(&gw, DEMO_KEY, &body).await.json().await.unwrap();
+    assert_eq!((&v["status"], &v["truncation"]), (&json!("completed"), &json!("auto")), "{v}");
     gw.stop().await;
 }

@@ -6,7 +6,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use crate::config::{ApplicationConfig, Config, EngineKind, ModelConfig};
+use crate::config::{ApplicationConfig, Config, ContextPolicy, EngineKind, ModelConfig};
 use crate::context::{self, Fit};
 use crate::error::{ErrorCode, GatewayError};
 use crate::task::{
@@ -251,6 +251,7 @@ pub fn admit(
         max_output_tokens = model.max_output_tokens;
         degrade_reason = Some(format!("output budget capped at the model's {} tokens", model.max_output_tokens));
     }
+    let context_policy = context::window::policy(cfg, &identity.application, body.context_policy.as_deref())?;
     let input_tokens_estimate = context::estimate_tokens(&body.messages);
     let fit = match &body.operation {
         // Each input is embedded on its own and nothing is generated.
@@ -265,6 +266,14 @@ pub fn admit(
             max_output_tokens = n;
             degrade_reason = Some(format!("output budget reduced to {n} tokens to fit the context window"));
         }
+        // A chat call the assembly may still serve: a model with a larger
+        // window, or earlier turns it may leave out (`context::window`).
+        // The gateway assembles it; its output budget is set there.
+        Fit::TooLarge
+            if body.operation == Operation::Chat
+                && (model.larger_window_model.is_some()
+                    || (context_policy == ContextPolicy::Auto
+                        && !context::window::earlier_turns(&body.messages).is_empty())) => {}
         Fit::TooLarge => {
             return Err(GatewayError::new(
                 ErrorCode::ContextTooLarge,

@@ -32,6 +32,7 @@ pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
 pub use process::{expand as expand_vars, ProcessConfig};
 pub use raw::RawConfig;
 pub use residency::{ModelApi, Residency, ResidencyClass, Restriction};
+pub use validate::SUMMARY_PROMPT_MIN_TOKENS;
 
 /// One problem in a configuration, with the key path it is about.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -445,6 +446,40 @@ pub struct ApplicationConfig {
     pub output_constraints: Option<String>,
     /// Prompt debug logging, off unless configured and before its end.
     pub debug_prompts: Option<DebugPrompts>,
+    /// What a conversation that does not fit may lose, unless the request
+    /// says (`context_policy`).
+    pub context_policy: ContextPolicy,
+}
+
+/// `context_policy` (an application's default, a request's own; the
+/// Responses API's `truncation`): whether prompt assembly may leave a
+/// conversation's oldest messages out when it does not fit the window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ContextPolicy {
+    /// The oldest messages go (whole turns, pinned ones kept), after a
+    /// larger-window model where the call's own messages do not fit.
+    #[default]
+    Auto,
+    /// No message is left out: a larger-window model, else
+    /// `CONTEXT_TOO_LARGE`.
+    Disabled,
+}
+
+impl ContextPolicy {
+    pub fn parse(s: &str) -> Option<ContextPolicy> {
+        match s {
+            "auto" => Some(ContextPolicy::Auto),
+            "disabled" => Some(ContextPolicy::Disabled),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ContextPolicy::Auto => "auto",
+            ContextPolicy::Disabled => "disabled",
+        }
+    }
 }
 
 /// `[applications.X.debug_prompts]`: the application's prompts are logged

@@ -474,6 +474,9 @@ pub struct RawApplication {
     /// Prompt debug logging (`until`, `sample_rate`), checked by hand for
     /// errors with their paths.
     pub debug_prompts: Option<toml::Value>,
+    /// `auto` or `disabled`: whether a conversation that does not fit may
+    /// lose its oldest messages (a request's `context_policy` overrides).
+    pub context_policy: Option<String>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -517,6 +520,7 @@ impl Default for RawApplication {
             system_prompt: None,
             output_constraints: None,
             debug_prompts: None,
+            context_policy: None,
         }
     }
 }

@@ -30,6 +30,15 @@ fn minimal_config_gets_defaults() {
 }
 
 #[test]
+fn an_applications_context_policy_is_auto_or_disabled() {
+    assert_eq!(parse(MINIMAL, &[]).unwrap().applications["demo"].context_policy, ContextPolicy::Auto);
+    let with = |v: &str| MINIMAL.replace("[engines.llama]", &format!("context_policy = \"{v}\"\n\n[engines.llama]"));
+    assert_eq!(parse(&with("disabled"), &[]).unwrap().applications["demo"].context_policy, ContextPolicy::Disabled);
+    let e = parse(&with("truncate"), &[]).unwrap_err();
+    assert_eq!(e.0[0].path, "applications.demo.context_policy", "{e}");
+}
+
+#[test]
 fn store_retention_buffer_and_drain_have_defaults_and_bounds() {
     let c = parse(MINIMAL, &[]).unwrap();
     assert_eq!(c.store.max_buffered_writes, 100_000);
@@ -605,6 +614,27 @@ fn a_summary_model_must_be_a_configured_chat_model_and_its_keys_in_range() {
     }
     let e = parse(&text.replace("\"nope\"", "\"emb\""), &[]).unwrap_err();
     assert!(e.to_string().contains("\"emb\" is not a chat model"), "{e}");
+}
+
+/// Review 14 L8 (b): a summary model whose window leaves no room for the
+/// summary prompt beside `summary_max_tokens` was accepted, then every
+/// turn warned that the turns do not fit. Refused at load, with its key.
+#[test]
+fn a_summary_model_must_leave_room_for_the_summary_prompt() {
+    let with = |window: u32, max: u32| {
+        format!(
+            "{MINIMAL}context_tokens = {window}\nmax_output_tokens = 16\n[sessions]\nsummary_model = \"general-chat\"\n\
+             summary_max_tokens = {max}\n"
+        )
+    };
+    for (window, max) in [(256, 256), (200, 256), (256 + SUMMARY_PROMPT_MIN_TOKENS - 1, 256)] {
+        let e = parse(&with(window, max), &[]).unwrap_err();
+        assert_eq!(e.0.len(), 1, "{window}/{max}: {e}");
+        assert_eq!(e.0[0].path, "sessions.summary_max_tokens", "{window}/{max}: {e}");
+        assert!(e.to_string().contains(&format!("context_tokens = {window}")), "{e}");
+    }
+    let ok = parse(&with(256 + SUMMARY_PROMPT_MIN_TOKENS, 256), &[]).unwrap();
+    assert_eq!(ok.sessions.summary.unwrap().max_tokens, 256);
 }
 
 #[test]

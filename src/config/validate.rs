@@ -190,6 +190,12 @@ fn context(c: super::raw::RawContext, p: &mut Problems) -> super::ContextConfig 
     }
 }
 
+/// The least room a summary model's window must leave beside
+/// `summary_max_tokens` for the summary prompt: its instruction (about 80
+/// tokens) and at least one short turn (`crate::context::summary` checks
+/// the instruction against it).
+pub const SUMMARY_PROMPT_MIN_TOKENS: u32 = 128;
+
 /// `[sessions] summary_*`: checked whether or not a model is named, so a
 /// wrong value is reported before someone turns summaries on.
 fn summary(
@@ -219,6 +225,19 @@ fn summary(
         Some(m) if matches!(&m.kind, Some(Field::Valid(k)) if *k != ModelKind::Chat) => {
             p.add("sessions.summary_model", format!("{model:?} is not a chat model"))
         }
+        // The summary's output budget comes off the summary model's window:
+        // what is left must hold the summary prompt, or every turn would
+        // find no room and only warn (review 14 L8 b).
+        Some(m) if m.context_tokens < s.summary_max_tokens.saturating_add(SUMMARY_PROMPT_MIN_TOKENS) => p.add(
+            "sessions.summary_max_tokens",
+            format!(
+                "{} leaves {} tokens of summary model {model:?}'s window (context_tokens = {}) for the summary \
+                 prompt; it needs at least {SUMMARY_PROMPT_MIN_TOKENS}: lower it or name a model with a larger window",
+                s.summary_max_tokens,
+                m.context_tokens.saturating_sub(s.summary_max_tokens),
+                m.context_tokens
+            ),
+        ),
         Some(_) => {}
     }
     Some(super::SummaryConfig {
@@ -605,6 +624,14 @@ fn application(
         system_prompt: a.system_prompt.filter(|t| !t.trim().is_empty()),
         output_constraints: a.output_constraints.filter(|t| !t.trim().is_empty()),
         debug_prompts: a.debug_prompts.and_then(|d| debug_prompts(&format!("{path}.debug_prompts"), &d, p)),
+        context_policy: match a.context_policy.as_deref().map(|c| (c, super::ContextPolicy::parse(c))) {
+            None => super::ContextPolicy::Auto,
+            Some((_, Some(c))) => c,
+            Some((c, None)) => {
+                p.add(format!("{path}.context_policy"), format!("must be \"auto\" or \"disabled\", not {c:?}"));
+                return None;
+            }
+        },
     })
 }
 

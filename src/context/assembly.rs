@@ -281,6 +281,10 @@ pub struct Rules<'a> {
     /// same call keeps the first one's, so its fenced blocks are the
     /// same texts).
     pub fence_id: Option<&'a str>,
+    /// `context_policy = "disabled"`: no history message may be left out
+    /// or replaced by the summary; turns that do not fit are
+    /// `CONTEXT_TOO_LARGE` (`super::window`).
+    pub whole_conversation: bool,
 }
 
 /// Counts texts with the engine's counts where there are, else the
@@ -663,6 +667,18 @@ pub fn assemble(req: &mut TaskRequest, inputs: Inputs<'_>, rules: &Rules<'_>) ->
     let first_user = group_starts.first().copied().unwrap_or(history.len());
     let mut keep: Vec<bool> = (0..history.len()).map(|i| i >= first_user).collect();
     let mut summary_used = None;
+    if rules.whole_conversation && sum(&keep) > room_for_turns {
+        return Err(GatewayError::new(
+            ErrorCode::ContextTooLarge,
+            format!(
+                "the conversation's {} earlier messages take about {} tokens; model '{}' has room for {room_for_turns} \
+                 beside the rules and the current request, and context_policy \"disabled\" leaves none out",
+                history.len(),
+                sum(&keep),
+                req.logical_model
+            ),
+        ));
+    }
     if sum(&keep) > room_for_turns {
         let drop_oldest = |keep: &mut Vec<bool>, room: u32, from: usize| -> usize {
             let mut dropped = 0;
@@ -1176,6 +1192,22 @@ mod tests {
         let window = window_for(&req, 0);
         let plan = assemble(&mut req, with_history(&history), &rules(window)).unwrap();
         assert_eq!((plan.turns_used, req.messages), (0, before));
+    }
+
+    #[test]
+    fn context_policy_disabled_leaves_no_turn_out_and_says_so() {
+        let long = "x".repeat(700);
+        let history = [hist("user", &long), hist("assistant", "a1"), hist("user", "q2"), hist("assistant", "a2")];
+        let mut req = request(vec![msg("user", "now")], 100);
+        let window = window_for(&req, history[1..].iter().map(|h| h.tokens).sum::<u32>());
+        let r = Rules { whole_conversation: true, ..rules(window) };
+        let e = assemble(&mut req, with_history(&history), &r).unwrap_err();
+        assert_eq!(e.code, ErrorCode::ContextTooLarge);
+        assert!(e.message.contains("context_policy \"disabled\""), "{}", e.message);
+        // All of it fits: as under `auto`.
+        let mut req = request(vec![msg("user", "now")], 100);
+        let plan = assemble(&mut req, with_history(&history), &Rules { whole_conversation: true, ..rules(4096) });
+        assert_eq!(plan.unwrap().turns_used, 4);
     }
 
     #[test]

@@ -28,6 +28,7 @@ use sha2::{Digest, Sha256};
 
 use super::sessions::{HistoryMessage, Sessions};
 use crate::config::{Config, SummaryConfig};
+use crate::error::ErrorCode;
 use crate::scheduler::{SchedulerHandle, Submitted};
 use crate::task::{ChatMessage, TaskEvent, TaskRequest, TaskState};
 use crate::telemetry::lifecycle::Recorder;
@@ -204,7 +205,14 @@ impl Summarizer {
         self.recorder.transition(&req, TaskState::Validating, "admitted; session summary", None, "gateway");
         let mut stream = match self.scheduler.submit(req.clone()).await {
             Ok(Submitted::New(s)) => s,
-            Ok(Submitted::Known(_)) => return Err("a task with its request id exists".into()),
+            // Not reachable (a summary has no idempotency key, the only
+            // thing the scheduler judges repeats on); should it happen,
+            // the record still ends rather than stay VALIDATING.
+            Ok(Submitted::Known(existing)) => {
+                let why = format!("a task with its idempotency key exists: {}", existing.task_id);
+                self.recorder.refused(&req, ErrorCode::InternalError.as_str(), &why, "scheduler");
+                return Err(why);
+            }
             Err(e) => {
                 self.recorder.refused(&req, e.code.as_str(), e.code.as_str(), "scheduler");
                 return Err(e.code.as_str().to_string());
@@ -297,6 +305,17 @@ mod tests {
         assert_eq!(due(&h, 0, 100 * each, 2), None, "everything fits");
     }
 
+    /// The room configuration checks for (`[sessions] summary_max_tokens`
+    /// against the summary model's window) holds the instruction and a
+    /// short turn.
+    #[test]
+    fn the_least_room_configuration_allows_holds_the_instruction_and_a_turn() {
+        let turn = [hist("user", "how hot is pump three today?"), hist("assistant", "about 60 C, as yesterday")];
+        let (messages, taken) = prompt(None, &turn, crate::config::SUMMARY_PROMPT_MIN_TOKENS).expect("fits");
+        assert_eq!(taken, 2);
+        assert!(crate::context::estimate_tokens(&messages) <= crate::config::SUMMARY_PROMPT_MIN_TOKENS);
+    }
+
     #[test]
     fn the_window_opens_at_a_question() {
         let h = turns(4);
@@ -334,9 +353,15 @@ mod tests {
         let mut turn = TaskRequest::sample(vec![]);
         turn.routing.data_class = Some(crate::task::DataClass::Public);
         turn.session_id = Some("s".into());
+        turn.idempotency_key = Some("turn-key".into());
         let req = request(&cfg, 512, turn, vec![], "s", 1);
         assert!(req.routing.local_only, "a summary reads older turns of any class");
         assert_eq!(req.session_id, None);
+        // The scheduler answers `Submitted::Known` only for a known
+        // idempotency key: a summary has none, so its record cannot be
+        // left in VALIDATING that way (unconfirmed report; `run` ends
+        // the record anyway should it happen).
+        assert_eq!(req.idempotency_key, None);
         assert_eq!(req.request_id, format!("summary/s/v1/{}", req.task_id));
         assert_eq!(req.identity.user_id.as_deref(), Some(SUMMARY_USER));
     }

@@ -12,13 +12,54 @@
 //! instance taking tools from an OpenAI-style engine (as admission asks of
 //! fallbacks). Otherwise the call is refused as before.
 //!
-//! Owns: whether a call may switch. Does not own: the assembly
+//! **A call without a session** whose own messages do not fit its model
+//! (admission lets it through when this can help: the model names a
+//! larger-window model, or its `context_policy` is `auto` and it has
+//! earlier turns) is assembled too: it goes to the larger-window model
+//! when the policy above allows, else, under `auto`, its earlier turns
+//! ([`earlier_turns`]: those before its last user message) become history
+//! that the ladder trims as a session's, oldest first. Its question is
+//! never cut. A call that fits pays nothing of this: admission's estimate
+//! decides, and the gateway skips the assembly as before.
+//!
+//! **`context_policy`** ([`policy`]): the request's, else the
+//! application's (`[applications.X] context_policy`), else `auto`.
+//! `disabled` leaves no message of the conversation out (nor replaced by
+//! the session summary): the larger-window model, else
+//! `CONTEXT_TOO_LARGE`.
+//!
+//! Owns: whether a call may switch, its policy, and which of a plain
+//! call's messages may go. Does not own: the assembly
 //! (`super::assembly`) or the switch itself (the gateway re-assembles and
 //! sets the task's model before it is queued, so the scheduler and router
 //! route it as any call for that model).
 
-use crate::config::{Config, EngineKind, ModelConfig, ModelKind};
-use crate::task::{Location, TaskRequest};
+use std::ops::Range;
+
+use crate::config::{Config, ContextPolicy, EngineKind, ModelConfig, ModelKind};
+use crate::error::GatewayError;
+use crate::task::{ChatMessage, Location, TaskRequest};
+
+/// The `context_policy` of a call of `application`: `requested` (the
+/// request's field) when it says, else the application's.
+pub fn policy(cfg: &Config, application: &str, requested: Option<&str>) -> Result<ContextPolicy, GatewayError> {
+    match requested {
+        Some(r) => ContextPolicy::parse(r).ok_or_else(|| {
+            GatewayError::invalid(format!("'context_policy' must be \"auto\" or \"disabled\", not {r:?}"))
+        }),
+        None => Ok(cfg.applications.get(application).map_or(ContextPolicy::Auto, |a| a.context_policy)),
+    }
+}
+
+/// The messages of a call without a session that the ladder may trim as
+/// history when its prompt does not fit: those after its leading system
+/// (and developer) messages and before its last user message, which
+/// stays with what follows it (tool results of its answer).
+pub fn earlier_turns(messages: &[ChatMessage]) -> Range<usize> {
+    let lead = messages.iter().take_while(|m| matches!(m.role.as_str(), "system" | "developer")).count();
+    let last_user = messages.iter().rposition(|m| m.role == "user").unwrap_or(0);
+    lead..last_user.max(lead)
+}
 
 /// The model `req` may switch to when its prompt does not fit its
 /// model's window, if any.
@@ -46,4 +87,25 @@ pub fn larger_model<'a>(cfg: &'a Config, req: &TaskRequest) -> Option<&'a ModelC
         return None;
     }
     Some(alt)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msgs(roles: &[&str]) -> Vec<ChatMessage> {
+        roles
+            .iter()
+            .map(|r| ChatMessage { role: r.to_string(), content: "x".into(), extra: Default::default() })
+            .collect()
+    }
+
+    #[test]
+    fn earlier_turns_are_between_the_instructions_and_the_last_question() {
+        assert_eq!(earlier_turns(&msgs(&["system", "user", "assistant", "user"])), 1..3);
+        assert_eq!(earlier_turns(&msgs(&["user", "assistant", "user", "assistant", "tool"])), 0..2);
+        assert!(earlier_turns(&msgs(&["system", "developer", "user"])).is_empty());
+        assert!(earlier_turns(&msgs(&["user", "assistant", "tool"])).is_empty());
+        assert!(earlier_turns(&msgs(&["system"])).is_empty());
+    }
 }

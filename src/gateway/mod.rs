@@ -494,6 +494,7 @@ impl Gateway {
                 self.refused(ingress, e)
             }
         };
+        let context_policy = body.context_policy.clone();
         let mut req =
             admission::admit(&self.config(), identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
         req.trace_id = trace_id.clone();
@@ -532,7 +533,7 @@ impl Gateway {
         // A session turn begins here, after a repeat has joined its task
         // (a repeat is not a new turn) and before the task is recorded, so
         // that its record holds the prompt as assembled.
-        let turn = self.begin_turn(&mut req, context, history).await.map_err(refuse)?;
+        let turn = self.begin_turn(&mut req, context, history, context_policy.as_deref()).await.map_err(refuse)?;
         match &req.context {
             Some(c) => tracing::info!(
                 stage = "context",

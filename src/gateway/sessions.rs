@@ -5,7 +5,9 @@
 //!
 //! Every chat call whose prompt gets more than its own messages (configured
 //! rules, a session, `edge.context`, the earlier messages of a Responses
-//! `previous_response_id` chain) is assembled here, session or not.
+//! `previous_response_id` chain) is assembled here, session or not, and
+//! so is one whose own messages do not fit its model (admission's
+//! estimate; see `crate::context::window`).
 //!
 //! Owns: reading the API's JSON bodies, gathering what the assembly needs
 //! (configuration, the session's turns and memory, the request's
@@ -14,6 +16,7 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::config::ContextPolicy;
 use crate::context::assembly::{Inputs, Piece, Rules, SummaryRef};
 use crate::context::fence::SecretFilter;
 use crate::context::inputs::{ContextRequest, MemoryQuery, Passage};
@@ -107,13 +110,17 @@ impl Gateway {
     /// ([`assembly::assemble`]: configured rules, the session's turns and
     /// memory, the request's `edge.context`, the `chain` of earlier
     /// messages a call continues), beginning its session turn when it names
-    /// a session. A call with nothing to add keeps its messages and skips
-    /// the assembly.
+    /// a session. A call with nothing to add that fits its model keeps its
+    /// messages and skips the assembly; one that does not fit (admission
+    /// let it through) is assembled, to switch to a larger window or trim
+    /// its earlier turns (`crate::context::window`). `context_policy` is
+    /// the request's field (checked at admission).
     pub(super) async fn begin_turn(
         &self,
         req: &mut TaskRequest,
         context: Option<ContextRequest>,
         chain: Vec<ChatMessage>,
+        context_policy: Option<&str>,
     ) -> Result<Option<Turn>, GatewayError> {
         if req.operation != Operation::Chat {
             if req.session_id.is_some() {
@@ -128,9 +135,14 @@ impl Gateway {
         let app = cfg.applications.get(&req.identity.application);
         let configured = cfg.context.safety_rules.is_some()
             || app.is_some_and(|a| a.system_prompt.is_some() || a.output_constraints.is_some());
-        if req.session_id.is_none() && context.is_none() && !configured && chain.is_empty() {
+        // Admission's estimate, already made: the common call that fits
+        // pays no assembly (nor tokenizing) here.
+        let oversized =
+            cfg.models.get(&req.logical_model).is_some_and(|m| req.input_tokens_estimate >= m.context_tokens);
+        if req.session_id.is_none() && context.is_none() && !configured && chain.is_empty() && !oversized {
             return Ok(None);
         }
+        let policy = crate::context::window::policy(&cfg, &req.identity.application, context_policy)?;
         if req.session_id.is_some() && !chain.is_empty() {
             return Err(GatewayError::invalid(
                 "'session_id' and 'previous_response_id' cannot be used together: each names the conversation",
@@ -138,7 +150,7 @@ impl Gateway {
         }
         let context = context.unwrap_or_default();
         let memory = context.memory.clone().unwrap_or_default();
-        let (turn, history, entries) = match req.session_id.clone() {
+        let (turn, mut history, entries) = match req.session_id.clone() {
             Some(id) => {
                 let (turn, entries) = self.begin_session_turn(req, &id, &memory).await?;
                 let history = turn.lease.history();
@@ -186,23 +198,46 @@ impl Gateway {
             context_tokens: model.context_tokens,
             budget: model.context_budget,
             filter: filter.as_deref(),
+            whole_conversation: policy == ContextPolicy::Disabled,
             ..Default::default()
         };
         let session = req.session_id.clone();
         let summary = summary.as_ref().map(|s| SummaryRef { text: &s.text, covers: s.covers });
         let fence_id = turn.as_ref().map(|t| t.lease.fence_id());
-        let inputs =
-            Inputs { history: &history, session: session.as_deref(), summary, fence_id, knowledge, tool_results };
         // Counted by the model's own tokenizer where it has one. A prompt
         // that does not fit after trimming goes to the model's larger-window
-        // alternative where the policy lets it (`crate::context::window`).
+        // alternative where the policy lets it (`crate::context::window`);
+        // then, for a call without a session under `auto`, its own earlier
+        // turns become history the ladder may trim.
         let mut rules = rules;
         let mut switched = Vec::new();
+        let mut split = false;
         let mut plan = loop {
             let before = (req.max_output_tokens, req.degrade_reason.clone());
-            match self.tokenizers.assemble(&cfg, req, inputs.clone(), &rules).await {
+            let inputs = Inputs {
+                history: &history,
+                session: session.as_deref(),
+                summary,
+                fence_id: fence_id.clone(),
+                knowledge: knowledge.clone(),
+                tool_results: tool_results.clone(),
+            };
+            match self.tokenizers.assemble(&cfg, req, inputs, &rules).await {
                 Err(e) if e.code == ErrorCode::ContextTooLarge => {
-                    let Some(alt) = crate::context::window::larger_model(&cfg, req) else { return Err(e) };
+                    let Some(alt) = crate::context::window::larger_model(&cfg, req) else {
+                        let earlier = crate::context::window::earlier_turns(&req.messages);
+                        if split || turn.is_some() || policy != ContextPolicy::Auto || earlier.is_empty() {
+                            return Err(e);
+                        }
+                        // After a chain's messages, which are older.
+                        history.extend(req.messages.drain(earlier).map(|message| HistoryMessage {
+                            tokens: crate::context::estimate_message(&message),
+                            message,
+                        }));
+                        split = true;
+                        (req.max_output_tokens, req.degrade_reason) = before;
+                        continue;
+                    };
                     switched.push(format!(
                         "switched to model '{}' ({} tokens): the prompt does not fit '{}' ({} tokens) after trimming",
                         alt.name, alt.context_tokens, req.logical_model, rules.context_tokens

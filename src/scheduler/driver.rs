@@ -453,13 +453,15 @@ impl Driver {
             self.shared.metrics.queue_wait.with_label_values(&labels).observe(r.received_at.elapsed().as_secs_f64());
         }
         p.dispatched_at.get_or_insert(now);
-        // Counted while this attempt lasts, however it ends.
-        let _running = crate::telemetry::GaugeGuard::inc(
-            self.shared
-                .metrics
-                .tasks_running
-                .with_label_values(&[r.logical_model.as_str(), r.identity.application.as_str()]),
-        );
+        // Counted from DISPATCHING while this attempt lasts, however it
+        // ends: a task waiting in QUEUED for its model's load (below) is
+        // counted once the model is in (review 14 L8 d).
+        let running_gauge = self
+            .shared
+            .metrics
+            .tasks_running
+            .with_label_values(&[r.logical_model.as_str(), r.identity.application.as_str()]);
+        let mut running: Option<crate::telemetry::GaugeGuard> = None;
         p.instance = Some(lease.instance_name.clone());
         p.instance_index = Some(lease.instance);
         p.actual_model = Some(format!("{}/{}", lease.instance_name, lease.engine_model));
@@ -511,6 +513,7 @@ impl Driver {
             "dispatched"
         );
         if loading.is_none() {
+            running = Some(crate::telemetry::GaugeGuard::inc(running_gauge.clone()));
             self.shared.recorder.transition(
                 r,
                 TaskState::Dispatching,
@@ -634,6 +637,7 @@ impl Driver {
                 s = async {
                     let model = router.acquire_model(lease.instance, Some(first_token_deadline.into_std()), r.priority).await?;
                     if let (Some(waited), 1) = (loading, calls) {
+                        running.get_or_insert_with(|| crate::telemetry::GaugeGuard::inc(running_gauge.clone()));
                         let reason = format!("model loaded after {} ms; {dispatch_reason}", waited.elapsed().as_millis());
                         self.shared.recorder.transition(r, TaskState::Dispatching, &reason, Some(&lease.instance_name), "scheduler");
                     }

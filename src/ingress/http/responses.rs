@@ -16,6 +16,11 @@
 //! yet), background responses, reasoning options, built-in tools, and any
 //! other field this file does not know.
 //!
+//! `truncation` (`"auto"` or `"disabled"`) is the chat body's
+//! `context_policy` (see `crate::context::window`), and the Response's
+//! `truncation` says the policy the call ran under: the request's, else
+//! its application's `context_policy` (`auto` by default).
+//!
 //! `previous_response_id` continues a stored Response, as OpenAI does: the
 //! request's messages are that Response's conversation (its own input,
 //! after its own previous chain's), its output (text as an assistant
@@ -31,7 +36,8 @@
 //! admission as any call's, and the chain's earlier messages enter the
 //! prompt as a session's turns do, through the assembly's ladder (the
 //! oldest left out, recorded in `edge.context`, when they outgrow the
-//! model's window: trimmed, not refused); it is not a `/v1/sessions`
+//! model's window: trimmed, not refused, unless `truncation` is
+//! `"disabled"`); it is not a `/v1/sessions`
 //! session (no turn lock, no summary), and a request naming both is
 //! refused.
 //!
@@ -83,8 +89,17 @@ const EDGE_FIELDS: &[&str] =
     &["request_id", "idempotency_key", "session_id", "priority", "context_policy", "timeouts", "routing"];
 
 /// Fields read here and not passed on as they are.
-const HANDLED: &[&str] =
-    &["input", "instructions", "tools", "tool_choice", "stream", "stream_options", "store", "previous_response_id"];
+const HANDLED: &[&str] = &[
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "stream",
+    "stream_options",
+    "store",
+    "previous_response_id",
+    "truncation",
+];
 
 fn invalid(msg: impl Into<String>) -> GatewayError {
     GatewayError::invalid(msg)
@@ -106,6 +121,9 @@ struct Echo {
     store: Option<bool>,
     /// The stored Response this one continues.
     previous_response_id: Option<String>,
+    /// The call's `context_policy` (the request's `truncation`, else the
+    /// application's), as OpenAI names it: `auto` or `disabled`.
+    truncation: &'static str,
 }
 
 /// A Responses request as a chat request body (JSON), whether it streams,
@@ -134,13 +152,23 @@ fn to_chat(body: &[u8]) -> Result<(Value, bool, Echo), GatewayError> {
             }
             // The defaults say nothing that needs supporting.
             "background" => val == &Value::Bool(false),
-            "truncation" => val == "disabled",
             "text" => val.get("format").is_none_or(|f| f.get("type").is_some_and(|t| t == "text")),
             _ => false,
         };
         if !off {
             return Err(invalid(format!("'{k}' is not supported by /v1/responses on this gateway")));
         }
+    }
+    // OpenAI's `truncation` is edgeway's `context_policy`, the same two
+    // values: whether the conversation's oldest messages may be left out.
+    if let Some(t) = req.get("truncation").filter(|v| !v.is_null()) {
+        let Some(t) = t.as_str().filter(|t| matches!(*t, "auto" | "disabled")) else {
+            return Err(invalid("invalid field 'truncation': expected \"auto\" or \"disabled\""));
+        };
+        if chat.get("context_policy").is_some_and(|c| c != t) {
+            return Err(invalid("'truncation' and 'context_policy' say different things: give one"));
+        }
+        chat.insert("context_policy".into(), t.into());
     }
     let mut messages = Vec::new();
     if let Some(i) = req.get("instructions").filter(|v| !v.is_null()) {
@@ -191,6 +219,8 @@ fn to_chat(body: &[u8]) -> Result<(Value, bool, Echo), GatewayError> {
             Some(Value::String(s)) => Some(s.clone()),
             Some(_) => return Err(invalid("invalid field 'previous_response_id': expected a string")),
         },
+        // Set by `create`, which knows the caller's application.
+        truncation: "auto",
     };
     Ok((Value::Object(chat), stream, echo))
 }
@@ -312,7 +342,11 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     // Who is calling comes before what the body says, as for chat.
     let identity = gw.authenticate(cred.as_deref()).map_err(|e| gw.refused(Ingress::Http, e))?;
-    let (mut chat, stream, echo) = to_chat(&body).map_err(|e| gw.refused(Ingress::Http, e))?;
+    let (mut chat, stream, mut echo) = to_chat(&body).map_err(|e| gw.refused(Ingress::Http, e))?;
+    // A bad `context_policy` is refused by admission, below.
+    let requested = chat.get("context_policy").and_then(Value::as_str);
+    let policy = crate::context::window::policy(&gw.config(), &identity.application, requested);
+    echo.truncation = policy.map_or("auto", |p| p.as_str());
     let (conversation, chain) = continue_from(&gw, &identity, &mut chat, &echo).await?;
     let chat = serde_json::to_vec(&chat).map_err(|e| GatewayError::internal(e.to_string()))?;
     let call = gw.prepare(Caller::Identity(identity), &chat, Ingress::Http, submit_options(&headers))?;
@@ -515,7 +549,7 @@ impl Output {
             "output": if status == "in_progress" { json!([]) } else { Value::Array(self.items(item_status)) },
             "parallel_tool_calls": e.parallel_tool_calls, "temperature": e.temperature, "top_p": e.top_p,
             "tool_choice": e.tool_choice, "tools": e.tools, "metadata": e.metadata, "user": e.user,
-            "store": self.keep.is_some(), "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "store": self.keep.is_some(), "text": {"format": {"type": "text"}}, "truncation": e.truncation,
             "previous_response_id": e.previous_response_id,
             "usage": Value::Null,
         });

@@ -226,9 +226,13 @@ impl Streams {
             // A live stream that took the key since (a new request with the
             // same id) stays.
             if g.by_key.get(&key).is_some_and(|s| s.is_ended()) {
-                if let Some(s) = g.by_key.remove(&key) {
-                    s.stop_sender();
-                }
+                // Its sender, if it is still publishing, finishes: the
+                // device is owed the end of the stream it holds. With
+                // `replay_retention_ms = 0` the sweep at the task's end
+                // came before the terminal message went out, and stopped
+                // it (item 5a: a repeat, its stream sent again, got no
+                // answer either).
+                g.by_key.remove(&key);
             }
         }
     }
