@@ -233,6 +233,9 @@ pub struct GatewayError {
     pub message: String,
     /// Set on busy answers: when a retry has a fair chance.
     pub retry_after_ms: Option<u64>,
+    /// Set on `QUOTA_EXCEEDED` for a spent budget: when its window resets
+    /// (RFC 3339, UTC), the moment `retry_after_ms` points at.
+    pub resets_at: Option<String>,
     /// The engine failed after output reached the client: what it got is
     /// partial, and edgeway did not retry (a retry would repeat it).
     pub partial: bool,
@@ -240,7 +243,7 @@ pub struct GatewayError {
 
 impl GatewayError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        GatewayError { code, message: message.into(), retry_after_ms: None, partial: false }
+        GatewayError { code, message: message.into(), retry_after_ms: None, resets_at: None, partial: false }
     }
 
     /// Marks an error that ended output already sent.
@@ -251,6 +254,12 @@ impl GatewayError {
 
     pub fn with_retry_after(mut self, ms: u64) -> Self {
         self.retry_after_ms = Some(ms);
+        self
+    }
+
+    /// When the spent budget that refused the call resets (RFC 3339).
+    pub fn with_resets_at(mut self, at: String) -> Self {
+        self.resets_at = Some(at);
         self
     }
 

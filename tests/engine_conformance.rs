@@ -55,6 +55,7 @@ fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig
         location: edgeway::task::Location::Local,
         max_data_class: edgeway::task::DataClass::Secret,
         cost_per_1k_tokens: 0.0,
+        price: Default::default(),
         reserved_realtime_slots: 0,
         max_prefill_tokens: None,
         long_prompt_tokens: 0,
@@ -358,6 +359,7 @@ async fn router_resends_once_when_connection_closed_before_answer(kind: EngineKi
             max_concurrency: cfg.max_concurrency,
             exclusive: cfg.exclusive,
             health_interval: cfg.health_interval,
+            price: cfg.price,
         }]);
         let r = tokio::time::timeout(LIMIT, router.open(0, &s.request(16))).await.expect("open() resolves");
         match r {

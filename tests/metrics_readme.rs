@@ -22,20 +22,22 @@ use serde_json::json;
 /// `event` rows this workload does not trigger (in the table's order), and
 /// why. A row added to the table as `event` must show here or be listed.
 const NOT_IN_THIS_WORKLOAD: &[&str] = &[
-    "edgeway_context_summaries_total", // needs a session summary model (tests/sessions.rs)
-    "edgeway_tool_calls_total",        // needs a request with tools (tests/tools.rs)
-    "edgeway_engine_kv_cache_usage_ratio", // the fake reports no KV use here
-    "edgeway_fallbacks_total",         // one instance, never down (tests/routing.rs)
-    "edgeway_retries_total",           // no engine failure
-    "edgeway_retries_refused_total",   // no retry budget spent
-    "edgeway_breaker_transitions_total", // no engine failure
-    "edgeway_preemptions_total",       // no P0 work against a full engine
-    "edgeway_illegal_transitions_total", // 0 unless there is a bug
+    "edgeway_budget_used_ratio",              // needs a budget (tests/budgets.rs)
+    "edgeway_budget_warnings_total",          // needs a budget crossing its warn_percent (tests/budgets.rs)
+    "edgeway_context_summaries_total",        // needs a session summary model (tests/sessions.rs)
+    "edgeway_tool_calls_total",               // needs a request with tools (tests/tools.rs)
+    "edgeway_engine_kv_cache_usage_ratio",    // the fake reports no KV use here
+    "edgeway_fallbacks_total",                // one instance, never down (tests/routing.rs)
+    "edgeway_retries_total",                  // no engine failure
+    "edgeway_retries_refused_total",          // no retry budget spent
+    "edgeway_breaker_transitions_total",      // no engine failure
+    "edgeway_preemptions_total",              // no P0 work against a full engine
+    "edgeway_illegal_transitions_total",      // 0 unless there is a bug
     "edgeway_http_connections_refused_total", // under the connection cap (tests/http_hostile.rs)
-    "edgeway_http_connections_closed_total", // no timeout or age reached (tests/http_hostile.rs)
-    "edgeway_http_accept_errors_total", // accept() does not fail here
-    "edgeway_mqtt_rejected_total",     // the device's request is taken
-    "edgeway_mqtt_resumes_total",      // no stream resume
+    "edgeway_http_connections_closed_total",  // no timeout or age reached (tests/http_hostile.rs)
+    "edgeway_http_accept_errors_total",       // accept() does not fail here
+    "edgeway_mqtt_rejected_total",            // the device's request is taken
+    "edgeway_mqtt_resumes_total",             // no stream resume
 ];
 
 /// Family name → the label names its samples carry (histogram series

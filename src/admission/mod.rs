@@ -3,11 +3,13 @@
 //! Owns: authentication ([`auth`]), parsing the shared request JSON (OpenAI
 //! chat fields plus edge fields, the same on every ingress) and turning it
 //! into a validated [`crate::task::TaskRequest`]: priority rights, model lookup, context
-//! budget, timeouts; and [`gpu_watch`], which closes admission and cancels
-//! work while the GPU is in its danger zone. Does not own: queueing and
+//! budget, timeouts; [`budget`], which refuses a call while its tenant's or
+//! application's spending budget is spent; and [`gpu_watch`], which closes
+//! admission and cancels work while the GPU is in its danger zone. Does not own: queueing and
 //! capacity (scheduler).
 
 pub mod auth;
+pub mod budget;
 pub mod gpu_watch;
 pub mod operation;
 pub mod request;

@@ -100,6 +100,9 @@ pub struct Config {
     pub tenant_weights: std::collections::HashMap<String, f64>,
     /// The least strict data class of each tenant's calls, where set.
     pub tenant_data_class: std::collections::HashMap<String, DataClass>,
+    /// `[tenants.X.budget]`: what each tenant (all its applications
+    /// together) may spend per UTC day and month, where set.
+    pub tenant_budgets: BTreeMap<String, BudgetConfig>,
     pub routing: RoutingConfig,
     pub resources: ResourceConfig,
     /// A cancelled request may keep an engine busy this long before the
@@ -449,6 +452,9 @@ pub struct ApplicationConfig {
     /// What a conversation that does not fit may lose, unless the request
     /// says (`context_policy`).
     pub context_policy: ContextPolicy,
+    /// `[applications.X.budget]`: what the application may spend per UTC
+    /// day and month (besides its tenant's budget).
+    pub budget: Option<BudgetConfig>,
 }
 
 /// `context_policy` (an application's default, a request's own; the
@@ -479,6 +485,43 @@ impl ContextPolicy {
             ContextPolicy::Auto => "auto",
             ContextPolicy::Disabled => "disabled",
         }
+    }
+}
+
+/// A budget (`[tenants.X.budget]`, `[applications.X.budget]`): tokens
+/// (input and output together) and cost (in the currency of the price
+/// table, [`Price`]) per UTC calendar day and month; `None`: no limit of
+/// that kind. Spending is counted when a task ends; a call made while any
+/// limit is reached is refused `QUOTA_EXCEEDED` until the window resets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BudgetConfig {
+    pub daily_tokens: Option<u64>,
+    pub monthly_tokens: Option<u64>,
+    pub daily_cost: Option<f64>,
+    pub monthly_cost: Option<f64>,
+    /// The share of a limit (percent, 1..=100) whose crossing emits the
+    /// budget warning (once per window).
+    pub warn_percent: u32,
+}
+
+/// The default `warn_percent` of a budget.
+pub const DEFAULT_BUDGET_WARN_PERCENT: u32 = 80;
+
+/// What an instance's tokens cost (`[engines.X] price_input_per_mtok`,
+/// `price_output_per_mtok`), per million tokens, in the one currency the
+/// operator writes every price and budget in (edgeway converts nothing
+/// and names no currency). Absent: 0, also for local engines, which may
+/// be given a cost (power, hardware) the same way.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Price {
+    pub input_per_mtok: f64,
+    pub output_per_mtok: f64,
+}
+
+impl Price {
+    /// The cost of a call that used `input` and `output` tokens.
+    pub fn cost(&self, input: u32, output: u32) -> f64 {
+        (f64::from(input) * self.input_per_mtok + f64::from(output) * self.output_per_mtok) / 1_000_000.0
     }
 }
 
@@ -606,6 +649,9 @@ pub struct EngineConfig {
     pub max_data_class: DataClass,
     /// Relative cost of a thousand tokens, a tie-breaker between instances.
     pub cost_per_1k_tokens: f64,
+    /// What its tokens cost: the `edge.cost` of the calls it answers, and
+    /// what budgets count.
+    pub price: Price,
     pub reserved_realtime_slots: usize,
     /// The long-prompt lane: long prompts (over `long_prompt_tokens`
     /// estimated tokens) start only while the prompt tokens of long ones

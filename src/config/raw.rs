@@ -394,12 +394,25 @@ pub struct RawTenant {
     pub weight: f64,
     /// The least strict data class of every call of the tenant.
     pub data_class: Option<Field<DataClass>>,
+    /// What the tenant's applications may spend together.
+    pub budget: Option<RawBudget>,
 }
 
 impl Default for RawTenant {
     fn default() -> Self {
-        RawTenant { weight: 1.0, data_class: None }
+        RawTenant { weight: 1.0, data_class: None, budget: None }
     }
+}
+
+/// `[tenants.X.budget]`, `[applications.X.budget]`: every key optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawBudget {
+    pub daily_tokens: Option<u64>,
+    pub monthly_tokens: Option<u64>,
+    pub daily_cost: Option<f64>,
+    pub monthly_cost: Option<f64>,
+    pub warn_percent: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -477,6 +490,8 @@ pub struct RawApplication {
     /// `auto` or `disabled`: whether a conversation that does not fit may
     /// lose its oldest messages (a request's `context_policy` overrides).
     pub context_policy: Option<String>,
+    /// What the application may spend per day and month.
+    pub budget: Option<RawBudget>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -521,6 +536,7 @@ impl Default for RawApplication {
             output_constraints: None,
             debug_prompts: None,
             context_policy: None,
+            budget: None,
         }
     }
 }
@@ -550,6 +566,11 @@ pub struct RawEngine {
     /// What a thousand tokens (input and output) cost on this instance, in
     /// any unit; among equally loaded instances the cheaper one is picked.
     pub cost_per_1k_tokens: f64,
+    /// What a million input (prompt) tokens cost on this instance, in the
+    /// operator's currency: `edge.cost` and budgets. Default 0.
+    pub price_input_per_mtok: f64,
+    /// What a million output (answer) tokens cost. Default 0.
+    pub price_output_per_mtok: f64,
     /// Slots held back for P0/P1 work.
     pub reserved_realtime_slots: usize,
     /// Prompt tokens of long prompts that may be in prefill at once on
@@ -596,6 +617,8 @@ impl Default for RawEngine {
             local: None,
             max_data_class: None,
             cost_per_1k_tokens: 0.0,
+            price_input_per_mtok: 0.0,
+            price_output_per_mtok: 0.0,
             reserved_realtime_slots: 0,
             max_prefill_tokens: None,
             long_prompt_tokens: None,

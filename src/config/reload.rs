@@ -11,7 +11,7 @@
 //! # What a reload changes
 //! Applied at once, to new work: applications (their API keys, priorities,
 //! limits, tools), `[auth.jwt]`, devices (checked at each MQTT CONNECT),
-//! tenants (weights, data classes), `[timeouts]` defaults, `[sessions]`,
+//! tenants (weights, data classes, budgets), `[timeouts]` defaults, `[sessions]`,
 //! the scheduler's global limits (`max_queued`, `max_running`,
 //! `priority_aging_seconds`, `busy_retry_after_ms`), models (added,
 //! removed, any key changed: routes, fallback chains, residency classes),
@@ -171,6 +171,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
     }
     if sorted(&old.tenant_weights) != sorted(&new.tenant_weights)
         || sorted(&old.tenant_data_class) != sorted(&new.tenant_data_class)
+        || !same(&old.tenant_budgets, &new.tenant_budgets)
     {
         changed_sections.push("tenants".to_string());
     }

@@ -687,3 +687,62 @@ fn a_larger_window_model_exists_is_a_chat_model_and_has_a_larger_window() {
         assert!(e.to_string().contains(why), "{why}: {e}");
     }
 }
+
+#[test]
+fn engine_prices_default_to_zero_and_are_validated() {
+    let c = parse(MINIMAL, &[]).unwrap();
+    assert_eq!(c.engines["llama"].price, Price::default(), "absent: 0");
+    let priced = MINIMAL
+        .replace("model = \"gemma\"", "model = \"gemma\"\nprice_input_per_mtok = 0.5\nprice_output_per_mtok = 1.5");
+    let c = parse(&priced, &[]).unwrap();
+    let price = c.engines["llama"].price;
+    assert_eq!(price, Price { input_per_mtok: 0.5, output_per_mtok: 1.5 });
+    // A million input and two million output tokens: 0.5 + 3.0.
+    assert_eq!(price.cost(1_000_000, 2_000_000), 3.5);
+    for bad in ["-1", "nan", "inf"] {
+        let text = MINIMAL.replace("model = \"gemma\"", &format!("model = \"gemma\"\nprice_output_per_mtok = {bad}"));
+        let e = parse(&text, &[]).unwrap_err();
+        assert_eq!(e.0[0].path, "engines.llama.price_output_per_mtok", "{bad}: {e}");
+    }
+}
+
+#[test]
+fn budgets_of_tenants_and_applications_are_read_and_validated() {
+    let text = format!(
+        "{MINIMAL}\n[applications.demo.budget]\ndaily_tokens = 1000\nmonthly_cost = 2.5\n\
+         [tenants.demo.budget]\nmonthly_tokens = 50000\ndaily_cost = 1\nwarn_percent = 90\n"
+    );
+    let c = parse(&text, &[]).unwrap();
+    let app = c.applications["demo"].budget.unwrap();
+    assert_eq!(
+        (app.daily_tokens, app.monthly_tokens, app.daily_cost, app.monthly_cost),
+        (Some(1000), None, None, Some(2.5))
+    );
+    assert_eq!(app.warn_percent, DEFAULT_BUDGET_WARN_PERCENT);
+    let t = c.tenant_budgets["demo"];
+    assert_eq!((t.monthly_tokens, t.daily_cost, t.warn_percent), (Some(50000), Some(1.0), 90));
+    assert!(parse(MINIMAL, &[]).unwrap().tenant_budgets.is_empty());
+    let bad = format!("{MINIMAL}\n[tenants.demo.budget]\ndaily_cost = -1\nwarn_percent = 0\nhourly_tokens = 5\n");
+    let e = parse(&bad, &[]).unwrap_err();
+    assert!(e.to_string().contains("hourly_tokens"), "unknown keys are refused: {e}");
+    let bad = format!("{MINIMAL}\n[tenants.demo.budget]\ndaily_cost = -1\nwarn_percent = 101\n");
+    let paths: Vec<String> = parse(&bad, &[]).unwrap_err().0.into_iter().map(|e| e.path).collect();
+    assert_eq!(paths, ["tenants.demo.budget.daily_cost", "tenants.demo.budget.warn_percent"]);
+}
+
+#[test]
+fn a_changed_price_or_budget_is_a_reload_not_a_restart() {
+    let old = parse(MINIMAL, &[]).unwrap();
+    let new = parse(
+        &format!(
+            "{}\n[tenants.demo.budget]\ndaily_tokens = 10\n",
+            MINIMAL.replace("model = \"gemma\"", "model = \"gemma\"\nprice_input_per_mtok = 2")
+        ),
+        &[],
+    )
+    .unwrap();
+    let c = reload::plan(&old, &new).unwrap();
+    assert_eq!(c.engines.changed, 1, "the instance is replaced with its new price");
+    assert_eq!(c.sections, ["tenants"]);
+    assert_eq!(reload::engine_plan(&old, &new).replaced, ["llama"]);
+}

@@ -78,7 +78,7 @@ impl RawConfig {
         let default_queue_capacity = self.scheduler.queue_capacity;
         let scheduler = scheduler(self.scheduler, &mut p);
         let resources = resources(self.resources, &mut p);
-        let (tenant_weights, tenant_data_class) = tenants(self.tenants, &mut p);
+        let (tenant_weights, tenant_data_class, tenant_budgets) = tenants(self.tenants, &mut p);
         let routing = routing(self.routing, &mut p);
         let auth = auth(self.auth, env, base_dir, &mut p);
         let applications = applications(self.applications, &mut p);
@@ -114,6 +114,7 @@ impl RawConfig {
                 models: all(models)?,
                 tenant_weights,
                 tenant_data_class,
+                tenant_budgets,
                 routing: routing?,
                 resources: resources.watch,
                 cancel_grace: resources.cancel_grace,
@@ -411,11 +412,13 @@ fn resources(r: RawResources, p: &mut Problems) -> Option<Resources> {
     })
 }
 
-type TenantSettings = (HashMap<String, f64>, HashMap<String, crate::task::DataClass>);
+type TenantSettings =
+    (HashMap<String, f64>, HashMap<String, crate::task::DataClass>, BTreeMap<String, super::BudgetConfig>);
 
 fn tenants(raw: BTreeMap<String, RawTenant>, p: &mut Problems) -> TenantSettings {
     let mut weights = HashMap::new();
     let mut classes = HashMap::new();
+    let mut budgets = BTreeMap::new();
     for (name, t) in raw {
         if !(t.weight > 0.0 && t.weight.is_finite()) {
             p.add(format!("tenants.{name}.weight"), "must be a positive number");
@@ -423,9 +426,33 @@ fn tenants(raw: BTreeMap<String, RawTenant>, p: &mut Problems) -> TenantSettings
         if let Some(Some(c)) = optional(t.data_class, &format!("tenants.{name}.data_class"), p) {
             classes.insert(name.clone(), c);
         }
+        if let Some(b) = t.budget.map(|b| budget(&format!("tenants.{name}.budget"), b, p)) {
+            budgets.insert(name.clone(), b);
+        }
         weights.insert(name, t.weight);
     }
-    (weights, classes)
+    (weights, classes, budgets)
+}
+
+/// A `budget` table: costs finite and not negative, `warn_percent`
+/// 1..=100 (default [`super::DEFAULT_BUDGET_WARN_PERCENT`]).
+fn budget(path: &str, b: super::raw::RawBudget, p: &mut Problems) -> super::BudgetConfig {
+    for (key, v) in [("daily_cost", b.daily_cost), ("monthly_cost", b.monthly_cost)] {
+        if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
+            p.add(format!("{path}.{key}"), "must be a number, 0 or more");
+        }
+    }
+    let warn_percent = b.warn_percent.unwrap_or(super::DEFAULT_BUDGET_WARN_PERCENT);
+    if !(1..=100).contains(&warn_percent) {
+        p.add(format!("{path}.warn_percent"), "must be 1..100");
+    }
+    super::BudgetConfig {
+        daily_tokens: b.daily_tokens,
+        monthly_tokens: b.monthly_tokens,
+        daily_cost: b.daily_cost,
+        monthly_cost: b.monthly_cost,
+        warn_percent,
+    }
 }
 
 fn routing(r: RawRouting, p: &mut Problems) -> Option<RoutingConfig> {
@@ -632,6 +659,7 @@ fn application(
                 return None;
             }
         },
+        budget: a.budget.map(|b| budget(&format!("{path}.budget"), b, p)),
     })
 }
 
@@ -854,6 +882,13 @@ fn engine(
     if !(e.cost_per_1k_tokens.is_finite() && e.cost_per_1k_tokens >= 0.0) {
         p.add(format!("{path}.cost_per_1k_tokens"), "must be a number, 0 or more");
     }
+    for (key, v) in
+        [("price_input_per_mtok", e.price_input_per_mtok), ("price_output_per_mtok", e.price_output_per_mtok)]
+    {
+        if !(v.is_finite() && v >= 0.0) {
+            p.add(format!("{path}.{key}"), "must be a number, 0 or more");
+        }
+    }
     let model_api = super::residency::model_api(
         &format!("{path}.model_api"),
         e.model_api.as_deref(),
@@ -879,6 +914,7 @@ fn engine(
         location: location?,
         max_data_class: max_data_class?,
         cost_per_1k_tokens: e.cost_per_1k_tokens,
+        price: super::Price { input_per_mtok: e.price_input_per_mtok, output_per_mtok: e.price_output_per_mtok },
         reserved_realtime_slots: e.reserved_realtime_slots,
         max_prefill_tokens: e.max_prefill_tokens,
         long_prompt_tokens,

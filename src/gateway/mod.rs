@@ -19,6 +19,7 @@
 //! (admission, scheduler and router own theirs).
 
 mod audit;
+mod budgets;
 mod idempotency;
 mod keys;
 mod readiness;
@@ -60,6 +61,7 @@ pub use crate::context::sessions::{MemoryEntry, SessionView};
 use crate::scheduler::Submitted;
 pub use crate::scheduler::{CancelHandle, TaskStream};
 pub use audit::{parse_time, AuditQuery, AuditRecord, DEFAULT_AUDIT_PAGE, MAX_AUDIT_PAGE};
+pub use budgets::BudgetView;
 pub use readiness::{ModelReadiness, Readiness};
 pub use reload::{ReloadError, ReloadReport};
 pub use status::{DeviceList, Status};
@@ -530,6 +532,11 @@ impl Gateway {
         if let Some(e) = closed {
             return Err(self.refused(ingress, e));
         }
+        // A spent budget refuses what would start a task (a repeat joined
+        // its task above: it costs nothing). Checked against what ended
+        // tasks spent: calls admitted together may pass a limit by what
+        // they use (see `store::budget`).
+        admission::budget::check(self.store.budgets(), &req.identity, crate::task::now_ms()).map_err(refuse)?;
         // A session turn begins here, after a repeat has joined its task
         // (a repeat is not a new turn) and before the task is recorded, so
         // that its record holds the prompt as assembled.

@@ -74,6 +74,9 @@ fn event_body(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
             if let Some(ms) = error.retry_after_ms {
                 v["retry_after_ms"] = ms.into();
             }
+            if let Some(at) = &error.resets_at {
+                v["resets_at"] = at.as_str().into();
+            }
             if error.partial {
                 v["partial"] = true.into();
             }
@@ -91,6 +94,9 @@ pub fn rejection_json(request_id: Option<&str>, e: &crate::error::GatewayError) 
     });
     if let Some(ms) = e.retry_after_ms {
         v["retry_after_ms"] = ms.into();
+    }
+    if let Some(at) = &e.resets_at {
+        v["resets_at"] = at.as_str().into();
     }
     v
 }

@@ -57,6 +57,10 @@ pub struct Instance {
     pub exclusive: bool,
     /// Time between health probes.
     pub health_interval: Duration,
+    /// What its tokens cost (`[engines.X] price_*`): a reload that changes
+    /// it replaces the instance, so a task is priced by the instance that
+    /// answered it as it was then.
+    pub price: crate::config::Price,
 }
 
 /// A change the scheduler must know about, sent through the sink given to
@@ -159,6 +163,7 @@ impl Router {
             max_concurrency: e.max_concurrency,
             exclusive: e.exclusive,
             health_interval: e.health_interval,
+            price: e.price,
         })
     }
 
@@ -448,6 +453,7 @@ mod test_engine {
             max_concurrency: 1,
             exclusive: true,
             health_interval,
+            price: Default::default(),
         }])
     }
 

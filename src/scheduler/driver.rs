@@ -1017,6 +1017,13 @@ impl Driver {
             tool_calls,
             context: r.context.clone(),
             text_not_kept: false,
+            // The instance that answered, at its price: a retry on another
+            // instance forgot the earlier attempt's usage (`restart_output`).
+            cost: Some(
+                p.instance_index
+                    .map(|i| self.shared.router.instance(i).price.cost(usage.input_tokens, usage.output_tokens))
+                    .unwrap_or(0.0),
+            ),
         };
         let error_code = outcome.error.as_ref().map(|(e, _)| e.code.as_str());
         // The arguments are answer text: stored only where the text is;

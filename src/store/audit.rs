@@ -88,7 +88,8 @@ pub struct AuditEntry {
     pub error_code: Option<String>,
     pub input_tokens: u32,
     pub output_tokens: u32,
-    /// Null until edgeway prices calls.
+    /// What the call cost (`edge.cost`); null for a refused call and for a
+    /// task whose cost is not known (ended by recovery).
     pub cost: Option<f64>,
     /// False until edgeway has a response cache.
     pub cache_hit: bool,
@@ -185,7 +186,7 @@ pub fn finished_entry(
         error_code: error_code.map(str::to_string),
         input_tokens: meta.usage.input_tokens,
         output_tokens: meta.usage.output_tokens,
-        cost: None,
+        cost: meta.cost,
         cache_hit: false,
         context_sha256: meta.context.as_ref().map(|c| c.prompt_sha256.clone()),
         queue_ms: meta.timing.queue_ms,

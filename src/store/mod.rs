@@ -20,13 +20,15 @@
 //! The task and transition tables are here; each other table has its own
 //! file: `idempotency.rs` (keys), `pending_requests.rs` (to re-queue after
 //! a crash), `revoked_keys.rs` and `sessions.rs` (sessions, their history
-//! and memory).
+//! and memory), `budget.rs` (what tenants and applications spent, written
+//! with each task's end).
 //!
 //! Does not own: the decisions recorded (scheduler), prompt policy (the
 //! caller decides whether text is passed in at all) or metrics: it counts
 //! its failed writes in [`WriteFailures`], which telemetry exports.
 
 pub mod audit;
+pub mod budget;
 mod idempotency;
 mod pending_requests;
 mod reserve;
@@ -303,6 +305,8 @@ pub struct Store {
     audit_tx: tokio::sync::broadcast::Sender<Arc<AuditRecord>>,
     /// Bounds the audit queries running at once ([`AUDIT_QUERIES_AT_ONCE`]).
     audit_queries: Arc<tokio::sync::Semaphore>,
+    /// What tenants and applications spent (read back at open).
+    budgets: budget::Budgets,
 }
 
 /// What the store needs to know beyond its file (from `[store]`).
@@ -509,11 +513,14 @@ impl Store {
             responses::SCHEMA,
             sessions::SCHEMA,
             audit::SCHEMA,
+            budget::SCHEMA,
         ] {
             conn.execute_batch(schema).map_err(open_err)?;
         }
         sessions::migrate(&conn).map_err(open_err)?;
         migrate(&conn).map_err(open_err)?;
+        let budgets = budget::Budgets::default();
+        budgets.load(&conn).map_err(open_err)?;
         let expired = idempotency::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
         if expired > 0 {
             tracing::info!(expired, "dropped expired idempotency keys");
@@ -548,7 +555,24 @@ impl Store {
             .map_err(spawn_err)?;
         let path = Arc::from(path);
         let audit_queries = Arc::new(tokio::sync::Semaphore::new(AUDIT_QUERIES_AT_ONCE));
-        Ok(Store { tx, reads, node_id: node_id.into(), store_prompts, failures, health, path, audit_tx, audit_queries })
+        Ok(Store {
+            tx,
+            reads,
+            node_id: node_id.into(),
+            store_prompts,
+            failures,
+            health,
+            path,
+            audit_tx,
+            audit_queries,
+            budgets,
+        })
+    }
+
+    /// What tenants and applications spent, and their budgets' limits
+    /// (set by [`budget::Budgets::configure`]).
+    pub fn budgets(&self) -> &budget::Budgets {
+        &self.budgets
     }
 
     /// Whether writes succeed (shared: it follows the writer).
@@ -1410,6 +1434,13 @@ fn apply(
             }
             // In the same transaction as the terminal state: both or neither.
             let entry = audit::finished_entry(txn, meta, error_code.as_deref(), key_id.clone(), t.at_ms)?;
+            // What the task spent, with its end: a restart reads it back
+            // (`budget.rs`).
+            let tokens = u64::from(meta.usage.input_tokens) + u64::from(meta.usage.output_tokens);
+            let cost = meta.cost.unwrap_or(0.0);
+            if !entry.tenant.is_empty() && (tokens > 0 || cost > 0.0) {
+                budget::persist(txn, &entry.tenant, &entry.application, tokens, cost, t.at_ms)?;
+            }
             audited.push(audit::append(txn, entry)?);
             Ok(())
         }
@@ -1500,6 +1531,12 @@ fn migrate(c: &Connection) -> rusqlite::Result<()> {
     let has: bool = c.prepare("SELECT 1 FROM pragma_table_info('tasks') WHERE name = 'trace_id'")?.exists([])?;
     if !has {
         c.execute_batch("ALTER TABLE tasks ADD COLUMN trace_id TEXT")?;
+    }
+    // What the task cost (`edge.cost`), a column of its own for sums by
+    // tenant and time without reading the result JSON.
+    let has: bool = c.prepare("SELECT 1 FROM pragma_table_info('tasks') WHERE name = 'cost'")?.exists([])?;
+    if !has {
+        c.execute_batch("ALTER TABLE tasks ADD COLUMN cost REAL")?;
     }
     Ok(())
 }
@@ -1595,9 +1632,9 @@ fn finish_task(
     let json = serde_json::to_string(m).unwrap_or_default();
     exec(
         c,
-        "UPDATE tasks SET state = ?2, error_code = ?3, result_json = ?4, result_text = ?5, updated_at_ms = ?6 \
-         WHERE task_id = ?1",
-        params![m.task_id, m.status.as_str(), error_code, json, result_text, crate::task::now_ms()],
+        "UPDATE tasks SET state = ?2, error_code = ?3, result_json = ?4, result_text = ?5, updated_at_ms = ?6, \
+         cost = ?7 WHERE task_id = ?1",
+        params![m.task_id, m.status.as_str(), error_code, json, result_text, crate::task::now_ms(), m.cost],
     )?;
     Ok(())
 }

@@ -579,6 +579,13 @@ pub struct ResultMeta {
     /// missing answer is not taken for an empty one (review 15 L4).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub text_not_kept: bool,
+    /// What the call cost: the input and output tokens of `usage` at the
+    /// price of the instance that answered (`[engines.X] price_*`, per
+    /// million tokens, in the operator's currency); 0 when no engine
+    /// answered. Absent where edgeway does not know it (a result recorded
+    /// before costs, a task ended by recovery).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<f64>,
 }
 
 impl ResultMeta {
@@ -604,6 +611,7 @@ impl ResultMeta {
             tool_calls_valid: None,
             context: None,
             text_not_kept: false,
+            cost: None,
         }
     }
 }

@@ -10,6 +10,11 @@
 //! task's terminal state) is refused: not written, not published, logged,
 //! counted in `edgeway_illegal_transitions_total{from,to}`, and a panic in
 //! debug builds so that tests catch the code path that tried it.
+//! Also charges what each task cost to its tenant's and application's
+//! budgets when it ends (`crate::store::budget`): counted in
+//! `edgeway_cost_total`, with the budgets' used share and warnings as
+//! metrics, a warning also on the task's terminal event
+//! (`budget_warnings`) and in the log.
 //! Does not own: the decisions (scheduler, gateway) or the SQL (store).
 
 use std::collections::hash_map::DefaultHasher;
@@ -23,6 +28,7 @@ use tokio::sync::broadcast;
 
 use super::Metrics;
 use crate::error::GatewayError;
+use crate::store::budget::{BudgetWarning, Scope};
 use crate::store::{KeyedResult, Store};
 use crate::task::{Identity, Ingress, ResultMeta, TaskRequest, TaskState};
 
@@ -51,6 +57,10 @@ pub struct LifecycleEvent {
     /// Set on terminal states of tasks that were queued.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result: Option<ResultMeta>,
+    /// On the terminal event of the task whose cost took a budget window
+    /// past its `warn_percent` (once per window).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub budget_warnings: Vec<BudgetWarning>,
 }
 
 #[derive(Clone)]
@@ -65,6 +75,9 @@ pub struct Recorder {
     /// (and calls refused at admission), newest last, for the status page.
     /// Written only when something fails: no cost on the success path.
     failures: Arc<Mutex<VecDeque<Failure>>>,
+    cost: prometheus::CounterVec,
+    budget_used: prometheus::GaugeVec,
+    budget_warnings: IntCounterVec,
 }
 
 /// How many recent failures the status page keeps.
@@ -126,6 +139,9 @@ impl Recorder {
             live: Arc::new(LiveStates::new()),
             illegal: metrics.illegal_transitions.clone(),
             failures: Arc::default(),
+            cost: metrics.cost.clone(),
+            budget_used: metrics.budget_used.clone(),
+            budget_warnings: metrics.budget_warnings.clone(),
         }
     }
 
@@ -315,6 +331,7 @@ impl Recorder {
             });
         }
         if recorded {
+            let warnings = self.charge(req, meta);
             // Lifecycle events carry no answer text, and tool-call
             // arguments are answer text; names are made safe.
             let mut public = None;
@@ -323,8 +340,41 @@ impl Recorder {
                 m.tool_calls = meta.tool_calls.iter().map(|c| c.for_record(false)).collect();
                 public = Some(m);
             }
-            self.publish(req, meta.status, reason, instance, actor, error_code, Some(public.as_ref().unwrap_or(meta)));
+            let shown = public.as_ref().unwrap_or(meta);
+            self.publish_with(req, meta.status, reason, instance, actor, error_code, Some(shown), warnings);
         }
+    }
+
+    /// Charges a finished task's tokens and cost to its tenant's and
+    /// application's budgets (in memory; the store writes them with the
+    /// terminal state), counts the cost and the budgets' used shares, and
+    /// returns the warnings the charge set off (logged here).
+    fn charge(&self, req: &TaskRequest, meta: &ResultMeta) -> Vec<BudgetWarning> {
+        let tokens = u64::from(meta.usage.input_tokens) + u64::from(meta.usage.output_tokens);
+        let cost = meta.cost.unwrap_or(0.0);
+        let who = &req.identity;
+        let c = self.store.budgets().charge(&who.tenant, &who.application, tokens, cost, crate::task::now_ms());
+        self.cost.with_label_values(&[&c.tenant_label, &c.application_label]).inc_by(cost.max(0.0));
+        let app_label = |scope: Scope| if scope == Scope::Tenant { "*" } else { c.application_label.as_str() };
+        for u in &c.used {
+            self.budget_used.with_label_values(&[&c.tenant_label, app_label(u.scope), u.period.as_str()]).set(u.ratio);
+        }
+        for w in &c.warnings {
+            let scope = if w.scope == Scope::Tenant.as_str() { Scope::Tenant } else { Scope::Application };
+            self.budget_warnings.with_label_values(&[&c.tenant_label, app_label(scope), w.window]).inc();
+            tracing::warn!(
+                stage = "budget",
+                scope = w.scope,
+                name = %w.name,
+                window = w.window,
+                used_ratio = w.used_ratio,
+                warn_percent = w.warn_percent,
+                resets_at = %w.resets_at,
+                task_id = %req.task_id,
+                "a budget passed its warning threshold"
+            );
+        }
+        c.warnings
     }
 
     /// Records a call refused at admission (before it had a validated task):
@@ -373,6 +423,7 @@ impl Recorder {
             actor: "gateway",
             error_code: Some(e.code.as_str()),
             result: None,
+            budget_warnings: Vec::new(),
         }));
     }
 
@@ -386,6 +437,21 @@ impl Recorder {
         actor: &'static str,
         error_code: Option<&'static str>,
         meta: Option<&ResultMeta>,
+    ) {
+        self.publish_with(req, state, reason, instance, actor, error_code, meta, Vec::new());
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn publish_with(
+        &self,
+        req: &TaskRequest,
+        state: TaskState,
+        reason: &str,
+        instance: Option<&str>,
+        actor: &'static str,
+        error_code: Option<&'static str>,
+        meta: Option<&ResultMeta>,
+        budget_warnings: Vec<BudgetWarning>,
     ) {
         if self.tx.receiver_count() == 0 {
             return;
@@ -408,6 +474,7 @@ impl Recorder {
             actor,
             error_code,
             result: meta.cloned(),
+            budget_warnings,
         }));
     }
 }

@@ -101,6 +101,16 @@ pub struct Metrics {
     /// NATS reply streams whose caller was gone (task cancelled), by how it
     /// was noticed (`no_responders`, `bus_unavailable`).
     pub nats_callers_lost: IntCounterVec,
+    /// What finished tasks cost (`edge.cost`), by tenant and application
+    /// (configured names, else `other`).
+    pub cost: prometheus::CounterVec,
+    /// The used share of each budget window after its last charge, by
+    /// tenant, application (`*` for the tenant's own budget) and window
+    /// (`daily`, `monthly`).
+    pub budget_used: GaugeVec,
+    /// Budget warnings (a charge crossed `warn_percent`), by tenant,
+    /// application (`*`) and window.
+    pub budget_warnings: IntCounterVec,
     /// Steps of a fallback chain taken, by requested model, step and
     /// reason (`unavailable`, `breaker_open`, `no_room`, `no_class`,
     /// `went_down`).
@@ -310,6 +320,25 @@ impl Metrics {
                 "nats_events_dropped_total",
                 "Lifecycle events not published on NATS, by reason",
                 &["reason"],
+            ),
+            cost: {
+                let c = prometheus::CounterVec::new(
+                    Opts::new("cost_total", "Cost of finished tasks, by tenant and application"),
+                    &["tenant", "application"],
+                )
+                .expect("valid metric");
+                registry.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
+            budget_used: float_gauge(
+                "budget_used_ratio",
+                "Used share of a budget window after its last charge, by tenant, application and window",
+                &["tenant", "application", "window"],
+            ),
+            budget_warnings: counter(
+                "budget_warnings_total",
+                "Budget warnings (warn_percent crossed), by tenant, application and window",
+                &["tenant", "application", "window"],
             ),
             nats_callers_lost: counter(
                 "nats_callers_lost_total",

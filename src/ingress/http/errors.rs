@@ -29,6 +29,9 @@ pub fn error_object(e: &GatewayError) -> Value {
     if let Some(ms) = e.retry_after_ms {
         o["retry_after_ms"] = ms.into();
     }
+    if let Some(at) = &e.resets_at {
+        o["resets_at"] = at.as_str().into();
+    }
     if e.partial {
         o["partial"] = true.into();
     }

@@ -9,6 +9,7 @@
 //! validation, ownership of tasks or scheduling (the gateway facade).
 
 mod audit;
+mod budgets;
 mod caller;
 mod chat;
 mod completions;
@@ -92,6 +93,7 @@ fn admin_routes(state: AppState, guarded: bool, shutdown: CancellationToken) -> 
         .route("/admin/status/stream", get(status::stream))
         .route("/status", get(status::page))
         .route("/admin/audit", get(audit::page))
+        .route("/admin/budgets", get(budgets::view))
         .layer(Extension(OpsGuard(guarded)))
         .layer(Extension(ws::Shutdown(shutdown)))
         .with_state(state)
