@@ -116,6 +116,7 @@ pub struct RawConfig {
     pub nats: Option<super::nats::RawNats>,
     pub mqtt: Option<super::mqtt::RawMqtt>,
     pub devices: BTreeMap<String, super::mqtt::RawDevice>,
+    pub cache: super::cache::RawCache,
 }
 
 impl Default for RawConfig {
@@ -140,6 +141,7 @@ impl Default for RawConfig {
             nats: None,
             mqtt: None,
             devices: BTreeMap::new(),
+            cache: super::cache::RawCache::default(),
         }
     }
 }
@@ -474,6 +476,8 @@ pub struct RawApplication {
     /// Prompt debug logging (`until`, `sample_rate`), checked by hand for
     /// errors with their paths.
     pub debug_prompts: Option<toml::Value>,
+    /// Its calls may be answered from the response cache (`[cache]`).
+    pub cache: bool,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -517,6 +521,7 @@ impl Default for RawApplication {
             system_prompt: None,
             output_constraints: None,
             debug_prompts: None,
+            cache: true,
         }
     }
 }

@@ -95,6 +95,7 @@ impl RawConfig {
         let nats = optional_section(self.nats.map(|n| super::nats::validate(n, env, base_dir, &self.node_id, &mut p)));
         let mqtt = optional_section(self.mqtt.map(|m| super::mqtt::validate(m, base_dir, &mut p)));
         let devices = super::mqtt::validate_devices(self.devices, &applications, &mut p);
+        let cache = super::cache::validate(self.cache, &mut p);
 
         let config = (|| {
             let resources = resources?;
@@ -121,6 +122,7 @@ impl RawConfig {
                 nats: nats?,
                 mqtt: mqtt?,
                 devices: all(devices)?,
+                cache,
                 // Set by the loader, which sees the whole text.
                 version: String::new(),
                 source: None,
@@ -605,6 +607,7 @@ fn application(
         system_prompt: a.system_prompt.filter(|t| !t.trim().is_empty()),
         output_constraints: a.output_constraints.filter(|t| !t.trim().is_empty()),
         debug_prompts: a.debug_prompts.and_then(|d| debug_prompts(&format!("{path}.debug_prompts"), &d, p)),
+        cache: a.cache,
     })
 }
 

@@ -90,7 +90,7 @@ pub struct AuditEntry {
     pub output_tokens: u32,
     /// Null until edgeway prices calls.
     pub cost: Option<f64>,
-    /// False until edgeway has a response cache.
+    /// Answered from the response cache.
     pub cache_hit: bool,
     /// `edge.context.prompt_sha256`, when prompt assembly ran.
     pub context_sha256: Option<String>,
@@ -186,7 +186,7 @@ pub fn finished_entry(
         input_tokens: meta.usage.input_tokens,
         output_tokens: meta.usage.output_tokens,
         cost: None,
-        cache_hit: false,
+        cache_hit: meta.cache_hit,
         context_sha256: meta.context.as_ref().map(|c| c.prompt_sha256.clone()),
         queue_ms: meta.timing.queue_ms,
         ttft_ms: meta.timing.first_token_ms,
