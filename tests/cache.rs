@@ -250,6 +250,84 @@ async fn the_byte_budget_evicts_the_least_recently_used_answer() {
     gw.stop().await;
 }
 
+/// Waits (polling the scheduler, up to 10 s) until the instance is in
+/// dispatch (`up`) or out of it.
+async fn until_up(gw: &TestGateway, up: bool) {
+    for _ in 0..500 {
+        if gw.scheduler().snapshot().await.unwrap().instances.iter().all(|i| i.up == up) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the instance never became up = {up}");
+}
+
+/// Checks an answer of the routing chain's cached step.
+fn assert_stale(v: &Value, live: &Value) {
+    assert_eq!(content(v), content(live), "{v}");
+    assert!(hit(v), "{v}");
+    assert_eq!(v["edge"]["cache_stale"], true, "{v}");
+    assert!(v["edge"]["cache_age_ms"].as_u64().unwrap() >= 1000, "{v}");
+    assert_eq!(v["edge"]["route"]["degraded"], true, "{v}");
+    assert_eq!(v["edge"]["degraded"], true, "{v}");
+    assert!(hop_steps(v).contains(&"cached".to_string()), "{v}");
+}
+
+#[tokio::test]
+async fn the_cached_step_answers_past_the_ttl_when_the_engine_fails() {
+    let fake = FakeEngine::start().await;
+    let gw = gateway(&fake, "", "ttl_s = 1\nstale_ttl_s = 3600").await;
+    let b = det(false, "Where is the pump manual?");
+    let live = call(&gw, DEMO_KEY, &b).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Every attempt fails: the stale answer instead of the error.
+    fake.set(|k| k.fail_status = Some(500));
+    let v = call(&gw, DEMO_KEY, &b).await;
+    assert_stale(&v, &live);
+    assert!(hop_steps(&v).contains(&"same-model".to_string()), "the failed attempts are in the route: {v}");
+    assert!(fake.requests() >= 2, "the engine was tried first");
+    // A call the cache has never seen gets the error.
+    let resp = post_chat(&gw, DEMO_KEY, &det(false, "Something new")).await;
+    assert!(resp.status().is_server_error(), "{}", resp.status());
+    // The engine out of dispatch: answered at admission, no engine call.
+    fake.set(|k| k.healthy = false);
+    until_up(&gw, false).await;
+    let before = fake.requests();
+    let v = call(&gw, DEMO_KEY, &b).await;
+    assert_stale(&v, &live);
+    assert_eq!(fake.requests(), before);
+    let m = metrics_text(&gw).await;
+    assert_eq!(metric(&m, "edgeway_cache_hits_total", &[("kind", "stale")]), 2.0, "{m}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn the_cached_step_comes_before_the_canned_answer() {
+    let fake = FakeEngine::start().await;
+    let gw = gateway(&fake, "canned_answer = \"Busy; call the desk.\"", "ttl_s = 1\nstale_ttl_s = 3600").await;
+    let b = det(false, "Opening hours?");
+    let live = call(&gw, DEMO_KEY, &b).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    fake.set(|k| k.healthy = false);
+    until_up(&gw, false).await;
+    let v = call(&gw, DEMO_KEY, &b).await;
+    assert_stale(&v, &live);
+    assert!(!hop_steps(&v).contains(&"canned".to_string()), "{v}");
+    // Not in the cache: the canned answer, as before.
+    let v = call(&gw, DEMO_KEY, &det(false, "Something new")).await;
+    assert_eq!(content(&v), "Busy; call the desk.");
+    assert!(!hit(&v));
+    assert_eq!(fake.requests(), 1, "only the first call reached the engine");
+    // A canned answer is never cached: the engine back, it answers.
+    fake.set(|k| k.healthy = true);
+    until_up(&gw, true).await;
+    let v = call(&gw, DEMO_KEY, &det(false, "Something new")).await;
+    assert!(!hit(&v), "{v}");
+    assert_eq!(content(&v), content(&live));
+    assert_eq!(fake.requests(), 2);
+    gw.stop().await;
+}
+
 #[tokio::test]
 async fn a_hit_streams_over_sse_like_a_live_answer() {
     let fake = FakeEngine::start().await;

@@ -171,9 +171,10 @@ impl Driver {
         let outcome = if let Some(hit) = self.cached.clone() {
             self.answer_cached(&mut p, hit, Vec::new(), None)
         } else if self.admission.step == FallbackStep::Canned {
-            self.canned(&mut p, Vec::new())
+            self.cached_or_canned(&mut p, Vec::new())
         } else {
-            self.run_phases(grant, &mut p).await
+            let outcome = self.run_phases(grant, &mut p).await;
+            self.cached_after_failure(outcome, &mut p)
         };
         if self.parked.load(std::sync::atomic::Ordering::Relaxed) {
             self.park();
@@ -246,6 +247,33 @@ impl Driver {
         self.log.push(TaskEvent::Delta { text });
         p.finish_reason = Some("stop".into());
         Outcome { error: None, reason: "finished (canned answer)".into() }
+    }
+
+    /// The routing chain's cached step, where the canned answer would be
+    /// taken: the cache's answer to the same call (up to `stale_ttl_s`
+    /// old), else the canned answer.
+    fn cached_or_canned(&self, p: &mut Progress, passed: Vec<Passed>) -> Outcome {
+        match self.cache_key.as_ref().and_then(|k| self.shared.cache.stale(k)) {
+            Some(hit) => self.answer_cached(p, hit, passed, Some("no engine step could take the request")),
+            None => self.canned(p, passed),
+        }
+    }
+
+    /// The cached step for a task whose engine steps failed before any
+    /// output went out (an engine error, or no healthy instance left) and
+    /// whose chain has no canned answer to take: the cache's answer to the
+    /// same call, up to `stale_ttl_s` old, instead of the error.
+    fn cached_after_failure(&self, outcome: Outcome, p: &mut Progress) -> Outcome {
+        let Some((e, actor)) = &outcome.error else { return outcome };
+        let engine_failed = *actor == "engine" || e.code == ErrorCode::ModelUnavailable;
+        let parked = self.parked.load(std::sync::atomic::Ordering::Relaxed);
+        if !engine_failed || parked || p.first_token_at.is_some() || p.cache.is_some() {
+            return outcome;
+        }
+        let Some(hit) = self.cache_key.as_ref().and_then(|k| self.shared.cache.stale(k)) else { return outcome };
+        let why = format!("the engine steps failed ({})", e.code.as_str());
+        p.restart_output();
+        self.answer_cached(p, hit, Vec::new(), Some(&why))
     }
 
     /// Streams the response cache's answer like an engine's: the text in
@@ -421,7 +449,7 @@ impl Driver {
             }
             g = grant => match g {
                 Ok(SlotGrant::Slot(lease)) => Ok(lease),
-                Ok(SlotGrant::Canned(passed)) => Err(self.canned(p, passed)),
+                Ok(SlotGrant::Canned(passed)) => Err(self.cached_or_canned(p, passed)),
                 // Withdrawn by the scheduler (no healthy instance left).
                 Ok(SlotGrant::Refused(e)) => {
                     let reason = e.message.clone();

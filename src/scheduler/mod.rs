@@ -649,6 +649,21 @@ impl SchedulerHandle {
         unqueued.task_id = None;
         let admission = match queued {
             Ok(a) => a,
+            // No engine step can take it now: the routing chain's cached
+            // step, when the cache has an answer however old (within
+            // `stale_ttl_s`).
+            Err(e) if e.code == ErrorCode::ModelUnavailable && cache_key.is_some() => {
+                match cache_key.as_ref().and_then(|k| self.shared.cache.stale(k)) {
+                    Some(hit) => {
+                        let why = format!("{queued_reason}; no engine step can take it: {}", e.message);
+                        return Ok(self.answer_from_cache(req, log, cancel, cache_key, hit, &why));
+                    }
+                    None => {
+                        self.shared.registry.remove(&req.task_id);
+                        return Err(e);
+                    }
+                }
+            }
             Err(e) => {
                 self.shared.registry.remove(&req.task_id);
                 return Err(e);
