@@ -9,6 +9,7 @@
 //! run time (each component reads its own typed section, or converts it into
 //! its own types). Plain data: it imports only `task` and `error`.
 
+mod cache;
 pub mod mqtt;
 mod nats;
 mod process;
@@ -27,6 +28,7 @@ use sha2::{Digest, Sha256};
 
 use crate::task::{DataClass, Location, Priority, Timeouts};
 
+pub use cache::CacheConfig;
 pub use mqtt::{DeviceConfig, MqttConfig, MqttTlsConfig};
 pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
 pub use process::{expand as expand_vars, ProcessConfig};
@@ -117,6 +119,8 @@ pub struct Config {
     pub mqtt: Option<MqttConfig>,
     /// Devices that may connect over MQTT, by id (= MQTT client id).
     pub devices: BTreeMap<String, DeviceConfig>,
+    /// `[cache]`: the response cache.
+    pub cache: CacheConfig,
     /// A hash of the effective content (the file after the `EDGEWAY__…`
     /// overrides), shown by `/ready` as `config_version`.
     pub version: String,
@@ -455,6 +459,9 @@ pub struct ApplicationConfig {
     /// `[applications.X.budget]`: what the application may spend per UTC
     /// day and month (besides its tenant's budget).
     pub budget: Option<BudgetConfig>,
+    /// Its calls may be answered from the response cache (`cache`, default
+    /// true; `[cache] enabled` decides for all).
+    pub cache: bool,
 }
 
 /// `context_policy` (an application's default, a request's own; the

@@ -116,6 +116,7 @@ pub struct RawConfig {
     pub nats: Option<super::nats::RawNats>,
     pub mqtt: Option<super::mqtt::RawMqtt>,
     pub devices: BTreeMap<String, super::mqtt::RawDevice>,
+    pub cache: super::cache::RawCache,
 }
 
 impl Default for RawConfig {
@@ -140,6 +141,7 @@ impl Default for RawConfig {
             nats: None,
             mqtt: None,
             devices: BTreeMap::new(),
+            cache: super::cache::RawCache::default(),
         }
     }
 }
@@ -492,6 +494,8 @@ pub struct RawApplication {
     pub context_policy: Option<String>,
     /// What the application may spend per day and month.
     pub budget: Option<RawBudget>,
+    /// Its calls may be answered from the response cache (`[cache]`).
+    pub cache: bool,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -537,6 +541,7 @@ impl Default for RawApplication {
             debug_prompts: None,
             context_policy: None,
             budget: None,
+            cache: true,
         }
     }
 }

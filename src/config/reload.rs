@@ -12,6 +12,7 @@
 //! Applied at once, to new work: applications (their API keys, priorities,
 //! limits, tools), `[auth.jwt]`, devices (checked at each MQTT CONNECT),
 //! tenants (weights, data classes, budgets), `[timeouts]` defaults, `[sessions]`,
+//! `[cache]` (the next call's lookup and store use it),
 //! the scheduler's global limits (`max_queued`, `max_running`,
 //! `priority_aging_seconds`, `busy_retry_after_ms`), models (added,
 //! removed, any key changed: routes, fallback chains, residency classes),
@@ -183,6 +184,9 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
     }
     if !same(&old.sessions, &new.sessions) {
         changed_sections.push("sessions".to_string());
+    }
+    if old.cache != new.cache {
+        changed_sections.push("cache".to_string());
     }
     Ok(Changes {
         applications: Counts::of(&old.applications, &new.applications),

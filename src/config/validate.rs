@@ -95,6 +95,7 @@ impl RawConfig {
         let nats = optional_section(self.nats.map(|n| super::nats::validate(n, env, base_dir, &self.node_id, &mut p)));
         let mqtt = optional_section(self.mqtt.map(|m| super::mqtt::validate(m, base_dir, &mut p)));
         let devices = super::mqtt::validate_devices(self.devices, &applications, &mut p);
+        let cache = super::cache::validate(self.cache, &mut p);
 
         let config = (|| {
             let resources = resources?;
@@ -122,6 +123,7 @@ impl RawConfig {
                 nats: nats?,
                 mqtt: mqtt?,
                 devices: all(devices)?,
+                cache,
                 // Set by the loader, which sees the whole text.
                 version: String::new(),
                 source: None,
@@ -660,6 +662,7 @@ fn application(
             }
         },
         budget: a.budget.map(|b| budget(&format!("{path}.budget"), b, p)),
+        cache: a.cache,
     })
 }
 

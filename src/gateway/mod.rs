@@ -478,7 +478,7 @@ impl Gateway {
         // `edge` (today only `edge.context`) is for the assembly, not the
         // engine: read after admission, so a bad one is refused after the
         // request's other checks.
-        let edge = body.extra.remove("edge");
+        let mut edge = body.extra.remove("edge");
         // Held until the call is queued (or refused): a drain waits for
         // every call that passed the check below before it began.
         let _admitting = self.admitting.enter();
@@ -505,6 +505,9 @@ impl Gateway {
         let span = tracing::Span::current();
         span.record("task_id", req.task_id.as_str());
         span.record("request_id", req.request_id.as_str());
+        // `edge.cache` is the response cache's (an opt-out); the rest of
+        // `edge` is the assembly's.
+        let cache_flag = crate::scheduler::cache::take_edge_flag(edge.as_mut()).map_err(refuse)?;
         let context = crate::context::inputs::parse(edge.as_ref()).map_err(refuse)?;
         // Knowledge, tool results and memory are part of the call: a repeat
         // of its idempotency key with other ones is another request, not a
@@ -552,6 +555,9 @@ impl Gateway {
             None => tracing::info!(stage = "context", tokens = req.input_tokens_estimate, steps = "", "prompt as sent"),
         }
         self.debug_prompt(&req);
+        // The response cache's key is made of the prompt as assembled (what
+        // the engine would see), under the configuration in force now.
+        let cache_lookup = crate::scheduler::cache::key_for(&self.config(), &req, cache_flag);
         // The turn may have waited for the one before: a drain begun
         // meanwhile refuses it as it refuses any new work.
         if let Some(e) = self.closed_to_new_work() {
@@ -567,7 +573,7 @@ impl Gateway {
         self.remember_key(&req, retry_of.as_ref().map(|(old, _)| old.as_str()));
         let meta_req = req.clone();
         let mut unqueued = Unqueued { gw: self, req: &meta_req, armed: true };
-        let submitted = self.scheduler.submit(req).await;
+        let submitted = self.scheduler.submit_cached(req, cache_lookup).await;
         unqueued.armed = false;
         match submitted {
             Ok(Submitted::New(s)) => {

@@ -21,6 +21,7 @@ use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::sleep_until;
 
+use super::cache::{self, CacheKey, Hit};
 use super::policy::Passed;
 use super::preempt::Preempt;
 use super::registry::TaskLog;
@@ -60,6 +61,12 @@ pub(super) struct Driver {
     /// Set when the scheduler parked the waiting task at shutdown
     /// ([`SlotGrant::Parked`]): it ends for its callers, unrecorded.
     pub parked: std::sync::atomic::AtomicBool,
+    /// The call's response-cache key: its answer is stored under it, and
+    /// the cached step looks it up. `None`: not cacheable, or the cache is
+    /// off.
+    pub cache_key: Option<CacheKey>,
+    /// The answer found at submission (the task never queues).
+    pub cached: Option<Hit>,
 }
 
 /// The step of the fallback chain admission chose.
@@ -123,6 +130,8 @@ struct Progress {
     /// The logical model and step that answered (or last tried).
     model: Option<String>,
     step: Option<FallbackStep>,
+    /// The response cache's answer it was given, if any.
+    cache: Option<Hit>,
 }
 
 impl Progress {
@@ -159,10 +168,13 @@ impl Driver {
         for passed in &self.admission.passed {
             p.hop(passed.step, &self.req.logical_model, None, format!("passed over: {}", passed.detail));
         }
-        let outcome = if self.admission.step == FallbackStep::Canned {
-            self.canned(&mut p, Vec::new())
+        let outcome = if let Some(hit) = self.cached.clone() {
+            self.answer_cached(&mut p, hit, Vec::new(), None)
+        } else if self.admission.step == FallbackStep::Canned {
+            self.cached_or_canned(&mut p, Vec::new())
         } else {
-            self.run_phases(grant, &mut p).await
+            let outcome = self.run_phases(grant, &mut p).await;
+            self.cached_after_failure(outcome, &mut p)
         };
         if self.parked.load(std::sync::atomic::Ordering::Relaxed) {
             self.park();
@@ -235,6 +247,84 @@ impl Driver {
         self.log.push(TaskEvent::Delta { text });
         p.finish_reason = Some("stop".into());
         Outcome { error: None, reason: "finished (canned answer)".into() }
+    }
+
+    /// The routing chain's cached step, where the canned answer would be
+    /// taken: the cache's answer to the same call (up to `stale_ttl_s`
+    /// old), else the canned answer.
+    fn cached_or_canned(&self, p: &mut Progress, passed: Vec<Passed>) -> Outcome {
+        match self.cache_key.as_ref().and_then(|k| self.shared.cache.stale(k)) {
+            Some(hit) => self.answer_cached(p, hit, passed, Some("no engine step could take the request")),
+            None => self.canned(p, passed),
+        }
+    }
+
+    /// The cached step for a task whose engine steps failed before any
+    /// output went out (an engine error, or no healthy instance left) and
+    /// whose chain has no canned answer to take: the cache's answer to the
+    /// same call, up to `stale_ttl_s` old, instead of the error.
+    fn cached_after_failure(&self, outcome: Outcome, p: &mut Progress) -> Outcome {
+        let Some((e, actor)) = &outcome.error else { return outcome };
+        let engine_failed = *actor == "engine" || e.code == ErrorCode::ModelUnavailable;
+        let parked = self.parked.load(std::sync::atomic::Ordering::Relaxed);
+        if !engine_failed || parked || p.first_token_at.is_some() || p.cache.is_some() {
+            return outcome;
+        }
+        let Some(hit) = self.cache_key.as_ref().and_then(|k| self.shared.cache.stale(k)) else { return outcome };
+        let why = format!("the engine steps failed ({})", e.code.as_str());
+        p.restart_output();
+        self.answer_cached(p, hit, Vec::new(), Some(&why))
+    }
+
+    /// Streams the response cache's answer like an engine's: the text in
+    /// word-sized deltas, then the end with the cached answer's usage.
+    /// `moved`: why the task left its engine steps for it (the cached
+    /// step); `None` for an answer found at submission.
+    fn answer_cached(&self, p: &mut Progress, hit: Hit, passed: Vec<Passed>, moved: Option<&str>) -> Outcome {
+        let r = &self.req;
+        let answer = hit.answer.clone();
+        let age_ms = hit.age.as_millis() as u64;
+        let kind = if hit.stale { "stale" } else { "fresh" };
+        p.dispatched_at = Some(Instant::now());
+        p.model = Some(answer.model.clone());
+        p.step = Some(FallbackStep::Cached);
+        // No engine answers it (an earlier attempt's instance is in the hops).
+        (p.instance, p.actual_model, p.instance_index) = (None, None, None);
+        for x in &passed {
+            p.hop(x.step, &r.logical_model, None, format!("passed over: {}", x.detail));
+        }
+        let how = format!("answered from the response cache ({kind}, {age_ms} ms old)");
+        p.hop(
+            FallbackStep::Cached,
+            &answer.model,
+            None,
+            match moved {
+                Some(why) => format!("{how}; {why}"),
+                None => how.clone(),
+            },
+        );
+        if let Some(why) = moved {
+            tracing::info!(stage = "fallback", step = "cached", model = %r.logical_model, age_ms, "moved to the cached answer");
+            let mut reason = format!("moved to the cached answer ({kind}, {age_ms} ms old); {why}");
+            for x in &passed {
+                reason.push_str(&format!("; {}: {}", x.step.as_str(), x.detail));
+            }
+            self.shared.recorder.transition(r, TaskState::Queued, &reason, None, "scheduler");
+        }
+        self.shared.recorder.transition(r, TaskState::Dispatching, &how, None, "scheduler");
+        self.shared.recorder.transition(r, TaskState::Running, "cached answer", None, "scheduler");
+        self.shared.recorder.transition(r, TaskState::Streaming, "cached answer", None, "scheduler");
+        p.first_token_at = Some(Instant::now());
+        for piece in answer.text.split_inclusive(char::is_whitespace) {
+            p.deltas += 1;
+            if self.keep_text {
+                p.text.push_str(piece);
+            }
+            self.log.push(TaskEvent::Delta { text: piece.to_string() });
+        }
+        p.finish_reason = Some(answer.finish_reason.clone());
+        p.cache = Some(hit);
+        Outcome { error: None, reason: format!("finished (cached answer, {kind})") }
     }
 
     async fn run_phases(&self, mut grant: oneshot::Receiver<SlotGrant>, p: &mut Progress) -> Outcome {
@@ -359,7 +449,7 @@ impl Driver {
             }
             g = grant => match g {
                 Ok(SlotGrant::Slot(lease)) => Ok(lease),
-                Ok(SlotGrant::Canned(passed)) => Err(self.canned(p, passed)),
+                Ok(SlotGrant::Canned(passed)) => Err(self.cached_or_canned(p, passed)),
                 // Withdrawn by the scheduler (no healthy instance left).
                 Ok(SlotGrant::Refused(e)) => {
                     let reason = e.message.clone();
@@ -732,7 +822,9 @@ impl Driver {
                                 self.log.push(TaskEvent::ToolCallDelta(d));
                             }
                             EngineChunk::Delta(text) => {
-                                if self.keep_text {
+                                // The cache needs the text even where the
+                                // store keeps none.
+                                if self.keep_text || self.cache_key.is_some() {
                                     p.text.push_str(&text);
                                 }
                                 self.log.push(TaskEvent::Delta { text });
@@ -928,6 +1020,8 @@ impl Driver {
         let end = Instant::now();
         let ms = |from: Instant, to: Instant| to.saturating_duration_since(from).as_millis() as u64;
         let usage = match p.usage {
+            // The cached answer's own counts: what the call costs an engine.
+            _ if p.cache.is_some() => p.cache.as_ref().map(|h| h.answer.usage).unwrap_or_default(),
             Some((i, o)) => Usage { input_tokens: i, output_tokens: o, total_tokens: i + o, estimated: false },
             None if p.dispatched_at.is_some() => {
                 // Engine did not report: count what we saw, and say so.
@@ -936,7 +1030,9 @@ impl Driver {
             }
             None => Usage::default(),
         };
-        let route_degraded = p.step.is_some_and(|s| s != FallbackStep::SameModel);
+        // A fresh cache hit is the requested model's own answer.
+        let fresh_hit = p.cache.as_ref().is_some_and(|h| !h.stale);
+        let route_degraded = p.step.is_some_and(|s| s != FallbackStep::SameModel) && !fresh_hit;
         let high_risk = self
             .shared
             .config
@@ -1024,7 +1120,28 @@ impl Driver {
                     .map(|i| self.shared.router.instance(i).price.cost(usage.input_tokens, usage.output_tokens))
                     .unwrap_or(0.0),
             ),
+            cache_hit: p.cache.is_some(),
+            cache_age_ms: p.cache.as_ref().map(|h| h.age.as_millis() as u64),
+            cache_stale: p.cache.as_ref().is_some_and(|h| h.stale),
         };
+        if let Some(key) = self.cache_key.as_ref().filter(|_| p.cache.is_none()) {
+            let ok = cache::storable(
+                p.step,
+                state == TaskState::Succeeded,
+                meta.finish_reason.as_deref(),
+                r.degrade_reason.is_some(),
+                !meta.tool_calls.is_empty(),
+            );
+            if ok {
+                let answer = cache::Answer {
+                    text: p.text.clone(),
+                    finish_reason: meta.finish_reason.clone().unwrap_or_default(),
+                    model: p.model.clone().unwrap_or_else(|| r.logical_model.clone()),
+                    usage,
+                };
+                self.shared.cache.put(key, answer);
+            }
+        }
         let error_code = outcome.error.as_ref().map(|(e, _)| e.code.as_str());
         // The arguments are answer text: stored only where the text is;
         // the names as the model wrote them only made safe.
@@ -1078,10 +1195,12 @@ impl Driver {
         m.task_duration
             .with_label_values(&[&r.logical_model, state.as_str()])
             .observe(r.received_at.elapsed().as_secs_f64());
-        m.tokens.with_label_values(&[&r.logical_model, "input"]).inc_by(u64::from(usage.input_tokens));
-        m.tokens.with_label_values(&[&r.logical_model, "output"]).inc_by(u64::from(usage.output_tokens));
+        // A cached answer used no engine: no tokens, no decode speed.
+        let engine_tokens = if p.cache.is_some() { Usage::default() } else { usage };
+        m.tokens.with_label_values(&[&r.logical_model, "input"]).inc_by(u64::from(engine_tokens.input_tokens));
+        m.tokens.with_label_values(&[&r.logical_model, "output"]).inc_by(u64::from(engine_tokens.output_tokens));
         // Decode speed: the tokens after the first over the time since it.
-        if let (Some(first), true) = (p.first_token_at, usage.output_tokens > 1) {
+        if let (Some(first), true) = (p.first_token_at, engine_tokens.output_tokens > 1) {
             let per_token = end.saturating_duration_since(first).as_secs_f64() / f64::from(usage.output_tokens - 1);
             m.time_per_output_token.with_label_values(&[r.logical_model.as_str()]).observe(per_token);
         }

@@ -24,6 +24,7 @@
 //! [`TaskStream`] cancels its task (unless it was detached).
 
 pub mod affinity;
+pub mod cache;
 mod driver;
 pub mod policy;
 mod preempt;
@@ -362,6 +363,8 @@ struct Shared {
     /// The instance in force for each engine of the configuration in
     /// force, by name (a changed engine's new one).
     live: std::sync::Mutex<HashMap<String, usize>>,
+    /// Answers of deterministic calls, served again to their repeats.
+    cache: cache::ResponseCache,
 }
 
 /// What the policy knows of a model of `config`; `instances` and `models`
@@ -469,6 +472,7 @@ pub fn start(
         registry: Registry::new(config.scheduler.replay_retention, config.scheduler.replay_max_bytes),
         model_names: std::sync::Mutex::new(model_names),
         live: std::sync::Mutex::new(index.iter().map(|(n, &i)| (n.to_string(), i)).collect()),
+        cache: cache::ResponseCache::new(&metrics.registry),
     });
     let actor = Actor {
         model_index: config.models.keys().enumerate().map(|(i, n)| (n.clone(), i)).collect(),
@@ -524,13 +528,22 @@ impl SchedulerHandle {
     /// task leaves the registry and is withdrawn from its queue (its driver
     /// never starts, so nothing is recorded past what the caller recorded).
     pub async fn submit(&self, req: TaskRequest) -> Result<Submitted, GatewayError> {
-        self.submit_with(req, "admitted").await
+        self.submit_with(req, "admitted", cache::Lookup::Off).await
+    }
+
+    /// [`SchedulerHandle::submit`] with what the facade found out about the
+    /// call for the response cache: a fresh answer for its key is served at
+    /// once, without a queue or an engine (recorded and streamed as any
+    /// answer); otherwise the key goes with the task, so that its answer
+    /// is stored and the routing chain's cached step can find an older one.
+    pub async fn submit_cached(&self, req: TaskRequest, lookup: cache::Lookup) -> Result<Submitted, GatewayError> {
+        self.submit_with(req, "admitted", lookup).await
     }
 
     /// Queues a task again that was waiting when the gateway stopped (see
     /// `gateway::recover`). Nobody holds its stream until a client attaches.
     pub async fn resubmit(&self, req: TaskRequest) -> Result<(), GatewayError> {
-        match self.submit_with(req, "re-queued after a gateway restart").await? {
+        match self.submit_with(req, "re-queued after a gateway restart", cache::Lookup::Off).await? {
             Submitted::New(mut s) => {
                 s.detach();
                 Ok(())
@@ -560,7 +573,12 @@ impl SchedulerHandle {
         }
     }
 
-    async fn submit_with(&self, req: TaskRequest, queued_reason: &str) -> Result<Submitted, GatewayError> {
+    async fn submit_with(
+        &self,
+        req: TaskRequest,
+        queued_reason: &str,
+        lookup: cache::Lookup,
+    ) -> Result<Submitted, GatewayError> {
         let cancel = CancelHandle::new(self.shared.shutdown.child_token());
         let log = TaskLog::default();
         let entry = Arc::new(TaskEntry {
@@ -581,6 +599,18 @@ impl SchedulerHandle {
         });
         if let Err(existing) = self.shared.registry.insert_or_get(entry) {
             return Ok(Submitted::Known(existing));
+        }
+        let cache_key = match lookup {
+            cache::Lookup::Off => None,
+            cache::Lookup::Bypass(why) => {
+                self.shared.cache.bypassed(why);
+                None
+            }
+            cache::Lookup::Key(k) => Some(k),
+        };
+        // A fresh answer: no queue, no slot, no policy (nothing runs).
+        if let Some(hit) = cache_key.as_ref().and_then(|k| self.shared.cache.fresh(k)) {
+            return Ok(self.answer_from_cache(req, log, cancel, cache_key, hit, queued_reason));
         }
         let mut unqueued = Unqueued { handle: self, task_id: Some(req.task_id.clone()) };
 
@@ -619,6 +649,21 @@ impl SchedulerHandle {
         unqueued.task_id = None;
         let admission = match queued {
             Ok(a) => a,
+            // No engine step can take it now: the routing chain's cached
+            // step, when the cache has an answer however old (within
+            // `stale_ttl_s`).
+            Err(e) if e.code == ErrorCode::ModelUnavailable && cache_key.is_some() => {
+                match cache_key.as_ref().and_then(|k| self.shared.cache.stale(k)) {
+                    Some(hit) => {
+                        let why = format!("{queued_reason}; no engine step can take it: {}", e.message);
+                        return Ok(self.answer_from_cache(req, log, cancel, cache_key, hit, &why));
+                    }
+                    None => {
+                        self.shared.registry.remove(&req.task_id);
+                        return Err(e);
+                    }
+                }
+            }
             Err(e) => {
                 self.shared.registry.remove(&req.task_id);
                 return Err(e);
@@ -685,11 +730,61 @@ impl SchedulerHandle {
             admission: driver::Admitted { step: admission.step, passed: admission.passed },
             preempt,
             parked: Default::default(),
+            cache_key,
+            cached: None,
         };
         d.accept();
         let span = crate::telemetry::trace::task_span(&d.req.trace_id, Some(&d.req.task_id), Some(&d.req.request_id));
         self.shared.tracker.spawn(tracing::Instrument::instrument(d.run(grant_rx), span));
         Ok(Submitted::New(stream))
+    }
+
+    /// Starts the driver of a task answered from the cache (`hit`): it
+    /// never queues, so it is `Accepted` at position 0 here and its driver
+    /// streams the answer at once. `reason` is recorded with QUEUED.
+    fn answer_from_cache(
+        &self,
+        req: TaskRequest,
+        log: TaskLog,
+        cancel: CancelHandle,
+        cache_key: Option<cache::CacheKey>,
+        hit: cache::Hit,
+        reason: &str,
+    ) -> Submitted {
+        log.push(TaskEvent::Accepted { task_id: req.task_id.clone(), queue_position: 0 });
+        let stream = TaskStream {
+            task_id: req.task_id.clone(),
+            request_id: req.request_id.clone(),
+            trace_id: req.trace_id.clone(),
+            queue_position: 0,
+            joined: false,
+            events: log.subscribe(0),
+            cancel: cancel.clone(),
+            owner: true,
+        };
+        let keep_text = self.shared.recorder.store().stores_prompts() || req.idempotency_key.is_some();
+        let kind = if hit.stale { "stale" } else { "fresh" };
+        let d = driver::Driver {
+            req,
+            shared: self.shared.clone(),
+            tx: self.tx.clone(),
+            log,
+            cancel,
+            keep_text,
+            queued_reason: format!("{reason}; answered from the response cache ({kind})"),
+            admission: driver::Admitted { step: FallbackStep::Cached, passed: Vec::new() },
+            preempt: Arc::new(Preempt::default()),
+            parked: Default::default(),
+            cache_key,
+            cached: Some(hit),
+        };
+        d.accept();
+        let span = crate::telemetry::trace::task_span(&d.req.trace_id, Some(&d.req.task_id), Some(&d.req.request_id));
+        // No slot will be granted: the sender is dropped at once, and the
+        // driver never waits on it.
+        let (_, grant_rx) = oneshot::channel();
+        self.shared.tracker.spawn(tracing::Instrument::instrument(d.run(grant_rx), span));
+        Submitted::New(stream)
     }
 
     /// Attaches to a known task from event `from_seq` on, without owning it

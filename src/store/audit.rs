@@ -91,7 +91,7 @@ pub struct AuditEntry {
     /// What the call cost (`edge.cost`); null for a refused call and for a
     /// task whose cost is not known (ended by recovery).
     pub cost: Option<f64>,
-    /// False until edgeway has a response cache.
+    /// Answered from the response cache.
     pub cache_hit: bool,
     /// `edge.context.prompt_sha256`, when prompt assembly ran.
     pub context_sha256: Option<String>,
@@ -187,7 +187,7 @@ pub fn finished_entry(
         input_tokens: meta.usage.input_tokens,
         output_tokens: meta.usage.output_tokens,
         cost: meta.cost,
-        cache_hit: false,
+        cache_hit: meta.cache_hit,
         context_sha256: meta.context.as_ref().map(|c| c.prompt_sha256.clone()),
         queue_ms: meta.timing.queue_ms,
         ttft_ms: meta.timing.first_token_ms,

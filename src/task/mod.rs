@@ -354,6 +354,11 @@ pub enum FallbackStep {
     SmallerModel,
     /// Instances of the requested model on another edge node.
     EdgeNode,
+    /// The response cache's answer to the same call, up to `[cache]
+    /// stale_ttl_s` old, when no engine step could answer (before the
+    /// canned answer). A fresh cache hit is recorded with this step too,
+    /// but is not degraded.
+    Cached,
     /// The model's configured canned answer.
     Canned,
     /// Cloud instances of the requested model, where the data class allows.
@@ -363,10 +368,11 @@ pub enum FallbackStep {
 }
 
 impl FallbackStep {
-    pub const ALL: [FallbackStep; 6] = [
+    pub const ALL: [FallbackStep; 7] = [
         FallbackStep::SameModel,
         FallbackStep::SmallerModel,
         FallbackStep::EdgeNode,
+        FallbackStep::Cached,
         FallbackStep::Canned,
         FallbackStep::Cloud,
         FallbackStep::Busy,
@@ -377,6 +383,7 @@ impl FallbackStep {
             FallbackStep::SameModel => "same-model",
             FallbackStep::SmallerModel => "smaller-model",
             FallbackStep::EdgeNode => "edge-node",
+            FallbackStep::Cached => "cached",
             FallbackStep::Canned => "canned",
             FallbackStep::Cloud => "cloud",
             FallbackStep::Busy => "busy",
@@ -586,6 +593,16 @@ pub struct ResultMeta {
     /// before costs, a task ended by recovery).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<f64>,
+    /// Answered from the response cache (absent otherwise).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cache_hit: bool,
+    /// How old the cached answer was, ms (with `cache_hit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_age_ms: Option<u64>,
+    /// The cached answer was past `[cache] ttl_s`: served by the routing
+    /// chain's cached step because no engine step could answer.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cache_stale: bool,
 }
 
 impl ResultMeta {
@@ -612,6 +629,9 @@ impl ResultMeta {
             context: None,
             text_not_kept: false,
             cost: None,
+            cache_hit: false,
+            cache_age_ms: None,
+            cache_stale: false,
         }
     }
 }
