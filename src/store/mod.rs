@@ -523,6 +523,7 @@ impl Store {
         }
         sessions::migrate(&conn).map_err(open_err)?;
         migrate(&conn).map_err(open_err)?;
+        audit::migrate(&conn).map_err(open_err)?;
         let expired = idempotency::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
         if expired > 0 {
             tracing::info!(expired, "dropped expired idempotency keys");
