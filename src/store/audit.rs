@@ -115,6 +115,12 @@ pub struct AuditEntry {
     pub queue_ms: Option<u64>,
     pub ttft_ms: Option<u64>,
     pub total_ms: Option<u64>,
+    /// The record of a user's data deletion (`DELETE /admin/users/{user}/data`,
+    /// `result` = `USER_DATA_DELETED`, `user_id` the user, `application` and
+    /// `key_id` who asked): what it removed. Absent in every other record
+    /// (and in records written before it: `verify` hashes the stored JSON).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_data_deleted: Option<super::UserDataDeleted>,
 }
 
 impl AuditEntry {
@@ -148,6 +154,7 @@ impl AuditEntry {
             queue_ms: None,
             ttft_ms: None,
             total_ms: None,
+            user_data_deleted: None,
         }
     }
 }
@@ -209,6 +216,7 @@ pub fn finished_entry(
         queue_ms: meta.timing.queue_ms,
         ttft_ms: meta.timing.first_token_ms,
         total_ms: Some(meta.timing.total_ms),
+        user_data_deleted: None,
     })
 }
 
@@ -497,6 +505,7 @@ mod tests {
             queue_ms: None,
             ttft_ms: None,
             total_ms: Some(3),
+            user_data_deleted: None,
         }
     }
 
@@ -754,6 +763,7 @@ mod timing {
             queue_ms: Some(1),
             ttft_ms: Some(2),
             total_ms: Some(3),
+            user_data_deleted: None,
         };
         let start = std::time::Instant::now();
         for chunk in 0..n / 1000 {

@@ -34,10 +34,12 @@ mod responses;
 mod retention;
 mod revoked_keys;
 pub mod sessions;
+mod user_data;
 
 pub use audit::{AuditEntry, AuditQuery, AuditRecord, ChainBroken, VerifyError};
 pub use idempotency::IdempotentRecord;
 pub use pending_requests::{StoredRequest, Unfinished};
+pub use user_data::{UserDataDeleted, UserDataForgotten};
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -249,6 +251,8 @@ enum Op {
     Sessions(oneshot::Sender<Vec<sessions::StoredSession>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
+    /// Deletes a user's data with its audit record (`user_data.rs`).
+    ForgetUser(Box<ForgetUser>),
     /// Answered once no write is buffered (every write sent before it is
     /// committed): the last thing a stop waits for.
     Settled(oneshot::Sender<()>),
@@ -259,6 +263,14 @@ enum Op {
     /// Test support: the writer thread returns at once, as a dead one.
     #[cfg(any(test, feature = "testing"))]
     Exit(oneshot::Sender<()>),
+}
+
+/// A user's data to delete, and the audit record that says so.
+struct ForgetUser {
+    tenant: String,
+    user: String,
+    entry: AuditEntry,
+    reply: oneshot::Sender<Result<UserDataForgotten, StoreError>>,
 }
 
 /// Why the store is degraded once its writer thread is gone.
@@ -510,6 +522,10 @@ impl Store {
         // only an OS crash can lose the last transactions.
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
         conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
+        // Deleted content (a purged task, a user's deleted text, a row's
+        // older version) is overwritten with zeros, not left in free space
+        // of the file where it could be read back.
+        conn.pragma_update(None, "secure_delete", "ON").map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
         for schema in [
             idempotency::SCHEMA,
@@ -928,6 +944,23 @@ impl Store {
         .map_err(|_| StoreError::Closed)?
     }
 
+    /// Deletes the text, Responses, kept requests and sessions of `user`
+    /// of `tenant` (see `user_data.rs`) and appends `entry`, completed with
+    /// the counts, to the audit trail, in one transaction; then truncates
+    /// the WAL. Answered once committed; an error while the store cannot
+    /// write (nothing is deleted then).
+    pub async fn forget_user(
+        &self,
+        tenant: &str,
+        user: &str,
+        entry: AuditEntry,
+    ) -> Result<UserDataForgotten, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        let op = ForgetUser { tenant: tenant.into(), user: user.into(), entry, reply };
+        self.tx.send(Op::ForgetUser(Box::new(op))).map_err(|_| StoreError::Closed)?;
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+
     pub async fn get(&self, task_id: &str) -> Result<Option<TaskRecord>, StoreError> {
         let (tx, rx) = oneshot::channel();
         self.tx.send(Op::Get(task_id.to_string(), tx)).map_err(|_| StoreError::Closed)?;
@@ -1178,6 +1211,7 @@ impl Writer {
             Op::Sessions(tx) => self.replies.push(Reply::Sessions(tx)),
             Op::Flush(tx) => self.replies.push(Reply::Flush(tx)),
             Op::Get(id, tx) => self.replies.push(Reply::Get(id, tx)),
+            Op::ForgetUser(f) => self.replies.push(Reply::ForgetUser(f)),
             Op::Settled(tx) => self.settled.push(tx),
             #[cfg(any(test, feature = "testing"))]
             Op::Pragma(name, value, tx) => {
@@ -1345,6 +1379,19 @@ impl Writer {
                 }
                 Reply::Get(id, tx) => {
                     let _ = tx.send(read_task(conn, &id));
+                }
+                Reply::ForgetUser(f) => {
+                    // Only on a store that writes: after every write sent
+                    // before it, never half done.
+                    let r = if self.pending.is_empty() {
+                        forget_user(conn, &f.tenant, &f.user, f.entry, self.audit_tx.as_ref())
+                    } else {
+                        Err(StoreError::Unavailable(self.health.degraded().unwrap_or_default()))
+                    };
+                    if r.is_err() {
+                        self.failures.inc();
+                    }
+                    let _ = f.reply.send(r);
                 }
                 Reply::RevokedKeys(tx) => {
                     let _ = tx.send(revoked_keys::revoked_keys(conn).unwrap_or_else(|e| {
@@ -1521,11 +1568,37 @@ fn apply(
 }
 
 enum Reply {
+    ForgetUser(Box<ForgetUser>),
     Unfinished(oneshot::Sender<Vec<Unfinished>>),
     RevokedKeys(oneshot::Sender<Vec<String>>),
     Sessions(oneshot::Sender<Vec<sessions::StoredSession>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
+}
+
+/// A user's data deletion in its own transaction with its audit record
+/// (offered to the audit feed once committed), then a WAL truncation.
+fn forget_user(
+    conn: &Connection,
+    tenant: &str,
+    user: &str,
+    mut entry: AuditEntry,
+    audit_tx: Option<&tokio::sync::broadcast::Sender<Arc<AuditRecord>>>,
+) -> Result<UserDataForgotten, StoreError> {
+    let txn = conn.unchecked_transaction()?;
+    let (deleted, task_ids) = user_data::forget(&txn, tenant, user)?;
+    entry.user_data_deleted = Some(deleted.clone());
+    let record = audit::append(&txn, entry)?;
+    txn.commit()?;
+    let wal_truncated = user_data::checkpoint(conn).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "WAL checkpoint after a user's data deletion failed");
+        false
+    });
+    let audit_seq = record.seq;
+    if let Some(tx) = audit_tx.filter(|tx| tx.receiver_count() > 0) {
+        let _ = tx.send(Arc::new(record));
+    }
+    Ok(UserDataForgotten { deleted, task_ids, audit_seq, wal_truncated })
 }
 
 /// Records an idempotency key and the request needed to queue its task

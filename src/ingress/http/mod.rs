@@ -20,6 +20,7 @@ mod sessions;
 mod sse;
 mod status;
 mod tasks;
+mod user_data;
 mod ws;
 
 use std::net::SocketAddr;
@@ -92,6 +93,7 @@ fn admin_routes(state: AppState, guarded: bool, shutdown: CancellationToken) -> 
         .route("/admin/status/stream", get(status::stream))
         .route("/status", get(status::page))
         .route("/admin/audit", get(audit::page))
+        .route("/admin/users/{user}/data", axum::routing::delete(user_data::delete))
         .layer(Extension(OpsGuard(guarded)))
         .layer(Extension(ws::Shutdown(shutdown)))
         .with_state(state)
