@@ -407,6 +407,24 @@ struct HealthInner {
     dropped: AtomicU64,
     /// Transactions committed.
     commits: AtomicU64,
+    /// Retention passes run, rows they purged, and the time they held the
+    /// writer (total and longest), in nanoseconds.
+    purge_passes: AtomicU64,
+    purged_rows: AtomicU64,
+    purge_ns_total: AtomicU64,
+    purge_ns_max: AtomicU64,
+}
+
+/// What the retention purge has done since the store opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PurgeStats {
+    pub passes: u64,
+    /// Task rows, keys, sessions and audit records purged.
+    pub rows: u64,
+    /// Time the passes held the writer, all together.
+    pub total: Duration,
+    /// The longest pass.
+    pub longest: Duration,
 }
 
 impl StoreHealth {
@@ -435,6 +453,26 @@ impl StoreHealth {
     /// Writes lost because the buffer was full while degraded.
     pub fn dropped_writes(&self) -> u64 {
         self.0.dropped.load(Ordering::Relaxed)
+    }
+
+    /// What the retention purge has done (see `bench/purge.rs`).
+    pub fn purge_stats(&self) -> PurgeStats {
+        let i = &self.0;
+        PurgeStats {
+            passes: i.purge_passes.load(Ordering::Relaxed),
+            rows: i.purged_rows.load(Ordering::Relaxed),
+            total: Duration::from_nanos(i.purge_ns_total.load(Ordering::Relaxed)),
+            longest: Duration::from_nanos(i.purge_ns_max.load(Ordering::Relaxed)),
+        }
+    }
+
+    fn record_purge(&self, rows: usize, took: Duration) {
+        let i = &self.0;
+        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        i.purge_passes.fetch_add(1, Ordering::Relaxed);
+        i.purged_rows.fetch_add(rows as u64, Ordering::Relaxed);
+        i.purge_ns_total.fetch_add(ns, Ordering::Relaxed);
+        i.purge_ns_max.fetch_max(ns, Ordering::Relaxed);
     }
 
     fn set_degraded(&self, reason: String) {
@@ -1423,6 +1461,7 @@ impl Writer {
         let ages = self.policy.ages(now, self.opts.retention_rejected);
         let audit_before = self.opts.retention_audit.map(|d| now.saturating_sub(ms(d)));
         let batch = self.opts.purge_batch;
+        let started = Instant::now();
         let res = (|| -> rusqlite::Result<usize> {
             let txn = self.conn.transaction()?;
             let mut n = retention::purge(&txn, now, &ages, batch)?;
@@ -1436,6 +1475,7 @@ impl Writer {
         })();
         let full = match res {
             Ok(n) => {
+                self.health.record_purge(n, started.elapsed());
                 if n > 0 {
                     tracing::debug!(purged = n, "task store retention pass");
                 }
