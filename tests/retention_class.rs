@@ -141,3 +141,54 @@ async fn the_text_of_a_class_that_may_not_be_stored_never_reaches_the_file() {
     gw.stop().await;
 }
 
+/// The README's table for the default policy (`store_prompts = false`, no
+/// `[store.retention]`), per ingress: no prompt or answer text in the
+/// task rows; a call without a key leaves no prompt bytes at all (HTTP,
+/// NATS); no answer text reaches the file on any ingress (a device's
+/// derived key keeps the outcome only). A device's request is kept to
+/// re-queue it until it reaches an engine, then deleted.
+#[tokio::test]
+async fn the_default_policy_keeps_no_text_per_ingress() {
+    let nats = NatsServer::start(false).await;
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let extra = format!("{}\n[nats]\nurl = \"{}\"\n", mqtt_toml("coalesce_ms = 0"), nats.url());
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &extra).await;
+    gw.wait_ready().await;
+    gw.nats().wait_for(BusState::Connected).await;
+
+    let r = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .json(&chat("DEFAULT-PROMPT-HTTP-a1", "personal"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt").mqtt;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut req = chat("DEFAULT-PROMPT-MQTT-b2", "personal");
+    req["request_id"] = json!("default-1");
+    d.publish(&d.topic("req"), req.to_string()).await;
+    assert_eq!(check_stream(&d.stream(&d.topic("res/default-1")).await), ANSWER);
+    let bus = async_nats::connect(nats.url()).await.unwrap();
+    assert_eq!(nats_call(&bus, &chat("DEFAULT-PROMPT-NATS-c3", "personal")).await, "done");
+
+    gw.store().flush().await;
+    let db = gw.db_path();
+    {
+        let c = rusqlite::Connection::open(&db).unwrap();
+        let count = |sql: &str| -> i64 { c.query_row(sql, [], |r| r.get(0)).unwrap() };
+        assert_eq!(count("SELECT COUNT(*) FROM tasks"), 3);
+        assert_eq!(count("SELECT COUNT(prompt_text) + COUNT(result_text) FROM tasks"), 0);
+        assert_eq!(count("SELECT COUNT(result_text) FROM idempotency"), 0);
+        assert_eq!(count("SELECT COUNT(*) FROM pending_requests"), 0, "deleted once it reached an engine");
+    }
+    let bytes = file_bytes(&db);
+    for prompt in ["DEFAULT-PROMPT-HTTP-a1", "DEFAULT-PROMPT-NATS-c3"] {
+        assert!(!contains(&bytes, prompt), "{prompt} is in the database file");
+    }
+    assert!(!contains(&bytes, "tok tok"), "an answer is in the database file");
+    d.kill();
+    gw.stop().await;
+}
