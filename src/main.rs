@@ -52,9 +52,15 @@ enum Cmd {
 enum AuditCmd {
     /// Walk the hash chain: exit 0 when it holds, 1 naming the first record that
     /// does not (edited, deleted or reordered), 2 when the store cannot be read.
+    /// With --config, also warns when the chain's anchor (where retention cut
+    /// it) is younger than the configured audit retention allows (a forged
+    /// anchor, or records deleted by hand); exit 0 all the same.
     Verify {
         #[arg(long, default_value = "data/edgeway.db")]
         db: PathBuf,
+        /// The gateway's configuration, for its audit retention.
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Write audit records as JSON lines to stdout, oldest first.
     Export {
@@ -151,11 +157,24 @@ fn audit(cmd: AuditCmd) -> ExitCode {
         audit::open_read_only(db).map_err(|e| eprintln!("cannot open the task store {}: {e}", db.display())).ok()
     };
     match cmd {
-        AuditCmd::Verify { db } => {
+        AuditCmd::Verify { db, config } => {
+            let retention = match config.as_deref().map(Config::load).transpose() {
+                Ok(c) => c.map(|c| c.store.retention_audit),
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
             let Some(c) = open(&db) else { return ExitCode::from(2) };
             match audit::verify(&c) {
                 Ok(n) => {
                     println!("audit chain intact: {n} records");
+                    let now = edgeway::task::now_ms();
+                    match retention.map(|r| audit::anchor_warning(&c, now, r)) {
+                        Some(Ok(Some(w))) => eprintln!("warning: {w}"),
+                        Some(Err(e)) => eprintln!("warning: cannot read the anchor: {e}"),
+                        _ => {}
+                    }
                     ExitCode::SUCCESS
                 }
                 Err(audit::VerifyError::Broken(b)) => {

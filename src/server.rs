@@ -161,6 +161,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
         retention_rejected: config.store.retention_rejected,
         retention_audit: config.store.retention_audit,
         reserve_bytes: config.store.reserve_bytes,
+        classes: Some(config.store.retention_classes),
         ..StoreOptions::default()
     };
     let store = Store::open_with(&config.store.db_path(), &config.node_id, config.store.store_prompts, opts)?;

@@ -174,6 +174,30 @@ pub struct StoreConfig {
     /// Space set aside beside the database and given back when the disk
     /// fills up, for the writes of tasks already running; 0: none.
     pub reserve_bytes: u64,
+    /// What each data class may leave in the store and for how long
+    /// (`[store.retention.<class>]`), by [`DataClass`] order (see
+    /// [`StoreConfig::class`]). `retention_tasks` and `retention_audit`
+    /// above are the defaults; `retention_audit` is the strictest class's
+    /// audit age (the audit chain is purged from its oldest end only).
+    pub retention_classes: [ClassRetention; 4],
+}
+
+/// What calls of one data class may leave in the task store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClassRetention {
+    /// Prompt and answer text may be stored (then `store_prompts`, an
+    /// idempotency key or a Responses `store: true` decide whether it is).
+    /// false: none of it reaches the file, whatever they say.
+    pub store_text: bool,
+    /// Finished tasks and their transitions are purged after this (`None`:
+    /// kept).
+    pub tasks: Option<Duration>,
+    /// Audit records of this class are kept at most this long; the chain
+    /// is purged by the strictest class's age.
+    pub audit: Option<Duration>,
+    /// An idempotency key (and the answer kept with it) lives at most this
+    /// long; `None`: `[scheduler] idempotency_ttl_seconds`.
+    pub idempotency: Option<Duration>,
 }
 
 /// The process as a whole (`[server]`).
@@ -282,6 +306,11 @@ impl Default for SessionsConfig {
 impl StoreConfig {
     pub fn db_path(&self) -> PathBuf {
         self.data_dir.join("edgeway.db")
+    }
+
+    /// The retention of one data class.
+    pub fn class(&self, c: DataClass) -> &ClassRetention {
+        &self.retention_classes[c as usize]
     }
 }
 

@@ -191,6 +191,31 @@ pub struct RawStore {
     pub retention_audit_hours: u64,
     /// Space set aside next to the database for a full disk; 0: none.
     pub reserve_bytes: u64,
+    /// `[store.retention.<class>]`: what each data class may leave in the
+    /// store, and for how long (each key defaults to the `[store]` one).
+    pub retention: RawRetention,
+}
+
+/// `[store.retention]`: one table per data class, each optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawRetention {
+    pub public: Option<RawClassRetention>,
+    pub personal: Option<RawClassRetention>,
+    pub sensitive: Option<RawClassRetention>,
+    pub secret: Option<RawClassRetention>,
+}
+
+/// `[store.retention.<class>]`; a key left out takes the `[store]` one.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawClassRetention {
+    /// false: no prompt or answer text of this class reaches the file.
+    pub store_text: Option<bool>,
+    pub tasks_hours: Option<u64>,
+    pub audit_hours: Option<u64>,
+    /// Caps `[scheduler] idempotency_ttl_seconds` for this class; 0: no cap.
+    pub idempotency_hours: Option<u64>,
 }
 
 impl Default for RawStore {
@@ -203,6 +228,7 @@ impl Default for RawStore {
             retention_rejected_hours: 7 * 24,
             retention_audit_hours: 365 * 24,
             reserve_bytes: 8 << 20,
+            retention: RawRetention::default(),
         }
     }
 }

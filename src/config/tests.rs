@@ -746,3 +746,35 @@ fn a_changed_price_or_budget_is_a_reload_not_a_restart() {
     assert_eq!(c.sections, ["tenants"]);
     assert_eq!(reload::engine_plan(&old, &new).replaced, ["llama"]);
 }
+
+/// `[store.retention.<class>]`: each key defaults to the `[store]` one (an
+/// old config behaves as before: every class may store text, at the same
+/// ages); the audit chain is purged by the strictest class's age.
+#[test]
+fn retention_per_data_class_defaults_to_the_store_keys_and_is_validated() {
+    let h = |n: u64| Some(std::time::Duration::from_secs(n * 3600));
+    let c = parse(MINIMAL, &[]).unwrap();
+    for class in DataClass::ALL {
+        let r = c.store.class(class);
+        assert_eq!((r.store_text, r.tasks, r.audit, r.idempotency), (true, h(720), h(8760), None), "{class:?}");
+    }
+    assert_eq!(c.store.retention_audit, h(8760));
+    let text = format!(
+        "{MINIMAL}\n[store]\nretention_tasks_hours = 48\n[store.retention.secret]\nstore_text = false\n\
+         tasks_hours = 1\naudit_hours = 24\nidempotency_hours = 2\n[store.retention.public]\ntasks_hours = 0\n"
+    );
+    let c = parse(&text, &[]).unwrap();
+    let s = c.store.class(DataClass::Secret);
+    assert_eq!((s.store_text, s.tasks, s.audit, s.idempotency), (false, h(1), h(24), h(2)));
+    assert_eq!(c.store.class(DataClass::Public).tasks, None, "0 keeps");
+    assert_eq!(c.store.class(DataClass::Personal).tasks, h(48), "the [store] key");
+    assert_eq!(c.store.retention_audit, h(24), "the strictest class's audit age");
+
+    let bad = format!("{MINIMAL}\n[store.retention.topsecret]\nstore_text = false\n");
+    assert!(parse(&bad, &[]).is_err(), "an unknown class");
+    let bad = format!("{MINIMAL}\n[store.retention.secret]\nstore_txt = false\n");
+    assert!(parse(&bad, &[]).is_err(), "an unknown key");
+    let bad = format!("{MINIMAL}\n[store.retention.secret]\ntasks_hours = 99999999\n");
+    let e = parse(&bad, &[]).unwrap_err().to_string();
+    assert!(e.contains("store.retention.secret.tasks_hours"), "{e}");
+}

@@ -308,16 +308,54 @@ fn store(raw: RawStore, p: &mut Problems) -> StoreConfig {
         p.add("store.reserve_bytes", "must be 0 (none) or from 65536 (64 KiB) to 1073741824 (1 GiB)");
     }
     let hours = |h: u64| (h > 0).then(|| Duration::from_secs(h.saturating_mul(3600)));
+    for (key, h) in [
+        ("retention_tasks_hours", raw.retention_tasks_hours),
+        ("retention_rejected_hours", raw.retention_rejected_hours),
+        ("retention_audit_hours", raw.retention_audit_hours),
+    ] {
+        if h > MAX_RETENTION_HOURS {
+            p.add(format!("store.{key}"), format!("must be at most {MAX_RETENTION_HOURS} (100 years); 0 keeps"));
+        }
+    }
+    let r = raw.retention;
+    let classes = [r.public, r.personal, r.sensitive, r.secret];
+    let retention_classes: [ClassRetention; 4] = std::array::from_fn(|i| {
+        let c = classes[i].as_ref();
+        let name = DataClass::ALL[i].as_str();
+        let mut age = |key: &str, own: Option<u64>, default: u64| {
+            let h = own.unwrap_or(default);
+            if h > MAX_RETENTION_HOURS {
+                p.add(
+                    format!("store.retention.{name}.{key}"),
+                    format!("must be at most {MAX_RETENTION_HOURS}; 0 keeps"),
+                );
+            }
+            hours(h)
+        };
+        ClassRetention {
+            store_text: c.and_then(|c| c.store_text).unwrap_or(true),
+            tasks: age("tasks_hours", c.and_then(|c| c.tasks_hours), raw.retention_tasks_hours),
+            audit: age("audit_hours", c.and_then(|c| c.audit_hours), raw.retention_audit_hours),
+            idempotency: age("idempotency_hours", c.and_then(|c| c.idempotency_hours), 0),
+        }
+    });
+    // The chain is purged from its oldest end only: by the strictest age.
+    let retention_audit = retention_classes.iter().filter_map(|c| c.audit).min();
     StoreConfig {
         data_dir: raw.data_dir,
         store_prompts: raw.store_prompts,
         max_buffered_writes: raw.max_buffered_writes,
         retention_tasks: hours(raw.retention_tasks_hours),
         retention_rejected: hours(raw.retention_rejected_hours),
-        retention_audit: hours(raw.retention_audit_hours),
+        retention_audit,
         reserve_bytes: raw.reserve_bytes,
+        retention_classes,
     }
 }
+
+/// The longest retention age in hours (100 years): longer is a typo, and
+/// milliseconds of it must fit the store's clock arithmetic.
+const MAX_RETENTION_HOURS: u64 = 100 * 365 * 24;
 
 fn log(raw: RawLog, p: &mut Problems) -> Option<LogConfig> {
     let format = raw.format.get("log.format", p);

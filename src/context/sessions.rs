@@ -473,6 +473,16 @@ impl Sessions {
         Ok(())
     }
 
+    /// Drops every session of `user` in `tenant` (any application) from
+    /// memory, for the deletion of a user's data (which deletes the
+    /// store's copies itself); how many.
+    pub fn delete_user(&self, tenant: &str, user: &str) -> usize {
+        let mut map = self.by_id.lock().expect("sessions");
+        let before = map.len();
+        map.retain(|_, s| !(s.owner.tenant == tenant && s.owner.user_id.as_deref() == Some(user)));
+        before - map.len()
+    }
+
     pub fn put_memory(&self, owner: &Owner, id: &str, w: MemoryWrite) -> Result<MemoryEntry, GatewayError> {
         check_key("key", &w.key)?;
         if w.tags.len() > MAX_TAGS {

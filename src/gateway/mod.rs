@@ -28,6 +28,7 @@ mod reload;
 mod sessions;
 mod status;
 mod tasks;
+mod user_data;
 
 use idempotency::Repeat;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -66,6 +67,7 @@ pub use readiness::{ModelReadiness, Readiness};
 pub use reload::{ReloadError, ReloadReport};
 pub use status::{DeviceList, Status};
 pub use tasks::{CancelOutcome, LiveTask, RequestCancel, TaskLookup, TaskView};
+pub use user_data::UserDataReport;
 
 /// The state of the message bus as `/ready` reports it. Implemented by the
 /// bus ingress; the facade only reads it.

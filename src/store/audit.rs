@@ -17,9 +17,12 @@
 //! not hold (an edited, deleted or reordered record). Retention deletes the
 //! oldest records only, and keeps the last deleted record's number and
 //! hash in `audit_anchor`, so the chain stays verifiable from the first
-//! record that remains. Deleting the newest records is not detectable from
-//! the table alone: the copies published on NATS or exported are the check
-//! for that.
+//! record that remains, and that record's time: `edgeway audit verify`
+//! warns when the anchor is younger than the audit retention allows
+//! ([`anchor_warning`]; an anchor forged with an old time is not caught).
+//! Deleting the newest records is not detectable from the table alone: the
+//! copies published on NATS or exported are the check for that (and for a
+//! forged anchor).
 //!
 //! Does not own: which calls are audited (the lifecycle recorder and the
 //! facade decide), the query API (gateway, HTTP), publishing (NATS
@@ -46,13 +49,28 @@ CREATE INDEX IF NOT EXISTS audit_by_time ON audit_log(at_ms);
 -- A tenant's page in chain order without walking other tenants' records
 -- (review 15 L6). Created on open in an existing file too.
 CREATE INDEX IF NOT EXISTS audit_by_tenant_seq ON audit_log(tenant, seq);
--- The last record retention deleted: where the remaining chain starts.
+-- The last record retention deleted: where the remaining chain starts, and
+-- that record's time (`at_ms`, added to older files by `migrate`).
 CREATE TABLE IF NOT EXISTS audit_anchor (
     id      INTEGER PRIMARY KEY CHECK (id = 1),
     seq     INTEGER NOT NULL,
-    sha256  TEXT NOT NULL
+    sha256  TEXT NOT NULL,
+    at_ms   INTEGER
 );
 "#;
+
+/// Adds `audit_anchor.at_ms` to a store made before it (its anchor, if
+/// any, then has no time: [`anchor_warning`] says so).
+pub fn migrate(c: &Connection) -> rusqlite::Result<()> {
+    if !has_anchor_time(c)? {
+        c.execute_batch("ALTER TABLE audit_anchor ADD COLUMN at_ms INTEGER")?;
+    }
+    Ok(())
+}
+
+fn has_anchor_time(c: &Connection) -> rusqlite::Result<bool> {
+    c.prepare("SELECT 1 FROM pragma_table_info('audit_anchor') WHERE name = 'at_ms'")?.exists([])
+}
 
 /// The hash the first record of a new chain points back to.
 pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
@@ -98,6 +116,12 @@ pub struct AuditEntry {
     pub queue_ms: Option<u64>,
     pub ttft_ms: Option<u64>,
     pub total_ms: Option<u64>,
+    /// The record of a user's data deletion (`DELETE /admin/users/{user}/data`,
+    /// `result` = `USER_DATA_DELETED`, `user_id` the user, `application` and
+    /// `key_id` who asked): what it removed. Absent in every other record
+    /// (and in records written before it: `verify` hashes the stored JSON).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_data_deleted: Option<super::UserDataDeleted>,
 }
 
 impl AuditEntry {
@@ -131,6 +155,7 @@ impl AuditEntry {
             queue_ms: None,
             ttft_ms: None,
             total_ms: None,
+            user_data_deleted: None,
         }
     }
 }
@@ -192,6 +217,7 @@ pub fn finished_entry(
         queue_ms: meta.timing.queue_ms,
         ttft_ms: meta.timing.first_token_ms,
         total_ms: Some(meta.timing.total_ms),
+        user_data_deleted: None,
     })
 }
 
@@ -328,6 +354,50 @@ pub fn verify(c: &Connection) -> Result<u64, VerifyError> {
     Ok(n)
 }
 
+/// Review 15 L6(a): the chain cannot tell retention from someone who
+/// deleted the oldest records and wrote the anchor (the anchor is the last
+/// deleted record's number and hash, both in the table). What it can check
+/// is the anchor's time: retention only ever deletes records older than
+/// `retention` (the strictest class's audit age), so an anchor younger than
+/// `now_ms - retention`, an anchor while nothing is purged (`None`), or one
+/// without a time (written before edgeway recorded it, or not by edgeway)
+/// is named here. A forger who also writes an old time is not caught: the
+/// copies published on NATS or exported are the check for that, as for the
+/// newest records.
+pub fn anchor_warning(
+    c: &Connection,
+    now_ms: i64,
+    retention: Option<std::time::Duration>,
+) -> rusqlite::Result<Option<String>> {
+    let Some((seq, _)) = anchor(c)? else { return Ok(None) };
+    let at_ms: Option<i64> = if has_anchor_time(c)? {
+        c.query_row("SELECT at_ms FROM audit_anchor WHERE id = 1", [], |r| r.get(0))?
+    } else {
+        None
+    };
+    let Some(at_ms) = at_ms else {
+        return Ok(Some(format!(
+            "records 1..={seq} are gone and the anchor has no time (written before edgeway recorded it, \
+             or not by edgeway): it cannot be checked against the retention"
+        )));
+    };
+    let Some(retention) = retention else {
+        return Ok(Some(format!(
+            "records 1..={seq} (the newest of them at {at_ms} ms) are gone though the audit retention keeps \
+             records: they were deleted by something else"
+        )));
+    };
+    let cut = now_ms.saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+    Ok((at_ms >= cut).then(|| {
+        format!(
+            "records 1..={seq} are gone, the newest of them at {at_ms} ms, {} s younger than the audit \
+             retention ({} h) lets the purge delete: deleted by hand, or the anchor is forged",
+            (at_ms - cut) / 1000,
+            retention.as_secs() / 3600
+        )
+    }))
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum VerifyError {
     #[error("{0}")]
@@ -345,24 +415,25 @@ pub fn purge(c: &Connection, before: i64, batch: usize) -> rusqlite::Result<usiz
     // The oldest records in chain order, while they are old enough: `at_ms`
     // follows `seq` but nothing forces it to, so the walk stops at the
     // first young one (and reads at most `batch` rows).
-    let mut last: Option<(i64, String)> = None;
+    let mut last: Option<(i64, String, i64)> = None;
     {
         let mut st = c.prepare_cached("SELECT seq, sha256, at_ms FROM audit_log ORDER BY seq LIMIT ?1")?;
         let mut rows = st.query(params![limit])?;
         while let Some(r) = rows.next()? {
-            if r.get::<_, i64>(2)? >= before {
+            let at_ms: i64 = r.get(2)?;
+            if at_ms >= before {
                 break;
             }
-            last = Some((r.get(0)?, r.get(1)?));
+            last = Some((r.get(0)?, r.get(1)?, at_ms));
         }
     }
-    let Some((seq, sha)) = last else { return Ok(0) };
+    let Some((seq, sha, at_ms)) = last else { return Ok(0) };
     let n = exec(c, "DELETE FROM audit_log WHERE seq <= ?1", params![seq])?;
     exec(
         c,
-        "INSERT INTO audit_anchor (id, seq, sha256) VALUES (1, ?1, ?2) \
-         ON CONFLICT(id) DO UPDATE SET seq = excluded.seq, sha256 = excluded.sha256",
-        params![seq, sha],
+        "INSERT INTO audit_anchor (id, seq, sha256, at_ms) VALUES (1, ?1, ?2, ?3) \
+         ON CONFLICT(id) DO UPDATE SET seq = excluded.seq, sha256 = excluded.sha256, at_ms = excluded.at_ms",
+        params![seq, sha, at_ms],
     )?;
     Ok(n)
 }
@@ -435,6 +506,7 @@ mod tests {
             queue_ms: None,
             ttft_ms: None,
             total_ms: Some(3),
+            user_data_deleted: None,
         }
     }
 
@@ -536,6 +608,54 @@ mod tests {
         append(&c, entry("a", 900)).unwrap();
         c.execute("DELETE FROM audit_log WHERE seq = 8", []).unwrap();
         assert_eq!(broken_at(&c), 9);
+    }
+
+    /// Review 15 L6(a). Failed before: a forged anchor (the oldest records
+    /// deleted, the anchor written by hand) verified like retention, with
+    /// nothing said. The chain still verifies (it cannot tell), but the
+    /// anchor's time is younger than the retention allows: named.
+    #[test]
+    fn an_anchor_younger_than_the_retention_is_named() {
+        let hour = std::time::Duration::from_secs(3600);
+        let now = 100 * 3_600_000;
+        // Records an hour apart, the newest now.
+        let c = db();
+        for i in 0..6 {
+            append(&c, entry("a", now - (5 - i) * 3_600_000)).unwrap();
+        }
+        // Retention of 2 h: the purge takes records older than that (1..=3).
+        assert_eq!(purge(&c, now - 2 * 3_600_000, 100).unwrap(), 3);
+        assert_eq!(verify(&c).unwrap(), 3);
+        assert_eq!(anchor_warning(&c, now, Some(2 * hour)).unwrap(), None, "a real purge");
+        assert!(anchor_warning(&c, now, None).unwrap().is_some(), "an anchor while nothing is purged");
+
+        // Forged: the two oldest remaining records deleted, the anchor
+        // moved onto the second of them (number, hash and its real time).
+        let (seq, sha, at): (i64, String, i64) = c
+            .query_row("SELECT seq, sha256, at_ms FROM audit_log WHERE seq = 5", [], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
+            .unwrap();
+        c.execute("DELETE FROM audit_log WHERE seq <= 5", []).unwrap();
+        c.execute("UPDATE audit_anchor SET seq = ?1, sha256 = ?2, at_ms = ?3", params![seq, sha, at]).unwrap();
+        assert_eq!(verify(&c).unwrap(), 1, "the chain itself cannot tell");
+        let w = anchor_warning(&c, now, Some(2 * hour)).unwrap().expect("named");
+        assert!(w.contains("records 1..=5") && w.contains("forged"), "{w}");
+        // Forged without a time (as an anchor written before the column).
+        c.execute("UPDATE audit_anchor SET at_ms = NULL", []).unwrap();
+        assert!(anchor_warning(&c, now, Some(2 * hour)).unwrap().unwrap().contains("no time"));
+    }
+
+    /// An anchor table made before `at_ms` gets the column on open.
+    #[test]
+    fn an_old_anchor_table_gets_its_time_column() {
+        let c = Connection::open_in_memory().unwrap();
+        c.execute_batch("CREATE TABLE audit_anchor (id INTEGER PRIMARY KEY CHECK (id = 1), seq INTEGER NOT NULL, sha256 TEXT NOT NULL); INSERT INTO audit_anchor VALUES (1, 3, 'x');").unwrap();
+        c.execute_batch(SCHEMA).unwrap();
+        assert!(!has_anchor_time(&c).unwrap());
+        migrate(&c).unwrap();
+        migrate(&c).unwrap();
+        assert!(anchor_warning(&c, 0, None).unwrap().unwrap().contains("no time"));
     }
 
     /// The writer's periodic pass purges records past `retention_audit`,
@@ -644,6 +764,7 @@ mod timing {
             queue_ms: Some(1),
             ttft_ms: Some(2),
             total_ms: Some(3),
+            user_data_deleted: None,
         };
         let start = std::time::Instant::now();
         for chunk in 0..n / 1000 {

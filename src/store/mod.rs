@@ -36,10 +36,12 @@ mod responses;
 mod retention;
 mod revoked_keys;
 pub mod sessions;
+mod user_data;
 
 pub use audit::{AuditEntry, AuditQuery, AuditRecord, ChainBroken, VerifyError};
 pub use idempotency::IdempotentRecord;
 pub use pending_requests::{StoredRequest, Unfinished};
+pub use user_data::{UserDataDeleted, UserDataForgotten};
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -51,8 +53,9 @@ use std::time::{Duration, Instant};
 use rusqlite::{params, Connection, OptionalExtension};
 use tokio::sync::oneshot;
 
+pub use crate::config::ClassRetention;
 use crate::error::GatewayError;
-use crate::task::{Identity, Ingress, ResultMeta, TaskRequest, TaskState};
+use crate::task::{DataClass, Identity, Ingress, ResultMeta, TaskRequest, TaskState};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -250,6 +253,8 @@ enum Op {
     Sessions(oneshot::Sender<Vec<sessions::StoredSession>>),
     Flush(oneshot::Sender<()>),
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
+    /// Deletes a user's data with its audit record (`user_data.rs`).
+    ForgetUser(Box<ForgetUser>),
     /// Answered once no write is buffered (every write sent before it is
     /// committed): the last thing a stop waits for.
     Settled(oneshot::Sender<()>),
@@ -260,6 +265,14 @@ enum Op {
     /// Test support: the writer thread returns at once, as a dead one.
     #[cfg(any(test, feature = "testing"))]
     Exit(oneshot::Sender<()>),
+}
+
+/// A user's data to delete, and the audit record that says so.
+struct ForgetUser {
+    tenant: String,
+    user: String,
+    entry: AuditEntry,
+    reply: oneshot::Sender<Result<UserDataForgotten, StoreError>>,
 }
 
 /// Why the store is degraded once its writer thread is gone.
@@ -296,6 +309,9 @@ pub struct Store {
     reads: mpsc::Sender<ReadOp>,
     node_id: Arc<str>,
     store_prompts: bool,
+    /// By [`DataClass`] order: whether the class's text may reach the file
+    /// (`[store.retention.<class>] store_text`).
+    text_allowed: [bool; 4],
     failures: WriteFailures,
     health: StoreHealth,
     /// The database file (audit queries open their own connection).
@@ -336,6 +352,10 @@ pub struct StoreOptions {
     /// Space set aside next to the database and given back when the disk
     /// fills up (`reserve.rs`); 0: none.
     pub reserve_bytes: u64,
+    /// Per data class (`[store.retention.<class>]`): whether its text may be
+    /// stored, its tasks' and keys' ages. `None`: every class as the
+    /// options above, text allowed (`store_prompts` decides).
+    pub classes: Option<[ClassRetention; 4]>,
     /// Write-behind: how long plain writes wait for the rest of their burst
     /// before the transaction that holds them commits (0: commit each
     /// burst as soon as the channel is empty). One task sends about seven
@@ -363,6 +383,7 @@ impl Default for StoreOptions {
             // The config's default is 8 MiB; a store opened without options
             // (tools, unit tests) leaves no file beside the database.
             reserve_bytes: 0,
+            classes: None,
             commit_window: DEFAULT_COMMIT_WINDOW,
         }
     }
@@ -390,6 +411,24 @@ struct HealthInner {
     dropped: AtomicU64,
     /// Transactions committed.
     commits: AtomicU64,
+    /// Retention passes run, rows they purged, and the time they held the
+    /// writer (total and longest), in nanoseconds.
+    purge_passes: AtomicU64,
+    purged_rows: AtomicU64,
+    purge_ns_total: AtomicU64,
+    purge_ns_max: AtomicU64,
+}
+
+/// What the retention purge has done since the store opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PurgeStats {
+    pub passes: u64,
+    /// Task rows, keys, sessions and audit records purged.
+    pub rows: u64,
+    /// Time the passes held the writer, all together.
+    pub total: Duration,
+    /// The longest pass.
+    pub longest: Duration,
 }
 
 impl StoreHealth {
@@ -418,6 +457,26 @@ impl StoreHealth {
     /// Writes lost because the buffer was full while degraded.
     pub fn dropped_writes(&self) -> u64 {
         self.0.dropped.load(Ordering::Relaxed)
+    }
+
+    /// What the retention purge has done (see `bench/purge.rs`).
+    pub fn purge_stats(&self) -> PurgeStats {
+        let i = &self.0;
+        PurgeStats {
+            passes: i.purge_passes.load(Ordering::Relaxed),
+            rows: i.purged_rows.load(Ordering::Relaxed),
+            total: Duration::from_nanos(i.purge_ns_total.load(Ordering::Relaxed)),
+            longest: Duration::from_nanos(i.purge_ns_max.load(Ordering::Relaxed)),
+        }
+    }
+
+    fn record_purge(&self, rows: usize, took: Duration) {
+        let i = &self.0;
+        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        i.purge_passes.fetch_add(1, Ordering::Relaxed);
+        i.purged_rows.fetch_add(rows as u64, Ordering::Relaxed);
+        i.purge_ns_total.fetch_add(ns, Ordering::Relaxed);
+        i.purge_ns_max.fetch_max(ns, Ordering::Relaxed);
     }
 
     fn set_degraded(&self, reason: String) {
@@ -505,6 +564,10 @@ impl Store {
         // only an OS crash can lose the last transactions.
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
         conn.pragma_update(None, "busy_timeout", 5000).map_err(open_err)?;
+        // Deleted content (a purged task, a user's deleted text, a row's
+        // older version) is overwritten with zeros, not left in free space
+        // of the file where it could be read back.
+        conn.pragma_update(None, "secure_delete", "ON").map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
         for schema in [
             idempotency::SCHEMA,
@@ -521,6 +584,7 @@ impl Store {
         migrate(&conn).map_err(open_err)?;
         let budgets = budget::Budgets::default();
         budgets.load(&conn).map_err(open_err)?;
+        audit::migrate(&conn).map_err(open_err)?;
         let expired = idempotency::expire(&conn, crate::task::now_ms()).map_err(open_err)?;
         if expired > 0 {
             tracing::info!(expired, "dropped expired idempotency keys");
@@ -544,6 +608,7 @@ impl Store {
             health.set_degraded(format!("cannot set aside the store's reserve of {} bytes: {e}", opts.reserve_bytes));
         }
         let (audit_tx, _) = tokio::sync::broadcast::channel(1024);
+        let text_allowed = retention::Policy::new(&opts).text_by_class();
         let mut writer = Writer::new(conn, failures.clone(), health.clone(), opts, reserve);
         writer.audit_tx = Some(audit_tx.clone());
         let spawn_err = |e| StoreError::Dir { path: path.to_path_buf(), source: e };
@@ -560,6 +625,7 @@ impl Store {
             reads,
             node_id: node_id.into(),
             store_prompts,
+            text_allowed,
             failures,
             health,
             path,
@@ -610,15 +676,31 @@ impl Store {
         &self.node_id
     }
 
+    /// Whether the store keeps the text of every call: `store_prompts`, and
+    /// no data class forbids text (`store_text = false`). What is not
+    /// tied to one call's class (a session, which calls of any class may
+    /// join) is written only then.
     pub fn stores_prompts(&self) -> bool {
-        self.store_prompts
+        self.store_prompts && self.text_allowed.iter().all(|a| *a)
+    }
+
+    /// Whether text of class `c` may reach the file at all.
+    pub fn may_store_text(&self, c: DataClass) -> bool {
+        self.text_allowed[c as usize]
+    }
+
+    /// Whether the prompt and answer text of a call of class `c` are kept
+    /// with its task (`store_prompts`, unless the class forbids text).
+    pub fn stores_text(&self, c: DataClass) -> bool {
+        self.store_prompts && self.may_store_text(c)
     }
 
     /// Writes a new task row (state RECEIVED). Task rows and transitions are
     /// written as told: record them through `telemetry::lifecycle::Recorder`,
     /// which checks each against the task state machine first.
     pub fn new_task(&self, req: &TaskRequest) {
-        let prompt_text = self.store_prompts.then(|| serde_json::to_string(&req.messages).unwrap_or_default());
+        let prompt_text =
+            self.stores_text(req.data_class).then(|| serde_json::to_string(&req.messages).unwrap_or_default());
         // Only the columns: the prompt itself is not copied unless stored.
         let row = NewTaskRow {
             task_id: req.task_id.clone(),
@@ -634,6 +716,7 @@ impl Store {
             prompt_sha256: req.prompt_sha256.clone(),
             session_id: req.session_id.clone(),
             idempotency_key: req.idempotency_key.clone(),
+            data_class: req.data_class.as_str(),
         };
         self.write(WriteOp::NewTask { row: Box::new(row), prompt_text });
     }
@@ -913,6 +996,23 @@ impl Store {
         .map_err(|_| StoreError::Closed)?
     }
 
+    /// Deletes the text, Responses, kept requests and sessions of `user`
+    /// of `tenant` (see `user_data.rs`) and appends `entry`, completed with
+    /// the counts, to the audit trail, in one transaction; then truncates
+    /// the WAL. Answered once committed; an error while the store cannot
+    /// write (nothing is deleted then).
+    pub async fn forget_user(
+        &self,
+        tenant: &str,
+        user: &str,
+        entry: AuditEntry,
+    ) -> Result<UserDataForgotten, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        let op = ForgetUser { tenant: tenant.into(), user: user.into(), entry, reply };
+        self.tx.send(Op::ForgetUser(Box::new(op))).map_err(|_| StoreError::Closed)?;
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+
     pub async fn get(&self, task_id: &str) -> Result<Option<TaskRecord>, StoreError> {
         let (tx, rx) = oneshot::channel();
         self.tx.send(Op::Get(task_id.to_string(), tx)).map_err(|_| StoreError::Closed)?;
@@ -999,6 +1099,8 @@ struct Writer {
     /// new write.
     failed_at: Option<Instant>,
     reserve: reserve::Reserve,
+    /// The per-class rules on text and ages.
+    policy: retention::Policy,
     /// When a reserve not held is tried again.
     reserve_retry_at: Option<Instant>,
     /// Callers waiting until nothing is buffered.
@@ -1022,7 +1124,9 @@ impl Writer {
     ) -> Writer {
         let next_purge = Instant::now() + opts.purge_interval;
         let reserve_retry_at = (!reserve.is_held()).then(|| Instant::now() + opts.retry_interval);
+        let policy = retention::Policy::new(&opts);
         Writer {
+            policy,
             conn,
             pending: VecDeque::new(),
             acks: Vec::new(),
@@ -1159,6 +1263,7 @@ impl Writer {
             Op::Sessions(tx) => self.replies.push(Reply::Sessions(tx)),
             Op::Flush(tx) => self.replies.push(Reply::Flush(tx)),
             Op::Get(id, tx) => self.replies.push(Reply::Get(id, tx)),
+            Op::ForgetUser(f) => self.replies.push(Reply::ForgetUser(f)),
             Op::Settled(tx) => self.settled.push(tx),
             #[cfg(any(test, feature = "testing"))]
             Op::Pragma(name, value, tx) => {
@@ -1282,6 +1387,7 @@ impl Writer {
     fn write_pending(&mut self) -> rusqlite::Result<Vec<AuditRecord>> {
         let failures = &self.failures;
         let pending = &self.pending;
+        let policy = &self.policy;
         let mut txn = self.conn.transaction()?;
         let later = state_set_later(pending);
         let mut audited = Vec::new();
@@ -1291,7 +1397,7 @@ impl Writer {
             // itself, so a state never commits without its record.
             let sp = txn.savepoint()?;
             let before = audited.len();
-            match apply(&sp, op, set_later, &mut audited) {
+            match apply(&sp, op, set_later, policy, &mut audited) {
                 Ok(()) => sp.commit()?,
                 Err(e) => {
                     audited.truncate(before);
@@ -1326,6 +1432,19 @@ impl Writer {
                 Reply::Get(id, tx) => {
                     let _ = tx.send(read_task(conn, &id));
                 }
+                Reply::ForgetUser(f) => {
+                    // Only on a store that writes: after every write sent
+                    // before it, never half done.
+                    let r = if self.pending.is_empty() {
+                        forget_user(conn, &f.tenant, &f.user, f.entry, self.audit_tx.as_ref())
+                    } else {
+                        Err(StoreError::Unavailable(self.health.degraded().unwrap_or_default()))
+                    };
+                    if r.is_err() {
+                        self.failures.inc();
+                    }
+                    let _ = f.reply.send(r);
+                }
                 Reply::RevokedKeys(tx) => {
                     let _ = tx.send(revoked_keys::revoked_keys(conn).unwrap_or_else(|e| {
                         tracing::error!(error = %e, "reading revoked keys failed");
@@ -1353,13 +1472,13 @@ impl Writer {
     fn purge(&mut self) {
         let now = crate::task::now_ms();
         let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
-        let tasks_before = self.opts.retention_tasks.map(|d| now.saturating_sub(ms(d)));
-        let rejected_before = self.opts.retention_rejected.map(|d| now.saturating_sub(ms(d)));
+        let ages = self.policy.ages(now, self.opts.retention_rejected);
         let audit_before = self.opts.retention_audit.map(|d| now.saturating_sub(ms(d)));
         let batch = self.opts.purge_batch;
+        let started = Instant::now();
         let res = (|| -> rusqlite::Result<usize> {
             let txn = self.conn.transaction()?;
-            let mut n = retention::purge(&txn, now, tasks_before, rejected_before, batch)?;
+            let mut n = retention::purge(&txn, now, &ages, batch)?;
             // Expired sessions: each row knows when it expires.
             n += sessions::purge_expired(&txn, now, batch)?;
             if let Some(before) = audit_before {
@@ -1370,6 +1489,7 @@ impl Writer {
         })();
         let full = match res {
             Ok(n) => {
+                self.health.record_purge(n, started.elapsed());
                 if n > 0 {
                     tracing::debug!(purged = n, "task store retention pass");
                 }
@@ -1409,14 +1529,23 @@ fn state_set_later(pending: &VecDeque<WriteOp>) -> Vec<bool> {
 
 /// Applies one write. `state_set_later`: a later write of the batch sets
 /// this task's state (see [`state_set_later`]).
+/// `policy`: a class whose text may not be stored loses it here, whatever
+/// the caller passed (the one place every text goes through).
 fn apply(
     txn: &Connection,
     op: &WriteOp,
     state_set_later: bool,
+    policy: &retention::Policy,
     audited: &mut Vec<AuditRecord>,
 ) -> rusqlite::Result<()> {
+    let text_allowed = |task_id: &str| -> rusqlite::Result<bool> {
+        Ok(policy.text_allowed(retention::task_class(txn, task_id)?.as_deref()))
+    };
     match op {
-        WriteOp::NewTask { row, prompt_text } => insert_task(txn, row, prompt_text.as_deref()),
+        WriteOp::NewTask { row, prompt_text } => {
+            let prompt_text = prompt_text.as_deref().filter(|_| policy.text_allowed(Some(row.data_class)));
+            insert_task(txn, row, prompt_text)
+        }
         WriteOp::Transition { task_id, t } => {
             append_transition(txn, task_id, t)?;
             if state_set_later {
@@ -1425,11 +1554,12 @@ fn apply(
             set_state(txn, task_id, t)
         }
         WriteOp::Finish { t, meta, error_code, result_text, idempotent_text, key_id, .. } => {
+            let allowed = text_allowed(&meta.task_id)?;
             // finish_task sets the state with the result.
             append_transition(txn, &meta.task_id, t)?;
-            finish_task(txn, meta, error_code.as_deref(), result_text.as_deref())?;
+            finish_task(txn, meta, error_code.as_deref(), result_text.as_deref().filter(|_| allowed))?;
             pending_requests::drop_request(txn, &meta.task_id)?;
-            if let Some(t) = idempotent_text {
+            if let Some(t) = idempotent_text.as_ref().filter(|_| allowed) {
                 idempotency::keep_result(txn, &meta.task_id, t)?;
             }
             // In the same transaction as the terminal state: both or neither.
@@ -1463,7 +1593,13 @@ fn apply(
             Ok(())
         }
         WriteOp::Remember { req, ttl_ms, replaces } => {
-            remember(txn, req, *ttl_ms, replaces.as_deref(), crate::task::now_ms())
+            let class = req.routing.data_class;
+            let ttl_ms = policy.key_ttl_ms(class, *ttl_ms);
+            // The request (its messages) is kept for a re-queue after a
+            // crash only where its class's text may be stored; otherwise a
+            // crash before it starts ends it FAILED (recovery).
+            let keep_request = policy.text_allowed(class.map(DataClass::as_str));
+            remember(txn, req, ttl_ms, replaces.as_deref(), keep_request, crate::task::now_ms())
         }
         WriteOp::Started(id) => pending_requests::drop_request(txn, id),
         WriteOp::Forget { tenant, app, key, task_id } => {
@@ -1474,9 +1610,12 @@ fn apply(
             idempotency::hand_over(txn, tenant, app, key, from, to)?;
             pending_requests::drop_request(txn, from)
         }
-        WriteOp::KeepResponse { task_id, body, conversation } => {
-            responses::keep(txn, task_id, body, conversation.as_deref())
-        }
+        // A Response holds its answer's text: not kept for a class whose
+        // text may not be stored (GET /v1/responses/{id} answers 404).
+        WriteOp::KeepResponse { task_id, body, conversation } => match text_allowed(task_id)? {
+            true => responses::keep(txn, task_id, body, conversation.as_deref()),
+            false => Ok(()),
+        },
         WriteOp::ForgetResponse(task_id) => responses::forget(txn, task_id),
         WriteOp::SessionRow(r) => sessions::upsert(txn, r),
         WriteOp::SessionMessage(m) => sessions::add_message(txn, m),
@@ -1490,6 +1629,7 @@ fn apply(
 }
 
 enum Reply {
+    ForgetUser(Box<ForgetUser>),
     Unfinished(oneshot::Sender<Vec<Unfinished>>),
     RevokedKeys(oneshot::Sender<Vec<String>>),
     Sessions(oneshot::Sender<Vec<sessions::StoredSession>>),
@@ -1497,15 +1637,50 @@ enum Reply {
     Get(String, oneshot::Sender<Result<Option<TaskRecord>, StoreError>>),
 }
 
+/// A user's data deletion in its own transaction with its audit record
+/// (offered to the audit feed once committed), then a WAL truncation.
+fn forget_user(
+    conn: &Connection,
+    tenant: &str,
+    user: &str,
+    mut entry: AuditEntry,
+    audit_tx: Option<&tokio::sync::broadcast::Sender<Arc<AuditRecord>>>,
+) -> Result<UserDataForgotten, StoreError> {
+    let txn = conn.unchecked_transaction()?;
+    let (deleted, task_ids) = user_data::forget(&txn, tenant, user)?;
+    entry.user_data_deleted = Some(deleted.clone());
+    let record = audit::append(&txn, entry)?;
+    txn.commit()?;
+    let wal_truncated = user_data::checkpoint(conn).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "WAL checkpoint after a user's data deletion failed");
+        false
+    });
+    let audit_seq = record.seq;
+    if let Some(tx) = audit_tx.filter(|tx| tx.receiver_count() > 0) {
+        let _ = tx.send(Arc::new(record));
+    }
+    Ok(UserDataForgotten { deleted, task_ids, audit_seq, wal_truncated })
+}
+
 /// Records an idempotency key and the request needed to queue its task
 /// again after a restart (nothing without a key).
-fn remember(c: &Connection, r: &StoredRequest, ttl_ms: i64, replaces: Option<&str>, now: i64) -> rusqlite::Result<()> {
+fn remember(
+    c: &Connection,
+    r: &StoredRequest,
+    ttl_ms: i64,
+    replaces: Option<&str>,
+    keep_request: bool,
+    now: i64,
+) -> rusqlite::Result<()> {
     let Some(key) = &r.idempotency_key else { return Ok(()) };
     if let Some(old) = replaces {
         idempotency::forget(c, &r.tenant, &r.application, key, old)?;
     }
     idempotency::remember(c, &r.tenant, &r.application, key, &r.task_id, &r.prompt_sha256, ttl_ms, now)?;
-    pending_requests::keep(c, r)
+    if keep_request {
+        pending_requests::keep(c, r)?;
+    }
+    Ok(())
 }
 
 /// The columns of a new task row.
@@ -1523,6 +1698,7 @@ struct NewTaskRow {
     prompt_sha256: String,
     session_id: Option<String>,
     idempotency_key: Option<String>,
+    data_class: &'static str,
 }
 
 /// Columns added to `tasks` after its first release, for databases made
@@ -1538,6 +1714,15 @@ fn migrate(c: &Connection) -> rusqlite::Result<()> {
     if !has {
         c.execute_batch("ALTER TABLE tasks ADD COLUMN cost REAL")?;
     }
+    // The call's data class, for the retention of its class (NULL in rows
+    // written before it: purged by the strictest class's age).
+    let has: bool = c.prepare("SELECT 1 FROM pragma_table_info('tasks') WHERE name = 'data_class'")?.exists([])?;
+    if !has {
+        c.execute_batch("ALTER TABLE tasks ADD COLUMN data_class TEXT")?;
+    }
+    c.execute_batch(
+        "CREATE INDEX IF NOT EXISTS tasks_by_class_state_updated ON tasks(data_class, state, updated_at_ms)",
+    )?;
     Ok(())
 }
 
@@ -1547,7 +1732,7 @@ fn insert_task(c: &Connection, r: &NewTaskRow, prompt_text: Option<&str>) -> rus
         c,
         "INSERT OR IGNORE INTO tasks (task_id, request_id, tenant, application, user_id, ingress, logical_model, \
          priority, state, created_at_ms, updated_at_ms, prompt_sha256, prompt_text, session_id, idempotency_key, \
-         trace_id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'RECEIVED', ?9, ?9, ?10, ?11, ?12, ?13, ?14)",
+         trace_id, data_class) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'RECEIVED', ?9, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
         params![
             r.task_id,
             r.request_id,
@@ -1563,6 +1748,7 @@ fn insert_task(c: &Connection, r: &NewTaskRow, prompt_text: Option<&str>) -> rus
             r.session_id,
             r.idempotency_key,
             r.trace_id,
+            r.data_class,
         ],
     )?;
     Ok(())
@@ -1572,9 +1758,20 @@ fn insert_rejected(c: &Connection, r: &RejectedCall) -> rusqlite::Result<()> {
     exec(
         c,
         "INSERT INTO tasks (task_id, request_id, tenant, application, user_id, ingress, logical_model, priority, \
-         state, created_at_ms, updated_at_ms, prompt_sha256, error_code, trace_id) \
-         VALUES (?1, '', ?2, ?3, ?4, ?5, ?6, '', 'REJECTED', ?7, ?7, '', ?8, ?9)",
-        params![r.task_id, r.tenant, r.application, r.user_id, r.ingress, r.model, r.at_ms, r.code, r.trace_id],
+         state, created_at_ms, updated_at_ms, prompt_sha256, error_code, trace_id, data_class) \
+         VALUES (?1, '', ?2, ?3, ?4, ?5, ?6, '', 'REJECTED', ?7, ?7, '', ?8, ?9, ?10)",
+        params![
+            r.task_id,
+            r.tenant,
+            r.application,
+            r.user_id,
+            r.ingress,
+            r.model,
+            r.at_ms,
+            r.code,
+            r.trace_id,
+            r.data_class.map(DataClass::as_str)
+        ],
     )?;
     for (state, reason) in [("RECEIVED", r.ingress), ("VALIDATING", ""), ("REJECTED", r.message.as_str())] {
         exec(c,

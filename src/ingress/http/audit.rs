@@ -63,7 +63,7 @@ fn parse_query(raw: &str) -> Result<AuditQuery, ApiError> {
 }
 
 /// Percent-decoding of a query value (`+` is a space).
-fn decode(v: &str) -> Option<String> {
+pub(super) fn decode(v: &str) -> Option<String> {
     let b = v.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

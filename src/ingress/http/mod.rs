@@ -21,6 +21,7 @@ mod sessions;
 mod sse;
 mod status;
 mod tasks;
+mod user_data;
 mod ws;
 
 use std::net::SocketAddr;
@@ -94,6 +95,7 @@ fn admin_routes(state: AppState, guarded: bool, shutdown: CancellationToken) -> 
         .route("/status", get(status::page))
         .route("/admin/audit", get(audit::page))
         .route("/admin/budgets", get(budgets::view))
+        .route("/admin/users/{user}/data", axum::routing::delete(user_data::delete))
         .layer(Extension(OpsGuard(guarded)))
         .layer(Extension(ws::Shutdown(shutdown)))
         .with_state(state)

@@ -389,6 +389,17 @@ fn remember_conversation(task_id: &str, conversation: &str) {
     }
 }
 
+/// Drops the conversations kept in memory for these tasks (a user's data
+/// deleted).
+pub(super) fn forget_conversations(task_ids: &[String]) {
+    if task_ids.is_empty() {
+        return;
+    }
+    let ids: std::collections::HashSet<&str> = task_ids.iter().map(String::as_str).collect();
+    let mut m = IN_MEMORY.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    m.retain(|(id, _)| !ids.contains(id.as_str()));
+}
+
 fn remembered_conversation(task_id: &str) -> Option<String> {
     let m = IN_MEMORY.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     m.iter().find(|(id, _)| id == task_id).map(|(_, c)| c.to_string())

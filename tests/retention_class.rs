@@ -1,0 +1,194 @@
+//! Retention per data class (`[store.retention.<class>]`), read from the
+//! real SQLite file (and its WAL) of a whole gateway: the text of a class
+//! whose `store_text` is false never reaches the file, over HTTP, MQTT and
+//! NATS, even with `store_prompts = true`, a caller's idempotency key or a
+//! device's derived one; the text of another class does.
+
+mod common;
+mod mqtt_support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use async_nats::{HeaderMap, StatusCode};
+use common::{client, DEMO_KEY};
+use edgeway::ingress::nats::BusState;
+use edgeway::testing::{FakeEngine, Knobs, NatsServer, TestGateway};
+use futures::StreamExt;
+use mqtt_support::{check_stream, device, mqtt_toml, D1, V};
+use serde_json::{json, Value};
+
+/// The fake engine's answer.
+const ANSWER: &str = "tok tok tok tok tok ";
+
+/// The database file and its WAL, as bytes.
+fn file_bytes(db: &Path) -> Vec<u8> {
+    let mut out = Vec::new();
+    for ext in ["", "-wal"] {
+        if let Ok(b) = std::fs::read(format!("{}{ext}", db.display())) {
+            out.extend(b);
+        }
+    }
+    out
+}
+
+fn contains(hay: &[u8], needle: &str) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+fn chat(prompt: &str, class: &str) -> Value {
+    json!({
+        "model": "general-chat",
+        "messages": [{"role": "user", "content": prompt}],
+        "routing": {"data_class": class},
+    })
+}
+
+/// One NATS chat call to its terminal event (retried while the service is
+/// not subscribed yet).
+async fn nats_call(client: &async_nats::Client, body: &Value) -> String {
+    let mut headers = HeaderMap::new();
+    headers.insert("Authorization", format!("Bearer {DEMO_KEY}").as_str());
+    let body = serde_json::to_vec(body).unwrap();
+    for _ in 0..200 {
+        let inbox = client.new_inbox();
+        let mut sub = client.subscribe(inbox.clone()).await.unwrap();
+        client.publish_with_reply_and_headers("ai.v1.chat", inbox, headers.clone(), body.clone().into()).await.unwrap();
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(20), sub.next()).await.expect("in time").expect("open");
+            if m.status == Some(StatusCode::NO_RESPONDERS) {
+                break;
+            }
+            let kind = m.headers.as_ref().and_then(|h| h.get("Edgeway-Event")).map(|v| v.as_str().to_string());
+            if matches!(kind.as_deref(), Some("done" | "error")) {
+                return kind.unwrap();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the edgeway service never answered");
+}
+
+/// Failed before (config without `[store.retention]`, and with only
+/// `store_prompts = true` every prompt below was in the file).
+#[tokio::test]
+async fn the_text_of_a_class_that_may_not_be_stored_never_reaches_the_file() {
+    let nats = NatsServer::start(false).await;
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let extra = format!("{}\n[nats]\nurl = \"{}\"\n", mqtt_toml("coalesce_ms = 0"), nats.url());
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", &extra, |t| {
+        let t = t.replace("[store]\n", "[store]\nstore_prompts = true\n");
+        format!("{t}\n[store.retention.secret]\nstore_text = false\nidempotency_hours = 1\n")
+    })
+    .await;
+    gw.wait_ready().await;
+    gw.nats().wait_for(BusState::Connected).await;
+
+    // HTTP, with a caller's key (which asks for the answer to be kept).
+    let r = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .header("Idempotency-Key", "http-secret-key")
+        .json(&chat("SECRET-PROMPT-HTTP-51c2", "secret"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // A control: a personal call's prompt is stored (store_prompts = true).
+    let r = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .json(&chat("CONTROL-PROMPT-HTTP-9e07", "personal"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    // MQTT: a device's request always has a (derived) key.
+    let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt").mqtt;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut req = chat("SECRET-PROMPT-MQTT-77ab", "secret");
+    req["request_id"] = json!("secret-1");
+    d.publish(&d.topic("req"), req.to_string()).await;
+    assert_eq!(check_stream(&d.stream(&d.topic("res/secret-1")).await), ANSWER);
+
+    // NATS, with a key too.
+    let bus = async_nats::connect(nats.url()).await.unwrap();
+    let mut req = chat("SECRET-PROMPT-NATS-3d90", "secret");
+    req["idempotency_key"] = json!("nats-secret-key");
+    assert_eq!(nats_call(&bus, &req).await, "done");
+
+    gw.store().flush().await;
+    let db = gw.db_path();
+    {
+        let c = rusqlite::Connection::open(&db).unwrap();
+        let count = |sql: &str| -> i64 { c.query_row(sql, [], |r| r.get(0)).unwrap() };
+        assert_eq!(count("SELECT COUNT(*) FROM tasks WHERE data_class = 'secret'"), 3, "each task knows its class");
+        assert_eq!(count("SELECT COUNT(prompt_text) + COUNT(result_text) FROM tasks WHERE data_class = 'secret'"), 0);
+        assert_eq!(count("SELECT COUNT(*) FROM idempotency"), 3, "the keys are kept, for the outcome");
+        assert_eq!(count("SELECT COUNT(result_text) FROM idempotency"), 0, "without the answers");
+        // `idempotency_hours = 1` caps the TTL (a day by default).
+        assert_eq!(count("SELECT MAX(expires_at_ms - created_at_ms) FROM idempotency"), 3_600_000);
+        assert_eq!(count("SELECT COUNT(prompt_text) FROM tasks WHERE data_class = 'personal'"), 1);
+    }
+    let bytes = file_bytes(&db);
+    for prompt in ["SECRET-PROMPT-HTTP-51c2", "SECRET-PROMPT-MQTT-77ab", "SECRET-PROMPT-NATS-3d90"] {
+        assert!(!contains(&bytes, prompt), "{prompt} is in the database file");
+    }
+    assert!(contains(&bytes, "CONTROL-PROMPT-HTTP-9e07"), "the control's prompt is stored: the check can see text");
+    d.kill();
+    gw.stop().await;
+}
+
+/// The README's table for the default policy (`store_prompts = false`, no
+/// `[store.retention]`), per ingress: no prompt or answer text in the
+/// task rows; a call without a key leaves no prompt bytes at all (HTTP,
+/// NATS); no answer text reaches the file on any ingress (a device's
+/// derived key keeps the outcome only). A device's request is kept to
+/// re-queue it until it reaches an engine, then deleted.
+#[tokio::test]
+async fn the_default_policy_keeps_no_text_per_ingress() {
+    let nats = NatsServer::start(false).await;
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let extra = format!("{}\n[nats]\nurl = \"{}\"\n", mqtt_toml("coalesce_ms = 0"), nats.url());
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &extra).await;
+    gw.wait_ready().await;
+    gw.nats().wait_for(BusState::Connected).await;
+
+    let r = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .json(&chat("DEFAULT-PROMPT-HTTP-a1", "personal"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt").mqtt;
+    let mut d = device(addr, V::V4, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut req = chat("DEFAULT-PROMPT-MQTT-b2", "personal");
+    req["request_id"] = json!("default-1");
+    d.publish(&d.topic("req"), req.to_string()).await;
+    assert_eq!(check_stream(&d.stream(&d.topic("res/default-1")).await), ANSWER);
+    let bus = async_nats::connect(nats.url()).await.unwrap();
+    assert_eq!(nats_call(&bus, &chat("DEFAULT-PROMPT-NATS-c3", "personal")).await, "done");
+
+    gw.store().flush().await;
+    let db = gw.db_path();
+    {
+        let c = rusqlite::Connection::open(&db).unwrap();
+        let count = |sql: &str| -> i64 { c.query_row(sql, [], |r| r.get(0)).unwrap() };
+        assert_eq!(count("SELECT COUNT(*) FROM tasks"), 3);
+        assert_eq!(count("SELECT COUNT(prompt_text) + COUNT(result_text) FROM tasks"), 0);
+        assert_eq!(count("SELECT COUNT(result_text) FROM idempotency"), 0);
+        assert_eq!(count("SELECT COUNT(*) FROM pending_requests"), 0, "deleted once it reached an engine");
+    }
+    let bytes = file_bytes(&db);
+    for prompt in ["DEFAULT-PROMPT-HTTP-a1", "DEFAULT-PROMPT-NATS-c3"] {
+        assert!(!contains(&bytes, prompt), "{prompt} is in the database file");
+    }
+    assert!(!contains(&bytes, "tok tok"), "an answer is in the database file");
+    d.kill();
+    gw.stop().await;
+}
