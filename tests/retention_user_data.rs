@@ -44,7 +44,7 @@ fn chat(user: &str, prompt: &str) -> Value {
 async fn deleting_a_users_data_removes_it_from_the_file_and_leaves_a_record() {
     let fake = FakeEngine::start_with(Knobs::default()).await;
     let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
-        t.replace("[store]\n", "[store]\nstore_prompts = true\n")
+        format!("{}\n[cache]\nenabled = true\n", t.replace("[store]\n", "[store]\nstore_prompts = true\n"))
     })
     .await;
     gw.wait_ready().await;
@@ -53,6 +53,8 @@ async fn deleting_a_users_data_removes_it_from_the_file_and_leaves_a_record() {
     // turn and a memory entry. Bob: a call.
     let mut keyed = chat("alice", "ALICE-PROMPT-CALL-0a1b");
     keyed["idempotency_key"] = json!("alice-key-1");
+    // Deterministic: its answer is kept in the response cache too.
+    keyed["temperature"] = json!(0);
     assert_eq!(post_chat(&gw, DEMO_KEY, &keyed).await.status(), 200);
     // A session belongs to the caller's user: Alice's.
     let resp = client()
@@ -97,6 +99,7 @@ async fn deleting_a_users_data_removes_it_from_the_file_and_leaves_a_record() {
     assert_eq!(d["task_texts"], 2, "{v}");
     assert_eq!(d["idempotency_answers"], 1, "{v}");
     assert_eq!((&d["sessions"], &d["sessions_in_memory"]), (&json!(1), &json!(1)), "{v}");
+    assert_eq!(d["cached_answers"], 1, "her deterministic call's cached answer: {v}");
     assert_eq!(v["wal_truncated"], true, "{v}");
 
     let after = file_bytes(&db);
@@ -104,6 +107,15 @@ async fn deleting_a_users_data_removes_it_from_the_file_and_leaves_a_record() {
         assert!(!contains(&after, t), "{t} is still in the database file");
     }
     assert!(contains(&after, "BOB-PROMPT-CALL-6a7b"), "another user's text stays");
+    // (After the file checks: this call stores its prompt again.) The same
+    // call again
+    // is answered by the engine, not from her entry.
+    let mut again = chat("alice", "ALICE-PROMPT-CALL-0a1b");
+    again["temperature"] = json!(0);
+    let resp = post_chat(&gw, DEMO_KEY, &again).await;
+    assert_eq!(resp.status(), 200);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["edge"]["cache_hit"], Value::Null, "not from the cache: {body}");
 
     // Her session is gone in memory too; the record of the deletion names
     // who asked, the user and the counts, and the chain holds.

@@ -2,8 +2,8 @@
 //! user's data in its own tenant: the text of the user's tasks, the
 //! answers kept with their idempotency keys, their stored Responses, and
 //! the user's sessions with their history and memory, in memory and in the
-//! store, leaving an audit record of the deletion (who asked, which user,
-//! what went).
+//! store, and the response-cache answers their calls stored, leaving an
+//! audit record of the deletion (who asked, which user, what went).
 //!
 //! Owns: who may ask (an admin application, for its own tenant only, as
 //! `/admin/audit`), the user id's bounds, and the order (memory first, so
@@ -29,6 +29,8 @@ pub struct UserDataReport {
     pub store: UserDataForgotten,
     /// The user's sessions dropped from memory.
     pub sessions_in_memory: usize,
+    /// Response-cache answers the user's calls had stored.
+    pub cached_answers: usize,
 }
 
 impl Gateway {
@@ -59,6 +61,7 @@ impl Gateway {
             )));
         }
         let sessions_in_memory = self.sessions.delete_user(&tenant, user);
+        let cached_answers = self.scheduler.forget_cached_answers_of(&tenant, user);
         let entry = AuditEntry {
             at_ms: crate::task::now_ms(),
             tenant: tenant.clone(),
@@ -79,6 +82,6 @@ impl Gateway {
             by = %who.application,
             "a user's data deleted"
         );
-        Ok(UserDataReport { tenant, user: user.to_string(), store, sessions_in_memory })
+        Ok(UserDataReport { tenant, user: user.to_string(), store, sessions_in_memory, cached_answers })
     }
 }

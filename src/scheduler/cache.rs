@@ -217,6 +217,10 @@ pub struct Answer {
     /// The tokens of the answered call (input and output), reported again
     /// with every hit.
     pub usage: Usage,
+    /// The tenant and user whose call stored it (`None`: no user id), so
+    /// that deleting a user's data (`DELETE /admin/users/{user}/data`)
+    /// also drops the answers their prompts produced.
+    pub owner: Option<(String, String)>,
 }
 
 impl Answer {
@@ -364,6 +368,21 @@ impl Entries {
         }
         dropped
     }
+
+    /// Drops the entries stored by `tenant`'s `user`; how many went. Walks
+    /// every entry: a rare admin operation, not on any call's path.
+    fn forget_owner(&mut self, tenant: &str, user: &str) -> usize {
+        let theirs: Vec<[u8; 32]> = self
+            .map
+            .iter()
+            .filter(|(_, e)| e.answer.owner.as_ref().is_some_and(|(t, u)| t == tenant && u == user))
+            .map(|(d, _)| *d)
+            .collect();
+        for d in &theirs {
+            self.remove(d);
+        }
+        theirs.len()
+    }
 }
 
 /// The `edgeway_cache_*` families, every label value present from the
@@ -506,6 +525,15 @@ impl ResponseCache {
         let dropped = e.put(key, answer, Instant::now());
         self.account(&e, &dropped);
     }
+
+    /// Drops the answers stored by `tenant`'s `user` (a deletion of the
+    /// user's data); how many went.
+    pub fn forget_user(&self, tenant: &str, user: &str) -> usize {
+        let mut e = self.lock();
+        let n = e.forget_owner(tenant, user);
+        self.account(&e, &Dropped::default());
+        n
+    }
 }
 
 #[cfg(test)]
@@ -559,7 +587,32 @@ enabled = true
             finish_reason: "stop".into(),
             model: "general-chat".into(),
             usage: Usage::default(),
+            owner: None,
         }
+    }
+
+    #[test]
+    fn forgetting_a_user_drops_only_the_answers_their_calls_stored() {
+        let s = settings(60, 600, 1 << 20);
+        let mut e = Entries::default();
+        let t0 = Instant::now();
+        let owned = |text: &str, t: &str, u: &str| Answer { owner: Some((t.into(), u.into())), ..answer(text) };
+        e.put(&k(1, s), owned("alice's", "t1", "alice"), t0);
+        e.put(&k(2, s), owned("bob's", "t1", "bob"), t0);
+        e.put(&k(3, s), owned("other tenant's alice", "t2", "alice"), t0);
+        e.put(&k(4, s), answer("no user"), t0);
+        let before = e.bytes;
+        assert_eq!(e.forget_owner("t1", "alice"), 1);
+        assert!(e.bytes < before, "the bytes are given back");
+        let left: Vec<String> = [1, 2, 3, 4]
+            .into_iter()
+            .filter_map(|n| match e.get(&k(n, s), t0, false).0 {
+                Found::Hit(h) => Some(h.answer.text.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(left, ["bob's", "other tenant's alice", "no user"]);
+        assert_eq!(e.forget_owner("t1", "alice"), 0);
     }
 
     #[test]

@@ -1138,6 +1138,7 @@ impl Driver {
                     finish_reason: meta.finish_reason.clone().unwrap_or_default(),
                     model: p.model.clone().unwrap_or_else(|| r.logical_model.clone()),
                     usage,
+                    owner: r.identity.user_id.clone().map(|u| (r.identity.tenant.clone(), u)),
                 };
                 self.shared.cache.put(key, answer);
             }

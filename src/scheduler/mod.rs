@@ -554,6 +554,12 @@ impl SchedulerHandle {
         }
     }
 
+    /// Drops the response cache's answers stored by `tenant`'s `user`
+    /// (a deletion of the user's data); how many went.
+    pub fn forget_cached_answers_of(&self, tenant: &str, user: &str) -> usize {
+        self.shared.cache.forget_user(tenant, user)
+    }
+
     /// A stream that replays a finished task's outcome (from the store,
     /// after its live events are gone).
     pub fn replay(&self, task_id: &str, request_id: &str, trace_id: &str, events: Vec<TaskEvent>) -> TaskStream {

@@ -1,7 +1,7 @@
 //! `DELETE /admin/users/{user}/data?tenant=`: deletes one user's data (see
 //! `gateway::user_data`) and answers what went:
 //! `{"tenant", "user", "deleted": {task_texts, idempotency_answers,
-//! responses, pending_requests, sessions, sessions_in_memory},
+//! responses, pending_requests, sessions, sessions_in_memory, cached_answers},
 //! "audit_seq", "wal_truncated"}`.
 //!
 //! Owns: the query string, the Responses' conversations this ingress keeps
@@ -55,6 +55,7 @@ pub async fn delete(
             "pending_requests": d.pending_requests,
             "sessions": d.sessions,
             "sessions_in_memory": r.sessions_in_memory,
+            "cached_answers": r.cached_answers,
         },
         "audit_seq": r.store.audit_seq,
         "wal_truncated": r.store.wal_truncated,
