@@ -160,6 +160,18 @@ pub fn admit(
             format!("application '{}' is no longer configured", identity.application),
         ));
     }
+    let app = app_of(cfg, &identity);
+    if let Some(a) = app.filter(|a| !a.may_use_ingress(ingress)) {
+        return Err(GatewayError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "application '{}' may not call through {} (its allowed_ingresses: {})",
+                a.name,
+                ingress.as_str(),
+                a.allowed_ingresses.iter().flatten().map(|i| i.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+        ));
+    }
     // The deprecated forms of `tools`/`tool_choice`: refused rather than
     // dropped, so a client never believes a function was offered.
     for deprecated in ["functions", "function_call"] {
@@ -178,6 +190,12 @@ pub fn admit(
     let model = cfg.models.get(&body.model).ok_or_else(|| {
         GatewayError::invalid(format!("unknown model '{}'; GET /v1/models lists the models", body.model))
     })?;
+    if let Some(a) = app.filter(|a| !a.may_use_model(&model.name)) {
+        return Err(GatewayError::new(
+            ErrorCode::PermissionDenied,
+            format!("application '{}' may not use model '{}' (see GET /v1/models)", a.name, model.name),
+        ));
+    }
     super::operation::check_model(model, &body.operation, body.idempotency_key.as_deref())?;
     if body.messages.is_empty() {
         return Err(GatewayError::invalid("'messages' must not be empty"));
@@ -211,6 +229,17 @@ pub fn admit(
                 identity.application,
                 priority.as_str(),
                 identity.max_priority.as_str()
+            ),
+        ));
+    }
+    if let Some(a) = app.filter(|a| !a.may_use_priority(priority)) {
+        return Err(GatewayError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "application '{}' may not use priority {} (its allowed_priorities: {})",
+                a.name,
+                priority.as_str(),
+                a.allowed_priorities.iter().flatten().map(|p| p.as_str()).collect::<Vec<_>>().join(", ")
             ),
         ));
     }
@@ -293,12 +322,13 @@ pub fn admit(
         total: pick(t.total_ms, cfg.timeouts.total, "total_ms")?,
     };
     let mut routing = body.routing.unwrap_or_default();
-    let app = cfg.applications.get(&identity.application);
     let data_class = data_class(cfg, &identity.tenant, app, identity.data_class, &routing);
     // Kept with the request, so a task queued again after a restart is
     // routed under the class it was admitted with.
     routing.data_class = Some(data_class);
     let mut allow_smaller_model = routing.allow_smaller_model || app.is_some_and(|a| a.allow_smaller_model);
+    // Never a smaller model the application may not name itself.
+    allow_smaller_model &= model.fallback_models.iter().all(|m| app.is_none_or(|a| a.may_use_model(m)));
     if let Some(tools) = &tools {
         if let Some(name) = disallowed_tool(app, tools) {
             return Err(GatewayError::new(

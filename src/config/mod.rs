@@ -445,6 +445,30 @@ pub struct ApplicationConfig {
     pub output_constraints: Option<String>,
     /// Prompt debug logging, off unless configured and before its end.
     pub debug_prompts: Option<DebugPrompts>,
+    /// The logical models its calls may name; `None`: any.
+    pub allowed_models: Option<Vec<String>>,
+    /// The priorities its calls may use; `None`: `max_priority` to P4.
+    pub allowed_priorities: Option<Vec<Priority>>,
+    /// The ingresses it may call through; `None`: all.
+    pub allowed_ingresses: Option<Vec<crate::task::Ingress>>,
+}
+
+impl ApplicationConfig {
+    /// Whether its calls may name logical model `model`.
+    pub fn may_use_model(&self, model: &str) -> bool {
+        self.allowed_models.as_ref().is_none_or(|m| m.iter().any(|a| a == model))
+    }
+
+    /// Whether its calls may use priority `p`: not more urgent than
+    /// `max_priority`, and in `allowed_priorities` when it has them.
+    pub fn may_use_priority(&self, p: Priority) -> bool {
+        p >= self.max_priority && self.allowed_priorities.as_ref().is_none_or(|a| a.contains(&p))
+    }
+
+    /// Whether it may call through `ingress`.
+    pub fn may_use_ingress(&self, ingress: crate::task::Ingress) -> bool {
+        self.allowed_ingresses.as_ref().is_none_or(|a| a.contains(&ingress))
+    }
 }
 
 /// `[applications.X.debug_prompts]`: the application's prompts are logged

@@ -474,6 +474,14 @@ pub struct RawApplication {
     /// Prompt debug logging (`until`, `sample_rate`), checked by hand for
     /// errors with their paths.
     pub debug_prompts: Option<toml::Value>,
+    /// The logical models its calls may name; absent: any.
+    pub allowed_models: Option<Vec<String>>,
+    /// The priorities its calls may use ("P0".."P4"); absent: any from
+    /// `max_priority` to P4.
+    pub allowed_priorities: Option<Vec<String>>,
+    /// The ingresses it may call through ("http", "ws", "mqtt", "nats");
+    /// absent: all.
+    pub allowed_ingresses: Option<Vec<String>>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -517,6 +525,9 @@ impl Default for RawApplication {
             system_prompt: None,
             output_constraints: None,
             debug_prompts: None,
+            allowed_models: None,
+            allowed_priorities: None,
+            allowed_ingresses: None,
         }
     }
 }

@@ -81,11 +81,11 @@ impl RawConfig {
         let (tenant_weights, tenant_data_class) = tenants(self.tenants, &mut p);
         let routing = routing(self.routing, &mut p);
         let auth = auth(self.auth, env, base_dir, &mut p);
-        let applications = applications(self.applications, &mut p);
+        let model_names: BTreeSet<String> = self.models.keys().cloned().collect();
+        let applications = applications(self.applications, &model_names, &mut p);
         let engine_names: BTreeSet<String> = self.engines.keys().cloned().collect();
         let allow_cloud = routing.as_ref().is_some_and(|r| r.allow_cloud);
         let engines = engines(self.engines, env, allow_cloud, base_dir, &mut p);
-        let model_names: BTreeSet<String> = self.models.keys().cloned().collect();
         let models = models(self.models, &engine_names, &model_names, default_queue_capacity, &mut p);
         super::residency::cross_check(&engines, &models, &mut p);
         let nobody_could_call = applications.is_empty() && auth.as_ref().is_some_and(|a| a.jwt.is_none());
@@ -514,13 +514,17 @@ fn jwt(j: RawJwt, env: &[(String, String)], base_dir: &Path, p: &mut Problems) -
     })
 }
 
-fn applications(raw: BTreeMap<String, RawApplication>, p: &mut Problems) -> Entries<ApplicationConfig> {
+fn applications(
+    raw: BTreeMap<String, RawApplication>,
+    models: &BTreeSet<String>,
+    p: &mut Problems,
+) -> Entries<ApplicationConfig> {
     // An API key names one application; which one it is must not depend on
     // the order of the file.
     let mut key_owner: BTreeMap<[u8; 32], String> = BTreeMap::new();
     let mut out = BTreeMap::new();
     for (name, a) in raw {
-        let app = application(&name, a, &mut key_owner, p);
+        let app = application(&name, a, models, &mut key_owner, p);
         out.insert(name, app);
     }
     out
@@ -529,6 +533,7 @@ fn applications(raw: BTreeMap<String, RawApplication>, p: &mut Problems) -> Entr
 fn application(
     name: &str,
     a: RawApplication,
+    models: &BTreeSet<String>,
     key_owner: &mut BTreeMap<[u8; 32], String>,
     p: &mut Problems,
 ) -> Option<ApplicationConfig> {
@@ -561,6 +566,44 @@ fn application(
             );
         }
     }
+    let allowed_priorities = a.allowed_priorities.map(|list| {
+        let mut out = Vec::new();
+        for (i, s) in list.iter().enumerate() {
+            match (crate::task::Priority::parse(s), max_priority) {
+                (Some(pr), Some(max)) if pr < max => p.add(
+                    format!("{path}.allowed_priorities[{i}]"),
+                    format!("{} is more urgent than max_priority {}", pr.as_str(), max.as_str()),
+                ),
+                (Some(pr), _) => out.push(pr),
+                (None, _) => p.add(format!("{path}.allowed_priorities[{i}]"), format!("must be P0..P4, not {s:?}")),
+            }
+        }
+        if list.is_empty() {
+            p.add(format!("{path}.allowed_priorities"), "must name at least one priority (or be left out)");
+        } else if let Some(d) = default_priority.filter(|d| out.len() == list.len() && !out.contains(d)) {
+            p.add(format!("{path}.default_priority"), format!("{} is not in allowed_priorities", d.as_str()));
+        }
+        out
+    });
+    for (i, m) in a.allowed_models.iter().flatten().enumerate() {
+        if !models.contains(m) {
+            p.add(format!("{path}.allowed_models[{i}]"), format!("no model named {m:?} in [models]"));
+        }
+    }
+    let allowed_ingresses = a.allowed_ingresses.map(|list| {
+        use crate::task::Ingress;
+        let mut out = Vec::new();
+        for (i, s) in list.iter().enumerate() {
+            match [Ingress::Http, Ingress::Ws, Ingress::Mqtt, Ingress::Nats].into_iter().find(|g| g.as_str() == s) {
+                Some(g) => out.push(g),
+                None => p.add(
+                    format!("{path}.allowed_ingresses[{i}]"),
+                    format!("must be \"http\", \"ws\", \"mqtt\" or \"nats\", not {s:?}"),
+                ),
+            }
+        }
+        out
+    });
     if !(a.weight > 0.0 && a.weight.is_finite()) {
         p.add(format!("{path}.weight"), "must be a positive number");
     }
@@ -605,6 +648,9 @@ fn application(
         system_prompt: a.system_prompt.filter(|t| !t.trim().is_empty()),
         output_constraints: a.output_constraints.filter(|t| !t.trim().is_empty()),
         debug_prompts: a.debug_prompts.and_then(|d| debug_prompts(&format!("{path}.debug_prompts"), &d, p)),
+        allowed_models: a.allowed_models,
+        allowed_priorities,
+        allowed_ingresses,
     })
 }
 

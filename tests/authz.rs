@@ -1,0 +1,227 @@
+//! Authorisation per application, end to end: the models, priorities and
+//! ingresses an application may use (HTTP, MQTT, NATS). A whole gateway
+//! on port 0, a
+//! fake engine, the embedded broker and a real `nats-server`; refusals are
+//! read back from the audit trail.
+
+mod common;
+mod mqtt_support;
+
+use std::time::Duration;
+
+use async_nats::{HeaderMap, StatusCode};
+use common::{chat_body, error_code, get_json, post_chat, DEMO_KEY, OPS_KEY};
+use edgeway::ingress::nats::BusState;
+use edgeway::testing::{FakeEngine, Knobs, NatsServer, TestGateway};
+use futures::StreamExt;
+use mqtt_support::{device, mqtt_toml, request, V};
+use serde_json::{json, Value};
+
+const LIMIT: Duration = Duration::from_secs(20);
+/// Application `kiosk`: general-chat only, P3/P4 only, HTTP, MQTT and NATS.
+const KIOSK_KEY: &str = "sk-authz-kiosk";
+/// Application `batch`: NATS only.
+const BATCH_KEY: &str = "sk-authz-batch";
+const KIOSK_DEVICE: (&str, &str) = ("kiosk-device", "kiosk-pass");
+
+fn digest(key: &str) -> String {
+    hex::encode(edgeway::config::hash_api_key(key))
+}
+
+/// A second model on the same engine, the three applications, the kiosk's
+/// device, the broker and the bus.
+fn authz_toml(nats_url: &str) -> String {
+    format!(
+        r#"
+[models.other-chat]
+instances = ["fake"]
+[applications.kiosk]
+tenant = "demo"
+api_key_sha256 = ["{kiosk}"]
+max_priority = "P1"
+default_priority = "P3"
+allowed_models = ["general-chat"]
+allowed_priorities = ["P3", "P4"]
+allowed_ingresses = ["http", "mqtt", "nats"]
+[applications.batch]
+tenant = "demo"
+api_key_sha256 = ["{batch}"]
+allowed_ingresses = ["nats"]
+[devices.kiosk-device]
+tenant = "demo"
+application = "kiosk"
+password_sha256 = "{device}"
+{mqtt}
+[nats]
+url = "{nats_url}"
+"#,
+        kiosk = digest(KIOSK_KEY),
+        batch = digest(BATCH_KEY),
+        device = digest(KIOSK_DEVICE.1),
+        mqtt = mqtt_toml("coalesce_ms = 0"),
+    )
+}
+
+async fn gateway() -> (FakeEngine, NatsServer, TestGateway, async_nats::Client) {
+    let nats = NatsServer::start(false).await;
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &authz_toml(&nats.url())).await;
+    gw.wait_ready().await;
+    gw.nats().wait_for(BusState::Connected).await;
+    let bus = async_nats::connect(nats.url()).await.unwrap();
+    (fake, nats, gw, bus)
+}
+
+fn chat(model: &str, priority: Option<&str>) -> Value {
+    let mut b = chat_body(false);
+    b["model"] = json!(model);
+    if let Some(p) = priority {
+        b["priority"] = json!(p);
+    }
+    b
+}
+
+/// One NATS chat call to its terminal event: (`done` or `error`, its JSON).
+async fn nats_call(bus: &async_nats::Client, headers: HeaderMap, body: &Value) -> (String, Value) {
+    let body = serde_json::to_vec(body).unwrap();
+    for _ in 0..200 {
+        let inbox = bus.new_inbox();
+        let mut sub = bus.subscribe(inbox.clone()).await.unwrap();
+        bus.publish_with_reply_and_headers("ai.v1.chat", inbox, headers.clone(), body.clone().into()).await.unwrap();
+        loop {
+            let m = tokio::time::timeout(LIMIT, sub.next()).await.expect("an answer in time").expect("open");
+            if m.status == Some(StatusCode::NO_RESPONDERS) {
+                break;
+            }
+            let kind = m.headers.as_ref().and_then(|h| h.get("Edgeway-Event")).map(|v| v.as_str().to_string());
+            if let Some(kind @ ("done" | "error")) = kind.as_deref() {
+                return (kind.to_string(), serde_json::from_slice(&m.payload).unwrap());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the edgeway service never answered");
+}
+
+fn bearer(key: &str) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert("Authorization", format!("Bearer {key}").as_str());
+    h
+}
+
+/// The demo tenant's audit records (through the admin API).
+async fn audit(gw: &TestGateway) -> Vec<Value> {
+    gw.store().flush().await;
+    let page = get_json(gw, OPS_KEY, "/admin/audit?limit=1000").await;
+    page["records"].as_array().unwrap_or_else(|| panic!("{page}")).clone()
+}
+
+async fn denied(r: reqwest::Response, names: &str) {
+    assert_eq!(r.status(), 403);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(error_code(&v), "PERMISSION_DENIED", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(names), "the message names {names:?}: {msg}");
+}
+
+#[tokio::test]
+async fn an_application_uses_only_its_models_priorities_and_ingresses_on_every_ingress() {
+    let (_fake, _nats, gw, bus) = gateway().await;
+
+    // HTTP.
+    assert_eq!(post_chat(&gw, KIOSK_KEY, &chat("general-chat", None)).await.status(), 200);
+    assert_eq!(post_chat(&gw, KIOSK_KEY, &chat("general-chat", Some("P4"))).await.status(), 200);
+    denied(post_chat(&gw, KIOSK_KEY, &chat("other-chat", None)).await, "other-chat").await;
+    denied(post_chat(&gw, KIOSK_KEY, &chat("general-chat", Some("P2"))).await, "P2").await;
+    denied(post_chat(&gw, BATCH_KEY, &chat("general-chat", None)).await, "http").await;
+    // An unknown model stays what it was.
+    let r = post_chat(&gw, KIOSK_KEY, &chat("no-such-model", None)).await;
+    assert_eq!(r.status(), 400);
+    // Other applications are not restricted by kiosk's lists.
+    assert_eq!(post_chat(&gw, DEMO_KEY, &chat("other-chat", Some("P2"))).await.status(), 200);
+
+    // GET /v1/models lists what the caller may name.
+    let ids = |v: Value| -> Vec<String> {
+        v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_string()).collect()
+    };
+    assert_eq!(ids(get_json(&gw, KIOSK_KEY, "/v1/models").await), ["general-chat"]);
+    assert_eq!(ids(get_json(&gw, DEMO_KEY, "/v1/models").await), ["general-chat", "other-chat"]);
+
+    // MQTT: the kiosk's device.
+    let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt").mqtt;
+    let mut d = device(addr, V::V5, KIOSK_DEVICE).await;
+    d.subscribe(&d.topic("res/#")).await;
+    let mut req = request("m-other");
+    req["model"] = json!("other-chat");
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let end = d.stream(&d.topic("res/m-other")).await.pop().unwrap();
+    assert_eq!((end["type"].as_str(), end["code"].as_str()), (Some("error"), Some("PERMISSION_DENIED")), "{end}");
+    assert!(end["message"].as_str().unwrap().contains("other-chat"), "{end}");
+    let mut req = request("m-p2");
+    req["priority"] = json!("P2");
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let end = d.stream(&d.topic("res/m-p2")).await.pop().unwrap();
+    assert_eq!(end["code"], "PERMISSION_DENIED", "{end}");
+    d.publish(&d.topic("req"), request("m-ok").to_string()).await;
+    assert_eq!(d.stream(&d.topic("res/m-ok")).await.pop().unwrap()["type"], "done");
+
+    // NATS.
+    let (kind, v) = nats_call(&bus, bearer(KIOSK_KEY), &chat("other-chat", None)).await;
+    assert_eq!((kind.as_str(), v["code"].as_str()), ("error", Some("PERMISSION_DENIED")), "{v}");
+    assert!(v["message"].as_str().unwrap().contains("other-chat"), "{v}");
+    let (kind, v) = nats_call(&bus, bearer(KIOSK_KEY), &chat("general-chat", Some("P1"))).await;
+    assert_eq!((kind.as_str(), v["code"].as_str()), ("error", Some("PERMISSION_DENIED")), "{v}");
+    assert_eq!(nats_call(&bus, bearer(BATCH_KEY), &chat("general-chat", None)).await.0, "done");
+    assert_eq!(nats_call(&bus, bearer(KIOSK_KEY), &chat("general-chat", None)).await.0, "done");
+
+    // Every refusal is a REJECTED audit record with its code.
+    let records = audit(&gw).await;
+    let denials: Vec<(String, String)> = records
+        .iter()
+        .filter(|r| r["error_code"] == "PERMISSION_DENIED")
+        .map(|r| {
+            assert_eq!(r["result"], "REJECTED", "{r}");
+            (r["application"].as_str().unwrap().to_string(), r["ingress"].as_str().unwrap().to_string())
+        })
+        .collect();
+    let want: Vec<(String, String)> = [
+        ("kiosk", "http"),
+        ("kiosk", "http"),
+        ("batch", "http"),
+        ("kiosk", "mqtt"),
+        ("kiosk", "mqtt"),
+        ("kiosk", "nats"),
+        ("kiosk", "nats"),
+    ]
+    .iter()
+    .map(|(a, i)| (a.to_string(), i.to_string()))
+    .collect();
+    assert_eq!(denials, want);
+    gw.stop().await;
+}
+
+#[test]
+fn authorisation_keys_are_validated_with_their_paths() {
+    let base = |app: &str| {
+        format!(
+            "[engines.e]\ntype = \"openai\"\nbase_url = \"http://127.0.0.1:1\"\nmodel = \"m\"\n\
+             [models.general-chat]\ninstances = [\"e\"]\n[applications.a]\ntenant = \"t\"\n{app}"
+        )
+    };
+    let err = |app: &str| {
+        edgeway::config::Config::from_toml_str(&base(app), std::iter::empty(), std::path::Path::new("."))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let e = err("allowed_models = [\"nope\"]\n");
+    assert!(e.contains("applications.a.allowed_models[0]") && e.contains("nope"), "{e}");
+    let e = err("allowed_priorities = [\"P0\"]\nmax_priority = \"P1\"\n");
+    assert!(e.contains("applications.a.allowed_priorities[0]"), "{e}");
+    let e = err("allowed_priorities = [\"P3\"]\ndefault_priority = \"P2\"\n");
+    assert!(e.contains("applications.a.default_priority") && e.contains("allowed_priorities"), "{e}");
+    let e = err("allowed_priorities = [\"P9\"]\n");
+    assert!(e.contains("applications.a.allowed_priorities[0]"), "{e}");
+    let e = err("allowed_ingresses = [\"smtp\"]\n");
+    assert!(e.contains("applications.a.allowed_ingresses[0]") && e.contains("smtp"), "{e}");
+}
