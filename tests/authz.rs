@@ -1,6 +1,6 @@
 //! Authorisation per application, end to end: the models, priorities and
-//! ingresses an application may use (HTTP, MQTT, NATS). A whole gateway
-//! on port 0, a
+//! ingresses an application may use (HTTP, MQTT, NATS), and the user a
+//! trusted header names. A whole gateway on port 0, a
 //! fake engine, the embedded broker and a real `nats-server`; refusals are
 //! read back from the audit trail.
 
@@ -10,7 +10,7 @@ mod mqtt_support;
 use std::time::Duration;
 
 use async_nats::{HeaderMap, StatusCode};
-use common::{chat_body, error_code, get_json, post_chat, DEMO_KEY, OPS_KEY};
+use common::{chat_body, client, error_code, get_json, post_chat, DEMO_KEY, OPS_KEY};
 use edgeway::ingress::nats::BusState;
 use edgeway::testing::{FakeEngine, Knobs, NatsServer, TestGateway};
 use futures::StreamExt;
@@ -22,6 +22,8 @@ const LIMIT: Duration = Duration::from_secs(20);
 const KIOSK_KEY: &str = "sk-authz-kiosk";
 /// Application `batch`: NATS only.
 const BATCH_KEY: &str = "sk-authz-batch";
+/// Application `portal`: behind a proxy that names the user in `x-user-id`.
+const PORTAL_KEY: &str = "sk-authz-portal";
 const KIOSK_DEVICE: (&str, &str) = ("kiosk-device", "kiosk-pass");
 
 fn digest(key: &str) -> String {
@@ -47,6 +49,10 @@ allowed_ingresses = ["http", "mqtt", "nats"]
 tenant = "demo"
 api_key_sha256 = ["{batch}"]
 allowed_ingresses = ["nats"]
+[applications.portal]
+tenant = "demo"
+api_key_sha256 = ["{portal}"]
+user_header = "X-User-Id"
 [devices.kiosk-device]
 tenant = "demo"
 application = "kiosk"
@@ -57,6 +63,7 @@ url = "{nats_url}"
 "#,
         kiosk = digest(KIOSK_KEY),
         batch = digest(BATCH_KEY),
+        portal = digest(PORTAL_KEY),
         device = digest(KIOSK_DEVICE.1),
         mqtt = mqtt_toml("coalesce_ms = 0"),
     )
@@ -200,6 +207,57 @@ async fn an_application_uses_only_its_models_priorities_and_ingresses_on_every_i
     gw.stop().await;
 }
 
+/// The user of a call of `key` with `headers` and a body that declares
+/// `body_user`, as its audit record has it (`None`: refused, with the
+/// error JSON).
+async fn user_of(gw: &TestGateway, key: &str, headers: &[(&str, &str)], body_user: &str) -> Result<Value, Value> {
+    let mut b = chat_body(false);
+    b["user"] = json!(body_user);
+    let mut rb = client().post(format!("{}/v1/chat/completions", gw.base_url)).bearer_auth(key).json(&b);
+    for (k, v) in headers {
+        rb = rb.header(*k, *v);
+    }
+    let r = rb.send().await.unwrap();
+    if r.status() != 200 {
+        return Err(r.json().await.unwrap());
+    }
+    let task = r.headers()["x-task-id"].to_str().unwrap().to_string();
+    let records = audit(gw).await;
+    let rec = records.iter().find(|r| r["task_id"] == task.as_str()).expect("the call's record");
+    Ok(rec["user_id"].clone())
+}
+
+#[tokio::test]
+async fn a_trusted_header_names_the_user_for_its_applications_keys_and_the_body_is_then_ignored() {
+    let (_fake, _nats, gw, bus) = gateway().await;
+    // The proxy's header wins; the body's `user` is the caller's and is ignored.
+    assert_eq!(user_of(&gw, PORTAL_KEY, &[("x-user-id", "alice")], "mallory").await, Ok(json!("alice")));
+    // Without the header: no user, still not the body's.
+    assert_eq!(user_of(&gw, PORTAL_KEY, &[], "mallory").await, Ok(Value::Null));
+    // Another application's keys: the header means nothing, the body names the user.
+    assert_eq!(user_of(&gw, DEMO_KEY, &[("x-user-id", "bob")], "carol").await, Ok(json!("carol")));
+    // A header user is bounded like a declared one.
+    let long = "u".repeat(129);
+    for bad in [long.as_str(), "tab\there", "edgeway:summary"] {
+        let e = user_of(&gw, PORTAL_KEY, &[("x-user-id", bad)], "mallory").await.unwrap_err();
+        assert_eq!(error_code(&e), "INVALID_REQUEST", "{bad:?}: {e}");
+        assert!(e["error"]["message"].as_str().unwrap().contains("x-user-id"), "{e}");
+    }
+    // NATS headers too.
+    let mut h = bearer(PORTAL_KEY);
+    h.insert("X-User-Id", "nats-user");
+    let mut body = chat_body(false);
+    body["user"] = json!("mallory");
+    let (kind, done) = nats_call(&bus, h, &body).await;
+    assert_eq!(kind, "done", "{done}");
+    let task = done["result"]["task_id"].as_str().unwrap();
+    let records = audit(&gw).await;
+    assert_eq!(records.iter().find(|r| r["task_id"] == task).unwrap()["user_id"], "nats-user");
+    // The refused calls' records hold no user id they were refused for.
+    assert!(records.iter().all(|r| r["user_id"] != long.as_str() && r["user_id"] != "tab\there"));
+    gw.stop().await;
+}
+
 #[test]
 fn authorisation_keys_are_validated_with_their_paths() {
     let base = |app: &str| {
@@ -224,4 +282,8 @@ fn authorisation_keys_are_validated_with_their_paths() {
     assert!(e.contains("applications.a.allowed_priorities[0]"), "{e}");
     let e = err("allowed_ingresses = [\"smtp\"]\n");
     assert!(e.contains("applications.a.allowed_ingresses[0]") && e.contains("smtp"), "{e}");
+    let e = err("user_header = \"authorization\"\n");
+    assert!(e.contains("applications.a.user_header"), "{e}");
+    let e = err("user_header = \"x user\"\n");
+    assert!(e.contains("applications.a.user_header"), "{e}");
 }

@@ -233,6 +233,12 @@ impl Authenticator {
         self.revoked.write().expect("revoked keys").remove(digest)
     }
 
+    /// Whether `digest` is one of the API keys (not a token id) of
+    /// application `app`: a `user_header` is honoured for those only.
+    pub fn is_key_of(&self, digest: &[u8; 32], app: &str) -> bool {
+        self.creds().by_key.get(digest).is_some_and(|a| a.name == app)
+    }
+
     /// The application a key digest belongs to.
     pub fn key_owner(&self, digest: &[u8; 32]) -> Option<(String, String)> {
         self.creds().by_key.get(digest).map(|a| (a.tenant.clone(), a.name.clone()))

@@ -125,7 +125,7 @@ pub fn data_class(
 
 const MAX_USER_ID_LEN: usize = 128;
 
-fn check_user_id(field: &str, u: &str) -> Result<(), GatewayError> {
+pub fn check_user_id(field: &str, u: &str) -> Result<(), GatewayError> {
     if u.is_empty() || u.len() > MAX_USER_ID_LEN || u.chars().any(char::is_control) {
         return Err(GatewayError::invalid(format!(
             "'{field}' must be 1..{MAX_USER_ID_LEN} bytes without control characters"
@@ -352,7 +352,10 @@ pub fn admit(
 
     let mut metadata = body.metadata.unwrap_or_default();
     let mut identity = identity;
-    if identity.user_id.is_none() {
+    // With a `user_header`, the proxy in front names the user (the gateway
+    // set it from the header); the body's fields are the caller's and are
+    // ignored, as they are when the credential (a JWT `sub`) names one.
+    if identity.user_id.is_none() && app.is_none_or(|a| a.user_header.is_none()) {
         // A caller-declared user id keys per-user limits and is stored with
         // every task: bounded, and nothing a log line could be split by.
         let declared = metadata.get("user_id").and_then(Value::as_str).map(|u| ("metadata.user_id", u.to_string()));

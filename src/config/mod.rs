@@ -315,6 +315,9 @@ pub struct SchedulerConfig {
     pub idempotency_ttl: Duration,
     /// P0 work may preempt preemptible P3/P4 tasks.
     pub preemption: bool,
+    /// Users whose per-user rate buckets are kept at once (callers may
+    /// name users freely); past it those closest to full are forgotten.
+    pub max_tracked_users: usize,
 }
 
 /// `[routing]`: data policy, retries, breakers and degradation.
@@ -451,6 +454,10 @@ pub struct ApplicationConfig {
     pub allowed_priorities: Option<Vec<Priority>>,
     /// The ingresses it may call through; `None`: all.
     pub allowed_ingresses: Option<Vec<crate::task::Ingress>>,
+    /// The request header (lowercase) that names the end user for its API
+    /// keys (a trusted proxy sets it); the body's user fields are then
+    /// ignored.
+    pub user_header: Option<String>,
 }
 
 impl ApplicationConfig {

@@ -336,6 +336,9 @@ pub struct RawScheduler {
     /// A P0 task that finds no free slot may stop a P3/P4 task that is safe
     /// to restart and take its slot (see `applications.*.preemptible`).
     pub preemption: bool,
+    /// Users whose per-user rate buckets are kept at once; past it those
+    /// closest to full are forgotten.
+    pub max_tracked_users: usize,
 }
 
 impl Default for RawScheduler {
@@ -352,6 +355,7 @@ impl Default for RawScheduler {
             overload_max_output_tokens: 128,
             idempotency_ttl_seconds: 86_400,
             preemption: true,
+            max_tracked_users: 100_000,
         }
     }
 }
@@ -482,6 +486,10 @@ pub struct RawApplication {
     /// The ingresses it may call through ("http", "ws", "mqtt", "nats");
     /// absent: all.
     pub allowed_ingresses: Option<Vec<String>>,
+    /// A request header (HTTP, NATS) that names the end user, set by a
+    /// trusted proxy in front of the application: honoured for its API
+    /// keys, and the body's user fields are then ignored.
+    pub user_header: Option<String>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -528,6 +536,7 @@ impl Default for RawApplication {
             allowed_models: None,
             allowed_priorities: None,
             allowed_ingresses: None,
+            user_header: None,
         }
     }
 }

@@ -349,6 +349,9 @@ fn scheduler(s: RawScheduler, p: &mut Problems) -> SchedulerConfig {
     if s.queue_capacity == 0 {
         p.add("scheduler.queue_capacity", "must be at least 1");
     }
+    if s.max_tracked_users < 100 {
+        p.add("scheduler.max_tracked_users", "must be at least 100");
+    }
     SchedulerConfig {
         queue_capacity: s.queue_capacity,
         busy_retry_after_ms: s.busy_retry_after_ms,
@@ -361,6 +364,7 @@ fn scheduler(s: RawScheduler, p: &mut Problems) -> SchedulerConfig {
         overload_max_output_tokens: s.overload_max_output_tokens,
         idempotency_ttl: Duration::from_secs(s.idempotency_ttl_seconds),
         preemption: s.preemption,
+        max_tracked_users: s.max_tracked_users,
     }
 }
 
@@ -604,6 +608,17 @@ fn application(
         }
         out
     });
+    let user_header = a.user_header.map(|h| h.trim().to_ascii_lowercase());
+    if let Some(h) = &user_header {
+        // A header that carries the credential or the body's framing is
+        // the caller's, not the proxy's.
+        let reserved = ["authorization", "x-api-key", "cookie", "host", "content-type", "content-length"];
+        if h.is_empty() || h.len() > 64 || !h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+            p.add(format!("{path}.user_header"), "must be a header name: 1..64 characters of a-z 0-9 -");
+        } else if reserved.contains(&h.as_str()) {
+            p.add(format!("{path}.user_header"), format!("{h:?} is not a header a proxy sets for the user"));
+        }
+    }
     if !(a.weight > 0.0 && a.weight.is_finite()) {
         p.add(format!("{path}.weight"), "must be a positive number");
     }
@@ -651,6 +666,7 @@ fn application(
         allowed_models: a.allowed_models,
         allowed_priorities,
         allowed_ingresses,
+        user_header,
     })
 }
 

@@ -311,7 +311,9 @@ pub async fn create(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     // Who is calling comes before what the body says, as for chat.
-    let identity = gw.authenticate(cred.as_deref()).map_err(|e| gw.refused(Ingress::Http, e))?;
+    let identity = gw
+        .authenticate_with(cred.as_deref(), &super::caller::request_headers(&headers))
+        .map_err(|e| gw.refused(Ingress::Http, e))?;
     let (mut chat, stream, echo) = to_chat(&body).map_err(|e| gw.refused(Ingress::Http, e))?;
     let (conversation, chain) = continue_from(&gw, &identity, &mut chat, &echo).await?;
     let chat = serde_json::to_vec(&chat).map_err(|e| GatewayError::internal(e.to_string()))?;
