@@ -1,6 +1,6 @@
 //! Authorisation per application, end to end: the models, priorities and
-//! ingresses an application may use (HTTP, MQTT, NATS), and the user a
-//! trusted header names. A whole gateway on port 0, a
+//! ingresses an application may use (HTTP, MQTT, NATS), the user a trusted
+//! header names, and API keys that expire. A whole gateway on port 0, a
 //! fake engine, the embedded broker and a real `nats-server`; refusals are
 //! read back from the audit trail.
 
@@ -258,6 +258,65 @@ async fn a_trusted_header_names_the_user_for_its_applications_keys_and_the_body_
     gw.stop().await;
 }
 
+/// Unix ms as a TOML date-time in UTC (days to a civil date: H. Hinnant).
+fn utc(ms: i64) -> String {
+    let (days, secs) = (ms.div_euclid(86_400_000), ms.rem_euclid(86_400_000) / 1000);
+    let z = days + 719_468;
+    let (era, doe) = (z.div_euclid(146_097), z.rem_euclid(146_097));
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let (d, m) = (doy - (153 * mp + 2) / 5 + 1, if mp < 10 { mp + 3 } else { mp - 9 });
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", secs / 3600, secs % 3600 / 60, secs % 60)
+}
+
+#[tokio::test]
+async fn a_key_with_an_expiry_is_refused_from_then_on_and_says_so() {
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    // Far enough ahead for the gateway to start on a loaded machine.
+    let soon = edgeway::task::now_ms() + 8000;
+    let extra = format!(
+        r#"
+[applications.temp]
+tenant = "demo"
+api_keys = [
+  {{ sha256 = "{}", expires = 2020-01-01T00:00:00Z }},
+  {{ sha256 = "{}", expires = 2099-01-01T00:00:00Z }},
+  {{ sha256 = "{}", expires = {} }},
+]
+api_key_sha256 = ["{}"]
+"#,
+        digest("sk-expired"),
+        digest("sk-valid"),
+        digest("sk-soon"),
+        // Whole seconds: a TOML date-time's fraction is read to the ms, but
+        // the message shows seconds.
+        utc((soon / 1000 + 1) * 1000),
+        digest("sk-plain"),
+    );
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &extra).await;
+    gw.wait_ready().await;
+    let r = post_chat(&gw, "sk-expired", &chat_body(false)).await;
+    assert_eq!(r.status(), 401);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(error_code(&v), "AUTH_FAILED");
+    assert_eq!(v["error"]["message"], "this API key expired at 2020-01-01T00:00:00Z");
+    for key in ["sk-valid", "sk-plain", "sk-soon"] {
+        assert_eq!(post_chat(&gw, key, &chat_body(false)).await.status(), 200, "{key}");
+    }
+    // Checked on every request, not only at load: once its time has come,
+    // the same key is refused. (The clock is what is waited for.)
+    let wait = (soon / 1000 + 1) * 1000 - edgeway::task::now_ms() + 50;
+    tokio::time::sleep(Duration::from_millis(wait.max(0) as u64)).await;
+    let r = post_chat(&gw, "sk-soon", &chat_body(false)).await;
+    assert_eq!(r.status(), 401);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().starts_with("this API key expired at "), "{v}");
+    assert_eq!(post_chat(&gw, "sk-valid", &chat_body(false)).await.status(), 200);
+    gw.stop().await;
+}
+
 #[test]
 fn authorisation_keys_are_validated_with_their_paths() {
     let base = |app: &str| {
@@ -286,4 +345,15 @@ fn authorisation_keys_are_validated_with_their_paths() {
     assert!(e.contains("applications.a.user_header"), "{e}");
     let e = err("user_header = \"x user\"\n");
     assert!(e.contains("applications.a.user_header"), "{e}");
+    let e = err("api_keys = [{ sha256 = \"zz\", expires = 2027-01-01T00:00:00Z }]\n");
+    assert!(e.contains("applications.a.api_keys[0].sha256"), "{e}");
+    let e = err(&format!("api_keys = [{{ sha256 = \"{}\", expires = \"soon\" }}]\n", digest("k")));
+    assert!(e.contains("applications.a.api_keys[0].expires"), "{e}");
+    let e = err(&format!("api_keys = [{{ sha256 = \"{}\", expires = 2027-01-01T00:00:00Z, x = 1 }}]\n", digest("k")));
+    assert!(e.contains("applications.a.api_keys[0].x"), "{e}");
+    let e = err(&format!(
+        "api_key_sha256 = [\"{0}\"]\napi_keys = [{{ sha256 = \"{0}\", expires = 2027-01-01T00:00:00Z }}]\n",
+        digest("k")
+    ));
+    assert!(e.contains("applications.a.api_keys[0]") && e.contains("also used"), "{e}");
 }

@@ -458,6 +458,8 @@ pub struct ApplicationConfig {
     /// keys (a trusted proxy sets it); the body's user fields are then
     /// ignored.
     pub user_header: Option<String>,
+    /// When each of its keys that has an expiry expires (Unix ms).
+    pub key_expires_ms: BTreeMap<[u8; 32], i64>,
 }
 
 impl ApplicationConfig {

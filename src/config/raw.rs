@@ -490,6 +490,9 @@ pub struct RawApplication {
     /// trusted proxy in front of the application: honoured for its API
     /// keys, and the body's user fields are then ignored.
     pub user_header: Option<String>,
+    /// API keys with an expiry, `{ sha256 = "…", expires = <date-time> }`,
+    /// beside `api_key_sha256`; checked by hand for errors with their paths.
+    pub api_keys: Vec<toml::Value>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -537,6 +540,7 @@ impl Default for RawApplication {
             allowed_priorities: None,
             allowed_ingresses: None,
             user_header: None,
+            api_keys: Vec::new(),
         }
     }
 }

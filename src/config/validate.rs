@@ -560,6 +560,16 @@ fn application(
         }
         keys.push(digest);
     }
+    let mut key_expires_ms = BTreeMap::new();
+    for (i, k) in a.api_keys.iter().enumerate() {
+        if let Some((digest, expires)) = expiring_key(&format!("{path}.api_keys[{i}]"), k, p) {
+            if let Some(other) = key_owner.insert(digest, name.to_string()) {
+                p.add(format!("{path}.api_keys[{i}]"), format!("the same key is also used by application {other}"));
+            }
+            keys.push(digest);
+            key_expires_ms.insert(digest, expires);
+        }
+    }
     let max_priority = a.max_priority.get(&format!("{path}.max_priority"), p).map(|n| n.0);
     let default_priority = a.default_priority.get(&format!("{path}.default_priority"), p).map(|n| n.0);
     if let (Some(max), Some(default)) = (max_priority, default_priority) {
@@ -667,7 +677,40 @@ fn application(
         allowed_priorities,
         allowed_ingresses,
         user_header,
+        key_expires_ms,
     })
+}
+
+/// One of `applications.*.api_keys`: `{ sha256 = "<hex>", expires =
+/// <TOML date-time with offset> }`; the digest and the expiry (Unix ms).
+fn expiring_key(path: &str, v: &toml::Value, p: &mut Problems) -> Option<([u8; 32], i64)> {
+    let Some(t) = v.as_table() else {
+        p.add(path, "must be a table { sha256 = \"<hex>\", expires = 2027-01-01T00:00:00Z }");
+        return None;
+    };
+    for k in t.keys().filter(|k| !matches!(k.as_str(), "sha256" | "expires")) {
+        p.add(format!("{path}.{k}"), "unknown key (expected 'sha256' or 'expires')");
+    }
+    let digest = t.get("sha256").and_then(toml::Value::as_str).and_then(sha256_hex);
+    if digest.is_none() {
+        p.add(
+            format!("{path}.sha256"),
+            "must be a SHA-256 digest in hex (64 characters); `edgeway hash-key KEY` prints one",
+        );
+    }
+    // As `debug_prompts.until`: a date-time, or its text (serde may hand
+    // it on in its private wrapper).
+    let expires = t.get("expires").and_then(|u| match u {
+        toml::Value::Datetime(d) => Some(*d),
+        toml::Value::String(s) => s.parse().ok(),
+        toml::Value::Table(t) if t.len() == 1 => t.values().next().and_then(|v| v.as_str()?.parse().ok()),
+        _ => None,
+    });
+    let expires = expires.as_ref().and_then(datetime_ms);
+    if expires.is_none() {
+        p.add(format!("{path}.expires"), "must be a TOML date-time with an offset, e.g. 2027-01-01T00:00:00Z");
+    }
+    Some((digest?, expires?))
 }
 
 /// `applications.*.debug_prompts`: `until` (a TOML date-time with its
