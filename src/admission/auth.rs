@@ -2,7 +2,14 @@
 //! never logged) and JWT bearer tokens (HS256 / RS256, with expiry and
 //! not-before checked, and issuer and audience required and checked when
 //! configured), and revocation of either (keys by digest, tokens by their
-//! `jti` within a tenant, see [`jwt_id_digest`]).
+//! `jti` within a tenant, see [`jwt_id_digest`]). Keys of
+//! `applications.*.api_keys` carry an expiry, checked on every use (a
+//! warning is logged at load for keys that expire within
+//! [`EXPIRY_WARNING_MS`]).
+//!
+//! Does not own: what an identity may do (its models, priorities and
+//! ingresses: [`super::request`]), nor the user a trusted header names
+//! (the gateway reads the header, admission checks it).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -38,6 +45,26 @@ struct JwtVerifier {
     cfg: JwtConfig,
     hs: Option<DecodingKey>,
     rs: Option<DecodingKey>,
+}
+
+/// How long before a key's expiry a warning is logged (at load and reload).
+pub const EXPIRY_WARNING_MS: i64 = 7 * 24 * 3600 * 1000;
+
+/// `ms` (Unix ms, UTC) as `YYYY-MM-DDTHH:MM:SSZ`.
+pub fn utc_text(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // H. Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 fn auth_failed(msg: &str) -> GatewayError {
@@ -78,7 +105,18 @@ impl Credentials {
     fn new(cfg: &Config) -> Credentials {
         let mut by_key = HashMap::new();
         let mut by_name = HashMap::new();
+        let now = crate::task::now_ms();
         for app in cfg.applications.values() {
+            for (digest, &at) in &app.key_expires_ms {
+                // The digest's first 16 hex digits, as the audit's key id:
+                // enough to find the key, not the key.
+                let key_id = &hex::encode(digest)[..16];
+                if at <= now {
+                    tracing::warn!(application = %app.name, key_id, expired = %utc_text(at), "an API key has expired");
+                } else if at - now <= EXPIRY_WARNING_MS {
+                    tracing::warn!(application = %app.name, key_id, expires = %utc_text(at), "an API key expires soon");
+                }
+            }
             let app = Arc::new(app.clone());
             for k in &app.api_key_sha256 {
                 by_key.insert(*k, app.clone());
@@ -119,6 +157,9 @@ impl Authenticator {
         }
         let creds = self.creds();
         if let Some(app) = creds.by_key.get(&digest) {
+            if let Some(&at) = app.key_expires_ms.get(&digest).filter(|&&at| crate::task::now_ms() >= at) {
+                return Err(auth_failed(&format!("this API key expired at {}", utc_text(at))));
+            }
             return Ok(identity(app, None, Some(digest)));
         }
         if cred.matches('.').count() == 2 {
@@ -233,9 +274,24 @@ impl Authenticator {
         self.revoked.write().expect("revoked keys").remove(digest)
     }
 
+    /// Whether `digest` is one of the API keys (not a token id) of
+    /// application `app`: a `user_header` is honoured for those only.
+    pub fn is_key_of(&self, digest: &[u8; 32], app: &str) -> bool {
+        self.creds().by_key.get(digest).is_some_and(|a| a.name == app)
+    }
+
     /// The application a key digest belongs to.
     pub fn key_owner(&self, digest: &[u8; 32]) -> Option<(String, String)> {
         self.creds().by_key.get(digest).map(|a| (a.tenant.clone(), a.name.clone()))
+    }
+
+    /// [`Authenticator::key_owner`] while the key is in force: `None` once
+    /// it has expired (a connection opened with it ends then).
+    pub fn key_owner_in_force(&self, digest: &[u8; 32]) -> Option<(String, String)> {
+        let creds = self.creds();
+        let app = creds.by_key.get(digest)?;
+        let expired = app.key_expires_ms.get(digest).is_some_and(|&at| crate::task::now_ms() >= at);
+        (!expired).then(|| (app.tenant.clone(), app.name.clone()))
     }
 }
 
@@ -300,6 +356,13 @@ instances = ["e"]
 
     fn code(r: Result<Identity, GatewayError>) -> ErrorCode {
         r.unwrap_err().code
+    }
+
+    #[test]
+    fn utc_text_writes_calendar_dates() {
+        assert_eq!(utc_text(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc_text(1_798_761_600_000), "2027-01-01T00:00:00Z");
+        assert_eq!(utc_text(951_782_400_000 + 3_723_000), "2000-02-29T01:02:03Z");
     }
 
     #[test]

@@ -125,7 +125,7 @@ pub fn data_class(
 
 const MAX_USER_ID_LEN: usize = 128;
 
-fn check_user_id(field: &str, u: &str) -> Result<(), GatewayError> {
+pub fn check_user_id(field: &str, u: &str) -> Result<(), GatewayError> {
     if u.is_empty() || u.len() > MAX_USER_ID_LEN || u.chars().any(char::is_control) {
         return Err(GatewayError::invalid(format!(
             "'{field}' must be 1..{MAX_USER_ID_LEN} bytes without control characters"
@@ -160,6 +160,18 @@ pub fn admit(
             format!("application '{}' is no longer configured", identity.application),
         ));
     }
+    let app = app_of(cfg, &identity);
+    if let Some(a) = app.filter(|a| !a.may_use_ingress(ingress)) {
+        return Err(GatewayError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "application '{}' may not call through {} (its allowed_ingresses: {})",
+                a.name,
+                ingress.as_str(),
+                a.allowed_ingresses.iter().flatten().map(|i| i.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+        ));
+    }
     // The deprecated forms of `tools`/`tool_choice`: refused rather than
     // dropped, so a client never believes a function was offered.
     for deprecated in ["functions", "function_call"] {
@@ -178,6 +190,12 @@ pub fn admit(
     let model = cfg.models.get(&body.model).ok_or_else(|| {
         GatewayError::invalid(format!("unknown model '{}'; GET /v1/models lists the models", body.model))
     })?;
+    if let Some(a) = app.filter(|a| !a.may_use_model(&model.name)) {
+        return Err(GatewayError::new(
+            ErrorCode::PermissionDenied,
+            format!("application '{}' may not use model '{}' (see GET /v1/models)", a.name, model.name),
+        ));
+    }
     super::operation::check_model(model, &body.operation, body.idempotency_key.as_deref())?;
     if body.messages.is_empty() {
         return Err(GatewayError::invalid("'messages' must not be empty"));
@@ -211,6 +229,17 @@ pub fn admit(
                 identity.application,
                 priority.as_str(),
                 identity.max_priority.as_str()
+            ),
+        ));
+    }
+    if let Some(a) = app.filter(|a| !a.may_use_priority(priority)) {
+        return Err(GatewayError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "application '{}' may not use priority {} (its allowed_priorities: {})",
+                a.name,
+                priority.as_str(),
+                a.allowed_priorities.iter().flatten().map(|p| p.as_str()).collect::<Vec<_>>().join(", ")
             ),
         ));
     }
@@ -302,12 +331,13 @@ pub fn admit(
         total: pick(t.total_ms, cfg.timeouts.total, "total_ms")?,
     };
     let mut routing = body.routing.unwrap_or_default();
-    let app = cfg.applications.get(&identity.application);
     let data_class = data_class(cfg, &identity.tenant, app, identity.data_class, &routing);
     // Kept with the request, so a task queued again after a restart is
     // routed under the class it was admitted with.
     routing.data_class = Some(data_class);
     let mut allow_smaller_model = routing.allow_smaller_model || app.is_some_and(|a| a.allow_smaller_model);
+    // Never a smaller model the application may not name itself.
+    allow_smaller_model &= model.fallback_models.iter().all(|m| app.is_none_or(|a| a.may_use_model(m)));
     if let Some(tools) = &tools {
         if let Some(name) = disallowed_tool(app, tools) {
             return Err(GatewayError::new(
@@ -331,7 +361,10 @@ pub fn admit(
 
     let mut metadata = body.metadata.unwrap_or_default();
     let mut identity = identity;
-    if identity.user_id.is_none() {
+    // With a `user_header`, the proxy in front names the user (the gateway
+    // set it from the header); the body's fields are the caller's and are
+    // ignored, as they are when the credential (a JWT `sub`) names one.
+    if identity.user_id.is_none() && app.is_none_or(|a| a.user_header.is_none()) {
         // A caller-declared user id keys per-user limits and is stored with
         // every task: bounded, and nothing a log line could be split by.
         let declared = metadata.get("user_id").and_then(Value::as_str).map(|u| ("metadata.user_id", u.to_string()));

@@ -352,6 +352,9 @@ pub struct SchedulerConfig {
     pub idempotency_ttl: Duration,
     /// P0 work may preempt preemptible P3/P4 tasks.
     pub preemption: bool,
+    /// Users whose per-user rate buckets are kept at once (callers may
+    /// name users freely); past it those closest to full are forgotten.
+    pub max_tracked_users: usize,
 }
 
 /// `[routing]`: data policy, retries, breakers and degradation.
@@ -491,6 +494,18 @@ pub struct ApplicationConfig {
     /// Its calls may be answered from the response cache (`cache`, default
     /// true; `[cache] enabled` decides for all).
     pub cache: bool,
+    /// The logical models its calls may name; `None`: any.
+    pub allowed_models: Option<Vec<String>>,
+    /// The priorities its calls may use; `None`: `max_priority` to P4.
+    pub allowed_priorities: Option<Vec<Priority>>,
+    /// The ingresses it may call through; `None`: all.
+    pub allowed_ingresses: Option<Vec<crate::task::Ingress>>,
+    /// The request header (lowercase) that names the end user for its API
+    /// keys (a trusted proxy sets it); the body's user fields are then
+    /// ignored.
+    pub user_header: Option<String>,
+    /// When each of its keys that has an expiry expires (Unix ms).
+    pub key_expires_ms: BTreeMap<[u8; 32], i64>,
 }
 
 /// `context_policy` (an application's default, a request's own; the
@@ -558,6 +573,24 @@ impl Price {
     /// The cost of a call that used `input` and `output` tokens.
     pub fn cost(&self, input: u32, output: u32) -> f64 {
         (f64::from(input) * self.input_per_mtok + f64::from(output) * self.output_per_mtok) / 1_000_000.0
+    }
+}
+
+impl ApplicationConfig {
+    /// Whether its calls may name logical model `model`.
+    pub fn may_use_model(&self, model: &str) -> bool {
+        self.allowed_models.as_ref().is_none_or(|m| m.iter().any(|a| a == model))
+    }
+
+    /// Whether its calls may use priority `p`: not more urgent than
+    /// `max_priority`, and in `allowed_priorities` when it has them.
+    pub fn may_use_priority(&self, p: Priority) -> bool {
+        p >= self.max_priority && self.allowed_priorities.as_ref().is_none_or(|a| a.contains(&p))
+    }
+
+    /// Whether it may call through `ingress`.
+    pub fn may_use_ingress(&self, ingress: crate::task::Ingress) -> bool {
+        self.allowed_ingresses.as_ref().is_none_or(|a| a.contains(&ingress))
     }
 }
 

@@ -364,6 +364,9 @@ pub struct RawScheduler {
     /// A P0 task that finds no free slot may stop a P3/P4 task that is safe
     /// to restart and take its slot (see `applications.*.preemptible`).
     pub preemption: bool,
+    /// Users whose per-user rate buckets are kept at once; past it those
+    /// closest to full are forgotten.
+    pub max_tracked_users: usize,
 }
 
 impl Default for RawScheduler {
@@ -380,6 +383,7 @@ impl Default for RawScheduler {
             overload_max_output_tokens: 128,
             idempotency_ttl_seconds: 86_400,
             preemption: true,
+            max_tracked_users: 100_000,
         }
     }
 }
@@ -522,6 +526,21 @@ pub struct RawApplication {
     pub budget: Option<RawBudget>,
     /// Its calls may be answered from the response cache (`[cache]`).
     pub cache: bool,
+    /// The logical models its calls may name; absent: any.
+    pub allowed_models: Option<Vec<String>>,
+    /// The priorities its calls may use ("P0".."P4"); absent: any from
+    /// `max_priority` to P4.
+    pub allowed_priorities: Option<Vec<String>>,
+    /// The ingresses it may call through ("http", "ws", "mqtt", "nats");
+    /// absent: all.
+    pub allowed_ingresses: Option<Vec<String>>,
+    /// A request header (HTTP, NATS) that names the end user, set by a
+    /// trusted proxy in front of the application: honoured for its API
+    /// keys, and the body's user fields are then ignored.
+    pub user_header: Option<String>,
+    /// API keys with an expiry, `{ sha256 = "…", expires = <date-time> }`,
+    /// beside `api_key_sha256`; checked by hand for errors with their paths.
+    pub api_keys: Vec<toml::Value>,
 }
 
 /// `applications.*.preemptible`: the most urgent priority of the
@@ -568,6 +587,11 @@ impl Default for RawApplication {
             context_policy: None,
             budget: None,
             cache: true,
+            allowed_models: None,
+            allowed_priorities: None,
+            allowed_ingresses: None,
+            user_header: None,
+            api_keys: Vec::new(),
         }
     }
 }

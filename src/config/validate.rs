@@ -81,11 +81,11 @@ impl RawConfig {
         let (tenant_weights, tenant_data_class, tenant_budgets) = tenants(self.tenants, &mut p);
         let routing = routing(self.routing, &mut p);
         let auth = auth(self.auth, env, base_dir, &mut p);
-        let applications = applications(self.applications, &mut p);
+        let model_names: BTreeSet<String> = self.models.keys().cloned().collect();
+        let applications = applications(self.applications, &model_names, &mut p);
         let engine_names: BTreeSet<String> = self.engines.keys().cloned().collect();
         let allow_cloud = routing.as_ref().is_some_and(|r| r.allow_cloud);
         let engines = engines(self.engines, env, allow_cloud, base_dir, &mut p);
-        let model_names: BTreeSet<String> = self.models.keys().cloned().collect();
         let models = models(self.models, &engine_names, &model_names, default_queue_capacity, &mut p);
         super::residency::cross_check(&engines, &models, &mut p);
         let nobody_could_call = applications.is_empty() && auth.as_ref().is_some_and(|a| a.jwt.is_none());
@@ -409,6 +409,9 @@ fn scheduler(s: RawScheduler, p: &mut Problems) -> SchedulerConfig {
     if s.queue_capacity == 0 {
         p.add("scheduler.queue_capacity", "must be at least 1");
     }
+    if s.max_tracked_users < 100 {
+        p.add("scheduler.max_tracked_users", "must be at least 100");
+    }
     SchedulerConfig {
         queue_capacity: s.queue_capacity,
         busy_retry_after_ms: s.busy_retry_after_ms,
@@ -421,6 +424,7 @@ fn scheduler(s: RawScheduler, p: &mut Problems) -> SchedulerConfig {
         overload_max_output_tokens: s.overload_max_output_tokens,
         idempotency_ttl: Duration::from_secs(s.idempotency_ttl_seconds),
         preemption: s.preemption,
+        max_tracked_users: s.max_tracked_users,
     }
 }
 
@@ -600,13 +604,17 @@ fn jwt(j: RawJwt, env: &[(String, String)], base_dir: &Path, p: &mut Problems) -
     })
 }
 
-fn applications(raw: BTreeMap<String, RawApplication>, p: &mut Problems) -> Entries<ApplicationConfig> {
+fn applications(
+    raw: BTreeMap<String, RawApplication>,
+    models: &BTreeSet<String>,
+    p: &mut Problems,
+) -> Entries<ApplicationConfig> {
     // An API key names one application; which one it is must not depend on
     // the order of the file.
     let mut key_owner: BTreeMap<[u8; 32], String> = BTreeMap::new();
     let mut out = BTreeMap::new();
     for (name, a) in raw {
-        let app = application(&name, a, &mut key_owner, p);
+        let app = application(&name, a, models, &mut key_owner, p);
         out.insert(name, app);
     }
     out
@@ -615,6 +623,7 @@ fn applications(raw: BTreeMap<String, RawApplication>, p: &mut Problems) -> Entr
 fn application(
     name: &str,
     a: RawApplication,
+    models: &BTreeSet<String>,
     key_owner: &mut BTreeMap<[u8; 32], String>,
     p: &mut Problems,
 ) -> Option<ApplicationConfig> {
@@ -637,6 +646,16 @@ fn application(
         }
         keys.push(digest);
     }
+    let mut key_expires_ms = BTreeMap::new();
+    for (i, k) in a.api_keys.iter().enumerate() {
+        if let Some((digest, expires)) = expiring_key(&format!("{path}.api_keys[{i}]"), k, p) {
+            if let Some(other) = key_owner.insert(digest, name.to_string()) {
+                p.add(format!("{path}.api_keys[{i}]"), format!("the same key is also used by application {other}"));
+            }
+            keys.push(digest);
+            key_expires_ms.insert(digest, expires);
+        }
+    }
     let max_priority = a.max_priority.get(&format!("{path}.max_priority"), p).map(|n| n.0);
     let default_priority = a.default_priority.get(&format!("{path}.default_priority"), p).map(|n| n.0);
     if let (Some(max), Some(default)) = (max_priority, default_priority) {
@@ -645,6 +664,55 @@ fn application(
                 format!("{path}.default_priority"),
                 format!("{} is more urgent than max_priority {}", default.as_str(), max.as_str()),
             );
+        }
+    }
+    let allowed_priorities = a.allowed_priorities.map(|list| {
+        let mut out = Vec::new();
+        for (i, s) in list.iter().enumerate() {
+            match (crate::task::Priority::parse(s), max_priority) {
+                (Some(pr), Some(max)) if pr < max => p.add(
+                    format!("{path}.allowed_priorities[{i}]"),
+                    format!("{} is more urgent than max_priority {}", pr.as_str(), max.as_str()),
+                ),
+                (Some(pr), _) => out.push(pr),
+                (None, _) => p.add(format!("{path}.allowed_priorities[{i}]"), format!("must be P0..P4, not {s:?}")),
+            }
+        }
+        if list.is_empty() {
+            p.add(format!("{path}.allowed_priorities"), "must name at least one priority (or be left out)");
+        } else if let Some(d) = default_priority.filter(|d| out.len() == list.len() && !out.contains(d)) {
+            p.add(format!("{path}.default_priority"), format!("{} is not in allowed_priorities", d.as_str()));
+        }
+        out
+    });
+    for (i, m) in a.allowed_models.iter().flatten().enumerate() {
+        if !models.contains(m) {
+            p.add(format!("{path}.allowed_models[{i}]"), format!("no model named {m:?} in [models]"));
+        }
+    }
+    let allowed_ingresses = a.allowed_ingresses.map(|list| {
+        use crate::task::Ingress;
+        let mut out = Vec::new();
+        for (i, s) in list.iter().enumerate() {
+            match [Ingress::Http, Ingress::Ws, Ingress::Mqtt, Ingress::Nats].into_iter().find(|g| g.as_str() == s) {
+                Some(g) => out.push(g),
+                None => p.add(
+                    format!("{path}.allowed_ingresses[{i}]"),
+                    format!("must be \"http\", \"ws\", \"mqtt\" or \"nats\", not {s:?}"),
+                ),
+            }
+        }
+        out
+    });
+    let user_header = a.user_header.map(|h| h.trim().to_ascii_lowercase());
+    if let Some(h) = &user_header {
+        // A header that carries the credential or the body's framing is
+        // the caller's, not the proxy's.
+        let reserved = ["authorization", "x-api-key", "cookie", "host", "content-type", "content-length"];
+        if h.is_empty() || h.len() > 64 || !h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+            p.add(format!("{path}.user_header"), "must be a header name: 1..64 characters of a-z 0-9 -");
+        } else if reserved.contains(&h.as_str()) {
+            p.add(format!("{path}.user_header"), format!("{h:?} is not a header a proxy sets for the user"));
         }
     }
     if !(a.weight > 0.0 && a.weight.is_finite()) {
@@ -701,7 +769,44 @@ fn application(
         },
         budget: a.budget.map(|b| budget(&format!("{path}.budget"), b, p)),
         cache: a.cache,
+        allowed_models: a.allowed_models,
+        allowed_priorities,
+        allowed_ingresses,
+        user_header,
+        key_expires_ms,
     })
+}
+
+/// One of `applications.*.api_keys`: `{ sha256 = "<hex>", expires =
+/// <TOML date-time with offset> }`; the digest and the expiry (Unix ms).
+fn expiring_key(path: &str, v: &toml::Value, p: &mut Problems) -> Option<([u8; 32], i64)> {
+    let Some(t) = v.as_table() else {
+        p.add(path, "must be a table { sha256 = \"<hex>\", expires = 2027-01-01T00:00:00Z }");
+        return None;
+    };
+    for k in t.keys().filter(|k| !matches!(k.as_str(), "sha256" | "expires")) {
+        p.add(format!("{path}.{k}"), "unknown key (expected 'sha256' or 'expires')");
+    }
+    let digest = t.get("sha256").and_then(toml::Value::as_str).and_then(sha256_hex);
+    if digest.is_none() {
+        p.add(
+            format!("{path}.sha256"),
+            "must be a SHA-256 digest in hex (64 characters); `edgeway hash-key KEY` prints one",
+        );
+    }
+    // As `debug_prompts.until`: a date-time, or its text (serde may hand
+    // it on in its private wrapper).
+    let expires = t.get("expires").and_then(|u| match u {
+        toml::Value::Datetime(d) => Some(*d),
+        toml::Value::String(s) => s.parse().ok(),
+        toml::Value::Table(t) if t.len() == 1 => t.values().next().and_then(|v| v.as_str()?.parse().ok()),
+        _ => None,
+    });
+    let expires = expires.as_ref().and_then(datetime_ms);
+    if expires.is_none() {
+        p.add(format!("{path}.expires"), "must be a TOML date-time with an offset, e.g. 2027-01-01T00:00:00Z");
+    }
+    Some((digest?, expires?))
 }
 
 /// `applications.*.debug_prompts`: `until` (a TOML date-time with its

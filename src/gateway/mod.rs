@@ -95,6 +95,33 @@ pub struct SubmitOptions {
     /// A W3C `traceparent` the protocol carried (HTTP and NATS header, MQTT
     /// v5 user property): its trace id becomes the task's when valid.
     pub traceparent: Option<String>,
+    /// The protocol's request headers (HTTP, NATS), for an application's
+    /// `user_header`.
+    pub headers: RequestHeaders,
+}
+
+/// Reads a request header by its (lowercase) name: how a protocol with
+/// headers hands them to the facade, which knows no protocol.
+#[derive(Clone, Default)]
+pub struct RequestHeaders(Option<Arc<HeaderLookup>>);
+
+/// A protocol's lookup of one header by name.
+type HeaderLookup = dyn Fn(&str) -> Option<String> + Send + Sync;
+
+impl RequestHeaders {
+    pub fn new(get: impl Fn(&str) -> Option<String> + Send + Sync + 'static) -> RequestHeaders {
+        RequestHeaders(Some(Arc::new(get)))
+    }
+
+    pub fn get(&self, name: &str) -> Option<String> {
+        self.0.as_ref().and_then(|get| get(name))
+    }
+}
+
+impl std::fmt::Debug for RequestHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "RequestHeaders(..)" } else { "RequestHeaders(none)" })
+    }
 }
 
 /// An authenticated, parsed call that is not submitted yet (see
@@ -108,6 +135,9 @@ pub struct Call {
     /// Earlier messages of the conversation the client holds by id (a
     /// Responses `previous_response_id` chain): history for the assembly.
     history: Vec<crate::task::ChatMessage>,
+    /// The application's `user_header` and the value the request carried:
+    /// the call's user once admission has checked it.
+    header_user: Option<(String, String)>,
 }
 
 impl Call {
@@ -340,6 +370,35 @@ impl Gateway {
         self.auth.authenticate(credential)
     }
 
+    /// [`Gateway::authenticate`], with the user the application's
+    /// `user_header` names (for its API keys) when the request carries it:
+    /// for requests that are not calls (sessions, task lookups).
+    pub fn authenticate_with(
+        &self,
+        credential: Option<&str>,
+        headers: &RequestHeaders,
+    ) -> Result<Identity, GatewayError> {
+        let mut identity = self.auth.authenticate(credential)?;
+        if let Some((name, user)) = self.header_user(&identity, headers) {
+            admission::request::check_user_id(&name, &user)?;
+            identity.user_id = Some(user);
+        }
+        Ok(identity)
+    }
+
+    /// The application's `user_header` and its value, when `identity`
+    /// came with one of the application's API keys (a token names its own
+    /// user) and the request carries the header.
+    fn header_user(&self, identity: &Identity, headers: &RequestHeaders) -> Option<(String, String)> {
+        let name = self.config().applications.get(&identity.application)?.user_header.clone()?;
+        let key = identity.credential.as_ref()?;
+        if identity.user_id.is_some() || !self.auth.is_key_of(key, &identity.application) {
+            return None;
+        }
+        let value = headers.get(&name)?;
+        Some((name, value))
+    }
+
     /// Whether a credential (an identity's [`Identity::credential`]) has
     /// been revoked since it was accepted: for ingresses whose connections
     /// outlive one call (MQTT).
@@ -386,6 +445,7 @@ impl Gateway {
             body.idempotency_key = opts.idempotency_key;
         }
         Ok(Call {
+            header_user: self.header_user(&identity, &opts.headers),
             identity,
             body,
             ingress,
@@ -415,6 +475,7 @@ impl Gateway {
             body.idempotency_key = opts.idempotency_key;
         }
         let call = Call {
+            header_user: self.header_user(&identity, &opts.headers),
             identity,
             body,
             ingress,
@@ -467,7 +528,17 @@ impl Gateway {
         trace_id: String,
         parent_span_id: Option<String>,
     ) -> Result<TaskStream, GatewayError> {
-        let Call { identity, mut body, ingress, request_id_hint, traceparent: _, history } = call;
+        let Call { mut identity, mut body, ingress, request_id_hint, traceparent: _, history, header_user } = call;
+        // The user a trusted header names, once it is known to be a sane
+        // one: a bad one refuses the call (recorded below, without it).
+        let bad_header_user =
+            header_user.and_then(|(name, user)| match admission::request::check_user_id(&name, &user) {
+                Ok(()) => {
+                    identity.user_id = Some(user);
+                    None
+                }
+                Err(e) => Some(e),
+            });
         tracing::info!(
             stage = "access",
             ingress = ingress.as_str(),
@@ -499,6 +570,9 @@ impl Gateway {
             }
         };
         let context_policy = body.context_policy.clone();
+        if let Some(e) = bad_header_user {
+            return Err(refuse(e));
+        }
         let mut req =
             admission::admit(&self.config(), identity.clone(), body, ingress, request_id_hint).map_err(refuse)?;
         req.trace_id = trace_id.clone();

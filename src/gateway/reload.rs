@@ -309,9 +309,10 @@ impl Gateway {
     }
 
     /// The tenant and application an API key digest belongs to in the
-    /// configuration in force (`None`: not a key, or one a reload
-    /// removed): for connections that outlive one call (WebSocket).
+    /// configuration in force (`None`: not a key, one a reload removed, or
+    /// one that expired): for connections that outlive one call
+    /// (WebSocket).
     pub fn key_owner(&self, digest: &[u8; 32]) -> Option<(String, String)> {
-        self.auth.key_owner(digest)
+        self.auth.key_owner_in_force(digest)
     }
 }

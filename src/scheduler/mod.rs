@@ -459,6 +459,7 @@ pub fn start(
         allow_cloud: config.routing.allow_cloud,
         preemption: config.scheduler.preemption,
         admit_at_level: config.routing.admit_at_level,
+        max_tracked_users: config.scheduler.max_tracked_users,
         models,
     });
     let shared = Arc::new(Shared {

@@ -142,6 +142,9 @@ pub struct PolicyConfig {
     pub preemption: bool,
     /// The least urgent priority admitted at degradation levels 1, 2, 3.
     pub admit_at_level: [Priority; 2],
+    /// Users (per application) whose rate buckets are kept at once:
+    /// callers name users freely (see [`Policy::make_room_for_bucket`]).
+    pub max_tracked_users: usize,
 }
 
 /// The part of [`PolicyConfig`] a configuration reload changes
@@ -1052,6 +1055,11 @@ impl Policy {
         // Rates, charged last so a refused task costs nothing.
         let rpm = app.user_requests_per_minute.filter(|_| again.is_none() && per_user);
         if let Some(rpm) = rpm {
+            if !self.rpm.contains_key(&user_key) {
+                Self::make_room_for_bucket(&mut self.rpm, &self.cfg, now, |a| {
+                    a.user_requests_per_minute.map(f64::from)
+                });
+            }
             let b = self.rpm.entry(user_key.clone()).or_insert(Bucket { tokens: f64::from(rpm), at: now });
             if let Err(ms) = b.take(now, f64::from(rpm), 1.0) {
                 return Err(Refusal::Final(busy(
@@ -1063,6 +1071,11 @@ impl Policy {
         }
         let charged = u64::from(info.input_tokens) + u64::from(info.max_output_tokens);
         if let Some(tpm) = app.user_tokens_per_minute.filter(|_| again.is_none() && per_user) {
+            if !self.tpm.contains_key(&user_key) {
+                Self::make_room_for_bucket(&mut self.tpm, &self.cfg, now, |a| {
+                    a.user_tokens_per_minute.map(|t| t as f64)
+                });
+            }
             let b = self.tpm.entry(user_key.clone()).or_insert(Bucket { tokens: tpm as f64, at: now });
             if let Err(ms) = b.take(now, tpm as f64, charged as f64) {
                 if let (Some(rpm), Some(b)) = (app.user_requests_per_minute, self.rpm.get_mut(&user_key)) {
@@ -1697,6 +1710,40 @@ impl Policy {
         let rate = |app: &str, f: fn(&AppLimits) -> Option<f64>| apps.get(app).and_then(f);
         self.rpm.retain(|(app, _), b| !full(b, rate(app, |a| a.user_requests_per_minute.map(f64::from))));
         self.tpm.retain(|(app, _), b| !full(b, rate(app, |a| a.user_tokens_per_minute.map(|t| t as f64))));
+    }
+
+    /// Keeps `buckets` below `max_tracked_users` before one more is made:
+    /// past it, the tenth closest to full (refill counted) is forgotten. A
+    /// forgotten user starts again from a full bucket, which is nearly what
+    /// it had, while the users a limit is holding back (near-empty
+    /// buckets) keep theirs: a flood of made-up user names costs a bounded
+    /// map and lifts no one's limit.
+    fn make_room_for_bucket(
+        buckets: &mut HashMap<(String, String), Bucket>,
+        cfg: &PolicyConfig,
+        now: Duration,
+        rate: fn(&AppLimits) -> Option<f64>,
+    ) {
+        let cap = cfg.max_tracked_users.max(1);
+        if buckets.len() < cap {
+            return;
+        }
+        let fill = |(app, _): &(String, String), b: &Bucket| match cfg.apps.get(app).and_then(rate) {
+            Some(r) if r > 0.0 => ((b.tokens + now.saturating_sub(b.at).as_secs_f64() * r / 60.0) / r).min(1.0),
+            _ => 1.0,
+        };
+        // Down to 90 % of the cap (at least one free place): the scan is
+        // paid once per tenth of the cap of new users.
+        let cut = buckets.len() - (cap - cap / 10).min(cap - 1);
+        let mut fills: Vec<f64> = buckets.iter().map(|(k, b)| fill(k, b)).collect();
+        let (_, threshold, _) = fills.select_nth_unstable_by(cut - 1, |a, b| b.total_cmp(a));
+        let threshold = *threshold;
+        let mut removed = 0;
+        buckets.retain(|k, b| {
+            let forget = removed < cut && fill(k, &*b) >= threshold;
+            removed += usize::from(forget);
+            !forget
+        });
     }
 
     /// Invariant checks for tests: counters agree with the task sets.

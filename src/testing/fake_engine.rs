@@ -90,6 +90,10 @@ pub struct Knobs {
     pub tokenize_status: Option<u16>,
     /// Delay before `/tokenize` and `/apply-template` answer.
     pub tokenize_delay: Duration,
+    /// OpenAI chat: each token is the text of the request's last message
+    /// and a space, instead of `token_text` (an answer that carries what
+    /// was asked: tests look for one caller's bytes in another's answers).
+    pub echo: bool,
 }
 
 /// Bytes of a tool call's arguments per streamed piece.
@@ -131,6 +135,7 @@ impl Default for Knobs {
             load_fails: false,
             tokenize_status: None,
             tokenize_delay: Duration::ZERO,
+            echo: false,
         }
     }
 }
@@ -491,13 +496,17 @@ async fn openai_chat(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> R
     let n = token_count(&k, body["max_tokens"].as_u64());
     let model = body["model"].as_str().unwrap_or("fake").to_string();
     let pt = prompt_tokens(&body);
+    let text = match body["messages"].as_array().and_then(|m| m.last()) {
+        Some(last) if k.echo => format!("{} ", last["content"].as_str().unwrap_or_default()),
+        _ => k.token_text.clone(),
+    };
     if !body["stream"].as_bool().unwrap_or(false) {
         let mut g = Generation::start(&s.stats);
         tokio::time::sleep(k.first_token_delay + k.token_delay * n.saturating_sub(1)).await;
         g.complete();
         let mut v = json!({
             "id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": k.token_text.repeat(n as usize)}, "finish_reason": if n < k.tokens { "length" } else { "stop" }}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text.repeat(n as usize)}, "finish_reason": if n < k.tokens { "length" } else { "stop" }}],
         });
         if !k.omit_usage {
             v["usage"] = json!({"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n});
@@ -505,7 +514,6 @@ async fn openai_chat(State(s): State<Arc<Shared>>, Json(body): Json<Value>) -> R
         return Json(v).into_response();
     }
     let include_usage = body["stream_options"]["include_usage"].as_bool().unwrap_or(false) && !k.omit_usage;
-    let text = k.token_text.clone();
     let finish = match &k.finish_reason {
         Some(f) => f.clone(),
         None => (if n < k.tokens { "length" } else { "stop" }).to_string(),

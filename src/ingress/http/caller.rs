@@ -15,7 +15,7 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::Response;
 
 use super::errors::ApiError;
-use crate::gateway::Gateway;
+use crate::gateway::{Gateway, RequestHeaders};
 use crate::task::Identity;
 
 /// The bearer credential of a request, not yet checked. Submissions pass it
@@ -45,7 +45,7 @@ impl FromRequestParts<Arc<Gateway>> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, gw: &Arc<Gateway>) -> Result<Self, Self::Rejection> {
-        Ok(Caller(gw.authenticate(bearer(&parts.headers))?))
+        Ok(Caller(gw.authenticate_with(bearer(&parts.headers), &request_headers(&parts.headers))?))
     }
 }
 
@@ -78,6 +78,12 @@ pub fn event_stream(body: Body, request_id: &str, task_id: &str, trace_id: &str)
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     id_headers(h, request_id, task_id, Some(trace_id));
     resp
+}
+
+/// The request's headers for the facade (an application's `user_header`).
+pub fn request_headers(h: &HeaderMap) -> RequestHeaders {
+    let h = h.clone();
+    RequestHeaders::new(move |name| header_text(&h, name))
 }
 
 /// A header's value as text, if it is present and readable.

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::caller::{header_text, id_headers, Credential};
+use super::caller::{header_text, id_headers, request_headers, Credential};
 use super::errors::ApiError;
 use super::sse::{self, usage_json, Chunks, Head, Piece};
 use crate::gateway::{Caller, Gateway, SubmitOptions, TaskStream};
@@ -24,6 +24,7 @@ pub fn submit_options(headers: &HeaderMap) -> SubmitOptions {
         request_id_hint: header_text(headers, "x-request-id"),
         idempotency_key: header_text(headers, "idempotency-key"),
         traceparent: header_text(headers, "traceparent"),
+        headers: request_headers(headers),
     }
 }
 

@@ -170,13 +170,16 @@ async fn not_found() -> ApiError {
     ApiError::NotFound("no such endpoint")
 }
 
-async fn list_models(State(gw): State<AppState>, _: Caller) -> Response {
+async fn list_models(State(gw): State<AppState>, Caller(who): Caller) -> Response {
     let created = gw.started().elapsed().as_secs();
     let created = crate::task::now_ms() / 1000 - created as i64;
-    let data: Vec<_> = gw
-        .config()
+    let cfg = gw.config();
+    // Only the models the caller's application may name (`allowed_models`).
+    let app = cfg.applications.get(&who.application);
+    let data: Vec<_> = cfg
         .models
         .values()
+        .filter(|m| app.is_none_or(|a| a.may_use_model(&m.name)))
         .map(|m| {
             let cfg = gw.config();
             // Whether a request with `tools` is taken: only when every

@@ -341,7 +341,9 @@ pub async fn create(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     // Who is calling comes before what the body says, as for chat.
-    let identity = gw.authenticate(cred.as_deref()).map_err(|e| gw.refused(Ingress::Http, e))?;
+    let identity = gw
+        .authenticate_with(cred.as_deref(), &super::caller::request_headers(&headers))
+        .map_err(|e| gw.refused(Ingress::Http, e))?;
     let (mut chat, stream, mut echo) = to_chat(&body).map_err(|e| gw.refused(Ingress::Http, e))?;
     // A bad `context_policy` is refused by admission, below.
     let requested = chat.get("context_policy").and_then(Value::as_str);

@@ -84,7 +84,9 @@ pub async fn upgrade(
     ws: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
     let cred = cred.or_else(|| protocol_key(&headers));
-    let identity = gw.authenticate(cred.as_deref()).map_err(|e| gw.refused(Ingress::Ws, e))?;
+    let identity = gw
+        .authenticate_with(cred.as_deref(), &super::caller::request_headers(&headers))
+        .map_err(|e| gw.refused(Ingress::Ws, e))?;
     let max = gw.config().http.max_body_bytes;
     // An API key (not a JWT, whose id digest names no key): checked again
     // at each request frame against the keys in force.

@@ -45,7 +45,7 @@ use tokio_util::task::TaskTracker;
 use super::NatsStatus;
 use crate::config::NatsConfig;
 use crate::error::GatewayError;
-use crate::gateway::{Caller, Gateway, SubmitOptions, TaskStream};
+use crate::gateway::{Caller, Gateway, RequestHeaders, SubmitOptions, TaskStream};
 use crate::ingress::render::{event_json, rejection_json};
 use crate::task::{Ingress, TaskEvent};
 
@@ -312,7 +312,12 @@ async fn handle_chat(ctx: Arc<Ctx>, req: Request) {
     }
     let cred = credential(req.message.headers.as_ref());
     let caller = Caller::Credential(cred.as_deref());
-    let opts = SubmitOptions { traceparent: header(req.message.headers.as_ref(), "traceparent"), ..Default::default() };
+    let all = req.message.headers.clone();
+    let opts = SubmitOptions {
+        traceparent: header(req.message.headers.as_ref(), "traceparent"),
+        headers: RequestHeaders::new(move |name| header(all.as_ref(), name)),
+        ..Default::default()
+    };
     let call = match gw.prepare(caller, &req.message.payload, Ingress::Nats, opts) {
         Ok(c) => c,
         Err(e) => return reject(&req, None, &e).await,

@@ -48,6 +48,7 @@ fn cfg(slots: usize, reserved: usize, capacity: usize) -> PolicyConfig {
         allow_cloud: false,
         preemption: false,
         admit_at_level: [Priority::P4, Priority::P2],
+        max_tracked_users: 100_000,
     }
 }
 
@@ -681,6 +682,42 @@ fn per_user_state_is_kept_only_for_users_that_are_active() {
     p.enqueue(TaskInfo { user: "w".into(), ..task("busy", Priority::P2, "a") }, T0).unwrap();
     p.enqueue(TaskInfo { user: "w".into(), ..task("waits", Priority::P2, "a") }, T0).unwrap();
     assert_eq!(p.user_counts.len(), 1);
+    p.check();
+}
+
+#[test]
+fn rate_buckets_stay_within_max_tracked_users_and_a_limited_user_keeps_its_own() {
+    let mut c = cfg(1, 0, 10_000);
+    c.max_tracked_users = 1000;
+    let limits = AppLimits {
+        user_requests_per_minute: Some(60),
+        user_tokens_per_minute: Some(1_000_000),
+        ..AppLimits::default()
+    };
+    c.apps.insert("a".into(), limits);
+    let mut p = Policy::new(c);
+    let run = |p: &mut Policy, user: &str, id: &str, at: Duration| {
+        let r = p.enqueue(TaskInfo { user: user.into(), ..task(id, Priority::P2, "a") }, at);
+        if r.is_ok() {
+            let g = p.next_grant(at).unwrap();
+            p.release(&g.task_id, 0);
+        }
+        r.map(|_| ()).map_err(|e| e.code)
+    };
+    // A user held back by its limit: 60 requests, then refused.
+    for i in 0..60 {
+        run(&mut p, "hot", &format!("hot{i}"), T0).unwrap();
+    }
+    assert_eq!(run(&mut p, "hot", "hot-over", T0), Err(ErrorCode::RateLimited));
+    // 100 000 made-up users within the same second.
+    for i in 0..100_000u64 {
+        let at = T0 + Duration::from_micros(i);
+        run(&mut p, &format!("u{i}"), &format!("t{i}"), at).unwrap();
+        assert!(p.rpm.len() <= 1000 && p.tpm.len() <= 1000, "{} {} at user {i}", p.rpm.len(), p.tpm.len());
+    }
+    assert!(p.user_counts.is_empty());
+    // The limited user's bucket was not the one forgotten.
+    assert_eq!(run(&mut p, "hot", "hot-still-over", T0 + Duration::from_millis(200)), Err(ErrorCode::RateLimited));
     p.check();
 }
 
