@@ -69,6 +69,10 @@ pub fn larger_model<'a>(cfg: &'a Config, req: &TaskRequest) -> Option<&'a ModelC
     if alt.kind != ModelKind::Chat || alt.context_tokens <= from.context_tokens {
         return None;
     }
+    // As for a smaller fallback model: only one the application may name.
+    if cfg.applications.get(&req.identity.application).is_some_and(|a| !a.may_use_model(&alt.name)) {
+        return None;
+    }
     let reachable: Vec<_> = alt
         .instances
         .iter()
