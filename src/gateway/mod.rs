@@ -445,8 +445,7 @@ impl Gateway {
         // copied into the span's wrapper and into every future that holds
         // this one (an HTTP handler's is moved several times): the copies
         // cost more than the allocation.
-        let submitted =
-            Box::pin(self.submit_traced(call, trace_id, parent_span_id)).instrument(span.clone()).await;
+        let submitted = Box::pin(self.submit_traced(call, trace_id, parent_span_id)).instrument(span.clone()).await;
         if let Err(e) = &submitted {
             span.in_scope(|| {
                 tracing::info!(
