@@ -488,6 +488,10 @@ where
     let filter =
         EnvFilter::try_new(format!("{base},hyper=warn,h2=warn{rumqttd}")).unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
+    // Colours only for a person at a terminal: journald, a file or a pipe
+    // would keep the escape codes, and writing them is a tenth of an info
+    // line's instructions. (`NO_COLOR` still turns them off at a terminal.)
+    let builder = if std::io::IsTerminal::is_terminal(&std::io::stderr()) { builder } else { builder.with_ansi(false) };
     match cfg.format {
         LogFormat::Json => Box::new(builder.json().flatten_event(true).finish()),
         LogFormat::Text => Box::new(builder.fmt_fields(TextFields).finish()),
