@@ -122,7 +122,7 @@ fn script_hash(page: &str) -> String {
     use sha2::{Digest, Sha256};
     let start = page.find("<script>").expect("the page has an inline script") + "<script>".len();
     let len = page[start..].find("</script>").expect("the page's script ends");
-    let digest = Sha256::digest(page[start..start + len].as_bytes());
+    let digest = Sha256::digest(&page.as_bytes()[start..start + len]);
     format!("sha256-{}", base64::engine::general_purpose::STANDARD.encode(digest))
 }
 
