@@ -19,6 +19,7 @@ dumps are kept, so `callgrind_annotate --inclusive=yes <dump>` shows where.
 
     python3 bench/instructions.py --edgeway-bin target/release/edgeway -n 1000
     python3 bench/instructions.py --edgeway-bin A --edgeway-bin B   # side by side
+    python3 bench/instructions.py --log-level info --edgeway-bin A  # with the stage log lines
 
 Prints a Markdown table; the dumps go to --out (default bench/results/callgrind-<time>).
 """
@@ -118,8 +119,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def config_toml(engine_url, data_dir, port):
-    """src/testing::config_toml with bench/overhead.rs's edits."""
+def config_toml(engine_url, data_dir, port, log_level="warn", log_format="text"):
+    """src/testing::config_toml with bench/overhead.rs's edits (and the log
+    level and format asked for: the overhead bench logs at `warn`, a
+    default install at `info`, text)."""
     demo = hashlib.sha256(DEMO_KEY.encode()).hexdigest()
     ops = hashlib.sha256(OPS_KEY.encode()).hexdigest()
     return f"""
@@ -152,7 +155,8 @@ max_output_tokens = 256
 queue_capacity = 100000
 
 [log]
-level = "warn"
+level = "{log_level}"
+format = "{log_format}"
 """
 
 
@@ -232,14 +236,14 @@ def perf_counts(pid, out_dir, label, work):
     return counts, path, secs
 
 
-def measure(binary, n, idle_s, out_dir, engine_url, tool="callgrind"):
+def measure(binary, n, idle_s, out_dir, engine_url, tool="callgrind", log_level="warn", log_format="text"):
     os.makedirs(out_dir, exist_ok=True)
     data = os.path.join(out_dir, "data")
     os.makedirs(data, exist_ok=True)
     port = free_port()
     cfg = os.path.join(out_dir, "edgeway.toml")
     with open(cfg, "w") as f:
-        f.write(config_toml(engine_url, data, port))
+        f.write(config_toml(engine_url, data, port, log_level, log_format))
     log = open(os.path.join(out_dir, "edgeway.log"), "w")
     cmd = [binary, "serve", "--config", cfg]
     if tool == "callgrind":
@@ -290,6 +294,9 @@ def main():
     ap.add_argument("--tool", choices=["callgrind", "perf"], default="callgrind",
                     help="perf: run natively and count syscalls, context switches and CPU time "
                          "per request with `perf stat -p` (kernel work callgrind does not see)")
+    ap.add_argument("--log-level", default="warn",
+                    help="[log] level (the overhead bench's warn by default; info writes the stage lines)")
+    ap.add_argument("--log-format", choices=["text", "json"], default="text")
     args = ap.parse_args()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    time.strftime("callgrind-%Y%m%d-%H%M%S"))
@@ -300,7 +307,8 @@ def main():
     for i, b in enumerate(args.edgeway_bin):
         d = os.path.join(out, f"{i}-{os.path.basename(b)}")
         print(f"measuring {b} → {d}", file=sys.stderr)
-        r = measure(os.path.abspath(b), args.n, args.idle_seconds, d, engine_url, args.tool)
+        r = measure(os.path.abspath(b), args.n, args.idle_seconds, d, engine_url, args.tool,
+                    args.log_level, args.log_format)
         if args.tool == "perf":
             row = {"binary": b, "dir": d}
             idle = r["idle"][0]
@@ -337,7 +345,8 @@ def main():
             json.dump(rows, f, indent=1)
         return
     print(f"\nInstructions per request (callgrind, all edgeway threads, {args.n} sequential "
-          f"requests per phase after 100 warm-up; idle = background work per second)\n")
+          f"requests per phase after 100 warm-up, log {args.log_level}/{args.log_format}; "
+          f"idle = background work per second)\n")
     print("| binary | non-stream | streamed (8 tokens) | idle per s | idle share per request (non-stream / stream) |")
     print("|---|---|---|---|---|")
     for row in rows:

@@ -150,6 +150,18 @@ async fn the_status_and_its_stream_need_an_admin_key_and_the_page_holds_no_data(
     let csp = r.headers()["content-security-policy"].to_str().unwrap().to_string();
     assert!(csp.contains("default-src 'none'") && csp.contains("connect-src 'self'"), "{csp}");
     let page = r.text().await.unwrap();
+    // Scripts: only the page's own, by its digest (review 15 L7), never
+    // any inline script.
+    let script_src = csp.split(';').map(str::trim).find(|d| d.starts_with("script-src")).expect("script-src");
+    assert!(!script_src.contains("unsafe-inline"), "{csp}");
+    let script = page.split("<script>").nth(1).and_then(|s| s.split("</script>").next()).expect("inline script");
+    let digest = {
+        use base64::Engine as _;
+        use sha2::Digest as _;
+        base64::engine::general_purpose::STANDARD.encode(sha2::Sha256::digest(script.as_bytes()))
+    };
+    assert_eq!(script_src, format!("script-src 'sha256-{digest}'"), "{csp}");
+    assert_eq!(page.matches("<script").count(), 1, "one inline script, the one the policy names");
     assert!(page.contains("admin/status/stream") && page.contains("sessionStorage"));
     // Self-contained: nothing loaded from elsewhere.
     for external in ["src=\"http", "href=\"http", "@import", "url(http", "<link"] {

@@ -357,6 +357,78 @@ async fn a_cancelled_task_and_a_refused_call_each_log_one_end_line_with_their_tr
     gw.stop().await;
 }
 
+/// Text-format log lines cannot be forged (review 15 L2): a caller's model
+/// name with a line break (logged with `%`, which the default text format
+/// writes as it is) stays in its own line, escaped; every line written is
+/// one record (a timestamp, then a level).
+#[tokio::test]
+async fn a_model_name_with_a_line_break_cannot_forge_a_text_log_line() {
+    let text = Captured::default();
+    let cfg = edgeway::config::LogConfig {
+        format: edgeway::config::LogFormat::Text,
+        level: "info".into(),
+        otlp_endpoint: None,
+    };
+    // This test's thread only (a current-thread runtime: the gateway's
+    // tasks run here too); other tests keep the binary's JSON subscriber.
+    let _text = tracing::subscriber::set_default(edgeway::telemetry::log_subscriber(&cfg, text.clone()));
+    let fake = FakeEngine::start().await;
+    let gw = TestGateway::with_engine(&fake.url(), "openai", "").await;
+    gw.wait_ready().await;
+    let mut body = chat_body(false);
+    // After the break, what a real line starts with.
+    body["model"] = json!("a\n2026-01-01T00:00:00.000000Z  INFO edgeway: forged\u{1b}[2J");
+    let resp = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    gw.stop().await;
+    let bytes = text.0.lock().unwrap().clone();
+    let out = String::from_utf8(bytes).unwrap();
+    // The colours tracing-subscriber writes are its own escapes: left out
+    // before reading the lines.
+    let plain = strip_ansi(&out);
+    let lines: Vec<&str> = plain.lines().collect();
+    assert!(!lines.is_empty());
+    for l in &lines {
+        let mut cols = l.split_whitespace();
+        let (time, level) = (cols.next().unwrap_or_default(), cols.next().unwrap_or_default());
+        assert!(
+            time.len() >= 20 && time.as_bytes()[4] == b'-' && time.ends_with('Z'),
+            "a line that is not a record of its own: {l:?}\n{plain}"
+        );
+        assert!(["TRACE", "DEBUG", "INFO", "WARN", "ERROR"].contains(&level), "{l:?}");
+    }
+    // The one line with the name is the access line, the name escaped in it.
+    let with_name: Vec<&&str> = lines.iter().filter(|l| l.contains("forged")).collect();
+    assert_eq!(with_name.len(), 1, "{plain}");
+    assert!(with_name[0].contains("stage=\"access\""), "{plain}");
+    assert!(with_name[0].contains(r"model=a\n2026-01-01T00:00:00.000000Z  INFO edgeway: forged\u{1b}[2J"), "{plain}");
+    assert!(!out.contains("forged\u{1b}"), "a caller's escape reached the log");
+}
+
+/// `s` without the ANSI colour sequences (`ESC [ … m`).
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' && chars.peek() == Some(&'[') {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// `unix_s` as a TOML offset date-time (UTC).
 fn toml_datetime(unix_s: i64) -> String {
     // Howard Hinnant's civil_from_days.

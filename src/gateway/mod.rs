@@ -506,7 +506,11 @@ impl Gateway {
         // joins once admission made one.
         let span = crate::telemetry::trace::task_span(&trace_id, None, call.body.request_id.as_deref());
         let (ingress, application) = (call.ingress, call.identity.application.clone());
-        let submitted = self.submit_traced(call, trace_id, parent_span_id).instrument(span.clone()).await;
+        // Boxed: admission's future is large, and held by pointer it is not
+        // copied into the span's wrapper and into every future that holds
+        // this one (an HTTP handler's is moved several times): the copies
+        // cost more than the allocation.
+        let submitted = Box::pin(self.submit_traced(call, trace_id, parent_span_id)).instrument(span.clone()).await;
         if let Err(e) = &submitted {
             span.in_scope(|| {
                 tracing::info!(

@@ -497,6 +497,16 @@ pub fn init_logging_to<W>(cfg: &LogConfig, writer: W)
 where
     W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
 {
+    use tracing_subscriber::util::SubscriberInitExt;
+    let _ = log_subscriber(cfg, writer).try_init();
+}
+
+/// The subscriber [`init_logging_to`] installs, not installed (a test sets
+/// it as its thread's default to read the text format).
+pub fn log_subscriber<W>(cfg: &LogConfig, writer: W) -> Box<dyn tracing::Subscriber + Send + Sync>
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
     use tracing_subscriber::EnvFilter;
     // rumqttd and hyper report vanished clients at ERROR/WARN; they are not
     // our errors.
@@ -507,10 +517,79 @@ where
     let filter =
         EnvFilter::try_new(format!("{base},hyper=warn,h2=warn{rumqttd}")).unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
-    let _ = match cfg.format {
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-        LogFormat::Text => builder.try_init(),
-    };
+    // Colours only for a person at a terminal: journald, a file or a pipe
+    // would keep the escape codes, and writing them is a tenth of an info
+    // line's instructions. (`NO_COLOR` still turns them off at a terminal.)
+    let builder = if std::io::IsTerminal::is_terminal(&std::io::stderr()) { builder } else { builder.with_ansi(false) };
+    match cfg.format {
+        LogFormat::Json => Box::new(builder.json().flatten_event(true).finish()),
+        LogFormat::Text => Box::new(builder.fmt_fields(TextFields).finish()),
+    }
+}
+
+/// The fields of a text line: as tracing-subscriber's own (`name=value`,
+/// the message bare, strings quoted), with control characters escaped in
+/// every value (review 15 L2): a field logged with `%` (Display) is
+/// written as it is by the default, so a caller's model name or session
+/// id, or an engine's error text, holding `\n` would start a forged line.
+/// (JSON lines escape them already.)
+struct TextFields;
+
+impl<'w> tracing_subscriber::fmt::FormatFields<'w> for TextFields {
+    fn format_fields<R: tracing_subscriber::field::RecordFields>(
+        &self,
+        writer: tracing_subscriber::fmt::format::Writer<'w>,
+        fields: R,
+    ) -> std::fmt::Result {
+        let mut v = TextVisitor { out: Escaped(writer), first: true, result: Ok(()) };
+        fields.record(&mut v);
+        v.result
+    }
+}
+
+struct TextVisitor<'w> {
+    out: Escaped<'w>,
+    first: bool,
+    result: std::fmt::Result,
+}
+
+impl tracing::field::Visit for TextVisitor<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        use std::fmt::Write as _;
+        // What `log` records bring along (target, file, line): in the
+        // line's own columns already.
+        if self.result.is_err() || field.name().starts_with("log.") {
+            return;
+        }
+        let sep = if self.first { "" } else { " " };
+        self.first = false;
+        self.result = match field.name() {
+            "message" => write!(self.out, "{sep}{value:?}"),
+            name => write!(self.out, "{sep}{}={value:?}", name.strip_prefix("r#").unwrap_or(name)),
+        };
+    }
+}
+
+/// A writer that writes control characters escaped (`\n`, `\u{1b}`).
+struct Escaped<'w>(tracing_subscriber::fmt::format::Writer<'w>);
+
+impl std::fmt::Write for Escaped<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        // The common case, no control character: one write.
+        if !s.chars().any(char::is_control) {
+            return self.0.write_str(s);
+        }
+        for c in s.chars() {
+            if c.is_control() {
+                for e in c.escape_default() {
+                    self.0.write_char(e)?;
+                }
+            } else {
+                self.0.write_char(c)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
