@@ -107,15 +107,6 @@ async fn deleting_a_users_data_removes_it_from_the_file_and_leaves_a_record() {
         assert!(!contains(&after, t), "{t} is still in the database file");
     }
     assert!(contains(&after, "BOB-PROMPT-CALL-6a7b"), "another user's text stays");
-    // (After the file checks: this call stores its prompt again.) The same
-    // call again
-    // is answered by the engine, not from her entry.
-    let mut again = chat("alice", "ALICE-PROMPT-CALL-0a1b");
-    again["temperature"] = json!(0);
-    let resp = post_chat(&gw, DEMO_KEY, &again).await;
-    assert_eq!(resp.status(), 200);
-    let body: Value = resp.json().await.unwrap();
-    assert_eq!(body["edge"]["cache_hit"], Value::Null, "not from the cache: {body}");
 
     // Her session is gone in memory too; the record of the deletion names
     // who asked, the user and the counts, and the chain holds.
@@ -138,5 +129,14 @@ async fn deleting_a_users_data_removes_it_from_the_file_and_leaves_a_record() {
     assert_eq!(rec["user_data_deleted"]["task_texts"], 2, "{rec}");
     let c = edgeway::store::audit::open_read_only(&db).unwrap();
     assert!(edgeway::store::audit::verify(&c).is_ok());
+
+    // The same call again (last: it stores its prompt again and leaves a
+    // record) is answered by the engine, not from her entry.
+    let mut again = chat("alice", "ALICE-PROMPT-CALL-0a1b");
+    again["temperature"] = json!(0);
+    let resp = post_chat(&gw, DEMO_KEY, &again).await;
+    assert_eq!(resp.status(), 200);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["edge"]["cache_hit"], Value::Null, "not from the cache: {body}");
     gw.stop().await;
 }

@@ -338,6 +338,17 @@ impl Gateway {
         None
     }
 
+    /// The `context_policy` a call of `application` runs under: the
+    /// request's own (`requested`) when it names one, else the
+    /// application's (the Responses API echoes it as `truncation`).
+    pub fn context_policy(
+        &self,
+        application: &str,
+        requested: Option<&str>,
+    ) -> Result<crate::config::ContextPolicy, GatewayError> {
+        crate::context::window::policy(&self.config(), application, requested)
+    }
+
     /// The configuration in force now (a reload may replace it: read it
     /// once per call).
     pub fn config(&self) -> Arc<Config> {

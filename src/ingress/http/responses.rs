@@ -347,7 +347,7 @@ pub async fn create(
     let (mut chat, stream, mut echo) = to_chat(&body).map_err(|e| gw.refused(Ingress::Http, e))?;
     // A bad `context_policy` is refused by admission, below.
     let requested = chat.get("context_policy").and_then(Value::as_str);
-    let policy = crate::context::window::policy(&gw.config(), &identity.application, requested);
+    let policy = gw.context_policy(&identity.application, requested);
     echo.truncation = policy.map_or("auto", |p| p.as_str());
     let (conversation, chain) = continue_from(&gw, &identity, &mut chat, &echo).await?;
     let chat = serde_json::to_vec(&chat).map_err(|e| GatewayError::internal(e.to_string()))?;
