@@ -131,6 +131,9 @@ async fn the_text_of_a_class_that_may_not_be_stored_never_reaches_the_file() {
         // `idempotency_hours = 1` caps the TTL (a day by default).
         assert_eq!(count("SELECT MAX(expires_at_ms - created_at_ms) FROM idempotency"), 3_600_000);
         assert_eq!(count("SELECT COUNT(prompt_text) FROM tasks WHERE data_class = 'personal'"), 1);
+        // And its answer (review 16 M5: a class that may not store text
+        // took the answer text of every class with it).
+        assert_eq!(count("SELECT COUNT(result_text) FROM tasks WHERE data_class = 'personal'"), 1);
     }
     let bytes = file_bytes(&db);
     for prompt in ["SECRET-PROMPT-HTTP-51c2", "SECRET-PROMPT-MQTT-77ab", "SECRET-PROMPT-NATS-3d90"] {

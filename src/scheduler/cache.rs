@@ -1,14 +1,19 @@
 //! The response cache: the answers of deterministic calls, kept in memory
 //! for a while and served again, exactly, to a repeat of the same call by
-//! the same tenant and application.
+//! the same tenant, application and user.
 //!
-//! A call's key is the SHA-256 of its scope (tenant, application) and its
-//! normalised request: the logical model, the operation, the messages as
-//! they go to the engine (after prompt assembly: the system prompt, the
-//! session turns, the knowledge passages are in them), the sampling
-//! parameters and the output budget, written as canonical JSON (object keys
-//! sorted, no blanks). Two tenants, or two applications of one tenant, never
-//! share an entry: their scope is hashed with the request.
+//! A call's key is the SHA-256 of its scope (tenant, application, user)
+//! and its normalised request: the logical model, the operation, the
+//! messages as they go to the engine (after prompt assembly: the system
+//! prompt, the session turns, the knowledge passages are in them; the
+//! random id of the untrusted-data fence, new for every call without a
+//! session, left out), the sampling parameters and the output budget,
+//! written as canonical JSON (object keys sorted, no blanks). Two tenants,
+//! two applications of one tenant, or two users of one application never
+//! share an entry: their scope is hashed with the request (a hit would
+//! otherwise tell one user, by its speed and `cache_age_ms`, that another
+//! asked the same question, and when). Calls without a user id share the
+//! application's entries.
 //!
 //! Only a call whose answer the request fixes is cached ([`key_for`]): a
 //! chat or completion (not embeddings), at `temperature` 0 or with a fixed
@@ -163,15 +168,33 @@ fn digest(req: &TaskRequest) -> [u8; 32] {
         "v": 1,
         "tenant": req.identity.tenant,
         "application": req.identity.application,
+        "user": req.identity.user_id,
         "model": req.logical_model,
         "operation": req.operation,
-        "messages": req.messages,
+        "messages": without_fence_ids(serde_json::to_value(&req.messages).unwrap_or_default()),
         "params": req.params,
         "max_output_tokens": req.max_output_tokens,
     });
     let mut bytes = Vec::new();
     write_canonical(&doc, &mut bytes);
     Sha256::digest(&bytes).into()
+}
+
+/// `v` with the id of every untrusted-data fence marker blanked. A call
+/// without a session is fenced with a new random id each time; anything
+/// inside a fence that imitates a marker was neutralised by prompt
+/// assembly, so what still reads as a marker is one of edgeway's own.
+fn without_fence_ids(v: Value) -> Value {
+    static MARKER: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let re = MARKER.get_or_init(|| regex::Regex::new(r#"(</?untrusted-data id=")[0-9a-f]{12}(")"#).expect("pattern"));
+    match v {
+        Value::String(t) if t.contains("untrusted-data id=") => {
+            Value::String(re.replace_all(&t, "${1}${2}").into_owned())
+        }
+        Value::Array(a) => Value::Array(a.into_iter().map(without_fence_ids).collect()),
+        Value::Object(m) => Value::Object(m.into_iter().map(|(k, v)| (k, without_fence_ids(v))).collect()),
+        other => other,
+    }
 }
 
 /// JSON with object keys sorted at every level and no blanks, whatever
@@ -615,6 +638,21 @@ enabled = true
         assert_eq!(e.forget_owner("t1", "alice"), 0);
     }
 
+    /// Review 16 M3: a call with knowledge passages and no session is
+    /// fenced with a new random id each time; its repeat still hits.
+    #[test]
+    fn the_key_ignores_the_fence_id_but_not_what_is_fenced() {
+        let c = cfg("");
+        let fenced = |id: &str, doc: &str| {
+            req(&format!(
+                "<untrusted-data id=\"{id}\" kind=\"knowledge\" source=\"kb\">\n{doc}\n</untrusted-data id=\"{id}\">\nQ?"
+            ))
+        };
+        let a = key(&c, &fenced("0123456789ab", "the manual"));
+        assert_eq!(a, key(&c, &fenced("ba9876543210", "the manual")));
+        assert_ne!(a, key(&c, &fenced("0123456789ab", "another manual")));
+    }
+
     #[test]
     fn the_key_is_scoped_to_tenant_and_application_and_ignores_map_order() {
         let c = cfg("");
@@ -626,6 +664,13 @@ enabled = true
         other_tenant.identity.tenant = "t2".into();
         assert_ne!(k, key(&c, &other_app));
         assert_ne!(k, key(&c, &other_tenant));
+        // Nor across users of one application (review 16 M1).
+        let mut alice = r.clone();
+        alice.identity.user_id = Some("alice".into());
+        let mut bob = r.clone();
+        bob.identity.user_id = Some("bob".into());
+        assert_ne!(key(&c, &alice), key(&c, &bob));
+        assert_ne!(key(&c, &alice), k);
         assert_ne!(k, key(&c, &req("hi!")));
         let mut budget = r.clone();
         budget.max_output_tokens += 1;

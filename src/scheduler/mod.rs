@@ -695,7 +695,9 @@ impl SchedulerHandle {
             cancel: cancel.clone(),
             owner: true,
         };
-        let keep_text = self.shared.recorder.store().stores_prompts() || req.idempotency_key.is_some();
+        // Per the call's class (review 16 M5: one class with `store_text =
+        // false` made every class lose its answer text).
+        let keep_text = self.shared.recorder.store().stores_text(req.data_class) || req.idempotency_key.is_some();
         let model_name = &self.shared.config.models.keys().nth(admission.model).cloned().unwrap_or_default();
         let mut reason = queued_reason.to_string();
         if admission.step != FallbackStep::SameModel {
@@ -769,7 +771,9 @@ impl SchedulerHandle {
             cancel: cancel.clone(),
             owner: true,
         };
-        let keep_text = self.shared.recorder.store().stores_prompts() || req.idempotency_key.is_some();
+        // Per the call's class (review 16 M5: one class with `store_text =
+        // false` made every class lose its answer text).
+        let keep_text = self.shared.recorder.store().stores_text(req.data_class) || req.idempotency_key.is_some();
         let kind = if hit.stale { "stale" } else { "fresh" };
         let d = driver::Driver {
             req,

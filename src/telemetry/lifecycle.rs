@@ -350,8 +350,11 @@ impl Recorder {
     /// terminal state), counts the cost and the budgets' used shares, and
     /// returns the warnings the charge set off (logged here).
     fn charge(&self, req: &TaskRequest, meta: &ResultMeta) -> Vec<BudgetWarning> {
-        let tokens = u64::from(meta.usage.input_tokens) + u64::from(meta.usage.output_tokens);
-        let cost = meta.cost.unwrap_or(0.0);
+        // A cache hit ran no engine: it spends no budget (review 16 M2);
+        // its usage is the stored answer's, reported again.
+        let tokens =
+            if meta.cache_hit { 0 } else { u64::from(meta.usage.input_tokens) + u64::from(meta.usage.output_tokens) };
+        let cost = if meta.cache_hit { 0.0 } else { meta.cost.unwrap_or(0.0) };
         let who = &req.identity;
         let c = self.store.budgets().charge(&who.tenant, &who.application, tokens, cost, crate::task::now_ms());
         self.cost.with_label_values(&[&c.tenant_label, &c.application_label]).inc_by(cost.max(0.0));
