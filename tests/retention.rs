@@ -7,7 +7,7 @@ mod mqtt_support;
 
 use std::path::Path;
 
-use common::{client, DEMO_KEY};
+use common::{client, contains, file_bytes, DEMO_KEY};
 use edgeway::config::Config;
 use edgeway::testing::{FakeEngine, Knobs, TempDir, TestGateway};
 use mqtt_support::{check_stream, device, mqtt_toml, request, D1, V};
@@ -15,21 +15,6 @@ use serde_json::json;
 
 /// The fake engine's answer.
 const ANSWER: &str = "tok tok tok tok tok ";
-
-/// The database file and its WAL, as bytes.
-fn file_bytes(db: &Path) -> Vec<u8> {
-    let mut out = Vec::new();
-    for ext in ["", "-wal"] {
-        if let Ok(b) = std::fs::read(format!("{}{ext}", db.display())) {
-            out.extend(b);
-        }
-    }
-    out
-}
-
-fn contains(hay: &[u8], needle: &str) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle.as_bytes())
-}
 
 async fn gateway(store_prompts: bool) -> (FakeEngine, TestGateway) {
     let fake = FakeEngine::start_with(Knobs::default()).await;

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use async_nats::{HeaderMap, StatusCode};
-use common::{client, DEMO_KEY};
+use common::{client, contains, file_bytes, DEMO_KEY};
 use edgeway::ingress::nats::BusState;
 use edgeway::testing::{FakeEngine, Knobs, NatsServer, TestGateway};
 use futures::StreamExt;
@@ -20,21 +20,6 @@ use serde_json::{json, Value};
 
 /// The fake engine's answer.
 const ANSWER: &str = "tok tok tok tok tok ";
-
-/// The database file and its WAL, as bytes.
-fn file_bytes(db: &Path) -> Vec<u8> {
-    let mut out = Vec::new();
-    for ext in ["", "-wal"] {
-        if let Ok(b) = std::fs::read(format!("{}{ext}", db.display())) {
-            out.extend(b);
-        }
-    }
-    out
-}
-
-fn contains(hay: &[u8], needle: &str) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle.as_bytes())
-}
 
 fn chat(prompt: &str, class: &str) -> Value {
     json!({

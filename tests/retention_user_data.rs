@@ -5,25 +5,9 @@
 
 mod common;
 
-use std::path::Path;
-
-use common::{client, get_json, post_chat, DEMO_KEY};
+use common::{client, contains, file_bytes, get_json, post_chat, DEMO_KEY};
 use edgeway::testing::{FakeEngine, Knobs, TestGateway, OPS_KEY};
 use serde_json::{json, Value};
-
-fn file_bytes(db: &Path) -> Vec<u8> {
-    let mut out = Vec::new();
-    for ext in ["", "-wal"] {
-        if let Ok(b) = std::fs::read(format!("{}{ext}", db.display())) {
-            out.extend(b);
-        }
-    }
-    out
-}
-
-fn contains(hay: &[u8], needle: &str) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle.as_bytes())
-}
 
 async fn call(gw: &TestGateway, method: reqwest::Method, path: &str, key: &str, body: Option<Value>) -> (u16, Value) {
     let mut req = client().request(method, format!("{}{path}", gw.base_url)).bearer_auth(key);

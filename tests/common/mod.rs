@@ -1,5 +1,5 @@
 //! Helpers shared by the integration tests: an HTTP client, SSE parsing and
-//! reading the task store file.
+//! reading the task store file (its rows, and its bytes).
 #![allow(dead_code, unused_imports)]
 
 use std::time::Duration;
@@ -88,4 +88,21 @@ pub async fn next_event(
 
 pub fn error_code(v: &Value) -> &str {
     v["error"]["code"].as_str().unwrap_or("<none>")
+}
+
+/// The task store's database file and its WAL, as bytes: what a reader of
+/// the disk finds (the retention tests look for text in them).
+pub fn file_bytes(db: &std::path::Path) -> Vec<u8> {
+    let mut out = Vec::new();
+    for ext in ["", "-wal"] {
+        if let Ok(b) = std::fs::read(format!("{}{ext}", db.display())) {
+            out.extend(b);
+        }
+    }
+    out
+}
+
+/// Whether `needle`'s bytes occur in `hay`.
+pub fn contains(hay: &[u8], needle: &str) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle.as_bytes())
 }
