@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use async_nats::{HeaderMap, StatusCode};
 use common::{client, contains, file_bytes, DEMO_KEY};
+use edgeway::config::Config;
 use edgeway::ingress::nats::BusState;
-use edgeway::testing::{FakeEngine, Knobs, NatsServer, TestGateway};
+use edgeway::testing::{FakeEngine, Knobs, NatsServer, TempDir, TestGateway};
 use futures::StreamExt;
 use mqtt_support::{check_stream, device, mqtt_toml, D1, V};
 use serde_json::{json, Value};
@@ -178,5 +179,94 @@ async fn the_default_policy_keeps_no_text_per_ingress() {
     }
     assert!(!contains(&bytes, "tok tok"), "an answer is in the database file");
     d.kill();
+    gw.stop().await;
+}
+
+/// `[store.retention.secret] sessions_hours = 1`: a session that held a
+/// secret turn ends an hour after its last turn, and the store's retention
+/// pass deletes it (row, history, memory) from the file; a session without
+/// one lives the `[sessions]` day. The hours pass by moving the stored
+/// sessions' times back, with edgeway stopped. Failed before: the key was
+/// unknown (the config did not load).
+#[tokio::test]
+async fn a_session_that_held_a_secret_turn_is_gone_from_the_file_sessions_hours_after_its_last_turn() {
+    let dir = TempDir::new("edgeway-retention-class");
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let text = edgeway::testing::config_toml(&fake.url(), "openai", &dir.0, "")
+        .replace("[store]\n", "[store]\nstore_prompts = true\n")
+        + "\n[store.retention.secret]\nsessions_hours = 1\n";
+    let load = || Config::from_toml_str(&text, std::iter::empty(), Path::new(".")).unwrap();
+    let session = |gw: &TestGateway, method: reqwest::Method, user: &str, path: &str| {
+        client()
+            .request(method, format!("{}/v1/sessions{path}", gw.base_url))
+            .bearer_auth(DEMO_KEY)
+            .header("x-user-id", user)
+    };
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    let mut ids = Vec::new();
+    for (user, class, memory) in
+        [("alice", "secret", "SECRET-SESSION-MEMORY-1d4e"), ("bob", "personal", "CONTROL-SESSION-MEMORY-9a0b")]
+    {
+        let r = session(&gw, reqwest::Method::POST, user, "").json(&json!({})).send().await.unwrap();
+        assert_eq!(r.status(), 201);
+        let id = r.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+        let mut turn = chat("remember this", class);
+        turn["session_id"] = json!(id);
+        turn["metadata"] = json!({"user_id": user});
+        assert_eq!(common::post_chat(&gw, DEMO_KEY, &turn).await.status(), 200);
+        let path = format!("/{id}/memory");
+        let r = session(&gw, reqwest::Method::POST, user, &path)
+            .json(&json!({"key": "k", "content": memory}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+        ids.push((user, id));
+    }
+    let view = |gw: &TestGateway, i: usize| {
+        let (user, id) = &ids[i];
+        session(gw, reqwest::Method::GET, user, &format!("/{id}")).send()
+    };
+    let v: Value = view(&gw, 0).await.unwrap().json().await.unwrap();
+    assert_eq!(v["limits"]["idle_expiry_s"], 3600, "the secret turn lowered it: {v}");
+    assert_eq!(v["expires_at"], v["last_used_at"].as_i64().unwrap() + 3600, "{v}");
+    let v: Value = view(&gw, 1).await.unwrap().json().await.unwrap();
+    assert_eq!(v["limits"]["idle_expiry_s"], 24 * 3600, "{v}");
+    gw.store().flush().await;
+    let db = gw.db_path();
+    let before = file_bytes(&db);
+    assert!(contains(&before, "SECRET-SESSION-MEMORY-1d4e"), "stored: the check can see it");
+    gw.stop().await;
+
+    // Two hours later.
+    {
+        let c = rusqlite::Connection::open(&db).unwrap();
+        c.execute(
+            "UPDATE sessions SET created_at_ms = created_at_ms - 7200000, last_used_ms = last_used_ms - 7200000, \
+             expires_at_ms = expires_at_ms - 7200000",
+            [],
+        )
+        .unwrap();
+    }
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    assert_eq!(view(&gw, 0).await.unwrap().status(), 404, "alice's session ended");
+    assert_eq!(view(&gw, 1).await.unwrap().status(), 200, "bob's lives on");
+    gw.store().purge_now().await;
+    let c = rusqlite::Connection::open(&db).unwrap();
+    let count = |sql: &str| -> i64 { c.query_row(sql, [], |r| r.get(0)).unwrap() };
+    assert_eq!(count("SELECT COUNT(*) FROM sessions"), 1);
+    assert_eq!(count("SELECT COUNT(*) FROM session_memory"), 1);
+    let left: String = c.query_row("SELECT DISTINCT session_id FROM session_messages", [], |r| r.get(0)).unwrap();
+    assert_eq!(left, ids[1].1, "bob's history only");
+    // Purged rows are overwritten (`secure_delete`); older copies of their
+    // pages leave the WAL at a checkpoint.
+    let busy: i64 = c.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0)).unwrap();
+    assert_eq!(busy, 0);
+    let after = file_bytes(&db);
+    assert!(!contains(&after, "SECRET-SESSION-MEMORY-1d4e"), "alice's memory is still in the database file");
+    assert!(contains(&after, "CONTROL-SESSION-MEMORY-9a0b"), "bob's stays");
+    drop(c);
     gw.stop().await;
 }

@@ -198,6 +198,11 @@ pub struct ClassRetention {
     /// An idempotency key (and the answer kept with it) lives at most this
     /// long; `None`: `[scheduler] idempotency_ttl_seconds`.
     pub idempotency: Option<Duration>,
+    /// A session that holds a turn of this class, or was created by a
+    /// caller whose calls are at least of it, ends at most this long after
+    /// its last turn (its idle expiry is lowered to it, in memory and in
+    /// its stored row); `None`: the `[sessions]` limits alone.
+    pub sessions: Option<Duration>,
 }
 
 /// The process as a whole (`[server]`).

@@ -216,6 +216,9 @@ pub struct RawClassRetention {
     pub audit_hours: Option<u64>,
     /// Caps `[scheduler] idempotency_ttl_seconds` for this class; 0: no cap.
     pub idempotency_hours: Option<u64>,
+    /// Caps the idle expiry of a session that holds a turn of this class
+    /// (or was created by a caller of it); 0: no cap (`[sessions]` alone).
+    pub sessions_hours: Option<u64>,
 }
 
 impl Default for RawStore {

@@ -757,15 +757,17 @@ fn retention_per_data_class_defaults_to_the_store_keys_and_is_validated() {
     for class in DataClass::ALL {
         let r = c.store.class(class);
         assert_eq!((r.store_text, r.tasks, r.audit, r.idempotency), (true, h(720), h(8760), None), "{class:?}");
+        assert_eq!(r.sessions, None, "no cap: the [sessions] limits alone");
     }
     assert_eq!(c.store.retention_audit, h(8760));
     let text = format!(
         "{MINIMAL}\n[store]\nretention_tasks_hours = 48\n[store.retention.secret]\nstore_text = false\n\
-         tasks_hours = 1\naudit_hours = 24\nidempotency_hours = 2\n[store.retention.public]\ntasks_hours = 0\n"
+         tasks_hours = 1\naudit_hours = 24\nidempotency_hours = 2\nsessions_hours = 3\n[store.retention.public]\ntasks_hours = 0\n"
     );
     let c = parse(&text, &[]).unwrap();
     let s = c.store.class(DataClass::Secret);
-    assert_eq!((s.store_text, s.tasks, s.audit, s.idempotency), (false, h(1), h(24), h(2)));
+    assert_eq!((s.store_text, s.tasks, s.audit, s.idempotency, s.sessions), (false, h(1), h(24), h(2), h(3)));
+    assert_eq!(c.store.class(DataClass::Public).sessions, None);
     assert_eq!(c.store.class(DataClass::Public).tasks, None, "0 keeps");
     assert_eq!(c.store.class(DataClass::Personal).tasks, h(48), "the [store] key");
     assert_eq!(c.store.retention_audit, h(24), "the strictest class's audit age");
@@ -777,4 +779,7 @@ fn retention_per_data_class_defaults_to_the_store_keys_and_is_validated() {
     let bad = format!("{MINIMAL}\n[store.retention.secret]\ntasks_hours = 99999999\n");
     let e = parse(&bad, &[]).unwrap_err().to_string();
     assert!(e.contains("store.retention.secret.tasks_hours"), "{e}");
+    let bad = format!("{MINIMAL}\n[store.retention.sensitive]\nsessions_hours = 99999999\n");
+    let e = parse(&bad, &[]).unwrap_err().to_string();
+    assert!(e.contains("store.retention.sensitive.sessions_hours"), "{e}");
 }

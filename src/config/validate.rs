@@ -337,6 +337,7 @@ fn store(raw: RawStore, p: &mut Problems) -> StoreConfig {
             tasks: age("tasks_hours", c.and_then(|c| c.tasks_hours), raw.retention_tasks_hours),
             audit: age("audit_hours", c.and_then(|c| c.audit_hours), raw.retention_audit_hours),
             idempotency: age("idempotency_hours", c.and_then(|c| c.idempotency_hours), 0),
+            sessions: age("sessions_hours", c.and_then(|c| c.sessions_hours), 0),
         }
     });
     // The chain is purged from its oldest end only: by the strictest age.

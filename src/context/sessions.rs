@@ -11,6 +11,15 @@
 //! long-term memory entries written through the API, and the one-turn-at-
 //! a-time rule of a session ([`TurnLease`]).
 //!
+//! Retention per data class (`[store.retention.<class>] sessions_hours`):
+//! a session that holds a turn of a class with such an age, or was
+//! created by a caller whose calls are at least of that class (its
+//! application's, tenant's or credential's class), has its idle expiry
+//! lowered to that age, so it ends that long after its last turn (or its
+//! creation) at the latest, in memory (the sweep) and in the store (its
+//! row's `expires_at_ms`, which the retention pass deletes by). Its
+//! `limits.idle_expiry_s` shows the lowered value.
+//!
 //! Persistence follows the data policy of the task store: a session is
 //! written to the store (row, history, memory) only when it asked to
 //! persist (`persist`, default true) *and* the store may keep text
@@ -32,7 +41,7 @@ use crate::config::SessionsConfig;
 use crate::error::{ErrorCode, GatewayError};
 use crate::store::sessions::{MemoryRow, MessageRow, SessionRow, StoredSession, SummaryRow};
 use crate::store::Store;
-use crate::task::{now_ms, ChatMessage, Identity};
+use crate::task::{now_ms, ChatMessage, DataClass, Identity};
 
 use super::redact::Redactor;
 use super::summary::SessionSummary;
@@ -265,6 +274,26 @@ impl Session {
 struct Rules {
     cfg: SessionsConfig,
     redactor: Redactor,
+    /// By [`DataClass`] order: `[store.retention.<class>] sessions_hours`,
+    /// the longest idle expiry of a session that holds the class.
+    class_idle: [Option<Duration>; 4],
+}
+
+impl Rules {
+    fn of(config: &crate::config::Config) -> Rules {
+        Rules {
+            cfg: config.sessions.clone(),
+            redactor: Redactor::from_config(config),
+            class_idle: config.store.retention_classes.map(|c| c.sessions),
+        }
+    }
+
+    /// Lowers `limits`' idle expiry to what data class `class` allows.
+    fn cap(&self, limits: &mut Limits, class: DataClass) {
+        if let Some(max) = self.class_idle[class as usize] {
+            limits.idle_expiry_s = limits.idle_expiry_s.min(max.as_secs().max(1));
+        }
+    }
 }
 
 /// The live sessions. Shared by the gateway facade.
@@ -288,9 +317,9 @@ fn check_key(what: &str, v: &str) -> Result<(), GatewayError> {
 }
 
 impl Sessions {
-    pub fn new(cfg: SessionsConfig, store: Store, redactor: Redactor) -> Sessions {
+    pub fn new(config: &crate::config::Config, store: Store) -> Sessions {
         Sessions {
-            rules: std::sync::RwLock::new(Arc::new(Rules { cfg, redactor })),
+            rules: std::sync::RwLock::new(Arc::new(Rules::of(config))),
             store,
             by_id: Mutex::new(HashMap::new()),
         }
@@ -302,7 +331,7 @@ impl Sessions {
     /// (`max_per_user`, memory entries, `append_failed_turns`) and the
     /// redaction apply to every later write.
     pub fn reconfigure(&self, cfg: &crate::config::Config) {
-        let rules = Rules { cfg: cfg.sessions.clone(), redactor: Redactor::from_config(cfg) };
+        let rules = Rules::of(cfg);
         *self.rules.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(rules);
     }
 
@@ -327,7 +356,10 @@ impl Sessions {
         self.store.stores_prompts()
     }
 
-    pub fn create(&self, owner: Owner, req: CreateSession) -> Result<SessionView, GatewayError> {
+    /// Creates a session for `owner`, whose calls are at least of data
+    /// class `class` (its retention applies from the start: memory entries
+    /// are written before any turn).
+    pub fn create(&self, owner: Owner, req: CreateSession, class: DataClass) -> Result<SessionView, GatewayError> {
         let l = req.limits.unwrap_or_default();
         let rules = self.rules();
         let c = &rules.cfg;
@@ -340,12 +372,13 @@ impl Sessions {
                 None => Ok(max),
             }
         };
-        let limits = Limits {
+        let mut limits = Limits {
             max_messages: pick(l.max_messages.map(u64::from), u64::from(c.max_messages), "max_messages")? as u32,
             max_tokens: pick(l.max_tokens, c.max_tokens, "max_tokens")?,
             idle_expiry_s: pick(l.idle_expiry_s, c.idle_expiry.as_secs(), "idle_expiry_s")?,
             max_lifetime_s: pick(l.max_lifetime_s, c.max_lifetime.as_secs(), "max_lifetime_s")?,
         };
+        rules.cap(&mut limits, class);
         let metadata = req.metadata.unwrap_or_default();
         if Value::Object(metadata.clone()).to_string().len() > MAX_MEMORY_BYTES {
             return Err(GatewayError::invalid(format!("'metadata' must be at most {MAX_MEMORY_BYTES} bytes of JSON")));
@@ -630,7 +663,8 @@ impl Sessions {
         Some(job)
     }
 
-    fn append(&self, s: &Session, messages: Vec<ChatMessage>, task_id: &str) {
+    /// Appends a turn's messages; the session now holds data of `class`.
+    fn append(&self, s: &Session, messages: Vec<ChatMessage>, task_id: &str, class: DataClass) {
         let now = now_ms();
         // Held across the append: a delete meanwhile must not be undone by
         // rows written after it.
@@ -660,6 +694,7 @@ impl Sessions {
             st.history.push(HistoryMessage { message: m, tokens });
         }
         st.last_used_ms = now;
+        rules.cap(&mut st.limits, class);
         if st.persist {
             self.store.session_row(s.row(&st));
         }
@@ -802,7 +837,8 @@ impl TurnLease {
     /// lets the next turn in.
     /// `calls` are the answer's tool calls (id, name, arguments), kept
     /// with it in the OpenAI form so that the tool results of the next turn
-    /// follow the calls they answer.
+    /// follow the calls they answer. `class`: the task's data class, whose
+    /// retention the session takes on with the turn.
     pub fn finish(
         self,
         user: Vec<ChatMessage>,
@@ -810,6 +846,7 @@ impl TurnLease {
         calls: Vec<(String, String, String)>,
         succeeded: bool,
         task_id: &str,
+        class: DataClass,
     ) {
         if !(succeeded || self.sessions.rules().cfg.append_failed_turns) {
             return;
@@ -827,7 +864,7 @@ impl TurnLease {
         }
         let content = if answer.is_empty() && !extra.is_empty() { Value::Null } else { Value::String(answer) };
         messages.push(ChatMessage { role: "assistant".into(), content, extra });
-        self.sessions.append(&self.session, messages, task_id);
+        self.sessions.append(&self.session, messages, task_id, class);
     }
 }
 
@@ -869,5 +906,96 @@ impl SummaryJob {
 impl Drop for SummaryJob {
     fn drop(&mut self) {
         self.session.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).summarizing = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::config::Config;
+
+    const HOUR_MS: i64 = 3_600_000;
+
+    fn config(extra: &str) -> Config {
+        let text = format!(
+            "[applications.demo]\ntenant = \"demo\"\napi_key_sha256 = [\"{}\"]\n\
+             [engines.a]\ntype = \"openai\"\nbase_url = \"http://127.0.0.1:9\"\nmodel = \"m\"\n\
+             [models.chat]\ninstances = [\"a\"]\n{extra}",
+            hex::encode(crate::config::hash_api_key("k"))
+        );
+        Config::from_toml_str(&text, std::iter::empty(), std::path::Path::new(".")).unwrap()
+    }
+
+    fn owner(user: &str) -> Owner {
+        Owner { tenant: "demo".into(), application: "demo".into(), user_id: Some(user.into()) }
+    }
+
+    fn expires_at_ms(sessions: &Sessions, id: &str) -> i64 {
+        sessions.by_id.lock().unwrap()[id].state.lock().unwrap().expires_at_ms()
+    }
+
+    /// The sessions left after a sweep at `now`.
+    fn swept_at(sessions: &Sessions, now: i64) -> BTreeSet<String> {
+        let mut map = sessions.by_id.lock().unwrap();
+        sessions.sweep(&mut map, now);
+        map.keys().cloned().collect()
+    }
+
+    /// `[store.retention.secret] sessions_hours`: a session created by a
+    /// secret caller, or joined by a secret turn, ends that long after its
+    /// last turn, in memory and in its stored row, which the store's purge
+    /// deletes by; another session keeps the `[sessions]` idle expiry (a
+    /// day). Failed before: the key was unknown, and every session lived a
+    /// day after its last turn.
+    #[tokio::test]
+    async fn a_session_holding_a_class_with_sessions_hours_ends_that_long_after_its_last_turn() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("t.db");
+        let store = Store::open(&db, "n", true).unwrap();
+        let cfg = config("[store.retention.secret]\nsessions_hours = 2\n");
+        assert_eq!(cfg.sessions.idle_expiry, Duration::from_secs(24 * 3600));
+        let sessions = Arc::new(Sessions::new(&cfg, store.clone()));
+        let create = |user: &str, class| sessions.create(owner(user), CreateSession::default(), class).unwrap();
+        let plain = create("a", DataClass::Personal);
+        assert_eq!(plain.limits.idle_expiry_s, 24 * 3600, "the [sessions] limit");
+        let born = create("b", DataClass::Secret);
+        assert_eq!(born.limits.idle_expiry_s, 2 * 3600, "created by a secret caller");
+        let joined = create("c", DataClass::Personal);
+        assert_eq!(joined.limits.idle_expiry_s, 24 * 3600);
+        let lease = sessions.begin_turn(&owner("c"), &joined.id, 1, 1, Duration::from_secs(1)).await.unwrap();
+        let user = ChatMessage { role: "user".into(), content: "a secret".into(), extra: Map::new() };
+        lease.finish(vec![user], "noted".into(), Vec::new(), true, "task-1", DataClass::Secret);
+        let view = sessions.get(&owner("c"), &joined.id).unwrap();
+        assert_eq!((view.message_count, view.limits.idle_expiry_s), (2, 2 * 3600), "a secret turn joined it");
+        assert_eq!(view.expires_at, view.last_used_at + 2 * 3600, "two hours after its last turn");
+
+        // In the store: each row expires when the session does.
+        store.flush().await;
+        let rows = store.sessions().await;
+        for id in [&born.id, &joined.id, &plain.id] {
+            let r = &rows.iter().find(|s| s.row.session_id == *id).unwrap().row;
+            assert_eq!(r.expires_at_ms, expires_at_ms(&sessions, id), "{id}");
+        }
+        let row = |id: &str| rows.iter().find(|s| s.row.session_id == id).unwrap().row.clone();
+        assert_eq!(row(&joined.id).idle_expiry_ms, 2 * HOUR_MS, "the lowered idle expiry is stored");
+        assert_eq!(row(&joined.id).expires_at_ms, row(&joined.id).last_used_ms + 2 * HOUR_MS);
+        assert_eq!(row(&plain.id).expires_at_ms, row(&plain.id).created_at_ms + 24 * HOUR_MS);
+
+        // Swept from memory at that age, not before.
+        let first = expires_at_ms(&sessions, &born.id).min(expires_at_ms(&sessions, &joined.id));
+        let last = expires_at_ms(&sessions, &born.id).max(expires_at_ms(&sessions, &joined.id));
+        assert_eq!(swept_at(&sessions, first - 1).len(), 3);
+        assert_eq!(swept_at(&sessions, last), BTreeSet::from([plain.id.clone()]));
+        // And the store's retention pass deletes their rows, history
+        // included, then.
+        let c = rusqlite::Connection::open(&db).unwrap();
+        let count = |sql: &str| -> i64 { c.query_row(sql, [], |r| r.get(0)).unwrap() };
+        assert_eq!(count("SELECT COUNT(*) FROM session_messages"), 2);
+        assert_eq!(crate::store::sessions::purge_expired(&c, last + 1, 100).unwrap(), 2);
+        assert_eq!(count("SELECT COUNT(*) FROM session_messages"), 0);
+        let left: String = c.query_row("SELECT session_id FROM sessions", [], |r| r.get(0)).unwrap();
+        assert_eq!(left, plain.id);
     }
 }

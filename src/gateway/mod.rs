@@ -255,11 +255,7 @@ pub(crate) fn store_failed(e: StoreError) -> GatewayError {
 
 impl Gateway {
     pub fn new(p: Parts) -> Gateway {
-        let sessions = Arc::new(crate::context::sessions::Sessions::new(
-            p.config.sessions.clone(),
-            p.store.clone(),
-            crate::context::redact::Redactor::from_config(&p.config),
-        ));
+        let sessions = Arc::new(crate::context::sessions::Sessions::new(&p.config, p.store.clone()));
         // Expired sessions leave memory within a minute even when nobody
         // creates or lists one (a facade built outside a runtime, in a unit
         // test, sweeps on access only).

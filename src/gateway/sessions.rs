@@ -65,7 +65,12 @@ impl Gateway {
         let req: CreateSession =
             if body.iter().all(u8::is_ascii_whitespace) { Default::default() } else { parse(body)? };
         let owner = Owner::of(who, req.user_id.as_deref().or(user))?;
-        self.sessions.create(owner, req)
+        // The class every call of this caller has at least (a call may ask
+        // for a stricter one): the session's retention from the start.
+        let cfg = self.config();
+        let app = cfg.applications.get(&who.application);
+        let class = crate::admission::data_class(&cfg, &who.tenant, app, who.data_class, &Default::default());
+        self.sessions.create(owner, req, class)
     }
 
     pub fn session(&self, who: &Identity, user: Option<&str>, id: &str) -> Result<SessionView, GatewayError> {
@@ -372,7 +377,7 @@ impl Gateway {
                     _ => {}
                 }
             }
-            turn.lease.finish(turn.user, answer, calls, succeeded, &task_id);
+            turn.lease.finish(turn.user, answer, calls, succeeded, &task_id, turn.template.data_class);
             // After the turn is appended and the next one may begin: a
             // summary, when due, is made beside the session's later turns.
             if succeeded {

@@ -265,6 +265,10 @@ enum Op {
     /// Test support: the writer thread returns at once, as a dead one.
     #[cfg(any(test, feature = "testing"))]
     Exit(oneshot::Sender<()>),
+    /// Test support: the next retention pass runs now (after the writes
+    /// sent before it); answered once it ran.
+    #[cfg(any(test, feature = "testing"))]
+    PurgeNow(oneshot::Sender<()>),
 }
 
 /// A user's data to delete, and the audit record that says so.
@@ -901,6 +905,16 @@ impl Store {
         rx.await.map_err(|_| StoreError::Closed)?
     }
 
+    /// Test support: runs the writer's retention pass now instead of at its
+    /// next interval, as the writer runs it (a minute apart otherwise).
+    #[cfg(any(test, feature = "testing"))]
+    pub async fn purge_now(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Op::PurgeNow(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
     /// Test support: sets a pragma on the writer's connection, e.g.
     /// `max_page_count` (0: the current size, so the file cannot grow) or
     /// `query_only` (1: every write fails as on a read-only file).
@@ -1112,6 +1126,9 @@ struct Writer {
     /// Test support: asked to stop as a dead writer would.
     #[cfg(any(test, feature = "testing"))]
     exit: Option<oneshot::Sender<()>>,
+    /// Test support: callers waiting for a retention pass run now.
+    #[cfg(any(test, feature = "testing"))]
+    purge_waiters: Vec<oneshot::Sender<()>>,
 }
 
 impl Writer {
@@ -1143,6 +1160,8 @@ impl Writer {
             audit_tx: None,
             #[cfg(any(test, feature = "testing"))]
             exit: None,
+            #[cfg(any(test, feature = "testing"))]
+            purge_waiters: Vec::new(),
         }
     }
 
@@ -1242,6 +1261,10 @@ impl Writer {
             if !self.health.is_degraded() && Instant::now() >= self.next_purge {
                 self.purge();
             }
+            #[cfg(any(test, feature = "testing"))]
+            for tx in self.purge_waiters.drain(..) {
+                let _ = tx.send(());
+            }
         }
     }
 
@@ -1283,6 +1306,11 @@ impl Writer {
             }
             #[cfg(any(test, feature = "testing"))]
             Op::Exit(tx) => self.exit = Some(tx),
+            #[cfg(any(test, feature = "testing"))]
+            Op::PurgeNow(tx) => {
+                self.next_purge = Instant::now();
+                self.purge_waiters.push(tx);
+            }
         }
     }
 

@@ -31,6 +31,7 @@ impl Policy {
             tasks: opts.retention_tasks,
             audit: opts.retention_audit,
             idempotency: None,
+            sessions: None,
         };
         Policy { classes: opts.classes.unwrap_or([uniform; 4]) }
     }
@@ -255,7 +256,7 @@ mod tests {
             task(&c, id, "SUCCEEDED", 100);
             c.execute("UPDATE tasks SET data_class = ?2 WHERE task_id = ?1", params![id, class]).unwrap();
         }
-        let class = |tasks| ClassRetention { store_text: true, tasks, audit: None, idempotency: None };
+        let class = |tasks| ClassRetention { store_text: true, tasks, audit: None, idempotency: None, sessions: None };
         let mut classes = [class(None); 4];
         classes[DataClass::Secret as usize] = class(Some(std::time::Duration::from_secs(1)));
         let policy = Policy::new(&StoreOptions { classes: Some(classes), ..StoreOptions::default() });
@@ -268,7 +269,13 @@ mod tests {
 
     #[test]
     fn a_class_without_text_and_key_lifetimes() {
-        let class = |store_text, idempotency| ClassRetention { store_text, tasks: None, audit: None, idempotency };
+        let class = |store_text, idempotency| ClassRetention {
+            store_text,
+            tasks: None,
+            audit: None,
+            idempotency,
+            sessions: None,
+        };
         let mut classes = [class(true, None); 4];
         classes[DataClass::Secret as usize] = class(false, Some(std::time::Duration::from_secs(3600)));
         let policy = Policy::new(&StoreOptions { classes: Some(classes), ..StoreOptions::default() });

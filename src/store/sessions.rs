@@ -153,7 +153,7 @@ pub fn upsert(c: &Connection, r: &SessionRow) -> rusqlite::Result<()> {
          persist, metadata, summary_text, summary_version, summary_model, summary_at_ms, summary_covers) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, 1, ?14, ?15, ?16, ?17, ?18, ?19) \
          ON CONFLICT(session_id) DO UPDATE SET last_used_ms = excluded.last_used_ms, \
-         expires_at_ms = excluded.expires_at_ms, message_count = excluded.message_count, \
+         expires_at_ms = excluded.expires_at_ms, idle_expiry_ms = excluded.idle_expiry_ms, message_count = excluded.message_count, \
          tokens = excluded.tokens, summary_text = excluded.summary_text, \
          summary_version = excluded.summary_version, summary_model = excluded.summary_model, \
          summary_at_ms = excluded.summary_at_ms, summary_covers = excluded.summary_covers",
