@@ -448,6 +448,29 @@ pub(super) fn persist(
     Ok(())
 }
 
+/// Deletes up to `batch` rows (per window kind) that can no longer count
+/// at `now_ms`. A row holds one window of one budget and starts over when
+/// the next window begins, so a row of an ended window counts for nothing;
+/// it stays only while its tenant or application spends nothing in a later
+/// one. The window before the current one is kept all the same (a charge
+/// near the boundary may still be written to it); older ones go: a daily
+/// row from the day before yesterday, a monthly row from the month before
+/// last. Run by the writer's retention pass; returns how many went.
+pub(super) fn purge(c: &Connection, now_ms: i64, batch: usize) -> rusqlite::Result<usize> {
+    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+    let mut n = 0;
+    for period in Period::ALL {
+        let previous = period.start(period.start(now_ms) - 1);
+        n += super::exec(
+            c,
+            "DELETE FROM budget_spent WHERE rowid IN \
+             (SELECT rowid FROM budget_spent WHERE period = ?1 AND window_start_ms < ?2 LIMIT ?3)",
+            params![period.as_str(), previous, limit],
+        )?;
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -532,5 +555,40 @@ mod tests {
         b.load(&c2).unwrap();
         let e = b.check("demo", "app", NOW).expect("15 of 15 read back");
         assert_eq!((e.scope, e.period), (Scope::Tenant, Period::Monthly));
+    }
+
+    /// Rows of windows that can no longer count go; the current and the
+    /// previous window stay. Failed before: nothing deleted a row, so the
+    /// table kept a row per tenant and application that ever spent.
+    #[test]
+    fn the_purge_deletes_the_rows_of_windows_older_than_the_previous_one() {
+        let c = Connection::open_in_memory().unwrap();
+        c.execute_batch(SCHEMA).unwrap();
+        let month = 31 * DAY_MS;
+        persist(&c, "now", "now-app", 1, 0.0, NOW).unwrap();
+        persist(&c, "yesterday", "yesterday-app", 1, 0.0, NOW - DAY_MS).unwrap();
+        persist(&c, "old", "old-app", 1, 0.0, NOW - 2 * DAY_MS).unwrap();
+        persist(&c, "ancient", "ancient-app", 1, 0.0, NOW - 3 * month).unwrap();
+        let rows = |sql: &str| -> Vec<String> {
+            let mut st = c.prepare(sql).unwrap();
+            st.query_map([], |r| r.get::<_, String>(0)).unwrap().map(Result::unwrap).collect()
+        };
+        let daily = || rows("SELECT DISTINCT name FROM budget_spent WHERE period = 'daily' ORDER BY name");
+        let monthly = || rows("SELECT DISTINCT name FROM budget_spent WHERE period = 'monthly' ORDER BY name");
+        assert_eq!(daily().len(), 8);
+        // 2026-12-02: yesterday is kept; 2026-11-30 and older go. The
+        // month before (November) is kept; older months go.
+        assert_eq!(purge(&c, NOW, 100).unwrap(), 4 + 2);
+        assert_eq!(daily(), ["now", "now-app", "yesterday", "yesterday-app"]);
+        assert_eq!(monthly(), ["now", "now-app", "old", "old-app", "yesterday", "yesterday-app"]);
+        // Bounded per window kind, and nothing more to do afterwards.
+        persist(&c, "x", "x-app", 1, 0.0, NOW - 5 * DAY_MS).unwrap();
+        assert_eq!(purge(&c, NOW, 1).unwrap(), 1);
+        assert_eq!(purge(&c, NOW, 1).unwrap(), 1);
+        assert_eq!(purge(&c, NOW, 1).unwrap(), 0);
+        // What is left still reads back and counts.
+        let b = budgets("[tenants.now.budget]\ndaily_tokens = 1\n");
+        b.load(&c).unwrap();
+        assert!(b.check("now", "now-app", NOW).is_some(), "1 of 1 today");
     }
 }

@@ -1509,6 +1509,8 @@ impl Writer {
             let mut n = retention::purge(&txn, now, &ages, batch)?;
             // Expired sessions: each row knows when it expires.
             n += sessions::purge_expired(&txn, now, batch)?;
+            // Budget windows that can no longer count.
+            n += budget::purge(&txn, now, batch)?;
             if let Some(before) = audit_before {
                 n += audit::purge(&txn, before, batch)?;
             }
@@ -2184,5 +2186,33 @@ mod tests {
         };
         tokio::time::timeout(Duration::from_secs(10), gone).await.expect("purged");
         assert_eq!(transitions(&path), 0);
+    }
+
+    /// The writer's passes also delete budget rows of windows that can no
+    /// longer count (`budget::purge`); this window's stay. Failed before:
+    /// nothing deleted them.
+    #[tokio::test]
+    async fn the_writer_purges_budget_rows_of_old_windows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edgeway.db");
+        let opts = StoreOptions { purge_interval: Duration::from_millis(10), ..StoreOptions::default() };
+        let store = Store::open_with(&path, "n1", false, opts).unwrap();
+        let c = Connection::open(&path).unwrap();
+        c.pragma_update(None, "busy_timeout", 5000).unwrap();
+        let now = crate::task::now_ms();
+        budget::persist(&c, "gone", "gone-app", 5, 0.0, now - 100 * 86_400_000).unwrap();
+        budget::persist(&c, "kept", "kept-app", 5, 0.0, now).unwrap();
+        let names = || -> Vec<String> {
+            let mut st = c.prepare("SELECT DISTINCT name FROM budget_spent ORDER BY name").unwrap();
+            st.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect()
+        };
+        let gone = async {
+            while names().len() != 2 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), gone).await.expect("purged");
+        assert_eq!(names(), ["kept", "kept-app"]);
+        drop(store);
     }
 }
