@@ -31,8 +31,8 @@ fn chat(prompt: &str, class: &str) -> Value {
 }
 
 /// One NATS chat call to its terminal event (retried while the service is
-/// not subscribed yet).
-async fn nats_call(client: &async_nats::Client, body: &Value) -> String {
+/// not subscribed yet): `done` or `error`, and its JSON.
+async fn nats_call(client: &async_nats::Client, body: &Value) -> (String, Value) {
     let mut headers = HeaderMap::new();
     headers.insert("Authorization", format!("Bearer {DEMO_KEY}").as_str());
     let body = serde_json::to_vec(body).unwrap();
@@ -47,7 +47,7 @@ async fn nats_call(client: &async_nats::Client, body: &Value) -> String {
             }
             let kind = m.headers.as_ref().and_then(|h| h.get("Edgeway-Event")).map(|v| v.as_str().to_string());
             if matches!(kind.as_deref(), Some("done" | "error")) {
-                return kind.unwrap();
+                return (kind.unwrap(), serde_json::from_slice(&m.payload).unwrap());
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -103,7 +103,7 @@ async fn the_text_of_a_class_that_may_not_be_stored_never_reaches_the_file() {
     let bus = async_nats::connect(nats.url()).await.unwrap();
     let mut req = chat("SECRET-PROMPT-NATS-3d90", "secret");
     req["idempotency_key"] = json!("nats-secret-key");
-    assert_eq!(nats_call(&bus, &req).await, "done");
+    assert_eq!(nats_call(&bus, &req).await.0, "done");
 
     gw.store().flush().await;
     let db = gw.db_path();
@@ -161,7 +161,7 @@ async fn the_default_policy_keeps_no_text_per_ingress() {
     d.publish(&d.topic("req"), req.to_string()).await;
     assert_eq!(check_stream(&d.stream(&d.topic("res/default-1")).await), ANSWER);
     let bus = async_nats::connect(nats.url()).await.unwrap();
-    assert_eq!(nats_call(&bus, &chat("DEFAULT-PROMPT-NATS-c3", "personal")).await, "done");
+    assert_eq!(nats_call(&bus, &chat("DEFAULT-PROMPT-NATS-c3", "personal")).await.0, "done");
 
     gw.store().flush().await;
     let db = gw.db_path();
@@ -179,6 +179,123 @@ async fn the_default_policy_keeps_no_text_per_ingress() {
     }
     assert!(!contains(&bytes, "tok tok"), "an answer is in the database file");
     d.kill();
+    gw.stop().await;
+}
+
+/// A chat call over HTTP with `key` as its `Idempotency-Key`: the status
+/// and the body.
+async fn keyed_call(gw: &TestGateway, key: &str, body: &Value) -> (u16, Value) {
+    let r = client()
+        .post(format!("{}/v1/chat/completions", gw.base_url))
+        .bearer_auth(DEMO_KEY)
+        .header("Idempotency-Key", key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+/// A tool call's arguments are text the model wrote: for a class whose
+/// `store_text` is false they stay out of the file (the task's
+/// `result_json`), also for a call with its own idempotency key (which
+/// keeps the rest of the outcome); another class's are stored. The caller
+/// gets them whole either way. Failed before: the secret call's arguments
+/// were in `tasks.result_json`.
+#[tokio::test]
+async fn the_tool_call_arguments_of_a_class_that_may_not_be_stored_never_reach_the_file() {
+    let secret_args = r#"{"q": "TOOL-ARGS-SECRET-5b1e"}"#;
+    let fake =
+        FakeEngine::start_with(Knobs { tool_calls: vec![("lookup".into(), secret_args.into())], ..Knobs::default() })
+            .await;
+    let gw = TestGateway::with_engine_edit(&fake.url(), "openai", "", |t| {
+        let t = t
+            .replace("[store]\n", "[store]\nstore_prompts = true\n")
+            .replace("health_interval_ms = 100", "health_interval_ms = 100\ntools = true");
+        format!("{t}\n[store.retention.secret]\nstore_text = false\n")
+    })
+    .await;
+    gw.wait_ready().await;
+    let tools = json!([{"type": "function", "function": {"name": "lookup"}}]);
+    let mut body = chat("look it up", "secret");
+    body["tools"] = tools.clone();
+    let (status, v) = keyed_call(&gw, "tool-secret", &body).await;
+    assert_eq!(status, 200, "{v}");
+    let call = &v["choices"][0]["message"]["tool_calls"][0];
+    assert_eq!((&call["function"]["name"], &call["function"]["arguments"]), (&json!("lookup"), &json!(secret_args)));
+    // A control: a personal call's arguments are stored (the check can see them).
+    fake.set(|k| k.tool_calls = vec![("lookup".into(), r#"{"q": "TOOL-ARGS-CONTROL-8c2f"}"#.into())]);
+    let mut body = chat("look it up", "personal");
+    body["tools"] = tools;
+    assert_eq!(keyed_call(&gw, "tool-control", &body).await.0, 200);
+
+    gw.store().flush().await;
+    let db = gw.db_path();
+    {
+        let c = rusqlite::Connection::open(&db).unwrap();
+        let json: String =
+            c.query_row("SELECT result_json FROM tasks WHERE data_class = 'secret'", [], |r| r.get(0)).unwrap();
+        let meta: Value = serde_json::from_str(&json).unwrap();
+        let stored = &meta["tool_calls"][0];
+        assert_eq!((&stored["name"], &stored["arguments"]), (&json!("lookup"), &json!("")), "the outcome, no text");
+    }
+    let bytes = file_bytes(&db);
+    assert!(!contains(&bytes, "TOOL-ARGS-SECRET-5b1e"), "the secret call's arguments are in the database file");
+    assert!(contains(&bytes, "TOOL-ARGS-CONTROL-8c2f"), "the control's arguments are stored");
+    gw.stop().await;
+}
+
+/// A repeat of a call's own idempotency key once the call's events are no
+/// longer in memory (here: after a restart), where its answer text could
+/// not be kept (`store_text = false`): the outcome, saying the text is
+/// missing (`text_not_kept`) on HTTP (`edge.text_not_kept`, `content`
+/// null) and NATS (`result.text_not_kept`), as MQTT says it; a repeat
+/// whose text was kept gets it back. Nothing runs twice. Failed before:
+/// HTTP answered 200 with an empty `content` and no flag, as if the model
+/// had answered nothing (NATS likewise).
+#[tokio::test]
+async fn a_repeat_whose_answer_text_was_not_kept_says_so_on_http_and_nats() {
+    let nats = NatsServer::start(false).await;
+    let dir = TempDir::new("edgeway-retention-class");
+    let fake = FakeEngine::start_with(Knobs::default()).await;
+    let extra = format!("[nats]\nurl = \"{}\"\n", nats.url());
+    let text = format!(
+        "{}\n[store.retention.secret]\nstore_text = false\n",
+        edgeway::testing::config_toml(&fake.url(), "openai", &dir.0, &extra)
+    );
+    let load = || Config::from_toml_str(&text, std::iter::empty(), Path::new(".")).unwrap();
+    let nats_req = |key: &str| {
+        let mut req = chat("a secret over NATS", "secret");
+        req["idempotency_key"] = json!(key);
+        req
+    };
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    gw.nats().wait_for(BusState::Connected).await;
+    let bus = async_nats::connect(nats.url()).await.unwrap();
+    let (status, v) = keyed_call(&gw, "replay-secret", &chat("a secret", "secret")).await;
+    assert_eq!((status, &v["choices"][0]["message"]["content"]), (200, &json!(ANSWER)), "{v}");
+    assert_eq!(v["edge"].get("text_not_kept"), None, "the first answer is whole: {v}");
+    assert_eq!(keyed_call(&gw, "replay-control", &chat("not a secret", "personal")).await.0, 200);
+    let (kind, done) = nats_call(&bus, &nats_req("replay-nats")).await;
+    assert_eq!(kind, "done", "{done}");
+    gw.stop().await;
+
+    let gw = TestGateway::start(load()).await;
+    gw.wait_ready().await;
+    gw.nats().wait_for(BusState::Connected).await;
+    let (status, v) = keyed_call(&gw, "replay-secret", &chat("a secret", "secret")).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["edge"]["status"], "SUCCEEDED", "{v}");
+    assert_eq!(v["edge"]["text_not_kept"], true, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], Value::Null, "missing, not empty: {v}");
+    let (status, v) = keyed_call(&gw, "replay-control", &chat("not a secret", "personal")).await;
+    assert_eq!((status, &v["choices"][0]["message"]["content"]), (200, &json!(ANSWER)), "{v}");
+    assert_eq!(v["edge"].get("text_not_kept"), None, "{v}");
+    let (kind, done) = nats_call(&bus, &nats_req("replay-nats")).await;
+    assert_eq!(kind, "done", "{done}");
+    assert_eq!(done["result"]["text_not_kept"], true, "{done}");
+    assert_eq!(fake.stats.requests.load(std::sync::atomic::Ordering::SeqCst), 3, "nothing ran twice");
     gw.stop().await;
 }
 

@@ -96,9 +96,12 @@ impl Gateway {
         if let Some(s) = self.scheduler.attach(&rec.task_id, 0) {
             return Ok(Repeat::Join(s));
         }
-        // A device's derived key keeps no text under the default policy:
-        // the repeat says so rather than look like an empty answer.
-        let text_not_kept = crate::task::is_derived_device_key(key) && rec.result_text.is_none();
+        // No answer text kept with the key (a device's derived key under
+        // the default policy, a class whose `store_text` is false, a
+        // user's deleted data): the repeat says so, on every ingress,
+        // rather than look like an empty answer. A kept empty answer is
+        // `Some("")`.
+        let text_not_kept = rec.result_text.is_none();
         Ok(Repeat::Join(self.replay_stored(rec, text_not_kept)))
     }
 

@@ -1616,7 +1616,10 @@ fn apply(
             let allowed = text_allowed(&meta.task_id)?;
             // finish_task sets the state with the result.
             append_transition(txn, &meta.task_id, t)?;
-            finish_task(txn, meta, error_code.as_deref(), result_text.as_deref().filter(|_| allowed))?;
+            // The tool calls' arguments are answer text as well.
+            let stripped = if allowed { None } else { retention::without_text(meta) };
+            let meta_kept = stripped.as_ref().unwrap_or(meta);
+            finish_task(txn, meta_kept, error_code.as_deref(), result_text.as_deref().filter(|_| allowed))?;
             pending_requests::drop_request(txn, &meta.task_id)?;
             if let Some(t) = idempotent_text.as_ref().filter(|_| allowed) {
                 idempotency::keep_result(txn, &meta.task_id, t)?;

@@ -5,7 +5,9 @@
 //! purge interval, each pass bounded so that it never holds the writer for
 //! long. Also the rules on text per class ([`Policy`]): a class whose
 //! `store_text` is false leaves no prompt or answer text in the file, and
-//! its idempotency keys live at most its `idempotency_hours`.
+//! its idempotency keys live at most its `idempotency_hours` (the tool
+//! calls' arguments in its result metadata are such text too:
+//! [`without_text`]).
 //!
 //! Does not own: when a pass runs (the writer) or the ages (config). A
 //! task whose idempotency key is still live is kept whatever its age: a
@@ -16,7 +18,7 @@
 use rusqlite::{params, Connection, OptionalExtension};
 
 use super::{exec, ClassRetention, StoreOptions};
-use crate::task::DataClass;
+use crate::task::{DataClass, ResultMeta};
 
 /// The per-class rules the writer applies.
 #[derive(Debug, Clone, Copy)]
@@ -72,6 +74,19 @@ impl Policy {
             rejected_before: before(rejected),
         }
     }
+}
+
+/// The result metadata of a task whose class may not store text, as the
+/// file may hold it: the tool calls' arguments are text the model wrote
+/// (answer text) and are left out; `None` when there is nothing to leave
+/// out (the metadata is stored as it is).
+pub(super) fn without_text(meta: &ResultMeta) -> Option<ResultMeta> {
+    if meta.tool_calls.iter().all(|c| c.arguments.is_empty()) {
+        return None;
+    }
+    let mut m = meta.clone();
+    m.tool_calls = meta.tool_calls.iter().map(|c| c.for_record(false)).collect();
+    Some(m)
 }
 
 fn ms(d: std::time::Duration) -> i64 {

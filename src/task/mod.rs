@@ -580,10 +580,12 @@ pub struct ResultMeta {
     /// What prompt assembly did; absent when it did nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<Box<ContextMeta>>,
-    /// A repeat answered from the store when the answer's text was not
-    /// kept (a device's derived key under `store_prompts = false`, past the
-    /// replay window or after a restart): the outcome only, so that a
-    /// missing answer is not taken for an empty one (review 15 L4).
+    /// A repeat answered from the store (past the replay window or after a
+    /// restart) when the answer's text was not kept (a device's derived
+    /// key under `store_prompts = false`, a class whose `store_text` is
+    /// false, a user's deleted data): the outcome only, so that a missing
+    /// answer is not taken for an empty one (review 15 L4), on every
+    /// ingress.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub text_not_kept: bool,
     /// What the call cost: the input and output tokens of `usage` at the

@@ -114,6 +114,11 @@ async fn whole_response(task: TaskStream, model: String) -> Response {
             message["content"] = Value::Null;
         }
     }
+    // A repeat of an idempotency key whose answer text was not kept
+    // (`edge.text_not_kept`): the text is missing, not empty.
+    if meta.text_not_kept {
+        message["content"] = Value::Null;
+    }
     let body = json!({
         "id": format!("chatcmpl-{}", meta.task_id),
         "object": "chat.completion",
