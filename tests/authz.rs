@@ -258,6 +258,34 @@ async fn a_trusted_header_names_the_user_for_its_applications_keys_and_the_body_
     gw.stop().await;
 }
 
+/// `POST /v1/sessions` with `headers` and `body`: the session's `user_id`.
+async fn session_user(gw: &TestGateway, key: &str, headers: &[(&str, &str)], body: Value) -> Value {
+    let mut rb = client().post(format!("{}/v1/sessions", gw.base_url)).bearer_auth(key).json(&body);
+    for (k, v) in headers {
+        rb = rb.header(*k, *v);
+    }
+    let r = rb.send().await.unwrap();
+    assert_eq!(r.status(), 201);
+    r.json::<Value>().await.unwrap()["user_id"].clone()
+}
+
+/// A session is owned as a call is: for an application with a
+/// `user_header`, by the header's user only; the body's `user_id` is the
+/// caller's and is ignored, and without the header the session has no
+/// user (as such a call has none). Failed before: the body's `user_id`
+/// owned a session created without the header.
+#[tokio::test]
+async fn a_session_of_an_application_with_a_user_header_belongs_to_the_headers_user_only() {
+    let (_fake, _nats, gw, _bus) = gateway().await;
+    let mallory = json!({"user_id": "mallory"});
+    assert_eq!(session_user(&gw, PORTAL_KEY, &[("x-user-id", "alice")], mallory.clone()).await, json!("alice"));
+    assert_eq!(session_user(&gw, PORTAL_KEY, &[], mallory.clone()).await, Value::Null);
+    // Another application's keys: the body (or `x-user-id`) names the user.
+    assert_eq!(session_user(&gw, DEMO_KEY, &[], json!({"user_id": "carol"})).await, json!("carol"));
+    assert_eq!(session_user(&gw, DEMO_KEY, &[("x-user-id", "dave")], json!({})).await, json!("dave"));
+    gw.stop().await;
+}
+
 /// Unix ms as a TOML date-time in UTC (days to a civil date: H. Hinnant).
 fn utc(ms: i64) -> String {
     let (days, secs) = (ms.div_euclid(86_400_000), ms.rem_euclid(86_400_000) / 1000);

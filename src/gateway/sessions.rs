@@ -59,12 +59,23 @@ pub(super) struct Turn {
 }
 
 impl Gateway {
+    /// The owner a session request acts for: the caller's user (the
+    /// credential's, or the one its application's `user_header` names),
+    /// else the user it declares (`declared`). For an application with a
+    /// `user_header` only the header names the user, as for its calls
+    /// (admission ignores their body's user): a declared one is ignored,
+    /// and without the header the session has no user.
+    fn owner(&self, who: &Identity, declared: Option<&str>) -> Result<Owner, GatewayError> {
+        let header_only = self.config().applications.get(&who.application).is_some_and(|a| a.user_header.is_some());
+        Owner::of(who, declared.filter(|_| !header_only))
+    }
+
     /// `POST /v1/sessions`: `user` is the user the caller declares (a
     /// header), used when neither the credential nor the body names one.
     pub fn create_session(&self, who: &Identity, user: Option<&str>, body: &[u8]) -> Result<SessionView, GatewayError> {
         let req: CreateSession =
             if body.iter().all(u8::is_ascii_whitespace) { Default::default() } else { parse(body)? };
-        let owner = Owner::of(who, req.user_id.as_deref().or(user))?;
+        let owner = self.owner(who, req.user_id.as_deref().or(user))?;
         // The class every call of this caller has at least (a call may ask
         // for a stricter one): the session's retention from the start.
         let cfg = self.config();
@@ -74,15 +85,15 @@ impl Gateway {
     }
 
     pub fn session(&self, who: &Identity, user: Option<&str>, id: &str) -> Result<SessionView, GatewayError> {
-        self.sessions.get(&Owner::of(who, user)?, id)
+        self.sessions.get(&self.owner(who, user)?, id)
     }
 
     pub fn list_sessions(&self, who: &Identity, user: Option<&str>) -> Result<Vec<SessionView>, GatewayError> {
-        Ok(self.sessions.list(&Owner::of(who, user)?))
+        Ok(self.sessions.list(&self.owner(who, user)?))
     }
 
     pub fn delete_session(&self, who: &Identity, user: Option<&str>, id: &str) -> Result<(), GatewayError> {
-        self.sessions.delete(&Owner::of(who, user)?, id)
+        self.sessions.delete(&self.owner(who, user)?, id)
     }
 
     pub fn put_session_memory(
@@ -93,7 +104,7 @@ impl Gateway {
         body: &[u8],
     ) -> Result<MemoryEntry, GatewayError> {
         let w: MemoryWrite = parse(body)?;
-        self.sessions.put_memory(&Owner::of(who, user)?, id, w)
+        self.sessions.put_memory(&self.owner(who, user)?, id, w)
     }
 
     pub fn session_memory(
@@ -104,11 +115,11 @@ impl Gateway {
         key: Option<&str>,
         tag: Option<&str>,
     ) -> Result<Vec<MemoryEntry>, GatewayError> {
-        self.sessions.memory(&Owner::of(who, user)?, id, key, tag)
+        self.sessions.memory(&self.owner(who, user)?, id, key, tag)
     }
 
     pub fn clear_session_memory(&self, who: &Identity, user: Option<&str>, id: &str) -> Result<(), GatewayError> {
-        self.sessions.clear_memory(&Owner::of(who, user)?, id)
+        self.sessions.clear_memory(&self.owner(who, user)?, id)
     }
 
     /// Assembles the prompt of an admitted chat call

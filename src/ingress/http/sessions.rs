@@ -4,7 +4,8 @@
 //! The user a call acts for is the credential's (a JWT `sub`), else the
 //! `x-user-id` header (an application acting for its users, as
 //! `metadata.user_id` does for a chat); `POST /v1/sessions` may also name
-//! it in the body (`user_id`). A session of another tenant, application or
+//! it in the body (`user_id`). For an application with a `user_header`,
+//! only that header names the user (as for its calls). A session of another tenant, application or
 //! user answers 404 `SESSION_NOT_FOUND`, the same as one that never was.
 //!
 //! Owns: the routes' HTTP shape. Does not own: sessions, ownership or
