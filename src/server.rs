@@ -168,6 +168,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     metrics.export_store_errors(store.write_failures());
     metrics.export_store_health(store.health());
     metrics.set_queue_capacities(&config);
+    metrics.set_key_expiries(&config, crate::task::now_ms());
     store.budgets().configure(&config);
     if let Some(endpoint) = &config.log.otlp_endpoint {
         metrics.start_otlp(endpoint, &config.node_id);

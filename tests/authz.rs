@@ -333,6 +333,17 @@ api_key_sha256 = ["{}"]
     for key in ["sk-valid", "sk-plain", "sk-soon"] {
         assert_eq!(post_chat(&gw, key, &chat_body(false)).await.status(), 200, "{key}");
     }
+    // Operators see it coming: the gauge holds the next key to lapse (the
+    // one that lapsed in 2020 is past), and nothing for an application
+    // whose keys carry no expiry.
+    let text = client().get(format!("{}/metrics", gw.base_url)).bearer_auth(OPS_KEY).send().await.unwrap();
+    let text = text.text().await.unwrap();
+    let series: Vec<&str> =
+        text.lines().filter(|l| l.starts_with("edgeway_api_key_expiry_timestamp_seconds{")).collect();
+    assert_eq!(series.len(), 1, "{series:?}");
+    assert!(series[0].contains("application=\"temp\"") && series[0].contains("tenant=\"demo\""), "{series:?}");
+    let at: f64 = series[0].rsplit(' ').next().unwrap().parse().unwrap();
+    assert_eq!(at, (soon / 1000 + 1) as f64, "{series:?}");
     // Checked on every request, not only at load: once its time has come,
     // the same key is refused. (The clock is what is waited for.)
     let wait = (soon / 1000 + 1) * 1000 - edgeway::task::now_ms() + 50;

@@ -249,6 +249,7 @@ impl Gateway {
         // admission rules at worst, never a key without its application.
         let retired = self.scheduler.set_limits(&new, &added);
         self.metrics.set_queue_capacities(&new);
+        self.metrics.set_key_expiries(&new, crate::task::now_ms());
         self.store.budgets().configure(&new);
         self.auth.reload(&new);
         self.sessions.reconfigure(&new);

@@ -108,6 +108,11 @@ pub struct Metrics {
     /// tenant, application (`*` for the tenant's own budget) and window
     /// (`daily`, `monthly`).
     pub budget_used: GaugeVec,
+    /// When the first of an application's API keys expires (Unix
+    /// seconds), by tenant and application (configured names): set at
+    /// load and reload ([`Metrics::set_key_expiries`]); absent for an
+    /// application whose keys carry no expiry.
+    api_key_expiry: GaugeVec,
     /// Budget warnings (a charge crossed `warn_percent`), by tenant,
     /// application (`*`) and window.
     pub budget_warnings: IntCounterVec,
@@ -335,6 +340,11 @@ impl Metrics {
                 "Used share of a budget window after its last charge, by tenant, application and window",
                 &["tenant", "application", "window"],
             ),
+            api_key_expiry: float_gauge(
+                "api_key_expiry_timestamp_seconds",
+                "When the first of an application's API keys that had not expired at load expires, Unix seconds",
+                &["tenant", "application"],
+            ),
             budget_warnings: counter(
                 "budget_warnings_total",
                 "Budget warnings (warn_percent crossed), by tenant, application and window",
@@ -387,6 +397,20 @@ impl Metrics {
         }
     }
 
+    /// Sets `edgeway_api_key_expiry_timestamp_seconds` from `config` at
+    /// `now_ms` (at start and at each reload, which may add, remove or
+    /// change keys): a series per application with an expiring key.
+    pub fn set_key_expiries(&self, config: &crate::config::Config, now_ms: i64) {
+        self.api_key_expiry.reset();
+        for app in config.applications.values() {
+            if let Some(at) = first_expiry(app.key_expires_ms.values().copied(), now_ms) {
+                self.api_key_expiry
+                    .with_label_values(&[app.tenant.as_str(), app.name.as_str()])
+                    .set(at as f64 / 1000.0);
+            }
+        }
+    }
+
     pub fn render(&self) -> String {
         let dropped = log_lines_dropped();
         let counted = self.log_lines_dropped.get();
@@ -397,6 +421,16 @@ impl Metrics {
         TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
         String::from_utf8(buf).expect("prometheus text is UTF-8")
     }
+}
+
+/// What the key-expiry gauge shows of an application's key expiries (Unix
+/// ms) at `now_ms`: the first that is still ahead (the next key to
+/// lapse), else the last that passed (the application's expiring keys
+/// have all lapsed; an alert on `… - time()` keeps firing until the
+/// configuration drops them); `None` without any.
+fn first_expiry(expiries: impl Iterator<Item = i64>, now_ms: i64) -> Option<i64> {
+    let (ahead, passed): (Vec<i64>, Vec<i64>) = expiries.partition(|&at| at > now_ms);
+    ahead.into_iter().min().or_else(|| passed.into_iter().max())
 }
 
 /// One task counted in a gauge while this lives (an engine attempt in
@@ -615,5 +649,14 @@ mod tests {
         store.flush().await;
         assert_eq!(store.write_failures().get(), 1);
         assert!(metrics.render().contains("edgeway_store_errors 1"));
+    }
+
+    /// The key-expiry gauge: the next key to lapse, else the last that
+    /// lapsed; nothing without an expiring key.
+    #[test]
+    fn the_key_expiry_is_the_next_to_lapse_else_the_last_that_did() {
+        assert_eq!(first_expiry([5000, 9000, 2000].into_iter(), 3000), Some(5000));
+        assert_eq!(first_expiry([1000, 2000].into_iter(), 3000), Some(2000), "all lapsed: the last");
+        assert_eq!(first_expiry(std::iter::empty(), 3000), None);
     }
 }

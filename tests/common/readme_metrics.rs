@@ -6,7 +6,7 @@
 
 /// One row: its metric names, type (`counter`, `gauge`, `histogram`) and
 /// when it shows (`always`, `event`, `gpu`, `supervised`, `model_api`,
-/// `nats`).
+/// `nats`, `expiring_key`).
 #[derive(Debug)]
 pub struct Row {
     pub names: Vec<String>,
@@ -32,7 +32,7 @@ fn label_names(cell: &str) -> Vec<String> {
     outside.split('`').skip(1).step_by(2).map(str::to_string).collect()
 }
 
-pub const SHOWN: [&str; 6] = ["always", "event", "gpu", "supervised", "model_api", "nats"];
+pub const SHOWN: [&str; 7] = ["always", "event", "gpu", "supervised", "model_api", "nats", "expiring_key"];
 
 /// The rows of the table, checked for form (five cells, known types and
 /// markers, `edgeway_` names, none twice).
