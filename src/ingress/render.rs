@@ -109,7 +109,7 @@ pub fn compact_event(seq: u64, request_id: &str, e: &TaskEvent) -> Vec<u8> {
     }
     if let TaskEvent::Done(meta) = e {
         v["finish_reason"] = meta.finish_reason.clone().into();
-        v["usage"] = serde_json::to_value(&meta.usage).unwrap_or(Value::Null);
+        v["usage"] = serde_json::to_value(meta.usage).unwrap_or(Value::Null);
         if meta.text_not_kept {
             v["text_not_kept"] = true.into();
         }
