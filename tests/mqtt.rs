@@ -191,99 +191,111 @@ async fn a_hostile_device_receives_nothing_of_others_and_starts_nothing_in_their
 
 #[tokio::test]
 async fn cancel_stops_the_engine_and_ends_the_stream_with_request_cancelled() {
-    let (fake, gw, addr) = start(Knobs::slow(1000, 20), "coalesce_ms = 0").await;
-    let mut d = device(addr, V::V4, D1).await;
-    d.subscribe(&d.topic("res/#")).await;
-    d.publish(&d.topic("req"), request("to-cancel").to_string()).await;
-    let mut events = vec![d.msg().await.json(), d.msg().await.json()];
-    assert_eq!(events[1]["type"], "delta");
-    d.publish(&d.topic("cancel"), json!({"request_id": "to-cancel"}).to_string()).await;
-    events.extend(d.stream(&d.topic("res/to-cancel")).await);
-    check_stream(&events);
-    let last = events.last().unwrap();
-    assert_eq!(last["type"], "error");
-    assert_eq!(last["code"], "REQUEST_CANCELLED");
-    assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 0).await);
-    assert_eq!(fake.stats.aborted.load(SeqCst), 1);
-    gw.stop().await;
+    for form in FORMS {
+        let (fake, gw, addr) = start(Knobs::slow(1000, 20), "coalesce_ms = 0").await;
+        let mut d = device(addr, V::V4, D1).await;
+        form.subscribe(&mut d).await;
+        d.publish(&d.topic("req"), form.request("to-cancel").to_string()).await;
+        let mut r = StreamReader::new(form, "to-cancel");
+        let mut events = vec![r.next(&mut d).await, r.next(&mut d).await];
+        assert_eq!(events[1]["type"], "delta", "{form:?}");
+        d.publish(&d.topic("cancel"), json!({"request_id": "to-cancel"}).to_string()).await;
+        events.extend(r.until_end(&mut d).await);
+        check_stream(&events);
+        let last = events.last().unwrap();
+        assert_eq!(last["type"], "error");
+        assert_eq!(last["code"], "REQUEST_CANCELLED", "{form:?}");
+        assert!(fake.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 0).await);
+        assert_eq!(fake.stats.aborted.load(SeqCst), 1);
+        gw.stop().await;
+    }
 }
 
 #[tokio::test]
 async fn a_repeated_request_id_never_starts_a_second_inference() {
-    let (fake, gw, addr) = start(Knobs::slow(10, 10), "coalesce_ms = 0").await;
-    let mut d = device(addr, V::V4, D1).await;
-    d.subscribe(&d.topic("res/#")).await;
-    d.publish(&d.topic("req"), request("same").to_string()).await;
-    let first = d.stream(&d.topic("res/same")).await;
-    let text = check_stream(&first);
+    for form in FORMS {
+        let (fake, gw, addr) = start(Knobs::slow(10, 10), "coalesce_ms = 0").await;
+        let mut d = device(addr, V::V4, D1).await;
+        form.subscribe(&mut d).await;
+        d.publish(&d.topic("req"), form.request("same").to_string()).await;
+        let mut r = StreamReader::new(form, "same");
+        let first = r.until_end(&mut d).await;
+        let text = check_stream(&first);
 
-    // The device reconnects and retries: it gets the finished stream again.
-    d.disconnect().await;
-    drop(d);
-    let mut d = device(addr, V::V4, D1).await;
-    d.subscribe(&d.topic("res/#")).await;
-    d.publish(&d.topic("req"), request("same").to_string()).await;
-    let again = d.stream(&d.topic("res/same")).await;
-    assert_eq!(check_stream(&again), text);
-    assert_eq!(again, first, "the same messages, the same seqs");
+        // The device reconnects and retries: it gets the finished stream
+        // again (a compact one on the same stream topic).
+        d.disconnect().await;
+        drop(d);
+        let mut d = device(addr, V::V4, D1).await;
+        form.subscribe(&mut d).await;
+        d.publish(&d.topic("req"), form.request("same").to_string()).await;
+        let again = r.until_end(&mut d).await;
+        assert_eq!(check_stream(&again), text);
+        assert_eq!(again, first, "the same messages, the same seqs ({form:?})");
 
-    // Two devices may use the same request id: two tasks.
-    let mut d2 = device(addr, V::V4, D2).await;
-    d2.subscribe(&d2.topic("res/#")).await;
-    d2.publish(&d2.topic("req"), request("same").to_string()).await;
-    let other = d2.stream(&d2.topic("res/same")).await;
-    assert_ne!(other[0]["task_id"], first[0]["task_id"]);
+        // Two devices may use the same request id: two tasks.
+        let mut d2 = device(addr, V::V4, D2).await;
+        form.subscribe(&mut d2).await;
+        d2.publish(&d2.topic("req"), form.request("same").to_string()).await;
+        let other = StreamReader::new(form, "same").until_end(&mut d2).await;
+        assert_ne!(other[0]["task_id"], first[0]["task_id"]);
 
-    // The same id with a different prompt is refused.
-    let mut changed = request("same");
-    changed["messages"][0]["content"] = json!("something else");
-    d.publish(&d.topic("req"), changed.to_string()).await;
-    let refused = d.stream(&d.topic("res/same")).await;
-    assert_eq!(refused[0]["code"], "INVALID_REQUEST", "{refused:?}");
-    assert_eq!(fake.stats.requests.load(SeqCst), 2);
-    gw.stop().await;
+        // The same id with a different prompt is refused (on
+        // `res/{request_id}`, in JSON, in both forms: it has no stream).
+        let mut changed = form.request("same");
+        changed["messages"][0]["content"] = json!("something else");
+        d.publish(&d.topic("req"), changed.to_string()).await;
+        let refused = d.stream(&d.topic("res/same")).await;
+        assert_eq!(refused[0]["code"], "INVALID_REQUEST", "{refused:?}");
+        assert_eq!(fake.stats.requests.load(SeqCst), 2);
+        gw.stop().await;
+    }
 }
 
 #[tokio::test]
 async fn a_device_resumes_after_a_dropped_connection_and_misses_nothing() {
-    let (fake, gw, addr) = start(Knobs::slow(40, 25), "coalesce_ms = 0").await;
-    let mut d = device(addr, V::V5, D1).await;
-    d.subscribe(&d.topic("res/#")).await;
-    d.publish(&d.topic("req"), request("long").to_string()).await;
-    let mut got = Vec::new();
-    while got.len() < 5 {
-        got.push(d.msg().await.json());
+    for form in FORMS {
+        let (fake, gw, addr) = start(Knobs::slow(40, 25), "coalesce_ms = 0").await;
+        let mut d = device(addr, V::V5, D1).await;
+        form.subscribe(&mut d).await;
+        d.publish(&d.topic("req"), form.request("long").to_string()).await;
+        let mut r = StreamReader::new(form, "long");
+        let mut got = Vec::new();
+        while got.len() < 5 {
+            got.push(r.next(&mut d).await);
+        }
+        // The network drops (no DISCONNECT); the task goes on meanwhile.
+        d.kill();
+        assert!(fake.wait_for(Duration::from_secs(10), |s| s.requests.load(SeqCst) == 1).await);
+
+        let mut d = device(addr, V::V5, D1).await;
+        form.subscribe(&mut d).await;
+        let from = got.len() as u64;
+        d.publish(&d.topic("resume"), json!({"request_id": "long", "from_seq": from}).to_string()).await;
+        got.extend(r.until_end(&mut d).await);
+        // Anything that arrived before the drop is not sent twice; seq is
+        // contiguous across the reconnect.
+        assert_eq!(check_stream(&got).len(), 40 * 4, "{form:?}");
+        assert_eq!(got.last().unwrap()["type"], "done");
+        assert_eq!(fake.stats.requests.load(SeqCst), 1);
+
+        // After the end, a resume from any kept seq replays the rest.
+        d.publish(&d.topic("resume"), json!({"request_id": "long", "from_seq": 3}).to_string()).await;
+        let tail = r.until_end(&mut d).await;
+        assert_eq!(tail, got[3..].to_vec());
+
+        // Resumes that cannot be served get an explicit error (in JSON on
+        // `res/{request_id}`, in both forms).
+        d.publish(&d.topic("resume"), json!({"request_id": "never-sent", "from_seq": 0}).to_string()).await;
+        let e = d.stream(&d.topic("res/never-sent")).await;
+        assert_eq!((e.len(), &e[0]["code"]), (1, &json!("INVALID_REQUEST")));
+        let beyond = got.len() as u64 + 5;
+        d.publish(&d.topic("resume"), json!({"request_id": "long", "from_seq": beyond}).to_string()).await;
+        let e = d.stream(&d.topic("res/long")).await;
+        assert_eq!(e[0]["seq"], beyond);
+        assert_eq!(e[0]["code"], "INVALID_REQUEST");
+        gw.stop().await;
     }
-    // The network drops (no DISCONNECT); the task goes on meanwhile.
-    d.kill();
-    assert!(fake.wait_for(Duration::from_secs(10), |s| s.requests.load(SeqCst) == 1).await);
-
-    let mut d = device(addr, V::V5, D1).await;
-    d.subscribe(&d.topic("res/#")).await;
-    let from = got.len() as u64;
-    d.publish(&d.topic("resume"), json!({"request_id": "long", "from_seq": from}).to_string()).await;
-    got.extend(d.stream(&d.topic("res/long")).await);
-    // Anything that arrived before the drop is not sent twice; seq is
-    // contiguous across the reconnect.
-    assert_eq!(check_stream(&got).len(), 40 * 4);
-    assert_eq!(got.last().unwrap()["type"], "done");
-    assert_eq!(fake.stats.requests.load(SeqCst), 1);
-
-    // After the end, a resume from any kept seq replays the rest.
-    d.publish(&d.topic("resume"), json!({"request_id": "long", "from_seq": 3}).to_string()).await;
-    let tail = d.stream(&d.topic("res/long")).await;
-    assert_eq!(tail, got[3..].to_vec());
-
-    // Resumes that cannot be served get an explicit error.
-    d.publish(&d.topic("resume"), json!({"request_id": "never-sent", "from_seq": 0}).to_string()).await;
-    let e = d.stream(&d.topic("res/never-sent")).await;
-    assert_eq!((e.len(), &e[0]["code"]), (1, &json!("INVALID_REQUEST")));
-    let beyond = got.len() as u64 + 5;
-    d.publish(&d.topic("resume"), json!({"request_id": "long", "from_seq": beyond}).to_string()).await;
-    let e = d.stream(&d.topic("res/long")).await;
-    assert_eq!(e[0]["seq"], beyond);
-    assert_eq!(e[0]["code"], "INVALID_REQUEST");
-    gw.stop().await;
 }
 
 #[tokio::test]
@@ -707,5 +719,153 @@ async fn the_catalogue_lists_only_what_a_device_can_ask_for() {
     let last = events.last().unwrap();
     assert_eq!((last["type"].as_str(), last["code"].as_str()), (Some("error"), Some("INVALID_REQUEST")), "{last}");
     assert!(last["message"].as_str().unwrap().contains("'embed'"), "{last}");
+    gw.stop().await;
+}
+
+/// A compact stream (topics/README.md "Compact streams"): its own topic
+/// `s/{sid}` with the lowest stream id the device has free, the request id
+/// only in `accepted`, deltas as `{seq}:{text}`; ids are freed when a
+/// stream is no longer kept, and reused.
+#[tokio::test]
+async fn compact_streams_have_a_short_id_and_a_minimal_envelope() {
+    let (_fake, gw, addr) = start(Knobs::slow(6, 20), "coalesce_ms = 0\nreplay_retention_ms = 0").await;
+    let mut d = device(addr, V::V4, D1).await;
+    Form::Compact.subscribe(&mut d).await;
+    // Two at once: two streams, ids 0 and 1.
+    d.publish(&d.topic("req"), Form::Compact.request("first-request").to_string()).await;
+    d.publish(&d.topic("req"), Form::Compact.request("second-request").to_string()).await;
+    let mut by_topic: std::collections::BTreeMap<String, Vec<Bytes>> = Default::default();
+    let mut ended = 0;
+    while ended < 2 {
+        let m = d.msg().await;
+        let v = parse_compact(&m.payload);
+        ended += usize::from(v["type"] == "done");
+        by_topic.entry(m.topic.clone()).or_default().push(m.payload.clone());
+    }
+    let topics: Vec<&String> = by_topic.keys().collect();
+    assert_eq!(topics, [&d.topic("s/0"), &d.topic("s/1")]);
+    for msgs in by_topic.values() {
+        let events: Vec<_> = msgs.iter().map(|p| parse_compact(p)).collect();
+        assert_eq!(check_stream(&events), "tok ".repeat(6));
+        assert!(events[0]["request_id"].as_str().is_some_and(|r| r.ends_with("-request")));
+        for (seq, p) in msgs.iter().enumerate().skip(1) {
+            assert!(!String::from_utf8_lossy(p).contains("request"), "only accepted names the request");
+            if events[seq]["type"] == "delta" {
+                assert_eq!(&p[..], format!("{seq}:tok ").as_bytes());
+            }
+        }
+        let done = events.last().unwrap();
+        assert_eq!((&done["finish_reason"], &done["usage"]["output_tokens"]), (&json!("stop"), &json!(6)));
+    }
+    // Once a stream is no longer kept (`replay_retention_ms = 0`: at its
+    // end; a resume then finds nothing), its id is free again.
+    for msgs in by_topic.values() {
+        let rid = parse_compact(&msgs[0])["request_id"].as_str().unwrap().to_string();
+        let last = msgs.len() - 1;
+        loop {
+            d.publish(&d.topic("resume"), json!({"request_id": rid, "from_seq": last}).to_string()).await;
+            let m = d.msg().await;
+            if m.topic == d.topic(&format!("res/{rid}")) {
+                assert!(m.json()["message"].as_str().unwrap().contains("unknown request"), "{:?}", m.payload);
+                break;
+            }
+            // Still kept: its `done` again.
+            assert_eq!(parse_compact(&m.payload)["type"], "done");
+        }
+    }
+    d.publish(&d.topic("req"), Form::Compact.request("third-request").to_string()).await;
+    let mut r = StreamReader::new(Form::Compact, "third-request");
+    r.until_end(&mut d).await;
+    assert_eq!(r.topic, Some(d.topic("s/0")));
+    gw.stop().await;
+}
+
+/// `[devices.ID] compact` and `coalesce_ms`: the device's defaults, which
+/// its requests may override (`"compact": false`, `coalesce_ms`).
+#[tokio::test]
+async fn a_device_may_default_to_compact_streams_and_its_own_coalescing() {
+    let tuned = format!(
+        "{}compact = true\ncoalesce_ms = 0\n",
+        devices_sim::device_config("tuned", "tuned-pass", "demo", "demo")
+    );
+    let (_fake, gw, addr) =
+        start(Knobs::slow(20, 5), &format!("coalesce_ms = 60000\nmax_chunk_bytes = 4096\n{tuned}")).await;
+    let mut d = device(addr, V::V4, ("tuned", "tuned-pass")).await;
+    Form::Compact.subscribe(&mut d).await;
+    d.publish(&d.topic("req"), request("plain").to_string()).await;
+    let events = StreamReader::new(Form::Compact, "plain").until_end(&mut d).await;
+    assert_eq!(check_stream(&events), "tok ".repeat(20));
+    assert_eq!(events.iter().filter(|e| e["type"] == "delta").count(), 20, "the device's coalesce_ms = 0");
+
+    let mut json_form = request("as-json");
+    json_form["compact"] = json!(false);
+    d.publish(&d.topic("req"), json_form.to_string()).await;
+    let events = d.stream(&d.topic("res/as-json")).await;
+    assert_eq!(events.iter().filter(|e| e["type"] == "delta").count(), 20);
+    assert_eq!(events[1]["request_id"], "as-json");
+
+    let mut req = request("by-request");
+    req["coalesce_ms"] = json!(60000);
+    d.publish(&d.topic("req"), req.to_string()).await;
+    let events = StreamReader::new(Form::Compact, "by-request").until_end(&mut d).await;
+    // The first delta at once, the rest within one period.
+    assert_eq!(events.iter().filter(|e| e["type"] == "delta").count(), 2, "the request's coalesce_ms");
+
+    // Other devices keep `[mqtt]`'s.
+    let mut other = device(addr, V::V4, D1).await;
+    other.subscribe(&other.topic("res/#")).await;
+    other.publish(&other.topic("req"), request("default").to_string()).await;
+    let events = other.stream(&other.topic("res/default")).await;
+    assert_eq!(events.iter().filter(|e| e["type"] == "delta").count(), 2);
+    gw.stop().await;
+}
+
+/// MQTT 5 topic aliases on what edgeway sends: only to a device whose
+/// CONNECT allows them, the topic once and then the alias alone; with every
+/// alias taken, the oldest moves to the new topic. Both forms.
+#[tokio::test]
+async fn responses_use_topic_aliases_where_the_device_allows_them() {
+    let (_fake, gw, addr) = start(Knobs::slow(5, 5), "coalesce_ms = 0").await;
+    for form in FORMS {
+        // One alias: each new stream's topic takes it over.
+        let mut d = device_with_aliases(addr, D1, 1).await;
+        form.subscribe(&mut d).await;
+        for rid in ["a1", "a2"] {
+            let rid = format!("{rid}-{form:?}");
+            d.publish(&d.topic("req"), form.request(&rid).to_string()).await;
+            let mut seen = Vec::new();
+            let mut r = StreamReader::new(form, &rid);
+            loop {
+                // The reader checks the (resolved) topic of every message.
+                let m = d.msg().await;
+                seen.push(m.alias);
+                d.pending_front(m);
+                let v = r.next(&mut d).await;
+                if v["type"] == "done" {
+                    break;
+                }
+            }
+            assert_eq!(seen[0], Some((1, false)), "{form:?}: the topic with the alias");
+            assert!(seen[1..].iter().all(|a| *a == Some((1, true))), "{form:?}: then the alias alone: {seen:?}");
+        }
+        d.disconnect_and_wait().await;
+        // A device that allows none gets whole topics.
+        for v in [V::V5, V::V4] {
+            let mut d = device(addr, v, D2).await;
+            form.subscribe(&mut d).await;
+            let rid = format!("b-{form:?}-{v:?}");
+            d.publish(&d.topic("req"), form.request(&rid).to_string()).await;
+            let mut r = StreamReader::new(form, &rid);
+            loop {
+                let m = d.msg().await;
+                assert_eq!(m.alias, None);
+                d.pending_front(m);
+                if r.next(&mut d).await["type"] == "done" {
+                    break;
+                }
+            }
+            d.disconnect_and_wait().await;
+        }
+    }
     gw.stop().await;
 }

@@ -102,3 +102,78 @@ async fn bench_first_delta_and_coalescing() {
     }
     gw.stop().await;
 }
+
+/// BENCHMARKS.md "Session 12: compact device streams" (run with
+/// `--ignored --nocapture`; `RESPONSES=n` per row, default 3): what one
+/// device's stream costs on the wire, counted by devices-sim's proxy
+/// (MQTT framing, topic, packet id, properties and payload of every packet),
+/// per byte of answer text, against a fake engine at the real demo
+/// engine's pace (28 ms a token, about 36 tokens/s; 3-byte tokens, against
+/// the real one's 3.2 bytes on average), 256 and 64 tokens. Rows: the JSON
+/// form and the compact form at 100 ms (the default) and 500 ms coalescing,
+/// as an MQTT 5 device that allows topic aliases and as an MQTT 3.1.1
+/// device. Request ids are short (`r12`), as in issue 18's figure. "to the
+/// device" counts what edgeway sent (the stream, and the PUBACK of the
+/// request); "both ways" adds the request and the device's PUBACKs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: prints figures"]
+async fn bench_compact_streams_wire_bytes() {
+    let responses: usize = std::env::var("RESPONSES").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let mut n = 0;
+    println!(
+        "| tokens | device | form | coalescing | messages per response | bytes to the device per response | \
+         to the device per output byte (min–max) | both ways per output byte |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for tokens in [256, 64] {
+        let knobs =
+            Knobs { tokens, token_text: "ok ".into(), token_delay: Duration::from_millis(28), ..Knobs::default() };
+        let (_fake, gw, addr) = start(knobs, "").await;
+        for (client, v5) in [("MQTT 5, topic aliases", true), ("MQTT 3.1.1", false)] {
+            for (form, coalesce_ms) in
+                [(Form::Json, 100), (Form::Json, 500), (Form::Compact, 100), (Form::Compact, 500)]
+            {
+                let proxy = devices_sim::Proxy::start(addr, LinkProfile::default(), 1).await.expect("proxy");
+                let mut d = match v5 {
+                    true => device_with_aliases(proxy.addr, D1, 16).await,
+                    false => device(proxy.addr, V::V4, D1).await,
+                };
+                form.subscribe(&mut d).await;
+                let (mut messages, mut output, mut down, mut all) = (0, 0, 0, 0);
+                let mut ratios = Vec::new();
+                for _ in 0..responses {
+                    n += 1;
+                    let rid = format!("r{n}");
+                    let mut req = form.request(&rid);
+                    req["coalesce_ms"] = coalesce_ms.into();
+                    req["max_tokens"] = tokens.into();
+                    let (down0, all0) = (proxy.stats.down_bytes(), proxy.stats.bytes());
+                    d.publish(&d.topic("req"), req.to_string()).await;
+                    let events = StreamReader::new(form, &rid).until_end(&mut d).await;
+                    // The proxy counts a chunk just after writing it.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let text = check_stream(&events);
+                    assert_eq!(text.len(), 3 * tokens as usize);
+                    let (dn, al) = (proxy.stats.down_bytes() - down0, proxy.stats.bytes() - all0);
+                    messages += events.len();
+                    output += text.len();
+                    down += dn;
+                    all += al;
+                    ratios.push(dn as f64 / text.len() as f64);
+                }
+                let r = responses as f64;
+                let (lo, hi) = ratios.iter().fold((f64::MAX, 0f64), |(l, h), x| (l.min(*x), h.max(*x)));
+                println!(
+                    "| {tokens} | {client} | {form:?} | {coalesce_ms} ms | {:.1} | {:.0} | {:.2} ({lo:.2}–{hi:.2}) | {:.2} |",
+                    messages as f64 / r,
+                    down as f64 / r,
+                    down as f64 / output as f64,
+                    all as f64 / output as f64,
+                );
+                d.disconnect_and_wait().await;
+                proxy.stop();
+            }
+        }
+        gw.stop().await;
+    }
+}

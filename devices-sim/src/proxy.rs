@@ -36,6 +36,8 @@ pub struct LinkProfile {
 #[derive(Default)]
 pub struct ProxyStats {
     bytes: AtomicU64,
+    /// Of `bytes`: from the broker to the devices.
+    down_bytes: AtomicU64,
     drops: AtomicU64,
 }
 
@@ -43,6 +45,11 @@ impl ProxyStats {
     /// Bytes carried, both directions.
     pub fn bytes(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes carried from the broker to the devices.
+    pub fn down_bytes(&self) -> u64 {
+        self.down_bytes.load(Ordering::Relaxed)
     }
 
     /// Connections cut on purpose.
@@ -112,8 +119,8 @@ async fn connection(
     });
     let (dr, dw) = down.into_split();
     let (ur, uw) = up.into_split();
-    let mut a = tokio::spawn(direction(dr, uw, profile.clone(), stats.clone(), seed ^ 0x5555));
-    let mut b = tokio::spawn(direction(ur, dw, profile, stats.clone(), seed ^ 0xaaaa));
+    let mut a = tokio::spawn(direction(dr, uw, profile.clone(), stats.clone(), seed ^ 0x5555, false));
+    let mut b = tokio::spawn(direction(ur, dw, profile, stats.clone(), seed ^ 0xaaaa, true));
     let cut = async {
         match lifetime {
             Some(l) => tokio::time::sleep(l).await,
@@ -137,6 +144,7 @@ async fn direction(
     profile: LinkProfile,
     stats: Arc<ProxyStats>,
     seed: u64,
+    down: bool,
 ) {
     let (tx, mut rx) = mpsc::channel::<(Instant, Vec<u8>)>(256);
     let reader = async move {
@@ -172,6 +180,9 @@ async fn direction(
                 return;
             }
             stats.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            if down {
+                stats.down_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            }
         }
         let _ = to.shutdown().await;
     };

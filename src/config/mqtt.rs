@@ -125,6 +125,13 @@ pub struct DeviceConfig {
     pub default_priority: Priority,
     /// The least strict data class of the device's calls.
     pub data_class: Option<crate::task::DataClass>,
+    /// The device's streams are compact unless a request says
+    /// `"compact": false` (topics/README.md "Compact streams").
+    pub compact: bool,
+    /// The device's delta coalescing, for requests that set none
+    /// (`None`: `[mqtt]`'s).
+    pub coalesce: Option<Duration>,
+    pub max_chunk_bytes: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -220,11 +227,22 @@ pub struct RawDevice {
     pub default_priority: Option<Field<PriorityName>>,
     /// The least strict data class of the device's calls.
     pub data_class: Option<Field<crate::task::DataClass>>,
+    /// Compact streams by default.
+    pub compact: bool,
+    /// Default: `mqtt.coalesce_ms`.
+    pub coalesce_ms: Option<u64>,
+    /// Default: `mqtt.max_chunk_bytes`.
+    pub max_chunk_bytes: Option<usize>,
 }
 
 /// The default of `mqtt.max_keep_alive_s`: a dead device's connection is
 /// noticed within 1.5 × this.
 pub const DEFAULT_MQTT_MAX_KEEP_ALIVE_S: u16 = 600;
+
+/// The largest `coalesce_ms` a request or a device may set.
+pub const MAX_COALESCE_MS: u64 = 60_000;
+/// The largest `max_chunk_bytes` a request or a device may set.
+pub const MAX_CHUNK_BYTES: usize = 1024 * 1024;
 
 /// Device ids become MQTT client ids and topic levels.
 pub fn valid_device_id(id: &str) -> bool {
@@ -422,6 +440,13 @@ fn device(id: &str, d: RawDevice, applications: &Entries<ApplicationConfig>, p: 
     let max_priority = optional(d.max_priority, &format!("{path}.max_priority"), p);
     let default_priority = optional(d.default_priority, &format!("{path}.default_priority"), p);
     let data_class = optional(d.data_class, &format!("{path}.data_class"), p);
+    // The same bounds as a request's fields.
+    if d.coalesce_ms.is_some_and(|ms| ms > MAX_COALESCE_MS) {
+        p.add(format!("{path}.coalesce_ms"), format!("must be 0..{MAX_COALESCE_MS}"));
+    }
+    if d.max_chunk_bytes.is_some_and(|b| !(1..=MAX_CHUNK_BYTES).contains(&b)) {
+        p.add(format!("{path}.max_chunk_bytes"), format!("must be 1..{MAX_CHUNK_BYTES}"));
+    }
     let app = match application.as_ref().map(|a| (a, applications.get(a))) {
         None => None,
         Some((name, None)) => {
@@ -451,5 +476,8 @@ fn device(id: &str, d: RawDevice, applications: &Entries<ApplicationConfig>, p: 
         max_priority,
         default_priority,
         data_class: data_class?,
+        compact: d.compact,
+        coalesce: d.coalesce_ms.map(Duration::from_millis),
+        max_chunk_bytes: d.max_chunk_bytes,
     })
 }

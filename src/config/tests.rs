@@ -466,6 +466,25 @@ fn device_problems_are_reported_with_the_rest() {
 }
 
 #[test]
+fn a_device_may_set_its_stream_form_and_coalescing_within_the_request_bounds() {
+    let text = format!(
+        "{MINIMAL}\n[devices.cam-1]\ntenant = \"demo\"\napplication = \"demo\"\ncoalesce_ms = 60001\n\
+         max_chunk_bytes = 0\n"
+    );
+    let e = parse(&text, &[]).unwrap_err();
+    let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["devices.cam-1.coalesce_ms", "devices.cam-1.max_chunk_bytes"]);
+    let ok = format!(
+        "{MINIMAL}\n[devices.cam-1]\ntenant = \"demo\"\napplication = \"demo\"\ncompact = true\ncoalesce_ms = 500\n\
+         [devices.cam-2]\ntenant = \"demo\"\napplication = \"demo\"\n"
+    );
+    let c = parse(&ok, &[]).unwrap();
+    let (d, plain) = (&c.devices["cam-1"], &c.devices["cam-2"]);
+    assert_eq!((d.compact, d.coalesce, d.max_chunk_bytes), (true, Some(Duration::from_millis(500)), None));
+    assert_eq!((plain.compact, plain.coalesce), (false, None));
+}
+
+#[test]
 fn http_connection_limits_have_defaults_and_bounds() {
     let c = parse(MINIMAL, &[]).unwrap();
     assert_eq!((c.http.max_connections, c.http.admin_max_connections), (1024, 64));

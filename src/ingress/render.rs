@@ -85,6 +85,39 @@ fn event_body(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
     }
 }
 
+/// One event of a compact MQTT stream (topics/README.md "Compact
+/// streams"): the `seq` in decimal, then for a delta `:` and its text as
+/// it is, for any other event the JSON object of [`event_json`] without
+/// `seq`, `request_id` (but for `accepted`, which ties the stream id to
+/// the request) and `trace_id`; `done` carries `finish_reason` and `usage`
+/// instead of the whole result, `error` no result (both are in the task's
+/// record).
+pub fn compact_event(seq: u64, request_id: &str, e: &TaskEvent) -> Vec<u8> {
+    let mut out = seq.to_string().into_bytes();
+    if let TaskEvent::Delta { text } = e {
+        out.push(b':');
+        out.extend_from_slice(text.as_bytes());
+        return out;
+    }
+    let mut v = event_body(seq, request_id, e);
+    if let Some(o) = v.as_object_mut() {
+        o.remove("seq");
+        if !matches!(e, TaskEvent::Accepted { .. }) {
+            o.remove("request_id");
+        }
+        o.remove("result");
+    }
+    if let TaskEvent::Done(meta) = e {
+        v["finish_reason"] = meta.finish_reason.clone().into();
+        v["usage"] = serde_json::to_value(meta.usage).unwrap_or(Value::Null);
+        if meta.text_not_kept {
+            v["text_not_kept"] = true.into();
+        }
+    }
+    out.extend_from_slice(v.to_string().as_bytes());
+    out
+}
+
 /// An `error` event for a request that never became a task (bad input,
 /// refused at admission): it is the whole stream, so its `seq` is 0.
 pub fn rejection_json(request_id: Option<&str>, e: &crate::error::GatewayError) -> Value {
@@ -108,5 +141,34 @@ pub fn queued_comment(position: usize, loading_ms: Option<u64>) -> String {
     match loading_ms {
         Some(ms) => format!(": queued position {position} (model loading, {ms} ms so far)\n\n"),
         None => format!(": queued position {position}\n\n"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::GatewayError;
+    use crate::task::{ResultMeta, TaskState};
+
+    #[test]
+    fn compact_events_carry_the_seq_and_only_accepted_names_the_request() {
+        let text = |b: Vec<u8>| String::from_utf8(b).unwrap();
+        let delta = TaskEvent::Delta { text: "a \"quoted\"\nline".into() };
+        assert_eq!(text(compact_event(12, "r1", &delta)), "12:a \"quoted\"\nline");
+        let accepted = TaskEvent::Accepted { task_id: "t1".into(), queue_position: 0 };
+        let v: Value = serde_json::from_str(&text(compact_event(0, "r1", &accepted))[1..]).unwrap();
+        assert_eq!(v, json!({"type": "accepted", "request_id": "r1", "task_id": "t1", "queue_position": 0}));
+        let mut meta = ResultMeta::bare("r1", "t1", TaskState::Succeeded, "m", "n");
+        meta.finish_reason = Some("stop".into());
+        let done = text(compact_event(3, "r1", &TaskEvent::Done(Box::new(meta.clone()))));
+        let v: Value = serde_json::from_str(done.strip_prefix('3').unwrap()).unwrap();
+        assert_eq!(v["type"], "done");
+        assert_eq!(v["finish_reason"], "stop");
+        assert_eq!(v["usage"]["output_tokens"], 0);
+        assert!(v.get("result").is_none() && v.get("request_id").is_none() && v.get("seq").is_none());
+        let error = TaskEvent::Error { error: GatewayError::internal("boom"), meta: Box::new(meta) };
+        let v: Value = serde_json::from_str(&text(compact_event(4, "r1", &error))[1..]).unwrap();
+        assert_eq!((&v["code"], &v["message"]), (&json!("INTERNAL_ERROR"), &json!("boom")));
+        assert!(v.get("result").is_none() && v.get("request_id").is_none());
     }
 }

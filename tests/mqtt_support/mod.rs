@@ -56,6 +56,10 @@ pub struct Msg {
     pub topic: String,
     pub payload: Bytes,
     pub correlation: Option<Bytes>,
+    /// The MQTT 5 topic alias it came with, and whether its topic was
+    /// left out (resolved from the alias here: rumqttc hands out the
+    /// packet as it came).
+    pub alias: Option<(u16, bool)>,
 }
 
 impl Msg {
@@ -105,6 +109,12 @@ pub async fn connect(addr: SocketAddr, v: V, id: &str, user: &str, pass: &str) -
     connect_with_will(addr, v, id, user, pass, None).await
 }
 
+/// An MQTT 5 demo device that allows `max` topic aliases from the server
+/// (Topic Alias Maximum in its CONNECT).
+pub async fn device_with_aliases(addr: SocketAddr, creds: (&str, &str), max: u16) -> Device {
+    connect_opts(addr, V::V5, creds.0, creds.0, creds.1, None, Some(max)).await.expect("demo device connects")
+}
+
 /// [`connect`] with a will: `(topic, payload)`, QoS 1, not retained.
 pub async fn connect_with_will(
     addr: SocketAddr,
@@ -113,6 +123,18 @@ pub async fn connect_with_will(
     user: &str,
     pass: &str,
     will: Option<(&str, &str)>,
+) -> Result<Device, String> {
+    connect_opts(addr, v, id, user, pass, will, None).await
+}
+
+async fn connect_opts(
+    addr: SocketAddr,
+    v: V,
+    id: &str,
+    user: &str,
+    pass: &str,
+    will: Option<(&str, &str)>,
+    topic_alias_max: Option<u16>,
 ) -> Result<Device, String> {
     let (tx, rx) = mpsc::unbounded_channel();
     let (ok_tx, ok_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
@@ -136,7 +158,8 @@ pub async fn connect_with_will(
                                 }
                             }
                             rumqttc::Packet::Publish(p) => {
-                                let _ = tx.send(Ev::Msg(Msg { topic: p.topic, payload: p.payload, correlation: None }));
+                                let m = Msg { topic: p.topic, payload: p.payload, correlation: None, alias: None };
+                                let _ = tx.send(Ev::Msg(m));
                             }
                             rumqttc::Packet::SubAck(_) => {
                                 let _ = tx.send(Ev::SubAck);
@@ -166,6 +189,7 @@ pub async fn connect_with_will(
         V::V5 => {
             let mut o = rumqttc::v5::MqttOptions::new(id, host, addr.port());
             o.set_credentials(user, pass).set_keep_alive(Duration::from_secs(30)).set_max_packet_size(Some(1 << 21));
+            o.set_topic_alias_max(topic_alias_max);
             if let Some((t, p)) = will {
                 let qos = rumqttc::v5::mqttbytes::QoS::AtLeastOnce;
                 o.set_last_will(rumqttc::v5::mqttbytes::v5::LastWill::new(t, p, qos, false, None));
@@ -174,6 +198,7 @@ pub async fn connect_with_will(
             let task = tokio::spawn(async move {
                 use rumqttc::v5::mqttbytes::v5::Packet;
                 let mut ok = Some(ok_tx);
+                let mut aliases: HashMap<u16, String> = HashMap::new();
                 loop {
                     match el.poll().await {
                         Ok(rumqttc::v5::Event::Incoming(p)) => match p {
@@ -184,8 +209,17 @@ pub async fn connect_with_will(
                             }
                             Packet::Publish(p) => {
                                 let correlation = p.properties.as_ref().and_then(|p| p.correlation_data.clone());
-                                let topic = String::from_utf8_lossy(&p.topic).into_owned();
-                                let _ = tx.send(Ev::Msg(Msg { topic, payload: p.payload, correlation }));
+                                let mut topic = String::from_utf8_lossy(&p.topic).into_owned();
+                                let alias = p.properties.as_ref().and_then(|p| p.topic_alias);
+                                if let Some(a) = alias {
+                                    if topic.is_empty() {
+                                        topic = aliases.get(&a).cloned().unwrap_or_default();
+                                    } else {
+                                        aliases.insert(a, topic.clone());
+                                    }
+                                }
+                                let alias = alias.map(|a| (a, p.topic.is_empty()));
+                                let _ = tx.send(Ev::Msg(Msg { topic, payload: p.payload, correlation, alias }));
                             }
                             Packet::SubAck(_) => {
                                 let _ = tx.send(Ev::SubAck);
@@ -342,6 +376,11 @@ impl Device {
         }
     }
 
+    /// Puts a message back, to be the next [`Self::msg`].
+    pub fn pending_front(&mut self, m: Msg) {
+        self.pending.insert(0, Ev::Msg(m));
+    }
+
     /// Messages until (and with) the first terminal event on `topic`.
     pub async fn stream(&mut self, topic: &str) -> Vec<Value> {
         let mut out = Vec::new();
@@ -419,6 +458,105 @@ fn schemas() -> &'static HashMap<String, jsonschema::Validator> {
         }
         m
     })
+}
+
+/// The two forms of a device's streams (topics/README.md "Compact
+/// streams"), for tests that run on both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    Json,
+    Compact,
+}
+
+pub const FORMS: [Form; 2] = [Form::Json, Form::Compact];
+
+impl Form {
+    /// [`request`] in this form.
+    pub fn request(self, rid: &str) -> Value {
+        let mut r = request(rid);
+        if self == Form::Compact {
+            r["compact"] = true.into();
+        }
+        r
+    }
+
+    /// What a device of this form subscribes to: `res/#` (and `s/#` for
+    /// compact streams; refusals stay on `res/{request_id}`).
+    pub async fn subscribe(self, d: &mut Device) {
+        d.subscribe(&d.topic("res/#")).await;
+        if self == Form::Compact {
+            d.subscribe(&d.topic("s/#")).await;
+        }
+    }
+}
+
+/// A compact stream message as the JSON form's object (`seq`, `type`,
+/// `text` for a delta), its JSON part validated against
+/// `topics/schemas/compact.json`.
+pub fn parse_compact(payload: &[u8]) -> Value {
+    let digits = payload.iter().take_while(|b| b.is_ascii_digit()).count();
+    let text = std::str::from_utf8(payload).expect("UTF-8");
+    let seq: u64 = text[..digits].parse().unwrap_or_else(|_| panic!("no seq: {text}"));
+    match payload.get(digits) {
+        Some(b':') => serde_json::json!({"seq": seq, "type": "delta", "text": &text[digits + 1..]}),
+        Some(b'{') => {
+            let mut v: Value = serde_json::from_str(&text[digits..]).unwrap_or_else(|e| panic!("{e}: {text}"));
+            validate("compact", &v);
+            v["seq"] = seq.into();
+            v
+        }
+        _ => panic!("not a compact message: {text}"),
+    }
+}
+
+/// Reads one request's stream in either form, each message as the JSON
+/// form's object. A compact stream's topic is learnt from its `accepted`
+/// (or given, after a reconnect).
+pub struct StreamReader {
+    pub form: Form,
+    pub rid: String,
+    /// The compact stream's topic, once known.
+    pub topic: Option<String>,
+}
+
+impl StreamReader {
+    pub fn new(form: Form, rid: &str) -> StreamReader {
+        StreamReader { form, rid: rid.to_string(), topic: None }
+    }
+
+    /// The next message of the stream (a refusal on `res/{request_id}`
+    /// included).
+    pub async fn next(&mut self, d: &mut Device) -> Value {
+        let m = d.msg().await;
+        let res = d.topic(&format!("res/{}", self.rid));
+        if m.topic == res {
+            return m.json();
+        }
+        assert_eq!(self.form, Form::Compact, "message on an unexpected topic {}: {:?}", m.topic, m.payload);
+        assert!(m.topic.starts_with(&d.topic("s/")), "message on an unexpected topic {}: {:?}", m.topic, m.payload);
+        let v = parse_compact(&m.payload);
+        match &self.topic {
+            Some(t) => assert_eq!(&m.topic, t, "another stream's message: {v}"),
+            None => {
+                assert_eq!((&v["type"], &v["request_id"]), (&"accepted".into(), &self.rid.as_str().into()), "{v}");
+                self.topic = Some(m.topic.clone());
+            }
+        }
+        v
+    }
+
+    /// Messages until (and with) the first terminal one.
+    pub async fn until_end(&mut self, d: &mut Device) -> Vec<Value> {
+        let mut out = Vec::new();
+        loop {
+            let v = self.next(d).await;
+            let end = matches!(v["type"].as_str(), Some("done" | "error"));
+            out.push(v);
+            if end {
+                return out;
+            }
+        }
+    }
 }
 
 /// Validates `v` against `topics/schemas/{name}.json`.

@@ -169,6 +169,11 @@ pub struct ConnectTerms {
     /// The Session Expiry Interval the server applies instead of the
     /// client's (above the maximum), told in the CONNACK.
     pub server_session_expiry: Option<u32>,
+    /// The client's Topic Alias Maximum: aliases edgeway may set in what
+    /// it sends (0: none; see [`OutAliases`]).
+    pub topic_alias_max: u16,
+    /// The client's Maximum Packet Size, if it told one.
+    pub max_packet_size: Option<u32>,
 }
 
 /// Rewrites an authenticated CONNECT for rumqttd: a keep-alive of 0 or above
@@ -188,7 +193,11 @@ pub fn rewrite_connect(
         connect.keep_alive = k;
     }
     let mut server_session_expiry = None;
+    let topic_alias_max = props.as_ref().and_then(|p| p.topic_alias_max).unwrap_or(0);
+    let max_packet_size = props.as_ref().and_then(|p| p.max_packet_size);
     if let Some(p) = props.as_mut() {
+        // The router must not alias (per filter, not per topic): the codec
+        // does, per connection ([`OutAliases`]).
         p.topic_alias_max = None;
         if p.session_expiry_interval.is_some_and(|e| e > max_session_expiry) {
             p.session_expiry_interval = Some(max_session_expiry);
@@ -196,7 +205,7 @@ pub fn rewrite_connect(
         }
     }
     let session_expiry = props.as_ref().and_then(|p| p.session_expiry_interval).unwrap_or(0);
-    ConnectTerms { session_expiry, server_keep_alive, server_session_expiry }
+    ConnectTerms { session_expiry, server_keep_alive, server_session_expiry, topic_alias_max, max_packet_size }
 }
 
 /// Sets MQTT 5's Session Expiry Interval on a CONNACK that has properties,
@@ -261,6 +270,83 @@ pub fn with_topic_alias_max(packet: Packet) -> Packet {
         }
         packet => packet,
     }
+}
+
+/// Topic aliases edgeway sets per MQTT 5 connection at most (fewer if the
+/// client's Topic Alias Maximum is lower): a device follows a few streams
+/// at once, and each alias keeps a topic name in the connection's memory.
+pub const OUT_TOPIC_ALIASES: u16 = 16;
+
+/// The topic aliases edgeway sets in what it sends to one MQTT 5 device
+/// (router → device), when its CONNECT allowed any: the first PUBLISH on a
+/// topic carries the topic and a new alias, later ones the alias and an
+/// empty topic. With every alias taken, the least recently set one is
+/// moved to the new topic (MQTT-3.3.2-12 lets the sender change a
+/// mapping). A mapping counts only once its PUBLISH has gone out
+/// ([`OutAliases::commit`]): one left out for the client's Maximum Packet
+/// Size must not leave the device an alias it never learnt.
+#[derive(Debug)]
+pub struct OutAliases {
+    /// Topic of alias `i + 1`.
+    topics: Vec<Bytes>,
+    max: u16,
+    /// The alias to move next when all are taken (the oldest set).
+    next: u16,
+}
+
+/// What [`OutAliases::plan`] chose for one PUBLISH.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AliasPlan {
+    /// The topic has this alias: send the alias and an empty topic.
+    Known(u16),
+    /// Send the topic with this alias, which then stands for it.
+    Set(u16),
+}
+
+impl OutAliases {
+    /// For a client that allows `client_max` aliases (`None` for 0).
+    pub fn new(client_max: u16) -> Option<OutAliases> {
+        let max = client_max.min(OUT_TOPIC_ALIASES);
+        (max > 0).then(|| OutAliases { topics: Vec::new(), max, next: 1 })
+    }
+
+    pub fn plan(&self, topic: &[u8]) -> AliasPlan {
+        if let Some(i) = self.topics.iter().position(|t| t == topic) {
+            return AliasPlan::Known(i as u16 + 1);
+        }
+        if self.topics.len() < usize::from(self.max) {
+            AliasPlan::Set(self.topics.len() as u16 + 1)
+        } else {
+            AliasPlan::Set(self.next)
+        }
+    }
+
+    /// Records a [`AliasPlan::Set`] that went out.
+    pub fn commit(&mut self, plan: &AliasPlan, topic: Bytes) {
+        let AliasPlan::Set(alias) = *plan else { return };
+        let i = usize::from(alias) - 1;
+        if i == self.topics.len() {
+            self.topics.push(topic);
+        } else {
+            self.topics[i] = topic;
+            self.next = alias % self.max + 1;
+        }
+    }
+}
+
+/// Sets the alias of `plan` in an outgoing PUBLISH (an empty topic for a
+/// known one).
+pub fn with_alias(packet: Packet, plan: &AliasPlan) -> Packet {
+    let Packet::Publish(mut publish, props) = packet else { return packet };
+    let mut props = props.unwrap_or_default();
+    match *plan {
+        AliasPlan::Known(a) => {
+            publish.topic = Bytes::new();
+            props.topic_alias = Some(a);
+        }
+        AliasPlan::Set(a) => props.topic_alias = Some(a),
+    }
+    Packet::Publish(publish, Some(props))
 }
 
 /// Device → router, before mounting: an MQTT 5 PUBLISH with a Topic Alias
@@ -553,14 +639,29 @@ mod tests {
         // keep_alive 0 is not "for ever" (it was 65 535 s): the maximum.
         assert_eq!(
             rewrite_connect(&mut c, &mut props, 600, 86_400),
-            ConnectTerms { session_expiry: 30, server_keep_alive: Some(600), server_session_expiry: None }
+            ConnectTerms {
+                session_expiry: 30,
+                server_keep_alive: Some(600),
+                server_session_expiry: None,
+                topic_alias_max: 10,
+                max_packet_size: None,
+            }
         );
         assert_eq!((c.keep_alive, props.unwrap().topic_alias_max), (600, None));
         let mut c = Connect { keep_alive: 20, client_id: "d".into(), clean_session: true };
         let terms = rewrite_connect(&mut c, &mut None, 600, 86_400);
         assert_eq!(
             (terms, c.keep_alive),
-            (ConnectTerms { session_expiry: 0, server_keep_alive: None, server_session_expiry: None }, 20)
+            (
+                ConnectTerms {
+                    session_expiry: 0,
+                    server_keep_alive: None,
+                    server_session_expiry: None,
+                    topic_alias_max: 0,
+                    max_packet_size: None
+                },
+                20
+            )
         );
         let mut c = Connect { keep_alive: 3600, client_id: "d".into(), clean_session: true };
         assert_eq!((rewrite_connect(&mut c, &mut None, 600, 86_400).server_keep_alive, c.keep_alive), (Some(600), 600));
@@ -699,6 +800,45 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(buf.is_empty(), "left unread: {buf:02x?}");
+    }
+
+    #[test]
+    fn outgoing_aliases_are_set_once_reused_then_moved_oldest_first() {
+        assert!(OutAliases::new(0).is_none(), "a client that allows none gets none");
+        let mut a = OutAliases::new(2).expect("allowed");
+        let t = |s: &str| Bytes::from(s.to_string());
+        assert_eq!(a.plan(b"x/1"), AliasPlan::Set(1));
+        // Not sent (left out for the Maximum Packet Size): not known.
+        assert_eq!(a.plan(b"x/1"), AliasPlan::Set(1));
+        a.commit(&AliasPlan::Set(1), t("x/1"));
+        assert_eq!(a.plan(b"x/1"), AliasPlan::Known(1));
+        let p = a.plan(b"x/2");
+        assert_eq!(p, AliasPlan::Set(2));
+        a.commit(&p, t("x/2"));
+        // Full: the oldest mapping moves, then the next oldest.
+        let p = a.plan(b"x/3");
+        assert_eq!(p, AliasPlan::Set(1));
+        a.commit(&p, t("x/3"));
+        assert_eq!(
+            (a.plan(b"x/3"), a.plan(b"x/2"), a.plan(b"x/1")),
+            (AliasPlan::Known(1), AliasPlan::Known(2), AliasPlan::Set(2))
+        );
+        // The client's maximum above edgeway's: edgeway's.
+        let mut a = OutAliases::new(u16::MAX).expect("allowed");
+        for i in 0..OUT_TOPIC_ALIASES + 1 {
+            let topic = format!("x/{i}");
+            let p = a.plan(topic.as_bytes());
+            let (AliasPlan::Set(n) | AliasPlan::Known(n)) = p;
+            assert!((1..=OUT_TOPIC_ALIASES).contains(&n));
+            a.commit(&p, t(&topic));
+        }
+        assert_eq!(a.plan(b"x/0"), AliasPlan::Set(2), "x/0's alias went to the 17th topic");
+        let Packet::Publish(p, Some(props)) =
+            with_alias(Packet::Publish(Publish::new("x/1", "hi", false), None), &AliasPlan::Known(3))
+        else {
+            panic!("a PUBLISH")
+        };
+        assert_eq!((p.topic.len(), props.topic_alias), (0, Some(3)));
     }
 
     #[test]

@@ -170,6 +170,13 @@ pub struct DeviceProtocol {
     /// MQTT 5 topic aliases the device set (device view), resolved by the
     /// codec ([`codec::resolve_alias`]).
     aliases: HashMap<u16, Bytes>,
+    /// The topic aliases edgeway sets in what it sends to an MQTT 5 device
+    /// that allows them (`write` has `&self`; only the link's writer
+    /// locks it).
+    out_aliases: std::sync::Mutex<Option<codec::OutAliases>>,
+    /// The device's Maximum Packet Size: a PUBLISH over it is left out by
+    /// the link, and so must not set an alias.
+    max_packet_size: Option<u32>,
     /// The source address of the socket (patched rumqttd's
     /// `Protocol::peer`), for the failed-login limit per address.
     peer: Option<std::net::IpAddr>,
@@ -200,6 +207,8 @@ impl DeviceProtocol {
             grant: None,
             awaiting_pubrel: HashMap::new(),
             aliases: HashMap::new(),
+            out_aliases: std::sync::Mutex::new(None),
+            max_packet_size: None,
             peer: None,
         }
     }
@@ -313,6 +322,11 @@ impl DeviceProtocol {
         connect.client_id = router_id;
         let client_id = connect.client_id.clone();
         let v5 = self.version == Version::V5;
+        if v5 {
+            *self.out_aliases.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                codec::OutAliases::new(terms.topic_alias_max);
+            self.max_packet_size = terms.max_packet_size;
+        }
         let lifetime = Lifetime::of(v5, connect.clean_session, terms.session_expiry);
         shared.filters.connected(&client_id, conn, v5, connect.clean_session, lifetime, now);
         shared.wills.cancel(&client_id);
@@ -608,8 +622,29 @@ impl Protocol for DeviceProtocol {
         };
         match self.version {
             Version::V4 => V4.write(packet, write),
-            Version::V5 => V5.write(packet, write),
+            Version::V5 => self.write_v5(packet, write),
             Version::Unknown => Err(Error::InvalidProtocol),
         }
+    }
+}
+
+impl DeviceProtocol {
+    /// An MQTT 5 packet, a PUBLISH with a topic alias where the device
+    /// allows them ([`codec::OutAliases`]).
+    fn write_v5(&self, packet: Packet, write: &mut BytesMut) -> Result<usize, Error> {
+        let mut aliases = self.out_aliases.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (Some(aliases), Packet::Publish(publish, _)) = (aliases.as_mut(), &packet) else {
+            return V5.write(packet, write);
+        };
+        let topic = publish.topic.clone();
+        let plan = aliases.plan(&topic);
+        let start = write.len();
+        let n = V5.write(codec::with_alias(packet, &plan), write)?;
+        // The link leaves out a PUBLISH over the device's maximum
+        // (MQTT-3.1.2-24): then the device never learnt the alias.
+        if self.max_packet_size.is_none_or(|max| write.len() - start <= max as usize) {
+            aliases.commit(&plan, topic);
+        }
+        Ok(n)
     }
 }

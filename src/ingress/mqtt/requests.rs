@@ -44,7 +44,8 @@ use super::presence::Presence;
 use super::streams::{self, Coalesce, Destination, OnDisconnect, Streams};
 use super::topics::{device_of_mount, Inbound, Topics};
 use super::{MqttMetrics, Publisher};
-use crate::config::MqttConfig;
+use crate::config::mqtt::{MAX_CHUNK_BYTES, MAX_COALESCE_MS};
+use crate::config::{DeviceConfig, MqttConfig};
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::{Caller, Gateway, RequestTimeouts, SubmitOptions, DEVICE_KEY_PREFIX};
 use crate::ingress::render::rejection_json;
@@ -339,9 +340,18 @@ struct MqttFields {
     /// Unix ms after which the request must not start.
     expires_at: Option<i64>,
     coalesce: Coalesce,
+    /// `"compact": true`, or the device's `compact` when the request does
+    /// not say.
+    compact: bool,
 }
 
-fn mqtt_fields(extra: &serde_json::Map<String, Value>, cfg: &MqttConfig) -> Result<MqttFields, GatewayError> {
+/// Reads the MQTT-only fields; what a request leaves out comes from its
+/// device's `[devices.ID]` section (`device`), then from `[mqtt]`.
+fn mqtt_fields(
+    extra: &serde_json::Map<String, Value>,
+    cfg: &MqttConfig,
+    device: Option<&DeviceConfig>,
+) -> Result<MqttFields, GatewayError> {
     let on_disconnect = match extra.get("on_disconnect") {
         None | Some(Value::Null) => OnDisconnect::Continue,
         Some(Value::String(s)) if s == "continue" => OnDisconnect::Continue,
@@ -357,21 +367,27 @@ fn mqtt_fields(extra: &serde_json::Map<String, Value>, cfg: &MqttConfig) -> Resu
         ),
     };
     let period = match extra.get("coalesce_ms") {
-        None | Some(Value::Null) => cfg.coalesce,
+        None | Some(Value::Null) => device.and_then(|d| d.coalesce).unwrap_or(cfg.coalesce),
         Some(v) => std::time::Duration::from_millis(
             v.as_u64()
-                .filter(|ms| *ms <= 60_000)
-                .ok_or_else(|| GatewayError::invalid("'coalesce_ms' must be 0..60000"))?,
+                .filter(|ms| *ms <= MAX_COALESCE_MS)
+                .ok_or_else(|| GatewayError::invalid(format!("'coalesce_ms' must be 0..{MAX_COALESCE_MS}")))?,
         ),
     };
     let max_bytes = match extra.get("max_chunk_bytes") {
-        None | Some(Value::Null) => cfg.max_chunk_bytes,
+        None | Some(Value::Null) => device.and_then(|d| d.max_chunk_bytes).unwrap_or(cfg.max_chunk_bytes),
         Some(v) => v
             .as_u64()
-            .filter(|b| (1..=1024 * 1024).contains(b))
-            .ok_or_else(|| GatewayError::invalid("'max_chunk_bytes' must be 1..1048576"))? as usize,
+            .filter(|b| (1..=MAX_CHUNK_BYTES as u64).contains(b))
+            .ok_or_else(|| GatewayError::invalid(format!("'max_chunk_bytes' must be 1..{MAX_CHUNK_BYTES}")))?
+            as usize,
     };
-    Ok(MqttFields { on_disconnect, expires_at, coalesce: Coalesce { period, max_bytes } })
+    let compact = match extra.get("compact") {
+        None | Some(Value::Null) => device.is_some_and(|d| d.compact),
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(GatewayError::invalid("'compact' must be true or false")),
+    };
+    Ok(MqttFields { on_disconnect, expires_at, coalesce: Coalesce { period, max_bytes }, compact })
 }
 
 /// In the methods below, `device` is the device's mount
@@ -560,6 +576,7 @@ impl DeviceIngress {
             ));
             return self.refuse(device, salvage_request_id(&payload).as_deref(), &props, 0, e);
         }
+        let tenant = identity.tenant.clone();
         let caller = Caller::Identity(identity);
         // A v5 device may carry its trace in a `traceparent` user property;
         // any device in the request's `trace_id` field (read by the gateway).
@@ -573,7 +590,11 @@ impl DeviceIngress {
             let e = GatewayError::invalid("'request_id' is required: 1..128 characters of A-Z a-z 0-9 - _ . :");
             return self.refuse(device, None, &props, 0, e);
         };
-        let fields = match mqtt_fields(&call.body().extra, &self.cfg) {
+        // The device's own defaults, when it is registered under this
+        // tenant (a JWT-only device has none).
+        let config = self.gw.config();
+        let registered = config.devices.get(device_of_mount(device)).filter(|d| d.tenant == tenant);
+        let fields = match mqtt_fields(&call.body().extra, &self.cfg, registered) {
             Ok(f) => f,
             Err(e) => return self.refuse(device, Some(&rid), &props, 0, e),
         };
@@ -619,12 +640,24 @@ impl DeviceIngress {
                 if let Err(wait_ms) = self.sessions.charge_resume(device, existing.backlog_bytes(0)) {
                     return self.refuse(device, Some(&rid), &props, 0, resumed_too_much(wait_ms));
                 }
-                *existing.destination.lock().expect("destination") = dest;
+                // A compact stream keeps its own topic (and its form: the
+                // repeat's `compact` does not change a stream already made).
+                if existing.sid.is_none() {
+                    *existing.destination.lock().expect("destination") = dest;
+                }
                 streams::start_sender(&existing, 0, epoch, self.out.clone(), &self.tracker, &self.shutdown);
             }
             return;
         }
-        let stream = self.streams.insert(device, &rid, &task, fields.on_disconnect, dest);
+        let topics = &self.topics;
+        let stream = self.streams.insert(device, &rid, &task, fields.on_disconnect, fields.compact, |sid| match sid {
+            // No correlation data: the topic tells the stream.
+            Some(sid) => Destination {
+                topic: topics.internal(device, &topics.compact_stream(device_of_mount(device), sid)),
+                correlation: None,
+            },
+            None => dest,
+        });
         self.tracker.spawn(streams::pump(self.streams.clone(), stream.clone(), task, fields.coalesce));
         streams::start_sender(&stream, 0, epoch, self.out.clone(), &self.tracker, &self.shutdown);
         if !online {
@@ -680,7 +713,8 @@ impl DeviceIngress {
             return self.refuse(device, Some(&rid), &props, from, resumed_too_much(wait_ms));
         }
         outcome("ok");
-        if props.as_ref().is_some_and(|p| p.response_topic.is_some() || p.correlation_data.is_some()) {
+        let json_form = stream.sid.is_none();
+        if json_form && props.as_ref().is_some_and(|p| p.response_topic.is_some() || p.correlation_data.is_some()) {
             if let Some(dest) = self.destination(device, Some(&rid), &props) {
                 *stream.destination.lock().expect("destination") = dest;
             }
@@ -747,7 +781,7 @@ pub mod fuzzing {
     }
 
     pub fn mqtt_fields(extra: &serde_json::Map<String, Value>, cfg: &MqttConfig) -> Result<(), GatewayError> {
-        super::mqtt_fields(extra, cfg).map(|_| ())
+        super::mqtt_fields(extra, cfg, None).map(|_| ())
     }
 
     pub fn device_key(device: &str, key: &str) -> String {

@@ -17,12 +17,19 @@
 //! are [`crate::task::log`]'s, shared with the scheduler's replay; the MQTT
 //! `seq` is this log's own numbering.
 //!
+//! A *compact* stream (a request's `"compact": true`, or its device's
+//! `compact`) gets a short stream id, the lowest number none of the
+//! device's kept streams has, and goes to `{prefix}/{device}/s/{sid}`
+//! rendered by [`compact_event`]: the request id only rides in `accepted`.
+//! Reusing the numbers keeps the broker's topic names per device few (it
+//! never forgets one).
+//!
 //! # Cancel safety
 //! Pumps and senders are spawned tasks. A sender stopped mid-way (replaced
 //! by a resume) loses nothing: the log is untouched and the replacement
 //! starts where the device asked.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 use super::Publisher;
 use crate::error::GatewayError;
 use crate::gateway::{CancelHandle, TaskStream};
-use crate::ingress::render::event_json;
+use crate::ingress::render::{compact_event, event_json};
 use crate::task::log::{EndedQueue, RetainedLog, SeqRange};
 use crate::task::{TaskEvent, ToolCallDelta};
 
@@ -77,6 +84,9 @@ pub struct MqttStream {
     pub task_id: String,
     pub on_disconnect: OnDisconnect,
     pub cancel: CancelHandle,
+    /// The stream id of a compact stream (`None`: the JSON form). Its
+    /// destination is the stream's own topic for good.
+    pub sid: Option<u32>,
     pub destination: Mutex<Destination>,
     /// Rendered messages by `seq`, within the per-stream byte budget; the
     /// terminal message ends it.
@@ -144,13 +154,16 @@ pub struct Streams {
 
 struct Registry {
     by_key: HashMap<(String, String), Arc<MqttStream>>,
+    /// The stream ids of each device's compact streams in `by_key`.
+    sids: HashMap<String, BTreeSet<u32>>,
     /// Ended streams, kept for the retention within the total budget.
     ended: EndedQueue<(String, String)>,
 }
 
 impl Streams {
     pub fn new(retention: Duration, max_bytes: usize, stream_max_bytes: usize) -> Streams {
-        let inner = Registry { by_key: HashMap::new(), ended: EndedQueue::new(retention, max_bytes) };
+        let inner =
+            Registry { by_key: HashMap::new(), sids: HashMap::new(), ended: EndedQueue::new(retention, max_bytes) };
         Streams { inner: Mutex::new(inner), stream_max_bytes }
     }
 
@@ -159,28 +172,40 @@ impl Streams {
     }
 
     /// A new stream for a task (replacing an ended one with the same key).
+    /// A compact one gets its stream id here; `destination` is told it.
     pub fn insert(
         &self,
         device: &str,
         request_id: &str,
         task: &TaskStream,
         on_disconnect: OnDisconnect,
-        destination: Destination,
+        compact: bool,
+        destination: impl FnOnce(Option<u32>) -> Destination,
     ) -> Arc<MqttStream> {
+        let key = (device.to_string(), request_id.to_string());
+        let mut g = self.inner.lock().expect("streams");
+        if let Some(old) = g.by_key.remove(&key) {
+            old.stop_sender();
+            g.free_sid(&old);
+        }
+        let sid = compact.then(|| {
+            let used = g.sids.entry(device.to_string()).or_default();
+            let sid = (0..).find(|n| !used.contains(n)).expect("fewer than 2^32 streams per device");
+            used.insert(sid);
+            sid
+        });
         let s = Arc::new(MqttStream {
             device: device.to_string(),
             request_id: request_id.to_string(),
             task_id: task.task_id.clone(),
             on_disconnect,
             cancel: task.cancel_handle(),
-            destination: Mutex::new(destination),
+            sid,
+            destination: Mutex::new(destination(sid)),
             log: Arc::new(RetainedLog::with_budget(Bytes::len, self.stream_max_bytes)),
             sender: Mutex::new(None),
         });
-        let mut g = self.inner.lock().expect("streams");
-        if let Some(old) = g.by_key.insert((device.to_string(), request_id.to_string()), s.clone()) {
-            old.stop_sender();
-        }
+        g.by_key.insert(key, s.clone());
         s
     }
 
@@ -232,7 +257,22 @@ impl Streams {
                 // came before the terminal message went out, and stopped
                 // it (item 5a: a repeat, its stream sent again, got no
                 // answer either).
-                g.by_key.remove(&key);
+                if let Some(s) = g.by_key.remove(&key) {
+                    g.free_sid(&s);
+                }
+            }
+        }
+    }
+}
+
+impl Registry {
+    /// Gives a removed stream's id back to its device.
+    fn free_sid(&mut self, s: &MqttStream) {
+        let Some(sid) = s.sid else { return };
+        if let Some(used) = self.sids.get_mut(&s.device) {
+            used.remove(&sid);
+            if used.is_empty() {
+                self.sids.remove(&s.device);
             }
         }
     }
@@ -276,7 +316,11 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
     let mut seq: u64 = 0;
     let mut held: Option<Held> = None;
     let mut last_flush: Option<tokio::time::Instant> = None;
-    let render = |seq: u64, e: &TaskEvent| Bytes::from(event_json(seq, &rid, &trace_id, e).to_string());
+    let compact = stream.sid.is_some();
+    let render = |seq: u64, e: &TaskEvent| match compact {
+        true => Bytes::from(compact_event(seq, &rid, e)),
+        false => Bytes::from(event_json(seq, &rid, &trace_id, e).to_string()),
+    };
     let flush = |held: &mut Option<Held>, seq: &mut u64, last: &mut Option<tokio::time::Instant>| {
         if let Some(h) = held.take() {
             let e = match h {
@@ -348,10 +392,18 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
                 // device without a terminal message anyway.
                 flush(&mut held, &mut seq, &mut last_flush);
                 let error = GatewayError::internal("the task ended without a result");
-                let v = crate::ingress::render::rejection_json(Some(&rid), &error);
-                let mut v = v;
-                v["seq"] = seq.into();
-                stream.push(Bytes::from(v.to_string()), true);
+                let mut v = crate::ingress::render::rejection_json(Some(&rid), &error);
+                let msg = if compact {
+                    if let Some(o) = v.as_object_mut() {
+                        o.remove("seq");
+                        o.remove("request_id");
+                    }
+                    format!("{seq}{v}")
+                } else {
+                    v["seq"] = seq.into();
+                    v.to_string()
+                };
+                stream.push(Bytes::from(msg), true);
                 break;
             }
         }

@@ -70,6 +70,12 @@ impl Topics {
         format!("{}/{device}/res/{request_id}", self.prefix)
     }
 
+    /// Device view of the topic of a compact stream (`sid`: its stream
+    /// id): `{prefix}/{device}/s/{sid}`.
+    pub fn compact_stream(&self, device: &str, sid: u32) -> String {
+        format!("{}/{device}/s/{sid}", self.prefix)
+    }
+
     /// The router filter of edgeway's own link: every device's
     /// `{prefix}/{x}/{kind}` (requests, cancels and resumes in one log, so
     /// their order is kept).
