@@ -251,6 +251,30 @@ fn head(c: &Connection) -> rusqlite::Result<(i64, String)> {
     Ok(anchor(c)?.unwrap_or((0, GENESIS.to_string())))
 }
 
+/// The chain's head (the newest record's number and hash) as its writer
+/// knows it, so that an append does not read it back from the table (a
+/// query of about 17 k instructions per record, issue 13's cost). Unknown
+/// (`None`) until the first append reads it; the writer keeps one for
+/// what is committed and works on a copy inside a transaction, so that a
+/// rolled-back batch or write leaves the committed head as it was
+/// ([`ChainHead::forget`] where it cannot tell). Retention does not move
+/// the head: it deletes the oldest records only, and the anchor it leaves
+/// when it deletes them all is the newest one's number and hash.
+#[derive(Debug, Clone, Default)]
+pub struct ChainHead(Option<(i64, String)>);
+
+impl ChainHead {
+    /// The record number the head is at, if known.
+    pub fn seq(&self) -> Option<i64> {
+        self.0.as_ref().map(|(seq, _)| *seq)
+    }
+
+    /// Read again from the table at the next append.
+    pub fn forget(&mut self) {
+        self.0 = None;
+    }
+}
+
 fn anchor(c: &Connection) -> rusqlite::Result<Option<(i64, String)>> {
     c.prepare_cached("SELECT seq, sha256 FROM audit_anchor WHERE id = 1")?
         .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))
@@ -259,17 +283,29 @@ fn anchor(c: &Connection) -> rusqlite::Result<Option<(i64, String)>> {
 
 /// Appends one record to the chain (inside the writer's transaction: a
 /// rolled-back batch takes its records with it, and the retry chains them
-/// again).
-pub fn append(c: &Connection, entry: AuditEntry) -> rusqlite::Result<AuditRecord> {
-    let (last, prev) = head(c)?;
+/// again). `head` is where the chain continues ([`ChainHead`]): read from
+/// the table when not known, moved to the new record once it is inserted.
+pub fn append(c: &Connection, head: &mut ChainHead, entry: AuditEntry) -> rusqlite::Result<AuditRecord> {
+    let (last, prev) = match head.0.take() {
+        Some(h) => h,
+        None => self::head(c)?,
+    };
     let seq = last + 1;
     let record = serde_json::to_string(&entry).map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
     let sha = chain_hash(seq, &prev, &record);
-    exec(
+    let inserted = exec(
         c,
         "INSERT INTO audit_log (seq, at_ms, tenant, record, prev_sha256, sha256) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
         params![seq, entry.at_ms, entry.tenant, record, prev, sha],
-    )?;
+    );
+    match inserted {
+        Ok(_) => head.0 = Some((seq, sha.clone())),
+        // Not inserted: the head stays where it was.
+        Err(e) => {
+            head.0 = Some((last, prev));
+            return Err(e);
+        }
+    }
     Ok(AuditRecord { seq, prev_sha256: prev, sha256: sha, entry })
 }
 
@@ -512,7 +548,7 @@ mod tests {
 
     fn chain(c: &Connection, n: i64) {
         for i in 1..=n {
-            append(c, entry(if i % 2 == 0 { "b" } else { "a" }, i * 100)).unwrap();
+            append(c, &mut ChainHead::default(), entry(if i % 2 == 0 { "b" } else { "a" }, i * 100)).unwrap();
         }
     }
 
@@ -595,19 +631,45 @@ mod tests {
         assert_eq!(purge(&c, 350, 100).unwrap(), 3);
         assert_eq!(verify(&c).unwrap(), 3);
         assert_eq!(purge(&c, 350, 100).unwrap(), 0);
-        append(&c, entry("a", 700)).unwrap();
+        append(&c, &mut ChainHead::default(), entry("a", 700)).unwrap();
         assert_eq!(verify(&c).unwrap(), 4);
         // Bounded, and everything can go: the next record still chains.
         assert_eq!(purge(&c, 10_000, 2).unwrap(), 2);
         assert_eq!(purge(&c, 10_000, 100).unwrap(), 2);
         assert_eq!(verify(&c).unwrap(), 0);
-        let r = append(&c, entry("a", 800)).unwrap();
+        let r = append(&c, &mut ChainHead::default(), entry("a", 800)).unwrap();
         assert_eq!(r.seq, 8);
         assert_eq!(verify(&c).unwrap(), 1);
         // Deleting past the anchor is still seen.
-        append(&c, entry("a", 900)).unwrap();
+        append(&c, &mut ChainHead::default(), entry("a", 900)).unwrap();
         c.execute("DELETE FROM audit_log WHERE seq = 8", []).unwrap();
         assert_eq!(broken_at(&c), 9);
+    }
+
+    /// The writer keeps the head ([`ChainHead`]) instead of reading it per
+    /// record: retention passes (one of them deleting every record) do not
+    /// move it, and an insert that fails leaves it where it was.
+    #[test]
+    fn a_kept_head_stays_right_across_purges_and_a_failed_insert() {
+        let c = db();
+        let mut head = ChainHead::default();
+        for i in 1..=4 {
+            append(&c, &mut head, entry("a", i * 100)).unwrap();
+        }
+        assert_eq!(purge(&c, 250, 100).unwrap(), 2);
+        assert_eq!(append(&c, &mut head, entry("a", 500)).unwrap().seq, 5);
+        assert_eq!(purge(&c, 10_000, 100).unwrap(), 3);
+        assert_eq!(append(&c, &mut head, entry("a", 600)).unwrap().seq, 6);
+        assert_eq!(verify(&c).unwrap(), 1);
+        c.execute_batch(
+            "CREATE TRIGGER refuse BEFORE INSERT ON audit_log WHEN NEW.at_ms = 700 \
+             BEGIN SELECT RAISE(ABORT, 'refused'); END;",
+        )
+        .unwrap();
+        assert!(append(&c, &mut head, entry("a", 700)).is_err());
+        assert_eq!(head.seq(), Some(6));
+        assert_eq!(append(&c, &mut head, entry("a", 800)).unwrap().seq, 7);
+        assert_eq!(verify(&c).unwrap(), 2);
     }
 
     /// Review 15 L6(a). Failed before: a forged anchor (the oldest records
@@ -621,7 +683,7 @@ mod tests {
         // Records an hour apart, the newest now.
         let c = db();
         for i in 0..6 {
-            append(&c, entry("a", now - (5 - i) * 3_600_000)).unwrap();
+            append(&c, &mut ChainHead::default(), entry("a", now - (5 - i) * 3_600_000)).unwrap();
         }
         // Retention of 2 h: the purge takes records older than that (1..=3).
         assert_eq!(purge(&c, now - 2 * 3_600_000, 100).unwrap(), 3);
@@ -767,10 +829,11 @@ mod timing {
             user_data_deleted: None,
         };
         let start = std::time::Instant::now();
+        let mut head = ChainHead::default();
         for chunk in 0..n / 1000 {
             let t = c.unchecked_transaction().unwrap();
             for i in chunk * 1000..(chunk + 1) * 1000 {
-                append(&t, entry(i + 1)).unwrap();
+                append(&t, &mut head, entry(i + 1)).unwrap();
             }
             t.commit().unwrap();
         }

@@ -1123,6 +1123,8 @@ struct Writer {
     commit_now: bool,
     /// Where committed audit records are offered (none in unit tests).
     audit_tx: Option<tokio::sync::broadcast::Sender<Arc<AuditRecord>>>,
+    /// The audit chain's head as committed (see [`audit::ChainHead`]).
+    audit_head: audit::ChainHead,
     /// Test support: asked to stop as a dead writer would.
     #[cfg(any(test, feature = "testing"))]
     exit: Option<oneshot::Sender<()>>,
@@ -1158,6 +1160,7 @@ impl Writer {
             settled: Vec::new(),
             commit_now: false,
             audit_tx: None,
+            audit_head: audit::ChainHead::default(),
             #[cfg(any(test, feature = "testing"))]
             exit: None,
             #[cfg(any(test, feature = "testing"))]
@@ -1419,19 +1422,26 @@ impl Writer {
         let txn = self.conn.transaction()?;
         let later = state_set_later(pending);
         let mut audited = Vec::new();
+        // The committed head moves only once the transaction commits.
+        let mut head = self.audit_head.clone();
         for (op, set_later) in pending.iter().zip(later) {
             // Each op of several statements in a savepoint: one that fails
             // part way (a terminal state written, its audit record refused)
             // leaves nothing of itself, so a state never commits without
             // its record. One statement is all or nothing by itself.
             let before = audited.len();
+            let head_before = head.seq();
             let res = if one_statement(op, set_later) {
-                apply(&txn, op, set_later, policy, &mut audited)
+                apply(&txn, op, set_later, policy, &mut head, &mut audited)
             } else {
-                in_savepoint(&txn, || apply(&txn, op, set_later, policy, &mut audited))
+                in_savepoint(&txn, || apply(&txn, op, set_later, policy, &mut head, &mut audited))
             };
             if let Err(e) = res {
                 audited.truncate(before);
+                if head.seq() != head_before {
+                    // Appended, then rolled back with the rest of the op.
+                    head.forget();
+                }
                 if is_storage_failure(&e) {
                     return Err(e);
                 }
@@ -1441,6 +1451,7 @@ impl Writer {
             }
         }
         txn.commit()?;
+        self.audit_head = head;
         Ok(audited)
     }
 
@@ -1464,7 +1475,7 @@ impl Writer {
                     // Only on a store that writes: after every write sent
                     // before it, never half done.
                     let r = if self.pending.is_empty() {
-                        forget_user(conn, &f.tenant, &f.user, f.entry, self.audit_tx.as_ref())
+                        forget_user(conn, &f.tenant, &f.user, f.entry, &mut self.audit_head, self.audit_tx.as_ref())
                     } else {
                         Err(StoreError::Unavailable(self.health.degraded().unwrap_or_default()))
                     };
@@ -1595,6 +1606,7 @@ fn apply(
     op: &WriteOp,
     state_set_later: bool,
     policy: &retention::Policy,
+    head: &mut audit::ChainHead,
     audited: &mut Vec<AuditRecord>,
 ) -> rusqlite::Result<()> {
     let text_allowed = |task_id: &str| -> rusqlite::Result<bool> {
@@ -1633,12 +1645,12 @@ fn apply(
             if !entry.tenant.is_empty() && (tokens > 0 || cost > 0.0) {
                 budget::persist(txn, &entry.tenant, &entry.application, tokens, cost, t.at_ms)?;
             }
-            audited.push(audit::append(txn, entry)?);
+            audited.push(audit::append(txn, head, entry)?);
             Ok(())
         }
         WriteOp::Rejected { row } => {
             insert_rejected(txn, row)?;
-            audited.push(audit::append(txn, rejected_entry(row))?);
+            audited.push(audit::append(txn, head, rejected_entry(row))?);
             Ok(())
         }
         WriteOp::Refused { t, code, entry } => {
@@ -1651,7 +1663,7 @@ fn apply(
                 params![entry.task_id, t.state.as_str(), t.at_ms, code],
             )?;
             pending_requests::drop_request(txn, &entry.task_id)?;
-            audited.push(audit::append(txn, (**entry).clone())?);
+            audited.push(audit::append(txn, head, (**entry).clone())?);
             Ok(())
         }
         WriteOp::Remember { req, ttl_ms, replaces } => {
@@ -1706,13 +1718,16 @@ fn forget_user(
     tenant: &str,
     user: &str,
     mut entry: AuditEntry,
+    committed_head: &mut audit::ChainHead,
     audit_tx: Option<&tokio::sync::broadcast::Sender<Arc<AuditRecord>>>,
 ) -> Result<UserDataForgotten, StoreError> {
     let txn = conn.unchecked_transaction()?;
     let (deleted, task_ids) = user_data::forget(&txn, tenant, user)?;
     entry.user_data_deleted = Some(deleted.clone());
-    let record = audit::append(&txn, entry)?;
+    let mut head = committed_head.clone();
+    let record = audit::append(&txn, &mut head, entry)?;
     txn.commit()?;
+    *committed_head = head;
     let wal_truncated = user_data::checkpoint(conn).unwrap_or_else(|e| {
         tracing::warn!(error = %e, "WAL checkpoint after a user's data deletion failed");
         false
@@ -2128,6 +2143,38 @@ mod tests {
         assert_eq!(transitions(&path), 6);
         assert_eq!(store.revoked_keys().await, vec!["ab".repeat(32)]);
         assert!(store.set_revoked(&"cd".repeat(32), "ops", true).await.is_ok());
+    }
+
+    /// The writer keeps the audit chain's head (`audit::ChainHead`): the
+    /// records of batches that could not commit (a full disk) are chained
+    /// again from the head as committed, not from the one the failed
+    /// attempts had reached, and the chain verifies without a gap.
+    #[tokio::test]
+    async fn audit_records_of_failed_batches_chain_from_the_committed_head() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edgeway.db");
+        let opts = StoreOptions { retry_interval: Duration::from_millis(20), ..StoreOptions::default() };
+        let store = Store::open_with(&path, "n1", false, opts).unwrap();
+        let who = TaskRequest::sample(vec![]).identity;
+        let refuse = || {
+            store.rejected(&who, Ingress::Http, "m", "", &GatewayError::invalid(&"no ".repeat(160)));
+        };
+        refuse();
+        store.flush().await;
+        store.set_writer_pragma("max_page_count", 0).await;
+        for _ in 0..3 {
+            for _ in 0..40 {
+                refuse();
+            }
+            store.flush().await;
+            assert!(store.is_degraded(), "the batch needs new pages");
+        }
+        store.set_writer_pragma("max_page_count", 1 << 30).await;
+        refuse();
+        store.flush().await;
+        assert!(!store.is_degraded());
+        let c = audit::open_read_only(&path).unwrap();
+        assert_eq!(audit::verify(&c).unwrap(), 122);
     }
 
     /// Writes beyond `max_buffered_writes` while degraded are dropped and
