@@ -44,10 +44,11 @@ CREATE TABLE IF NOT EXISTS audit_log (
     prev_sha256  TEXT NOT NULL,
     sha256       TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS audit_by_tenant_time ON audit_log(tenant, at_ms);
-CREATE INDEX IF NOT EXISTS audit_by_time ON audit_log(at_ms);
 -- A tenant's page in chain order without walking other tenants' records
--- (review 15 L6). Created on open in an existing file too.
+-- (review 15 L6). Created on open in an existing file too. The only index:
+-- every other read (a page of all tenants, verify, export, the purge) walks
+-- the table in `seq` order, and a time bound is checked on the rows walked
+-- (see `migrate` for the two that were dropped).
 CREATE INDEX IF NOT EXISTS audit_by_tenant_seq ON audit_log(tenant, seq);
 -- The last record retention deleted: where the remaining chain starts, and
 -- that record's time (`at_ms`, added to older files by `migrate`).
@@ -60,12 +61,17 @@ CREATE TABLE IF NOT EXISTS audit_anchor (
 "#;
 
 /// Adds `audit_anchor.at_ms` to a store made before it (its anchor, if
-/// any, then has no time: [`anchor_warning`] says so).
+/// any, then has no time: [`anchor_warning`] says so), and drops the
+/// indexes by time and by tenant and time of stores made before session 12:
+/// no query used them (a page's time bounds are `?2 IS NULL OR at_ms >= ?2`,
+/// which no index serves; SQLite walks `seq` or `audit_by_tenant_seq`), and
+/// each record paid for both (two more B-tree inserts and their WAL pages,
+/// issue 13's cost).
 pub fn migrate(c: &Connection) -> rusqlite::Result<()> {
     if !has_anchor_time(c)? {
         c.execute_batch("ALTER TABLE audit_anchor ADD COLUMN at_ms INTEGER")?;
     }
-    Ok(())
+    c.execute_batch("DROP INDEX IF EXISTS audit_by_tenant_time; DROP INDEX IF EXISTS audit_by_time;")
 }
 
 fn has_anchor_time(c: &Connection) -> rusqlite::Result<bool> {
@@ -500,6 +506,47 @@ mod tests {
         let p = plan(TENANT_PAGE);
         assert!(p.contains("audit_by_tenant_seq"), "{p}");
         assert!(!p.contains("TEMP B-TREE"), "no sort: {p}");
+    }
+
+    /// Every query over the audit log, with and without its bounds, walks
+    /// the chain's own order or `audit_by_tenant_seq`: the log has no other
+    /// index to keep up per record. Failed before: the store also had
+    /// `audit_by_tenant_time` and `audit_by_time`, which no plan used.
+    #[test]
+    fn the_queries_need_one_index_and_the_log_has_only_that() {
+        // A store made before: both old indexes, dropped on open.
+        let c = Connection::open_in_memory().unwrap();
+        c.execute_batch(
+            "CREATE TABLE audit_log (seq INTEGER PRIMARY KEY, at_ms INTEGER NOT NULL, tenant TEXT NOT NULL, \
+             record TEXT NOT NULL, prev_sha256 TEXT NOT NULL, sha256 TEXT NOT NULL); \
+             CREATE INDEX audit_by_tenant_time ON audit_log(tenant, at_ms); \
+             CREATE INDEX audit_by_time ON audit_log(at_ms);",
+        )
+        .unwrap();
+        c.execute_batch(SCHEMA).unwrap();
+        migrate(&c).unwrap();
+        let indexes: Vec<String> = c
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'audit_log' ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(indexes, ["audit_by_tenant_seq"]);
+        // The plans of every read, bounds set or not: no sort, no scan of
+        // a dropped index.
+        let plan = |sql: &str, p: &[&dyn rusqlite::ToSql]| -> String {
+            let mut st = c.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+            let rows = st.query_map(p, |r| r.get::<_, String>(3)).unwrap();
+            rows.map(Result::unwrap).collect::<Vec<_>>().join("; ")
+        };
+        for (tenant, since, until) in [(None, None, None), (Some("t"), Some(5), Some(9)), (None, Some(5), None)] {
+            let sql = if tenant.is_some() { TENANT_PAGE } else { PAGE };
+            let p = plan(sql, params![tenant, since, until, 0, 10]);
+            assert!(!p.contains("TEMP B-TREE"), "{p}");
+        }
+        let p = plan("SELECT seq, sha256, at_ms FROM audit_log ORDER BY seq LIMIT ?1", params![10]);
+        assert!(!p.contains("TEMP B-TREE"), "{p}");
     }
 
     #[test]
