@@ -181,23 +181,31 @@ pub fn key_id(credential: Option<&[u8; 32]>) -> Option<String> {
     credential.map(|d| hex::encode(&d[..8]))
 }
 
-/// The entry of a finished task, from its row and result.
+/// The entry of a finished task, from its row and result, and the task's
+/// data class as stored (`None`: no row, or a row from before classes), so
+/// that the writer reads the row once per finish.
 pub fn finished_entry(
     c: &Connection,
     meta: &ResultMeta,
     error_code: Option<&str>,
     key_id: Option<String>,
     at_ms: i64,
-) -> rusqlite::Result<AuditEntry> {
+) -> rusqlite::Result<(AuditEntry, Option<String>)> {
     let row = c
-        .prepare_cached("SELECT tenant, application, user_id, ingress FROM tasks WHERE task_id = ?1")?
+        .prepare_cached("SELECT tenant, application, user_id, ingress, data_class FROM tasks WHERE task_id = ?1")?
         .query_row(params![meta.task_id], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, Option<String>>(2)?, r.get::<_, String>(3)?))
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<String>>(2)?,
+                r.get::<_, String>(3)?,
+                r.get::<_, Option<String>>(4)?,
+            ))
         })
         .optional()?;
-    let (tenant, application, user_id, ingress) = row.unwrap_or_default();
+    let (tenant, application, user_id, ingress, class) = row.unwrap_or_default();
     let device = device_of(&ingress, user_id.as_deref());
-    Ok(AuditEntry {
+    let entry = AuditEntry {
         at_ms,
         task_id: meta.task_id.clone(),
         request_id: meta.request_id.clone(),
@@ -224,7 +232,8 @@ pub fn finished_entry(
         ttft_ms: meta.timing.first_token_ms,
         total_ms: Some(meta.timing.total_ms),
         user_data_deleted: None,
-    })
+    };
+    Ok((entry, class))
 }
 
 /// A device's calls come over MQTT, where the user is the client id.

@@ -1625,7 +1625,10 @@ fn apply(
             set_state(txn, task_id, t)
         }
         WriteOp::Finish { t, meta, error_code, result_text, idempotent_text, key_id, .. } => {
-            let allowed = text_allowed(&meta.task_id)?;
+            // The task row read once: who (for the audit record) and its
+            // class (whether its text may be kept).
+            let (entry, class) = audit::finished_entry(txn, meta, error_code.as_deref(), key_id.clone(), t.at_ms)?;
+            let allowed = policy.text_allowed(class.as_deref());
             // finish_task sets the state with the result.
             append_transition(txn, &meta.task_id, t)?;
             // The tool calls' arguments are answer text as well.
@@ -1637,7 +1640,6 @@ fn apply(
                 idempotency::keep_result(txn, &meta.task_id, t)?;
             }
             // In the same transaction as the terminal state: both or neither.
-            let entry = audit::finished_entry(txn, meta, error_code.as_deref(), key_id.clone(), t.at_ms)?;
             // What the task spent, with its end: a restart reads it back
             // (`budget.rs`).
             let tokens = u64::from(meta.usage.input_tokens) + u64::from(meta.usage.output_tokens);
