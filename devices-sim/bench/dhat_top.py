@@ -14,9 +14,8 @@ from collections import defaultdict
 
 # Frames that only say how memory was obtained, not for what.
 PLUMBING = re.compile(
-    r"(\?\?\?|vg_replace_malloc|\balloc::|__rust|\bcore::|\bstd::|hashbrown::|"
-    r"\bbytes::bytes_mut|\bbytes::bytes::|<bytes::|<alloc::|<core::|<std::|<hashbrown::|"
-    r"slab::|indexmap::)"
+    r"\?\?\?|vgpreload|library/|\(alloc\.rs|\(unix\.rs|raw_vec|\(vec|boxed\.rs|bytes_mut\.rs|"
+    r"\(mod\.rs:|UnknownInlinedFun \(library"
 )
 
 
