@@ -11,6 +11,13 @@ process's resident memory before and after: (after - before) / N.
 edgeway gets a config with N registered devices (`bench-{i}` / `bench-pass-{i}`);
 Mosquitto allows anonymous clients (it has no per-device topic isolation to
 configure, so this is the lighter setup for it).
+
+Where the heap goes (the RSS figures are then meaningless; Mosquitto is
+skipped):
+
+    python3 devices-sim/bench/connections.py --edgeway target/release/edgeway -n 1000 \
+        --wrap 'valgrind --tool=dhat --dhat-out-file=/tmp/dhat.json'
+    python3 devices-sim/bench/dhat_top.py /tmp/dhat.json --per 1000
 """
 import argparse
 import hashlib
@@ -67,7 +74,7 @@ def connect_packet(client_id, user=None, password=None, keepalive=600):
     return bytes([0x10]) + remaining_length(len(body)) + body
 
 
-def wait_port(port, proc, timeout=60):
+def wait_port(port, proc, timeout=300):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -96,7 +103,7 @@ def open_connections(port, n, creds):
             socks.append(s)
             pending += 1
         while pending > max(0, len(socks) - batch // 2) or (start + batch >= n and pending):
-            events = sel.select(timeout=30)
+            events = sel.select(timeout=120)
             if not events:
                 raise RuntimeError(f"{pending} CONNACKs missing")
             for key, _ in events:
@@ -148,6 +155,8 @@ def main():
     ap.add_argument("-n", type=int, nargs="+", default=[1000, 10000])
     ap.add_argument("--edgeway", default=str(ROOT / "target" / "release" / "edgeway"))
     ap.add_argument("--mosquitto", default="mosquitto")
+    ap.add_argument("--wrap", default="",
+                    help="command line to run edgeway under (valgrind --tool=dhat ...); skips Mosquitto")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = max(args.n) + 1000
@@ -157,7 +166,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="edgeway-bench-mqtt-") as wd:
         port = free_port()
         cfg = edgeway_config(wd, port, max(args.n))
-        proc = subprocess.Popen([args.edgeway, "serve", "--config", str(cfg)],
+        proc = subprocess.Popen(args.wrap.split() + [args.edgeway, "serve", "--config", str(cfg)],
                                 stdout=subprocess.DEVNULL, stderr=open(Path(wd) / "edgeway.log", "wb"))
         try:
             wait_port(port, proc)
@@ -165,7 +174,9 @@ def main():
                                lambda i: (f"bench-{i}", f"bench-{i}", f"bench-pass-{i}"))
         finally:
             proc.terminate()
-            proc.wait(10)
+            proc.wait(600 if args.wrap else 10)
+        if args.wrap:
+            return print_results(results)
         port = free_port()
         conf = Path(wd) / "mosquitto.conf"
         conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nmax_connections -1\n"
@@ -178,6 +189,10 @@ def main():
         finally:
             proc.terminate()
             proc.wait(10)
+    print_results(results)
+
+
+def print_results(results):
     print("\n| broker | connections | RSS before | RSS after | per connection |")
     print("|---|---|---|---|---|")
     for name, n, base, after, per in results:

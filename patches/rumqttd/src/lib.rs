@@ -162,8 +162,10 @@ pub struct ConnectionSettings {
     pub external_auth: Option<AuthHandler>,
     #[serde(default)]
     pub dynamic_filters: bool,
-    /// Bytes each connection's read and write buffers start with (they grow
-    /// as packets need). `None`: 10 KiB. (edgeway patch, see PATCHES.md)
+    /// Room each connection's read buffer makes when it is full (it starts
+    /// with at most `network::FIRST_READ_BYTES`; the write buffer starts
+    /// empty; both grow as packets need). `None`: 10 KiB. (edgeway patch,
+    /// see PATCHES.md)
     #[serde(default)]
     pub initial_buffer_bytes: Option<usize>,
 }

@@ -56,9 +56,10 @@ pub type LinkFactory = Box<dyn Fn(&str) -> anyhow::Result<(LinkTx, LinkRx)> + Se
 /// Local links of edgeway itself, on top of the device connections.
 const LOCAL_LINKS: usize = 8;
 
-/// What each connection's read and write buffers start with (rumqttd's
-/// default is 10 KiB each): device packets are small, and a buffer grows
-/// when a bigger one comes. 20 000 connections hold 160 MiB less.
+/// Room a connection's read buffer makes when it is full (rumqttd's
+/// default is 10 KiB): device packets are small. The patched rumqttd
+/// starts the read buffer at 256 bytes and the write buffer empty, so an
+/// idle device holds neither at this size (PATCHES.md 40).
 const INITIAL_BUFFER_BYTES: usize = 2048;
 
 fn router_config(cfg: &MqttConfig, gateway_filter: &str) -> RouterConfig {

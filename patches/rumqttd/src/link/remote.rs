@@ -361,8 +361,11 @@ impl<P: Protocol> RemoteLink<P> {
                     }
                 }
                 last = &mut ending => {
+                    // Boxed: the loop's future, which an idle connection
+                    // waits in, would hold a packet for this once-only
+                    // write. (edgeway patch, see PATCHES.md)
                     if let Some(packet) = last {
-                        self.network.write(packet).await?;
+                        Box::pin(self.network.write(packet)).await?;
                     }
                     return Err(network::Error::ClosedByCodec.into());
                 }

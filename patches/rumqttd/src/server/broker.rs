@@ -469,8 +469,10 @@ impl<P: Protocol + Clone + Send + 'static> Server<P> {
                         };
                         Ok::<_, Error>((network, tenant_id))
                     };
+                    // Boxed, as each transient step of a connection (see
+                    // `remote`). (edgeway patch, see PATCHES.md)
                     let (network, tenant_id) =
-                        match time::timeout(handshake_timeout, handshake).await {
+                        match time::timeout(handshake_timeout, Box::pin(handshake)).await {
                             Ok(Ok(o)) => o,
                             Ok(Err(e)) => {
                                 error!(error=?e, "Handshake error");
@@ -625,7 +627,11 @@ async fn remote<P: Protocol>(
 
     let dynamic_filters = config.dynamic_filters;
 
-    let connect_packet = match mqtt_connect(config, &mut network).await {
+    // Each transient step of the connection is boxed (and freed when it is
+    // done): a task is as large as its largest state for its whole life,
+    // so only the state an idle connection waits in (the link's loop)
+    // should set it. (edgeway patch, see PATCHES.md)
+    let connect_packet = match Box::pin(mqtt_connect(config, &mut network)).await {
         Ok(p) => {
             slot.connected();
             p
@@ -678,14 +684,14 @@ async fn remote<P: Protocol>(
     }
 
     // Start the link
-    let mut link = match RemoteLink::new(
+    let mut link = match Box::pin(RemoteLink::new(
         router_tx.clone(),
         tenant_id.clone(),
         network,
         connect_packet,
         dynamic_filters,
         assigned_client_id,
-    )
+    ))
     .await
     {
         Ok(l) => l,
@@ -750,7 +756,7 @@ async fn remote<P: Protocol>(
     // router has let the link go; the listener slot (its connection cap)
     // is held until the end. (edgeway patch, see PATCHES.md)
     if linger {
-        link.linger(LINGER_AFTER_DISCONNECT).await;
+        Box::pin(link.linger(LINGER_AFTER_DISCONNECT)).await;
     }
 
     // this is important to stop the connection
