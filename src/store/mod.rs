@@ -2159,7 +2159,7 @@ mod tests {
         let store = Store::open_with(&path, "n1", false, opts).unwrap();
         let who = TaskRequest::sample(vec![]).identity;
         let refuse = || {
-            store.rejected(&who, Ingress::Http, "m", "", &GatewayError::invalid(&"no ".repeat(160)));
+            store.rejected(&who, Ingress::Http, "m", "", &GatewayError::invalid("no ".repeat(160)));
         };
         refuse();
         store.flush().await;
