@@ -532,8 +532,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     result_json    TEXT
 );
 CREATE INDEX IF NOT EXISTS tasks_by_request ON tasks(tenant, application, request_id);
-CREATE INDEX IF NOT EXISTS tasks_by_state ON tasks(state);
--- The retention purge: finished tasks by age.
+-- The retention purge: refused calls by age. (An index on `state` alone
+-- would be a prefix of this one: every state change would write both.)
 CREATE INDEX IF NOT EXISTS tasks_by_state_updated ON tasks(state, updated_at_ms);
 CREATE TABLE IF NOT EXISTS task_transitions (
     task_id   TEXT NOT NULL,
@@ -1783,6 +1783,10 @@ struct NewTaskRow {
 /// Columns added to `tasks` after its first release, for databases made
 /// before them (a new database gets them here too, so there is one path).
 fn migrate(c: &Connection) -> rusqlite::Result<()> {
+    // `tasks_by_state` was a prefix of `tasks_by_state_updated`: one more
+    // b-tree written on every state change, used by no query the other
+    // cannot answer.
+    c.execute_batch("DROP INDEX IF EXISTS tasks_by_state")?;
     let has: bool = c.prepare("SELECT 1 FROM pragma_table_info('tasks') WHERE name = 'trace_id'")?.exists([])?;
     if !has {
         c.execute_batch("ALTER TABLE tasks ADD COLUMN trace_id TEXT")?;

@@ -247,6 +247,35 @@ mod tests {
 
     /// A stored Response lives as long as its task (`GET /v1/responses/{id}`
     /// must not outlive the retention rules).
+    /// Each purge query walks an index, not the table: the refused calls
+    /// `tasks_by_state_updated`, the classes `tasks_by_class_state_updated`;
+    /// and the state-only index a store of before is migrated away.
+    #[test]
+    fn purge_queries_use_the_indexes_and_the_redundant_one_is_gone() {
+        let c = db();
+        c.execute_batch("CREATE INDEX tasks_by_state ON tasks(state)").unwrap();
+        super::super::migrate(&c).unwrap();
+        let names: Vec<String> = c
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tasks' ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert!(!names.iter().any(|n| n == "tasks_by_state"), "{names:?}");
+        let plan = |sql: &str| -> String {
+            let mut st = c.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+            let rows: Vec<String> = st.query_map([], |r| r.get::<_, String>(3)).unwrap().map(Result::unwrap).collect();
+            rows.join("; ")
+        };
+        let rejected = plan("SELECT task_id FROM tasks WHERE state = 'REJECTED' AND updated_at_ms < 5 LIMIT 10");
+        assert!(rejected.contains("tasks_by_state_updated"), "{rejected}");
+        let class = plan(&format!(
+            "SELECT task_id FROM tasks WHERE data_class = 'public' AND {FINISHED} AND updated_at_ms < 5"
+        ));
+        assert!(class.contains("tasks_by_class_state_updated"), "{class}");
+    }
+
     #[test]
     fn a_stored_response_goes_with_its_task() {
         let c = db();
