@@ -9,12 +9,14 @@ use crate::router::{
 };
 use crate::ConnectionId;
 use bytes::Bytes;
+use flume::r#async::SendFut;
 use flume::{Receiver, RecvError, RecvTimeoutError, SendError, Sender, TrySendError};
 use parking_lot::lock_api::MutexGuard;
 use parking_lot::{Mutex, RawMutex};
 
 use std::collections::VecDeque;
 use std::mem;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,15 +28,31 @@ pub enum LinkError {
     #[error("ConnAck error {0}")]
     ConnectionAck(String),
     #[error("Channel try send error")]
-    TrySend(#[from] TrySendError<(ConnectionId, Event)>),
+    TrySend(Box<TrySendError<(ConnectionId, Event)>>),
     #[error("Channel send error")]
-    Send(#[from] SendError<(ConnectionId, Event)>),
+    Send(Box<SendError<(ConnectionId, Event)>>),
     #[error("Channel recv error")]
     Recv(#[from] RecvError),
     #[error("Channel timeout recv error")]
     RecvTimeout(#[from] RecvTimeoutError),
     #[error("Timeout = {0}")]
     Elapsed(#[from] tokio::time::error::Elapsed),
+}
+
+// The unsent event is boxed: inline, an error as large as an `Event`
+// (about 780 bytes) made every future that can fail with it, a
+// connection's task among them, that much larger for the connection's
+// whole life. (edgeway patch, see PATCHES.md)
+impl From<TrySendError<(ConnectionId, Event)>> for LinkError {
+    fn from(e: TrySendError<(ConnectionId, Event)>) -> Self {
+        LinkError::TrySend(Box::new(e))
+    }
+}
+
+impl From<SendError<(ConnectionId, Event)>> for LinkError {
+    fn from(e: SendError<(ConnectionId, Event)>) -> Self {
+        LinkError::Send(Box::new(e))
+    }
 }
 
 // used to build LinkTx and LinkRx
@@ -229,10 +247,9 @@ impl LinkTx {
     }
 
     pub(crate) async fn notify(&mut self) -> Result<(), LinkError> {
-        self.router_tx
-            .send_async((self.connection_id, Event::DeviceData))
-            .await?;
-
+        if let Some(wait) = send_event(&self.router_tx, (self.connection_id, Event::DeviceData))? {
+            wait.await?;
+        }
         Ok(())
     }
 
@@ -445,11 +462,28 @@ impl LinkRx {
     }
 
     pub async fn wake(&self) -> Result<(), LinkError> {
-        self.router_tx
-            .send_async((self.connection_id, Event::Ready))
-            .await?;
-
+        if let Some(wait) = send_event(&self.router_tx, (self.connection_id, Event::Ready))? {
+            wait.await?;
+        }
         Ok(())
+    }
+}
+
+/// Sends `message` to the router at once if its channel has room, else
+/// gives the wait for room. The wait is boxed: a send future holds the
+/// message, an `Event` of about 780 bytes, and a connection's task would be
+/// that much larger for its whole life; the channel is seldom full, so the
+/// box is seldom made. Not an `async fn`: its argument, the message, would
+/// be kept in its future. (edgeway patch, see PATCHES.md)
+#[allow(clippy::type_complexity)]
+fn send_event(
+    router_tx: &Sender<(ConnectionId, Event)>,
+    message: (ConnectionId, Event),
+) -> Result<Option<Pin<Box<SendFut<'_, (ConnectionId, Event)>>>>, LinkError> {
+    match router_tx.try_send(message) {
+        Ok(()) => Ok(None),
+        Err(TrySendError::Full(message)) => Ok(Some(Box::pin(router_tx.send_async(message)))),
+        Err(TrySendError::Disconnected(message)) => Err(SendError(message).into()),
     }
 }
 

@@ -28,13 +28,13 @@ pub enum Error {
     #[error("Zero keep alive")]
     ZeroKeepAlive,
     #[error("Not connect packet")]
-    NotConnectPacket(Packet),
+    NotConnectPacket(Box<Packet>),
     #[error("Network {0}")]
     Network(#[from] network::Error),
     #[error("Timeout")]
     Timeout(#[from] Elapsed),
     #[error("Channel send error")]
-    Send(#[from] SendError<(ConnectionId, Event)>),
+    Send(Box<SendError<(ConnectionId, Event)>>),
     #[error("Channel recv error")]
     Recv(#[from] RecvError),
     #[error("Got new session, disconnecting old one")]
@@ -48,7 +48,7 @@ pub enum Error {
     #[error("Authentication error")]
     InvalidAuth,
     #[error("Channel try send error")]
-    TrySend(#[from] TrySendError<(ConnectionId, Event)>),
+    TrySend(Box<TrySendError<(ConnectionId, Event)>>),
     #[error("Link error = {0}")]
     Link(#[from] LinkError),
     /// The client sent DISCONNECT, which the router has been given (it
@@ -56,6 +56,21 @@ pub enum Error {
     /// (edgeway patch, see PATCHES.md)
     #[error("Disconnected by the client")]
     ClientDisconnected,
+}
+
+// The unsent event is boxed, as in `LinkError`: inline, it made every
+// future that can fail with this error that much larger. (edgeway patch,
+// see PATCHES.md)
+impl From<TrySendError<(ConnectionId, Event)>> for Error {
+    fn from(e: TrySendError<(ConnectionId, Event)>) -> Self {
+        Error::TrySend(Box::new(e))
+    }
+}
+
+impl From<SendError<(ConnectionId, Event)>> for Error {
+    fn from(e: SendError<(ConnectionId, Event)>) -> Self {
+        Error::Send(Box::new(e))
+    }
 }
 
 /// Orchestrates between Router and Network.
@@ -183,7 +198,7 @@ impl<P: Protocol> RemoteLink<P> {
         assigned_client_id: Option<String>,
     ) -> Result<RemoteLink<P>, Error> {
         let Packet::Connect(connect, props, lastwill, lastwill_props, _) = connect_packet else {
-            return Err(Error::NotConnectPacket(connect_packet));
+            return Err(Error::NotConnectPacket(Box::new(connect_packet)));
         };
 
         // Register this connection with the router. Router replys with ack which if ok will
@@ -395,7 +410,7 @@ where
 
     let (connect, _props, login) = match packet {
         Packet::Connect(ref connect, ref props, _, _, ref login) => (connect, props, login),
-        packet => return Err(Error::NotConnectPacket(packet)),
+        packet => return Err(Error::NotConnectPacket(Box::new(packet))),
     };
 
     Span::current().record("client_id", &connect.client_id);

@@ -452,48 +452,46 @@ impl<P: Protocol + Clone + Send + 'static> Server<P> {
             // task, within the connection timeout: in the accept loop, one
             // client that stalls its handshake would stop the listener
             // (edgeway patch, see PATCHES.md).
+            // The connection's set-up (handshake, CONNECT, the link's
+            // creation) is a future of its own, boxed and freed once done:
+            // a task is as large as its largest state for its whole life,
+            // and the idle connection's state (the link's loop) is much
+            // smaller than the set-up's. (edgeway patch, see PATCHES.md)
+            let establish = Box::pin(async move {
+                let handshake_timeout = Duration::from_millis(config.connection_timeout_ms.into());
+                let handshake = async {
+                    let (network, tenant_id) = tls_accept(tls.as_ref(), stream).await?;
+                    let network: Box<dyn N> = match link_type {
+                        #[cfg(feature = "websocket")]
+                        LinkType::Websocket => Box::new(WsStream::new(
+                            accept_hdr_async(network, WSCallback)
+                                .await
+                                .map_err(|e| Error::Accept(e.to_string()))?,
+                        )),
+                        LinkType::Remote => network,
+                    };
+                    Ok::<_, Error>((network, tenant_id))
+                };
+                let (network, tenant_id) = match time::timeout(handshake_timeout, handshake).await {
+                    Ok(Ok(o)) => o,
+                    Ok(Err(e)) => {
+                        error!(error=?e, "Handshake error");
+                        return None;
+                    }
+                    Err(_) => {
+                        stats.connect_timeouts.fetch_add(1, Ordering::Relaxed);
+                        return None;
+                    }
+                };
+                info!(?name, ?addr, count, tenant=?tenant_id, "accept");
+                establish(config, tenant_id, router_tx, network, protocol, will_handlers, slot).await
+            });
             task::spawn(
                 async move {
-                    let handshake_timeout =
-                        Duration::from_millis(config.connection_timeout_ms.into());
-                    let handshake = async {
-                        let (network, tenant_id) = tls_accept(tls.as_ref(), stream).await?;
-                        let network: Box<dyn N> = match link_type {
-                            #[cfg(feature = "websocket")]
-                            LinkType::Websocket => Box::new(WsStream::new(
-                                accept_hdr_async(network, WSCallback)
-                                    .await
-                                    .map_err(|e| Error::Accept(e.to_string()))?,
-                            )),
-                            LinkType::Remote => network,
-                        };
-                        Ok::<_, Error>((network, tenant_id))
+                    let Some(connected) = establish.await else {
+                        return;
                     };
-                    // Boxed, as each transient step of a connection (see
-                    // `remote`). (edgeway patch, see PATCHES.md)
-                    let (network, tenant_id) =
-                        match time::timeout(handshake_timeout, Box::pin(handshake)).await {
-                            Ok(Ok(o)) => o,
-                            Ok(Err(e)) => {
-                                error!(error=?e, "Handshake error");
-                                return;
-                            }
-                            Err(_) => {
-                                stats.connect_timeouts.fetch_add(1, Ordering::Relaxed);
-                                return;
-                            }
-                        };
-                    info!(?name, ?addr, count, tenant=?tenant_id, "accept");
-                    remote(
-                        config,
-                        tenant_id,
-                        router_tx,
-                        network,
-                        protocol,
-                        will_handlers,
-                        slot,
-                    )
-                    .await
+                    connected.run().await;
                 }
                 .instrument(span),
             );
@@ -608,7 +606,7 @@ const LINGER_AFTER_DISCONNECT: Duration = Duration::from_secs(1);
 /// waiting for mqtt connect packet. Also this honours connection wait time as per config to prevent
 /// denial of service attacks (rogue clients which only establish network connections without
 /// sending a mqtt connection packet to make the server reach its concurrent connection limit).
-async fn remote<P: Protocol>(
+async fn establish<P: Protocol>(
     config: Arc<ConnectionSettings>,
     tenant_id: Option<String>,
     router_tx: Sender<(ConnectionId, Event)>,
@@ -616,7 +614,7 @@ async fn remote<P: Protocol>(
     protocol: P,
     will_handlers: Arc<Mutex<HashMap<String, Sender<AwaitingWill>>>>,
     mut slot: ListenerSlot,
-) {
+) -> Option<Connected<P>> {
     let mut network = Network::with_buffers(
         stream,
         config.max_payload_size,
@@ -627,22 +625,18 @@ async fn remote<P: Protocol>(
 
     let dynamic_filters = config.dynamic_filters;
 
-    // Each transient step of the connection is boxed (and freed when it is
-    // done): a task is as large as its largest state for its whole life,
-    // so only the state an idle connection waits in (the link's loop)
-    // should set it. (edgeway patch, see PATCHES.md)
-    let connect_packet = match Box::pin(mqtt_connect(config, &mut network)).await {
+    let connect_packet = match mqtt_connect(config, &mut network).await {
         Ok(p) => {
             slot.connected();
             p
         }
         Err(remote::Error::Timeout(_)) => {
             slot.stats.connect_timeouts.fetch_add(1, Ordering::Relaxed);
-            return;
+            return None;
         }
         Err(e) => {
             error!(error=?e, "Error while handling MQTT connect packet");
-            return;
+            return None;
         }
     };
 
@@ -684,109 +678,144 @@ async fn remote<P: Protocol>(
     }
 
     // Start the link
-    let mut link = match Box::pin(RemoteLink::new(
+    let link = match RemoteLink::new(
         router_tx.clone(),
         tenant_id.clone(),
         network,
         connect_packet,
         dynamic_filters,
         assigned_client_id,
-    ))
+    )
     .await
     {
         Ok(l) => l,
         Err(e) => {
             error!(error=?e, "Remote link error");
             forget_will_handler(&will_handlers, &client_id, &will_tx);
-            return;
+            return None;
         }
     };
+    Some(Connected {
+        link,
+        tenant_id,
+        client_id,
+        router_tx,
+        will_handlers,
+        will_tx,
+        will_rx,
+        slot,
+    })
+}
 
-    let connection_id = link.connection_id;
-    let link_id = link.link_id();
-    let will_delay_interval = link.will_delay_interval;
-    let mut send_disconnect = true;
-    let mut linger = false;
+/// A connection whose CONNECT was accepted and whose link the router
+/// has: what its task keeps while the client is connected, and after, for
+/// its will. (edgeway patch, see PATCHES.md)
+struct Connected<P: Protocol> {
+    link: RemoteLink<P>,
+    tenant_id: Option<String>,
+    client_id: String,
+    router_tx: Sender<(ConnectionId, Event)>,
+    will_handlers: Arc<Mutex<HashMap<String, Sender<AwaitingWill>>>>,
+    will_tx: Sender<AwaitingWill>,
+    will_rx: flume::Receiver<AwaitingWill>,
+    slot: ListenerSlot,
+}
 
-    match link.start().await {
-        // Connection got closed. This shouldn't usually happen.
-        Ok(_) => error!("connection-stop"),
-        // No need to send a disconnect message when disconnection
-        // originated internally in the router.
-        Err(remote::Error::Link(e)) => {
-            error!(error=?e, "router-drop");
-            send_disconnect = false;
+impl<P: Protocol> Connected<P> {
+    /// Runs the link until the connection ends, then publishes the
+    /// client's will when it is due. Not an `async fn`: its future would
+    /// hold `self` twice (the argument and the binding it is moved to); the
+    /// block's capture is used in place, never moved into locals.
+    fn run(self) -> impl std::future::Future<Output = ()> {
+        let mut this = self;
+        async move {
+            let connection_id = this.link.connection_id;
+            let link_id = this.link.link_id();
+            let will_delay_interval = this.link.will_delay_interval;
+            let mut send_disconnect = true;
+            let mut linger = false;
+
+            match this.link.start().await {
+                // Connection got closed. This shouldn't usually happen.
+                Ok(_) => error!("connection-stop"),
+                // No need to send a disconnect message when disconnection
+                // originated internally in the router.
+                Err(remote::Error::Link(e)) => {
+                    error!(error=?e, "router-drop");
+                    send_disconnect = false;
+                }
+                // The codec ended it (a limit, an expired credential): it logs why.
+                // (edgeway patch, see PATCHES.md)
+                Err(remote::Error::Network(network::Error::ClosedByCodec)) => {
+                    info!("closed by the codec");
+                    linger = true;
+                }
+                // The client sent DISCONNECT; the router has it. (edgeway patch,
+                // see PATCHES.md)
+                Err(remote::Error::ClientDisconnected) => {
+                    info!("disconnected by the client");
+                }
+                // Connection was closed by peer
+                Err(remote::Error::Network(network::Error::Io(err)) | remote::Error::Io(err))
+                    if err.kind() == io::ErrorKind::ConnectionAborted =>
+                {
+                    info!(error=?err, "disconnected");
+                }
+                // Any other error
+                Err(e) => {
+                    error!(error=?e, "disconnected");
+                }
+            };
+
+            if send_disconnect {
+                // Not `Event::Disconnect`: the router may have dropped this link
+                // already and given its connection id to a new one (a reconnect of
+                // the same client id). (edgeway patch, see PATCHES.md)
+                let disconnect = Event::LinkClosed(link_id);
+                let message = (connection_id, disconnect);
+                this.router_tx.send(message).ok();
+            }
+
+            // The server ended it (its DISCONNECT is written) while the client
+            // may still be writing: read on for a while so that the socket does
+            // not close with unread input, which the kernel answers with a reset
+            // that fails the client's writes and can discard the DISCONNECT. The
+            // router has let the link go; the listener slot (its connection cap)
+            // is held until the end. (edgeway patch, see PATCHES.md)
+            if linger {
+                Box::pin(this.link.linger(LINGER_AFTER_DISCONNECT)).await;
+            }
+
+            // this is important to stop the connection
+            drop(this.link);
+            drop(this.slot);
+
+            let publish_will = match tokio::time::timeout(
+                Duration::from_secs(will_delay_interval as u64),
+                this.will_rx.recv_async(),
+            )
+            .await
+            {
+                Ok(w) => w.is_ok_and(|k| k == AwaitingWill::Fire),
+                Err(_) => {
+                    // no need to keep the sender after timeout (unless it is a newer
+                    // connection's)
+                    forget_will_handler(&this.will_handlers, &this.client_id, &this.will_tx);
+                    // as will delay interval has passed, publish the will message
+                    true
+                }
+            };
+
+            if publish_will {
+                let message = Event::PublishWill((this.client_id, this.tenant_id));
+                // is this connection_id really correct at this point?
+                // as we have disconnected already, some other connection
+                // might be using this connection ID!
+                // It won't matter in this case as we don't use it
+                // but might affect logs?
+                this.router_tx.send((connection_id, message)).ok();
+            }
         }
-        // The codec ended it (a limit, an expired credential): it logs why.
-        // (edgeway patch, see PATCHES.md)
-        Err(remote::Error::Network(network::Error::ClosedByCodec)) => {
-            info!("closed by the codec");
-            linger = true;
-        }
-        // The client sent DISCONNECT; the router has it. (edgeway patch,
-        // see PATCHES.md)
-        Err(remote::Error::ClientDisconnected) => {
-            info!("disconnected by the client");
-        }
-        // Connection was closed by peer
-        Err(remote::Error::Network(network::Error::Io(err)) | remote::Error::Io(err))
-            if err.kind() == io::ErrorKind::ConnectionAborted =>
-        {
-            info!(error=?err, "disconnected");
-        }
-        // Any other error
-        Err(e) => {
-            error!(error=?e, "disconnected");
-        }
-    };
-
-    if send_disconnect {
-        // Not `Event::Disconnect`: the router may have dropped this link
-        // already and given its connection id to a new one (a reconnect of
-        // the same client id). (edgeway patch, see PATCHES.md)
-        let disconnect = Event::LinkClosed(link_id);
-        let message = (connection_id, disconnect);
-        router_tx.send(message).ok();
-    }
-
-    // The server ended it (its DISCONNECT is written) while the client
-    // may still be writing: read on for a while so that the socket does
-    // not close with unread input, which the kernel answers with a reset
-    // that fails the client's writes and can discard the DISCONNECT. The
-    // router has let the link go; the listener slot (its connection cap)
-    // is held until the end. (edgeway patch, see PATCHES.md)
-    if linger {
-        Box::pin(link.linger(LINGER_AFTER_DISCONNECT)).await;
-    }
-
-    // this is important to stop the connection
-    drop(link);
-    drop(slot);
-
-    let publish_will = match tokio::time::timeout(
-        Duration::from_secs(will_delay_interval as u64),
-        will_rx.recv_async(),
-    )
-    .await
-    {
-        Ok(w) => w.is_ok_and(|k| k == AwaitingWill::Fire),
-        Err(_) => {
-            // no need to keep the sender after timeout (unless it is a newer
-            // connection's)
-            forget_will_handler(&will_handlers, &client_id, &will_tx);
-            // as will delay interval has passed, publish the will message
-            true
-        }
-    };
-
-    if publish_will {
-        let message = Event::PublishWill((client_id, tenant_id));
-        // is this connection_id really correct at this point?
-        // as we have disconnected already, some other connection
-        // might be using this connection ID!
-        // It won't matter in this case as we don't use it
-        // but might affect logs?
-        router_tx.send((connection_id, message)).ok();
     }
 }
 
