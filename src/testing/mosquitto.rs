@@ -1,0 +1,105 @@
+//! A real Mosquitto broker child process on a free port, for the tests of
+//! `[mqtt] mode = "external"`: anonymous, or with a password file and an
+//! ACL file (those `edgeway mqtt-acl` writes).
+//!
+//! The binary is `$EDGEWAY_MOSQUITTO`, else `/usr/sbin/mosquitto`, else
+//! `mosquitto` on the `PATH`.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::process::{Child, Command};
+
+use super::nats_server::NatsServer;
+use super::TempDir;
+
+pub struct Mosquitto {
+    pub port: u16,
+    child: Option<Child>,
+    /// The config file and the broker's log (`mosquitto.log`).
+    pub dir: TempDir,
+}
+
+impl Mosquitto {
+    /// Where the `mosquitto` binary is, if anywhere.
+    pub fn binary() -> Option<PathBuf> {
+        if let Some(p) = std::env::var_os("EDGEWAY_MOSQUITTO").map(PathBuf::from).filter(|p| p.exists()) {
+            return Some(p);
+        }
+        let sbin = PathBuf::from("/usr/sbin/mosquitto");
+        if sbin.exists() {
+            return Some(sbin);
+        }
+        std::env::var_os("PATH")?.to_str()?.split(':').map(|d| PathBuf::from(d).join("mosquitto")).find(|p| p.exists())
+    }
+
+    /// Starts a broker on a free port that takes anyone.
+    pub async fn anonymous() -> Mosquitto {
+        Self::start("allow_anonymous true\n").await
+    }
+
+    /// Starts a broker that takes only the users of `password_file`, each
+    /// limited by `acl_file`.
+    pub async fn with_acl(password_file: &Path, acl_file: &Path) -> Mosquitto {
+        Self::start(&format!(
+            "allow_anonymous false\npassword_file {}\nacl_file {}\n",
+            password_file.display(),
+            acl_file.display()
+        ))
+        .await
+    }
+
+    /// Starts a broker with these config lines (besides its listener and
+    /// log) and waits until it takes connections.
+    pub async fn start(lines: &str) -> Mosquitto {
+        let dir = TempDir::new("edgeway-mosquitto");
+        let port = NatsServer::free_port();
+        let conf = dir.0.join("mosquitto.conf");
+        let log = dir.0.join("mosquitto.log");
+        let text = format!(
+            "listener {port} 127.0.0.1\npersistence false\nlog_dest file {}\nlog_type all\n{lines}",
+            log.display()
+        );
+        std::fs::write(&conf, text).expect("write mosquitto.conf");
+        let bin = Self::binary().expect("mosquitto not found (apt-get install mosquitto)");
+        let mut cmd = Command::new(bin);
+        cmd.arg("-c").arg(&conf).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).kill_on_drop(true);
+        let child = cmd.spawn().expect("start mosquitto");
+        let up = tokio::time::timeout(Duration::from_secs(20), async {
+            while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        let m = Mosquitto { port, child: Some(child), dir };
+        if up.is_err() {
+            panic!("mosquitto on port {port} not ready after 20 s:\n{}", m.log());
+        }
+        m
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// What the broker logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join("mosquitto.log")).unwrap_or_default()
+    }
+
+    /// Kills the broker (clients see their connections drop).
+    pub async fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill().await;
+        }
+    }
+}
+
+impl Drop for Mosquitto {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.start_kill();
+        }
+    }
+}
