@@ -1,6 +1,7 @@
 //! `[mqtt] mode = "external"`: edgeway as a client of a real Mosquitto
-//! broker (started here on a free port), devices as rumqttc clients of the
-//! same broker, fake engines behind edgeway.
+//! broker (started here on a free port, with the ACL and password files
+//! `edgeway mqtt-acl` writes from the test config), devices as rumqttc
+//! clients of the same broker, fake engines behind edgeway.
 
 mod mqtt_support;
 
@@ -9,6 +10,7 @@ use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
 use edgeway::config::Config;
+use edgeway::ingress::mqtt::acl;
 use edgeway::testing::{config_toml, Mosquitto, TempDir};
 use mqtt_support::*;
 use serde_json::{json, Value};
@@ -63,6 +65,23 @@ fn config(engine_url: &str, data: &Path, port: u16, node: &str) -> Config {
     Config::from_toml_str(&text, env(), Path::new(".")).unwrap_or_else(|e| panic!("test config: {e}\n{text}"))
 }
 
+/// A Mosquitto that takes only edgeway's user and the demo devices, each
+/// limited by the ACLs generated from the test config's registry (written
+/// as the `edgeway mqtt-acl` command writes them).
+async fn acl_broker() -> Mosquitto {
+    let tmp = TempDir::new("edgeway-acl");
+    // The files do not depend on the broker's port.
+    let cfg = config("http://127.0.0.1:1", &tmp.0, 1, "a");
+    let env: std::collections::HashMap<String, String> = env().into_iter().collect();
+    let files = acl::broker_files(&cfg, |v| env.get(v).cloned(), true).expect("broker files");
+    let written = acl::write_files(&tmp.0, &files).unwrap();
+    assert_eq!(written.len(), 3);
+    let broker = Mosquitto::with_acl(&tmp.0.join("mosquitto.passwd"), &tmp.0.join("mosquitto.acl")).await;
+    // The broker read the files at start; they may go.
+    drop(tmp);
+    broker
+}
+
 /// A gateway of node `node` on the broker at `port`, with its data
 /// directory; returns once the broker has granted all its subscriptions.
 async fn gateway(engine_url: &str, port: u16, node: &str) -> (TestGateway, TempDir) {
@@ -85,7 +104,7 @@ async fn gateway(engine_url: &str, port: u16, node: &str) -> (TestGateway, TempD
 
 #[tokio::test]
 async fn a_device_gets_a_streamed_answer_through_mosquitto() {
-    let broker = Mosquitto::anonymous().await;
+    let broker = acl_broker().await;
     let fake = FakeEngine::start_with(Knobs::slow(5, 5)).await;
     let (gw, _tmp) = gateway(&fake.url(), broker.port, "a").await;
     assert!(gw.running.as_ref().unwrap().mqtt.is_none(), "no embedded broker in external mode");
@@ -113,7 +132,7 @@ async fn a_device_gets_a_streamed_answer_through_mosquitto() {
 
 #[tokio::test]
 async fn a_cancel_through_the_broker_stops_the_engine() {
-    let broker = Mosquitto::anonymous().await;
+    let broker = acl_broker().await;
     let fake = FakeEngine::start_with(Knobs::slow(1000, 20)).await;
     let (gw, _tmp) = gateway(&fake.url(), broker.port, "a").await;
     let mut d = device(broker.addr(), V::V5, D1).await;
@@ -147,4 +166,154 @@ async fn a_device_the_registry_does_not_list_is_refused() {
     assert_eq!(fake.requests(), 0);
     assert!(stranger.drain().is_empty());
     gw.stop().await;
+}
+
+/// With the generated ACLs, device B reads nothing of device A's, whatever
+/// filters it uses, and cannot publish a request in A's name; a wrong
+/// password is refused by the broker.
+#[tokio::test]
+async fn the_generated_acls_keep_devices_apart() {
+    let broker = acl_broker().await;
+    let fake = FakeEngine::start_with(Knobs::slow(5, 5)).await;
+    let (gw, _tmp) = gateway(&fake.url(), broker.port, "a").await;
+    let refused = connect(broker.addr(), V::V5, D1.0, D1.0, "not-the-password").await;
+    assert!(refused.is_err(), "a wrong password is refused by the broker");
+
+    let mut a = device(broker.addr(), V::V5, D1).await;
+    let mut b = device(broker.addr(), V::V5, D2).await;
+    for filter in ["#", "ai/v1/+/res/#", "ai/v1/demo-device-1/#", "ai/v1/demo-device-1/res/a-1", "$share/x/ai/v1/#"] {
+        b.subscribe(filter).await;
+    }
+    a.subscribe(&a.topic("res/#")).await;
+    // B publishes a request in A's name: the broker drops it.
+    b.publish("ai/v1/demo-device-1/req", request("spoofed").to_string()).await;
+    a.publish(&a.topic("req"), request("a-1").to_string()).await;
+    let events = a.stream(&a.topic("res/a-1")).await;
+    assert_eq!(events.last().unwrap()["type"], "done", "{events:#?}");
+
+    // B's own request is answered: B's filters do work, on its own topics.
+    b.publish(&b.topic("req"), request("b-1").to_string()).await;
+    let mut seen = Vec::new();
+    loop {
+        let m = b.msg().await;
+        let done = m.topic == b.topic("res/b-1") && m.json()["type"] == "done";
+        seen.push(m.topic);
+        if done {
+            break;
+        }
+    }
+    let foreign: Vec<_> =
+        seen.iter().filter(|t| !t.starts_with("ai/v1/demo-device-2/") && !t.starts_with("ai/v1/shared/")).collect();
+    assert!(foreign.is_empty(), "device B read another device's messages: {foreign:?}");
+    // Only A's and B's own requests reached an engine; A never got an
+    // answer to the spoofed one.
+    assert_eq!(fake.requests(), 2);
+    assert!(a.drain().iter().all(|m| !m.topic.contains("spoofed")));
+    gw.stop().await;
+}
+
+/// Two gateways share the subscription: both serve requests, each request
+/// is answered exactly once (one task, one engine request, one stream),
+/// and a cancel reaches whichever node runs the task.
+#[tokio::test]
+async fn two_gateways_sharing_the_subscription_each_answer_some_requests_exactly_once() {
+    let broker = acl_broker().await;
+    let (fake_a, fake_b) =
+        (FakeEngine::start_with(Knobs::slow(3, 5)).await, FakeEngine::start_with(Knobs::slow(3, 5)).await);
+    let (gw_a, _ta) = gateway(&fake_a.url(), broker.port, "a").await;
+    let (gw_b, _tb) = gateway(&fake_b.url(), broker.port, "b").await;
+    let mut d = device(broker.addr(), V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    const N: usize = 20;
+    for i in 0..N {
+        d.publish(&d.topic("req"), request(&format!("r-{i}")).to_string()).await;
+    }
+    let mut streams: std::collections::BTreeMap<String, Vec<Value>> = Default::default();
+    let mut ended = 0;
+    while ended < N {
+        let m = d.msg().await;
+        let v = m.json();
+        if matches!(v["type"].as_str(), Some("done" | "error")) {
+            ended += 1;
+        }
+        streams.entry(m.topic).or_default().push(v);
+    }
+    assert_eq!(streams.len(), N);
+    let mut nodes = std::collections::BTreeMap::<String, usize>::new();
+    for (topic, events) in &streams {
+        check_stream(events);
+        let done = events.last().unwrap();
+        assert_eq!(done["type"], "done", "{topic}: {done}");
+        assert_eq!(events.iter().filter(|e| e["type"] == "accepted").count(), 1, "{topic}: {events:#?}");
+        *nodes.entry(done["result"]["node_id"].as_str().unwrap().to_string()).or_default() += 1;
+    }
+    assert_eq!(fake_a.requests() + fake_b.requests(), N as u64, "one engine request per device request");
+    assert!(nodes.len() == 2 && nodes.values().all(|n| *n > 0), "both nodes served: {nodes:?}");
+    assert_eq!(nodes["a"] as u64, fake_a.requests());
+
+    // A long request and its cancel: the cancel reaches every node, the
+    // one running the task stops its engine.
+    for f in [&fake_a, &fake_b] {
+        f.set(|k| {
+            k.tokens = 1000;
+            k.token_delay = Duration::from_millis(20);
+        });
+    }
+    d.publish(&d.topic("req"), request("long").to_string()).await;
+    let mut events = vec![d.msg().await.json(), d.msg().await.json()];
+    assert_eq!(events[1]["type"], "delta", "{events:#?}");
+    d.publish(&d.topic("cancel"), json!({"request_id": "long"}).to_string()).await;
+    events.extend(d.stream(&d.topic("res/long")).await);
+    check_stream(&events);
+    assert_eq!(events.last().unwrap()["code"], "REQUEST_CANCELLED", "{events:#?}");
+    for f in [&fake_a, &fake_b] {
+        assert!(f.wait_for(Duration::from_secs(10), |s| s.active.load(SeqCst) == 0).await);
+    }
+    assert_eq!(fake_a.stats.aborted.load(SeqCst) + fake_b.stats.aborted.load(SeqCst), 1);
+    gw_a.stop().await;
+    gw_b.stop().await;
+}
+
+/// `config/external-broker.toml` loads, and `edgeway mqtt-acl` writes its
+/// files from it: every device's rules, its users in the password file.
+#[test]
+fn the_example_config_loads_and_its_acls_are_written() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/external-broker.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let env = [("EDGEWAY_MQTT_BROKER_PASSWORD", "broker-secret"), ("CAM_7_MQTT_PASSWORD", "cam-7-secret")];
+    let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let cfg = Config::from_toml_str(&text, env.clone(), path.parent().unwrap()).unwrap();
+    let ext = cfg.mqtt.as_ref().unwrap().external.as_ref().expect("external mode");
+    assert_eq!((ext.host.as_str(), ext.port, ext.client_id.as_str()), ("127.0.0.1", 1883, "edgeway-edge-ext-1"));
+    assert_eq!(ext.shared_group, "edgeway");
+    let lookup = |extra: &'static [(&str, &str)]| {
+        let env = env.clone();
+        move |v: &str| {
+            env.iter()
+                .chain(&extra.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>())
+                .find(|(k, _)| k == v)
+                .map(|(_, v)| v.clone())
+        }
+    };
+    // cam-8's password is not in the environment: named in the error.
+    let e = acl::broker_files(&cfg, lookup(&[]), true).unwrap_err().to_string();
+    assert!(e.contains("cam-8") && !e.contains("cam-7"), "{e}");
+    // A password that is not the device's hash's is refused.
+    let e = acl::broker_files(&cfg, lookup(&[("CAM_8_MQTT_PASSWORD", "wrong")]), true).unwrap_err().to_string();
+    assert!(e.contains("CAM_8_MQTT_PASSWORD") && e.contains("cam-8"), "{e}");
+    let files = acl::broker_files(&cfg, lookup(&[("CAM_8_MQTT_PASSWORD", "cam-8-secret")]), true).unwrap();
+    let users: Vec<&str> =
+        files.mosquitto_passwd.as_deref().unwrap().lines().map(|l| l.split(':').next().unwrap()).collect();
+    assert_eq!(users, ["edgeway", "cam-7", "cam-8"]);
+    assert!(files.mosquitto_acl.contains("user cam-7\ntopic write ai/v1/cam-7/req\n"), "{}", files.mosquitto_acl);
+    assert!(
+        files.emqx_acl.contains(
+            r#"{allow, {username, "cam-8"}, publish, ["ai/v1/cam-8/req", "ai/v1/cam-8/cancel", "ai/v1/cam-8/resume"]}."#
+        ),
+        "{}",
+        files.emqx_acl
+    );
+    assert!(files.emqx_acl.trim_end().ends_with("{deny, all}."));
+    // The ACLs alone need no device password.
+    assert!(acl::broker_files(&cfg, |_| None, false).unwrap().mosquitto_passwd.is_none());
 }

@@ -156,6 +156,8 @@ fn example_configs_validate() {
             ("EDGEWAY_JWT_SECRET", "an-example-secret-of-32-bytes!!!"),
             ("OPENAI_API_KEY", "sk-test"),
             ("HOME", "/home/edge"),
+            // external-broker.toml: edgeway's password on the broker.
+            ("EDGEWAY_MQTT_BROKER_PASSWORD", "broker-secret"),
         ];
         parse(&text, &env).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         n += 1;

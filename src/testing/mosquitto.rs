@@ -57,9 +57,14 @@ impl Mosquitto {
         let port = NatsServer::free_port();
         let conf = dir.0.join("mosquitto.conf");
         let log = dir.0.join("mosquitto.log");
+        // As root, Mosquitto 2 switches to user `mosquitto`, which cannot
+        // read this private folder: stay.
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
         let text = format!(
-            "listener {port} 127.0.0.1\npersistence false\nlog_dest file {}\nlog_type all\n{lines}",
-            log.display()
+            "listener {port} 127.0.0.1\npersistence false\nlog_dest file {}\nlog_type all\n{}{lines}",
+            log.display(),
+            if root { "user root\n" } else { "" }
         );
         std::fs::write(&conf, text).expect("write mosquitto.conf");
         let bin = Self::binary().expect("mosquitto not found (apt-get install mosquitto)");

@@ -21,6 +21,9 @@
 //! - [`requests`]: requests, cancels, resumes, disconnect policy.
 //! - [`streams`]: per-request response streams (coalescing, replay).
 //! - [`auth`]: device credentials, the tenant a device id belongs to.
+//! - [`external`]: `[mqtt] mode = "external"`: no embedded broker; edgeway
+//!   is a client of an existing one (the ingress above, fed and publishing
+//!   through that client), whose ACLs [`acl`] writes.
 //!
 //! edgeway's own link to the router: a reader ([`link_loop`]) that only
 //! sorts device messages into per-device inboxes, so it keeps up with the
@@ -34,6 +37,7 @@
 //! Does not own: admission, queues or engines (everything goes through
 //! [`Gateway::submit`]). The topic and message contracts are in `topics/`.
 
+pub mod acl;
 pub mod auth;
 pub mod broker;
 pub mod codec;
