@@ -82,23 +82,28 @@ async fn acl_broker() -> Mosquitto {
     broker
 }
 
+/// Waits until edgeway's broker connection, as `/ready` reports it,
+/// satisfies `cond`.
+async fn until_broker(gw: &TestGateway, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let m = gw.gateway().readiness().await.unwrap().mqtt_bus.expect("the external broker is reported");
+        if cond(&m) {
+            return m;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "edgeway's broker connection never became {what}: {m}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A gateway of node `node` on the broker at `port`, with its data
 /// directory; returns once the broker has granted all its subscriptions.
 async fn gateway(engine_url: &str, port: u16, node: &str) -> (TestGateway, TempDir) {
     let tmp = TempDir::new("edgeway-ext");
     let gw = TestGateway::start(config(engine_url, &tmp.0, port, node)).await;
     gw.wait_ready().await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let r = gw.gateway().readiness().await.unwrap();
-        let m = r.mqtt_bus.expect("the external broker is reported");
-        if m["subscribed"] == true {
-            assert_eq!(m["state"], "connected");
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "edgeway never subscribed on the broker: {m}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let m = until_broker(&gw, "subscribed", |m| m["subscribed"] == true).await;
+    assert_eq!(m["state"], "connected");
     (gw, tmp)
 }
 
@@ -251,6 +256,23 @@ async fn two_gateways_sharing_the_subscription_each_answer_some_requests_exactly
     assert!(nodes.len() == 2 && nodes.values().all(|n| *n > 0), "both nodes served: {nodes:?}");
     assert_eq!(nodes["a"] as u64, fake_a.requests());
 
+    // A resume reaches both nodes: the one that ran the request replays
+    // it, the other keeps still (no "unknown request" error).
+    let original = &streams[&d.topic("res/r-0")];
+    d.publish(&d.topic("resume"), json!({"request_id": "r-0", "from_seq": 1}).to_string()).await;
+    let replay = d.stream(&d.topic("res/r-0")).await;
+    assert_eq!(replay[..], original[1..], "the replay is the stream from seq 1");
+    // A later request's answer comes after anything the resume caused.
+    d.publish(&d.topic("req"), request("after-resume").to_string()).await;
+    loop {
+        let m = d.msg().await;
+        let v = m.json();
+        assert_ne!(v["type"], "error", "{}: {v}", m.topic);
+        if m.topic == d.topic("res/after-resume") && v["type"] == "done" {
+            break;
+        }
+    }
+
     // A long request and its cancel: the cancel reaches every node, the
     // one running the task stops its engine.
     for f in [&fake_a, &fake_b] {
@@ -316,4 +338,27 @@ fn the_example_config_loads_and_its_acls_are_written() {
     assert!(files.emqx_acl.trim_end().ends_with("{deny, all}."));
     // The ACLs alone need no device password.
     assert!(acl::broker_files(&cfg, |_| None, false).unwrap().mosquitto_passwd.is_none());
+}
+
+/// The broker goes away and comes back: edgeway reports it, reconnects on
+/// its own, subscribes again and serves the next request.
+#[tokio::test]
+async fn edgeway_reconnects_when_the_broker_comes_back() {
+    let mut broker = acl_broker().await;
+    let fake = FakeEngine::start_with(Knobs::slow(3, 5)).await;
+    let (gw, _tmp) = gateway(&fake.url(), broker.port, "a").await;
+    assert_eq!(metric(&gw, "mqtt_broker_connects_total"), Some(1.0));
+    broker.stop().await;
+    let m = until_broker(&gw, "disconnected", |m| m["state"] == "disconnected").await;
+    assert!(m["last_error"].is_string(), "{m}");
+    assert_eq!(metric(&gw, "mqtt_broker_connected"), Some(0.0));
+    broker.restart().await;
+    until_broker(&gw, "subscribed again", |m| m["subscribed"] == true).await;
+    assert_eq!(metric(&gw, "mqtt_broker_connects_total"), Some(2.0));
+    let mut d = device(broker.addr(), V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("after-restart").to_string()).await;
+    let events = d.stream(&d.topic("res/after-restart")).await;
+    assert_eq!(events.last().unwrap()["type"], "done", "{events:#?}");
+    gw.stop().await;
 }

@@ -40,20 +40,28 @@ impl Mosquitto {
     }
 
     /// Starts a broker that takes only the users of `password_file`, each
-    /// limited by `acl_file`.
+    /// limited by `acl_file` (both copied: the broker reads them again at
+    /// a restart).
     pub async fn with_acl(password_file: &Path, acl_file: &Path) -> Mosquitto {
-        Self::start(&format!(
-            "allow_anonymous false\npassword_file {}\nacl_file {}\n",
-            password_file.display(),
-            acl_file.display()
-        ))
+        Self::start_with(|dir| {
+            let (passwd, acl) = (dir.join("mosquitto.passwd"), dir.join("mosquitto.acl"));
+            std::fs::copy(password_file, &passwd).expect("copy the password file");
+            std::fs::copy(acl_file, &acl).expect("copy the ACL file");
+            format!("allow_anonymous false\npassword_file {}\nacl_file {}\n", passwd.display(), acl.display())
+        })
         .await
     }
 
     /// Starts a broker with these config lines (besides its listener and
     /// log) and waits until it takes connections.
     pub async fn start(lines: &str) -> Mosquitto {
+        Self::start_with(|_| lines.to_string()).await
+    }
+
+    /// [`Self::start`] with config lines made knowing the broker's folder.
+    async fn start_with(lines: impl FnOnce(&Path) -> String) -> Mosquitto {
         let dir = TempDir::new("edgeway-mosquitto");
+        let lines = lines(&dir.0);
         let port = NatsServer::free_port();
         let conf = dir.0.join("mosquitto.conf");
         let log = dir.0.join("mosquitto.log");
@@ -67,21 +75,30 @@ impl Mosquitto {
             if root { "user root\n" } else { "" }
         );
         std::fs::write(&conf, text).expect("write mosquitto.conf");
+        let mut m = Mosquitto { port, child: None, dir };
+        m.restart().await;
+        m
+    }
+
+    /// Starts the broker (again) on its port with its config, and waits
+    /// until it takes connections.
+    pub async fn restart(&mut self) {
+        self.stop().await;
         let bin = Self::binary().expect("mosquitto not found (apt-get install mosquitto)");
         let mut cmd = Command::new(bin);
-        cmd.arg("-c").arg(&conf).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).kill_on_drop(true);
-        let child = cmd.spawn().expect("start mosquitto");
+        cmd.arg("-c").arg(self.dir.0.join("mosquitto.conf"));
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).kill_on_drop(true);
+        self.child = Some(cmd.spawn().expect("start mosquitto"));
+        let port = self.port;
         let up = tokio::time::timeout(Duration::from_secs(20), async {
             while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         })
         .await;
-        let m = Mosquitto { port, child: Some(child), dir };
         if up.is_err() {
-            panic!("mosquitto on port {port} not ready after 20 s:\n{}", m.log());
+            panic!("mosquitto on port {port} not ready after 20 s:\n{}", self.log());
         }
-        m
     }
 
     pub fn addr(&self) -> std::net::SocketAddr {

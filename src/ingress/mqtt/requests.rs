@@ -721,6 +721,12 @@ impl DeviceIngress {
         let outcome = |o: &str| self.metrics.resumes.with_label_values(&[o]).inc();
         let Some(stream) = self.streams.get(device, &rid) else {
             outcome("unknown");
+            if self.cfg.external.is_some() {
+                // On an external broker every node hears every resume: the
+                // node that ran the request answers it, the others keep
+                // still.
+                return;
+            }
             let e = GatewayError::invalid(format!(
                 "cannot resume '{rid}': unknown request, or its events are no longer kept"
             ));
