@@ -3,6 +3,7 @@
 //! `edgeway mqtt-acl` writes from the test config), devices as rumqttc
 //! clients of the same broker, fake engines behind edgeway.
 
+mod common;
 mod mqtt_support;
 
 use std::path::Path;
@@ -132,6 +133,18 @@ async fn a_device_gets_a_streamed_answer_through_mosquitto() {
 
     // The connection is reported in /ready and the metrics.
     assert_eq!(metric(&gw, "mqtt_broker_connected"), Some(1.0));
+    let ready: Value = common::client()
+        .get(format!("{}/ready", gw.base_url))
+        .bearer_auth(edgeway::testing::OPS_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let m = &ready["mqtt_broker"];
+    assert_eq!((&m["mode"], &m["state"], &m["subscribed"]), (&json!("external"), &json!("connected"), &json!(true)));
+    assert_eq!(m["broker"], format!("127.0.0.1:{}", broker.port));
     gw.stop().await;
 }
 

@@ -804,3 +804,41 @@ fn retention_per_data_class_defaults_to_the_store_keys_and_is_validated() {
     let e = parse(&bad, &[]).unwrap_err().to_string();
     assert!(e.contains("store.retention.sensitive.sessions_hours"), "{e}");
 }
+
+/// `[mqtt] mode = "external"`: the broker's section is required, its
+/// password comes from the environment, and mistakes name their keys.
+#[test]
+fn external_mqtt_mode_needs_its_broker_and_names_its_mistakes() {
+    let m = parse(&format!("{MINIMAL}\n[mqtt]\n"), &[]).unwrap().mqtt.unwrap();
+    assert!(m.external.is_none(), "embedded is the default");
+    let ext = "[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"broker.local\"\n";
+    let c = parse(&format!("{MINIMAL}\n{ext}"), &[]).unwrap();
+    let e = c.mqtt.unwrap().external.expect("external mode");
+    assert_eq!((e.host.as_str(), e.port, e.shared_group.as_str()), ("broker.local", 1883, "edgeway"));
+    assert_eq!(e.client_id, format!("edgeway-{}", c.node_id));
+    assert!(e.username.is_none() && e.password.is_none());
+    let with_user = format!("{MINIMAL}\n{ext}username = \"edgeway\"\npassword_env = \"BROKER_PW\"\n");
+    let err = parse(&with_user, &[]).unwrap_err();
+    assert_eq!(err.0[0].path, "mqtt.external.password_env", "{err}");
+    let c = parse(&with_user, &[("BROKER_PW", "s3cret")]).unwrap();
+    let e = c.mqtt.unwrap().external.unwrap();
+    assert_eq!(e.password.as_ref().map(|p| p.expose()), Some("s3cret"));
+    assert!(!format!("{e:?}").contains("s3cret"), "the password never reaches a debug print");
+    for (text, path) in [
+        ("[mqtt]\nmode = \"external\"\n", "mqtt.external"),
+        ("[mqtt]\nmode = \"cluster\"\n", "mqtt.mode"),
+        ("[mqtt]\n[mqtt.external]\nhost = \"b\"\n", "mqtt.external"),
+        ("[mqtt]\nmode = \"external\"\n[mqtt.external]\n", "mqtt.external.host"),
+        (
+            "[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\nshared_group = \"a/b\"\n",
+            "mqtt.external.shared_group",
+        ),
+        (
+            "[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\npassword_env = \"X\"\n",
+            "mqtt.external.username",
+        ),
+    ] {
+        let err = parse(&format!("{MINIMAL}\n{text}"), &[]).unwrap_err();
+        assert_eq!(err.0[0].path, path, "{text}: {err}");
+    }
+}
