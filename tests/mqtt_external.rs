@@ -375,3 +375,56 @@ async fn edgeway_reconnects_when_the_broker_comes_back() {
     assert_eq!(events.last().unwrap()["type"], "done", "{events:#?}");
     gw.stop().await;
 }
+
+/// Interoperability: a device that is `mosquitto_sub` and `mosquitto_pub`
+/// (clients the project did not write, MQTT 3.1.1) gets its answer through
+/// the broker with the generated files.
+#[tokio::test]
+async fn mosquitto_clients_as_a_device_get_an_answer() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let broker = acl_broker().await;
+    let fake = FakeEngine::start_with(Knobs::slow(4, 5)).await;
+    let (gw, _tmp) = gateway(&fake.url(), broker.port, "a").await;
+    let port = broker.port.to_string();
+    let common = ["-h", "127.0.0.1", "-p", &port, "-u", D1.0, "-P", D1.1, "-q", "1"];
+    // The retained catalogue arrives first: then the subscription is in
+    // place (one SUBSCRIBE with both filters).
+    let mut sub = tokio::process::Command::new("mosquitto_sub")
+        .args(common)
+        .args(["-i", "demo-device-1:sub", "-v", "-t", "ai/v1/shared/models", "-t", "ai/v1/demo-device-1/res/#"])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("mosquitto_sub (apt-get install mosquitto-clients)");
+    let mut lines = BufReader::new(sub.stdout.take().unwrap()).lines();
+    assert!(next_line(&mut lines).await.starts_with("ai/v1/shared/models "));
+    let body = json!({"model": "general-chat", "request_id": "cli-1", "messages": [{"role": "user", "content": "Hi"}]});
+    let status = tokio::process::Command::new("mosquitto_pub")
+        .args(common)
+        .args(["-i", "demo-device-1:pub", "-t", "ai/v1/demo-device-1/req", "-m", &body.to_string()])
+        .status()
+        .await
+        .unwrap();
+    assert!(status.success());
+    let mut events = Vec::new();
+    loop {
+        let line = next_line(&mut lines).await;
+        let (topic, payload) = line.split_once(' ').unwrap();
+        assert_eq!(topic, "ai/v1/demo-device-1/res/cli-1");
+        let v: Value = serde_json::from_str(payload).unwrap();
+        let end = v["type"] == "done" || v["type"] == "error";
+        events.push(v);
+        if end {
+            break;
+        }
+    }
+    assert_eq!(check_stream(&events), "tok tok tok tok ");
+    assert_eq!(events.last().unwrap()["type"], "done");
+    gw.stop().await;
+}
+
+/// The next line `mosquitto_sub` printed.
+async fn next_line(lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>) -> String {
+    let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await.expect("a line in time");
+    line.unwrap().expect("mosquitto_sub is still running")
+}
