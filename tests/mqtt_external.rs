@@ -77,10 +77,8 @@ async fn acl_broker() -> Mosquitto {
     let files = acl::broker_files(&cfg, |v| env.get(v).cloned(), true).expect("broker files");
     let written = acl::write_files(&tmp.0, &files).unwrap();
     assert_eq!(written.len(), 3);
-    let broker = Mosquitto::with_acl(&tmp.0.join("mosquitto.passwd"), &tmp.0.join("mosquitto.acl")).await;
-    // The broker read the files at start; they may go.
-    drop(tmp);
-    broker
+    // The broker keeps copies: the folder may go.
+    Mosquitto::with_acl(&tmp.0.join("mosquitto.passwd"), &tmp.0.join("mosquitto.acl")).await
 }
 
 /// Waits until edgeway's broker connection, as `/ready` reports it,
@@ -170,6 +168,8 @@ async fn a_cancel_through_the_broker_stops_the_engine() {
 
 #[tokio::test]
 async fn a_device_the_registry_does_not_list_is_refused() {
+    // A broker that lets anyone in (with the generated files the stranger
+    // could not even connect): edgeway itself refuses the unlisted id.
     let broker = Mosquitto::anonymous().await;
     let fake = FakeEngine::start().await;
     let (gw, _tmp) = gateway(&fake.url(), broker.port, "a").await;

@@ -1,6 +1,5 @@
 //! Test and benchmark support: fake engines, `nats-server` and `mosquitto`
-//! launchers and
-//! an in-process gateway on port 0. Used by `tests/` and `bench/`; not part
+//! launchers and an in-process gateway on port 0. Used by `tests/` and `bench/`; not part
 //! of the gateway's behaviour, and compiled only with the cargo feature
 //! `testing` (or in this crate's unit tests), so the release binary does not
 //! contain it.

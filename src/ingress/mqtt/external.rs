@@ -123,17 +123,23 @@ impl BrokerStatus {
         if g.state != state {
             g.state = state;
             g.since = Instant::now();
+            if state == BrokerState::Connected {
+                self.connects.inc();
+            }
         }
         if error.is_some() {
             g.last_error = error;
         }
-        self.connected.set(i64::from(state == BrokerState::Connected));
-        if state == BrokerState::Connected {
-            self.connects.inc();
-        }
         if state != BrokerState::Connected {
             g.granted = 0;
         }
+        self.connected.set(i64::from(state == BrokerState::Connected));
+    }
+
+    /// Something went wrong that did not end the connection (a refused
+    /// subscription).
+    fn note(&self, error: String) {
+        self.inner.lock().expect("broker status").last_error = Some(error);
     }
 
     /// A connect: no filter granted yet.
@@ -278,7 +284,7 @@ async fn client_loop(
                 if ack.return_codes.iter().any(|c| !matches!(c, SubscribeReasonCode::Success(_))) {
                     let why = format!("the broker refused a subscription: {:?}", ack.return_codes);
                     tracing::error!(broker = %status.broker, "MQTT: {why}; check the broker's ACL for edgeway's user");
-                    status.set(status.state(), Some(why));
+                    status.note(why);
                 }
             }
             Ok(_) => {}
