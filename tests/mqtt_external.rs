@@ -61,7 +61,14 @@ fn env() -> Vec<(String, String)> {
 }
 
 fn config(engine_url: &str, data: &Path, port: u16, node: &str) -> Config {
-    let text = config_toml(engine_url, "openai", data, &external_toml(port, &format!("edgeway-{node}")))
+    config_with(engine_url, data, port, node, "")
+}
+
+/// [`config`] with more keys of `[mqtt.external]`.
+fn config_with(engine_url: &str, data: &Path, port: u16, node: &str, external: &str) -> Config {
+    let mqtt = external_toml(port, &format!("edgeway-{node}"))
+        .replace("[devices.demo-device-1]", &format!("{external}\n[devices.demo-device-1]"));
+    let text = config_toml(engine_url, "openai", data, &mqtt)
         .replace("node_id = \"test-node\"", &format!("node_id = \"{node}\""));
     Config::from_toml_str(&text, env(), Path::new(".")).unwrap_or_else(|e| panic!("test config: {e}\n{text}"))
 }
@@ -70,6 +77,14 @@ fn config(engine_url: &str, data: &Path, port: u16, node: &str) -> Config {
 /// limited by the ACLs generated from the test config's registry (written
 /// as the `edgeway mqtt-acl` command writes them).
 async fn acl_broker() -> Mosquitto {
+    let tmp = acl_files();
+    // The broker keeps copies: the folder may go.
+    Mosquitto::with_acl(&tmp.0.join("mosquitto.passwd"), &tmp.0.join("mosquitto.acl")).await
+}
+
+/// `mosquitto.passwd`, `mosquitto.acl` and `emqx-acl.conf` of the test
+/// config, in a folder of their own.
+fn acl_files() -> TempDir {
     let tmp = TempDir::new("edgeway-acl");
     // The files do not depend on the broker's port.
     let cfg = config("http://127.0.0.1:1", &tmp.0, 1, "a");
@@ -77,8 +92,7 @@ async fn acl_broker() -> Mosquitto {
     let files = acl::broker_files(&cfg, |v| env.get(v).cloned(), true).expect("broker files");
     let written = acl::write_files(&tmp.0, &files).unwrap();
     assert_eq!(written.len(), 3);
-    // The broker keeps copies: the folder may go.
-    Mosquitto::with_acl(&tmp.0.join("mosquitto.passwd"), &tmp.0.join("mosquitto.acl")).await
+    tmp
 }
 
 /// Waits until edgeway's broker connection, as `/ready` reports it,
@@ -427,4 +441,90 @@ async fn mosquitto_clients_as_a_device_get_an_answer() {
 async fn next_line(lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>) -> String {
     let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await.expect("a line in time");
     line.unwrap().expect("mosquitto_sub is still running")
+}
+
+/// A CA and a certificate it signed for 127.0.0.1 and localhost (PEM files
+/// `ca.pem`, `server.pem`, `server.key` in the folder), made with openssl.
+fn certificates(dir: &Path, ca_name: &str) {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl").args(args).current_dir(dir).output().expect("openssl");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let subject = format!("/CN={ca_name}");
+    run(&[
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj",
+        &subject,
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+    ]);
+}
+
+/// `tls = true`: edgeway reaches the broker over TLS (a device on the
+/// broker's plain listener gets its answer); with a CA that did not sign
+/// the broker's certificate it does not connect, and says why.
+#[tokio::test]
+async fn edgeway_connects_to_the_broker_over_tls() {
+    let certs = TempDir::new("edgeway-certs");
+    certificates(&certs.0, "edgeway-test-ca");
+    let other = TempDir::new("edgeway-other-ca");
+    certificates(&other.0, "another-ca");
+    let files = acl_files();
+    let broker = Mosquitto::with_acl_and_tls(
+        &files.0.join("mosquitto.passwd"),
+        &files.0.join("mosquitto.acl"),
+        &certs.0.join("server.pem"),
+        &certs.0.join("server.key"),
+    )
+    .await;
+    let tls_port = broker.tls_port.unwrap();
+    let fake = FakeEngine::start_with(Knobs::slow(3, 5)).await;
+
+    // The wrong CA: no connection, and /ready says why.
+    let tmp = TempDir::new("edgeway-ext");
+    let wrong = format!("tls = true\nca_file = \"{}\"\n", other.0.join("ca.pem").display());
+    let gw = TestGateway::start(config_with(&fake.url(), &tmp.0, tls_port, "x", &wrong)).await;
+    let m = until_broker(&gw, "refused", |m| m["last_error"].is_string()).await;
+    assert_ne!(m["state"], "connected", "{m}");
+    assert_eq!(m["tls"], true);
+    gw.stop().await;
+
+    let tmp = TempDir::new("edgeway-ext");
+    let right = format!("tls = true\nca_file = \"{}\"\n", certs.0.join("ca.pem").display());
+    let gw = TestGateway::start(config_with(&fake.url(), &tmp.0, tls_port, "a", &right)).await;
+    gw.wait_ready().await;
+    until_broker(&gw, "subscribed over TLS", |m| m["subscribed"] == true).await;
+    let mut d = device(broker.addr(), V::V5, D1).await;
+    d.subscribe(&d.topic("res/#")).await;
+    d.publish(&d.topic("req"), request("over-tls").to_string()).await;
+    let events = d.stream(&d.topic("res/over-tls")).await;
+    assert_eq!(events.last().unwrap()["type"], "done", "{events:#?}");
+    gw.stop().await;
 }

@@ -129,6 +129,18 @@ pub struct ExternalBrokerConfig {
     /// Longest wait between two connection attempts (the wait doubles from
     /// 100 ms up to this).
     pub reconnect_max: Duration,
+    /// TLS to the broker (`tls = true`): `None` for plain TCP.
+    pub tls: Option<ExternalTls>,
+}
+
+/// TLS to an external broker: the CA that signed its certificate (the
+/// certificate must name `host`), and edgeway's own certificate when the
+/// broker asks for one.
+#[derive(Debug, Clone)]
+pub struct ExternalTls {
+    pub ca_file: PathBuf,
+    /// Client certificate and key (PEM), both or neither.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
 }
 
 #[derive(Debug, Clone)]
@@ -221,6 +233,10 @@ pub struct RawExternalBroker {
     pub shared_group: String,
     pub keep_alive_s: u64,
     pub reconnect_max_ms: u64,
+    pub tls: bool,
+    pub ca_file: Option<PathBuf>,
+    pub client_cert_file: Option<PathBuf>,
+    pub client_key_file: Option<PathBuf>,
 }
 
 impl Default for RawExternalBroker {
@@ -234,6 +250,10 @@ impl Default for RawExternalBroker {
             shared_group: "edgeway".into(),
             keep_alive_s: 30,
             reconnect_max_ms: 30_000,
+            tls: false,
+            ca_file: None,
+            client_cert_file: None,
+            client_key_file: None,
         }
     }
 }
@@ -339,7 +359,7 @@ pub(super) fn validate(
             p.add("mqtt.external", "is used only with mode = \"external\"");
             None
         }
-        ("external", Some(e)) => external(e, env, node_id, p).map(Some),
+        ("external", Some(e)) => external(e, env, base_dir, node_id, p).map(Some),
         ("external", None) => {
             p.add("mqtt.external", "mode = \"external\" needs [mqtt.external] with the broker's host");
             None
@@ -478,6 +498,7 @@ pub(super) fn validate(
 fn external(
     e: RawExternalBroker,
     env: &[(String, String)],
+    base_dir: &Path,
     node_id: &str,
     p: &mut Problems,
 ) -> Option<ExternalBrokerConfig> {
@@ -523,6 +544,39 @@ fn external(
             }
         },
     };
+    let file = |key: &str, f: &Path, p: &mut Problems| {
+        let path = resolve(base_dir, f);
+        if !path.is_file() {
+            p.add(format!("mqtt.external.{key}"), format!("{} does not exist", path.display()));
+        }
+        path
+    };
+    let tls = match (e.tls, &e.ca_file, &e.client_cert_file, &e.client_key_file) {
+        (false, None, None, None) => None,
+        (false, ..) => {
+            p.add("mqtt.external.tls", "ca_file and client_cert_file/client_key_file are used only with tls = true");
+            ok = false;
+            None
+        }
+        (true, None, ..) => {
+            p.add("mqtt.external.ca_file", "is required with tls = true (the CA that signed the broker's certificate)");
+            ok = false;
+            None
+        }
+        (true, Some(ca), cert, key) => {
+            let ca_file = file("ca_file", ca, p);
+            let client_cert = match (cert, key) {
+                (None, None) => None,
+                (Some(c), Some(k)) => Some((file("client_cert_file", c, p), file("client_key_file", k, p))),
+                _ => {
+                    p.add("mqtt.external.client_cert_file", "client_cert_file and client_key_file go together");
+                    ok = false;
+                    None
+                }
+            };
+            Some(ExternalTls { ca_file, client_cert })
+        }
+    };
     ok.then(|| ExternalBrokerConfig {
         host: e.host,
         port: e.port,
@@ -533,6 +587,7 @@ fn external(
         shared_group: e.shared_group,
         keep_alive: Duration::from_secs(e.keep_alive_s),
         reconnect_max: Duration::from_millis(e.reconnect_max_ms),
+        tls,
     })
 }
 

@@ -837,6 +837,12 @@ fn external_mqtt_mode_needs_its_broker_and_names_its_mistakes() {
             "[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\npassword_env = \"X\"\n",
             "mqtt.external.username",
         ),
+        ("[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\ntls = true\n", "mqtt.external.ca_file"),
+        ("[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\nca_file = \"ca.pem\"\n", "mqtt.external.tls"),
+        (
+            "[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\ntls = true\nca_file = \"no/such/ca.pem\"\n",
+            "mqtt.external.ca_file",
+        ),
     ] {
         let err = parse(&format!("{MINIMAL}\n{text}"), &[]).unwrap_err();
         assert_eq!(err.0[0].path, path, "{text}: {err}");

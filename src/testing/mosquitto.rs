@@ -16,6 +16,8 @@ use super::TempDir;
 
 pub struct Mosquitto {
     pub port: u16,
+    /// A second listener with TLS ([`Mosquitto::with_acl_and_tls`]).
+    pub tls_port: Option<u16>,
     child: Option<Child>,
     /// The config file and the broker's log (`mosquitto.log`).
     pub dir: TempDir,
@@ -52,6 +54,27 @@ impl Mosquitto {
         .await
     }
 
+    /// [`Self::with_acl`] with a second listener, on `tls_port`, that
+    /// speaks TLS with this certificate and key (PEM).
+    pub async fn with_acl_and_tls(password_file: &Path, acl_file: &Path, cert: &Path, key: &Path) -> Mosquitto {
+        let tls_port = NatsServer::free_port();
+        let mut m = Self::start_with(|dir| {
+            let (passwd, acl) = (dir.join("mosquitto.passwd"), dir.join("mosquitto.acl"));
+            std::fs::copy(password_file, &passwd).expect("copy the password file");
+            std::fs::copy(acl_file, &acl).expect("copy the ACL file");
+            format!(
+                "allow_anonymous false\npassword_file {}\nacl_file {}\nlistener {tls_port} 127.0.0.1\ncertfile {}\nkeyfile {}\n",
+                passwd.display(),
+                acl.display(),
+                cert.display(),
+                key.display()
+            )
+        })
+        .await;
+        m.tls_port = Some(tls_port);
+        m
+    }
+
     /// Starts a broker with these config lines (besides its listener and
     /// log) and waits until it takes connections.
     pub async fn start(lines: &str) -> Mosquitto {
@@ -75,7 +98,7 @@ impl Mosquitto {
             if root { "user root\n" } else { "" }
         );
         std::fs::write(&conf, text).expect("write mosquitto.conf");
-        let mut m = Mosquitto { port, child: None, dir };
+        let mut m = Mosquitto { port, tls_port: None, child: None, dir };
         m.restart().await;
         m
     }

@@ -36,6 +36,7 @@ use prometheus::{IntCounter, IntGauge};
 use rumqttc::v5::mqttbytes::v5::{Packet, SubscribeReasonCode};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
+use rumqttc::{TlsConfiguration, Transport};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -88,6 +89,7 @@ struct StatusInner {
 pub struct BrokerStatus {
     inner: Mutex<StatusInner>,
     broker: String,
+    tls: bool,
     connected: IntGauge,
     connects: IntCounter,
 }
@@ -113,6 +115,7 @@ impl BrokerStatus {
                 granted: 0,
             }),
             broker: format!("{}:{}", ext.host, ext.port),
+            tls: ext.tls.is_some(),
             connected,
             connects,
         }
@@ -164,6 +167,7 @@ impl BusStatus for BrokerStatus {
         json!({
             "mode": "external",
             "broker": self.broker,
+            "tls": self.tls,
             "state": g.state.as_str(),
             "since_s": g.since.elapsed().as_secs(),
             // Requests, cancels and resumes are all subscribed.
@@ -203,6 +207,19 @@ pub fn serve(
     opts.set_clean_start(true);
     opts.set_max_packet_size(Some(cfg.max_packet_bytes as u32));
     opts.set_outgoing_inflight_upper_limit(cfg.max_inflight.min(u16::MAX as usize) as u16);
+    if let Some(tls) = &ext.tls {
+        let read = |f: &std::path::Path| {
+            std::fs::read(f).map_err(|e| anyhow::anyhow!("mqtt.external: cannot read {}: {e}", f.display()))
+        };
+        let client_auth = match &tls.client_cert {
+            Some((cert, key)) => Some((read(cert)?, read(key)?)),
+            None => None,
+        };
+        let ca = read(&tls.ca_file)?;
+        // rustls with the process's provider (installed at start).
+        crate::tls::install_default_provider();
+        opts.set_transport(Transport::tls_with_config(TlsConfiguration::Simple { ca, alpn: None, client_auth }));
+    }
     if let Some(user) = &ext.username {
         opts.set_credentials(user, ext.password.as_ref().map_or("", |p| p.expose()));
     }
