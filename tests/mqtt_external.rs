@@ -528,3 +528,33 @@ async fn edgeway_connects_to_the_broker_over_tls() {
     assert_eq!(events.last().unwrap()["type"], "done", "{events:#?}");
     gw.stop().await;
 }
+
+/// The `edgeway mqtt-acl` command: writes the three files (the password
+/// file readable by its owner only) and exits 0; a device without its
+/// password in the environment: exit 2, naming it, nothing written.
+#[test]
+fn the_mqtt_acl_command_writes_the_files() {
+    use std::os::unix::fs::PermissionsExt;
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/external-broker.toml");
+    let out = TempDir::new("edgeway-acl-cli");
+    let run = |env: &[(&str, &str)]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_edgeway"));
+        cmd.arg("mqtt-acl").arg("--config").arg(&config).arg("--out").arg(&out.0);
+        cmd.env_remove("CAM_7_MQTT_PASSWORD").env_remove("CAM_8_MQTT_PASSWORD");
+        cmd.envs(env.iter().copied()).output().unwrap()
+    };
+    let broker = ("EDGEWAY_MQTT_BROKER_PASSWORD", "broker-secret");
+    let r = run(&[broker, ("CAM_7_MQTT_PASSWORD", "cam-7-secret")]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("cam-8"), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(std::fs::read_dir(&out.0).unwrap().next().is_none(), "nothing written");
+    let r = run(&[broker, ("CAM_7_MQTT_PASSWORD", "cam-7-secret"), ("CAM_8_MQTT_PASSWORD", "cam-8-secret")]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    for f in ["mosquitto.acl", "mosquitto.passwd", "emqx-acl.conf"] {
+        assert!(out.0.join(f).is_file(), "{f}");
+    }
+    let mode = std::fs::metadata(out.0.join("mosquitto.passwd")).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let passwd = std::fs::read_to_string(out.0.join("mosquitto.passwd")).unwrap();
+    assert!(passwd.lines().all(|l| l.split(':').nth(1).is_some_and(|h| h.starts_with("$7$101$"))), "{passwd}");
+}
