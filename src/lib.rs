@@ -26,7 +26,8 @@
 //! # Layout
 //! - [`server`]: builds every component from the config, opens the
 //!   listeners, shuts down with a grace period.
-//! - [`ingress`]: the doors (HTTP/SSE, MQTT with its embedded broker, NATS);
+//! - [`ingress`]: the doors (HTTP/SSE, MQTT with its embedded broker or as a
+//!   client of an external one, NATS);
 //!   render [`task::TaskEvent`]s; NATS also carries every task's lifecycle
 //!   events to internal services.
 //! - [`gateway`]: the facade every ingress calls: authentication, parsing,

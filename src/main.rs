@@ -1,5 +1,5 @@
 //! The `edgeway` command: `serve`, `check-config`, `hash-key`, `hash-password`,
-//! `status`, `audit verify|export`.
+//! `mqtt-acl`, `status`, `audit verify|export`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,6 +28,19 @@ enum Cmd {
     HashKey { key: String },
     /// Print a salted Argon2id hash of a device password, for `[devices.ID] password_hash`.
     HashPassword { password: String },
+    /// Write an external MQTT broker's ACLs and password file from the device registry
+    /// (`[mqtt] mode = "external"`): `mosquitto.acl`, `mosquitto.passwd`, `emqx-acl.conf`.
+    /// Device passwords come from the variables their `mqtt_password_env` names.
+    MqttAcl {
+        #[arg(long, short, default_value = "config/edgeway.toml")]
+        config: PathBuf,
+        /// The folder to write the files into.
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
+        /// Write the ACL files only (no password file, no device passwords needed).
+        #[arg(long)]
+        acl_only: bool,
+    },
     /// Show what a running edgeway is doing, as text (reads `GET /admin/status`).
     Status {
         /// The gateway's base URL: `http.admin_listen` where it is set, else `http.listen`.
@@ -121,6 +134,7 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Audit { cmd } => audit(cmd),
+        Cmd::MqttAcl { config, out, acl_only } => mqtt_acl(&config, &out, acl_only),
         Cmd::Serve { config } => {
             let cfg = match Config::load(&config) {
                 Ok(c) => c,
@@ -148,6 +162,37 @@ async fn status(url: &str, key: &str) -> Result<serde_json::Value, String> {
         return Err(format!("{endpoint}: {code} {}: {msg}", body["error"]["code"].as_str().unwrap_or("")));
     }
     Ok(body)
+}
+
+/// `edgeway mqtt-acl`: exit 0 with the files written, 2 when the config or
+/// a device password is not usable, 1 when a file cannot be written.
+fn mqtt_acl(config: &std::path::Path, out: &std::path::Path, acl_only: bool) -> ExitCode {
+    let cfg = match Config::load(config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprint!("{}: {e}", config.display());
+            return ExitCode::from(2);
+        }
+    };
+    let files = match edgeway::ingress::mqtt::acl::broker_files(&cfg, |v| std::env::var(v).ok(), !acl_only) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("edgeway mqtt-acl: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match edgeway::ingress::mqtt::acl::write_files(out, &files) {
+        Ok(written) => {
+            for f in written {
+                println!("wrote {}", f.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("edgeway mqtt-acl: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn audit(cmd: AuditCmd) -> ExitCode {

@@ -29,7 +29,7 @@ use sha2::{Digest, Sha256};
 use crate::task::{DataClass, Location, Priority, Timeouts};
 
 pub use cache::CacheConfig;
-pub use mqtt::{DeviceConfig, MqttConfig, MqttTlsConfig};
+pub use mqtt::{DeviceConfig, ExternalBrokerConfig, ExternalTls, MqttConfig, MqttTlsConfig};
 pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
 pub use process::{expand as expand_vars, ProcessConfig};
 pub use raw::RawConfig;

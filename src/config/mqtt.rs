@@ -3,6 +3,9 @@
 //! behalf of which application). Without `[mqtt]` (or an
 //! `EDGEWAY__MQTT__…` variable) there is no broker.
 //!
+//! `[mqtt] mode = "external"` replaces the embedded broker by an existing
+//! one (`[mqtt.external]`), to which edgeway connects as a client.
+//!
 //! Owns: these sections' format, defaults and rules. Does not own: the
 //! broker or the device ingress (`ingress::mqtt`), which read [`MqttConfig`].
 
@@ -14,7 +17,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::raw::{optional, Field, PriorityName};
-use super::validate::{resolve, sha256_hex, Entries};
+use super::validate::{env_var, resolve, sha256_hex, Entries};
+use super::Secret;
 use super::{ApplicationConfig, Problems};
 use crate::task::Priority;
 
@@ -99,6 +103,44 @@ pub struct MqttConfig {
     /// Bytes kept per subscription filter in the broker's in-memory log
     /// (what a slow subscriber can lag behind before it misses messages).
     pub filter_log_bytes: usize,
+    /// `mode = "external"`: no embedded broker; edgeway is a client of this
+    /// one. `None`: `mode = "embedded"` (the listeners above are served).
+    pub external: Option<ExternalBrokerConfig>,
+}
+
+/// `[mqtt.external]`: the existing broker edgeway connects to as a client
+/// in `mode = "external"`.
+#[derive(Debug, Clone)]
+pub struct ExternalBrokerConfig {
+    pub host: String,
+    pub port: u16,
+    /// Default `edgeway-{node_id}` (unique per node: a broker disconnects
+    /// the older of two connections with one client id).
+    pub client_id: String,
+    pub username: Option<String>,
+    /// Read from the environment variable `password_env` names.
+    pub password: Option<Secret>,
+    /// The name of that variable (`edgeway mqtt-acl` reads it too).
+    pub password_env: Option<String>,
+    /// The shared-subscription group of the nodes that split the device
+    /// requests: `$share/{shared_group}/{prefix}/+/req`.
+    pub shared_group: String,
+    pub keep_alive: Duration,
+    /// Longest wait between two connection attempts (the wait doubles from
+    /// 100 ms up to this).
+    pub reconnect_max: Duration,
+    /// TLS to the broker (`tls = true`): `None` for plain TCP.
+    pub tls: Option<ExternalTls>,
+}
+
+/// TLS to an external broker: the CA that signed its certificate (the
+/// certificate must name `host`), and edgeway's own certificate when the
+/// broker asks for one.
+#[derive(Debug, Clone)]
+pub struct ExternalTls {
+    pub ca_file: PathBuf,
+    /// Client certificate and key (PEM), both or neither.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
 }
 
 #[derive(Debug, Clone)]
@@ -132,6 +174,10 @@ pub struct DeviceConfig {
     /// (`None`: `[mqtt]`'s).
     pub coalesce: Option<Duration>,
     pub max_chunk_bytes: Option<usize>,
+    /// The environment variable holding the device's plain password, for
+    /// the password file of an external broker (`edgeway mqtt-acl`); the
+    /// hashes above cannot be turned back into it.
+    pub mqtt_password_env: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -171,6 +217,45 @@ pub struct RawMqtt {
     pub stream_replay_max_bytes: usize,
     pub resume_replay_bytes_per_s: usize,
     pub filter_log_bytes: usize,
+    /// `"embedded"` (default) or `"external"`.
+    pub mode: String,
+    pub external: Option<RawExternalBroker>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawExternalBroker {
+    pub host: String,
+    pub port: u16,
+    pub client_id: Option<String>,
+    pub username: Option<String>,
+    pub password_env: Option<String>,
+    pub shared_group: String,
+    pub keep_alive_s: u64,
+    pub reconnect_max_ms: u64,
+    pub tls: bool,
+    pub ca_file: Option<PathBuf>,
+    pub client_cert_file: Option<PathBuf>,
+    pub client_key_file: Option<PathBuf>,
+}
+
+impl Default for RawExternalBroker {
+    fn default() -> Self {
+        RawExternalBroker {
+            host: String::new(),
+            port: 1883,
+            client_id: None,
+            username: None,
+            password_env: None,
+            shared_group: "edgeway".into(),
+            keep_alive_s: 30,
+            reconnect_max_ms: 30_000,
+            tls: false,
+            ca_file: None,
+            client_cert_file: None,
+            client_key_file: None,
+        }
+    }
 }
 
 impl Default for RawMqtt {
@@ -210,6 +295,8 @@ impl Default for RawMqtt {
             stream_replay_max_bytes: 1024 * 1024,
             resume_replay_bytes_per_s: 64 * 1024,
             filter_log_bytes: 256 * 1024,
+            mode: "embedded".into(),
+            external: None,
         }
     }
 }
@@ -233,6 +320,9 @@ pub struct RawDevice {
     pub coalesce_ms: Option<u64>,
     /// Default: `mqtt.max_chunk_bytes`.
     pub max_chunk_bytes: Option<usize>,
+    /// The environment variable that holds the device's plain password for
+    /// an external broker's password file (`edgeway mqtt-acl`).
+    pub mqtt_password_env: Option<String>,
 }
 
 /// The default of `mqtt.max_keep_alive_s`: a dead device's connection is
@@ -254,8 +344,31 @@ pub fn valid_device_id(id: &str) -> bool {
 /// Topic levels under the prefix that are not devices.
 pub const RESERVED_DEVICE_IDS: &[&str] = &["shared"];
 
-/// Validates `[mqtt]`; `None` after reporting a problem.
-pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Option<MqttConfig> {
+/// Validates `[mqtt]`; `None` after reporting a problem. `env` holds the
+/// broker password of `mode = "external"`; `node_id` names its client.
+pub(super) fn validate(
+    mut raw: RawMqtt,
+    env: &[(String, String)],
+    base_dir: &Path,
+    node_id: &str,
+    p: &mut Problems,
+) -> Option<MqttConfig> {
+    let external = match (raw.mode.as_str(), raw.external.take()) {
+        ("embedded", None) => Some(None),
+        ("embedded", Some(_)) => {
+            p.add("mqtt.external", "is used only with mode = \"external\"");
+            None
+        }
+        ("external", Some(e)) => external(e, env, base_dir, node_id, p).map(Some),
+        ("external", None) => {
+            p.add("mqtt.external", "mode = \"external\" needs [mqtt.external] with the broker's host");
+            None
+        }
+        (other, _) => {
+            p.add("mqtt.mode", format!("{other:?} is not \"embedded\" or \"external\""));
+            None
+        }
+    };
     let listen = raw.listen.get("mqtt.listen", p);
     let ws_listen = optional(raw.ws_listen, "mqtt.ws_listen", p);
     let tls = match (raw.tls_listen, &raw.tls_cert_file, &raw.tls_key_file) {
@@ -377,6 +490,104 @@ pub(super) fn validate(raw: RawMqtt, base_dir: &Path, p: &mut Problems) -> Optio
         stream_replay_max_bytes: raw.stream_replay_max_bytes,
         resume_replay_bytes_per_s: raw.resume_replay_bytes_per_s,
         filter_log_bytes: raw.filter_log_bytes,
+        external: external?,
+    })
+}
+
+/// Validates `[mqtt.external]`.
+fn external(
+    e: RawExternalBroker,
+    env: &[(String, String)],
+    base_dir: &Path,
+    node_id: &str,
+    p: &mut Problems,
+) -> Option<ExternalBrokerConfig> {
+    let mut ok = true;
+    if e.host.trim().is_empty() || e.host.contains(['/', ' ']) {
+        p.add("mqtt.external.host", "must be the broker's host name or address");
+        ok = false;
+    }
+    if e.port == 0 {
+        p.add("mqtt.external.port", "must be 1..65535");
+        ok = false;
+    }
+    let client_id = e.client_id.unwrap_or_else(|| format!("edgeway-{node_id}"));
+    if client_id.is_empty() || client_id.len() > 128 || client_id.contains(['+', '#', '/']) {
+        p.add("mqtt.external.client_id", "must be 1..128 characters without / + #");
+        ok = false;
+    }
+    if e.shared_group.is_empty() || e.shared_group.contains(['+', '#', '/']) {
+        p.add("mqtt.external.shared_group", "must be a share name: no / + #, not empty");
+        ok = false;
+    }
+    if e.keep_alive_s == 0 || e.keep_alive_s > u64::from(u16::MAX) {
+        p.add("mqtt.external.keep_alive_s", "must be between 1 and 65535");
+        ok = false;
+    }
+    if e.reconnect_max_ms < 100 {
+        p.add("mqtt.external.reconnect_max_ms", "must be at least 100");
+        ok = false;
+    }
+    let password = match (&e.username, &e.password_env) {
+        (_, None) => None,
+        (None, Some(_)) => {
+            p.add("mqtt.external.username", "is required with password_env");
+            ok = false;
+            None
+        }
+        (Some(_), Some(var)) => match env_var(env, var) {
+            Some(v) if !v.is_empty() => Some(Secret::new(v)),
+            _ => {
+                p.add("mqtt.external.password_env", format!("environment variable {var} is not set"));
+                ok = false;
+                None
+            }
+        },
+    };
+    let file = |key: &str, f: &Path, p: &mut Problems| {
+        let path = resolve(base_dir, f);
+        if !path.is_file() {
+            p.add(format!("mqtt.external.{key}"), format!("{} does not exist", path.display()));
+        }
+        path
+    };
+    let tls = match (e.tls, &e.ca_file, &e.client_cert_file, &e.client_key_file) {
+        (false, None, None, None) => None,
+        (false, ..) => {
+            p.add("mqtt.external.tls", "ca_file and client_cert_file/client_key_file are used only with tls = true");
+            ok = false;
+            None
+        }
+        (true, None, ..) => {
+            p.add("mqtt.external.ca_file", "is required with tls = true (the CA that signed the broker's certificate)");
+            ok = false;
+            None
+        }
+        (true, Some(ca), cert, key) => {
+            let ca_file = file("ca_file", ca, p);
+            let client_cert = match (cert, key) {
+                (None, None) => None,
+                (Some(c), Some(k)) => Some((file("client_cert_file", c, p), file("client_key_file", k, p))),
+                _ => {
+                    p.add("mqtt.external.client_cert_file", "client_cert_file and client_key_file go together");
+                    ok = false;
+                    None
+                }
+            };
+            Some(ExternalTls { ca_file, client_cert })
+        }
+    };
+    ok.then(|| ExternalBrokerConfig {
+        host: e.host,
+        port: e.port,
+        client_id,
+        username: e.username,
+        password,
+        password_env: e.password_env,
+        shared_group: e.shared_group,
+        keep_alive: Duration::from_secs(e.keep_alive_s),
+        reconnect_max: Duration::from_millis(e.reconnect_max_ms),
+        tls,
     })
 }
 
@@ -479,5 +690,6 @@ fn device(id: &str, d: RawDevice, applications: &Entries<ApplicationConfig>, p: 
         compact: d.compact,
         coalesce: d.coalesce_ms.map(Duration::from_millis),
         max_chunk_bytes: d.max_chunk_bytes,
+        mqtt_password_env: d.mqtt_password_env,
     })
 }

@@ -156,6 +156,8 @@ fn example_configs_validate() {
             ("EDGEWAY_JWT_SECRET", "an-example-secret-of-32-bytes!!!"),
             ("OPENAI_API_KEY", "sk-test"),
             ("HOME", "/home/edge"),
+            // external-broker.toml: edgeway's password on the broker.
+            ("EDGEWAY_MQTT_BROKER_PASSWORD", "broker-secret"),
         ];
         parse(&text, &env).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         n += 1;
@@ -801,4 +803,48 @@ fn retention_per_data_class_defaults_to_the_store_keys_and_is_validated() {
     let bad = format!("{MINIMAL}\n[store.retention.sensitive]\nsessions_hours = 99999999\n");
     let e = parse(&bad, &[]).unwrap_err().to_string();
     assert!(e.contains("store.retention.sensitive.sessions_hours"), "{e}");
+}
+
+/// `[mqtt] mode = "external"`: the broker's section is required, its
+/// password comes from the environment, and mistakes name their keys.
+#[test]
+fn external_mqtt_mode_needs_its_broker_and_names_its_mistakes() {
+    let m = parse(&format!("{MINIMAL}\n[mqtt]\n"), &[]).unwrap().mqtt.unwrap();
+    assert!(m.external.is_none(), "embedded is the default");
+    let ext = "[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"broker.local\"\n";
+    let c = parse(&format!("{MINIMAL}\n{ext}"), &[]).unwrap();
+    let e = c.mqtt.unwrap().external.expect("external mode");
+    assert_eq!((e.host.as_str(), e.port, e.shared_group.as_str()), ("broker.local", 1883, "edgeway"));
+    assert_eq!(e.client_id, format!("edgeway-{}", c.node_id));
+    assert!(e.username.is_none() && e.password.is_none());
+    let with_user = format!("{MINIMAL}\n{ext}username = \"edgeway\"\npassword_env = \"BROKER_PW\"\n");
+    let err = parse(&with_user, &[]).unwrap_err();
+    assert_eq!(err.0[0].path, "mqtt.external.password_env", "{err}");
+    let c = parse(&with_user, &[("BROKER_PW", "s3cret")]).unwrap();
+    let e = c.mqtt.unwrap().external.unwrap();
+    assert_eq!(e.password.as_ref().map(|p| p.expose()), Some("s3cret"));
+    assert!(!format!("{e:?}").contains("s3cret"), "the password never reaches a debug print");
+    for (text, path) in [
+        ("[mqtt]\nmode = \"external\"\n", "mqtt.external"),
+        ("[mqtt]\nmode = \"cluster\"\n", "mqtt.mode"),
+        ("[mqtt]\n[mqtt.external]\nhost = \"b\"\n", "mqtt.external"),
+        ("[mqtt]\nmode = \"external\"\n[mqtt.external]\n", "mqtt.external.host"),
+        (
+            "[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\nshared_group = \"a/b\"\n",
+            "mqtt.external.shared_group",
+        ),
+        (
+            "[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\npassword_env = \"X\"\n",
+            "mqtt.external.username",
+        ),
+        ("[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\ntls = true\n", "mqtt.external.ca_file"),
+        ("[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\nca_file = \"ca.pem\"\n", "mqtt.external.tls"),
+        (
+            "[mqtt]\nmode = \"external\"\n[mqtt.external]\nhost = \"b\"\ntls = true\nca_file = \"no/such/ca.pem\"\n",
+            "mqtt.external.ca_file",
+        ),
+    ] {
+        let err = parse(&format!("{MINIMAL}\n{text}"), &[]).unwrap_err();
+        assert_eq!(err.0[0].path, path, "{text}: {err}");
+    }
 }

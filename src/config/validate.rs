@@ -93,7 +93,7 @@ impl RawConfig {
             p.add("applications", "define at least one application or [auth.jwt]; nobody could call");
         }
         let nats = optional_section(self.nats.map(|n| super::nats::validate(n, env, base_dir, &self.node_id, &mut p)));
-        let mqtt = optional_section(self.mqtt.map(|m| super::mqtt::validate(m, base_dir, &mut p)));
+        let mqtt = optional_section(self.mqtt.map(|m| super::mqtt::validate(m, env, base_dir, &self.node_id, &mut p)));
         let devices = super::mqtt::validate_devices(self.devices, &applications, &mut p);
         let cache = super::cache::validate(self.cache, &mut p);
 

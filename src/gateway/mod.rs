@@ -206,6 +206,9 @@ pub struct Gateway {
     history: Arc<status::History>,
     /// The connected devices, once the MQTT ingress offers them.
     devices: std::sync::OnceLock<Arc<dyn status::DeviceList>>,
+    /// The connection to an external MQTT broker (`[mqtt] mode =
+    /// "external"`), set once by the MQTT ingress.
+    mqtt_bus: std::sync::OnceLock<Arc<dyn BusStatus>>,
     /// The engines' tokenizers and their per-text caches, for assembly.
     tokenizers: crate::context::tokens::Tokenizers,
 }
@@ -284,6 +287,7 @@ impl Gateway {
             sessions,
             history,
             devices: Default::default(),
+            mqtt_bus: Default::default(),
             tokenizers: crate::context::tokens::Tokenizers::new(),
         }
     }

@@ -8,6 +8,7 @@
 //! Owns: the readiness rule. Does not own: the response format (ingress)
 //! or the bus state (read through [`super::BusStatus`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -47,6 +48,9 @@ pub struct Readiness {
     pub degradation_level: u8,
     /// The bus as [`super::BusStatus::report`] describes it.
     pub bus: serde_json::Value,
+    /// The connection to an external MQTT broker (`None`: no `[mqtt]`, or
+    /// the embedded broker). Reported; readiness does not depend on it.
+    pub mqtt_bus: Option<serde_json::Value>,
     /// The engine processes edgeway runs: state, restarts, uptime, why one
     /// is down.
     pub engine_processes: Vec<crate::engine::supervisor::ProcessReport>,
@@ -76,6 +80,12 @@ impl Gateway {
     /// from now on, saying `why`.
     pub fn ingress_failed(&self, why: impl Into<String>) {
         self.ingress_faults.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(why.into());
+    }
+
+    /// Offers the state of the connection to an external MQTT broker to
+    /// `/ready` (the MQTT ingress, once, at start).
+    pub fn set_mqtt_bus(&self, bus: Arc<dyn super::BusStatus>) {
+        let _ = self.mqtt_bus.set(bus);
     }
 
     /// The readiness view; an error when the scheduler is not running.
@@ -129,6 +139,7 @@ impl Gateway {
             queues: snap.queues,
             degradation_level: snap.degradation_level,
             bus: self.bus.report(),
+            mqtt_bus: self.mqtt_bus.get().map(|b| b.report()),
             engine_processes,
             config_version: config.version.clone(),
             config_reloaded_at: self.last_reload(),

@@ -1,10 +1,11 @@
-//! Test and benchmark support: fake engines, a `nats-server` launcher and
-//! an in-process gateway on port 0. Used by `tests/` and `bench/`; not part
+//! Test and benchmark support: fake engines, `nats-server` and `mosquitto`
+//! launchers and an in-process gateway on port 0. Used by `tests/` and `bench/`; not part
 //! of the gateway's behaviour, and compiled only with the cargo feature
 //! `testing` (or in this crate's unit tests), so the release binary does not
 //! contain it.
 
 pub mod fake_engine;
+pub mod mosquitto;
 pub mod nats_server;
 
 use std::path::PathBuf;
@@ -23,6 +24,7 @@ use crate::telemetry::lifecycle::Recorder;
 use crate::telemetry::Metrics;
 
 pub use fake_engine::{fake_embedding, vllm_metrics, FakeEngine, Knobs};
+pub use mosquitto::Mosquitto;
 pub use nats_server::NatsServer;
 
 /// API keys of the test configs (the same as the example config's).

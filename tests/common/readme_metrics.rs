@@ -32,7 +32,8 @@ fn label_names(cell: &str) -> Vec<String> {
     outside.split('`').skip(1).step_by(2).map(str::to_string).collect()
 }
 
-pub const SHOWN: [&str; 7] = ["always", "event", "gpu", "supervised", "model_api", "nats", "expiring_key"];
+pub const SHOWN: [&str; 8] =
+    ["always", "event", "gpu", "supervised", "model_api", "nats", "expiring_key", "external_broker"];
 
 /// The rows of the table, checked for form (five cells, known types and
 /// markers, `edgeway_` names, none twice).

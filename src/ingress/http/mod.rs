@@ -232,7 +232,7 @@ async fn ready(
     if !detailed {
         return Ok((status, Json(json!({ "ready": r.ready }))).into_response());
     }
-    let body = json!({
+    let mut body = json!({
         "ready": r.ready,
         "store": r.store_state(),
         "not_ready": r.not_ready,
@@ -249,6 +249,10 @@ async fn ready(
             .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
             .map(|d| d.as_millis() as u64),
     });
+    // Reported, but readiness does not depend on it either.
+    if let Some(m) = r.mqtt_bus {
+        body["mqtt_broker"] = m;
+    }
     Ok((status, Json(body)).into_response())
 }
 

@@ -157,6 +157,21 @@ pub fn hash_password(password: &str) -> String {
     Argon2::default().hash_password(password.as_bytes(), &salt).expect("argon2 with default parameters").to_string()
 }
 
+/// The identity a registered device's requests run under (a password
+/// login; on an external broker, every message of the device).
+pub fn registered_identity(d: &DeviceConfig) -> Identity {
+    Identity {
+        tenant: d.tenant.clone(),
+        application: d.application.clone(),
+        user_id: Some(d.id.clone()),
+        max_priority: d.max_priority,
+        default_priority: d.default_priority,
+        is_admin: false,
+        credential: None,
+        data_class: d.data_class,
+    }
+}
+
 /// The registered devices, the JWT verifier and the tenant bindings.
 pub struct DeviceDirectory {
     /// The registered devices and `[auth.jwt]` are read from the
@@ -322,17 +337,7 @@ impl DeviceDirectory {
         }
         if let Some(d) = device {
             if self.password_ok(d, password)? {
-                let id = Identity {
-                    tenant: d.tenant.clone(),
-                    application: d.application.clone(),
-                    user_id: Some(client_id.to_string()),
-                    max_priority: d.max_priority,
-                    default_priority: d.default_priority,
-                    is_admin: false,
-                    credential: None,
-                    data_class: d.data_class,
-                };
-                return Ok((id, None));
+                return Ok((registered_identity(d), None));
             }
         }
         Err(Refusal::BadCredentials)

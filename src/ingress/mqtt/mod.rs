@@ -21,6 +21,9 @@
 //! - [`requests`]: requests, cancels, resumes, disconnect policy.
 //! - [`streams`]: per-request response streams (coalescing, replay).
 //! - [`auth`]: device credentials, the tenant a device id belongs to.
+//! - [`external`]: `[mqtt] mode = "external"`: no embedded broker; edgeway
+//!   is a client of an existing one (the ingress above, fed and publishing
+//!   through that client), whose ACLs [`acl`] writes.
 //!
 //! edgeway's own link to the router: a reader ([`link_loop`]) that only
 //! sorts device messages into per-device inboxes, so it keeps up with the
@@ -34,10 +37,12 @@
 //! Does not own: admission, queues or engines (everything goes through
 //! [`Gateway::submit`]). The topic and message contracts are in `topics/`.
 
+pub mod acl;
 pub mod auth;
 pub mod broker;
 pub mod codec;
 pub mod connections;
+pub mod external;
 pub mod presence;
 pub mod protocol;
 pub mod requests;
@@ -175,8 +180,12 @@ struct Outgoing {
 /// edgeway's publishing end of its link to the router. The link's `send`
 /// blocks its thread while the router's channel is full, so a thread of
 /// its own does the sending; publishers only queue.
+///
+/// On an external broker (`mode = "external"`) the same publisher hands the
+/// publishes to edgeway's MQTT client instead ([`Publisher::client`]); its
+/// event loop does the sending, and its request channel is the queue.
 pub struct Publisher {
-    queue: std::sync::mpsc::Sender<Outgoing>,
+    sink: Sink,
     room: Arc<Semaphore>,
     /// Room of the single publishes ([`Self::publish`]).
     single_room: Arc<Semaphore>,
@@ -184,7 +193,51 @@ pub struct Publisher {
     metrics: MqttMetrics,
 }
 
+/// Where a [`Publisher`]'s publishes go.
+enum Sink {
+    /// The writer thread into the embedded broker's router.
+    Link(std::sync::mpsc::Sender<Outgoing>),
+    /// The client of an external broker, at QoS 1 (or 0, where asked).
+    Client(rumqttc::v5::AsyncClient),
+}
+
+/// rumqttd's publish properties (the ingress's) as the client's.
+fn client_properties(p: Option<PublishProperties>) -> rumqttc::v5::mqttbytes::v5::PublishProperties {
+    let p = p.unwrap_or_default();
+    rumqttc::v5::mqttbytes::v5::PublishProperties {
+        payload_format_indicator: p.payload_format_indicator,
+        message_expiry_interval: p.message_expiry_interval,
+        topic_alias: None,
+        response_topic: p.response_topic,
+        correlation_data: p.correlation_data,
+        user_properties: p.user_properties,
+        subscription_identifiers: Vec::new(),
+        content_type: p.content_type,
+    }
+}
+
+/// The client's QoS for an ingress QoS (which means "at most this"): QoS 2
+/// is not worth its round trips here, as devices drop repeats by `seq`.
+fn client_qos(qos: QoS) -> rumqttc::v5::mqttbytes::QoS {
+    match qos {
+        QoS::AtMostOnce => rumqttc::v5::mqttbytes::QoS::AtMostOnce,
+        _ => rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
+    }
+}
+
 impl Publisher {
+    /// A publisher into an external broker through `client`, whose event
+    /// loop someone else polls ([`external`]).
+    pub fn client(client: rumqttc::v5::AsyncClient, metrics: MqttMetrics) -> Publisher {
+        Publisher {
+            sink: Sink::Client(client),
+            room: Arc::new(Semaphore::new(PUBLISH_QUEUE)),
+            single_room: Arc::new(Semaphore::new(PUBLISH_QUEUE)),
+            closed: Arc::new(AtomicBool::new(false)),
+            metrics,
+        }
+    }
+
     /// Starts the writer thread of `tx`. It ends when the publisher is
     /// dropped or the router is gone; `on_failure` runs if it ends on an
     /// error while the publisher is still in use.
@@ -205,7 +258,7 @@ impl Publisher {
             }
         })?;
         Ok(Publisher {
-            queue,
+            sink: Sink::Link(queue),
             room: Arc::new(Semaphore::new(PUBLISH_QUEUE)),
             single_room: Arc::new(Semaphore::new(PUBLISH_QUEUE)),
             closed,
@@ -229,8 +282,23 @@ impl Publisher {
         self.metrics.bytes_out.inc_by(payload.len() as u64);
         // No acknowledgement: the router delivers at the lower of `qos`
         // and each subscription's QoS.
-        let p = Publish::unacknowledged(Bytes::copy_from_slice(topic.as_bytes()), payload, retain, qos);
-        self.queue.send(Outgoing { packet: Packet::Publish(p, props), room }).map_err(|_| LinkClosed)
+        match &self.sink {
+            Sink::Link(queue) => {
+                let p = Publish::unacknowledged(Bytes::copy_from_slice(topic.as_bytes()), payload, retain, qos);
+                queue.send(Outgoing { packet: Packet::Publish(p, props), room }).map_err(|_| LinkClosed)
+            }
+            Sink::Client(client) => {
+                // The client's channel is full (the broker is slow or
+                // away): a single publish is dropped, as above.
+                if client
+                    .try_publish_with_properties(topic, client_qos(qos), retain, payload, client_properties(props))
+                    .is_err()
+                {
+                    self.metrics.publish_dropped.inc();
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Publishes into the router, delivered at the QoS of each
@@ -273,6 +341,17 @@ impl Publisher {
         payload: Bytes,
         props: Option<PublishProperties>,
     ) -> Result<(), LinkClosed> {
+        if let Sink::Client(client) = &self.sink {
+            self.metrics.messages_out.inc();
+            self.metrics.bytes_out.inc_by(payload.len() as u64);
+            // Waits while the client's channel is full; fails only once
+            // its event loop is gone (edgeway stopping).
+            let qos = rumqttc::v5::mqttbytes::QoS::AtLeastOnce;
+            return client
+                .publish_with_properties(topic, qos, false, payload, client_properties(props))
+                .await
+                .map_err(|_| LinkClosed);
+        }
         let room = self.room.clone().acquire_owned().await.map_err(|_| LinkClosed)?;
         self.enqueue(topic, payload, props, false, QoS::ExactlyOnce, Some(room))
     }
@@ -330,13 +409,19 @@ fn catalogue(cfg: &Config) -> Bytes {
 }
 
 /// Starts the broker and the device ingress when `[mqtt]` is configured.
-/// Returns once every listener is bound.
+/// Returns once every listener is bound. With `mode = "external"` there are
+/// none (`Ok(None)`): the ingress is a client of that broker ([`external`]).
 pub async fn serve(
     gw: Arc<Gateway>,
     tracker: &TaskTracker,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Option<MqttAddrs>> {
     let Some(cfg) = gw.config().mqtt.clone() else { return Ok(None) };
+    if let Some(ext) = cfg.external.clone() {
+        // No broker of edgeway's own: a client of the site's.
+        external::serve(gw, cfg, ext, tracker, shutdown)?;
+        return Ok(None);
+    }
     let topics = Topics::new(&cfg.topic_prefix);
     let sessions = Arc::new(Sessions::new(cfg.stream_replay_max_bytes, cfg.resume_replay_bytes_per_s));
     let (presence_tx, presence_rx) = mpsc::unbounded_channel();

@@ -186,6 +186,22 @@ impl Sessions {
         g.get(device).map(|d| (!d.live.is_empty(), d.epoch)).unwrap_or((false, 0))
     }
 
+    /// A device of an external broker (`mode = "external"`), where
+    /// edgeway sees no connections: known with `identity` and counted as
+    /// connected for good (its `on_disconnect` never applies), so the
+    /// ingress serves it like a connected device.
+    pub fn attach_external(&self, device: &str, identity: Identity) {
+        let mut g = self.devices.lock().expect("sessions");
+        let capacity = self.resume_capacity;
+        let d = g.entry(device.to_string()).or_insert_with(|| Device {
+            identity: identity.clone(),
+            live: vec![(0, String::new())],
+            epoch: 1,
+            resumes: ResumeBudget::full(capacity),
+        });
+        d.identity = identity;
+    }
+
     pub fn online_count(&self) -> usize {
         self.devices.lock().expect("sessions").values().filter(|d| !d.live.is_empty()).count()
     }
@@ -474,6 +490,17 @@ impl DeviceIngress {
     /// waits: the link's reader must keep up with the router's log.
     pub fn dispatch(self: &Arc<Self>, topic: &str, payload: Bytes, props: Option<PublishProperties>) {
         let Some((device, kind)) = self.topics.parse_inbound(topic) else { return };
+        self.dispatch_to(device, kind, payload, props)
+    }
+
+    /// A message of the device mounted at `device`, put in its inbox.
+    pub fn dispatch_to(
+        self: &Arc<Self>,
+        device: &str,
+        kind: Inbound,
+        payload: Bytes,
+        props: Option<PublishProperties>,
+    ) {
         if kind == Inbound::Cancel && payload.len() > MAX_CANCEL_BYTES {
             self.metrics.overflow.inc();
             tracing::info!(device, bytes = payload.len(), "MQTT: an oversized cancel dropped unread");
@@ -694,6 +721,12 @@ impl DeviceIngress {
         let outcome = |o: &str| self.metrics.resumes.with_label_values(&[o]).inc();
         let Some(stream) = self.streams.get(device, &rid) else {
             outcome("unknown");
+            if self.cfg.external.is_some() {
+                // On an external broker every node hears every resume: the
+                // node that ran the request answers it, the others keep
+                // still.
+                return;
+            }
             let e = GatewayError::invalid(format!(
                 "cannot resume '{rid}': unknown request, or its events are no longer kept"
             ));

@@ -14,6 +14,10 @@
 //! edgeway publishes there. A device's topics that start with `$` are
 //! mounted under `x/{tenant}/{device}/` instead, so that, as MQTT
 //! requires, filters starting with a wildcard never match them.
+//!
+//! On an external broker (`[mqtt] mode = "external"`) there is no router
+//! view: [`Topics::unmounted`] makes the "router" topics the device-view
+//! ones, and the broker's ACLs keep devices apart.
 
 use sha2::{Digest, Sha256};
 
@@ -38,11 +42,48 @@ pub enum Inbound {
 #[derive(Debug, Clone)]
 pub struct Topics {
     prefix: String,
+    /// Whether edgeway publishes into a router that mounts devices (the
+    /// embedded broker), or straight to the device-view topics of an
+    /// external broker.
+    mounted: bool,
 }
 
 impl Topics {
     pub fn new(prefix: &str) -> Topics {
-        Topics { prefix: prefix.trim_matches('/').to_string() }
+        Topics { prefix: prefix.trim_matches('/').to_string(), mounted: true }
+    }
+
+    /// The topics on an external broker: [`Self::internal`] and
+    /// [`Self::internal_shared`] are the device-view topics themselves.
+    pub fn unmounted(prefix: &str) -> Topics {
+        Topics { mounted: false, ..Topics::new(prefix) }
+    }
+
+    /// The filters edgeway subscribes to on an external broker: requests
+    /// shared among the nodes of `group` (each request goes to one node);
+    /// cancels and resumes to every node, as only the node that runs the
+    /// request knows it (the others ignore them).
+    pub fn external_filters(&self, group: &str) -> [String; 3] {
+        [
+            format!("$share/{group}/{}/+/req", self.prefix),
+            format!("{}/+/cancel", self.prefix),
+            format!("{}/+/resume", self.prefix),
+        ]
+    }
+
+    /// Reads a device-view topic of an external broker: the device id in
+    /// it and what it is. The broker's ACLs guarantee that only that device
+    /// may publish there.
+    pub fn parse_device_view<'a>(&self, topic: &'a str) -> Option<(&'a str, Inbound)> {
+        let rest = topic.strip_prefix(self.prefix.as_str())?.strip_prefix('/')?;
+        let (device, kind) = rest.split_once('/')?;
+        let kind = match kind {
+            "req" => Inbound::Request,
+            "cancel" => Inbound::Cancel,
+            "resume" => Inbound::Resume,
+            _ => return None,
+        };
+        Some((device, kind))
     }
 
     pub fn prefix(&self) -> &str {
@@ -109,11 +150,17 @@ impl Topics {
     /// Router topic for a device-view topic of the device mounted at
     /// `mount` (edgeway publishing into a device's subtree).
     pub fn internal(&self, mount: &str, device_topic: &str) -> String {
+        if !self.mounted {
+            return device_topic.to_string();
+        }
         mount_topic(mount, device_topic)
     }
 
     /// Router topic of a shared (device-view) topic.
     pub fn internal_shared(&self, device_topic: &str) -> String {
+        if !self.mounted {
+            return device_topic.to_string();
+        }
         format!("{SHARED_MOUNT}{device_topic}")
     }
 
@@ -220,6 +267,24 @@ pub fn unmount<'a>(device: &str, internal: &'a str) -> Option<&'a str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn external_topics_are_the_device_view_and_name_their_device() {
+        let t = Topics::unmounted("ai/v1");
+        assert_eq!(t.internal("demo/cam-1", "ai/v1/cam-1/res/r1"), "ai/v1/cam-1/res/r1");
+        assert_eq!(t.internal_shared("ai/v1/shared/models"), "ai/v1/shared/models");
+        assert_eq!(t.parse_device_view("ai/v1/cam-1/req"), Some(("cam-1", Inbound::Request)));
+        assert_eq!(t.parse_device_view("ai/v1/cam-1/cancel"), Some(("cam-1", Inbound::Cancel)));
+        assert_eq!(t.parse_device_view("ai/v1/cam-1/resume"), Some(("cam-1", Inbound::Resume)));
+        assert_eq!(t.parse_device_view("ai/v1/cam-1/res/r1"), None);
+        assert_eq!(t.parse_device_view("ai/v2/cam-1/req"), None);
+        assert_eq!(
+            t.external_filters("edgeway"),
+            ["$share/edgeway/ai/v1/+/req".to_string(), "ai/v1/+/cancel".into(), "ai/v1/+/resume".into()]
+        );
+        // The embedded broker's topics stay mounted.
+        assert_eq!(Topics::new("ai/v1").internal("demo/cam-1", "ai/v1/cam-1/req"), "d/demo/cam-1/ai/v1/cam-1/req");
+    }
 
     /// The router refuses client ids with `+$#/` (and then never answers
     /// the CONNECT): the scoped id has none, and differs per tenant.
