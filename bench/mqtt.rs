@@ -7,8 +7,11 @@
 //! 1. Time to first delta, one request at a time (closed loop), the four
 //!    paths interleaved in every iteration: straight to the fake engine over
 //!    HTTP (its time to the first content chunk), through edgeway over
-//!    HTTP/SSE, and through edgeway's broker as an MQTT 5 device
-//!    (`demo-device-1`) and as an MQTT 3.1.1 device (`demo-device-2`).
+//!    HTTP/SSE, through edgeway's broker as an MQTT 5 device
+//!    (`demo-device-1`) and as an MQTT 3.1.1 device (`demo-device-2`), and
+//!    as the same MQTT 5 device on a Mosquitto broker of which a second
+//!    edgeway (`[mqtt] mode = "external"`, same engine) is a client, with
+//!    the ACL and password files `edgeway mqtt-acl` writes.
 //!    Each device is a rumqttc client (`TCP_NODELAY` on, like the HTTP
 //!    client) subscribed once to `ai/v1/{d}/res/#`; per request it publishes
 //!    a request with a fresh `request_id` and `coalesce_ms: 0` at QoS 1 on
@@ -35,12 +38,15 @@ mod mqtt_support;
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use bytes::Bytes;
 use clap::Parser;
-use edgeway::testing::{FakeEngine, Knobs, TestGateway, DEMO_KEY};
+use edgeway::config::Config;
+use edgeway::ingress::mqtt::acl;
+use edgeway::testing::{config_toml, FakeEngine, Knobs, Mosquitto, TempDir, TestGateway, DEMO_KEY};
 use mqtt_support::{D1, D2, V};
 use serde_json::{json, Value};
 
@@ -58,7 +64,73 @@ struct Args {
 }
 
 /// Who shares the machine's cores, for the machine line.
-const SHARES: &str = "Fake engine, edgeway (with its broker) and the clients share these cores.";
+const SHARES: &str =
+    "Fake engine, edgeway (with its broker), a second edgeway on Mosquitto, Mosquitto and the clients share these cores.";
+
+/// edgeway's and the devices' passwords on the Mosquitto of the external
+/// path (handed to the config loader as its environment).
+fn external_env() -> Vec<(String, String)> {
+    vec![
+        ("BENCH_BROKER_PASSWORD".to_string(), "edgeway-bench-pass".to_string()),
+        ("BENCH_D1".to_string(), D1.1.to_string()),
+        ("BENCH_D2".to_string(), D2.1.to_string()),
+    ]
+}
+
+/// A second edgeway, in `[mqtt] mode = "external"`, on a Mosquitto that
+/// takes only the users and topics of the files `edgeway mqtt-acl` writes
+/// from its config; the same engine and settings as the embedded path.
+async fn external_gateway(engine_url: &str, settings: &str) -> Result<(TestGateway, Mosquitto, TempDir)> {
+    let hash = |p: &str| hex::encode(edgeway::config::hash_api_key(p));
+    let mqtt = |port: u16| {
+        format!(
+            r#"{settings}
+[mqtt]
+mode = "external"
+[mqtt.external]
+host = "127.0.0.1"
+port = {port}
+username = "edgeway"
+password_env = "BENCH_BROKER_PASSWORD"
+[devices.demo-device-1]
+tenant = "demo"
+application = "demo"
+password_sha256 = "{}"
+mqtt_password_env = "BENCH_D1"
+[devices.demo-device-2]
+tenant = "demo"
+application = "demo"
+password_sha256 = "{}"
+mqtt_password_env = "BENCH_D2"
+"#,
+            hash(D1.1),
+            hash(D2.1)
+        )
+    };
+    let tmp = TempDir::new("edgeway-bench-ext");
+    let config = |port: u16| -> Result<Config> {
+        let text = config_toml(engine_url, "openai", &tmp.0, &mqtt(port))
+            .replace("max_concurrency = 2", "max_concurrency = 64");
+        Config::from_toml_str(&text, external_env(), Path::new("."))
+            .map_err(|e| anyhow::anyhow!("external config: {e}"))
+    };
+    // The files do not depend on the broker's port.
+    let env: std::collections::HashMap<_, _> = external_env().into_iter().collect();
+    let files = acl::broker_files(&config(1)?, |v| env.get(v).cloned(), true).map_err(|e| anyhow::anyhow!("{e}"))?;
+    acl::write_files(&tmp.0, &files)?;
+    let broker = Mosquitto::with_acl(&tmp.0.join("mosquitto.passwd"), &tmp.0.join("mosquitto.acl")).await;
+    let gw = TestGateway::start(config(broker.port)?).await;
+    gw.wait_ready().await;
+    // Until the broker has granted edgeway's subscriptions.
+    let deadline = Instant::now() + STREAM_LIMIT;
+    while !gw.gateway().readiness().await?.mqtt_bus.is_some_and(|m| m["subscribed"] == true) {
+        if Instant::now() > deadline {
+            bail!("edgeway never subscribed on Mosquitto:\n{}", broker.log());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok((gw, broker, tmp))
+}
 
 /// How long one request's stream may take before the run fails.
 const STREAM_LIMIT: Duration = Duration::from_secs(10);
@@ -74,7 +146,8 @@ fn main() -> Result<()> {
 
 async fn run(args: &Args) -> Result<(String, Value)> {
     let fake = FakeEngine::start_with(Knobs { tokens: args.first.tokens, ..Knobs::default() }).await;
-    let extra = format!("queue_capacity = 100000\n[log]\nlevel = \"warn\"\n{}", mqtt_support::mqtt_toml(""));
+    let settings = "queue_capacity = 100000\n[log]\nlevel = \"warn\"\n";
+    let extra = format!("{settings}{}", mqtt_support::mqtt_toml(""));
     // More engine slots than requests in flight: nothing queues behind the
     // tail of the previous request.
     let gw = TestGateway::with_engine_edit(&fake.url(), "openai", &extra, |t| {
@@ -85,7 +158,9 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     let addr = gw.running.as_ref().context("gateway running")?.mqtt.context("mqtt is configured")?.mqtt;
     let mut dev5 = Device::connect(addr, V::V5, D1).await?;
     let mut dev4 = Device::connect(addr, V::V4, D2).await?;
-    for d in [&mut dev5, &mut dev4] {
+    let (ext_gw, broker, _ext_tmp) = external_gateway(&fake.url(), settings).await?;
+    let mut dev_ext = Device::connect(broker.addr(), V::V5, D1).await?;
+    for d in [&mut dev5, &mut dev4, &mut dev_ext] {
         let filter = format!("ai/v1/{}/res/#", d.id);
         d.subscribe(&filter).await?;
     }
@@ -103,10 +178,10 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     let direct_url = format!("{}/v1/chat/completions", fake.url());
     let gw_url = format!("{}/v1/chat/completions", gw.base_url);
     // Per path, in iteration order (for the JSON), then sorted.
-    let mut samples: [Vec<u64>; 4] = Default::default();
+    let mut samples: [Vec<u64>; 5] = Default::default();
     // For finding stalls in the JSON: when each measured iteration
     // started, and when each MQTT request's PUBACK and `accepted` arrived.
-    let (mut started_ms, mut steps_us) = (Vec::new(), [Vec::new(), Vec::new()]);
+    let (mut started_ms, mut steps_us) = (Vec::new(), [Vec::new(), Vec::new(), Vec::new()]);
     let t_start = Instant::now();
     for i in 0..args.first.warmup + args.first.requests {
         let at = t_start.elapsed().as_secs_f64() * 1e3;
@@ -114,13 +189,15 @@ async fn run(args: &Args) -> Result<(String, Value)> {
         let h = common::sse_first_content(&http, &gw_url, Some(DEMO_KEY), &gw_body).await?;
         let m5 = dev5.request(&mqtt_req).await?;
         let m4 = dev4.request(&mqtt_req).await?;
+        let mx = dev_ext.request(&mqtt_req).await?;
         if i >= args.first.warmup {
-            for (s, v) in samples.iter_mut().zip([d, h, m5.first_delta_us, m4.first_delta_us]) {
+            for (s, v) in samples.iter_mut().zip([d, h, m5.first_delta_us, m4.first_delta_us, mx.first_delta_us]) {
                 s.push(v);
             }
             started_ms.push((at * 10.0).round() / 10.0);
             steps_us[0].push([m5.puback_us, m5.accepted_us]);
             steps_us[1].push([m4.puback_us, m4.accepted_us]);
+            steps_us[2].push([mx.puback_us, mx.accepted_us]);
         }
     }
     writeln!(
@@ -134,6 +211,7 @@ async fn run(args: &Args) -> Result<(String, Value)> {
         ("edgeway_http", "edgeway HTTP/SSE"),
         ("edgeway_mqtt5", "edgeway MQTT 5 (QoS 1, `coalesce_ms: 0`)"),
         ("edgeway_mqtt311", "edgeway MQTT 3.1.1 (QoS 1, `coalesce_ms: 0`)"),
+        ("edgeway_external_mqtt5", "edgeway as a client of Mosquitto, MQTT 5 device (QoS 1, `coalesce_ms: 0`)"),
     ];
     out["samples_us"] = json!({});
     let sorted: Vec<Vec<u64>> = samples
@@ -150,7 +228,8 @@ async fn run(args: &Args) -> Result<(String, Value)> {
         out["samples_us"][key] = json!(raw);
     }
     out["iteration_started_ms"] = json!(started_ms);
-    out["puback_accepted_samples_us"] = json!({"edgeway_mqtt5": steps_us[0], "edgeway_mqtt311": steps_us[1]});
+    out["puback_accepted_samples_us"] = json!({"edgeway_mqtt5": steps_us[0], "edgeway_mqtt311": steps_us[1],
+        "edgeway_external_mqtt5": steps_us[2]});
     let over: Vec<String> = names
         .iter()
         .zip(&sorted)
@@ -206,7 +285,9 @@ async fn run(args: &Args) -> Result<(String, Value)> {
         }
     }
     out["per_response"] = json!(rows);
-    drop((dev5, dev4));
+    drop((dev5, dev4, dev_ext));
+    ext_gw.stop().await;
+    drop(broker);
     gw.stop().await;
     Ok((report, out))
 }
