@@ -20,6 +20,7 @@
 
 mod audit;
 mod budgets;
+pub mod cluster;
 mod idempotency;
 mod keys;
 mod readiness;
@@ -63,6 +64,7 @@ use crate::scheduler::Submitted;
 pub use crate::scheduler::{CancelHandle, TaskStream};
 pub use audit::{parse_time, AuditQuery, AuditRecord, DEFAULT_AUDIT_PAGE, MAX_AUDIT_PAGE};
 pub use budgets::BudgetView;
+pub use cluster::{NodeModel, NodeRecord, Pool};
 pub use readiness::{ModelReadiness, Readiness};
 pub use reload::{ReloadError, ReloadReport};
 pub use status::{DeviceList, Status};
@@ -206,6 +208,8 @@ pub struct Gateway {
     history: Arc<status::History>,
     /// The connected devices, once the MQTT ingress offers them.
     devices: std::sync::OnceLock<Arc<dyn status::DeviceList>>,
+    /// The node pool, once the registry offers it (`[cluster]`).
+    pool: std::sync::OnceLock<Arc<cluster::Pool>>,
     /// The engines' tokenizers and their per-text caches, for assembly.
     tokenizers: crate::context::tokens::Tokenizers,
 }
@@ -284,6 +288,7 @@ impl Gateway {
             sessions,
             history,
             devices: Default::default(),
+            pool: Default::default(),
             tokenizers: crate::context::tokens::Tokenizers::new(),
         }
     }

@@ -47,6 +47,10 @@ pub struct Readiness {
     pub degradation_level: u8,
     /// The bus as [`super::BusStatus::report`] describes it.
     pub bus: serde_json::Value,
+    /// The node registry (`[cluster]`): `{"registry": "off"}` without it,
+    /// else its state (`connecting`, `ok`, `unavailable: …`) and the
+    /// number of fresh peers. Reported; readiness does not depend on it.
+    pub cluster: serde_json::Value,
     /// The engine processes edgeway runs: state, restarts, uptime, why one
     /// is down.
     pub engine_processes: Vec<crate::engine::supervisor::ProcessReport>,
@@ -129,6 +133,11 @@ impl Gateway {
             queues: snap.queues,
             degradation_level: snap.degradation_level,
             bus: self.bus.report(),
+            cluster: match (self.pool(), &config.cluster) {
+                (Some(p), _) => p.report(),
+                (None, Some(_)) => serde_json::json!({ "registry": "connecting", "peers": 0 }),
+                (None, None) => serde_json::json!({ "registry": "off" }),
+            },
             engine_processes,
             config_version: config.version.clone(),
             config_reloaded_at: self.last_reload(),
