@@ -80,6 +80,18 @@ async fn nodes_see_each_other_and_leave_by_purge_or_by_ttl_and_survive_a_server_
     assert_eq!(list[1]["http_addr"], b.base_url.trim_start_matches("http://"));
     assert!(list[1]["updated_at_ms"].as_i64().unwrap() >= list[1]["started_at_ms"].as_i64().unwrap());
 
+    // Every record, as a peer reads it from the bucket, follows the schema.
+    let schema: Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/topics/schemas/node-record.json")).unwrap(),
+    )
+    .unwrap();
+    let schema = jsonschema::validator_for(&schema).unwrap();
+    for mut n in list.clone() {
+        n.as_object_mut().unwrap().remove("self");
+        let errors: Vec<String> = schema.iter_errors(&n).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "{n}: {errors:?}");
+    }
+
     // The forwarding question: who else serves the model and may take the class.
     let pool = a.gateway().pool().expect("pool");
     let who = |class| pool.candidates("general-chat", class).into_iter().map(|n| n.node_id).collect::<Vec<_>>();
@@ -96,6 +108,8 @@ async fn nodes_see_each_other_and_leave_by_purge_or_by_ttl_and_survive_a_server_
     // The status page's data carries the pool too.
     let status = get_json(&a, OPS_KEY, "/admin/status").await;
     assert_eq!(ids(status["nodes"].as_array().unwrap()), ["node-a", "node-b", "node-c"]);
+    let page = client().get(format!("{}/status", a.base_url)).send().await.unwrap().text().await.unwrap();
+    assert!(page.contains("<table id=\"nodes\">") && page.contains("fill(\"nodes\""), "the page shows the pool");
     // Not for a non-admin application.
     let denied = client().get(format!("{}/v1/nodes", a.base_url)).bearer_auth(DEMO_KEY).send().await.unwrap();
     assert_eq!(denied.status(), 403);
@@ -150,4 +164,17 @@ async fn nodes_see_each_other_and_leave_by_purge_or_by_ttl_and_survive_a_server_
     assert!(since_stop < Duration::from_millis(TTL_MS), "not purged: {since_stop:?}");
     a.stop().await;
     c.stop().await;
+}
+
+#[test]
+fn the_two_node_pool_example_config_loads() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/two-node-pool.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let cfg = edgeway::config::Config::from_toml_str(&text, std::iter::empty(), path.parent().unwrap())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let c = cfg.cluster.expect("[cluster] is on");
+    assert_eq!((c.zone.as_str(), c.bucket.as_str(), c.replicas), ("site-1", "edgeway_nodes", 3));
+    assert_eq!(c.max_data_class, edgeway::task::DataClass::Sensitive);
+    assert!(c.ttl > c.heartbeat * 5, "the example's ttl outlasts a leader election");
+    assert_eq!(cfg.nats.expect("[nats]").url.split(',').count(), 3);
 }
