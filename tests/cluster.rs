@@ -178,3 +178,43 @@ fn the_two_node_pool_example_config_loads() {
     assert!(c.ttl > c.heartbeat * 5, "the example's ttl outlasts a leader election");
     assert_eq!(cfg.nats.expect("[nats]").url.split(',').count(), 3);
 }
+
+/// The bus down: the registry says so in `/ready` (which stays ready) and
+/// counts the failed writes; the bus back (a restarted server that lost the
+/// memory-stored bucket): the registry makes the bucket again and writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bus_outage_shows_in_ready_and_the_registry_comes_back() {
+    let mut nats = edgeway::testing::NatsServer::start(true).await;
+    let fake = FakeEngine::start().await;
+    let extra = format!(
+        "\n[nats]\nurl = \"{}\"\nreconnect_max_delay_ms = 500\n[nats.jetstream]\nstorage = \"memory\"\n\
+         [cluster]\nzone = \"z\"\nheartbeat_ms = 200\n",
+        nats.url()
+    );
+    let gw = TestGateway::with_engine(&fake.url(), "openai", &extra).await;
+    gw.wait_ready().await;
+    let registry = |v: Value| v["cluster"]["registry"].as_str().unwrap_or_default().to_string();
+    let until = |want: &'static str| {
+        let gw = &gw;
+        async move {
+            let start = tokio::time::Instant::now();
+            loop {
+                let r = get_json(gw, OPS_KEY, "/ready").await;
+                if registry(r.clone()).starts_with(want) {
+                    return r;
+                }
+                assert!(start.elapsed() < Duration::from_secs(30), "registry never {want}: {r}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    until("ok").await;
+    nats.stop().await;
+    let r = until("unavailable").await;
+    assert_eq!(r["ready"], true, "the bus is not a readiness condition: {r}");
+    assert!(gw.metrics().render().contains("edgeway_cluster_publish_failures_total{op=\"put\"}"));
+    nats.restart().await;
+    until("ok").await;
+    assert_eq!(nodes(&gw).await.len(), 1);
+    gw.stop().await;
+}

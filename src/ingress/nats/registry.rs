@@ -49,39 +49,53 @@ pub fn spawn(
     let js = jetstream::new(client);
     let t = tracker.clone();
     tracker.spawn(async move {
-        let Some(store) = open_bucket(&js, &cfg, storage, &gw, &pool, &shutdown).await else { return };
-        t.spawn(watch(store.clone(), pool.clone(), cfg.clone(), gw.clone(), shutdown.clone()));
-        heartbeat(store, cfg, gw, pool, http_addr, shutdown).await;
+        let bucket = Bucket { js, cfg: cfg.clone(), storage };
+        let Some(store) = open_bucket(&bucket, &gw, &pool, &shutdown).await else { return };
+        t.spawn(watch(store.clone(), pool.clone(), cfg, gw.clone(), shutdown.clone()));
+        heartbeat(store, bucket, gw, pool, http_addr, shutdown).await;
     });
+}
+
+/// How to create the bucket again (a server restarted without it, e.g.
+/// memory storage).
+struct Bucket {
+    js: jetstream::Context,
+    cfg: ClusterConfig,
+    storage: jetstream::stream::StorageType,
+}
+
+impl Bucket {
+    fn config(&self) -> kv::Config {
+        kv::Config {
+            bucket: self.cfg.bucket.clone(),
+            description: "edgeway node registry".into(),
+            history: 1,
+            max_age: self.cfg.ttl,
+            storage: self.storage,
+            num_replicas: self.cfg.replicas,
+            ..Default::default()
+        }
+    }
+
+    /// Creates the bucket if it is missing; errors are left to the next
+    /// write to report.
+    async fn recreate(&self) {
+        if self.js.get_key_value(&self.cfg.bucket).await.is_err() {
+            let _ = self.js.create_key_value(self.config()).await;
+        }
+    }
 }
 
 /// The bucket, created when missing; retried until it answers or the
 /// gateway stops.
-async fn open_bucket(
-    js: &jetstream::Context,
-    cfg: &ClusterConfig,
-    storage: jetstream::stream::StorageType,
-    gw: &Gateway,
-    pool: &Pool,
-    shutdown: &CancellationToken,
-) -> Option<kv::Store> {
+async fn open_bucket(bucket: &Bucket, gw: &Gateway, pool: &Pool, shutdown: &CancellationToken) -> Option<kv::Store> {
+    let (js, cfg) = (&bucket.js, &bucket.cfg);
     let mut delay = Duration::from_millis(100);
     loop {
         let attempt = async {
             match js.get_key_value(&cfg.bucket).await {
                 Ok(s) => Ok(s),
-                Err(_) => js
-                    .create_key_value(kv::Config {
-                        bucket: cfg.bucket.clone(),
-                        description: "edgeway node registry".into(),
-                        history: 1,
-                        max_age: cfg.ttl,
-                        storage,
-                        num_replicas: cfg.replicas,
-                        ..Default::default()
-                    })
-                    .await
-                    .map_err(|e| e.to_string()),
+                Err(_) => js.create_key_value(bucket.config()).await.map_err(|e| e.to_string()),
             }
         };
         let result = tokio::select! {
@@ -107,12 +121,13 @@ async fn open_bucket(
 /// Puts this node's record every heartbeat; purges it at shutdown.
 async fn heartbeat(
     store: kv::Store,
-    cfg: ClusterConfig,
+    bucket: Bucket,
     gw: Arc<Gateway>,
     pool: Arc<Pool>,
     http_addr: String,
     shutdown: CancellationToken,
 ) {
+    let cfg = bucket.cfg.clone();
     let node_id = gw.config().node_id.clone();
     let stopped = pool.publishing();
     let mut tick = tokio::time::interval(cfg.heartbeat);
@@ -132,7 +147,14 @@ async fn heartbeat(
         let Ok(body) = serde_json::to_vec(&record) else { continue };
         match tokio::time::timeout(OP_TIMEOUT, store.put(&node_id, body.into())).await {
             Ok(Ok(_)) => pool.set_state("ok"),
-            Ok(Err(e)) => failed(&gw, &pool, "put", &e.to_string()),
+            Ok(Err(e)) => {
+                failed(&gw, &pool, "put", &e.to_string());
+                if e.kind() != kv::PutErrorKind::InvalidKey {
+                    // The stream may be gone (a server restarted with
+                    // memory storage): make it again for the next beat.
+                    let _ = tokio::time::timeout(OP_TIMEOUT, bucket.recreate()).await;
+                }
+            }
             Err(_) => failed(&gw, &pool, "put", "timed out"),
         }
     }
