@@ -155,7 +155,8 @@ async fn nodes_see_each_other_and_leave_by_purge_or_by_ttl_and_survive_a_server_
     eprintln!("a silent node-c left node-a's view after {took:?}");
     assert!(took >= Duration::from_millis(TTL_MS - 2 * HEARTBEAT_MS - 300), "left too early: {took:?}");
 
-    // A node that shuts down leaves at once: its key is purged.
+    // A node that shuts down leaves at once: its key is purged when its
+    // drain begins.
     let stopping = tokio::time::Instant::now();
     b.stop().await;
     let (_, took) = until_nodes(&a, &["node-a"], Duration::from_millis(TTL_MS)).await;

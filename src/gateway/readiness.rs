@@ -121,6 +121,7 @@ impl Gateway {
         }
         // `always` models are loaded before edgeway is ready.
         not_ready.extend(self.residency.not_ready());
+        let bus = self.bus.report();
         Ok(Readiness {
             ready: not_ready.is_empty(),
             store_ok,
@@ -132,12 +133,16 @@ impl Gateway {
             instances: snap.instances,
             queues: snap.queues,
             degradation_level: snap.degradation_level,
-            bus: self.bus.report(),
             cluster: match (self.pool(), &config.cluster) {
                 (Some(p), _) => p.report(),
-                (None, Some(_)) => serde_json::json!({ "registry": "connecting", "peers": 0 }),
+                (None, Some(_)) => {
+                    // Not started: the bus is still connecting, or failed.
+                    let registry = if bus["state"] == "failed" { "unavailable: the bus failed" } else { "connecting" };
+                    serde_json::json!({ "registry": registry, "peers": 0 })
+                }
                 (None, None) => serde_json::json!({ "registry": "off" }),
             },
+            bus,
             engine_processes,
             config_version: config.version.clone(),
             config_reloaded_at: self.last_reload(),

@@ -118,7 +118,8 @@ async fn open_bucket(bucket: &Bucket, gw: &Gateway, pool: &Pool, shutdown: &Canc
     }
 }
 
-/// Puts this node's record every heartbeat; purges it at shutdown.
+/// Puts this node's record every heartbeat; purges it when the gateway
+/// starts to drain or stops.
 async fn heartbeat(
     store: kv::Store,
     bucket: Bucket,
@@ -142,10 +143,19 @@ async fn heartbeat(
             }
             _ = tick.tick() => {}
         }
+        if gw.is_draining() {
+            // A draining node takes no new work: it leaves the pool now.
+            break;
+        }
         gw.metrics().cluster_nodes.set(pool.peers().len() as i64 + 1);
         let Some(record) = gw.node_record(&http_addr).await else { continue };
         let Ok(body) = serde_json::to_vec(&record) else { continue };
-        match tokio::time::timeout(OP_TIMEOUT, store.put(&node_id, body.into())).await {
+        let put = tokio::select! {
+            // A put held up (a leader election) does not delay the purge.
+            _ = shutdown.cancelled() => break,
+            r = tokio::time::timeout(OP_TIMEOUT, store.put(&node_id, body.into())) => r,
+        };
+        match put {
             Ok(Ok(_)) => pool.set_state("ok"),
             Ok(Err(e)) => {
                 failed(&gw, &pool, "put", &e.to_string());
