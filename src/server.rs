@@ -246,6 +246,6 @@ pub async fn start(config: Config) -> anyhow::Result<RunningGateway> {
     };
     tracing::info!(%http_addr, admin = ?admin_addr, node = %config.node_id, "edgeway is listening");
     // The bus connects in the background: start-up never waits for NATS.
-    crate::ingress::nats::start(gateway.clone(), nats, &tracker, shutdown.clone());
+    crate::ingress::nats::start(gateway.clone(), nats, http_addr, &tracker, shutdown.clone());
     Ok(RunningGateway { http_addr, admin_addr, mqtt, gateway, internals, shutdown, tracker, processes })
 }

@@ -4,12 +4,13 @@
 //! its key path.
 //!
 //! Owns: the file format (`raw.rs`, with the defaults), its validation one
-//! section at a time (`validate.rs`, `nats.rs`, `mqtt.rs`) and the typed
+//! section at a time (`validate.rs`, `nats.rs`, `cluster.rs`, `mqtt.rs`) and the typed
 //! sections every component reads. Does not own: what the values mean at
 //! run time (each component reads its own typed section, or converts it into
 //! its own types). Plain data: it imports only `task` and `error`.
 
 mod cache;
+mod cluster;
 pub mod mqtt;
 mod nats;
 mod process;
@@ -29,6 +30,7 @@ use sha2::{Digest, Sha256};
 use crate::task::{DataClass, Location, Priority, Timeouts};
 
 pub use cache::CacheConfig;
+pub use cluster::ClusterConfig;
 pub use mqtt::{DeviceConfig, ExternalBrokerConfig, ExternalTls, MqttConfig, MqttTlsConfig};
 pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
 pub use process::{expand as expand_vars, ProcessConfig};
@@ -115,6 +117,9 @@ pub struct Config {
     pub kv_cache_high_water: f64,
     /// The internal service bus; `None` when `[nats]` is not configured.
     pub nats: Option<NatsConfig>,
+    /// `[cluster]`: this node's entry in the node registry on the bus;
+    /// `None` without it.
+    pub cluster: Option<ClusterConfig>,
     /// The embedded MQTT broker and device ingress; `None` without `[mqtt]`.
     pub mqtt: Option<MqttConfig>,
     /// Devices that may connect over MQTT, by id (= MQTT client id).

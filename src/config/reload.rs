@@ -31,7 +31,7 @@
 //!
 //! Refused, naming the keys, with nothing changed (they need a restart):
 //! `node_id`, `[http]` (listener addresses), `[store]` (path), `[server]`,
-//! `[log]`, `[resources]`, `[routing]`, `[nats]`, `[mqtt]` (broker ports)
+//! `[log]`, `[resources]`, `[routing]`, `[nats]`, `[cluster]`, `[mqtt]` (broker ports)
 //! and the other `[scheduler]` keys. The gateway also refuses a reload that
 //! would add more instances than a running edgeway has room for
 //! ([`crate::engine::RELOAD_ROOM`] since start: each engine added or
@@ -122,7 +122,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
     let mut restart = |path: &str, what: &str| {
         refused.push(ConfigError { path: path.to_string(), message: format!("{what}; this needs a restart") })
     };
-    let sections: [(&str, bool); 9] = [
+    let sections: [(&str, bool); 10] = [
         ("node_id", same(&old.node_id, &new.node_id)),
         ("http", same(&old.http, &new.http)),
         ("store", same(&old.store, &new.store)),
@@ -136,6 +136,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Changes, ConfigErrors> {
         ),
         ("routing", same(&old.routing, &new.routing)),
         ("nats", same(&old.nats, &new.nats)),
+        ("cluster", same(&old.cluster, &new.cluster)),
         ("mqtt", same(&old.mqtt, &new.mqtt)),
     ];
     for (path, unchanged) in sections {
@@ -300,6 +301,10 @@ instances = ["a"]
         let new = load("context_tokens = 8192\n[engines.b]\ntype = \"openai\"\nbase_url = \"http://127.0.0.1:9\"\nmodel = \"m\"\n[server]\ndrain_timeout_s = 1\n");
         let paths: Vec<String> = plan(&old, &new).unwrap_err().0.into_iter().map(|e| e.path).collect();
         assert_eq!(paths, ["server"], "engines and models change live");
+        let js = "[nats]\nurl = \"nats://127.0.0.1:4222\"\n[nats.jetstream]\n[cluster]\nzone = ";
+        let (old, new) = (load(&format!("{js}\"a\"\n")), load(&format!("{js}\"b\"\n")));
+        let paths: Vec<String> = plan(&old, &new).unwrap_err().0.into_iter().map(|e| e.path).collect();
+        assert_eq!(paths, ["cluster"], "the registry reads [cluster] once, at start");
     }
 
     #[test]

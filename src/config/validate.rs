@@ -92,6 +92,8 @@ impl RawConfig {
         if nobody_could_call {
             p.add("applications", "define at least one application or [auth.jwt]; nobody could call");
         }
+        let jetstream = self.nats.as_ref().is_some_and(|n| n.jetstream.is_some());
+        let cluster = optional_section(self.cluster.map(|c| super::cluster::validate(c, jetstream, &mut p)));
         let nats = optional_section(self.nats.map(|n| super::nats::validate(n, env, base_dir, &self.node_id, &mut p)));
         let mqtt = optional_section(self.mqtt.map(|m| super::mqtt::validate(m, env, base_dir, &self.node_id, &mut p)));
         let devices = super::mqtt::validate_devices(self.devices, &applications, &mut p);
@@ -121,6 +123,7 @@ impl RawConfig {
                 cancel_grace: resources.cancel_grace,
                 kv_cache_high_water: resources.kv_cache_high_water,
                 nats: nats?,
+                cluster: cluster?,
                 mqtt: mqtt?,
                 devices: all(devices)?,
                 cache,

@@ -20,6 +20,7 @@
 
 mod audit;
 mod budgets;
+pub mod cluster;
 mod idempotency;
 mod keys;
 mod readiness;
@@ -63,6 +64,7 @@ use crate::scheduler::Submitted;
 pub use crate::scheduler::{CancelHandle, TaskStream};
 pub use audit::{parse_time, AuditQuery, AuditRecord, DEFAULT_AUDIT_PAGE, MAX_AUDIT_PAGE};
 pub use budgets::BudgetView;
+pub use cluster::{NodeModel, NodeRecord, Pool};
 pub use readiness::{ModelReadiness, Readiness};
 pub use reload::{ReloadError, ReloadReport};
 pub use status::{DeviceList, Status};
@@ -209,6 +211,8 @@ pub struct Gateway {
     /// The connection to an external MQTT broker (`[mqtt] mode =
     /// "external"`), set once by the MQTT ingress.
     mqtt_bus: std::sync::OnceLock<Arc<dyn BusStatus>>,
+    /// The node pool, once the registry offers it (`[cluster]`).
+    pool: std::sync::OnceLock<Arc<cluster::Pool>>,
     /// The engines' tokenizers and their per-text caches, for assembly.
     tokenizers: crate::context::tokens::Tokenizers,
 }
@@ -288,6 +292,7 @@ impl Gateway {
             history,
             devices: Default::default(),
             mqtt_bus: Default::default(),
+            pool: Default::default(),
             tokenizers: crate::context::tokens::Tokenizers::new(),
         }
     }

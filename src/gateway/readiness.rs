@@ -51,6 +51,10 @@ pub struct Readiness {
     /// The connection to an external MQTT broker (`None`: no `[mqtt]`, or
     /// the embedded broker). Reported; readiness does not depend on it.
     pub mqtt_bus: Option<serde_json::Value>,
+    /// The node registry (`[cluster]`): `{"registry": "off"}` without it,
+    /// else its state (`connecting`, `ok`, `unavailable: …`) and the
+    /// number of fresh peers. Reported; readiness does not depend on it.
+    pub cluster: serde_json::Value,
     /// The engine processes edgeway runs: state, restarts, uptime, why one
     /// is down.
     pub engine_processes: Vec<crate::engine::supervisor::ProcessReport>,
@@ -127,6 +131,7 @@ impl Gateway {
         }
         // `always` models are loaded before edgeway is ready.
         not_ready.extend(self.residency.not_ready());
+        let bus = self.bus.report();
         Ok(Readiness {
             ready: not_ready.is_empty(),
             store_ok,
@@ -138,7 +143,16 @@ impl Gateway {
             instances: snap.instances,
             queues: snap.queues,
             degradation_level: snap.degradation_level,
-            bus: self.bus.report(),
+            cluster: match (self.pool(), &config.cluster) {
+                (Some(p), _) => p.report(),
+                (None, Some(_)) => {
+                    // Not started: the bus is still connecting, or failed.
+                    let registry = if bus["state"] == "failed" { "unavailable: the bus failed" } else { "connecting" };
+                    serde_json::json!({ "registry": registry, "peers": 0 })
+                }
+                (None, None) => serde_json::json!({ "registry": "off" }),
+            },
+            bus,
             mqtt_bus: self.mqtt_bus.get().map(|b| b.report()),
             engine_processes,
             config_version: config.version.clone(),

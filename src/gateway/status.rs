@@ -66,6 +66,9 @@ pub struct Status {
     pub engine_processes: Vec<crate::engine::supervisor::ProcessReport>,
     /// `null` when MQTT is off.
     pub devices: Option<Devices>,
+    /// The node pool as `GET /v1/nodes` shows it (this node first); empty
+    /// without `[cluster]`.
+    pub nodes: Vec<serde_json::Value>,
     /// Recent failures of the caller's tenant, newest first.
     pub failures: Vec<Failure>,
     /// Traffic per [`BUCKET`], oldest first; the last one is the bucket in
@@ -314,6 +317,7 @@ impl Gateway {
             let (connected, ids) = d.connected(&who.tenant, MAX_DEVICES_LISTED);
             Devices { connected, ids }
         });
+        let nodes = self.nodes(who).await?;
         let mut failures: Vec<Failure> =
             self.recorder.recent_failures().into_iter().filter(|f| f.tenant == who.tenant).collect();
         failures.reverse();
@@ -331,6 +335,7 @@ impl Gateway {
             engines,
             engine_processes: self.processes.reports(),
             devices,
+            nodes,
             failures,
             traffic: self.history.buckets(&self.metrics),
         })

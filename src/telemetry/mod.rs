@@ -98,6 +98,12 @@ pub struct Metrics {
     /// Lifecycle events lost, by reason (`lagged`, `queue_full`,
     /// `publish_error`, `shutdown`).
     pub nats_events_dropped: IntCounterVec,
+    /// Nodes in the registry's pool as this node sees it (itself included;
+    /// 0 without `[cluster]`).
+    pub cluster_nodes: IntGauge,
+    /// Registry writes (this node's record, its bucket) that failed, by
+    /// operation (`bucket`, `put`, `purge`).
+    pub cluster_publish_failures: IntCounterVec,
     /// NATS reply streams whose caller was gone (task cancelled), by how it
     /// was noticed (`no_responders`, `bus_unavailable`).
     pub nats_callers_lost: IntCounterVec,
@@ -325,6 +331,17 @@ impl Metrics {
                 "nats_events_dropped_total",
                 "Lifecycle events not published on NATS, by reason",
                 &["reason"],
+            ),
+            cluster_nodes: {
+                let g = IntGauge::new("cluster_nodes", "Nodes in the registry's pool, this one included")
+                    .expect("valid metric");
+                registry.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            cluster_publish_failures: counter(
+                "cluster_publish_failures_total",
+                "Node registry writes that failed, by operation",
+                &["op"],
             ),
             cost: {
                 let c = prometheus::CounterVec::new(

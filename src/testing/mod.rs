@@ -25,7 +25,7 @@ use crate::telemetry::Metrics;
 
 pub use fake_engine::{fake_embedding, vllm_metrics, FakeEngine, Knobs};
 pub use mosquitto::Mosquitto;
-pub use nats_server::NatsServer;
+pub use nats_server::{NatsCluster, NatsServer};
 
 /// API keys of the test configs (the same as the example config's).
 pub const DEMO_KEY: &str = "sk-edgeway-demo";

@@ -5,6 +5,9 @@
 //! The binary is `$EDGEWAY_CACHE/bin/nats-server`, else
 //! `~/.cache/edgeway/bin/nats-server` (both installed by
 //! `scripts/setup-deps.sh`), else `nats-server` on the `PATH`.
+//!
+//! [`NatsCluster`]: three such servers with JetStream, routed to each
+//! other as one cluster, each with its own store directory.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -18,6 +21,8 @@ use super::TempDir;
 pub struct NatsServer {
     pub port: u16,
     jetstream: bool,
+    /// More arguments (the cluster's `--cluster`, `--routes`, `-n`).
+    args: Vec<String>,
     child: Option<Child>,
     dir: TempDir,
 }
@@ -46,7 +51,13 @@ impl NatsServer {
     /// Starts a server on a free port (with JetStream when asked) and waits
     /// until it says it is ready.
     pub async fn start(jetstream: bool) -> NatsServer {
-        let mut s = NatsServer { port: Self::free_port(), jetstream, child: None, dir: TempDir::new("edgeway-nats") };
+        let mut s = NatsServer {
+            port: Self::free_port(),
+            jetstream,
+            args: Vec::new(),
+            child: None,
+            dir: TempDir::new("edgeway-nats"),
+        };
         s.restart().await;
         s
     }
@@ -54,7 +65,13 @@ impl NatsServer {
     /// A server that is not running yet, with its port chosen: for a gateway
     /// that must start while the bus is down. [`Self::restart`] starts it.
     pub fn stopped(jetstream: bool) -> NatsServer {
-        NatsServer { port: Self::free_port(), jetstream, child: None, dir: TempDir::new("edgeway-nats") }
+        NatsServer {
+            port: Self::free_port(),
+            jetstream,
+            args: Vec::new(),
+            child: None,
+            dir: TempDir::new("edgeway-nats"),
+        }
     }
 
     pub fn url(&self) -> String {
@@ -77,6 +94,7 @@ impl NatsServer {
         if self.jetstream {
             cmd.arg("-js").arg("-sd").arg(&self.dir.0);
         }
+        cmd.args(&self.args);
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).kill_on_drop(true);
         let mut child = cmd.spawn().expect("start nats-server");
         let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
@@ -107,6 +125,71 @@ impl Drop for NatsServer {
     fn drop(&mut self) {
         if let Some(c) = self.child.as_mut() {
             let _ = c.start_kill();
+        }
+    }
+}
+
+/// Three `nats-server`s with JetStream on free ports, routed into one
+/// cluster (`edgeway-test`), each with its own store directory.
+pub struct NatsCluster {
+    pub servers: Vec<NatsServer>,
+}
+
+impl NatsCluster {
+    /// Starts the three servers and waits until JetStream answers on each
+    /// (a meta leader is elected and every server knows it).
+    pub async fn start() -> NatsCluster {
+        let cluster_ports: Vec<u16> = (0..3).map(|_| NatsServer::free_port()).collect();
+        let mut servers: Vec<NatsServer> = (0..3).map(|_| NatsServer::stopped(true)).collect();
+        for (i, s) in servers.iter_mut().enumerate() {
+            let routes: Vec<String> = cluster_ports
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(_, p)| format!("nats://127.0.0.1:{p}"))
+                .collect();
+            s.args = vec![
+                "-n".into(),
+                format!("edgeway-test-{i}"),
+                "--cluster_name".into(),
+                "edgeway-test".into(),
+                "--cluster".into(),
+                format!("nats://127.0.0.1:{}", cluster_ports[i]),
+                "--routes".into(),
+                routes.join(","),
+            ];
+        }
+        // Started together: each waits for a JetStream quorum.
+        futures::future::join_all(servers.iter_mut().map(|s| s.restart())).await;
+        let c = NatsCluster { servers };
+        c.wait_jetstream(&[0, 1, 2]).await;
+        c
+    }
+
+    /// All servers' URLs, comma-separated (as `[nats] url` takes them).
+    pub fn url(&self) -> String {
+        self.servers.iter().map(NatsServer::url).collect::<Vec<_>>().join(",")
+    }
+
+    /// Waits until JetStream answers an account query on each of the
+    /// servers `which` (60 s at most).
+    pub async fn wait_jetstream(&self, which: &[usize]) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        for &i in which {
+            let url = self.servers[i].url();
+            loop {
+                let ok = async {
+                    let c = async_nats::connect(&url).await.ok()?;
+                    let js = async_nats::jetstream::new(c);
+                    tokio::time::timeout(Duration::from_secs(2), js.query_account()).await.ok()?.ok()
+                }
+                .await;
+                if ok.is_some() {
+                    break;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "JetStream not ready on {url} after 60 s");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
     }
 }

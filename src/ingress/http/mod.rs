@@ -90,6 +90,7 @@ fn admin_routes(state: AppState, guarded: bool, shutdown: CancellationToken) -> 
         .route("/admin/reload", post(reload_config))
         .route("/admin/tasks/{id}/context", get(tasks::context))
         .route("/admin/tasks/{id}", axum::routing::delete(status::cancel))
+        .route("/v1/nodes", get(status::nodes))
         .route("/admin/status", get(status::json))
         .route("/admin/status/stream", get(status::stream))
         .route("/status", get(status::page))
@@ -242,6 +243,8 @@ async fn ready(
         "degradation_level": r.degradation_level,
         // Reported, but readiness does not depend on the bus.
         "nats": r.bus,
+        // The node registry; reported, not a readiness condition either.
+        "cluster": r.cluster,
         "engine_processes": r.engine_processes,
         "config_version": r.config_version,
         // Unix time in milliseconds; null until the first reload.

@@ -47,6 +47,15 @@ pub async fn json(State(gw): State<Arc<Gateway>>, Caller(who): Caller) -> Result
     Ok(resp)
 }
 
+/// `GET /v1/nodes`: the node pool (admin applications only): this node
+/// first (`"self": true`), then the other nodes of the registry.
+pub async fn nodes(State(gw): State<Arc<Gateway>>, Caller(who): Caller) -> Result<Response, ApiError> {
+    let nodes = gw.nodes(&who).await?;
+    let mut resp = Json(serde_json::json!({ "object": "list", "data": nodes })).into_response();
+    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    Ok(resp)
+}
+
 /// `GET /admin/status/stream`: a `status` event with the snapshot at once
 /// and then every [`STREAM_PERIOD`], until the client goes, the server
 /// stops, or the credential that opened it no longer opens it (revoked,

@@ -7,6 +7,9 @@
 //!   Identity comes from the message headers (API key or JWT), so the same
 //!   application rights apply as over HTTP. A caller that stops listening is
 //!   noticed through NATS "no responders" answers and its task cancelled.
+//! - [`registry`]: this node's record in the node registry (a JetStream
+//!   key-value bucket, `[cluster]`) and the watch that keeps the pool of
+//!   other nodes current.
 //! - [`lifecycle`]: every state change of every task, whatever its ingress,
 //!   published on `{prefix}.events.{tenant}.{state}` (and optionally kept in
 //!   a JetStream stream), from a bounded queue that never slows a request.
@@ -23,6 +26,7 @@
 
 mod audit;
 pub mod lifecycle;
+pub mod registry;
 pub mod service;
 
 use std::sync::Arc;
@@ -163,7 +167,15 @@ impl BusStatus for NatsStatus {
 /// reconnects happen in tasks on `tracker`, which end on `shutdown`.
 /// `status` is the state the facade reports in `/ready`; this module keeps
 /// it current.
-pub fn start(gw: Arc<Gateway>, status: NatsStatus, tracker: &TaskTracker, shutdown: CancellationToken) {
+/// `http_addr` is the business listener's address, which the node
+/// registry (`[cluster]`) publishes.
+pub fn start(
+    gw: Arc<Gateway>,
+    status: NatsStatus,
+    http_addr: std::net::SocketAddr,
+    tracker: &TaskTracker,
+    shutdown: CancellationToken,
+) {
     let Some(cfg) = gw.config().nats.clone() else { return };
     // Subscribe now, so no transition between start-up and the first
     // connection is missed (the bounded queue keeps them until then).
@@ -184,6 +196,7 @@ pub fn start(gw: Arc<Gateway>, status: NatsStatus, tracker: &TaskTracker, shutdo
             lifecycle::spawn_publisher(client.clone(), cfg.clone(), metrics, status.clone(), rx, &t, shutdown.clone());
         }
         audit::spawn_publisher(client.clone(), cfg.clone(), status.clone(), audit, &t, shutdown.clone());
+        registry::spawn(client.clone(), &cfg, gw.clone(), http_addr.to_string(), &t, shutdown.clone());
         service::run(client, cfg, gw, status, t, shutdown).await;
     });
 }

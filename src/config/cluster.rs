@@ -1,0 +1,147 @@
+//! The `[cluster]` section: this node's entry in the node registry, a
+//! JetStream key-value bucket on the bus that every node of a pool writes
+//! its record into and watches (see `ingress::nats::registry`). Needs
+//! `[nats]` with `[nats.jetstream]`.
+//!
+//! Owns: this section's format, defaults and rules. Does not own: the
+//! registry itself or the record it publishes.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::raw::Field;
+use super::Problems;
+use crate::task::DataClass;
+
+/// The typed `[cluster]` section.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// This node's data zone (e.g. a site or a legal area), shown to peers.
+    pub zone: String,
+    /// The highest data class this node may receive from other nodes.
+    pub max_data_class: DataClass,
+    /// The JetStream key-value bucket of the registry.
+    pub bucket: String,
+    /// How often this node refreshes its record.
+    pub heartbeat: Duration,
+    /// A record not refreshed for this long is gone (the bucket's
+    /// `max_age`, and the local view's own cut-off).
+    pub ttl: Duration,
+    /// Replicas of the bucket's stream (1 on a single server; 3 on a
+    /// three-server cluster keeps the registry through a server loss).
+    pub replicas: usize,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawCluster {
+    pub zone: Field<String>,
+    pub max_data_class: Field<DataClass>,
+    pub bucket: String,
+    pub heartbeat_ms: u64,
+    /// Default: three heartbeats.
+    pub ttl_ms: Option<u64>,
+    pub replicas: usize,
+}
+
+impl Default for RawCluster {
+    fn default() -> Self {
+        RawCluster {
+            zone: Field::Missing,
+            max_data_class: Field::Valid(DataClass::Sensitive),
+            bucket: "edgeway_nodes".into(),
+            heartbeat_ms: 2_000,
+            ttl_ms: None,
+            replicas: 1,
+        }
+    }
+}
+
+/// Validates `[cluster]`; `jetstream` says whether `[nats.jetstream]` is
+/// configured. `None` after reporting a problem.
+pub(super) fn validate(c: RawCluster, jetstream: bool, p: &mut Problems) -> Option<ClusterConfig> {
+    if !jetstream {
+        p.add("cluster", "needs [nats] with [nats.jetstream]: the registry is a JetStream key-value bucket");
+    }
+    let zone = c.zone.get("cluster.zone", p);
+    if let Some(z) = &zone {
+        if z.is_empty() || z.len() > 64 || z.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            p.add("cluster.zone", "must be 1..64 characters without spaces");
+        }
+    }
+    let max_data_class = c.max_data_class.get("cluster.max_data_class", p);
+    if c.bucket.is_empty()
+        || c.bucket.len() > 64
+        || !c.bucket.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_' || ch == '-')
+    {
+        p.add("cluster.bucket", format!("{:?} is not a bucket name (letters, digits, '_', '-')", c.bucket));
+    }
+    if c.heartbeat_ms < 50 {
+        p.add("cluster.heartbeat_ms", "must be at least 50");
+    }
+    let ttl_ms = c.ttl_ms.unwrap_or(c.heartbeat_ms.saturating_mul(3));
+    if ttl_ms <= c.heartbeat_ms {
+        p.add("cluster.ttl_ms", format!("must be greater than heartbeat_ms ({})", c.heartbeat_ms));
+    }
+    if !(1..=5).contains(&c.replicas) {
+        p.add("cluster.replicas", "must be 1..5");
+    }
+    Some(ClusterConfig {
+        zone: zone?,
+        max_data_class: max_data_class?,
+        bucket: c.bucket,
+        heartbeat: Duration::from_millis(c.heartbeat_ms),
+        ttl: Duration::from_millis(ttl_ms),
+        replicas: c.replicas,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn load(extra: &str) -> Result<crate::config::Config, crate::config::ConfigErrors> {
+        let text = crate::testing::config_toml("http://127.0.0.1:1", "openai", Path::new("/tmp/x"), extra);
+        crate::config::Config::from_toml_str(&text, std::iter::empty(), Path::new("."))
+    }
+
+    const JS: &str = "[nats]\nurl = \"nats://127.0.0.1:4222\"\n[nats.jetstream]\n";
+
+    #[test]
+    fn defaults_follow_the_heartbeat() {
+        let c = load(&format!("{JS}[cluster]\nzone = \"site-a\"\nheartbeat_ms = 500\n")).unwrap();
+        let c = c.cluster.unwrap();
+        assert_eq!(c.bucket, "edgeway_nodes");
+        assert_eq!(c.heartbeat, Duration::from_millis(500));
+        assert_eq!(c.ttl, Duration::from_millis(1500));
+        assert_eq!(c.max_data_class, DataClass::Sensitive);
+        assert!(load("").unwrap().cluster.is_none());
+    }
+
+    #[test]
+    fn every_bad_key_is_reported_by_its_path() {
+        let e = load(
+            "[cluster]\nzone = \"a b\"\nmax_data_class = \"top\"\nbucket = \"a.b\"\nheartbeat_ms = 1000\n\
+             ttl_ms = 1000\nreplicas = 0\n",
+        )
+        .unwrap_err();
+        let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
+        for p in [
+            "cluster",
+            "cluster.zone",
+            "cluster.max_data_class",
+            "cluster.bucket",
+            "cluster.ttl_ms",
+            "cluster.replicas",
+        ] {
+            assert!(paths.contains(&p), "{p} missing in {paths:?}");
+        }
+        let e = load(&format!("{JS}[cluster]\nzone = \"a\"\nnodes = 3\n")).unwrap_err();
+        assert!(e.to_string().contains("nodes"), "{e}");
+        let e = load(&format!("{JS}[cluster]\n")).unwrap_err();
+        assert!(e.0.iter().any(|e| e.path == "cluster.zone"), "{e}");
+    }
+}
