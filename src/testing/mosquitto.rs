@@ -93,7 +93,7 @@ impl Mosquitto {
         // SAFETY: geteuid has no preconditions and cannot fail.
         let root = unsafe { libc::geteuid() } == 0;
         let text = format!(
-            "listener {port} 127.0.0.1\npersistence false\nlog_dest file {}\nlog_type all\n{}{lines}",
+            "listener {port} 127.0.0.1\nset_tcp_nodelay true\npersistence false\nlog_dest file {}\nlog_type all\n{}{lines}",
             log.display(),
             if root { "user root\n" } else { "" }
         );
