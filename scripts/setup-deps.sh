@@ -54,14 +54,16 @@ if [ ! -x "$NATS_BIN" ]; then
   if [ -n "$found" ]; then ln -sf "$found" "$NATS_BIN"; else log "warning: nats-server not found"; fi
 fi
 
-# MQTT tools the tests use: mosquitto_pub/mosquitto_sub (interoperability)
-# and the mosquitto broker (benchmark comparison), from Debian.
-if ! command -v mosquitto_pub >/dev/null || ! command -v mosquitto >/dev/null; then
+# MQTT tools the tests use, from Debian: mosquitto_pub/mosquitto_sub
+# (interoperability), the mosquitto broker (the external-broker tests
+# `tests/mqtt_external.rs`, benchmark comparison) and openssl (the CA and
+# certificate of those tests' TLS listener).
+if ! command -v mosquitto_pub >/dev/null || ! command -v mosquitto >/dev/null || ! command -v openssl >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    log "installing mosquitto and mosquitto-clients"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients) >&2
+    log "installing mosquitto, mosquitto-clients and openssl"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients openssl) >&2
   else
-    log "warning: mosquitto-clients missing (apt-get install mosquitto mosquitto-clients)"
+    log "warning: mosquitto, mosquitto-clients or openssl missing (apt-get install mosquitto mosquitto-clients openssl)"
   fi
 fi
 
