@@ -16,3 +16,29 @@ pub mod http;
 pub mod mqtt;
 pub mod nats;
 pub mod render;
+
+use std::time::Duration;
+
+/// The wait before reconnecting to a bus or broker after `failures`
+/// failed tries in a row (at least 1): 100 ms doubling up to `max`, with
+/// up to 25 % jitter so several nodes do not retry in step. The NATS
+/// client and the external MQTT broker's client both use it.
+pub(crate) fn reconnect_backoff(failures: u32, max: Duration) -> Duration {
+    let base = Duration::from_millis(100).saturating_mul(1u32 << failures.saturating_sub(1).min(16)).min(max);
+    let jitter = uuid::Uuid::new_v4().as_u128() as u64 % (base.as_millis() as u64 / 4 + 1);
+    base + Duration::from_millis(jitter)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reconnects_back_off_to_the_maximum() {
+        let max = Duration::from_secs(5);
+        assert!(reconnect_backoff(1, max) >= Duration::from_millis(100));
+        assert!(reconnect_backoff(1, max) < Duration::from_millis(130));
+        assert!(reconnect_backoff(4, max) >= Duration::from_millis(800));
+        assert!(reconnect_backoff(30, max) >= max && reconnect_backoff(30, max) <= max + max / 4);
+    }
+}

@@ -29,7 +29,7 @@
 //! a message means ([`super::requests`]), the ACLs (the broker's).
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use prometheus::{IntCounter, IntGauge};
@@ -177,14 +177,6 @@ impl BusStatus for BrokerStatus {
     }
 }
 
-/// Reconnect delay after `attempts` failed tries: 100 ms doubling up to
-/// `max`, with up to 25 % jitter so several nodes do not retry in step.
-fn backoff(attempts: u32, max: Duration) -> Duration {
-    let base = Duration::from_millis(100).saturating_mul(1u32 << attempts.saturating_sub(1).min(16)).min(max);
-    let jitter = uuid::Uuid::new_v4().as_u128() as u64 % (base.as_millis() as u64 / 4 + 1);
-    base + Duration::from_millis(jitter)
-}
-
 /// Starts the device ingress on the external broker of `cfg`. Never waits
 /// for the broker: connecting and reconnecting happen in a task on
 /// `tracker`, which ends on `shutdown`.
@@ -320,7 +312,7 @@ async fn client_loop(
                 status.set(BrokerState::Disconnected, Some(why));
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(backoff(failures, ext.reconnect_max)) => {}
+                    _ = tokio::time::sleep(crate::ingress::reconnect_backoff(failures, ext.reconnect_max)) => {}
                 }
             }
         }
@@ -365,17 +357,4 @@ fn dispatch(
         }
     }
     ingress.dispatch_to(&mount, kind, payload, props);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reconnects_back_off_to_the_maximum() {
-        let max = Duration::from_secs(5);
-        assert!(backoff(1, max) < Duration::from_millis(130));
-        assert!(backoff(4, max) >= Duration::from_millis(800));
-        assert!(backoff(30, max) >= max && backoff(30, max) <= max + max / 4);
-    }
 }

@@ -201,16 +201,13 @@ pub fn start(
     });
 }
 
-/// Reconnect delay after `attempts` failed tries: 100 ms doubling up to the
-/// configured maximum, with up to 25 % jitter so several nodes do not retry
-/// in step.
+/// Reconnect delay before try `attempts` (the client counts the first try
+/// too): at once, then [`super::reconnect_backoff`] of the failures so far.
 fn backoff(attempts: usize, max: Duration) -> Duration {
-    if attempts <= 1 {
-        return Duration::ZERO;
+    match attempts {
+        0 | 1 => Duration::ZERO,
+        n => super::reconnect_backoff(u32::try_from(n - 1).unwrap_or(u32::MAX), max),
     }
-    let base = Duration::from_millis(100).saturating_mul(1u32 << (attempts - 2).min(16) as u32).min(max);
-    let jitter = uuid::Uuid::new_v4().as_u128() as u64 % (base.as_millis() as u64 / 4 + 1);
-    base + Duration::from_millis(jitter)
 }
 
 /// Opens the client connection in the background: returns at once, even
