@@ -258,6 +258,27 @@ impl DeviceProtocol {
         Error::InvalidProtocol
     }
 
+    /// `Some` when the connection may not go on: its token expired or was
+    /// revoked, or a reload removed its device or application. Nothing it
+    /// sent now is let through; the link ends with the packet in `Some`, the
+    /// DISCONNECT that [`Protocol::ending`] would have sent (an MQTT 5 device
+    /// is told why; 3.1.1 has no server DISCONNECT). A packet that arrives
+    /// just after the expiry (a PUBACK of the stream) used to end the link
+    /// without it.
+    fn lapse(&mut self) -> Option<Option<Packet>> {
+        let expired = super::auth::expired(self.expires_at);
+        let revoked = !expired
+            && (self.shared.directory.lapsed(None, self.credential)
+                || self.grant.as_ref().is_some_and(|g| self.shared.directory.withdrawn(g)));
+        if !expired && !revoked {
+            return None;
+        }
+        tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired or revoked, or device removed, connection closed");
+        self.end_link();
+        let last = if expired { super::auth::expired_disconnect() } else { super::auth::revoked_disconnect() };
+        Some((self.version == Version::V5).then_some(last))
+    }
+
     /// An authenticated CONNECT (or what stands for a refused one) for
     /// rumqttd.
     fn connect(&mut self, packet: Packet) -> Packet {
@@ -539,6 +560,9 @@ impl Protocol for DeviceProtocol {
         let Some(device) = self.state.session().map(|s| s.device.clone()) else {
             return Verdict::Forward(packet);
         };
+        if let Some(last) = self.lapse() {
+            return Verdict::Close(last);
+        }
         match packet {
             Packet::Publish(..) => self.screen_publish(&device, packet),
             Packet::Subscribe(..) => self.screen_subscribe(&device, packet),
@@ -562,12 +586,8 @@ impl Protocol for DeviceProtocol {
     }
 
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error> {
-        if self.shared.directory.lapsed(self.expires_at, self.credential)
-            || self.grant.as_ref().is_some_and(|g| self.shared.directory.withdrawn(g))
-        {
-            tracing::info!(device = ?self.state.session().map(|s| &s.device), "MQTT: token expired or revoked, or device removed, connection closed");
-            return Err(self.end_link());
-        }
+        // A lapsed credential is screened (see `lapse`), so that an MQTT 5
+        // device that sends something after it is told why too.
         if self.version == Version::Unknown {
             match codec::detect_version(stream, max_size)? {
                 Detected::Supported(v) => self.version = v,
