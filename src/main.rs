@@ -8,6 +8,14 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use edgeway::config::Config;
 
+/// mimalloc instead of glibc's malloc: a request allocates and frees a few
+/// hundred blocks, many freed on another thread than the one that made
+/// them (the store's writer, the log writer), where glibc's arenas spent
+/// about 15 % of a request's instructions (BENCHMARKS.md, session 16).
+/// Only the binary: the library leaves the choice to whoever links it.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "edgeway", version, about = "Edge AI gateway")]
 struct Cli {
