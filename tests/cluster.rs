@@ -174,9 +174,13 @@ async fn nodes_see_each_other_and_leave_by_purge_or_by_ttl_and_survive_a_server_
 fn the_two_node_pool_example_config_loads() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/two-node-pool.toml");
     let text = std::fs::read_to_string(&path).unwrap();
-    let cfg = edgeway::config::Config::from_toml_str(&text, std::iter::empty(), path.parent().unwrap())
-        .unwrap_or_else(|e| panic!("{e}"));
+    let env = [("EDGEWAY_POOL_KEY".to_string(), "k".repeat(32))];
+    let cfg =
+        edgeway::config::Config::from_toml_str(&text, env, path.parent().unwrap()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(cfg.engines["pool"].kind, edgeway::config::EngineKind::Pool);
+    assert_eq!(cfg.models["general-chat"].instances, ["llama-local", "pool"]);
     let c = cfg.cluster.expect("[cluster] is on");
+    assert!(c.key.is_some(), "the example forwards");
     assert_eq!((c.zone.as_str(), c.bucket.as_str(), c.replicas), ("site-1", "edgeway_nodes", 3));
     assert_eq!(c.max_data_class, edgeway::task::DataClass::Sensitive);
     assert!(c.ttl > c.heartbeat * 5, "the example's ttl outlasts a leader election");

@@ -17,6 +17,10 @@ use edgeway::error::ErrorCode;
 use edgeway::router::{Instance, Router};
 use edgeway::task::{ChatMessage, Operation, SamplingParams};
 use edgeway::testing::{FakeEngine, Knobs};
+
+/// The suite runs the HTTP adapters; a pool instance forwards to other
+/// edgeway nodes (tests/forwarding.rs).
+const HTTP_ONLY: &str = "the conformance suite runs HTTP engines only";
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
@@ -39,6 +43,7 @@ fn engine_config(kind: EngineKind, base_url: &str, stream: bool) -> EngineConfig
     let (model, health_path) = match kind {
         EngineKind::OpenAi => ("fake-model", "/health"),
         EngineKind::Ollama => ("fake", "/api/tags"),
+        EngineKind::Pool => unreachable!("{HTTP_ONLY}"),
     };
     EngineConfig {
         name: format!("fake-{}", kind.as_str()),
@@ -99,6 +104,7 @@ impl Setup {
             operation: Default::default(),
             slot: None,
             traceparent: None,
+            origin: None,
         }
     }
 
@@ -253,6 +259,7 @@ async fn max_output_tokens_finishes_with_length(kind: EngineKind, stream: bool) 
             assert_eq!(req["options"]["num_predict"], 3);
             assert_eq!(req["keep_alive"], "5m");
         }
+        EngineKind::Pool => unreachable!("{HTTP_ONLY}"),
     }
 }
 
@@ -306,6 +313,7 @@ async fn closed_port_is_unreachable(kind: EngineKind) {
             operation: Default::default(),
             slot: None,
             traceparent: None,
+            origin: None,
         };
         let r = tokio::time::timeout(LIMIT, engine.stream(&req)).await.expect("stream() resolves");
         let e = match r {
@@ -490,6 +498,7 @@ async fn health_follows_engine(kind: EngineKind) {
         // The fake's /api/ps lists the model: it is in memory.
         EngineKind::Ollama => assert_eq!(h.model_resident, Some(true), "{h:?}"),
         EngineKind::OpenAi => assert_eq!(h.model_resident, None, "{h:?}"),
+        EngineKind::Pool => unreachable!("{HTTP_ONLY}"),
     }
 
     s.fake.set(|k| k.healthy = false);
@@ -539,6 +548,7 @@ async fn load_reports_what_the_engine_tells(kind: EngineKind) {
             assert_eq!(load.busy_slots, Some(0), "{load:?}");
         }
         EngineKind::Ollama => assert_eq!(load, EngineLoad::default()),
+        EngineKind::Pool => unreachable!("{HTTP_ONLY}"),
     }
     // Probes are not generations.
     assert_eq!(s.fake.stats.requests.load(SeqCst), 0);
@@ -557,6 +567,7 @@ impl Setup {
             operation,
             slot: None,
             traceparent: None,
+            origin: None,
         };
         tokio::time::timeout(LIMIT, self.engine.stream(&req)).await.expect("stream() resolves")
     }
@@ -581,6 +592,7 @@ async fn completion_sends_the_prompt_as_it_is(kind: EngineKind, stream: bool) {
             assert_eq!(s.fake.posts(), vec!["/api/generate"]);
             assert_eq!(req["raw"], true, "no template: {req}");
         }
+        EngineKind::Pool => unreachable!("{HTTP_ONLY}"),
     }
 }
 

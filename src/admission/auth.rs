@@ -221,6 +221,13 @@ impl Authenticator {
     }
 }
 
+/// The identity of application `app`'s calls with no credential of their
+/// own: those another node of the pool forwarded, having checked the
+/// caller's (`ingress::nats::forward`).
+pub fn application_identity(app: &ApplicationConfig, user: Option<String>) -> Identity {
+    identity(app, user, None)
+}
+
 fn identity(app: &ApplicationConfig, user: Option<String>, credential: Option<[u8; 32]>) -> Identity {
     Identity {
         tenant: app.tenant.clone(),

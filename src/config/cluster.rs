@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::nats::Secret;
 use super::raw::Field;
+use super::validate::env_var;
 use super::Problems;
 use crate::task::DataClass;
 
@@ -31,7 +33,14 @@ pub struct ClusterConfig {
     /// Replicas of the bucket's stream (1 on a single server; 3 on a
     /// three-server cluster keeps the registry through a server loss).
     pub replicas: usize,
+    /// The pool's shared key (from the environment variable `key_env`):
+    /// forwarded tasks and their cancels are signed with it (HMAC-SHA256),
+    /// and a node without one neither forwards nor takes forwarded work.
+    pub key: Option<Secret>,
 }
+
+/// The shortest pool key accepted: 32 characters.
+pub const MIN_KEY_LEN: usize = 32;
 
 #[derive(Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -43,6 +52,8 @@ pub struct RawCluster {
     /// Default: three heartbeats.
     pub ttl_ms: Option<u64>,
     pub replicas: usize,
+    /// The environment variable that holds the pool's shared key.
+    pub key_env: Option<String>,
 }
 
 impl Default for RawCluster {
@@ -54,13 +65,19 @@ impl Default for RawCluster {
             heartbeat_ms: 2_000,
             ttl_ms: None,
             replicas: 1,
+            key_env: None,
         }
     }
 }
 
 /// Validates `[cluster]`; `jetstream` says whether `[nats.jetstream]` is
 /// configured. `None` after reporting a problem.
-pub(super) fn validate(c: RawCluster, jetstream: bool, p: &mut Problems) -> Option<ClusterConfig> {
+pub(super) fn validate(
+    c: RawCluster,
+    jetstream: bool,
+    env: &[(String, String)],
+    p: &mut Problems,
+) -> Option<ClusterConfig> {
     if !jetstream {
         p.add("cluster", "needs [nats] with [nats.jetstream]: the registry is a JetStream key-value bucket");
     }
@@ -87,7 +104,22 @@ pub(super) fn validate(c: RawCluster, jetstream: bool, p: &mut Problems) -> Opti
     if !(1..=5).contains(&c.replicas) {
         p.add("cluster.replicas", "must be 1..5");
     }
+    let key = match c.key_env.as_deref() {
+        None => Some(None),
+        Some(var) => match env_var(env, var) {
+            Some(v) if v.len() >= MIN_KEY_LEN => Some(Some(Secret::new(v))),
+            Some(_) => {
+                p.add("cluster.key_env", format!("the key in {var} must be at least {MIN_KEY_LEN} characters"));
+                None
+            }
+            None => {
+                p.add("cluster.key_env", format!("environment variable {var} is not set"));
+                None
+            }
+        },
+    };
     Some(ClusterConfig {
+        key: key?,
         zone: zone?,
         max_data_class: max_data_class?,
         bucket: c.bucket,
@@ -102,6 +134,8 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::config::EngineKind;
+    use crate::task::Location;
 
     fn load(extra: &str) -> Result<crate::config::Config, crate::config::ConfigErrors> {
         let text = crate::testing::config_toml("http://127.0.0.1:1", "openai", Path::new("/tmp/x"), extra);
@@ -119,6 +153,34 @@ mod tests {
         assert_eq!(c.ttl, Duration::from_millis(1500));
         assert_eq!(c.max_data_class, DataClass::Sensitive);
         assert!(load("").unwrap().cluster.is_none());
+    }
+
+    #[test]
+    fn a_pool_instance_needs_the_pool_key_and_no_address() {
+        let pool = "[engines.pool]\ntype = \"pool\"\nmodel = \"general-chat\"\n";
+        let cluster = format!("{JS}[cluster]\nzone = \"a\"\nkey_env = \"POOL_KEY\"\n");
+        let with = |extra: &str, key: &str| {
+            let text = crate::testing::config_toml("http://127.0.0.1:1", "openai", Path::new("/tmp/x"), extra);
+            let env = [("POOL_KEY".to_string(), key.to_string())];
+            crate::config::Config::from_toml_str(&text, env, Path::new("."))
+        };
+        let long = "k".repeat(MIN_KEY_LEN);
+        let c = with(&format!("{cluster}{pool}"), &long).unwrap();
+        let e = &c.engines["pool"];
+        assert_eq!(
+            (e.kind, e.location, e.max_data_class),
+            (EngineKind::Pool, Location::EdgeNode, DataClass::Sensitive)
+        );
+        assert_eq!(c.cluster.unwrap().key.unwrap().expose(), long);
+        // No key: no forwarding.
+        let e = load(&format!("{JS}[cluster]\nzone = \"a\"\n{pool}")).unwrap_err();
+        assert!(e.0.iter().any(|e| e.path == "engines.pool.type"), "{e}");
+        let e = with(&format!("{cluster}{pool}"), "short").unwrap_err();
+        assert!(e.0.iter().any(|e| e.path == "cluster.key_env"), "{e}");
+        // A pool instance has no address, process or other location.
+        let e = with(&format!("{cluster}{pool}base_url = \"http://x\"\nlocation = \"local\"\n"), &long).unwrap_err();
+        let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
+        assert!(paths.contains(&"engines.pool.base_url") && paths.contains(&"engines.pool.location"), "{e}");
     }
 
     #[test]

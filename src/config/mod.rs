@@ -664,13 +664,18 @@ pub struct ResourceConfig {
     pub cancel_from_priority: Priority,
 }
 
-/// Written `type = "openai"` or `type = "ollama"`.
+/// Written `type = "openai"`, `type = "ollama"` or `type = "pool"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
     /// Any OpenAI-compatible server: llama.cpp, vLLM, SGLang, cloud APIs.
     OpenAi,
     Ollama,
+    /// The other edgeway nodes of the pool (`[cluster]`): a task this
+    /// instance takes is forwarded over NATS to a node that serves its
+    /// model (`model`, the logical model's name there) and may receive its
+    /// data class (`engine::pool`).
+    Pool,
 }
 
 /// What a logical model serves, written `kind = "chat"` (the default) or
@@ -700,6 +705,7 @@ impl EngineKind {
         match self {
             EngineKind::OpenAi => "openai",
             EngineKind::Ollama => "ollama",
+            EngineKind::Pool => "pool",
         }
     }
 }

@@ -158,6 +158,8 @@ fn example_configs_validate() {
             ("HOME", "/home/edge"),
             // external-broker.toml: edgeway's password on the broker.
             ("EDGEWAY_MQTT_BROKER_PASSWORD", "broker-secret"),
+            // two-node-pool.toml: the pool's shared key.
+            ("EDGEWAY_POOL_KEY", "an-example-pool-key-of-32-bytes!!"),
         ];
         parse(&text, &env).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         n += 1;

@@ -93,7 +93,17 @@ impl RawConfig {
             p.add("applications", "define at least one application or [auth.jwt]; nobody could call");
         }
         let jetstream = self.nats.as_ref().is_some_and(|n| n.jetstream.is_some());
-        let cluster = optional_section(self.cluster.map(|c| super::cluster::validate(c, jetstream, &mut p)));
+        let cluster = optional_section(self.cluster.map(|c| super::cluster::validate(c, jetstream, env, &mut p)));
+        // A pool instance reaches the other nodes with the pool's key.
+        let pool_key = matches!(&cluster, Some(Some(c)) if c.key.is_some());
+        for (name, e) in &engines {
+            if e.as_ref().is_some_and(|e| e.kind == EngineKind::Pool) && !pool_key {
+                p.add(
+                    format!("engines.{name}.type"),
+                    "a pool instance needs [cluster] with key_env (the pool's shared key)",
+                );
+            }
+        }
         let nats = optional_section(self.nats.map(|n| super::nats::validate(n, env, base_dir, &self.node_id, &mut p)));
         let mqtt = optional_section(self.mqtt.map(|m| super::mqtt::validate(m, env, base_dir, &self.node_id, &mut p)));
         let devices = super::mqtt::validate_devices(self.devices, &applications, &mut p);
@@ -916,8 +926,20 @@ fn engine(
         }
     };
     let kind = e.kind.get(&format!("{path}.type"), p);
-    let base_url = e.base_url.get(&format!("{path}.base_url"), p);
-    if let Some(url) = &base_url {
+    // A pool instance is the other nodes of the pool, reached over NATS.
+    let pool = kind == Some(EngineKind::Pool);
+    let base_url = if pool {
+        if !matches!(e.base_url, Field::Missing) {
+            p.add(format!("{path}.base_url"), "a pool instance has none: it reaches the other nodes over NATS");
+        }
+        if matches!(process, Some(Some(_))) || e.model_api.is_some() {
+            p.add(path.clone(), "a pool instance has no process or model_api: the other nodes run their engines");
+        }
+        Some(String::new())
+    } else {
+        e.base_url.get(&format!("{path}.base_url"), p)
+    };
+    if let Some(url) = base_url.as_ref().filter(|_| !pool) {
         match reqwest::Url::parse(url) {
             Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
             _ => p.add(format!("{path}.base_url"), format!("{url:?} is not an http(s) URL")),
@@ -990,9 +1012,10 @@ fn engine(
         (Some(h), _) => Some(h),
         (None, Some(EngineKind::OpenAi)) => Some("/v1/models".to_string()),
         (None, Some(EngineKind::Ollama)) => Some("/api/tags".to_string()),
+        (None, Some(EngineKind::Pool)) => Some(String::new()),
         (None, None) => None,
     };
-    if health_path.as_ref().is_some_and(|h| !h.starts_with('/')) {
+    if health_path.as_ref().is_some_and(|h| !h.starts_with('/') && !pool) {
         p.add(format!("{path}.health_path"), "must start with '/'");
     }
     let location = match (optional(e.location, &format!("{path}.location"), p), e.local) {
@@ -1002,9 +1025,13 @@ fn engine(
         }
         (Some(Some(l)), None) => Some(l),
         (Some(None), Some(false)) => Some(Location::Cloud),
+        (Some(None), _) if pool => Some(Location::EdgeNode),
         (Some(None), _) => Some(Location::Local),
         (None, _) => None,
     };
+    if pool && location.is_some_and(|l| l != Location::EdgeNode) {
+        p.add(format!("{path}.location"), "a pool instance is at location \"edge-node\"");
+    }
     let max_data_class = optional(e.max_data_class, &format!("{path}.max_data_class"), p);
     let max_data_class = match (location, max_data_class) {
         (Some(l), Some(c)) => {

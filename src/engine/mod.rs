@@ -18,6 +18,7 @@ mod embed;
 mod metrics;
 pub mod ollama;
 pub mod openai;
+pub mod pool;
 pub mod residency;
 pub mod supervisor;
 mod wire;
@@ -50,6 +51,9 @@ pub struct EngineRequest {
     /// The W3C `traceparent` header of this call (the task's trace id, a
     /// span id of its own), sent to the engine as it is.
     pub traceparent: Option<String>,
+    /// Who the task is, for a `pool` instance that forwards it to another
+    /// node (`None` for every other instance).
+    pub origin: Option<Arc<pool::Origin>>,
 }
 
 /// One piece of an engine's answer, in the order the engine sent it.
@@ -210,12 +214,22 @@ pub trait Engine: Send + Sync + 'static {
     }
 }
 
-/// Builds the adapter for one configured engine instance.
+/// Builds the adapter for one configured engine instance (a pool
+/// instance without a bus: it never connects; see [`build_with`]).
 pub fn build(cfg: &EngineConfig) -> Result<Arc<dyn Engine>, EngineError> {
+    build_with(cfg, &Arc::default())
+}
+
+/// [`build`], a pool instance reaching the other nodes through `peers`.
+pub fn build_with(cfg: &EngineConfig, peers: &Arc<pool::PeerSlot>) -> Result<Arc<dyn Engine>, EngineError> {
+    if cfg.kind == EngineKind::Pool {
+        return Ok(Arc::new(pool::PoolEngine::new(cfg.clone(), peers.clone())));
+    }
     let client = http_client(cfg.connect_timeout)?;
     Ok(match cfg.kind {
         EngineKind::OpenAi => Arc::new(openai::OpenAiEngine::new(cfg.clone(), client)),
         EngineKind::Ollama => Arc::new(ollama::OllamaEngine::new(cfg.clone(), client)),
+        EngineKind::Pool => unreachable!("built above"),
     })
 }
 

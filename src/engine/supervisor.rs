@@ -240,6 +240,9 @@ struct Inner {
     /// Where pidfiles go and whom the metrics are registered with: what
     /// a reload's [`Processes::prepare`] needs. `None` for the default.
     base: Option<Base>,
+    /// The other nodes of the pool, for the `pool` instances of this
+    /// edgeway (those of reloads too); the NATS ingress sets them.
+    peers: Arc<super::pool::PeerSlot>,
 }
 
 struct Base {
@@ -386,6 +389,11 @@ impl Processes {
     /// health probes as down, and refuses requests as unreachable, while
     /// its process is not ready, so a restart is an outage routing sees
     /// (it falls back or queues) without sending work to a dead port.
+    /// Where this edgeway's pool instances find the other nodes.
+    pub fn peers(&self) -> &Arc<super::pool::PeerSlot> {
+        &self.inner.peers
+    }
+
     pub fn wrap(&self, cfg: &EngineConfig, engine: Arc<dyn Engine>) -> Arc<dyn Engine> {
         match self.status(&cfg.name).filter(|_| cfg.process.is_some()) {
             Some(status) => Arc::new(Supervised { inner: engine, status, told_down: false.into() }),

@@ -26,6 +26,35 @@ use crate::task::{DataClass, Identity};
 
 use super::Gateway;
 
+/// Forwarding, as the bus ingress implements it: the engine layer's pool
+/// instances reach the other nodes through [`Peers`] (set in
+/// [`Gateway::peers`]), with the engine's request, chunks and errors.
+pub mod forwarding {
+    pub use crate::engine::pool::{Origin, PeerSlot, Peers};
+    pub use crate::engine::{EngineChunk, EngineError, EngineRequest, EngineStream};
+}
+
+/// The identity of a task another node of the pool forwarded for
+/// application `application` of `tenant` (the origin checked the caller's
+/// credential): `PERMISSION_DENIED` when this node has no such application
+/// (the nodes of a pool share them).
+pub fn forwarded_identity(
+    config: &crate::config::Config,
+    tenant: &str,
+    application: &str,
+    user: Option<String>,
+) -> Result<Identity, GatewayError> {
+    let app = config.applications.get(application).filter(|a| a.tenant == tenant).ok_or_else(|| {
+        GatewayError::new(
+            ErrorCode::PermissionDenied,
+            format!("application '{application}' is not configured on this node"),
+        )
+    })?;
+    let mut identity = crate::admission::auth::application_identity(app, user);
+    identity.is_admin = false;
+    Ok(identity)
+}
+
 /// One logical model a node serves.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeModel {
@@ -201,6 +230,12 @@ impl Gateway {
     /// The pool, when `[cluster]` is configured and the registry started.
     pub fn pool(&self) -> Option<&Arc<Pool>> {
         self.pool.get()
+    }
+
+    /// Where this node's pool instances find the other nodes (the NATS
+    /// ingress sets them).
+    pub fn peers(&self) -> &Arc<crate::engine::pool::PeerSlot> {
+        self.processes.peers()
     }
 
     /// This node's record now, with `http_addr` as the registry knows it;

@@ -245,6 +245,15 @@ impl Drop for Admitting<'_> {
     }
 }
 
+/// Refuses a body that says another node forwarded it: only the NATS
+/// ingress says so, for a forward signed with the pool's key.
+fn unforwarded(body: ChatRequestBody) -> Result<ChatRequestBody, GatewayError> {
+    if body.routing.as_ref().is_some_and(|r| r.forwarded_from.is_some()) {
+        return Err(GatewayError::invalid("'routing.forwarded_from' is set by edgeway only"));
+    }
+    Ok(body)
+}
+
 /// How long a caller refused for a store that cannot write is told to wait.
 const STORE_RETRY_AFTER_MS: u64 = 5000;
 /// How long a caller refused during a drain is told to wait (the restart).
@@ -456,7 +465,7 @@ impl Gateway {
             Caller::Identity(i) => i,
             Caller::Credential(c) => self.auth.authenticate(c).map_err(|e| self.refused(ingress, e))?,
         };
-        let mut body = parse_body(body).map_err(|e| self.refused(ingress, e))?;
+        let mut body = parse_body(body).and_then(unforwarded).map_err(|e| self.refused(ingress, e))?;
         if body.idempotency_key.is_none() {
             body.idempotency_key = opts.idempotency_key;
         }
@@ -486,7 +495,8 @@ impl Gateway {
             Caller::Identity(i) => i,
             Caller::Credential(c) => self.auth.authenticate(c).map_err(|e| self.refused(ingress, e))?,
         };
-        let (mut body, extra) = parse(body).map_err(|e| self.refused(ingress, e))?;
+        let (mut body, extra) =
+            parse(body).and_then(|(b, x)| Ok((unforwarded(b)?, x))).map_err(|e| self.refused(ingress, e))?;
         if body.idempotency_key.is_none() {
             body.idempotency_key = opts.idempotency_key;
         }

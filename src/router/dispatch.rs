@@ -268,6 +268,7 @@ mod tests {
             operation: Default::default(),
             slot: None,
             traceparent: None,
+            origin: None,
         }
     }
 

@@ -155,7 +155,8 @@ impl Router {
         e: &crate::config::EngineConfig,
         processes: &engine::supervisor::Processes,
     ) -> anyhow::Result<Instance> {
-        let adapter = engine::build(e).map_err(|err| anyhow::anyhow!("engine {}: {err}", e.name))?;
+        let adapter =
+            engine::build_with(e, processes.peers()).map_err(|err| anyhow::anyhow!("engine {}: {err}", e.name))?;
         Ok(Instance {
             name: e.name.clone(),
             engine: processes.wrap(e, adapter),

@@ -682,6 +682,8 @@ impl Driver {
         // retried or preempted task never sends a finished batch again.
         let mut last_token = now_t;
         let mut calls = 0u32;
+        // A pool instance forwards the task: its request says who it is.
+        let forwards = router.instance(lease.instance).engine.kind() == crate::config::EngineKind::Pool;
         loop {
             calls += 1;
             let call_start = if calls == 1 { now } else { Instant::now() };
@@ -710,6 +712,20 @@ impl Driver {
                 operation,
                 slot: lease.slot,
                 traceparent: Some(crate::telemetry::trace::child_traceparent(&r.trace_id, &r.span_id)),
+                origin: forwards.then(|| {
+                    Arc::new(crate::engine::pool::Origin {
+                        node_id: self.shared.config.node_id.clone(),
+                        task_id: r.task_id.clone(),
+                        tenant: r.identity.tenant.clone(),
+                        application: r.identity.application.clone(),
+                        user_id: r.identity.user_id.clone(),
+                        priority: r.priority,
+                        data_class: r.data_class,
+                        first_token_deadline: first_token_deadline.into_std(),
+                        total_deadline: inference_deadline.into_std(),
+                        forwarded_to: Default::default(),
+                    })
+                }),
             };
             let mut stream = tokio::select! {
                 biased;
@@ -741,13 +757,13 @@ impl Driver {
                 },
             };
             if calls == 1 {
-                self.shared.recorder.transition(
-                    r,
-                    TaskState::Running,
-                    "engine accepted",
-                    Some(&lease.instance_name),
-                    "engine",
-                );
+                // A forward names the node that took it, and its task there.
+                let to = engine_req.origin.as_ref().and_then(|o| o.forwarded_to.get());
+                let reason = match to {
+                    Some((node, task)) => format!("engine accepted: forwarded to node {node}, task {task}"),
+                    None => "engine accepted".to_string(),
+                };
+                self.shared.recorder.transition(r, TaskState::Running, &reason, Some(&lease.instance_name), "engine");
             }
 
             // Phase 3: stream tokens until the engine finishes.

@@ -586,6 +586,16 @@ impl SchedulerHandle {
         queued_reason: &str,
         lookup: cache::Lookup,
     ) -> Result<Submitted, GatewayError> {
+        // A forwarded task's record names the node it came from, and its
+        // task there (the request id a forward carries).
+        let forwarded;
+        let queued_reason = match &req.routing.forwarded_from {
+            Some(node) => {
+                forwarded = format!("{queued_reason}; forwarded from node {node}, task {}", req.request_id);
+                forwarded.as_str()
+            }
+            None => queued_reason,
+        };
         let cancel = CancelHandle::new(self.shared.shutdown.child_token());
         let log = TaskLog::default();
         let entry = Arc::new(TaskEntry {
@@ -636,6 +646,7 @@ impl SchedulerHandle {
             class: req.data_class,
             allow_smaller: req.allow_smaller_model,
             affinity: req.session_id.clone(),
+            forwarded: req.routing.forwarded_from.is_some(),
         };
         let closed =
             || GatewayError::new(ErrorCode::ModelUnavailable, "the gateway is shutting down").with_retry_after(1000);

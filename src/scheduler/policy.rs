@@ -188,6 +188,8 @@ pub struct TaskInfo {
     /// The session whose turn it is: its last instance and slot are
     /// preferred (`super::affinity`).
     pub affinity: Option<String>,
+    /// Another node forwarded it here: it takes no edge-node step.
+    pub forwarded: bool,
 }
 
 /// The terms on which a task was queued.
@@ -520,7 +522,8 @@ impl Policy {
         chain.push(Link {
             step: FallbackStep::EdgeNode,
             model: m,
-            instances: at(m, Location::EdgeNode),
+            // A forwarded task stays on the node it was forwarded to.
+            instances: if info.forwarded { Vec::new() } else { at(m, Location::EdgeNode) },
             immediate: true,
         });
         if self.cfg.models[m].canned {

@@ -341,6 +341,11 @@ pub struct Routing {
     /// device may impose a stricter one.
     #[serde(default)]
     pub data_class: Option<DataClass>,
+    /// The node that forwarded this task here (`engine::pool`): set by the
+    /// NATS ingress for a signed forward only (a request body naming it is
+    /// refused). Such a task is never forwarded again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forwarded_from: Option<String>,
 }
 
 /// A step of a logical model's fallback chain, in the order they are tried.

@@ -10,6 +10,8 @@
 //! - [`registry`]: this node's record in the node registry (a JetStream
 //!   key-value bucket, `[cluster]`) and the watch that keeps the pool of
 //!   other nodes current.
+//! - [`forward`]: tasks forwarded to other nodes of the pool (`type =
+//!   "pool"` instances) and taken from them (`{prefix}.node.{id}.chat`).
 //! - [`lifecycle`]: every state change of every task, whatever its ingress,
 //!   published on `{prefix}.events.{tenant}.{state}` (and optionally kept in
 //!   a JetStream stream), from a bounded queue that never slows a request.
@@ -25,6 +27,7 @@
 //! and reports `nats: disconnected` in `/ready` (without becoming unready).
 
 mod audit;
+pub mod forward;
 pub mod lifecycle;
 pub mod registry;
 pub mod service;
@@ -197,6 +200,12 @@ pub fn start(
         }
         audit::spawn_publisher(client.clone(), cfg.clone(), status.clone(), audit, &t, shutdown.clone());
         registry::spawn(client.clone(), &cfg, gw.clone(), http_addr.to_string(), &t, shutdown.clone());
+        // With the pool's key, pool instances forward over this bus.
+        let key = gw.config().cluster.as_ref().and_then(|c| c.key.clone());
+        if let (Some(pool), Some(key)) = (gw.pool().cloned(), key) {
+            let peers = forward::NodePeers { client: client.clone(), cfg: cfg.clone(), pool, key };
+            gw.peers().set(Arc::new(peers));
+        }
         service::run(client, cfg, gw, status, t, shutdown).await;
     });
 }

@@ -32,7 +32,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::service::{Request, ServiceExt};
+use async_nats::service::{endpoint::Endpoint, Request, ServiceExt};
 use async_nats::{HeaderMap, StatusCode, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -159,6 +159,17 @@ pub async fn run(
     };
     let chat = endpoint("chat", "request JSON in; accepted, delta…, done|error events to the reply subject").await;
     let cancel = endpoint("cancel", "{\"request_id\": …} cancels that task of the caller's application").await;
+    // Tasks other nodes of the pool forward here (signed with the pool's
+    // key; see `forward`): this node's own subjects.
+    let node = node_endpoints(&service, &cfg, &gw).await;
+    let (mut node_chat, mut node_cancel) = match node {
+        Ok(Some((c, x))) => (Some(c), Some(x)),
+        Ok(None) => (None, None),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot subscribe the node's forwarding endpoints");
+            (None, None)
+        }
+    };
     let probe_inbox = client.new_inbox();
     let probes = client.subscribe(format!("{probe_inbox}.*")).await;
     let (mut chat, mut cancel, mut probes) = match (chat, cancel, probes) {
@@ -197,6 +208,12 @@ pub async fn run(
             Some(req) = cancel.next() => {
                 tracker.spawn(handle_cancel(ctx.clone(), req));
             }
+            Some(req) = next(&mut node_chat) => {
+                tracker.spawn(handle_node_chat(ctx.clone(), req));
+            }
+            Some(req) = next(&mut node_cancel) => {
+                tracker.spawn(handle_node_cancel(ctx.clone(), req));
+            }
             Some(msg) = probes.next() => {
                 if msg.status == Some(StatusCode::NO_RESPONDERS) {
                     let token = msg.subject.rsplit('.').next().and_then(|n| u128::from_str_radix(n, 16).ok());
@@ -219,6 +236,37 @@ pub async fn run(
     .await;
     let _ = tokio::time::timeout(bounded, service.stop()).await;
     let _ = tokio::time::timeout(bounded, client.flush()).await;
+}
+
+/// `{prefix}.node.{node_id}.chat` and `.cancel`, when this node has the
+/// pool's key.
+async fn node_endpoints(
+    service: &async_nats::service::Service,
+    cfg: &NatsConfig,
+    gw: &Gateway,
+) -> Result<Option<(Endpoint, Endpoint)>, async_nats::Error> {
+    let config = gw.config();
+    if config.cluster.as_ref().and_then(|c| c.key.as_ref()).is_none() {
+        return Ok(None);
+    }
+    let add = |what: &str, about: &str| {
+        service
+            .endpoint_builder()
+            .name(format!("node_{what}"))
+            .metadata(HashMap::from([("description".to_string(), about.to_string())]))
+            .add(super::forward::node_subject(cfg, &config.node_id, what))
+    };
+    let chat = add("chat", "a task another node of the pool forwards here (signed)").await?;
+    let cancel = add("cancel", "cancels a task another node forwarded here (signed)").await?;
+    Ok(Some((chat, cancel)))
+}
+
+/// The next request of an endpoint that may not be there (never, then).
+async fn next(e: &mut Option<Endpoint>) -> Option<Request> {
+    match e {
+        Some(e) => e.next().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The caller's credential: `Authorization: Bearer …` (or a bare value) or
@@ -328,6 +376,74 @@ async fn handle_chat(ctx: Arc<Ctx>, req: Request) {
         Err(e) => return reject(&req, request_id.as_deref(), &e).await,
     };
     relay(&ctx, req, reply, stream).await;
+}
+
+/// `{prefix}.node.{node_id}.chat`: a task another node forwarded. Its
+/// signature names the caller's application (checked by the origin); a
+/// class above this node's `max_data_class` is refused; the task is marked
+/// `routing.forwarded_from` and streamed back like any NATS caller's.
+async fn handle_node_chat(ctx: Arc<Ctx>, req: Request) {
+    let gw = &ctx.gw;
+    let Some(reply) = req.message.reply.clone() else {
+        gw.refused(Ingress::Nats, GatewayError::invalid("a forward needs a reply subject"));
+        return;
+    };
+    if reply_refused(&ctx, &req) {
+        return;
+    }
+    let config = gw.config();
+    let m = &req.message;
+    let fwd = match super::forward::verify(&config, m.subject.as_str(), m.headers.as_ref(), &m.payload) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!(subject = %m.subject, error = %e.message, "forward refused");
+            return reject(&req, None, &gw.refused(Ingress::Nats, e)).await;
+        }
+    };
+    let opts = SubmitOptions { traceparent: header(m.headers.as_ref(), "traceparent"), ..Default::default() };
+    let mut call = match gw.prepare(Caller::Identity(fwd.identity), &m.payload, Ingress::Nats, opts) {
+        Ok(c) => c,
+        Err(e) => return reject(&req, None, &e).await,
+    };
+    let request_id = call.body().request_id.clone();
+    let max = config.cluster.as_ref().map_or(crate::task::DataClass::Public, |c| c.max_data_class);
+    let class = call.body().routing.as_ref().and_then(|r| r.data_class);
+    if class.is_none_or(|c| c > max) {
+        let e = GatewayError::new(
+            crate::error::ErrorCode::PermissionDenied,
+            format!("this node may receive at most {} data from other nodes", max.as_str()),
+        );
+        return reject(&req, request_id.as_deref(), &gw.refused(Ingress::Nats, e)).await;
+    }
+    call.body_mut().routing.get_or_insert_with(Default::default).forwarded_from = Some(fwd.origin_node.clone());
+    tracing::info!(origin_node = %fwd.origin_node, origin_task = %fwd.origin_task, "task forwarded here");
+    let stream = match gw.submit_call(call).await {
+        Ok(s) => s,
+        Err(e) => return reject(&req, request_id.as_deref(), &e).await,
+    };
+    relay(&ctx, req, reply, stream).await;
+}
+
+/// `{prefix}.node.{node_id}.cancel`: the origin node cancels a task it
+/// forwarded here (its client left, a deadline passed).
+async fn handle_node_cancel(ctx: Arc<Ctx>, req: Request) {
+    let gw = &ctx.gw;
+    let config = gw.config();
+    let m = &req.message;
+    let fwd = match super::forward::verify(&config, m.subject.as_str(), m.headers.as_ref(), &m.payload) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!(subject = %m.subject, error = %e.message, "cancel of a forward refused");
+            return;
+        }
+    };
+    let Ok(body) = serde_json::from_slice::<CancelBody>(&m.payload) else { return };
+    let c =
+        gw.cancel_request(&fwd.identity, Ingress::Nats, &body.request_id, "cancelled by the node that forwarded it");
+    tracing::info!(
+        origin_node = %fwd.origin_node, request_id = %body.request_id,
+        cancelled = c.as_ref().is_some_and(|c| c.cancelled), "forwarded task cancelled by its origin"
+    );
 }
 
 /// Why a reply stream stopped before its terminal event.

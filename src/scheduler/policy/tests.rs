@@ -66,6 +66,7 @@ fn task(id: &str, p: Priority, app: &str) -> TaskInfo {
         class: DataClass::Personal,
         allow_smaller: false,
         affinity: None,
+        forwarded: false,
     }
 }
 
@@ -865,6 +866,7 @@ proptest! {
                         class: DataClass::ALL[usize::from(class)],
                         allow_smaller: false,
                         affinity: None,
+                        forwarded: false,
                     };
                     if p.enqueue(info, now).is_ok() {
                         accepted.insert(id, 0);

@@ -1,0 +1,182 @@
+//! Forwarding between the nodes of a pool (issue 15) on loopback: a real
+//! `nats-server` with JetStream (the node registry), two edgeway nodes with
+//! fake engines. Node A's own engine is down and its `pool` instance
+//! forwards to node B: the answer streams back to A's client, both records
+//! name the other node, a client that leaves A cancels B's engine request,
+//! a class above B's `max_data_class` (or `local_only`) is never forwarded,
+//! and a forward not signed with the pool's key is refused.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use edgeway::config::Config;
+use edgeway::testing::{config_toml, NatsServer, TempDir};
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+const KEY_ENV: &str = "EDGEWAY_TEST_POOL_KEY";
+const KEY: &str = "a-test-key-of-the-pool-0123456789abcdef";
+
+/// A node `id` on `nats`, with `fake` as its engine; `pool`: with a pool
+/// instance after it in `general-chat`'s instances.
+async fn node(nats: &str, id: &str, max_class: &str, fake: &FakeEngine, pool: bool) -> (TempDir, TestGateway) {
+    let tmp = TempDir::new("edgeway-fwd");
+    let pool_engine = if pool {
+        "[engines.pool]\ntype = \"pool\"\nmodel = \"general-chat\"\nmax_concurrency = 4\nhealth_interval_ms = 100\n"
+    } else {
+        ""
+    };
+    let extra = format!(
+        "[nats]\nurl = \"{nats}\"\nkeepalive_ms = 200\n[nats.jetstream]\nstorage = \"memory\"\n\
+         [cluster]\nzone = \"site-1\"\nmax_data_class = \"{max_class}\"\nheartbeat_ms = 200\nkey_env = \"{KEY_ENV}\"\n\
+         {pool_engine}"
+    );
+    let mut text = config_toml(&fake.url(), "openai", &tmp.0, &extra)
+        .replace("node_id = \"test-node\"", &format!("node_id = \"{id}\""));
+    if pool {
+        text = text.replace("instances = [\"fake\"]", "instances = [\"fake\", \"pool\"]");
+    }
+    let env = vec![(KEY_ENV.to_string(), KEY.to_string())];
+    let config = Config::from_toml_str(&text, env, Path::new(".")).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let gw = TestGateway::start(config).await;
+    if !pool {
+        gw.wait_ready().await;
+    }
+    (tmp, gw)
+}
+
+/// Waits until `gw` sees `peer` in the pool and its pool instance is up.
+async fn sees(gw: &TestGateway, peer: &str) {
+    let start = Instant::now();
+    loop {
+        let v = get_json(gw, OPS_KEY, "/v1/nodes").await;
+        let there = v["data"].as_array().is_some_and(|l| l.iter().any(|n| n["node_id"] == peer));
+        let ready = get_json(gw, OPS_KEY, "/ready").await;
+        let up = ready.to_string().contains("node(s) serve");
+        if there && up {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "{peer} never seen: {v} {ready}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn body(extra: Value) -> Value {
+    let mut b = json!({"model": "general-chat", "messages": [{"role": "user", "content": "ping"}]});
+    b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    b
+}
+
+async fn reasons(gw: &TestGateway, task_id: &str) -> Vec<String> {
+    gw.store().flush().await;
+    let rec = gw.store().get(task_id).await.unwrap().unwrap_or_else(|| panic!("task {task_id} not stored"));
+    rec.transitions.iter().map(|t| format!("{} {}", t.state.as_str(), t.reason)).collect()
+}
+
+/// The task id on B that A's record names ("forwarded to node B, task X").
+fn remote_task(reasons: &[String], node: &str) -> String {
+    let marker = format!("forwarded to node {node}, task ");
+    let r = reasons.iter().find_map(|r| r.split(&marker).nth(1)).unwrap_or_else(|| panic!("no forward in {reasons:?}"));
+    r.split(|c: char| c == ';' || c.is_whitespace()).next().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_task_is_forwarded_streamed_back_and_cancelled_across_nodes() {
+    let nats = NatsServer::start(true).await;
+    let fa = FakeEngine::start_with(Knobs { healthy: false, ..Knobs::default() }).await;
+    let fb = FakeEngine::start_with(Knobs { echo: true, tokens: 3, ..Knobs::default() }).await;
+    let (_tb, b) = node(&nats.url(), "node-b", "sensitive", &fb, false).await;
+    let (_ta, a) = node(&nats.url(), "node-a", "sensitive", &fa, true).await;
+    sees(&a, "node-b").await;
+
+    // A whole answer: B's engine answered A's client, with A's prompt.
+    let resp = post_chat(&a, DEMO_KEY, &body(json!({}))).await;
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "ping ping ping ", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    assert_eq!((fa.requests(), fb.requests()), (0, 1));
+    assert_eq!(v["edge"]["route"]["instance"], "pool", "{v}");
+
+    // Both records name the other node.
+    let a_task = v["edge"]["task_id"].as_str().unwrap().to_string();
+    let on_a = reasons(&a, &a_task).await;
+    let b_task = remote_task(&on_a, "node-b");
+    let on_b = reasons(&b, &b_task).await;
+    assert!(on_b.iter().any(|r| r.contains(&format!("forwarded from node node-a, task {a_task}"))), "{on_b:?}");
+    let rec = b.store().get(&b_task).await.unwrap().unwrap();
+    assert_eq!((rec.request_id.as_str(), rec.application.as_str()), (a_task.as_str(), "demo"));
+
+    // A stream, then the client leaves A: B's engine request is cancelled.
+    fb.set(|k| {
+        k.tokens = 400;
+        k.token_delay = Duration::from_millis(20);
+    });
+    let resp = post_chat(&a, DEMO_KEY, &body(json!({"stream": true}))).await;
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut seen = String::new();
+    while !seen.contains("ping") {
+        seen.push_str(&String::from_utf8_lossy(&stream.next().await.unwrap().unwrap()));
+    }
+    let left = Instant::now();
+    drop(stream);
+    assert!(fb.wait_for(Duration::from_secs(5), |s| s.aborted.load(std::sync::atomic::Ordering::SeqCst) >= 1).await);
+    eprintln!("client left node A; node B's engine request ended {:?} later", left.elapsed());
+    assert!(fb.wait_for(Duration::from_secs(5), |s| s.active.load(std::sync::atomic::Ordering::SeqCst) == 0).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn data_goes_only_where_its_class_may_and_only_signed_forwards_run() {
+    let nats = NatsServer::start(true).await;
+    let fa = FakeEngine::start_with(Knobs { healthy: false, ..Knobs::default() }).await;
+    let fb = FakeEngine::start().await;
+    // B may receive personal data at most.
+    let (_tb, _b) = node(&nats.url(), "node-b", "personal", &fb, false).await;
+    let (_ta, a) = node(&nats.url(), "node-a", "sensitive", &fa, true).await;
+    sees(&a, "node-b").await;
+
+    // Sensitive, secret and local-only calls are never forwarded to B.
+    for extra in [
+        json!({"routing": {"data_class": "sensitive"}}),
+        json!({"routing": {"data_class": "secret"}}),
+        json!({"routing": {"local_only": true, "data_class": "public"}}),
+    ] {
+        let resp = post_chat(&a, DEMO_KEY, &body(extra.clone())).await;
+        let status = resp.status();
+        let v: Value = resp.json().await.unwrap();
+        assert!(!status.is_success(), "{extra}: {v}");
+        assert_eq!(error_code(&v), "MODEL_UNAVAILABLE", "{extra}: {v}");
+    }
+    assert_eq!(fb.requests(), 0, "nothing above B's class reached it");
+    // Personal data may go.
+    let resp = post_chat(&a, DEMO_KEY, &body(json!({"routing": {"data_class": "personal"}}))).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(fb.requests(), 1);
+
+    // A client may not claim a forward.
+    let resp = post_chat(&a, DEMO_KEY, &body(json!({"routing": {"forwarded_from": "node-x"}}))).await;
+    assert_eq!(resp.status(), 400);
+
+    // A bus client without the pool's key cannot make B run anything.
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut h = async_nats::HeaderMap::new();
+    for (k, v) in [
+        ("Edgeway-Origin-Node", "node-x"),
+        ("Edgeway-Origin-Task", "t1"),
+        ("Edgeway-Tenant", "demo"),
+        ("Edgeway-App", "ops"),
+        ("Edgeway-Time", "0"),
+        ("Edgeway-Signature", "00"),
+    ] {
+        h.insert(k, v);
+    }
+    let payload = serde_json::to_vec(&body(json!({"routing": {"data_class": "public"}}))).unwrap();
+    let msg = client.request_with_headers("ai.v1.node.node-b.chat", h, payload.into()).await.unwrap();
+    let answer: Value = serde_json::from_slice(&msg.payload).unwrap();
+    assert_eq!(answer["code"], "AUTH_FAILED", "{answer}");
+    assert_eq!(fb.requests(), 1, "the forged forward ran nothing");
+}
