@@ -4,11 +4,15 @@
 //! forwards to node B: the answer streams back to A's client, both records
 //! name the other node, a client that leaves A cancels B's engine request,
 //! a class above B's `max_data_class` (or `local_only`) is never forwarded,
-//! and a forward not signed with the pool's key is refused.
+//! and a forward not signed with the pool's key is refused. A node killed
+//! with SIGKILL mid-task: its running forward ends with a clear error, the
+//! one it had only queued runs on a third node, and nothing runs twice.
 
 mod common;
 
 use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -20,10 +24,9 @@ use serde_json::{json, Value};
 const KEY_ENV: &str = "EDGEWAY_TEST_POOL_KEY";
 const KEY: &str = "a-test-key-of-the-pool-0123456789abcdef";
 
-/// A node `id` on `nats`, with `fake` as its engine; `pool`: with a pool
-/// instance after it in `general-chat`'s instances.
-async fn node(nats: &str, id: &str, max_class: &str, fake: &FakeEngine, pool: bool) -> (TempDir, TestGateway) {
-    let tmp = TempDir::new("edgeway-fwd");
+/// The configuration of node `id` on `nats`, with `fake` as its engine;
+/// `pool`: with a pool instance after it in `general-chat`'s instances.
+fn node_config(tmp: &TempDir, nats: &str, id: &str, max_class: &str, fake: &FakeEngine, pool: bool) -> String {
     let pool_engine = if pool {
         "[engines.pool]\ntype = \"pool\"\nmodel = \"general-chat\"\nmax_concurrency = 4\nhealth_interval_ms = 100\n"
     } else {
@@ -39,6 +42,13 @@ async fn node(nats: &str, id: &str, max_class: &str, fake: &FakeEngine, pool: bo
     if pool {
         text = text.replace("instances = [\"fake\"]", "instances = [\"fake\", \"pool\"]");
     }
+    text
+}
+
+/// Node `id` in this process (see [`node_config`]).
+async fn node(nats: &str, id: &str, max_class: &str, fake: &FakeEngine, pool: bool) -> (TempDir, TestGateway) {
+    let tmp = TempDir::new("edgeway-fwd");
+    let text = node_config(&tmp, nats, id, max_class, fake, pool);
     let env = vec![(KEY_ENV.to_string(), KEY.to_string())];
     let config = Config::from_toml_str(&text, env, Path::new(".")).unwrap_or_else(|e| panic!("{e}\n{text}"));
     let gw = TestGateway::start(config).await;
@@ -124,9 +134,9 @@ async fn a_task_is_forwarded_streamed_back_and_cancelled_across_nodes() {
     }
     let left = Instant::now();
     drop(stream);
-    assert!(fb.wait_for(Duration::from_secs(5), |s| s.aborted.load(std::sync::atomic::Ordering::SeqCst) >= 1).await);
+    assert!(fb.wait_for(Duration::from_secs(5), |s| s.aborted.load(SeqCst) >= 1).await);
     eprintln!("client left node A; node B's engine request ended {:?} later", left.elapsed());
-    assert!(fb.wait_for(Duration::from_secs(5), |s| s.active.load(std::sync::atomic::Ordering::SeqCst) == 0).await);
+    assert!(fb.wait_for(Duration::from_secs(5), |s| s.active.load(SeqCst) == 0).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -179,4 +189,95 @@ async fn data_goes_only_where_its_class_may_and_only_signed_forwards_run() {
     let answer: Value = serde_json::from_slice(&msg.payload).unwrap();
     assert_eq!(answer["code"], "AUTH_FAILED", "{answer}");
     assert_eq!(fb.requests(), 1, "the forged forward ran nothing");
+}
+
+/// Kills the child on drop (a test that fails midway leaves no node).
+struct Proc(std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `queue_depth` of `peer` as `gw` sees it.
+async fn queue_depth(gw: &TestGateway, peer: &str) -> u64 {
+    let v = get_json(gw, OPS_KEY, "/v1/nodes").await;
+    let list = v["data"].as_array().cloned().unwrap_or_default();
+    list.iter().find(|n| n["node_id"] == peer).and_then(|n| n["queue_depth"].as_u64()).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_killed_mid_task_ends_its_running_forward_and_its_queued_one_runs_elsewhere() {
+    let nats = NatsServer::start(true).await;
+    let fa = FakeEngine::start_with(Knobs { healthy: false, ..Knobs::default() }).await;
+    let fb = FakeEngine::start_with(Knobs::slow(2000, 20)).await;
+    let fc = FakeEngine::start().await;
+    // Node B: a real process, one engine slot (a second task queues there).
+    let tb = TempDir::new("edgeway-fwd-b");
+    let text = node_config(&tb, &nats.url(), "node-b", "sensitive", &fb, false)
+        .replace("max_concurrency = 2", "max_concurrency = 1");
+    let path = tb.0.join("node-b.toml");
+    std::fs::write(&path, text).unwrap();
+    let mut b = Proc(
+        Command::new(env!("CARGO_BIN_EXE_edgeway"))
+            .args(["serve", "--config"])
+            .arg(&path)
+            .env(KEY_ENV, KEY)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let (_ta, a) = node(&nats.url(), "node-a", "sensitive", &fa, true).await;
+    sees(&a, "node-b").await;
+
+    // R1 runs on B (its first token reached A's client); R2 waits in B's queue.
+    let resp = post_chat(&a, DEMO_KEY, &body(json!({"stream": true}))).await;
+    assert_eq!(resp.status(), 200);
+    let mut r1 = resp.bytes_stream();
+    let mut r1_text = String::new();
+    while !r1_text.contains("tok") {
+        r1_text.push_str(&String::from_utf8_lossy(&r1.next().await.unwrap().unwrap()));
+    }
+    let a2 = a.base_url.clone();
+    let r2 = tokio::spawn(async move {
+        let resp = client()
+            .post(format!("{a2}/v1/chat/completions"))
+            .bearer_auth(DEMO_KEY)
+            .json(&body(json!({})))
+            .send()
+            .await
+            .unwrap();
+        (resp.status(), resp.json::<Value>().await.unwrap())
+    });
+    let start = Instant::now();
+    while queue_depth(&a, "node-b").await < 1 {
+        assert!(start.elapsed() < Duration::from_secs(10), "R2 never queued on node B");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Node C joins; then B dies without a word.
+    let (_tc, _c) = node(&nats.url(), "node-c", "sensitive", &fc, false).await;
+    sees(&a, "node-c").await;
+    let killed = Instant::now();
+    b.0.kill().unwrap();
+    b.0.wait().unwrap();
+
+    // R1: a clear error on A's stream, the output so far kept.
+    while let Some(chunk) = r1.next().await {
+        r1_text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
+    eprintln!("node B killed; R1's stream ended {:?} later", killed.elapsed());
+    assert!(r1_text.contains("the node this task was forwarded to failed or vanished"), "{r1_text}");
+    assert!(r1_text.contains("INTERNAL_ERROR"), "{r1_text}");
+    // R2: never started on B, it ran on C, once.
+    let (status, v) = r2.await.unwrap();
+    eprintln!("R2 answered {:?} after B was killed", killed.elapsed());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "tok tok tok tok tok ", "{v}");
+    assert_eq!((fb.requests(), fc.requests()), (1, 1), "each task reached one engine once");
+    let on_a = reasons(&a, v["edge"]["task_id"].as_str().unwrap()).await;
+    assert!(on_a.iter().any(|r| r.contains("node-c")), "{on_a:?}");
 }

@@ -200,7 +200,13 @@ impl Router {
                 _ => None,
             }
         };
-        let error = if mid_stream {
+        let forwarded = engine.kind() == crate::config::EngineKind::Pool;
+        let error = if mid_stream && forwarded {
+            GatewayError::internal(
+                "the node this task was forwarded to failed or vanished while generating; the output is partial",
+            )
+            .with_partial()
+        } else if mid_stream {
             GatewayError::internal("the engine failed while generating; the output is partial").with_partial()
         } else if e.is_unreachable() {
             GatewayError::new(ErrorCode::ModelUnavailable, "the model's engine is not reachable").with_retry_after(2000)
