@@ -101,6 +101,9 @@ async fn a_task_is_forwarded_streamed_back_and_cancelled_across_nodes() {
     let (_tb, b) = node(&nats.url(), "node-b", "sensitive", &fb, false).await;
     let (_ta, a) = node(&nats.url(), "node-a", "sensitive", &fa, true).await;
     sees(&a, "node-b").await;
+    // A's record offers no slots of its own: its pool instance's are B's.
+    let me = get_json(&a, OPS_KEY, "/v1/nodes").await["data"][0].clone();
+    assert_eq!((me["self"].as_bool(), me["free_slots"].as_u64()), (Some(true), Some(0)), "{me}");
 
     // A whole answer: B's engine answered A's client, with A's prompt.
     let resp = post_chat(&a, DEMO_KEY, &body(json!({}))).await;
@@ -119,6 +122,14 @@ async fn a_task_is_forwarded_streamed_back_and_cancelled_across_nodes() {
     assert!(on_b.iter().any(|r| r.contains(&format!("forwarded from node node-a, task {a_task}"))), "{on_b:?}");
     let rec = b.store().get(&b_task).await.unwrap().unwrap();
     assert_eq!((rec.request_id.as_str(), rec.application.as_str()), (a_task.as_str(), "demo"));
+    // The tenant's tokens are charged once in the pool: on node A, which
+    // its caller called.
+    let spent = |gw: &TestGateway| {
+        let views = gw.store().budgets().view("demo", edgeway::task::now_ms());
+        views.iter().find(|v| v.scope == "tenant" && v.window == "daily").map_or(0, |v| v.spent_tokens)
+    };
+    assert!(spent(&a) > 0);
+    assert_eq!(spent(&b), 0);
 
     // A stream, then the client leaves A: B's engine request is cancelled.
     fb.set(|k| {

@@ -262,10 +262,12 @@ impl Gateway {
             http_addr: http_addr.to_string(),
             models,
             queue_depth: snap.queues.iter().map(|q| q.waiting).sum(),
+            // This node's own engines: a pool instance's slots are other
+            // nodes' (and a cloud API's are no edge capacity).
             free_slots: snap
                 .instances
                 .iter()
-                .filter(|i| i.up)
+                .filter(|i| i.up && i.location == crate::task::Location::Local.as_str())
                 .map(|i| i.max_concurrency.saturating_sub(i.running))
                 .sum(),
             degradation_level: snap.degradation_level,

@@ -350,6 +350,12 @@ impl Recorder {
     /// terminal state), counts the cost and the budgets' used shares, and
     /// returns the warnings the charge set off (logged here).
     fn charge(&self, req: &TaskRequest, meta: &ResultMeta) -> Vec<BudgetWarning> {
+        // A task another node forwarded here is charged there, on the node
+        // its caller called (at its pool instance's prices): charged here
+        // too, its tokens would count twice in the pool.
+        if req.routing.forwarded_from.is_some() {
+            return Vec::new();
+        }
         // A cache hit ran no engine: it spends no budget (review 16 M2);
         // its usage is the stored answer's, reported again.
         let tokens =

@@ -139,6 +139,23 @@ impl NatsCluster {
     /// Starts the three servers and waits until JetStream answers on each
     /// (a meta leader is elected and every server knows it).
     pub async fn start() -> NatsCluster {
+        // Ports are picked free and then released: another test of the same
+        // binary may take one before its server binds it, and the cluster
+        // never forms. Such a cluster is dropped and made again on others.
+        for attempt in 1..=3 {
+            let c = Self::start_once().await;
+            if c.jetstream_ready(&[0, 1, 2], Duration::from_secs(30)).await {
+                return c;
+            }
+            eprintln!(
+                "NATS cluster on {} formed no JetStream quorum (attempt {attempt}); again on other ports",
+                c.url()
+            );
+        }
+        panic!("no NATS cluster with JetStream after three attempts");
+    }
+
+    async fn start_once() -> NatsCluster {
         let cluster_ports: Vec<u16> = (0..3).map(|_| NatsServer::free_port()).collect();
         let mut servers: Vec<NatsServer> = (0..3).map(|_| NatsServer::stopped(true)).collect();
         for (i, s) in servers.iter_mut().enumerate() {
@@ -161,20 +178,17 @@ impl NatsCluster {
         }
         // Started together: each waits for a JetStream quorum.
         futures::future::join_all(servers.iter_mut().map(|s| s.restart())).await;
-        let c = NatsCluster { servers };
-        c.wait_jetstream(&[0, 1, 2]).await;
-        c
+        NatsCluster { servers }
     }
 
-    /// All servers' URLs, comma-separated (as `[nats] url` takes them).
     pub fn url(&self) -> String {
         self.servers.iter().map(NatsServer::url).collect::<Vec<_>>().join(",")
     }
 
-    /// Waits until JetStream answers an account query on each of the
-    /// servers `which` (60 s at most).
-    pub async fn wait_jetstream(&self, which: &[usize]) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    /// Whether JetStream answers an account query on each of the servers
+    /// `which` within `limit`.
+    async fn jetstream_ready(&self, which: &[usize], limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
         for &i in which {
             let url = self.servers[i].url();
             loop {
@@ -187,9 +201,12 @@ impl NatsCluster {
                 if ok.is_some() {
                     break;
                 }
-                assert!(tokio::time::Instant::now() < deadline, "JetStream not ready on {url} after 60 s");
+                if tokio::time::Instant::now() >= deadline {
+                    return false;
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
+        true
     }
 }
