@@ -7,8 +7,11 @@
 //! Owns: the choice of node among the candidates (the first that accepts,
 //! at most [`MAX_NODES_TRIED`] of them: a node that refuses before it
 //! accepted the task, or has no listener, is passed over, so never-started
-//! work goes to the next node), and what the instance's probe reports (up
-//! while some node serves the model). Does not own: the bus, the wire of a
+//! work goes to the next node); a breaker per node ([`NodeBreakers`]: a
+//! node whose forwards failed [`NODE_FAILURES_TO_OPEN`] times in a row is
+//! passed over for a cool-down, then given one task to prove itself); and
+//! what the instance's probe reports (up while some node serves the
+//! model). Does not own: the bus, the wire of a
 //! forward or the node view (the NATS ingress implements [`Peers`] with the
 //! node registry's pool), so this layer still imports nothing above it.
 //!
@@ -17,17 +20,111 @@
 //! [`Peers`] implementation unsubscribes the reply stream and tells the
 //! node that runs the task to cancel it.
 
-use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use futures::StreamExt;
 
-use super::{Capabilities, Engine, EngineError, EngineHealth, EngineRequest, EngineStream};
+use super::{Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineRequest, EngineStream};
 use crate::config::{EngineConfig, EngineKind};
 use crate::task::{DataClass, Operation, Priority};
 
 /// At most this many nodes are asked, in turn, before the attempt fails.
 pub const MAX_NODES_TRIED: usize = 3;
+
+/// Forwards to one node that fail in a row before it is passed over.
+pub const NODE_FAILURES_TO_OPEN: u32 = 3;
+/// How long a failing node is passed over at first; doubled each time it
+/// fails again after its cool-down, up to [`NODE_COOL_DOWN_MAX`].
+pub const NODE_COOL_DOWN: Duration = Duration::from_secs(5);
+pub const NODE_COOL_DOWN_MAX: Duration = Duration::from_secs(60);
+
+/// A breaker per node, for one pool instance: forwards that failed (a
+/// refusal, no listener, silence, an error in the stream) in a row open it;
+/// an open node is passed over until its cool-down ends, then one task may
+/// try it (half-open): a success closes it, a failure opens it again for
+/// twice as long. A task's own fault (a 4xx of the node) counts neither
+/// way. Nodes are tried in the registry's order among those not open; when
+/// every candidate is open, none is asked.
+#[derive(Default)]
+pub struct NodeBreakers {
+    nodes: Mutex<HashMap<String, NodeState>>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct NodeState {
+    failures: u32,
+    /// Passed over until then.
+    open_until: Option<Instant>,
+    /// The cool-down of the last opening.
+    cool_down: Duration,
+    /// One task is trying the node after its cool-down.
+    probing: bool,
+}
+
+impl NodeBreakers {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, NodeState>> {
+        self.nodes.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether a task may be forwarded to `node` now (taking the one
+    /// half-open try when its cool-down is over).
+    pub fn admit(&self, node: &str, now: Instant) -> bool {
+        let mut nodes = self.lock();
+        let Some(s) = nodes.get_mut(node) else { return true };
+        match s.open_until {
+            None => true,
+            Some(until) if now < until => false,
+            Some(_) if s.probing => false,
+            Some(_) => {
+                s.probing = true;
+                true
+            }
+        }
+    }
+
+    pub fn success(&self, node: &str) {
+        self.lock().remove(node);
+    }
+
+    pub fn failure(&self, node: &str, now: Instant) {
+        let mut nodes = self.lock();
+        let s = nodes.entry(node.to_string()).or_default();
+        s.failures += 1;
+        if s.probing || s.failures >= NODE_FAILURES_TO_OPEN {
+            let next = if s.probing { (s.cool_down * 2).min(NODE_COOL_DOWN_MAX) } else { NODE_COOL_DOWN };
+            s.cool_down = next;
+            s.open_until = Some(now + next);
+            s.probing = false;
+            tracing::warn!(
+                node,
+                failures = s.failures,
+                cool_down_ms = next.as_millis() as u64,
+                "forwards to a node keep failing; passing it over"
+            );
+        }
+    }
+
+    /// A try that ended without a verdict (the task was cancelled).
+    pub fn abandoned(&self, node: &str) {
+        if let Some(s) = self.lock().get_mut(node) {
+            s.probing = false;
+        }
+    }
+
+    /// The nodes passed over now.
+    pub fn open(&self, now: Instant) -> Vec<String> {
+        self.lock().iter().filter(|(_, s)| s.open_until.is_some_and(|u| now < u)).map(|(n, _)| n.clone()).collect()
+    }
+}
+
+/// Whether a failed forward says something about the node (not the
+/// task's own fault: a 4xx other than 429).
+fn counts(e: &EngineError) -> bool {
+    !matches!(e, EngineError::Status { status, .. } if *status < 500 && *status != 429)
+}
 
 /// Who a forwarded task is, for the node that runs it: set by the
 /// scheduler's driver on the [`EngineRequest`] of a pool instance only.
@@ -83,11 +180,44 @@ impl PeerSlot {
 pub struct PoolEngine {
     cfg: EngineConfig,
     peers: Arc<PeerSlot>,
+    breakers: Arc<NodeBreakers>,
 }
 
 impl PoolEngine {
     pub fn new(cfg: EngineConfig, peers: Arc<PeerSlot>) -> PoolEngine {
-        PoolEngine { cfg, peers }
+        PoolEngine { cfg, peers, breakers: Arc::default() }
+    }
+}
+
+/// Tells the node's breaker how a forward's stream ended: a success at its
+/// `Finish`, a failure at an error (that counts), nothing when it was
+/// dropped before either.
+struct Verdict {
+    breakers: Arc<NodeBreakers>,
+    node: String,
+    given: bool,
+}
+
+impl Verdict {
+    fn see(&mut self, item: &Result<EngineChunk, EngineError>) {
+        if self.given {
+            return;
+        }
+        match item {
+            Ok(EngineChunk::Finish(_)) => self.breakers.success(&self.node),
+            Err(e) if counts(e) => self.breakers.failure(&self.node, Instant::now()),
+            Err(_) => self.breakers.abandoned(&self.node),
+            Ok(_) => return,
+        }
+        self.given = true;
+    }
+}
+
+impl Drop for Verdict {
+    fn drop(&mut self) {
+        if !self.given {
+            self.breakers.abandoned(&self.node);
+        }
     }
 }
 
@@ -112,8 +242,10 @@ impl Engine for PoolEngine {
         let Some(origin) = &req.origin else {
             return Err(EngineError::Protocol("a forward needs its origin".into()));
         };
+        // The call's own fault, not the instance's: its breaker does not
+        // count it.
         if req.operation != Operation::Chat {
-            return Err(EngineError::Unreachable("only chat tasks are forwarded".into()));
+            return Err(EngineError::Status { status: 400, body: "only chat tasks are forwarded".into() });
         }
         let nodes = peers.candidates(&req.model, origin.data_class);
         if nodes.is_empty() {
@@ -124,16 +256,27 @@ impl Engine for PoolEngine {
             )));
         }
         let mut last = None;
-        for node in nodes.iter().take(MAX_NODES_TRIED) {
+        let admitted = nodes.iter().filter(|n| self.breakers.admit(n, Instant::now()));
+        for node in admitted.take(MAX_NODES_TRIED) {
             match peers.open(node, req, origin).await {
-                Ok(s) => return Ok(s),
+                Ok(s) => {
+                    let mut verdict = Verdict { breakers: self.breakers.clone(), node: node.clone(), given: false };
+                    return Ok(s.inspect(move |item| verdict.see(item)).boxed());
+                }
                 Err(e) => {
                     tracing::info!(node = %node, task_id = %origin.task_id, error = %e, "forward refused; next node");
+                    if counts(&e) {
+                        self.breakers.failure(node, Instant::now());
+                    } else {
+                        self.breakers.abandoned(node);
+                    }
                     last = Some(e);
                 }
             }
         }
-        Err(last.expect("at least one node was tried"))
+        Err(last.unwrap_or_else(|| {
+            EngineError::Unreachable(format!("every node that serves '{}' is failing; passed over", req.model))
+        }))
     }
 
     /// Up while the pool is connected and some node serves the model (for
@@ -144,9 +287,63 @@ impl Engine for PoolEngine {
             None => (false, "the node pool is not connected".to_string()),
             Some(p) => match p.candidates(&self.cfg.model, DataClass::Public).len() {
                 0 => (false, format!("no node of the pool serves '{}'", self.cfg.model)),
-                n => (true, format!("{n} node(s) serve '{}'", self.cfg.model)),
+                n => {
+                    let open = self.breakers.open(Instant::now());
+                    let failing = if open.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; failing, passed over: {}", open.join(", "))
+                    };
+                    (true, format!("{n} node(s) serve '{}'{failing}", self.cfg.model))
+                }
             },
         };
         EngineHealth { up, detail, model_resident: None }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_that_keeps_failing_is_passed_over_then_tried_once_after_its_cool_down() {
+        let b = NodeBreakers::default();
+        let t0 = Instant::now();
+        for _ in 0..NODE_FAILURES_TO_OPEN - 1 {
+            assert!(b.admit("x", t0));
+            b.failure("x", t0);
+        }
+        assert!(b.admit("x", t0), "still closed below the threshold");
+        b.failure("x", t0);
+        assert!(!b.admit("x", t0), "open");
+        assert!(b.admit("y", t0), "other nodes are not affected");
+        assert_eq!(b.open(t0), ["x"]);
+        // After the cool-down: one try (half-open), not two.
+        let later = t0 + NODE_COOL_DOWN;
+        assert!(b.admit("x", later));
+        assert!(!b.admit("x", later));
+        // It fails again: open for twice as long.
+        b.failure("x", later);
+        assert!(!b.admit("x", later + NODE_COOL_DOWN));
+        assert!(b.admit("x", later + NODE_COOL_DOWN * 2));
+        // A success closes it.
+        b.success("x");
+        assert!(b.admit("x", later) && b.open(later).is_empty());
+    }
+
+    #[test]
+    fn a_try_without_verdict_lets_the_next_task_try() {
+        let b = NodeBreakers::default();
+        let t0 = Instant::now();
+        for _ in 0..NODE_FAILURES_TO_OPEN {
+            b.failure("x", t0);
+        }
+        let later = t0 + NODE_COOL_DOWN;
+        assert!(b.admit("x", later));
+        b.abandoned("x");
+        assert!(b.admit("x", later), "the cancelled try gave no verdict");
+        assert!(!counts(&EngineError::Status { status: 400, body: String::new() }));
+        assert!(counts(&EngineError::Status { status: 503, body: String::new() }));
     }
 }
