@@ -112,7 +112,10 @@ fn now_ms() -> i64 {
 
 fn signed_headers(key: &Secret, subject: &str, origin: &Origin, body: &[u8]) -> HeaderMap {
     let time_ms = now_ms();
-    let user = origin.user_id.as_deref().unwrap_or("");
+    // A header value is one line: a JWT's `sub` is not checked for control
+    // characters as a request's user id is.
+    let user: String = origin.user_id.as_deref().unwrap_or("").chars().filter(|c| !c.is_control()).collect();
+    let user = user.as_str();
     let mac = Signed {
         subject,
         time_ms,
