@@ -29,6 +29,32 @@ pub(crate) fn reconnect_backoff(failures: u32, max: Duration) -> Duration {
     base + Duration::from_millis(jitter)
 }
 
+/// HMAC (RFC 2104) with hash `D` of `parts`, in order, under `key`:
+/// SHA-256 signs the pool's forwards (`nats::forward`), SHA-512 derives
+/// Mosquitto's PBKDF2 password hashes (`mqtt::acl`).
+pub(crate) fn hmac<D>(key: &[u8], parts: &[&[u8]]) -> sha2::digest::Output<D>
+where
+    D: sha2::Digest + sha2::digest::core_api::BlockSizeUser,
+{
+    use sha2::digest::core_api::Block;
+    let mut k = Block::<D>::default();
+    if key.len() > k.len() {
+        let h = D::digest(key);
+        k[..h.len()].copy_from_slice(&h);
+    } else {
+        k[..key.len()].copy_from_slice(key);
+    }
+    let mut inner = D::new();
+    inner.update(k.iter().map(|b| b ^ 0x36).collect::<Block<D>>());
+    for p in parts {
+        inner.update(p);
+    }
+    let mut outer = D::new();
+    outer.update(k.iter().map(|b| b ^ 0x5c).collect::<Block<D>>());
+    outer.update(inner.finalize());
+    outer.finalize()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

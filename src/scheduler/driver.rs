@@ -759,9 +759,9 @@ impl Driver {
             if calls == 1 {
                 // A forward names the node that took it, and its task there.
                 let to = engine_req.origin.as_ref().and_then(|o| o.forwarded_to.get());
-                let reason = match to {
-                    Some((node, task)) => format!("engine accepted: forwarded to node {node}, task {task}"),
-                    None => "engine accepted".to_string(),
+                let reason: std::borrow::Cow<'_, str> = match to {
+                    Some((node, task)) => format!("engine accepted: forwarded to node {node}, task {task}").into(),
+                    None => "engine accepted".into(),
                 };
                 self.shared.recorder.transition(r, TaskState::Running, &reason, Some(&lease.instance_name), "engine");
             }

@@ -172,22 +172,7 @@ pub fn mosquitto_password_line(user: &str, password: &str, salt: &[u8], iteratio
 
 /// HMAC-SHA512 (RFC 2104) of `msg` under `key`.
 fn hmac_sha512(key: &[u8], msg: &[&[u8]]) -> [u8; 64] {
-    const BLOCK: usize = 128;
-    let mut k = [0u8; BLOCK];
-    if key.len() > BLOCK {
-        k[..64].copy_from_slice(&Sha512::digest(key));
-    } else {
-        k[..key.len()].copy_from_slice(key);
-    }
-    let mut inner = Sha512::new();
-    inner.update(k.map(|b| b ^ 0x36));
-    for m in msg {
-        inner.update(m);
-    }
-    let mut outer = Sha512::new();
-    outer.update(k.map(|b| b ^ 0x5c));
-    outer.update(inner.finalize());
-    outer.finalize().into()
+    crate::ingress::hmac::<Sha512>(key, msg).into()
 }
 
 /// PBKDF2 (RFC 8018) with HMAC-SHA512, filling `out`.

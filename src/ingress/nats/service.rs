@@ -45,7 +45,7 @@ use tokio_util::task::TaskTracker;
 use super::NatsStatus;
 use crate::config::NatsConfig;
 use crate::error::GatewayError;
-use crate::gateway::{Caller, Gateway, RequestHeaders, SubmitOptions, TaskStream};
+use crate::gateway::{Call, Caller, Gateway, RequestHeaders, SubmitOptions, TaskStream};
 use crate::ingress::render::{event_json, rejection_json};
 use crate::task::{Ingress, TaskEvent};
 
@@ -366,16 +366,33 @@ async fn handle_chat(ctx: Arc<Ctx>, req: Request) {
         headers: RequestHeaders::new(move |name| header(all.as_ref(), name)),
         ..Default::default()
     };
-    let call = match gw.prepare(caller, &req.message.payload, Ingress::Nats, opts) {
+    run_chat(&ctx, req, reply, caller, opts, |_| Ok(())).await;
+}
+
+/// Prepares the request's call, lets `check` refuse or amend it, submits
+/// it and relays its events to `reply`; a refusal is the one `error` event.
+async fn run_chat(
+    ctx: &Ctx,
+    req: Request,
+    reply: Subject,
+    caller: Caller<'_>,
+    opts: SubmitOptions,
+    check: impl FnOnce(&mut Call) -> Result<(), GatewayError>,
+) {
+    let gw = &ctx.gw;
+    let mut call = match gw.prepare(caller, &req.message.payload, Ingress::Nats, opts) {
         Ok(c) => c,
         Err(e) => return reject(&req, None, &e).await,
     };
     let request_id = call.body().request_id.clone();
+    if let Err(e) = check(&mut call) {
+        return reject(&req, request_id.as_deref(), &gw.refused(Ingress::Nats, e)).await;
+    }
     let stream = match gw.submit_call(call).await {
         Ok(s) => s,
         Err(e) => return reject(&req, request_id.as_deref(), &e).await,
     };
-    relay(&ctx, req, reply, stream).await;
+    relay(ctx, req, reply, stream).await;
 }
 
 /// `{prefix}.node.{node_id}.chat`: a task another node forwarded. Its
@@ -401,27 +418,21 @@ async fn handle_node_chat(ctx: Arc<Ctx>, req: Request) {
         }
     };
     let opts = SubmitOptions { traceparent: header(m.headers.as_ref(), "traceparent"), ..Default::default() };
-    let mut call = match gw.prepare(Caller::Identity(fwd.identity), &m.payload, Ingress::Nats, opts) {
-        Ok(c) => c,
-        Err(e) => return reject(&req, None, &e).await,
-    };
-    let request_id = call.body().request_id.clone();
     let max = config.cluster.as_ref().map_or(crate::task::DataClass::Public, |c| c.max_data_class);
-    let class = call.body().routing.as_ref().and_then(|r| r.data_class);
-    if class.is_none_or(|c| c > max) {
-        let e = GatewayError::new(
-            crate::error::ErrorCode::PermissionDenied,
-            format!("this node may receive at most {} data from other nodes", max.as_str()),
-        );
-        return reject(&req, request_id.as_deref(), &gw.refused(Ingress::Nats, e)).await;
-    }
-    call.body_mut().routing.get_or_insert_with(Default::default).forwarded_from = Some(fwd.origin_node.clone());
-    tracing::info!(origin_node = %fwd.origin_node, origin_task = %fwd.origin_task, "task forwarded here");
-    let stream = match gw.submit_call(call).await {
-        Ok(s) => s,
-        Err(e) => return reject(&req, request_id.as_deref(), &e).await,
-    };
-    relay(&ctx, req, reply, stream).await;
+    let (origin_node, origin_task) = (fwd.origin_node, fwd.origin_task);
+    run_chat(&ctx, req, reply, Caller::Identity(fwd.identity), opts, |call| {
+        let class = call.body().routing.as_ref().and_then(|r| r.data_class);
+        if class.is_none_or(|c| c > max) {
+            return Err(GatewayError::new(
+                crate::error::ErrorCode::PermissionDenied,
+                format!("this node may receive at most {} data from other nodes", max.as_str()),
+            ));
+        }
+        call.body_mut().routing.get_or_insert_with(Default::default).forwarded_from = Some(origin_node.clone());
+        tracing::info!(%origin_node, %origin_task, "task forwarded here");
+        Ok(())
+    })
+    .await;
 }
 
 /// `{prefix}.node.{node_id}.cancel`: the origin node cancels a task it
