@@ -417,6 +417,16 @@ impl Budgets {
     }
 }
 
+/// What one finished task spent, to be written with its end.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Charge {
+    pub tenant: String,
+    pub application: String,
+    pub tokens: u64,
+    pub cost: f64,
+    pub at_ms: i64,
+}
+
 /// Adds a finished task's `tokens` and `cost` to the rows of its tenant
 /// and application (a row of an earlier window starts over; a late write
 /// of an earlier window than the row's is not counted).
@@ -428,7 +438,25 @@ pub(super) fn persist(
     cost: f64,
     at_ms: i64,
 ) -> rusqlite::Result<()> {
-    let tokens = i64::try_from(tokens).unwrap_or(i64::MAX);
+    let charge = Charge { tenant: tenant.into(), application: application.into(), tokens, cost, at_ms };
+    persist_all(c, std::slice::from_ref(&charge))
+}
+
+/// [`persist`] for the tasks of one write batch: summed per row and
+/// window first, so a batch of many tasks of one application writes each
+/// of its rows once. Windows are written oldest first (a batch across
+/// midnight starts the new day's row over after the old one's).
+pub(super) fn persist_all(c: &Connection, charges: &[Charge]) -> rusqlite::Result<()> {
+    let mut sums: std::collections::BTreeMap<(&str, &str, &str, i64), (u64, f64)> = Default::default();
+    for ch in charges {
+        for (scope, name) in [(Scope::Tenant, ch.tenant.as_str()), (Scope::Application, ch.application.as_str())] {
+            for period in Period::ALL {
+                let sum = sums.entry((scope.as_str(), name, period.as_str(), period.start(ch.at_ms))).or_default();
+                sum.0 = sum.0.saturating_add(ch.tokens);
+                sum.1 += ch.cost;
+            }
+        }
+    }
     let mut st = c.prepare_cached(
         "INSERT INTO budget_spent (scope, name, period, window_start_ms, tokens, cost) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6) \
@@ -440,10 +468,9 @@ pub(super) fn persist(
            window_start_ms = excluded.window_start_ms \
          WHERE excluded.window_start_ms >= budget_spent.window_start_ms",
     )?;
-    for (scope, name) in [(Scope::Tenant, tenant), (Scope::Application, application)] {
-        for period in Period::ALL {
-            st.execute(params![scope.as_str(), name, period.as_str(), period.start(at_ms), tokens, cost])?;
-        }
+    for ((scope, name, period, start), (tokens, cost)) in sums {
+        let tokens = i64::try_from(tokens).unwrap_or(i64::MAX);
+        st.execute(params![scope, name, period, start, tokens, cost])?;
     }
     Ok(())
 }

@@ -1444,6 +1444,10 @@ impl Writer {
         let mut audited = Vec::new();
         // The committed head moves only once the transaction commits.
         let mut head = self.audit_head.clone();
+        // What the batch's finished tasks spent, written once per budget
+        // row at its end (in the same transaction). Isolated, each op
+        // writes its own with its end: both or neither.
+        let mut charges = (!isolate).then(Vec::new);
         for (op, set_later) in pending.iter().zip(later) {
             // Each op of several statements in a savepoint: one that fails
             // part way (a terminal state written, its audit record refused)
@@ -1452,9 +1456,9 @@ impl Writer {
             let before = audited.len();
             let head_before = head.seq();
             let res = if !isolate || one_statement(op, set_later) {
-                apply(&txn, op, set_later, policy, &mut head, &mut audited)
+                apply(&txn, op, set_later, policy, &mut head, &mut audited, charges.as_mut())
             } else {
-                in_savepoint(&txn, || apply(&txn, op, set_later, policy, &mut head, &mut audited))
+                in_savepoint(&txn, || apply(&txn, op, set_later, policy, &mut head, &mut audited, None))
             };
             if let Err(e) = res {
                 if is_storage_failure(&e) {
@@ -1472,6 +1476,15 @@ impl Writer {
                 // One bad write must not roll back the others.
                 failures.inc();
                 tracing::error!(error = %e, "task store write failed");
+            }
+        }
+        if let Some(charges) = charges.filter(|c| !c.is_empty()) {
+            if let Err(e) = budget::persist_all(&txn, &charges) {
+                if is_storage_failure(&e) {
+                    return Err(e);
+                }
+                // Rolled back: the batch is written again op by op.
+                return Ok(None);
             }
         }
         txn.commit()?;
@@ -1632,6 +1645,7 @@ fn apply(
     policy: &retention::Policy,
     head: &mut audit::ChainHead,
     audited: &mut Vec<AuditRecord>,
+    charges: Option<&mut Vec<budget::Charge>>,
 ) -> rusqlite::Result<()> {
     let text_allowed = |task_id: &str| -> rusqlite::Result<bool> {
         Ok(policy.text_allowed(retention::task_class(txn, task_id)?.as_deref()))
@@ -1669,7 +1683,16 @@ fn apply(
             let tokens = u64::from(meta.usage.input_tokens) + u64::from(meta.usage.output_tokens);
             let cost = meta.cost.unwrap_or(0.0);
             if !entry.tenant.is_empty() && (tokens > 0 || cost > 0.0) {
-                budget::persist(txn, &entry.tenant, &entry.application, tokens, cost, t.at_ms)?;
+                match charges {
+                    Some(batch) => batch.push(budget::Charge {
+                        tenant: entry.tenant.clone(),
+                        application: entry.application.clone(),
+                        tokens,
+                        cost,
+                        at_ms: t.at_ms,
+                    }),
+                    None => budget::persist(txn, &entry.tenant, &entry.application, tokens, cost, t.at_ms)?,
+                }
             }
             audited.push(audit::append(txn, head, entry)?);
             Ok(())
@@ -2296,5 +2319,55 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), gone).await.expect("purged");
         assert_eq!(names(), ["kept", "kept-app"]);
         drop(store);
+    }
+
+    /// A batch's charges summed per row and window write what the tasks'
+    /// own writes, one by one, would have: across midnight too.
+    #[test]
+    fn a_batch_of_charges_writes_what_its_tasks_would_one_by_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let day = 86_400_000;
+        let midnight = budget::Period::Daily.start(crate::task::now_ms()) + 2 * day;
+        let charge = |tenant: &str, app: &str, tokens: u64, cost: f64, at_ms: i64| budget::Charge {
+            tenant: tenant.into(),
+            application: app.into(),
+            tokens,
+            cost,
+            at_ms,
+        };
+        let charges = [
+            charge("t", "a", 10, 0.5, midnight - 2),
+            charge("t", "b", 7, 0.0, midnight - 1),
+            charge("t", "a", 5, 0.25, midnight + 1),
+            charge("u", "c", 3, 1.0, midnight - 1),
+            charge("t", "a", 1, 0.0, midnight - 1),
+        ];
+        let rows = |path: &Path| -> Vec<(String, String, String, i64, i64, f64)> {
+            let c = Connection::open(path).unwrap();
+            let mut st = c
+                .prepare(
+                    "SELECT scope, name, period, window_start_ms, tokens, cost FROM budget_spent \
+                     ORDER BY scope, name, period",
+                )
+                .unwrap();
+            st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+        };
+        let (one, all) = (dir.path().join("one.db"), dir.path().join("all.db"));
+        for path in [&one, &all] {
+            drop(Store::open(path, "n1", false).unwrap());
+        }
+        let c = Connection::open(&one).unwrap();
+        for ch in &charges {
+            budget::persist(&c, &ch.tenant, &ch.application, ch.tokens, ch.cost, ch.at_ms).unwrap();
+        }
+        budget::persist_all(&Connection::open(&all).unwrap(), &charges).unwrap();
+        let written = rows(&all);
+        assert_eq!(written, rows(&one));
+        // The new day's row of tenant t holds only what came after midnight.
+        let daily_t = written.iter().find(|r| r.0 == "tenant" && r.1 == "t" && r.2 == "daily").unwrap();
+        assert_eq!((daily_t.3, daily_t.4), (midnight, 5));
     }
 }
