@@ -83,11 +83,16 @@ impl Call {
     /// (right after a (re)connect the server may still answer "no
     /// responders").
     async fn start(client: &async_nats::Client, headers: HeaderMap, body: &Value) -> Call {
+        Call::start_on(client, "ai.v1.chat", headers, body).await
+    }
+
+    /// [`Call::start`] on `subject`.
+    async fn start_on(client: &async_nats::Client, subject: &str, headers: HeaderMap, body: &Value) -> Call {
         for _ in 0..200 {
             let inbox = client.new_inbox();
             let mut sub = client.subscribe(inbox.clone()).await.unwrap();
             let payload = serde_json::to_vec(body).unwrap().into();
-            client.publish_with_reply_and_headers("ai.v1.chat", inbox, headers.clone(), payload).await.unwrap();
+            client.publish_with_reply_and_headers(subject.to_string(), inbox, headers.clone(), payload).await.unwrap();
             let first = tokio::time::timeout(LIMIT, sub.next()).await.expect("an answer").expect("open");
             if first.status == Some(StatusCode::NO_RESPONDERS) {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -429,6 +434,48 @@ async fn a_caller_that_stops_listening_mid_stream_cancels_its_task() {
     assert_eq!(stored_states(&gw, &task_id).await.last().unwrap(), "CANCELLED");
     let metrics = gw.metrics().render();
     assert!(metrics.contains("edgeway_nats_callers_lost_total{reason=\"no_responders\"} 1"), "{metrics}");
+    gw.stop().await;
+}
+
+/// `on_disconnect: "continue"`: the task runs on while its caller is away;
+/// `ai.v1.resume` streams it again from any kept seq, to its end, for its
+/// own application only.
+#[tokio::test]
+async fn a_caller_that_continues_comes_back_and_resumes_its_task() {
+    let (fake, nats, gw) = setup(Knobs::slow(30, 20), "").await;
+    let client = connect(&nats).await;
+    let mut body = chat("continues");
+    body["on_disconnect"] = json!("continue");
+    let mut call = Call::start(&client, auth(DEMO_KEY), &body).await;
+    let task_id = call.next().await.v["task_id"].as_str().unwrap().to_string();
+    assert_eq!(call.next().await.kind, "delta");
+    call.sub.unsubscribe().await.unwrap();
+    // Nobody listens; the task still runs to its end.
+    let end = terminal_of(&gw, &task_id).await;
+    assert!(matches!(end, edgeway::task::TaskEvent::Done(_)), "{end:?}");
+    assert_eq!(fake.stats.aborted.load(SeqCst), 0);
+    wait_metric(&gw, "edgeway_nats_callers_lost_total{reason=\"no_responders\"}", 1).await;
+
+    // The caller comes back and reads the rest from seq 2.
+    let resume = json!({"request_id": "continues", "from_seq": 2});
+    let mut again = Call::start_on(&client, "ai.v1.resume", auth(DEMO_KEY), &resume).await;
+    let events = again.collect().await;
+    let seqs: Vec<u64> = events.iter().map(|m| m.v["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (2..2 + seqs.len() as u64).collect::<Vec<_>>(), "contiguous from 2");
+    assert_eq!(events.last().unwrap().kind, "done");
+    assert_eq!(events.iter().filter(|m| m.kind == "delta").count(), 29, "30 tokens, the first read before");
+
+    // Another application, or an unknown request: an error, nothing else.
+    for (key, rid) in [(OPS_KEY, "continues"), (DEMO_KEY, "never-sent")] {
+        let resume = json!({"request_id": rid, "from_seq": 0});
+        let mut r = Call::start_on(&client, "ai.v1.resume", auth(key), &resume).await;
+        let m = r.next().await;
+        assert_eq!((m.kind.as_str(), &m.v["code"], &m.v["seq"]), ("error", &json!("INVALID_REQUEST"), &json!(0)));
+    }
+    // A value other than continue or cancel is refused.
+    body["on_disconnect"] = json!("later");
+    let mut bad = Call::start(&client, auth(DEMO_KEY), &body).await;
+    assert_eq!(bad.next().await.v["code"], "INVALID_REQUEST");
     gw.stop().await;
 }
 

@@ -11,10 +11,10 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::nats::Secret;
-use super::raw::Field;
+use super::raw::{Field, PriorityName};
 use super::validate::env_var;
 use super::Problems;
-use crate::task::DataClass;
+use crate::task::{DataClass, Priority};
 
 /// The typed `[cluster]` section.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,7 +37,22 @@ pub struct ClusterConfig {
     /// forwarded tasks and their cancels are signed with it (HMAC-SHA256),
     /// and a node without one neither forwards nor takes forwarded work.
     pub key: Option<Secret>,
+    /// Store and forward: work of this priority or less urgent (P3 by
+    /// default: P3 and P4) that no node can start now waits in the pool's
+    /// work queue, a JetStream work-queue stream, until a node with a free
+    /// slot pulls it. More urgent work is never queued there: it takes the
+    /// rest of its fallback chain (a canned answer) instead.
+    pub queue_from: Priority,
+    /// The work-queue stream (subjects `{prefix}.work.>`).
+    pub work_stream: String,
+    /// How long a node that pulled a task has to take it before the
+    /// stream offers it to another node.
+    pub work_ack_wait: Duration,
 }
+
+/// How long queued work and the claims that make it run once are kept at
+/// most (a task's own deadline usually ends its wait much sooner).
+pub const WORK_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
 
 /// The shortest pool key accepted: 32 characters.
 pub const MIN_KEY_LEN: usize = 32;
@@ -54,6 +69,9 @@ pub struct RawCluster {
     pub replicas: usize,
     /// The environment variable that holds the pool's shared key.
     pub key_env: Option<String>,
+    pub queue_from: Field<PriorityName>,
+    pub work_stream: String,
+    pub work_ack_wait_ms: u64,
 }
 
 impl Default for RawCluster {
@@ -66,6 +84,9 @@ impl Default for RawCluster {
             ttl_ms: None,
             replicas: 1,
             key_env: None,
+            queue_from: Field::Valid(PriorityName(Priority::P3)),
+            work_stream: "edgeway_work".into(),
+            work_ack_wait_ms: 30_000,
         }
     }
 }
@@ -101,6 +122,16 @@ pub(super) fn validate(
     if ttl_ms <= c.heartbeat_ms {
         p.add("cluster.ttl_ms", format!("must be greater than heartbeat_ms ({})", c.heartbeat_ms));
     }
+    let stream_name = |n: &str| {
+        !n.is_empty() && n.len() <= 64 && n.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_' || ch == '-')
+    };
+    if !stream_name(&c.work_stream) {
+        p.add("cluster.work_stream", format!("{:?} is not a stream name (letters, digits, '_', '-')", c.work_stream));
+    }
+    if c.work_ack_wait_ms < 100 {
+        p.add("cluster.work_ack_wait_ms", "must be at least 100");
+    }
+    let queue_from = c.queue_from.get("cluster.queue_from", p);
     if !(1..=5).contains(&c.replicas) {
         p.add("cluster.replicas", "must be 1..5");
     }
@@ -126,6 +157,9 @@ pub(super) fn validate(
         heartbeat: Duration::from_millis(c.heartbeat_ms),
         ttl: Duration::from_millis(ttl_ms),
         replicas: c.replicas,
+        queue_from: queue_from?.0,
+        work_stream: c.work_stream,
+        work_ack_wait: Duration::from_millis(c.work_ack_wait_ms),
     })
 }
 
@@ -152,6 +186,8 @@ mod tests {
         assert_eq!(c.heartbeat, Duration::from_millis(500));
         assert_eq!(c.ttl, Duration::from_millis(1500));
         assert_eq!(c.max_data_class, DataClass::Sensitive);
+        assert_eq!((c.queue_from, c.work_stream.as_str()), (Priority::P3, "edgeway_work"));
+        assert_eq!(c.work_ack_wait, Duration::from_secs(30));
         assert!(load("").unwrap().cluster.is_none());
     }
 
@@ -187,7 +223,7 @@ mod tests {
     fn every_bad_key_is_reported_by_its_path() {
         let e = load(
             "[cluster]\nzone = \"a b\"\nmax_data_class = \"top\"\nbucket = \"a.b\"\nheartbeat_ms = 1000\n\
-             ttl_ms = 1000\nreplicas = 0\n",
+             ttl_ms = 1000\nreplicas = 0\nqueue_from = \"P9\"\nwork_stream = \"a.b\"\nwork_ack_wait_ms = 1\n",
         )
         .unwrap_err();
         let paths: Vec<&str> = e.0.iter().map(|e| e.path.as_str()).collect();
@@ -198,6 +234,9 @@ mod tests {
             "cluster.bucket",
             "cluster.ttl_ms",
             "cluster.replicas",
+            "cluster.queue_from",
+            "cluster.work_stream",
+            "cluster.work_ack_wait_ms",
         ] {
             assert!(paths.contains(&p), "{p} missing in {paths:?}");
         }

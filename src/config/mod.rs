@@ -30,7 +30,7 @@ use sha2::{Digest, Sha256};
 use crate::task::{DataClass, Location, Priority, Timeouts};
 
 pub use cache::CacheConfig;
-pub use cluster::ClusterConfig;
+pub use cluster::{ClusterConfig, WORK_MAX_AGE};
 pub use mqtt::{DeviceConfig, ExternalBrokerConfig, ExternalTls, MqttConfig, MqttTlsConfig};
 pub use nats::{JetStreamConfig, JetStreamStorage, NatsAuth, NatsConfig, Secret};
 pub use process::{expand as expand_vars, ProcessConfig};

@@ -152,6 +152,10 @@ pub struct EngineLoad {
     /// Fraction of the engine's KV cache in use, 0..=1 (vLLM's and
     /// llama.cpp's Prometheus `/metrics`).
     pub kv_cache_usage: Option<f64>,
+    /// The instance takes only work of this priority or less urgent for
+    /// now: a pool instance none of whose nodes can serve the model, whose
+    /// work queue holds such work until one can. `None`: all work.
+    pub takes_from: Option<crate::task::Priority>,
 }
 
 /// What an adapter can do, for the router and `/v1/models`.

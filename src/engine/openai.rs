@@ -400,7 +400,7 @@ impl Engine for OpenAiEngine {
         });
         let kv = self.read_optional("/metrics", &self.metrics, |body| metrics::kv_cache_usage(&body));
         let (busy_slots, kv_cache_usage) = tokio::join!(slots, kv);
-        EngineLoad { busy_slots, kv_cache_usage }
+        EngineLoad { busy_slots, kv_cache_usage, takes_from: None }
     }
 
     // Residency (`model_api = "llama-router"`): llama-server in router

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use futures::StreamExt;
 
-use super::{Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineRequest, EngineStream};
+use super::{Capabilities, Engine, EngineChunk, EngineError, EngineHealth, EngineLoad, EngineRequest, EngineStream};
 use crate::config::{EngineConfig, EngineKind};
 use crate::task::{DataClass, Operation, Priority};
 
@@ -145,6 +145,10 @@ pub struct Origin {
     /// The node that accepted the task and its task id there, once one did
     /// (for this task's record).
     pub forwarded_to: OnceLock<(String, String)>,
+    /// Put in the pool's work queue and not taken by a node yet (set by the
+    /// [`Peers`] implementation). A deadline that passes then is no verdict
+    /// on the instance: waiting is what the queue is for.
+    pub queued: std::sync::atomic::AtomicBool,
 }
 
 /// The other nodes, as the bus sees them (implemented by the NATS
@@ -159,6 +163,16 @@ pub trait Peers: Send + Sync + 'static {
     /// stream. A refusal before that is an error and the task runs
     /// nowhere.
     async fn open(&self, node: &str, req: &EngineRequest, origin: &Arc<Origin>) -> Result<EngineStream, EngineError>;
+    /// Store and forward: work of this priority or less urgent that no
+    /// node takes now may wait in the pool's work queue (`None`: there is
+    /// none).
+    fn queue_from(&self) -> Option<Priority>;
+    /// Puts the request in the pool's work queue; resolves once a node
+    /// pulled it and accepted the task, with the rest of its answer as a
+    /// stream (as [`Peers::open`]), or with an error when the task's
+    /// first-token deadline passes first. Dropping the future takes the
+    /// request out of the queue.
+    async fn enqueue(&self, req: &EngineRequest, origin: &Arc<Origin>) -> Result<EngineStream, EngineError>;
 }
 
 /// Where a running edgeway's [`Peers`] are, once its bus is up (shared by
@@ -248,6 +262,71 @@ impl Engine for PoolEngine {
             return Err(EngineError::Status { status: 400, body: "only chat tasks are forwarded".into() });
         }
         let nodes = peers.candidates(&req.model, origin.data_class);
+        let queued = peers.queue_from().is_some_and(|from| origin.priority >= from);
+        let direct = self.forward(peers, &nodes, req, origin).await;
+        match direct {
+            Ok(s) => Ok(s),
+            // No node takes it now: low-priority work waits in the pool's
+            // work queue for one that can (the task's own fault excepted).
+            Err(e) if queued && counts(&e) => {
+                tracing::info!(task_id = %origin.task_id, model = %req.model, why = %e, "no node takes the task now; it waits in the pool's work queue");
+                peers.enqueue(req, origin).await
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Up while the pool is connected and some node serves the model (for
+    /// the least strict class: a task's own class is checked when it is
+    /// forwarded), or while it has a work queue that holds low-priority
+    /// work until one does.
+    async fn health(&self) -> EngineHealth {
+        let (up, detail) = match self.peers.get() {
+            None => (false, "the node pool is not connected".to_string()),
+            Some(p) => match (p.candidates(&self.cfg.model, DataClass::Public).len(), p.queue_from()) {
+                (0, None) => (false, format!("no node of the pool serves '{}'", self.cfg.model)),
+                (0, Some(from)) => (
+                    true,
+                    format!(
+                        "no node of the pool serves '{}' now; {} work and less urgent waits in the pool's work queue",
+                        self.cfg.model,
+                        from.as_str()
+                    ),
+                ),
+                (n, _) => {
+                    let open = self.breakers.open(Instant::now());
+                    let failing = if open.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; failing, passed over: {}", open.join(", "))
+                    };
+                    (true, format!("{n} node(s) serve '{}'{failing}", self.cfg.model))
+                }
+            },
+        };
+        EngineHealth { up, detail, model_resident: None }
+    }
+
+    /// While no node serves the model, the instance takes only the work
+    /// its pool's queue holds (see [`Peers::queue_from`]).
+    async fn load(&self) -> EngineLoad {
+        let takes_from = match self.peers.get() {
+            Some(p) if p.candidates(&self.cfg.model, DataClass::Public).is_empty() => p.queue_from(),
+            _ => None,
+        };
+        EngineLoad { takes_from, ..EngineLoad::default() }
+    }
+}
+
+impl PoolEngine {
+    /// Forwards to the first of `nodes` that accepts the task.
+    async fn forward(
+        &self,
+        peers: &Arc<dyn Peers>,
+        nodes: &[String],
+        req: &EngineRequest,
+        origin: &Arc<Origin>,
+    ) -> Result<EngineStream, EngineError> {
         if nodes.is_empty() {
             return Err(EngineError::Unreachable(format!(
                 "no node of the pool serves '{}' and may receive {} data",
@@ -277,28 +356,6 @@ impl Engine for PoolEngine {
         Err(last.unwrap_or_else(|| {
             EngineError::Unreachable(format!("every node that serves '{}' is failing; passed over", req.model))
         }))
-    }
-
-    /// Up while the pool is connected and some node serves the model (for
-    /// the least strict class: a task's own class is checked when it is
-    /// forwarded).
-    async fn health(&self) -> EngineHealth {
-        let (up, detail) = match self.peers.get() {
-            None => (false, "the node pool is not connected".to_string()),
-            Some(p) => match p.candidates(&self.cfg.model, DataClass::Public).len() {
-                0 => (false, format!("no node of the pool serves '{}'", self.cfg.model)),
-                n => {
-                    let open = self.breakers.open(Instant::now());
-                    let failing = if open.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; failing, passed over: {}", open.join(", "))
-                    };
-                    (true, format!("{n} node(s) serve '{}'{failing}", self.cfg.model))
-                }
-            },
-        };
-        EngineHealth { up, detail, model_resident: None }
     }
 }
 

@@ -65,6 +65,18 @@ pub struct NodeModel {
     pub state: String,
     /// Requests waiting in its queue.
     pub waiting: usize,
+    /// A local instance of it is healthy now (records of older nodes have
+    /// none: taken as serving).
+    #[serde(default = "yes")]
+    pub serving: bool,
+    /// Slots free now on its healthy local instances, less the requests
+    /// waiting for them.
+    #[serde(default)]
+    pub free_slots: usize,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// What a node publishes under its `node_id` in the registry bucket.
@@ -94,7 +106,7 @@ pub struct NodeRecord {
 impl NodeRecord {
     /// Whether the node serves `model` (and its class lets it run there).
     pub fn serves(&self, model: &str) -> bool {
-        self.models.iter().any(|m| m.name == model && m.state != "forbidden")
+        self.models.iter().any(|m| m.name == model && m.state != "forbidden" && m.serving)
     }
 }
 
@@ -247,11 +259,16 @@ impl Gateway {
         let models = config
             .models
             .values()
-            .map(|m| NodeModel {
-                name: m.name.clone(),
-                residency: m.residency.class.as_str().to_string(),
-                state: self.model_residency_state(m).to_string(),
-                waiting: snap.queues.iter().find(|q| q.model == m.name).map_or(0, |q| q.waiting),
+            .map(|m| {
+                let (serving, free_slots) = local_capacity(&snap, m);
+                NodeModel {
+                    name: m.name.clone(),
+                    residency: m.residency.class.as_str().to_string(),
+                    state: self.model_residency_state(m).to_string(),
+                    waiting: snap.queues.iter().find(|q| q.model == m.name).map_or(0, |q| q.waiting),
+                    serving,
+                    free_slots,
+                }
             })
             .collect();
         let now = crate::task::now_ms();
@@ -277,6 +294,21 @@ impl Gateway {
         })
     }
 
+    /// Per logical model, the slots free now on this node's own healthy
+    /// instances, less the requests already waiting for them: how much
+    /// work from the pool's queue this node may take now. Models without
+    /// any are left out.
+    pub async fn free_local_slots(&self) -> Vec<(String, usize)> {
+        let config = self.config();
+        let Some(snap) = self.scheduler.snapshot().await else { return Vec::new() };
+        config
+            .models
+            .values()
+            .map(|m| (m.name.clone(), local_capacity(&snap, m).1))
+            .filter(|(_, free)| *free > 0)
+            .collect()
+    }
+
     /// `GET /v1/nodes` for an admin application: this node first (marked
     /// `self`), then the fresh peers; empty without `[cluster]` (or before
     /// the bus connected once).
@@ -300,6 +332,29 @@ impl Gateway {
     }
 }
 
+/// Whether some local instance of `model` is healthy, and the slots free on
+/// them less the requests waiting for the model.
+fn local_capacity(snap: &crate::scheduler::Snapshot, model: &crate::config::ModelConfig) -> (bool, usize) {
+    let local = crate::task::Location::Local.as_str();
+    let mut serving = false;
+    let mut free = 0;
+    for i in snap.instances.iter().filter(|i| model.instances.contains(&i.name)) {
+        use crate::router::breaker::BreakerState;
+        if i.up && i.location == local && i.breaker != BreakerState::Open {
+            serving = true;
+            let room = i.max_concurrency.saturating_sub(i.running);
+            // A half-open breaker lets one trial through at a time.
+            free += match (i.kv_cache_full, i.breaker) {
+                (true, _) => 0,
+                (false, BreakerState::HalfOpen) => room.min(usize::from(i.running == 0)),
+                (false, _) => room,
+            };
+        }
+    }
+    let waiting = snap.queues.iter().find(|q| q.model == model.name).map_or(0, |q| q.waiting);
+    (serving, free.saturating_sub(waiting))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -315,6 +370,8 @@ mod tests {
                 residency: "always".into(),
                 state: "loaded".into(),
                 waiting: 0,
+                serving: true,
+                free_slots: 1,
             }],
             queue_depth: depth,
             free_slots: 1,

@@ -37,6 +37,8 @@ pub(super) async fn probe_loop(
     let mut failures = 0u32;
     let mut up: Option<bool> = None;
     let mut was_restarting = false;
+    // The detail last told (while up).
+    let mut detail = String::new();
     let mut tick = tokio::time::interval(inst.health_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -86,14 +88,20 @@ pub(super) async fn probe_loop(
             // Until the first verdict, one failure is enough.
             !(planned || failures >= FAILURES_TO_DOWN || up.is_none())
         };
-        if up != Some(now_up) || (!now_up && restarting != was_restarting) {
-            if now_up {
-                tracing::info!(engine = engine.name(), "engine instance is up");
-            } else {
-                tracing::warn!(engine = engine.name(), detail = %h.detail, "engine instance is down");
+        // An up instance whose detail changed (a pool instance's nodes) is
+        // told again, for `/ready`; without a log line.
+        let new_detail = now_up && up == Some(true) && h.up && h.detail != detail;
+        if up != Some(now_up) || (!now_up && restarting != was_restarting) || new_detail {
+            if up != Some(now_up) {
+                if now_up {
+                    tracing::info!(engine = engine.name(), "engine instance is up");
+                } else {
+                    tracing::warn!(engine = engine.name(), detail = %h.detail, "engine instance is down");
+                }
             }
             up = Some(now_up);
             metrics.engine_up.with_label_values(&[engine.name()]).set(i64::from(now_up));
+            detail.clone_from(&h.detail);
             sink(InstanceEvent::Health { instance: index, up: now_up, restarting, detail: h.detail });
         }
         was_restarting = restarting;
@@ -123,7 +131,7 @@ mod tests {
     /// Runs the probe over `ups` and returns the verdicts it sent (up or
     /// down, with the detail of the probe that decided) and how many load
     /// reports it passed on.
-    async fn probe(ups: Vec<bool>) -> (Vec<(bool, String)>, usize) {
+    async fn probe(ups: Vec<bool>) -> (Vec<(bool, String)>, Vec<(bool, String)>, usize) {
         let n = ups.len();
         let engine = Arc::new(Scripted::probes(ups));
         let router = Arc::new(router(engine.clone(), Duration::from_millis(100)));
@@ -147,8 +155,18 @@ mod tests {
         }
         cancel.cancel();
         task.await.unwrap();
-        let verdicts = events.lock().unwrap().clone();
-        (verdicts, loads.load(Ordering::SeqCst))
+        let told = events.lock().unwrap().clone();
+        // The scripted detail names each probe, so an up instance is told
+        // again at every probe (a changed detail reaches `/ready`): the
+        // verdicts are the changes of `up`, each with the detail of the
+        // probe that decided it.
+        let mut verdicts: Vec<(bool, String)> = Vec::new();
+        for (up, detail) in &told {
+            if verdicts.last().is_none_or(|(last, _)| last != up) {
+                verdicts.push((*up, detail.clone()));
+            }
+        }
+        (verdicts, told, loads.load(Ordering::SeqCst))
     }
 
     fn verdict(up: bool, detail: &str) -> (bool, String) {
@@ -157,7 +175,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn down_after_two_failures_up_after_one_success() {
-        let (events, loads) = probe(vec![true, false, true, false, false, false, true]).await;
+        let (events, told, loads) = probe(vec![true, false, true, false, false, false, true]).await;
         // One failure between successes changes nothing; the second in a
         // row makes it down; one success brings it back.
         assert_eq!(
@@ -165,13 +183,16 @@ mod tests {
             vec![verdict(true, "probe 0: ok"), verdict(false, "probe 4: refused"), verdict(true, "probe 6: ok")]
         );
         assert!(loads >= 3, "a healthy engine's load is passed on at every probe: {loads}");
+        // Up all along, probe 2's new detail is told again (probe 1's
+        // failure, alone, is not).
+        assert_eq!(told[..2], [verdict(true, "probe 0: ok"), verdict(true, "probe 2: ok")]);
     }
 
     #[tokio::test(start_paused = true)]
     async fn first_failure_is_a_verdict() {
-        let (events, _) = probe(vec![false, true]).await;
+        let (events, _, _) = probe(vec![false, true]).await;
         assert_eq!(events, vec![verdict(false, "probe 0: refused"), verdict(true, "probe 1: ok")]);
-        let (events, _) = probe(vec![false]).await;
+        let (events, _, _) = probe(vec![false]).await;
         assert_eq!(events, vec![verdict(false, "probe 0: refused")]);
     }
 

@@ -501,7 +501,7 @@ mod test_engine {
             }
         }
         async fn load(&self) -> EngineLoad {
-            EngineLoad { busy_slots: Some(1), kv_cache_usage: None }
+            EngineLoad { busy_slots: Some(1), kv_cache_usage: None, takes_from: None }
         }
     }
 }

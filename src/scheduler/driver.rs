@@ -656,10 +656,16 @@ impl Driver {
         // one of the start-up configuration.
         let default_first_token = self.shared.first_token_default();
         let own_limit = t.first_token >= default_first_token && !embedding;
-        let first_token_timeout = |d: tokio::time::Instant, raw: tokio::time::Instant| -> AttemptEnd {
+        // `verdict`: whether the time-out says something about the
+        // instance at all.
+        let first_token_timeout = |d: tokio::time::Instant, raw: tokio::time::Instant, verdict: bool| -> AttemptEnd {
             let outcome = deadline_code(d, Some(raw));
             if own_limit && d == raw && d != total_deadline {
-                router.attempt_ended(lease.instance, Attempt::Failure);
+                if verdict {
+                    router.attempt_ended(lease.instance, Attempt::Failure);
+                } else {
+                    router.attempt_abandoned(lease.instance);
+                }
                 let error = DispatchError {
                     error: outcome.error.clone().map(|(e, _)| e).unwrap_or_else(|| GatewayError::internal("timeout")),
                     reason: outcome.reason.clone(),
@@ -724,6 +730,7 @@ impl Driver {
                         first_token_deadline: first_token_deadline.into_std(),
                         total_deadline: inference_deadline.into_std(),
                         forwarded_to: Default::default(),
+                        queued: Default::default(),
                     })
                 }),
             };
@@ -737,7 +744,14 @@ impl Driver {
                     router.attempt_abandoned(lease.instance);
                     return AttemptEnd::Preempted;
                 }
-                _ = sleep_until(first_token_deadline) => return first_token_timeout(first_token_deadline, first_token_raw),
+                _ = sleep_until(first_token_deadline) => {
+                    // Still in the pool's work queue: waiting is what the
+                    // queue is for, no verdict on the instance (a long
+                    // outage would open its breaker and close the queue).
+                    // A retry puts the task in the queue again.
+                    let queued = engine_req.origin.as_ref().is_some_and(|o| o.queued.load(std::sync::atomic::Ordering::Relaxed));
+                    return first_token_timeout(first_token_deadline, first_token_raw, !queued);
+                }
                 // A model still to be loaded makes the task wait here, or
                 // take the next step when the load would pass the deadline.
                 s = async {
@@ -810,7 +824,7 @@ impl Driver {
                     _ = sleep_until(deadline) => {
                         drop(stream);
                         if first {
-                            return first_token_timeout(deadline, first_token_raw);
+                            return first_token_timeout(deadline, first_token_raw, true);
                         }
                         // Output went out: what the client has is partial.
                         let mut outcome = deadline_code(deadline, None);

@@ -152,6 +152,12 @@ impl TaskStream {
         self.owner = false;
     }
 
+    /// Whether dropping this stream cancels the task (not after
+    /// [`TaskStream::detach`], nor for a stream attached to a running task).
+    pub fn cancels_on_drop(&self) -> bool {
+        self.owner
+    }
+
     pub fn cancel_handle(&self) -> CancelHandle {
         self.cancel.clone()
     }
@@ -1197,6 +1203,10 @@ impl Actor {
             }
             Cmd::EngineState { instance, load, model_resident, error_rate, ttft_p95_ms } => {
                 self.policy.set_measured(instance, error_rate, ttft_p95_ms);
+                if self.policy.takes_from(instance) != load.takes_from {
+                    self.policy.set_takes_from(instance, load.takes_from);
+                    self.show_degradation();
+                }
                 let name = &self.router.instance(instance).name;
                 if let Some(busy) = load.busy_slots {
                     if self.policy.instance_paused(instance) && busy <= self.policy.running_on(instance) {

@@ -347,6 +347,10 @@ struct InstanceState {
     /// breaker measured them.
     error_rate: f64,
     ttft_p95_ms: Option<u64>,
+    /// Up only for work of this priority or less urgent (a pool instance
+    /// none of whose nodes can serve now but whose work queue holds such
+    /// work until one can); `None`: for all.
+    takes_from: Option<Priority>,
 }
 
 /// A token bucket refilled continuously: `rate_per_min` per minute, at most
@@ -476,6 +480,36 @@ impl Policy {
         i.ttft_p95_ms = ttft_p95_ms;
     }
 
+    /// The engine's report that it takes only work of priority `p` or
+    /// less urgent for now (`None`: all work).
+    pub fn set_takes_from(&mut self, instance: usize, p: Option<Priority>) {
+        self.instances[instance].takes_from = p;
+    }
+
+    pub fn takes_from(&self, instance: usize) -> Option<Priority> {
+        self.instances[instance].takes_from
+    }
+
+    /// Whether the instance takes work of priority `p` (see
+    /// [`Policy::set_takes_from`]).
+    fn takes(&self, instance: usize, p: Priority) -> bool {
+        self.instances[instance].takes_from.is_none_or(|from| p >= from)
+    }
+
+    /// Whether the model has an edge-node instance up that holds work of
+    /// priority `p` in the pool's work queue while no node can serve it:
+    /// such work waits there rather than being deferred as busy.
+    fn pool_queues(&self, model: usize, info: &TaskInfo) -> bool {
+        !info.forwarded
+            && self.cfg.models[model].instances.iter().any(|&i| {
+                let s = &self.instances[i];
+                self.cfg.instances[i].location == Location::EdgeNode
+                    && s.up
+                    && s.takes_from.is_some_and(|from| info.priority >= from)
+                    && self.class_allows(info.class, i)
+            })
+    }
+
     pub fn breaker(&self, instance: usize) -> BreakerState {
         self.instances[instance].breaker
     }
@@ -485,6 +519,12 @@ impl Policy {
     fn serving(&self, instance: usize) -> bool {
         let i = &self.instances[instance];
         i.up && i.breaker != BreakerState::Open
+    }
+
+    /// Serving, and for all work (not a pool instance that only queues
+    /// low-priority work): what the degradation level counts.
+    fn serving_all(&self, instance: usize) -> bool {
+        self.serving(instance) && self.instances[instance].takes_from.is_none()
     }
 
     /// The fallback chain of a task, in order, with only the instances its
@@ -503,6 +543,7 @@ impl Policy {
                     let ip = &self.cfg.instances[i];
                     ip.location == loc
                         && self.class_allows(info.class, i)
+                        && self.takes(i, info.priority)
                         && (loc != Location::Local || self.residency_allows(model, info))
                 })
                 .collect()
@@ -570,7 +611,7 @@ impl Policy {
             let ip = &self.cfg.instances[i];
             ip.location != Location::Local
                 && (ip.location != Location::Cloud || self.cfg.allow_cloud)
-                && self.serving(i)
+                && self.serving_all(i)
         });
         if serving > 0 || remote {
             return 1;
@@ -770,7 +811,10 @@ impl Policy {
             return Err(busy(ErrorCode::ResourceExhausted, format!("not admitting new work: {why}"), retry.max(5000)));
         }
         let level = self.model_degradation(info.model);
-        if (1..=2).contains(&level) && info.priority > self.cfg.admit_at_level[usize::from(level) - 1] {
+        if (1..=2).contains(&level)
+            && info.priority > self.cfg.admit_at_level[usize::from(level) - 1]
+            && !self.pool_queues(info.model, &info)
+        {
             return Err(busy(
                 ErrorCode::QueueFull,
                 format!(
@@ -1055,8 +1099,11 @@ impl Policy {
             )));
         }
 
-        // Rates, charged last so a refused task costs nothing.
-        let rpm = app.user_requests_per_minute.filter(|_| again.is_none() && per_user);
+        // Rates, charged last so a refused task costs nothing; a task
+        // another node forwarded here was charged there, where its caller
+        // called (its queue caps still hold here).
+        let rated = again.is_none() && per_user && !info.forwarded;
+        let rpm = app.user_requests_per_minute.filter(|_| rated);
         if let Some(rpm) = rpm {
             if !self.rpm.contains_key(&user_key) {
                 Self::make_room_for_bucket(&mut self.rpm, &self.cfg, now, |a| {
@@ -1073,7 +1120,7 @@ impl Policy {
             }
         }
         let charged = u64::from(info.input_tokens) + u64::from(info.max_output_tokens);
-        if let Some(tpm) = app.user_tokens_per_minute.filter(|_| again.is_none() && per_user) {
+        if let Some(tpm) = app.user_tokens_per_minute.filter(|_| rated) {
             if !self.tpm.contains_key(&user_key) {
                 Self::make_room_for_bucket(&mut self.tpm, &self.cfg, now, |a| {
                     a.user_tokens_per_minute.map(|t| t as f64)

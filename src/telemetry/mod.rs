@@ -104,6 +104,13 @@ pub struct Metrics {
     /// Registry writes (this node's record, its bucket) that failed, by
     /// operation (`bucket`, `put`, `purge`).
     pub cluster_publish_failures: IntCounterVec,
+    /// The pool's work queue (store and forward), by `outcome`: `queued`
+    /// (this node put a task there), and for what this node pulled:
+    /// `taken` (it runs the task), `duplicate` (another node had taken that
+    /// delivery), `requeued` (no room after all: offered again), `expired`
+    /// (past its deadline), `abandoned` (nobody waits for it any more),
+    /// `refused` (not this pool's, or not allowed).
+    pub pool_work: IntCounterVec,
     /// NATS reply streams whose caller was gone (task cancelled), by how it
     /// was noticed (`no_responders`, `bus_unavailable`).
     pub nats_callers_lost: IntCounterVec,
@@ -342,6 +349,11 @@ impl Metrics {
                 "cluster_publish_failures_total",
                 "Node registry writes that failed, by operation",
                 &["op"],
+            ),
+            pool_work: counter(
+                "pool_work_total",
+                "Tasks through the pool's work queue (store and forward), by outcome",
+                &["outcome"],
             ),
             cost: {
                 let c = prometheus::CounterVec::new(

@@ -200,7 +200,7 @@ def test_service_discovery(edgeway, nats):
 
     info, ping = run(main())
     assert ping["name"] == info["name"] == "edgeway"
-    assert {e["subject"] for e in info["endpoints"]} == {"ai.v1.chat", "ai.v1.cancel"}
+    assert {e["subject"] for e in info["endpoints"]} == {"ai.v1.chat", "ai.v1.cancel", "ai.v1.resume"}
 
 
 def test_lifecycle_events_of_an_http_task(edgeway, nats):

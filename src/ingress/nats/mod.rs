@@ -31,6 +31,7 @@ pub mod forward;
 pub mod lifecycle;
 pub mod registry;
 pub mod service;
+pub mod work;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -203,7 +204,12 @@ pub fn start(
         // With the pool's key, pool instances forward over this bus.
         let key = gw.config().cluster.as_ref().and_then(|c| c.key.clone());
         if let (Some(pool), Some(key)) = (gw.pool().cloned(), key) {
-            let peers = forward::NodePeers { client: client.clone(), cfg: cfg.clone(), pool, key };
+            let queue = gw.config().cluster.as_ref().map(|c| forward::WorkQueue {
+                js: async_nats::jetstream::new(client.clone()),
+                from: c.queue_from,
+                metrics: gw.metrics().clone(),
+            });
+            let peers = forward::NodePeers { client: client.clone(), cfg: cfg.clone(), pool, key, queue };
             gw.peers().set(Arc::new(peers));
         }
         service::run(client, cfg, gw, status, t, shutdown).await;

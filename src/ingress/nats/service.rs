@@ -1,5 +1,6 @@
 //! The `edgeway` NATS micro service: `{prefix}.chat` (streamed
-//! request/reply) and `{prefix}.cancel`, found by `$SRV.PING/INFO/STATS`.
+//! request/reply), `{prefix}.cancel` and `{prefix}.resume`, found by
+//! `$SRV.PING/INFO/STATS`.
 //!
 //! A chat request is the shared request JSON with the caller's credential
 //! in a header (`Authorization: Bearer …` or `X-Api-Key`). Its events (the
@@ -17,7 +18,9 @@
 //! request whose reply subject lies under edgeway's own inbox is refused). When the caller has stopped listening (it
 //! unsubscribed from its inbox or its connection closed), the NATS server
 //! answers such a message at once with a `503 no responders` status, and
-//! the task is cancelled: the engine is freed at the next event. While a
+//! the task is cancelled: the engine is freed at the next event (unless
+//! the request said `on_disconnect: "continue"`: then the task runs on and
+//! the caller reads it again with `{prefix}.resume`). While a
 //! task produces no event (queued, long prompt processing) an empty
 //! `Edgeway-Event: keepalive` message is sent every `keepalive_ms` to the
 //! same effect. A stream that cannot publish for `caller_timeout_ms` (the
@@ -108,16 +111,16 @@ impl Drop for StreamGuard {
 }
 
 /// What every handler needs.
-struct Ctx {
-    gw: Arc<Gateway>,
+pub(super) struct Ctx {
+    pub(super) gw: Arc<Gateway>,
     /// The bus state: a reply stream ends when the bus has been away too long.
-    status: NatsStatus,
-    cfg: NatsConfig,
-    client: async_nats::Client,
+    pub(super) status: NatsStatus,
+    pub(super) cfg: NatsConfig,
+    pub(super) client: async_nats::Client,
     /// `{inbox}`: probe replies come back on `{inbox}.{token}`.
-    probe_inbox: String,
+    pub(super) probe_inbox: String,
     streams: Arc<Streams>,
-    shutdown: CancellationToken,
+    pub(super) shutdown: CancellationToken,
 }
 
 /// Registers the service and serves its endpoints until `shutdown`. The
@@ -159,6 +162,11 @@ pub async fn run(
     };
     let chat = endpoint("chat", "request JSON in; accepted, delta…, done|error events to the reply subject").await;
     let cancel = endpoint("cancel", "{\"request_id\": …} cancels that task of the caller's application").await;
+    let resume = endpoint(
+        "resume",
+        "{\"request_id\": …, \"from_seq\": n} streams that task's events again from seq n to the reply subject",
+    )
+    .await;
     // Tasks other nodes of the pool forward here (signed with the pool's
     // key; see `forward`): this node's own subjects.
     let node = node_endpoints(&service, &cfg, &gw).await;
@@ -172,10 +180,15 @@ pub async fn run(
     };
     let probe_inbox = client.new_inbox();
     let probes = client.subscribe(format!("{probe_inbox}.*")).await;
-    let (mut chat, mut cancel, mut probes) = match (chat, cancel, probes) {
-        (Ok(c), Ok(x), Ok(p)) => (c, x, p),
-        (c, x, p) => {
-            let e = [c.err().map(|e| e.to_string()), x.err().map(|e| e.to_string()), p.err().map(|e| e.to_string())];
+    let (mut chat, mut cancel, mut resume, mut probes) = match (chat, cancel, resume, probes) {
+        (Ok(c), Ok(x), Ok(r), Ok(p)) => (c, x, r, p),
+        (c, x, r, p) => {
+            let e = [
+                c.err().map(|e| e.to_string()),
+                x.err().map(|e| e.to_string()),
+                r.err().map(|e| e.to_string()),
+                p.err().map(|e| e.to_string()),
+            ];
             tracing::error!(error = ?e, "cannot subscribe the NATS endpoints");
             return;
         }
@@ -190,6 +203,8 @@ pub async fn run(
         streams: Arc::default(),
         shutdown: shutdown.clone(),
     });
+    // The pool's work queue: this node pulls what it has room for.
+    tracker.spawn(super::work::run(ctx.clone(), tracker.clone()));
     if let Some(js) = cfg.jetstream.clone() {
         tracker.spawn(super::lifecycle::keep_stream(
             client.clone(),
@@ -207,6 +222,9 @@ pub async fn run(
             }
             Some(req) = cancel.next() => {
                 tracker.spawn(handle_cancel(ctx.clone(), req));
+            }
+            Some(req) = resume.next() => {
+                tracker.spawn(handle_resume(ctx.clone(), req));
             }
             Some(req) = next(&mut node_chat) => {
                 tracker.spawn(handle_node_chat(ctx.clone(), req));
@@ -294,7 +312,7 @@ pub fn credential(headers: Option<&HeaderMap>) -> Option<String> {
     api_key
 }
 
-fn headers_for(event: &str) -> HeaderMap {
+pub(super) fn headers_for(event: &str) -> HeaderMap {
     let mut h = HeaderMap::new();
     h.insert(EVENT_HEADER, event);
     h
@@ -303,7 +321,7 @@ fn headers_for(event: &str) -> HeaderMap {
 /// Headers of a terminal error: the micro-service convention
 /// (`Nats-Service-Error`, `Nats-Service-Error-Code`), so generic NATS
 /// service clients see a failed call.
-fn error_headers(e: &GatewayError) -> HeaderMap {
+pub(super) fn error_headers(e: &GatewayError) -> HeaderMap {
     let mut h = headers_for("error");
     let text: String = format!("{}: {}", e.code.as_str(), e.message).chars().filter(|c| !c.is_control()).collect();
     h.insert(async_nats::service::NATS_SERVICE_ERROR, text.as_str());
@@ -311,7 +329,7 @@ fn error_headers(e: &GatewayError) -> HeaderMap {
     h
 }
 
-fn to_bytes(v: &Value) -> Bytes {
+pub(super) fn to_bytes(v: &Value) -> Bytes {
     Bytes::from(serde_json::to_vec(v).expect("JSON values serialize"))
 }
 
@@ -379,20 +397,70 @@ async fn run_chat(
     opts: SubmitOptions,
     check: impl FnOnce(&mut Call) -> Result<(), GatewayError>,
 ) {
-    let gw = &ctx.gw;
-    let mut call = match gw.prepare(caller, &req.message.payload, Ingress::Nats, opts) {
-        Ok(c) => c,
-        Err(e) => return reject(&req, None, &e).await,
+    let mut keep = false;
+    let checked = |call: &mut Call| {
+        keep = on_disconnect_continues(call)?;
+        check(call)
     };
+    match start_chat(&ctx.gw, &req.message.payload, caller, opts, checked).await {
+        Ok(mut stream) => {
+            if keep {
+                stream.detach();
+            }
+            relay(ctx, Some(req), reply, stream).await
+        }
+        Err((request_id, e)) => reject(&req, request_id.as_deref(), &e).await,
+    }
+}
+
+/// The request's `on_disconnect`: `"cancel"` (the default: a caller that
+/// stops listening cancels its task) or `"continue"` (the task runs on;
+/// the caller reads it again with `{prefix}.resume`).
+fn on_disconnect_continues(call: &mut Call) -> Result<bool, GatewayError> {
+    match call.body_mut().extra.remove("on_disconnect") {
+        None | Some(Value::Null) => Ok(false),
+        Some(v) if v == "cancel" => Ok(false),
+        Some(v) if v == "continue" => Ok(true),
+        Some(_) => Err(GatewayError::invalid("'on_disconnect' must be \"continue\" or \"cancel\"")),
+    }
+}
+
+/// Prepares a chat call, lets `check` refuse or amend it, and submits it:
+/// its stream, or the refusal with the request id when it got that far.
+pub(super) async fn start_chat(
+    gw: &Gateway,
+    payload: &[u8],
+    caller: Caller<'_>,
+    opts: SubmitOptions,
+    check: impl FnOnce(&mut Call) -> Result<(), GatewayError>,
+) -> Result<TaskStream, (Option<String>, GatewayError)> {
+    let mut call = gw.prepare(caller, payload, Ingress::Nats, opts).map_err(|e| (None, e))?;
     let request_id = call.body().request_id.clone();
     if let Err(e) = check(&mut call) {
-        return reject(&req, request_id.as_deref(), &gw.refused(Ingress::Nats, e)).await;
+        return Err((request_id, gw.refused(Ingress::Nats, e)));
     }
-    let stream = match gw.submit_call(call).await {
-        Ok(s) => s,
-        Err(e) => return reject(&req, request_id.as_deref(), &e).await,
-    };
-    relay(ctx, req, reply, stream).await;
+    gw.submit_call(call).await.map_err(|e| (request_id, e))
+}
+
+/// The check and mark of a task another node of the pool sent here
+/// (forwarded, or taken from the work queue): a class above this node's
+/// `max_data_class` is refused; the task is marked
+/// `routing.forwarded_from`, so it is never forwarded again.
+pub(super) fn forwarded_here(
+    config: &crate::config::Config,
+    origin_node: &str,
+    call: &mut Call,
+) -> Result<(), GatewayError> {
+    let max = config.cluster.as_ref().map_or(crate::task::DataClass::Public, |c| c.max_data_class);
+    let class = call.body().routing.as_ref().and_then(|r| r.data_class);
+    if class.is_none_or(|c| c > max) {
+        return Err(GatewayError::new(
+            crate::error::ErrorCode::PermissionDenied,
+            format!("this node may receive at most {} data from other nodes", max.as_str()),
+        ));
+    }
+    call.body_mut().routing.get_or_insert_with(Default::default).forwarded_from = Some(origin_node.to_string());
+    Ok(())
 }
 
 /// `{prefix}.node.{node_id}.chat`: a task another node forwarded. Its
@@ -417,18 +485,18 @@ async fn handle_node_chat(ctx: Arc<Ctx>, req: Request) {
             return reject(&req, None, &gw.refused(Ingress::Nats, e)).await;
         }
     };
+    if fwd.origin_node == config.node_id {
+        return reject(
+            &req,
+            None,
+            &gw.refused(Ingress::Nats, GatewayError::invalid("a node does not forward to itself")),
+        )
+        .await;
+    }
     let opts = SubmitOptions { traceparent: header(m.headers.as_ref(), "traceparent"), ..Default::default() };
-    let max = config.cluster.as_ref().map_or(crate::task::DataClass::Public, |c| c.max_data_class);
     let (origin_node, origin_task) = (fwd.origin_node, fwd.origin_task);
     run_chat(&ctx, req, reply, Caller::Identity(fwd.identity), opts, |call| {
-        let class = call.body().routing.as_ref().and_then(|r| r.data_class);
-        if class.is_none_or(|c| c > max) {
-            return Err(GatewayError::new(
-                crate::error::ErrorCode::PermissionDenied,
-                format!("this node may receive at most {} data from other nodes", max.as_str()),
-            ));
-        }
-        call.body_mut().routing.get_or_insert_with(Default::default).forwarded_from = Some(origin_node.clone());
+        forwarded_here(&config, &origin_node, call)?;
         tracing::info!(%origin_node, %origin_task, "task forwarded here");
         Ok(())
     })
@@ -464,8 +532,19 @@ enum Lost {
 }
 
 /// Streams the task's events to `reply` until the terminal event (sent as
-/// the service response) or until the caller is gone.
-async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) {
+/// the service response to `req`, or published when the task came from
+/// the work queue) or until the caller is gone.
+pub(super) async fn relay(ctx: &Ctx, req: Option<Request>, reply: Subject, mut stream: TaskStream) {
+    let terminal = |body: Bytes, headers: HeaderMap| async {
+        match &req {
+            Some(req) => {
+                let _ = req.respond_with_headers(Ok(body), headers).await;
+            }
+            None => {
+                let _ = ctx.client.publish_with_headers(reply.clone(), headers, body).await;
+            }
+        }
+    };
     let (n, gone, _guard) = ctx.streams.register();
     // A Subject: cloning it per message shares its bytes (a String would
     // be copied for every delta).
@@ -488,11 +567,11 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
                 let body = to_bytes(&event_json(seq, &stream.request_id, &stream.trace_id, &ev));
                 match &ev {
                     TaskEvent::Done(_) => {
-                        let _ = req.respond_with_headers(Ok(body), headers_for("done")).await;
+                        terminal(body, headers_for("done")).await;
                         break None;
                     }
                     TaskEvent::Error { error, .. } => {
-                        let _ = req.respond_with_headers(Ok(body), error_headers(error)).await;
+                        terminal(body, error_headers(error)).await;
                         break None;
                     }
                     TaskEvent::Accepted { .. }
@@ -548,6 +627,12 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
             Lost::BusUnavailable => ("bus_unavailable", "NATS bus unavailable to the reply stream"),
         };
         ctx.gw.metrics().nats_callers_lost.with_label_values(&[label]).inc();
+        if !stream.cancels_on_drop() {
+            // `on_disconnect: "continue"`, or a resumed stream: the task
+            // runs on for a later resume.
+            tracing::info!(task_id = %stream.task_id, reason = why, "NATS caller gone; its task continues");
+            return;
+        }
         tracing::info!(task_id = %stream.task_id, reason = why, "cancelling a NATS task whose caller is gone");
         stream.cancel_handle().cancel(why, "client");
     }
@@ -556,6 +641,71 @@ async fn relay(ctx: &Ctx, req: Request, reply: Subject, mut stream: TaskStream) 
 #[derive(Deserialize)]
 struct CancelBody {
     request_id: String,
+}
+
+/// The caller (from the credential header) and the JSON body of a
+/// `cancel` or `resume` request; `None` once the refusal is answered
+/// (`shape` says what the body should be).
+async fn caller_and_body<T: serde::de::DeserializeOwned>(
+    gw: &Gateway,
+    req: &Request,
+    shape: &str,
+) -> Option<(crate::task::Identity, T)> {
+    let identity = match gw.authenticate(credential(req.message.headers.as_ref()).as_deref()) {
+        Ok(i) => i,
+        Err(e) => {
+            reject(req, None, &e).await;
+            return None;
+        }
+    };
+    match serde_json::from_slice(&req.message.payload) {
+        Ok(b) => Some((identity, b)),
+        Err(e) => {
+            reject(req, None, &GatewayError::invalid(format!("{shape}: {e}"))).await;
+            None
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct ResumeBody {
+    request_id: String,
+    from_seq: u64,
+}
+
+/// `{prefix}.resume`: streams the events of a task the caller's own
+/// application started over NATS (by its request id) again from
+/// `from_seq`, then its live tail, to the request's reply subject, as the
+/// reply stream of a chat: for a caller that came back to a task started
+/// with `on_disconnect: "continue"`, or to one that has ended (while its
+/// events are kept). Leaving it again never cancels the task. An `error`
+/// event (`INVALID_REQUEST`, `seq` = `from_seq`) when the task is unknown
+/// or its events are no longer kept.
+async fn handle_resume(ctx: Arc<Ctx>, req: Request) {
+    let gw = &ctx.gw;
+    let Some(reply) = req.message.reply.clone() else {
+        gw.refused(Ingress::Nats, GatewayError::invalid("a resume needs a reply subject (use request/reply)"));
+        return;
+    };
+    if reply_refused(&ctx, &req) {
+        return;
+    }
+    let shape = "a resume is {\"request_id\": \"…\", \"from_seq\": n}";
+    let Some((identity, body)) = caller_and_body::<ResumeBody>(gw, &req, shape).await else { return };
+    let (rid, from) = (body.request_id, body.from_seq);
+    match gw.find_request(&identity, Ingress::Nats, &rid).and_then(|t| gw.attach(&t, from)) {
+        Some(stream) => relay(&ctx, Some(req), reply, stream).await,
+        None => {
+            let e = GatewayError::invalid(format!(
+                "cannot resume '{rid}' from seq {from}: unknown request, or its events are no longer kept"
+            ));
+            let mut v = rejection_json(Some(&rid), &gw.refused(Ingress::Nats, e.clone()));
+            v["seq"] = from.into();
+            if req.message.reply.is_some() {
+                let _ = req.respond_with_headers(Ok(to_bytes(&v)), error_headers(&e)).await;
+            }
+        }
+    }
 }
 
 /// `{prefix}.cancel`: cancels a task that the caller's own application
@@ -569,17 +719,8 @@ async fn handle_cancel(ctx: Arc<Ctx>, req: Request) {
     if reply_refused(&ctx, &req) {
         return;
     }
-    let identity = match gw.authenticate(credential(req.message.headers.as_ref()).as_deref()) {
-        Ok(i) => i,
-        Err(e) => return reject(&req, None, &e).await,
-    };
-    let body: CancelBody = match serde_json::from_slice(&req.message.payload) {
-        Ok(b) => b,
-        Err(e) => {
-            let e = GatewayError::invalid(format!("a cancel message is {{\"request_id\": \"…\"}}: {e}"));
-            return reject(&req, None, &e).await;
-        }
-    };
+    let shape = "a cancel message is {\"request_id\": \"…\"}";
+    let Some((identity, body)) = caller_and_body::<CancelBody>(gw, &req, shape).await else { return };
     let rid = body.request_id;
     let Some(c) = gw.cancel_request(&identity, Ingress::Nats, &rid, "cancelled over NATS") else {
         let e = GatewayError::invalid(format!("no known NATS task with request_id '{rid}' for this application"));

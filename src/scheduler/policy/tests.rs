@@ -182,6 +182,12 @@ fn rates_answer_with_their_own_codes_and_retry_times() {
     let mut other = task("6", Priority::P2, "a");
     other.user = "v".into();
     p.enqueue(other, t).unwrap();
+    // A task another node forwarded here was charged there.
+    let w = |id: &str| TaskInfo { user: "w".into(), ..task(id, Priority::P2, "a") };
+    p.enqueue(w("7"), t).unwrap();
+    p.enqueue(w("8"), t).unwrap();
+    assert_eq!(p.enqueue(w("9"), t).unwrap_err().code, ErrorCode::RateLimited);
+    p.enqueue(TaskInfo { forwarded: true, ..w("10") }, t).unwrap();
 }
 
 #[test]
@@ -1137,4 +1143,37 @@ fn a_session_turn_returns_to_its_instance_and_slot_unless_it_is_busier() {
     p.enqueue(turn("t4"), T0).unwrap();
     p.enqueue(task("urgent", Priority::P1, "a"), T0).unwrap();
     assert_eq!(p.next_grant(T0).unwrap().task_id, "urgent");
+}
+
+#[test]
+fn a_pool_instance_that_only_queues_takes_low_priority_work_and_leaves_the_rest_to_the_canned_answer() {
+    // Model 0 on local instance 0 (down) and pool instance 1.
+    let mut c = chain_cfg(false, true);
+    c.instances[1] = InstancePolicy {
+        name: "pool".into(),
+        location: Location::EdgeNode,
+        max_data_class: DataClass::Sensitive,
+        ..c.instances[1].clone()
+    };
+    let mut p = Policy::new(c);
+    p.set_instance_up(0, false);
+    // No node serves now; the pool's work queue holds P3 and P4.
+    p.set_takes_from(1, Some(Priority::P3));
+    assert_eq!(p.model_degradation(0), 2, "a queue serves nothing now");
+    let a = p.enqueue(classed("alarm", Priority::P1, DataClass::Personal), T0).unwrap();
+    assert_eq!(a.step, FallbackStep::Canned);
+    // P4 would be deferred at level 2 (admit_at_level: P2); it waits in
+    // the pool's queue instead.
+    let a = p.enqueue(classed("batch", Priority::P4, DataClass::Personal), T0).unwrap();
+    assert_eq!(a.step, FallbackStep::EdgeNode);
+    assert_eq!(p.next_grant(T0).map(|g| (g.task_id, g.instance)), Some(("batch".to_string(), 1)));
+    // A secret task never leaves the node, queued or not.
+    let e = p.enqueue(classed("secret", Priority::P4, DataClass::Secret), T0).unwrap_err();
+    assert_eq!(e.code, ErrorCode::QueueFull, "{}", e.message);
+    // A node serves again: the pool takes all work.
+    p.set_takes_from(1, None);
+    assert_eq!(p.model_degradation(0), 1);
+    let a = p.enqueue(classed("alarm2", Priority::P1, DataClass::Personal), T0).unwrap();
+    assert_eq!(a.step, FallbackStep::EdgeNode);
+    p.check();
 }
