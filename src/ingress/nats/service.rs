@@ -365,17 +365,24 @@ fn reply_refused(ctx: &Ctx, req: &Request) -> bool {
     true
 }
 
-async fn handle_chat(ctx: Arc<Ctx>, req: Request) {
-    let gw = &ctx.gw;
+/// The reply subject a streaming endpoint answers on: `None` (refused,
+/// counted, nothing published) when the request has none (`missing` says
+/// what it needs) or names one that is not the caller's inbox
+/// ([`reply_refused`]).
+fn stream_reply(ctx: &Ctx, req: &Request, missing: &str) -> Option<Subject> {
     let Some(reply) = req.message.reply.clone() else {
         // Nobody to stream to: refuse rather than run a task for nobody.
-        gw.refused(Ingress::Nats, GatewayError::invalid("a chat request needs a reply subject (use request/reply)"));
-        tracing::debug!(subject = %req.message.subject, "NATS chat request without reply subject ignored");
+        ctx.gw.refused(Ingress::Nats, GatewayError::invalid(missing));
+        tracing::debug!(subject = %req.message.subject, "NATS request without a reply subject refused");
+        return None;
+    };
+    (!reply_refused(ctx, req)).then_some(reply)
+}
+
+async fn handle_chat(ctx: Arc<Ctx>, req: Request) {
+    let Some(reply) = stream_reply(&ctx, &req, "a chat request needs a reply subject (use request/reply)") else {
         return;
     };
-    if reply_refused(&ctx, &req) {
-        return;
-    }
     let cred = credential(req.message.headers.as_ref());
     let caller = Caller::Credential(cred.as_deref());
     let all = req.message.headers.clone();
@@ -469,13 +476,7 @@ pub(super) fn forwarded_here(
 /// `routing.forwarded_from` and streamed back like any NATS caller's.
 async fn handle_node_chat(ctx: Arc<Ctx>, req: Request) {
     let gw = &ctx.gw;
-    let Some(reply) = req.message.reply.clone() else {
-        gw.refused(Ingress::Nats, GatewayError::invalid("a forward needs a reply subject"));
-        return;
-    };
-    if reply_refused(&ctx, &req) {
-        return;
-    }
+    let Some(reply) = stream_reply(&ctx, &req, "a forward needs a reply subject") else { return };
     let config = gw.config();
     let m = &req.message;
     let fwd = match super::forward::verify(&config, m.subject.as_str(), m.headers.as_ref(), &m.payload) {
@@ -683,13 +684,9 @@ struct ResumeBody {
 /// or its events are no longer kept.
 async fn handle_resume(ctx: Arc<Ctx>, req: Request) {
     let gw = &ctx.gw;
-    let Some(reply) = req.message.reply.clone() else {
-        gw.refused(Ingress::Nats, GatewayError::invalid("a resume needs a reply subject (use request/reply)"));
+    let Some(reply) = stream_reply(&ctx, &req, "a resume needs a reply subject (use request/reply)") else {
         return;
     };
-    if reply_refused(&ctx, &req) {
-        return;
-    }
     let shape = "a resume is {\"request_id\": \"…\", \"from_seq\": n}";
     let Some((identity, body)) = caller_and_body::<ResumeBody>(gw, &req, shape).await else { return };
     let (rid, from) = (body.request_id, body.from_seq);
