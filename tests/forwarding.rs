@@ -31,13 +31,9 @@ const KEY_ENV: &str = "EDGEWAY_TEST_POOL_KEY";
 const KEY: &str = "a-test-key-of-the-pool-0123456789abcdef";
 
 /// The configuration of node `id` on `nats`, with `fake` as its engine;
-/// `pool`: with a pool instance after it in `general-chat`'s instances.
-fn node_config(tmp: &TempDir, nats: &str, id: &str, max_class: &str, fake: &FakeEngine, pool: bool) -> String {
-    node_config_with(tmp, nats, id, max_class, fake, pool, "")
-}
-
-/// [`node_config`] with `more` TOML at its end.
-fn node_config_with(
+/// `pool`: with a pool instance after it in `general-chat`'s instances;
+/// `more` TOML at its end.
+fn node_config(
     tmp: &TempDir,
     nats: &str,
     id: &str,
@@ -83,7 +79,7 @@ async fn node_with(
     more: &str,
 ) -> (TempDir, TestGateway) {
     let tmp = TempDir::new("edgeway-fwd");
-    let text = node_config_with(&tmp, nats, id, max_class, fake, pool, more);
+    let text = node_config(&tmp, nats, id, max_class, fake, pool, more);
     let env = vec![(KEY_ENV.to_string(), KEY.to_string())];
     let config = Config::from_toml_str(&text, env, Path::new(".")).unwrap_or_else(|e| panic!("{e}\n{text}"));
     (tmp, TestGateway::start(config).await)
@@ -258,7 +254,7 @@ async fn a_node_killed_mid_task_ends_its_running_forward_and_its_queued_one_runs
     let fc = FakeEngine::start().await;
     // Node B: a real process, one engine slot (a second task queues there).
     let tb = TempDir::new("edgeway-fwd-b");
-    let text = node_config(&tb, &nats.url(), "node-b", "sensitive", &fb, false)
+    let text = node_config(&tb, &nats.url(), "node-b", "sensitive", &fb, false, "")
         .replace("max_concurrency = 2", "max_concurrency = 1");
     let path = tb.0.join("node-b.toml");
     std::fs::write(&path, text).unwrap();

@@ -260,14 +260,14 @@ impl Gateway {
             .models
             .values()
             .map(|m| {
-                let (serving, free_slots) = local_capacity(&snap, m);
+                let c = local_capacity(&snap, m);
                 NodeModel {
                     name: m.name.clone(),
                     residency: m.residency.class.as_str().to_string(),
                     state: self.model_residency_state(m).to_string(),
-                    waiting: snap.queues.iter().find(|q| q.model == m.name).map_or(0, |q| q.waiting),
-                    serving,
-                    free_slots,
+                    waiting: c.waiting,
+                    serving: c.serving,
+                    free_slots: c.free_slots,
                 }
             })
             .collect();
@@ -304,7 +304,7 @@ impl Gateway {
         config
             .models
             .values()
-            .map(|m| (m.name.clone(), local_capacity(&snap, m).1))
+            .map(|m| (m.name.clone(), local_capacity(&snap, m).free_slots))
             .filter(|(_, free)| *free > 0)
             .collect()
     }
@@ -332,9 +332,17 @@ impl Gateway {
     }
 }
 
-/// Whether some local instance of `model` is healthy, and the slots free on
-/// them less the requests waiting for the model.
-fn local_capacity(snap: &crate::scheduler::Snapshot, model: &crate::config::ModelConfig) -> (bool, usize) {
+/// What this node has for one logical model now (its record's figures).
+struct Capacity {
+    /// Some local instance of it is healthy.
+    serving: bool,
+    /// The slots free on those instances less the requests waiting.
+    free_slots: usize,
+    /// Requests waiting in its queue.
+    waiting: usize,
+}
+
+fn local_capacity(snap: &crate::scheduler::Snapshot, model: &crate::config::ModelConfig) -> Capacity {
     let local = crate::task::Location::Local.as_str();
     let mut serving = false;
     let mut free = 0;
@@ -352,7 +360,7 @@ fn local_capacity(snap: &crate::scheduler::Snapshot, model: &crate::config::Mode
         }
     }
     let waiting = snap.queues.iter().find(|q| q.model == model.name).map_or(0, |q| q.waiting);
-    (serving, free.saturating_sub(waiting))
+    Capacity { serving, free_slots: free.saturating_sub(waiting), waiting }
 }
 
 #[cfg(test)]
