@@ -85,37 +85,83 @@ fn event_body(seq: u64, request_id: &str, e: &TaskEvent) -> Value {
     }
 }
 
-/// One event of a compact MQTT stream (topics/README.md "Compact
-/// streams"): the `seq` in decimal, then for a delta `:` and its text as
-/// it is, for any other event the JSON object of [`event_json`] without
-/// `seq`, `request_id` (but for `accepted`, which ties the stream id to
-/// the request) and `trace_id`; `done` carries `finish_reason` and `usage`
-/// instead of the whole result, `error` no result (both are in the task's
-/// record).
-pub fn compact_event(seq: u64, request_id: &str, e: &TaskEvent) -> Vec<u8> {
-    let mut out = seq.to_string().into_bytes();
-    if let TaskEvent::Delta { text } = e {
-        out.push(b':');
-        out.extend_from_slice(text.as_bytes());
-        return out;
-    }
-    let mut v = event_body(seq, request_id, e);
-    if let Some(o) = v.as_object_mut() {
-        o.remove("seq");
-        if !matches!(e, TaskEvent::Accepted { .. }) {
-            o.remove("request_id");
+/// A compact stream's seq is written on every message that is not a delta,
+/// on the first message each sender publishes, and on every delta whose
+/// seq is a multiple of this (topics/README.md "Compact streams"): a
+/// device counts the others, and a written seq it did not count shows a
+/// loss within at most this many messages.
+pub const COMPACT_SEQ_EVERY: u64 = 16;
+
+/// The body of one event of a compact MQTT stream (topics/README.md
+/// "Compact streams"), without its `seq` (the sender writes it, or leaves
+/// it to be counted: [`compact_wire`]):
+/// - a delta: `:` and its text as it is;
+/// - `accepted`: `+` and the request id (the one message that names the
+///   request), then ` ` and the queue position when it is not 0;
+/// - `done`: `.`, the finish reason (`-` for none), ` ` input tokens,
+///   ` ` output tokens, then ` estimated` and ` text_not_kept` when set
+///   (the whole result is in the task's record);
+/// - any other event: the JSON object of [`event_json`] without `seq`,
+///   `request_id`, `trace_id` and `result`.
+pub fn compact_body(request_id: &str, e: &TaskEvent) -> Vec<u8> {
+    match e {
+        TaskEvent::Delta { text } => {
+            let mut out = Vec::with_capacity(1 + text.len());
+            out.push(b':');
+            out.extend_from_slice(text.as_bytes());
+            out
         }
-        o.remove("result");
-    }
-    if let TaskEvent::Done(meta) = e {
-        v["finish_reason"] = meta.finish_reason.clone().into();
-        v["usage"] = serde_json::to_value(meta.usage).unwrap_or(Value::Null);
-        if meta.text_not_kept {
-            v["text_not_kept"] = true.into();
+        TaskEvent::Accepted { queue_position, .. } => match queue_position {
+            0 => format!("+{request_id}").into_bytes(),
+            n => format!("+{request_id} {n}").into_bytes(),
+        },
+        TaskEvent::Done(meta) => {
+            let u = meta.usage;
+            let mut out = format!(
+                ".{} {} {}",
+                meta.finish_reason.as_deref().filter(|r| !r.is_empty() && !r.contains(' ')).unwrap_or("-"),
+                u.input_tokens,
+                u.output_tokens
+            );
+            if u.estimated {
+                out.push_str(" estimated");
+            }
+            if meta.text_not_kept {
+                out.push_str(" text_not_kept");
+            }
+            out.into_bytes()
+        }
+        _ => {
+            let mut v = event_body(0, request_id, e);
+            if let Some(o) = v.as_object_mut() {
+                o.remove("seq");
+                o.remove("request_id");
+                o.remove("result");
+            }
+            v.to_string().into_bytes()
         }
     }
-    out.extend_from_slice(v.to_string().as_bytes());
-    out
+}
+
+/// What a compact stream's sender publishes for message `seq` of body
+/// `body` ([`compact_body`]); `first`: the first message this sender
+/// publishes. The seq is written (in decimal, before the body) on the
+/// first message, on anything but a delta and every
+/// [`COMPACT_SEQ_EVERY`]th delta; a delta without it drops its `:` too
+/// unless its text starts with a digit or `:` (which would read as a seq or
+/// as the marker).
+pub fn compact_wire(seq: u64, body: &bytes::Bytes, first: bool) -> bytes::Bytes {
+    let delta = body.first() == Some(&b':');
+    if first || !delta || seq % COMPACT_SEQ_EVERY == 0 {
+        let mut out = Vec::with_capacity(20 + body.len());
+        out.extend_from_slice(seq.to_string().as_bytes());
+        out.extend_from_slice(body);
+        return out.into();
+    }
+    match body.get(1) {
+        Some(c) if !c.is_ascii_digit() && *c != b':' => body.slice(1..),
+        _ => body.clone(),
+    }
 }
 
 /// An `error` event for a request that never became a task (bad input,
@@ -149,26 +195,51 @@ mod tests {
     use super::*;
     use crate::error::GatewayError;
     use crate::task::{ResultMeta, TaskState};
+    use bytes::Bytes;
 
     #[test]
-    fn compact_events_carry_the_seq_and_only_accepted_names_the_request() {
+    fn compact_bodies_are_minimal_and_only_accepted_names_the_request() {
         let text = |b: Vec<u8>| String::from_utf8(b).unwrap();
         let delta = TaskEvent::Delta { text: "a \"quoted\"\nline".into() };
-        assert_eq!(text(compact_event(12, "r1", &delta)), "12:a \"quoted\"\nline");
+        assert_eq!(text(compact_body("r1", &delta)), ":a \"quoted\"\nline");
         let accepted = TaskEvent::Accepted { task_id: "t1".into(), queue_position: 0 };
-        let v: Value = serde_json::from_str(&text(compact_event(0, "r1", &accepted))[1..]).unwrap();
-        assert_eq!(v, json!({"type": "accepted", "request_id": "r1", "task_id": "t1", "queue_position": 0}));
+        assert_eq!(text(compact_body("r1", &accepted)), "+r1");
+        let queued = TaskEvent::Accepted { task_id: "t1".into(), queue_position: 3 };
+        assert_eq!(text(compact_body("r1", &queued)), "+r1 3");
         let mut meta = ResultMeta::bare("r1", "t1", TaskState::Succeeded, "m", "n");
         meta.finish_reason = Some("stop".into());
-        let done = text(compact_event(3, "r1", &TaskEvent::Done(Box::new(meta.clone()))));
-        let v: Value = serde_json::from_str(done.strip_prefix('3').unwrap()).unwrap();
-        assert_eq!(v["type"], "done");
-        assert_eq!(v["finish_reason"], "stop");
-        assert_eq!(v["usage"]["output_tokens"], 0);
-        assert!(v.get("result").is_none() && v.get("request_id").is_none() && v.get("seq").is_none());
+        meta.usage.input_tokens = 12;
+        meta.usage.output_tokens = 256;
+        assert_eq!(text(compact_body("r1", &TaskEvent::Done(Box::new(meta.clone())))), ".stop 12 256");
+        let mut odd = meta.clone();
+        (odd.finish_reason, odd.usage.estimated, odd.text_not_kept) = (None, true, true);
+        assert_eq!(text(compact_body("r1", &TaskEvent::Done(Box::new(odd)))), ".- 12 256 estimated text_not_kept");
         let error = TaskEvent::Error { error: GatewayError::internal("boom"), meta: Box::new(meta) };
-        let v: Value = serde_json::from_str(&text(compact_event(4, "r1", &error))[1..]).unwrap();
-        assert_eq!((&v["code"], &v["message"]), (&json!("INTERNAL_ERROR"), &json!("boom")));
-        assert!(v.get("result").is_none() && v.get("request_id").is_none());
+        let v: Value = serde_json::from_slice(&compact_body("r1", &error)).unwrap();
+        assert_eq!(
+            (&v["type"], &v["code"], &v["message"]),
+            (&json!("error"), &json!("INTERNAL_ERROR"), &json!("boom"))
+        );
+        assert!(v.get("result").is_none() && v.get("request_id").is_none() && v.get("seq").is_none());
+    }
+
+    #[test]
+    fn a_compact_sender_writes_the_seq_where_a_device_could_not_count_it() {
+        let wire = |seq, body: &str, first| {
+            String::from_utf8(compact_wire(seq, &Bytes::from(body.to_string()), first).to_vec()).unwrap()
+        };
+        // First of a sender, not a delta, every 16th delta: written.
+        assert_eq!(wire(5, ":text", true), "5:text");
+        assert_eq!(wire(0, "+r1", false), "0+r1");
+        assert_eq!(wire(9, ".stop 1 2", false), "9.stop 1 2");
+        assert_eq!(wire(4, "{\"type\":\"queued\"}", false), "4{\"type\":\"queued\"}");
+        assert_eq!(wire(32, ": the", false), "32: the");
+        // Otherwise counted: the marker goes too unless the text could
+        // read as a seq or as the marker.
+        assert_eq!(wire(5, ": the", false), " the");
+        assert_eq!(wire(5, ":{x}.+", false), "{x}.+");
+        assert_eq!(wire(5, ":42 is", false), ":42 is");
+        assert_eq!(wire(5, "::x", false), "::x");
+        assert_eq!(wire(5, ":", false), ":");
     }
 }

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde_json::Value;
+use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 pub use edgeway::testing::{FakeEngine, Knobs, TestGateway};
@@ -269,9 +269,19 @@ impl Device {
 
     /// Subscribes (QoS 1) and waits for the SUBACK.
     pub async fn subscribe(&mut self, filter: &str) {
-        match &self.client {
-            Client::V4(c) => c.subscribe(filter, rumqttc::QoS::AtLeastOnce).await.unwrap(),
-            Client::V5(c) => c.subscribe(filter, rumqttc::v5::mqttbytes::QoS::AtLeastOnce).await.unwrap(),
+        self.subscribe_at(filter, true).await
+    }
+
+    /// Subscribes at QoS 1 (`at_least_once`) or 0 and waits for the
+    /// SUBACK.
+    pub async fn subscribe_at(&mut self, filter: &str, at_least_once: bool) {
+        use rumqttc::v5::mqttbytes::QoS as Q5;
+        use rumqttc::QoS as Q4;
+        match (&self.client, at_least_once) {
+            (Client::V4(c), true) => c.subscribe(filter, Q4::AtLeastOnce).await.unwrap(),
+            (Client::V4(c), false) => c.subscribe(filter, Q4::AtMostOnce).await.unwrap(),
+            (Client::V5(c), true) => c.subscribe(filter, Q5::AtLeastOnce).await.unwrap(),
+            (Client::V5(c), false) => c.subscribe(filter, Q5::AtMostOnce).await.unwrap(),
         }
         self.wait_for(|e| matches!(e, Ev::SubAck)).await;
     }
@@ -483,29 +493,87 @@ impl Form {
     /// What a device of this form subscribes to: `res/#` (and `s/#` for
     /// compact streams; refusals stay on `res/{request_id}`).
     pub async fn subscribe(self, d: &mut Device) {
-        d.subscribe(&d.topic("res/#")).await;
+        self.subscribe_at(d, true).await
+    }
+
+    /// [`Form::subscribe`] at QoS 1 (`at_least_once`) or 0.
+    pub async fn subscribe_at(self, d: &mut Device, at_least_once: bool) {
+        d.subscribe_at(&d.topic("res/#"), at_least_once).await;
         if self == Form::Compact {
-            d.subscribe(&d.topic("s/#")).await;
+            d.subscribe_at(&d.topic("s/#"), at_least_once).await;
         }
     }
 }
 
-/// A compact stream message as the JSON form's object (`seq`, `type`,
-/// `text` for a delta), its JSON part validated against
-/// `topics/schemas/compact.json`.
-pub fn parse_compact(payload: &[u8]) -> Value {
-    let digits = payload.iter().take_while(|b| b.is_ascii_digit()).count();
+/// A compact stream message (topics/README.md "Compact streams") as the
+/// JSON form's object (`seq`, `type`, `text` for a delta, `request_id` and
+/// `queue_position` for `accepted`, `finish_reason` and `usage` for
+/// `done`), its JSON part validated against `topics/schemas/compact.json`;
+/// `prev`: the seq of the stream's previous message, for a message whose
+/// seq is not written. Also whether it was.
+pub fn parse_compact_message(payload: &[u8], prev: Option<u64>) -> (Value, bool) {
     let text = std::str::from_utf8(payload).expect("UTF-8");
-    let seq: u64 = text[..digits].parse().unwrap_or_else(|_| panic!("no seq: {text}"));
-    match payload.get(digits) {
-        Some(b':') => serde_json::json!({"seq": seq, "type": "delta", "text": &text[digits + 1..]}),
+    let digits = payload.iter().take_while(|b| b.is_ascii_digit()).count();
+    let counted = || prev.map(|p| p + 1).unwrap_or_else(|| panic!("a first message without its seq: {text:?}"));
+    if digits == 0 {
+        let delta = text.strip_prefix(':').unwrap_or(text);
+        return (json!({"seq": counted(), "type": "delta", "text": delta}), false);
+    }
+    let seq: u64 = text[..digits].parse().expect("seq");
+    let rest = &text[digits + 1..];
+    let v = match payload.get(digits) {
+        Some(b':') => json!({"seq": seq, "type": "delta", "text": rest}),
+        Some(b'+') => {
+            let mut parts = rest.split(' ');
+            let rid = parts.next().unwrap();
+            let position: u64 = parts.next().map_or(0, |p| p.parse().expect("queue position"));
+            assert!(parts.next().is_none(), "accepted: {text:?}");
+            json!({"seq": seq, "type": "accepted", "request_id": rid, "queue_position": position})
+        }
+        Some(b'.') => {
+            let parts: Vec<&str> = rest.split(' ').collect();
+            assert!(parts.len() >= 3, "done: {text:?}");
+            let (input, output): (u64, u64) = (parts[1].parse().expect("input"), parts[2].parse().expect("output"));
+            let mut v = json!({
+                "seq": seq, "type": "done",
+                "finish_reason": if parts[0] == "-" { Value::Null } else { parts[0].into() },
+                "usage": {"input_tokens": input, "output_tokens": output, "total_tokens": input + output},
+            });
+            for flag in &parts[3..] {
+                match *flag {
+                    "estimated" => v["usage"]["estimated"] = true.into(),
+                    "text_not_kept" => v["text_not_kept"] = true.into(),
+                    other => panic!("done: unknown flag {other:?} in {text:?}"),
+                }
+            }
+            v
+        }
         Some(b'{') => {
             let mut v: Value = serde_json::from_str(&text[digits..]).unwrap_or_else(|e| panic!("{e}: {text}"));
             validate("compact", &v);
             v["seq"] = seq.into();
             v
         }
-        _ => panic!("not a compact message: {text}"),
+        _ => panic!("not a compact message: {text:?}"),
+    };
+    (v, true)
+}
+
+/// [`parse_compact_message`] without whether the seq was written.
+pub fn parse_compact(payload: &[u8], prev: Option<u64>) -> Value {
+    parse_compact_message(payload, prev).0
+}
+
+/// The seq of the previous message of each compact stream topic a device
+/// has read, to count the seqs that are not written.
+#[derive(Default)]
+pub struct CompactSeqs(HashMap<String, u64>);
+
+impl CompactSeqs {
+    pub fn parse(&mut self, topic: &str, payload: &[u8]) -> Value {
+        let v = parse_compact(payload, self.0.get(topic).copied());
+        self.0.insert(topic.to_string(), v["seq"].as_u64().unwrap());
+        v
     }
 }
 
@@ -517,11 +585,13 @@ pub struct StreamReader {
     pub rid: String,
     /// The compact stream's topic, once known.
     pub topic: Option<String>,
+    /// The seq of the compact stream's previous message.
+    prev: Option<u64>,
 }
 
 impl StreamReader {
     pub fn new(form: Form, rid: &str) -> StreamReader {
-        StreamReader { form, rid: rid.to_string(), topic: None }
+        StreamReader { form, rid: rid.to_string(), topic: None, prev: None }
     }
 
     /// The next message of the stream (a refusal on `res/{request_id}`
@@ -534,7 +604,8 @@ impl StreamReader {
         }
         assert_eq!(self.form, Form::Compact, "message on an unexpected topic {}: {:?}", m.topic, m.payload);
         assert!(m.topic.starts_with(&d.topic("s/")), "message on an unexpected topic {}: {:?}", m.topic, m.payload);
-        let v = parse_compact(&m.payload);
+        let v = parse_compact(&m.payload, self.prev);
+        self.prev = v["seq"].as_u64();
         match &self.topic {
             Some(t) => assert_eq!(&m.topic, t, "another stream's message: {v}"),
             None => {

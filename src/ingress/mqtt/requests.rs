@@ -180,6 +180,11 @@ impl Sessions {
         self.devices.lock().expect("sessions").get(device).map(|d| d.identity.clone())
     }
 
+    /// How many times the device has connected (0: never).
+    pub fn epoch(&self, device: &str) -> u64 {
+        self.devices.lock().expect("sessions").get(device).map_or(0, |d| d.epoch)
+    }
+
     /// (online, epoch)
     pub fn state(&self, device: &str) -> (bool, u64) {
         let g = self.devices.lock().expect("sessions");
@@ -672,7 +677,15 @@ impl DeviceIngress {
                 if existing.sid.is_none() {
                     *existing.destination.lock().expect("destination") = dest;
                 }
-                streams::start_sender(&existing, 0, epoch, self.out.clone(), &self.tracker, &self.shutdown);
+                streams::start_sender(
+                    &existing,
+                    0,
+                    epoch,
+                    self.out.clone(),
+                    &self.sessions,
+                    &self.tracker,
+                    &self.shutdown,
+                );
             }
             return;
         }
@@ -686,7 +699,7 @@ impl DeviceIngress {
             None => dest,
         });
         self.tracker.spawn(streams::pump(self.streams.clone(), stream.clone(), task, fields.coalesce));
-        streams::start_sender(&stream, 0, epoch, self.out.clone(), &self.tracker, &self.shutdown);
+        streams::start_sender(&stream, 0, epoch, self.out.clone(), &self.sessions, &self.tracker, &self.shutdown);
         if !online {
             // The device dropped after publishing: its policy applies now.
             self.device_dropped(device, epoch);
@@ -753,7 +766,7 @@ impl DeviceIngress {
             }
         }
         let (_, epoch) = self.sessions.state(device);
-        streams::start_sender(&stream, from, epoch, self.out.clone(), &self.tracker, &self.shutdown);
+        streams::start_sender(&stream, from, epoch, self.out.clone(), &self.sessions, &self.tracker, &self.shutdown);
     }
 
     /// A device has no connection left (as of `epoch`): its running tasks

@@ -20,7 +20,9 @@
 //! A *compact* stream (a request's `"compact": true`, or its device's
 //! `compact`) gets a short stream id, the lowest number none of the
 //! device's kept streams has, and goes to `{prefix}/{device}/s/{sid}`
-//! rendered by [`compact_event`]: the request id only rides in `accepted`.
+//! as [`compact_body`]s: the request id only rides in `accepted`. Its log
+//! keeps the bodies without their `seq`; the sender writes the `seq` where
+//! a device could not count it ([`compact_wire`]).
 //! Reusing the numbers keeps the broker's topic names per device few (it
 //! never forgets one).
 //!
@@ -38,10 +40,11 @@ use rumqttd::protocol::PublishProperties;
 use tokio::time::sleep_until;
 use tokio_util::sync::CancellationToken;
 
+use super::requests::Sessions;
 use super::Publisher;
 use crate::error::GatewayError;
 use crate::gateway::{CancelHandle, TaskStream};
-use crate::ingress::render::{compact_event, event_json};
+use crate::ingress::render::{compact_body, compact_wire, event_json};
 use crate::task::log::{EndedQueue, RetainedLog, SeqRange};
 use crate::task::{TaskEvent, ToolCallDelta};
 
@@ -318,7 +321,7 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
     let mut last_flush: Option<tokio::time::Instant> = None;
     let compact = stream.sid.is_some();
     let render = |seq: u64, e: &TaskEvent| match compact {
-        true => Bytes::from(compact_event(seq, &rid, e)),
+        true => Bytes::from(compact_body(&rid, e)),
         false => Bytes::from(event_json(seq, &rid, &trace_id, e).to_string()),
     };
     let flush = |held: &mut Option<Held>, seq: &mut u64, last: &mut Option<tokio::time::Instant>| {
@@ -398,7 +401,7 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
                         o.remove("seq");
                         o.remove("request_id");
                     }
-                    format!("{seq}{v}")
+                    v.to_string()
                 } else {
                     v["seq"] = seq.into();
                     v.to_string()
@@ -412,12 +415,19 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
 }
 
 /// Starts (or restarts) the stream's sender from `from_seq`, replacing the
-/// current one.
+/// current one. It publishes to the device's connection of `epoch` only:
+/// once the device has connected again (`sessions` counts connections at
+/// CONNECT, before the new one can subscribe) it stops, even before the
+/// reconnect's handling stops it, so nothing of an old sender reaches the
+/// new connection (the device resumes from the seq it has; a compact
+/// device counts the seqs, and a message from an old sender would be
+/// counted wrong).
 pub fn start_sender(
     stream: &Arc<MqttStream>,
     from_seq: u64,
     epoch: u64,
     out: Arc<Publisher>,
+    sessions: &Arc<Sessions>,
     tracker: &tokio_util::task::TaskTracker,
     shutdown: &CancellationToken,
 ) {
@@ -429,26 +439,30 @@ pub fn start_sender(
             old.stop.cancel();
         }
     }
-    tracker.spawn(send_loop(stream.clone(), from_seq, out, stop, done));
+    tracker.spawn(send_loop(stream.clone(), from_seq, epoch, out, sessions.clone(), stop, done));
 }
 
 async fn send_loop(
     stream: Arc<MqttStream>,
     next: u64,
+    epoch: u64,
     out: Arc<Publisher>,
+    sessions: Arc<Sessions>,
     stop: CancellationToken,
     done: Arc<std::sync::atomic::AtomicBool>,
 ) {
     // Starts at the oldest kept message if `next` was trimmed by the
     // per-stream budget: the device sees the gap.
     let mut reader = stream.log.reader(next);
+    let compact = stream.sid.is_some();
+    let mut first = true;
     loop {
         let batch = tokio::select! {
             biased;
             _ = stop.cancelled() => return,
             b = reader.recv_batch() => b,
         };
-        let Some((_, batch)) = batch else {
+        let Some((from, batch)) = batch else {
             // The terminal message is out.
             done.store(true, std::sync::atomic::Ordering::SeqCst);
             return;
@@ -459,10 +473,15 @@ async fn send_loop(
             content_type: Some("application/json".into()),
             ..Default::default()
         });
-        for msg in batch {
-            // Checked per message: a replaced sender stops at once. Waits
-            // while edgeway's outgoing queue to the router is full.
-            if stop.is_cancelled() {
+        for (seq, msg) in (from..).zip(batch) {
+            let msg = match compact {
+                true => compact_wire(seq, &msg, std::mem::take(&mut first)),
+                false => msg,
+            };
+            // Checked per message: a replaced sender stops at once, and so
+            // does one whose device has connected again. Waits while
+            // edgeway's outgoing queue to the router is full.
+            if stop.is_cancelled() || sessions.epoch(&stream.device) != epoch {
                 return;
             }
             let sent = tokio::select! {
