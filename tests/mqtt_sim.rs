@@ -12,6 +12,18 @@ use mqtt_support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn devices_on_lossy_links_get_every_event_exactly_once() {
+    lossy_links(false).await;
+}
+
+/// The same with compact streams, whose seqs the devices mostly count
+/// (topics/README.md "Compact streams"): the counts must hold across
+/// every drop and resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compact_devices_on_lossy_links_get_every_event_exactly_once() {
+    lossy_links(true).await;
+}
+
+async fn lossy_links(compact: bool) {
     let devices: Vec<(String, String)> = (1..=8).map(|i| (format!("sim-{i}"), format!("sim-pass-{i}"))).collect();
     let sections: String = devices
         .iter()
@@ -36,6 +48,7 @@ async fn devices_on_lossy_links_get_every_event_exactly_once() {
         request_timeout: Duration::from_secs(60),
         keep_alive: Duration::from_secs(5),
         seed: 7,
+        compact,
         ..SimConfig::default()
     };
     let mut cfg = cfg;
@@ -48,6 +61,7 @@ async fn devices_on_lossy_links_get_every_event_exactly_once() {
     assert_eq!(s.requests, 32);
     assert_eq!(s.completed, s.requests, "100 % completion: {s:#?}");
     assert_eq!((s.lost_events, s.duplicates, s.incomplete), (0, 0, 0), "{s:#?}");
+    assert_eq!(s.recounts, 0, "no written seq disagreed with a device's count: {s:#?}");
     assert_eq!(s.errors, 0, "{s:#?}");
     assert!(s.connection_drops_injected > 0, "the links really dropped: {s:#?}");
     assert!(s.reconnects > 0);
@@ -119,17 +133,39 @@ async fn bench_first_delta_and_coalescing() {
 #[ignore = "benchmark: prints figures"]
 async fn bench_compact_streams_wire_bytes() {
     let responses: usize = std::env::var("RESPONSES").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    // A real engine (an OpenAI-compatible server such as the quick start's
+    // llama-server) instead of the fake: its own pace and text.
+    let engine = std::env::var("ENGINE_URL").ok();
     let mut n = 0;
     println!(
-        "| tokens | device | form | coalescing | messages per response | bytes to the device per response | \
-         to the device per output byte (min–max) | both ways per output byte |"
+        "| tokens | device | form | coalescing | messages per response | output bytes per response | \
+         bytes to the device per response | to the device per output byte (min–max) | both ways per output byte |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for tokens in [256, 64] {
-        let knobs =
-            Knobs { tokens, token_text: "ok ".into(), token_delay: Duration::from_millis(28), ..Knobs::default() };
-        let (_fake, gw, addr) = start(knobs, "").await;
-        for (client, v5) in [("MQTT 5, topic aliases", true), ("MQTT 3.1.1", false)] {
+        let (_fake, gw, addr) = match &engine {
+            Some(url) => {
+                let gw = TestGateway::with_engine(url, "openai", &mqtt_toml("")).await;
+                gw.wait_ready().await;
+                let addr = gw.running.as_ref().unwrap().mqtt.expect("mqtt is configured").mqtt;
+                (None, gw, addr)
+            }
+            None => {
+                let knobs = Knobs {
+                    tokens,
+                    token_text: "ok ".into(),
+                    token_delay: Duration::from_millis(28),
+                    ..Knobs::default()
+                };
+                let (fake, gw, addr) = start(knobs, "").await;
+                (Some(fake), gw, addr)
+            }
+        };
+        for (client, v5, qos1) in [
+            ("MQTT 5, topic aliases, QoS 1", true, true),
+            ("MQTT 5, topic aliases, QoS 0", true, false),
+            ("MQTT 3.1.1, QoS 1", false, true),
+        ] {
             for (form, coalesce_ms) in
                 [(Form::Json, 100), (Form::Json, 500), (Form::Compact, 100), (Form::Compact, 500)]
             {
@@ -138,7 +174,7 @@ async fn bench_compact_streams_wire_bytes() {
                     true => device_with_aliases(proxy.addr, D1, 16).await,
                     false => device(proxy.addr, V::V4, D1).await,
                 };
-                form.subscribe(&mut d).await;
+                form.subscribe_at(&mut d, qos1).await;
                 let (mut messages, mut output, mut down, mut all) = (0, 0, 0, 0);
                 let mut ratios = Vec::new();
                 for _ in 0..responses {
@@ -147,13 +183,26 @@ async fn bench_compact_streams_wire_bytes() {
                     let mut req = form.request(&rid);
                     req["coalesce_ms"] = coalesce_ms.into();
                     req["max_tokens"] = tokens.into();
+                    if engine.is_some() {
+                        req["temperature"] = 0.into();
+                        req["messages"][0]["content"] =
+                            "Tell me a long story about a lighthouse keeper and the ships he saw.".into();
+                    }
                     let (down0, all0) = (proxy.stats.down_bytes(), proxy.stats.bytes());
                     d.publish(&d.topic("req"), req.to_string()).await;
                     let events = StreamReader::new(form, &rid).until_end(&mut d).await;
                     // The proxy counts a chunk just after writing it.
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     let text = check_stream(&events);
-                    assert_eq!(text.len(), 3 * tokens as usize);
+                    let done = events.last().unwrap();
+                    let usage = match form {
+                        Form::Json => &done["result"]["usage"],
+                        Form::Compact => &done["usage"],
+                    };
+                    assert_eq!(usage["output_tokens"], tokens, "a whole answer of {tokens} tokens: {done}");
+                    if engine.is_none() {
+                        assert_eq!(text.len(), 3 * tokens as usize);
+                    }
                     let (dn, al) = (proxy.stats.down_bytes() - down0, proxy.stats.bytes() - all0);
                     messages += events.len();
                     output += text.len();
@@ -164,8 +213,9 @@ async fn bench_compact_streams_wire_bytes() {
                 let r = responses as f64;
                 let (lo, hi) = ratios.iter().fold((f64::MAX, 0f64), |(l, h), x| (l.min(*x), h.max(*x)));
                 println!(
-                    "| {tokens} | {client} | {form:?} | {coalesce_ms} ms | {:.1} | {:.0} | {:.2} ({lo:.2}–{hi:.2}) | {:.2} |",
+                    "| {tokens} | {client} | {form:?} | {coalesce_ms} ms | {:.1} | {:.0} | {:.0} | {:.2} ({lo:.2}–{hi:.2}) | {:.2} |",
                     messages as f64 / r,
+                    output as f64 / r,
                     down as f64 / r,
                     down as f64 / output as f64,
                     all as f64 / output as f64,

@@ -9,6 +9,12 @@
 //! It checks that it receives every `seq` of each stream exactly once and
 //! exactly one terminal event.
 //!
+//! With `compact`, the requests ask for compact streams (edgeway's
+//! topics/README.md "Compact streams"): the device reads each stream's
+//! topic off its `accepted`, counts the seqs that are not written, and
+//! when a written seq disagrees with its count, drops what it counted
+//! since the last written seq it matched and resumes from there.
+//!
 //! [`run`] returns a [`Summary`]: completion rate, resumes, duplicates,
 //! lost events, time to first delta, bytes on the wire per delivered
 //! output byte. Used by edgeway's tests (small N) and benchmarks (large N).
@@ -42,6 +48,8 @@ pub struct SimConfig {
     /// Per-request coalescing asked of edgeway (`None`: its default).
     pub coalesce_ms: Option<u64>,
     pub max_chunk_bytes: Option<usize>,
+    /// Ask for compact streams.
+    pub compact: bool,
     pub link: LinkProfile,
     /// A request without a terminal event after this long is lost.
     pub request_timeout: Duration,
@@ -71,6 +79,7 @@ impl Default for SimConfig {
             cancel_ratio: 0.0,
             coalesce_ms: None,
             max_chunk_bytes: None,
+            compact: false,
             link: LinkProfile::default(),
             request_timeout: Duration::from_secs(120),
             think: Duration::from_millis(0),
@@ -109,6 +118,10 @@ pub struct Summary {
     pub duplicates: usize,
     /// Messages past a gap (dropped; the device resumed).
     pub gap_discards: usize,
+    /// Compact streams: written seqs that disagreed with the device's
+    /// count of the messages before them (what it counted since the last
+    /// written seq it matched was dropped and asked for again).
+    pub recounts: usize,
     pub resumes: usize,
     /// Requests sent again after a reconnect (nothing of them had arrived).
     pub re_requests: usize,
@@ -135,7 +148,7 @@ impl Summary {
     pub fn render(&self) -> String {
         format!(
             "devices {}  requests {}  completed {} ({:.1} %: {} done, {} cancelled, {} other errors {:?})\n\
-             incomplete {}  lost events {}  duplicates {}  gap discards {}\n\
+             incomplete {}  lost events {}  duplicates {}  gap discards {}  recounts {}\n\
              resumes {}  re-sent requests {}  reconnects {}  connection drops injected {}\n\
              messages {} ({} deltas)  time to first delta p50 {:.1} ms  p99 {:.1} ms\n\
              wire bytes {}  output bytes {}  wire bytes per output byte {:.2}  elapsed {:.1} s",
@@ -151,6 +164,7 @@ impl Summary {
             self.lost_events,
             self.duplicates,
             self.gap_discards,
+            self.recounts,
             self.resumes,
             self.re_requests,
             self.reconnects,
@@ -186,6 +200,36 @@ struct Req {
     /// The `seq` a resume was last asked for (to ask once per gap).
     resumed_at: Option<u64>,
     terminal: Option<String>,
+    /// Compact streams: the next `seq` after the last message whose seq
+    /// was written and matched, with the output bytes and delta messages
+    /// counted up to it (what a recount goes back to).
+    checked: (u64, u64, usize),
+}
+
+/// A compact stream message as the JSON form's fields (`seq`, `type`,
+/// `text`, `request_id`, `code`), and whether its seq was written; `prev`:
+/// the seq of the previous message on its topic. `None`: not readable.
+fn parse_compact(payload: &[u8], prev: Option<u64>) -> Option<(Value, bool)> {
+    let text = std::str::from_utf8(payload).ok()?;
+    let digits = payload.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 {
+        let delta = text.strip_prefix(':').unwrap_or(text);
+        return Some((json!({"seq": prev? + 1, "type": "delta", "text": delta}), false));
+    }
+    let seq: u64 = text[..digits].parse().ok()?;
+    let rest = text.get(digits + 1..)?;
+    let v = match payload.get(digits)? {
+        b':' => json!({"seq": seq, "type": "delta", "text": rest}),
+        b'+' => json!({"seq": seq, "type": "accepted", "request_id": rest.split(' ').next()?}),
+        b'.' => json!({"seq": seq, "type": "done"}),
+        b'{' => {
+            let mut v: Value = serde_json::from_str(&text[digits..]).ok()?;
+            v["seq"] = seq.into();
+            v
+        }
+        _ => return None,
+    };
+    Some((v, true))
 }
 
 /// Runs the simulation to its end.
@@ -285,6 +329,9 @@ async fn device(
         if let Some(b) = cfg.max_chunk_bytes {
             body["max_chunk_bytes"] = b.into();
         }
+        if cfg.compact {
+            body["compact"] = true.into();
+        }
         Req {
             rid,
             body: body.to_string(),
@@ -295,8 +342,14 @@ async fn device(
             cancel_sent: false,
             resumed_at: None,
             terminal: None,
+            checked: (0, 0, 0),
         }
     };
+    let stream_filter = format!("{}/{id}/s/#", cfg.prefix);
+    let stream_prefix = format!("{}/{id}/s/", cfg.prefix);
+    // Compact streams: the request id and the last seq of each stream topic.
+    let mut stream_rid: std::collections::HashMap<String, String> = Default::default();
+    let mut stream_prev: std::collections::HashMap<String, u64> = Default::default();
 
     loop {
         if done_requests >= cfg.requests_per_device && current.is_none() {
@@ -304,7 +357,8 @@ async fn device(
         }
         // Start the next request when subscribed and its time has come.
         if subscribed && current.is_none() && tokio::time::Instant::now() >= next_request_at {
-            let r = new_req(done_requests, &mut rng);
+            let mut r = new_req(done_requests, &mut rng);
+            r.checked = (0, local.s.output_bytes, local.s.delta_messages);
             let _ = client.try_publish(&req_topic, QoS::AtLeastOnce, false, r.body.clone());
             local.s.requests += 1;
             deadline = tokio::time::Instant::now() + cfg.request_timeout;
@@ -339,7 +393,11 @@ async fn device(
                 }
                 first_connect = false;
                 subscribed = false;
-                let _ = client.try_subscribe(&res_filter, QoS::AtLeastOnce);
+                let mut filters = vec![rumqttc::SubscribeFilter::new(res_filter.clone(), QoS::AtLeastOnce)];
+                if cfg.compact {
+                    filters.push(rumqttc::SubscribeFilter::new(stream_filter.clone(), QoS::AtLeastOnce));
+                }
+                let _ = client.try_subscribe_many(filters);
             }
             Ok(Event::Incoming(Packet::SubAck(_))) => {
                 subscribed = true;
@@ -358,7 +416,26 @@ async fn device(
                 }
             }
             Ok(Event::Incoming(Packet::Publish(p))) => {
-                let Ok(v) = serde_json::from_slice::<Value>(&p.payload) else { continue };
+                let (v, written) = match p.topic.starts_with(&stream_prefix) {
+                    true => {
+                        let Some((mut v, written)) = parse_compact(&p.payload, stream_prev.get(&p.topic).copied())
+                        else {
+                            local.s.messages += 1;
+                            local.s.duplicates += 1;
+                            continue;
+                        };
+                        stream_prev.insert(p.topic.clone(), v["seq"].as_u64().unwrap_or(0));
+                        if v["type"] == "accepted" {
+                            stream_rid.insert(p.topic.clone(), v["request_id"].as_str().unwrap_or("").to_string());
+                        }
+                        v["request_id"] = stream_rid.get(&p.topic).cloned().unwrap_or_default().into();
+                        (v, written)
+                    }
+                    false => match serde_json::from_slice::<Value>(&p.payload) {
+                        Ok(v) => (v, true),
+                        Err(_) => continue,
+                    },
+                };
                 local.s.messages += 1;
                 let Some(r) = current.as_mut() else {
                     local.s.duplicates += 1;
@@ -376,6 +453,14 @@ async fn device(
                 }
                 if seq > r.next {
                     local.s.gap_discards += 1;
+                    if cfg.compact && written && r.checked.0 < r.next {
+                        // Counted messages since the last check may have
+                        // been counted wrong: drop them, ask again.
+                        local.s.recounts += 1;
+                        local.s.output_bytes = r.checked.1;
+                        local.s.delta_messages = r.checked.2;
+                        r.next = r.checked.0;
+                    }
                     if r.resumed_at != Some(r.next) {
                         local.s.resumes += 1;
                         r.resumed_at = Some(r.next);
@@ -401,6 +486,9 @@ async fn device(
                     Some("done") => r.terminal = Some("done".into()),
                     Some("error") => r.terminal = Some(v["code"].as_str().unwrap_or("?").to_string()),
                     _ => {}
+                }
+                if written {
+                    r.checked = (r.next, local.s.output_bytes, local.s.delta_messages);
                 }
                 if let Some(t) = r.terminal.clone() {
                     local.s.completed += 1;
@@ -449,6 +537,7 @@ async fn device(
     s.lost_events += l.lost_events;
     s.duplicates += l.duplicates;
     s.gap_discards += l.gap_discards;
+    s.recounts += l.recounts;
     s.resumes += l.resumes;
     s.re_requests += l.re_requests;
     s.reconnects += l.reconnects;

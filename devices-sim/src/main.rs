@@ -34,6 +34,9 @@ struct Args {
     coalesce_ms: Option<u64>,
     #[arg(long)]
     max_chunk_bytes: Option<usize>,
+    /// Ask for compact streams (topics/README.md "Compact streams").
+    #[arg(long)]
+    compact: bool,
     /// One-way latency, ms.
     #[arg(long, default_value_t = 0)]
     latency_ms: u64,
@@ -83,6 +86,7 @@ fn main() -> ExitCode {
         cancel_ratio: a.cancel_ratio,
         coalesce_ms: a.coalesce_ms,
         max_chunk_bytes: a.max_chunk_bytes,
+        compact: a.compact,
         link: LinkProfile {
             latency: Duration::from_millis(a.latency_ms),
             jitter: Duration::from_millis(a.jitter_ms),
