@@ -832,6 +832,38 @@ async fn a_compact_resume_writes_its_first_seq_and_digits_keep_their_marker() {
     gw.stop().await;
 }
 
+/// A sender stops when its device comes back (a takeover, or a connect
+/// after it had none), not when another instance of the device connects
+/// beside the live one: that instance's stream goes on to its end.
+#[tokio::test]
+async fn another_instance_connecting_does_not_stop_a_live_instances_stream() {
+    let (_fake, gw, addr) = start(Knobs::slow(30, 20), "coalesce_ms = 0\nmax_instances_per_device = 2").await;
+    let topic = |rest: &str| format!("ai/v1/{}/{rest}", D1.0);
+    let mut a = connect(addr, V::V4, "demo-device-1:a", D1.0, D1.1).await.expect("instance a");
+    a.subscribe(&topic("res/#")).await;
+    a.subscribe(&topic("s/#")).await;
+    a.publish(&topic("req"), Form::Compact.request("kept").to_string()).await;
+    let mut seqs = CompactSeqs::default();
+    let mut events = Vec::new();
+    while events.len() < 3 {
+        let m = a.msg().await;
+        events.push(seqs.parse(&m.topic, &m.payload));
+    }
+    let _b = connect(addr, V::V4, "demo-device-1:b", D1.0, D1.1).await.expect("instance b");
+    assert!(until_devices_connected(&gw, 1).await);
+    loop {
+        let m = a.msg().await;
+        let v = seqs.parse(&m.topic, &m.payload);
+        let end = v["type"] == "done";
+        events.push(v);
+        if end {
+            break;
+        }
+    }
+    assert_eq!(check_stream(&events), "tok ".repeat(30), "the whole stream, without a resume");
+    gw.stop().await;
+}
+
 /// `[devices.ID] compact` and `coalesce_ms`: the device's defaults, which
 /// its requests may override (`"compact": false`, `coalesce_ms`).
 #[tokio::test]

@@ -61,6 +61,10 @@ struct Device {
     /// they started in, so a late event never stops what a newer
     /// connection started.
     epoch: u64,
+    /// The epoch of the last connect that ended what the device was being
+    /// sent: a takeover, or a connect while it had no connection (another
+    /// instance connecting beside a live one is neither).
+    came_back: u64,
     resumes: ResumeBudget,
 }
 
@@ -149,12 +153,17 @@ impl Sessions {
                     identity: identity.clone(),
                     live: Vec::new(),
                     epoch: 0,
+                    came_back: 0,
                     resumes: ResumeBudget::full(capacity),
                 });
                 d.identity = identity.clone();
                 let takeover = d.live.iter().any(|(_, c)| c == client_id);
+                let returning = takeover || d.live.is_empty();
                 d.live.push((*conn, client_id.clone()));
                 d.epoch += 1;
+                if returning {
+                    d.came_back = d.epoch;
+                }
                 if takeover {
                     Change::Takeover { device: device.clone(), epoch: d.epoch }
                 } else {
@@ -180,9 +189,10 @@ impl Sessions {
         self.devices.lock().expect("sessions").get(device).map(|d| d.identity.clone())
     }
 
-    /// How many times the device has connected (0: never).
-    pub fn epoch(&self, device: &str) -> u64 {
-        self.devices.lock().expect("sessions").get(device).map_or(0, |d| d.epoch)
+    /// The epoch of the device's last connect that ended what it was being
+    /// sent (a takeover, or a connect while it had no connection; 0: none).
+    pub fn came_back(&self, device: &str) -> u64 {
+        self.devices.lock().expect("sessions").get(device).map_or(0, |d| d.came_back)
     }
 
     /// (online, epoch)
@@ -202,6 +212,7 @@ impl Sessions {
             identity: identity.clone(),
             live: vec![(0, String::new())],
             epoch: 1,
+            came_back: 0,
             resumes: ResumeBudget::full(capacity),
         });
         d.identity = identity;

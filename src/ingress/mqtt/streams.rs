@@ -415,13 +415,14 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
 }
 
 /// Starts (or restarts) the stream's sender from `from_seq`, replacing the
-/// current one. It publishes to the device's connection of `epoch` only:
-/// once the device has connected again (`sessions` counts connections at
-/// CONNECT, before the new one can subscribe) it stops, even before the
-/// reconnect's handling stops it, so nothing of an old sender reaches the
-/// new connection (the device resumes from the seq it has; a compact
-/// device counts the seqs, and a message from an old sender would be
-/// counted wrong).
+/// current one. It serves the device's connections as of `epoch`: once
+/// the device has come back (a takeover, or a connect after it had none;
+/// `sessions` records it at CONNECT, before the new connection can
+/// subscribe) it stops, even before the reconnect's handling would stop
+/// it, so nothing of an old sender reaches the new connection (the device
+/// resumes from the seq it has; a compact device counts the seqs, and an
+/// old sender's message after a loss would be counted wrong). Another
+/// instance of the device connecting beside a live one stops nothing.
 pub fn start_sender(
     stream: &Arc<MqttStream>,
     from_seq: u64,
@@ -479,9 +480,9 @@ async fn send_loop(
                 false => msg,
             };
             // Checked per message: a replaced sender stops at once, and so
-            // does one whose device has connected again. Waits while
+            // does one whose device has come back. Waits while
             // edgeway's outgoing queue to the router is full.
-            if stop.is_cancelled() || sessions.epoch(&stream.device) != epoch {
+            if stop.is_cancelled() || sessions.came_back(&stream.device) > epoch {
                 return;
             }
             let sent = tokio::select! {
