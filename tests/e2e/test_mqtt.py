@@ -243,6 +243,88 @@ def test_paho_mqtt311_resume_after_reconnect_misses_nothing(edgeway, llama):
     assert events[-1]["result"]["usage"]["output_tokens"] > 0
 
 
+class CompactReader:
+    """Reads one compact stream (topics/README.md "Compact streams") as a
+    device must: the seq written, or counted from the message before."""
+
+    def __init__(self):
+        self.prev = None
+        self.topic = None
+        self.written = []
+
+    def parse(self, m):
+        p = m.payload.decode()
+        digits = len(p) - len(p.lstrip("0123456789"))
+        if self.topic is None:
+            self.topic = m.topic
+        assert m.topic == self.topic, (m.topic, p)
+        if digits == 0:
+            assert self.prev is not None, f"a first message without its seq: {p!r}"
+            seq, ev = self.prev + 1, {"type": "delta", "text": p[1:] if p.startswith(":") else p}
+        else:
+            seq, kind, rest = int(p[:digits]), p[digits], p[digits + 1:]
+            self.written.append(seq)
+            if kind == ":":
+                ev = {"type": "delta", "text": rest}
+            elif kind == "+":
+                ev = {"type": "accepted", "request_id": rest.split(" ")[0]}
+            elif kind == ".":
+                reason, inp, out, *flags = rest.split(" ")
+                ev = {"type": "done", "finish_reason": reason, "input_tokens": int(inp), "output_tokens": int(out)}
+            else:
+                assert kind == "{", p
+                ev = json.loads(p[digits:])
+                jsonschema.validate(ev, schema("compact"))
+        self.prev = seq
+        ev["seq"] = seq
+        return ev
+
+    def until_end(self, d, events):
+        while True:
+            ev = self.parse(d.q.get(timeout=WAIT))
+            events.append(ev)
+            if ev["type"] in ("done", "error"):
+                return events
+
+
+def test_paho_compact_stream_counts_its_seqs_across_a_resume(edgeway, llama):
+    """A paho device on a compact stream, dropped half-way: it counts the
+    seqs that are not written, resumes from its count, and the text equals
+    a whole replay of the finished stream."""
+    r = rid()
+    d = Device(edgeway.mqtt_port, D1, v5=False)
+    assert d.wait_connected() == 0
+    d.subscribe("ai/v1/demo-device-1/s/#")
+    d.publish("ai/v1/demo-device-1/req", request(r, max_tokens=48, coalesce_ms=0, compact=True))
+    reader = CompactReader()
+    events = []
+    while len(events) < 5:
+        events.append(reader.parse(d.q.get(timeout=WAIT)))
+    assert events[0] == {"type": "accepted", "request_id": r, "seq": 0}
+    d.close()
+    d = Device(edgeway.mqtt_port, D1, v5=False)
+    try:
+        assert d.wait_connected() == 0
+        d.subscribe("ai/v1/demo-device-1/s/#")
+        d.publish("ai/v1/demo-device-1/resume", {"request_id": r, "from_seq": len(events)})
+        reader.until_end(d, events)
+        assert [e["seq"] for e in events] == list(range(len(events))), events
+        done = events[-1]
+        assert done["type"] == "done" and done["output_tokens"] > 0, done
+        text = "".join(e["text"] for e in events if e["type"] == "delta")
+        # Written: accepted, the resume's first message, every 16th delta, done.
+        assert 5 in reader.written and len(events) - 1 in reader.written, reader.written
+        assert len(events) < 18 or 16 in reader.written, reader.written
+        assert len(reader.written) < len(events) / 2, "most seqs are counted"
+        again = CompactReader()
+        d.publish("ai/v1/demo-device-1/resume", {"request_id": r, "from_seq": 1})
+        replay = again.until_end(d, [])
+        assert [e["seq"] for e in replay] == list(range(1, len(events))), replay
+        assert "".join(e["text"] for e in replay if e["type"] == "delta") == text
+    finally:
+        d.close()
+
+
 @pytest.mark.parametrize("v5", [False, True])
 def test_paho_immediate_reconnects_keep_their_subscriptions(edgeway, v5):
     """DISCONNECT, then the same client id at once, many times: every new
