@@ -29,6 +29,13 @@ fn publish_new_topics(tx: &mut rumqttd::local::LinkTx, rx: &mut rumqttd::local::
             // always gets the newest message.
             match rx.recv_deadline(std::time::Instant::now() + std::time::Duration::from_secs(10)) {
                 Ok(Some(Notification::Forward(f))) if f.publish.topic == last.as_bytes() => break,
+                // The link's buffer filled up before this thread emptied it
+                // (MAX_CHANNEL_CAPACITY, 200, one batch): the router pauses
+                // the link until told it is ready, as edgeway's own link
+                // does (src/ingress/mqtt/mod.rs). Without this the test hung
+                // whenever this thread fell behind (seen once in CI, under
+                // load).
+                Ok(Some(Notification::Unschedule)) => rx.ready().expect("ready"),
                 Ok(_) => {}
                 Err(e) => panic!("the router did not deliver {last}: {e}"),
             }
