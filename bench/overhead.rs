@@ -23,9 +23,14 @@
 //! ```text
 //! cargo bench --bench overhead -- --rates 500,2000 --seconds 10
 //! cargo bench --bench overhead -- --cancel --iterations 20
+//! cargo bench --bench overhead -- --soak --rates 1000 --seconds 600
 //! bench/setup-litellm.sh && cargo bench --bench overhead -- --rates 100,500 \
 //!     --litellm ~/.cache/edgeway/litellm-venv/bin/litellm
 //! ```
+//!
+//! Soak mode (`--soak`): only the non-streaming phase through edgeway, as
+//! long as `--seconds`, with edgeway's RSS sampled every second and a table
+//! per minute.
 //!
 //! Results are printed as Markdown and written to `bench/results/`.
 
@@ -85,6 +90,11 @@ struct Args {
     /// Print p50/p99/max per second of each phase (always in the JSON).
     #[arg(long)]
     timeline: bool,
+    /// A soak run instead: only the non-streaming phase through edgeway,
+    /// `--seconds` long at each rate, with edgeway's RSS sampled every
+    /// second and a table per minute (memory flat over a long run).
+    #[arg(long)]
+    soak: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -139,6 +149,8 @@ struct PhaseResult {
     bench_cores: f64,
     machine_cores: f64,
     rss_kb: Option<u64>,
+    /// edgeway's RSS (KiB), sampled once a second during the phase.
+    rss_samples_kb: Vec<u64>,
 }
 
 impl PhaseResult {
@@ -223,6 +235,9 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
             ("TTFT direct", Via::Direct, true),
             ("TTFT via edgeway", Via::Edgeway, true),
         ];
+        if args.soak {
+            phases.retain(|p| p.0 == "non-stream via edgeway");
+        }
         if litellm.is_some() {
             phases.push(("non-stream via LiteLLM", Via::LiteLlm, false));
             phases.push(("TTFT via LiteLLM", Via::LiteLlm, true));
@@ -243,6 +258,10 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
                 for (i, (n, p50, p99, max)) in r.timeline.iter().enumerate() {
                     eprintln!("  second {i}: {n} ok, p50 {} p99 {} max {} ms", ms(*p50), ms(*p99), ms(*max));
                 }
+            }
+            if args.soak {
+                eprintln!("{}", soak_table(&r));
+                writeln!(report, "{}", soak_table(&r))?;
             }
             gw.check_alive()?;
             if let Some(l) = &litellm {
@@ -270,7 +289,10 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
     writeln!(report, "|---|---|---|---|---|---|---|---|")?;
     let mut jrates = Vec::new();
     for (rate, results) in &all {
-        let mut pairs = vec![("non-stream", &results[0], &results[1]), ("TTFT", &results[2], &results[3])];
+        let mut pairs = match results.len() >= 4 {
+            true => vec![("non-stream", &results[0], &results[1]), ("TTFT", &results[2], &results[3])],
+            false => Vec::new(),
+        };
         if results.len() == 6 {
             pairs.push(("non-stream, LiteLLM", &results[0], &results[4]));
             pairs.push(("TTFT, LiteLLM", &results[2], &results[5]));
@@ -406,6 +428,21 @@ async fn run_phase(
     let self_before = cpu_ticks(std::process::id()).unwrap_or(0);
     let machine_before = machine_busy_ticks();
     let start = Instant::now();
+    let sampling = tokio_util::sync::CancellationToken::new();
+    let sampler = tokio::spawn({
+        let stop = sampling.clone();
+        async move {
+            let mut samples = Vec::new();
+            let Some(pid) = pid else { return samples };
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return samples,
+                    _ = tick.tick() => samples.extend(proc_status_kb(pid, "VmRSS")),
+                }
+            }
+        }
+    });
     let mut iv = tokio::time::interval(period);
     iv.set_missed_tick_behavior(MissedTickBehavior::Burst);
     let mut handles = Vec::with_capacity(n);
@@ -433,6 +470,8 @@ async fn run_phase(
         }
     }
     let wall = start.elapsed();
+    sampling.cancel();
+    let rss_samples_kb = sampler.await.unwrap_or_default();
     let ticks = |after: Option<u64>, before: Option<u64>| match (after, before) {
         (Some(a), Some(b)) => Some(a.saturating_sub(b) as f64 / clk_tck() / wall.as_secs_f64()),
         _ => None,
@@ -462,7 +501,43 @@ async fn run_phase(
         bench_cores,
         machine_cores,
         rss_kb: pid.and_then(|p| proc_status_kb(p, "VmRSS")),
+        rss_samples_kb,
     }
+}
+
+/// A soak phase per minute: requests, latency percentiles and edgeway's RSS
+/// at the minute's end (and its least and most within it).
+fn soak_table(r: &PhaseResult) -> String {
+    let mut t = String::from(
+        "| minute | ok | p50 | p99 | max | worst second's p99 | RSS at its end (MiB) | RSS min–max in it (MiB) |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    let mib = |k: u64| format!("{:.1}", k as f64 / 1024.0);
+    for (m, secs) in r.timeline.chunks(60).enumerate() {
+        let ok: usize = secs.iter().map(|s| s.0).sum();
+        // Per-second percentiles, weighted by requests: close enough for a
+        // trend (the whole phase's exact ones are in the main table).
+        let w = |f: fn(&(usize, u64, u64, u64)) -> u64| {
+            secs.iter().map(|s| f(s) as f64 * s.0 as f64).sum::<f64>() / ok.max(1) as f64
+        };
+        let worst = secs.iter().map(|s| s.2).max().unwrap_or(0);
+        let max = secs.iter().map(|s| s.3).max().unwrap_or(0);
+        let rss: &[u64] = r.rss_samples_kb.get(m * 60..((m + 1) * 60).min(r.rss_samples_kb.len())).unwrap_or(&[]);
+        let _ = writeln!(
+            t,
+            "| {} | {ok} | {} | {} | {} | {} | {} | {} |",
+            m + 1,
+            ms(w(|s| s.1) as u64),
+            ms(w(|s| s.2) as u64),
+            ms(max),
+            ms(worst),
+            rss.last().map(|k| mib(*k)).unwrap_or_else(|| "–".into()),
+            match (rss.iter().min(), rss.iter().max()) {
+                (Some(a), Some(b)) => format!("{}–{}", mib(*a), mib(*b)),
+                _ => "–".into(),
+            },
+        );
+    }
+    t
 }
 
 /// Sends one request at (or as soon as possible after) `scheduled`; returns
@@ -567,6 +642,7 @@ fn phase_json(r: &PhaseResult) -> Value {
         "edgeway_cores": r.edgeway_cores, "edgeway_cpu_us_per_request": r.edgeway_cpu_us_per_request(),
         "bench_cores": r.bench_cores,
         "machine_cores": r.machine_cores, "edgeway_rss_kb": r.rss_kb,
+        "edgeway_rss_per_second_kb": r.rss_samples_kb,
         "timeline_per_second": r.timeline.iter()
             .map(|(n, p50, p99, max)| json!({"n": n, "p50_us": p50, "p99_us": p99, "max_us": max}))
             .collect::<Vec<_>>(),
