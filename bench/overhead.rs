@@ -228,6 +228,7 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
     )?;
     writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     let mut all = Vec::new();
+    let mut soak_tables = Vec::new();
     for &rate in &args.rates {
         let mut phases = vec![
             ("non-stream direct", Via::Direct, false),
@@ -261,7 +262,7 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
             }
             if args.soak {
                 eprintln!("{}", soak_table(&r));
-                writeln!(report, "{}", soak_table(&r))?;
+                soak_tables.push(format!("Soak at {rate} req/s, per minute:\n\n{}", soak_table(&r)));
             }
             gw.check_alive()?;
             if let Some(l) = &litellm {
@@ -273,6 +274,9 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
         }
         all.push((rate, results));
     }
+    for t in &soak_tables {
+        writeln!(report, "\n{t}")?;
+    }
     let hwm = proc_status_kb(gw.pid(), "VmHWM");
     let litellm_hwm = litellm.as_ref().and_then(|l| proc_status_kb(l.proc.pid(), "VmHWM"));
     let mib = |k: Option<u64>| k.map(|k| format!("{:.1} MiB", k as f64 / 1024.0)).unwrap_or_else(|| "n/a".into());
@@ -282,11 +286,13 @@ async fn overhead_mode(args: &Args, bin: &Path, report: &mut String, json_out: &
         mib(hwm),
         if litellm.is_some() { format!("; LiteLLM's: {}", mib(litellm_hwm)) } else { String::new() }
     )?;
-    writeln!(
-        report,
-        "| rate (req/s) | measure | direct p50 | via p50 | added p50 | direct p99 | via p99 | added p99 |"
-    )?;
-    writeln!(report, "|---|---|---|---|---|---|---|---|")?;
+    if !args.soak {
+        writeln!(
+            report,
+            "| rate (req/s) | measure | direct p50 | via p50 | added p50 | direct p99 | via p99 | added p99 |"
+        )?;
+        writeln!(report, "|---|---|---|---|---|---|---|---|")?;
+    }
     let mut jrates = Vec::new();
     for (rate, results) in &all {
         let mut pairs = match results.len() >= 4 {
