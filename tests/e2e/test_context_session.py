@@ -140,7 +140,14 @@ def test_a_session_longer_than_the_window_keeps_answering_with_a_real_summary(ed
     assert view["summary_model"] == "general-chat" and view["summary_version"] >= 2, view
     # Reused: two turns in a row with the same summary in their prompts.
     assert any(b[0] == a[0] + 1 and a[2] == b[2] for a, b in zip(used, used[1:])), used
-    # Replaced as the history grew: a later prompt holds another summary.
-    assert len({block for _, _, block in used}) >= 2, used
+    # Replaced as the history grew: more than one summary was made (each a
+    # task of its own version that SUCCEEDED), and prompts went on carrying
+    # one after the first was replaced. Not that the replacement's text
+    # differs: that is the model's, and this 270M base model often writes
+    # the same text again for a longer history (in one CI run every
+    # version's text was the same, and a check of distinct texts failed).
+    made = {r for r, state in rows if state == "SUCCEEDED"}
+    assert len(made) >= 2, rows
+    assert any(ver >= 2 for _, ver, _ in used), used
     # The summary in the prompt is the model's text (not empty, fenced).
     assert all(len(block.split(">", 1)[1].strip()) > 0 for _, _, block in used), used
