@@ -27,7 +27,7 @@
 //! over.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -63,8 +63,9 @@ struct Device {
     epoch: u64,
     /// The epoch of the last connect that ended what the device was being
     /// sent: a takeover, or a connect while it had no connection (another
-    /// instance connecting beside a live one is neither).
-    came_back: u64,
+    /// instance connecting beside a live one is neither). Shared with the
+    /// device's senders, which read it before every message.
+    came_back: Arc<AtomicU64>,
     resumes: ResumeBudget,
 }
 
@@ -153,7 +154,7 @@ impl Sessions {
                     identity: identity.clone(),
                     live: Vec::new(),
                     epoch: 0,
-                    came_back: 0,
+                    came_back: Arc::default(),
                     resumes: ResumeBudget::full(capacity),
                 });
                 d.identity = identity.clone();
@@ -162,7 +163,7 @@ impl Sessions {
                 d.live.push((*conn, client_id.clone()));
                 d.epoch += 1;
                 if returning {
-                    d.came_back = d.epoch;
+                    d.came_back.store(d.epoch, Ordering::Release);
                 }
                 if takeover {
                     Change::Takeover { device: device.clone(), epoch: d.epoch }
@@ -190,9 +191,11 @@ impl Sessions {
     }
 
     /// The epoch of the device's last connect that ended what it was being
-    /// sent (a takeover, or a connect while it had no connection; 0: none).
-    pub fn came_back(&self, device: &str) -> u64 {
-        self.devices.lock().expect("sessions").get(device).map_or(0, |d| d.came_back)
+    /// sent (a takeover, or a connect while it had no connection; 0: none),
+    /// as it changes: what a sender reads without taking this lock. A
+    /// device not seen yet gets a value of its own that stays 0.
+    pub fn came_back(&self, device: &str) -> Arc<AtomicU64> {
+        self.devices.lock().expect("sessions").get(device).map(|d| d.came_back.clone()).unwrap_or_default()
     }
 
     /// (online, epoch)
@@ -212,7 +215,7 @@ impl Sessions {
             identity: identity.clone(),
             live: vec![(0, String::new())],
             epoch: 1,
-            came_back: 0,
+            came_back: Arc::default(),
             resumes: ResumeBudget::full(capacity),
         });
         d.identity = identity;
@@ -693,7 +696,7 @@ impl DeviceIngress {
                     0,
                     epoch,
                     self.out.clone(),
-                    &self.sessions,
+                    self.sessions.came_back(device),
                     &self.tracker,
                     &self.shutdown,
                 );
@@ -710,7 +713,15 @@ impl DeviceIngress {
             None => dest,
         });
         self.tracker.spawn(streams::pump(self.streams.clone(), stream.clone(), task, fields.coalesce));
-        streams::start_sender(&stream, 0, epoch, self.out.clone(), &self.sessions, &self.tracker, &self.shutdown);
+        streams::start_sender(
+            &stream,
+            0,
+            epoch,
+            self.out.clone(),
+            self.sessions.came_back(device),
+            &self.tracker,
+            &self.shutdown,
+        );
         if !online {
             // The device dropped after publishing: its policy applies now.
             self.device_dropped(device, epoch);
@@ -777,7 +788,15 @@ impl DeviceIngress {
             }
         }
         let (_, epoch) = self.sessions.state(device);
-        streams::start_sender(&stream, from, epoch, self.out.clone(), &self.sessions, &self.tracker, &self.shutdown);
+        streams::start_sender(
+            &stream,
+            from,
+            epoch,
+            self.out.clone(),
+            self.sessions.came_back(device),
+            &self.tracker,
+            &self.shutdown,
+        );
     }
 
     /// A device has no connection left (as of `epoch`): its running tasks

@@ -40,6 +40,7 @@ use rumqttd::protocol::PublishProperties;
 use tokio::time::sleep_until;
 use tokio_util::sync::CancellationToken;
 
+#[cfg(doc)]
 use super::requests::Sessions;
 use super::Publisher;
 use crate::error::GatewayError;
@@ -418,7 +419,8 @@ pub async fn pump(streams: Arc<Streams>, stream: Arc<MqttStream>, mut task: Task
 /// current one. It serves the device's connections as of `epoch`: once
 /// the device has come back (a takeover, or a connect after it had none;
 /// `sessions` records it at CONNECT, before the new connection can
-/// subscribe) it stops, even before the reconnect's handling would stop
+/// subscribe; `came_back` is that epoch, [`Sessions::came_back`]) it
+/// stops, even before the reconnect's handling would stop
 /// it, so nothing of an old sender reaches the new connection (the device
 /// resumes from the seq it has; a compact device counts the seqs, and an
 /// old sender's message after a loss would be counted wrong). Another
@@ -428,7 +430,7 @@ pub fn start_sender(
     from_seq: u64,
     epoch: u64,
     out: Arc<Publisher>,
-    sessions: &Arc<Sessions>,
+    came_back: Arc<std::sync::atomic::AtomicU64>,
     tracker: &tokio_util::task::TaskTracker,
     shutdown: &CancellationToken,
 ) {
@@ -440,7 +442,7 @@ pub fn start_sender(
             old.stop.cancel();
         }
     }
-    tracker.spawn(send_loop(stream.clone(), from_seq, epoch, out, sessions.clone(), stop, done));
+    tracker.spawn(send_loop(stream.clone(), from_seq, epoch, out, came_back, stop, done));
 }
 
 async fn send_loop(
@@ -448,7 +450,7 @@ async fn send_loop(
     next: u64,
     epoch: u64,
     out: Arc<Publisher>,
-    sessions: Arc<Sessions>,
+    came_back: Arc<std::sync::atomic::AtomicU64>,
     stop: CancellationToken,
     done: Arc<std::sync::atomic::AtomicBool>,
 ) {
@@ -482,7 +484,7 @@ async fn send_loop(
             // Checked per message: a replaced sender stops at once, and so
             // does one whose device has come back. Waits while
             // edgeway's outgoing queue to the router is full.
-            if stop.is_cancelled() || sessions.came_back(&stream.device) > epoch {
+            if stop.is_cancelled() || came_back.load(std::sync::atomic::Ordering::Acquire) > epoch {
                 return;
             }
             let sent = tokio::select! {
