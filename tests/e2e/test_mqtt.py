@@ -188,6 +188,20 @@ class Device:
         self.c.loop_stop()
 
 
+def resumed(edgeway, creds, subscription, request_id, from_seq, v5=False):
+    """A device back after a drop: connected, subscribed to
+    `subscription`, and resuming `request_id` from `from_seq`."""
+    d = Device(edgeway.mqtt_port, creds, v5=v5)
+    try:
+        assert d.wait_connected() == 0
+        d.subscribe(subscription)
+        d.publish(f"ai/v1/{creds[0]}/resume", {"request_id": request_id, "from_seq": from_seq})
+    except BaseException:
+        d.close()
+        raise
+    return d
+
+
 def test_paho_mqtt5_cancel_stops_the_engine(edgeway, llama):
     d = Device(edgeway.mqtt_port, D2)
     try:
@@ -230,11 +244,8 @@ def test_paho_mqtt311_resume_after_reconnect_misses_nothing(edgeway, llama):
     while len(events) < 3:
         events.append(d.next()[1])
     d.close()  # the device goes away; on_disconnect = continue keeps the task
-    d = Device(edgeway.mqtt_port, D1, v5=False)
+    d = resumed(edgeway, D1, "ai/v1/demo-device-1/res/#", r, len(events))
     try:
-        assert d.wait_connected() == 0
-        d.subscribe("ai/v1/demo-device-1/res/#")
-        d.publish("ai/v1/demo-device-1/resume", {"request_id": r, "from_seq": len(events)})
         d.stream(topic, events)
     finally:
         d.close()
@@ -302,11 +313,8 @@ def test_paho_compact_stream_counts_its_seqs_across_a_resume(edgeway, llama):
         events.append(reader.parse(d.q.get(timeout=WAIT)))
     assert events[0] == {"type": "accepted", "request_id": r, "seq": 0}
     d.close()
-    d = Device(edgeway.mqtt_port, D1, v5=False)
+    d = resumed(edgeway, D1, "ai/v1/demo-device-1/s/#", r, len(events))
     try:
-        assert d.wait_connected() == 0
-        d.subscribe("ai/v1/demo-device-1/s/#")
-        d.publish("ai/v1/demo-device-1/resume", {"request_id": r, "from_seq": len(events)})
         reader.until_end(d, events)
         assert [e["seq"] for e in events] == list(range(len(events))), events
         done = events[-1]
