@@ -510,18 +510,18 @@ impl Form {
 /// `queue_position` for `accepted`, `finish_reason` and `usage` for
 /// `done`), its JSON part validated against `topics/schemas/compact.json`;
 /// `prev`: the seq of the stream's previous message, for a message whose
-/// seq is not written. Also whether it was.
-pub fn parse_compact_message(payload: &[u8], prev: Option<u64>) -> (Value, bool) {
+/// seq is not written.
+pub fn parse_compact(payload: &[u8], prev: Option<u64>) -> Value {
     let text = std::str::from_utf8(payload).expect("UTF-8");
     let digits = payload.iter().take_while(|b| b.is_ascii_digit()).count();
     let counted = || prev.map(|p| p + 1).unwrap_or_else(|| panic!("a first message without its seq: {text:?}"));
     if digits == 0 {
         let delta = text.strip_prefix(':').unwrap_or(text);
-        return (json!({"seq": counted(), "type": "delta", "text": delta}), false);
+        return json!({"seq": counted(), "type": "delta", "text": delta});
     }
     let seq: u64 = text[..digits].parse().expect("seq");
-    let rest = &text[digits + 1..];
-    let v = match payload.get(digits) {
+    let rest = text.get(digits + 1..).unwrap_or("");
+    match payload.get(digits) {
         Some(b':') => json!({"seq": seq, "type": "delta", "text": rest}),
         Some(b'+') => {
             let mut parts = rest.split(' ');
@@ -555,13 +555,7 @@ pub fn parse_compact_message(payload: &[u8], prev: Option<u64>) -> (Value, bool)
             v
         }
         _ => panic!("not a compact message: {text:?}"),
-    };
-    (v, true)
-}
-
-/// [`parse_compact_message`] without whether the seq was written.
-pub fn parse_compact(payload: &[u8], prev: Option<u64>) -> Value {
-    parse_compact_message(payload, prev).0
+    }
 }
 
 /// The seq of the previous message of each compact stream topic a device
