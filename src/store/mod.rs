@@ -413,8 +413,9 @@ struct HealthInner {
     buffered: AtomicUsize,
     /// Writes dropped because the buffer was full.
     dropped: AtomicU64,
-    /// Transactions committed.
+    /// Transactions committed, and the writes they held.
     commits: AtomicU64,
+    committed_writes: AtomicU64,
     /// Retention passes run, rows they purged, and the time they held the
     /// writer (total and longest), in nanoseconds.
     purge_passes: AtomicU64,
@@ -456,6 +457,12 @@ impl StoreHealth {
     /// Transactions committed so far (each holds one or more writes).
     pub fn commits(&self) -> u64 {
         self.0.commits.load(Ordering::Relaxed)
+    }
+
+    /// Writes committed so far (over [`Self::commits`]: how many each
+    /// transaction gathered).
+    pub fn committed_writes(&self) -> u64 {
+        self.0.committed_writes.load(Ordering::Relaxed)
     }
 
     /// Writes lost because the buffer was full while degraded.
@@ -1362,6 +1369,7 @@ impl Writer {
                 let written = self.pending.len();
                 self.pending.clear();
                 self.health.0.commits.fetch_add(1, Ordering::Relaxed);
+                self.health.0.committed_writes.fetch_add(written as u64, Ordering::Relaxed);
                 if !self.reserve.is_held() {
                     // Living on the reserve: a checkpoint after each commit
                     // lets the next one reuse the WAL from its start instead

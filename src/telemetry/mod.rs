@@ -15,7 +15,8 @@ pub mod trace;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 use crate::config::{LogConfig, LogFormat};
@@ -407,13 +408,22 @@ impl Metrics {
 
     /// Exports whether the store can write as `edgeway_store_degraded`
     /// (1 while writes fail) and `edgeway_store_buffered_writes` (writes
-    /// kept in memory until they succeed), read at each scrape.
+    /// kept in memory until they succeed), and what it committed
+    /// (`edgeway_store_commits_total`, `edgeway_store_writes_total`), read
+    /// at each scrape.
     pub fn export_store_health(&self, health: StoreHealth) {
         let degraded = IntGauge::new("store_degraded", "1 while the task store cannot write").expect("valid metric");
         let buffered =
             IntGauge::new("store_buffered_writes", "Task store writes kept in memory until the disk takes them")
                 .expect("valid metric");
-        self.registry.register(Box::new(StoreHealthGauges { health, degraded, buffered })).expect("unique metric");
+        let commits =
+            IntCounter::new("store_commits_total", "Task store transactions committed").expect("valid metric");
+        let writes =
+            IntCounter::new("store_writes_total", "Task store writes committed (each transaction holds one or more)")
+                .expect("valid metric");
+        self.registry
+            .register(Box::new(StoreHealthGauges { health, degraded, buffered, commits, writes }))
+            .expect("unique metric");
     }
 
     /// Sets `edgeway_queue_capacity` from `config` (at start and at each
@@ -510,17 +520,31 @@ struct StoreHealthGauges {
     health: StoreHealth,
     degraded: IntGauge,
     buffered: IntGauge,
+    commits: IntCounter,
+    writes: IntCounter,
 }
 
 impl Collector for StoreHealthGauges {
     fn desc(&self) -> Vec<&Desc> {
-        self.degraded.desc().into_iter().chain(self.buffered.desc()).collect()
+        [&self.degraded, &self.buffered]
+            .into_iter()
+            .flat_map(|g| g.desc())
+            .chain(self.commits.desc())
+            .chain(self.writes.desc())
+            .collect()
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
         self.degraded.set(i64::from(self.health.is_degraded()));
         self.buffered.set(i64::try_from(self.health.buffered_writes()).unwrap_or(i64::MAX));
-        self.degraded.collect().into_iter().chain(self.buffered.collect()).collect()
+        // Counters only go up: each scrape adds what was committed since.
+        self.commits.inc_by(self.health.commits().saturating_sub(self.commits.get()));
+        self.writes.inc_by(self.health.committed_writes().saturating_sub(self.writes.get()));
+        let mut out = self.degraded.collect();
+        out.extend(self.buffered.collect());
+        out.extend(self.commits.collect());
+        out.extend(self.writes.collect());
+        out
     }
 }
 
@@ -705,6 +729,36 @@ mod tests {
         store.flush().await;
         assert_eq!(store.write_failures().get(), 1);
         assert!(metrics.render().contains("edgeway_store_errors 1"));
+    }
+
+    /// What the store committed is read at each scrape: transactions and
+    /// the writes they held (several writes of a burst in one).
+    #[tokio::test]
+    async fn store_commits_and_writes_are_counted_at_each_scrape() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("edgeway.db"), "n1", false).unwrap();
+        let metrics = Metrics::new();
+        metrics.export_store_health(store.health());
+        let value = |text: &str, name: &str| -> u64 {
+            let line =
+                text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{name} in {text}"));
+            line.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        let text = metrics.render();
+        assert!(text.contains("# TYPE edgeway_store_commits_total counter"), "{text}");
+        let (commits, writes) =
+            (value(&text, "edgeway_store_commits_total"), value(&text, "edgeway_store_writes_total"));
+        for id in ["t1", "t2", "t3"] {
+            store.transition(id, TaskState::Received, "http", None, "client");
+        }
+        store.flush().await;
+        let text = metrics.render();
+        let (c, w) = (value(&text, "edgeway_store_commits_total"), value(&text, "edgeway_store_writes_total"));
+        assert!(c > commits, "a commit is counted: {commits} -> {c}");
+        assert_eq!(w - writes, 3, "the three writes");
+        assert!(c - commits <= 3, "in at most three transactions");
+        // A scrape without commits in between reads the same.
+        assert_eq!(value(&metrics.render(), "edgeway_store_commits_total"), c);
     }
 
     /// The key-expiry gauge: the next key to lapse, else the last that
