@@ -574,7 +574,6 @@ CREATE TABLE IF NOT EXISTS tasks (
     error_code     TEXT,
     result_json    TEXT
 );
-CREATE INDEX IF NOT EXISTS tasks_by_request ON tasks(tenant, application, request_id);
 -- The retention purge: refused calls by age. (An index on `state` alone
 -- would be a prefix of this one: every state change would write both.)
 CREATE INDEX IF NOT EXISTS tasks_by_state_updated ON tasks(state, updated_at_ms);
@@ -1891,6 +1890,12 @@ fn migrate(c: &Connection) -> rusqlite::Result<()> {
     // b-tree written on every state change, used by no query the other
     // cannot answer.
     c.execute_batch("DROP INDEX IF EXISTS tasks_by_state")?;
+    // `tasks_by_request` (tenant, application, request_id) answered no
+    // query (a request id is looked up among the live tasks, in memory),
+    // and request ids are random: each new task wrote a page of it at a
+    // random place, the largest part of what a task cost the store after
+    // its commits (BENCHMARKS.md, session 22).
+    c.execute_batch("DROP INDEX IF EXISTS tasks_by_request")?;
     let has: bool = c.prepare("SELECT 1 FROM pragma_table_info('tasks') WHERE name = 'trace_id'")?.exists([])?;
     if !has {
         c.execute_batch("ALTER TABLE tasks ADD COLUMN trace_id TEXT")?;

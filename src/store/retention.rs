@@ -245,15 +245,15 @@ mod tests {
         assert_eq!(ids(&c), ["new-done", "old-running"]);
     }
 
-    /// A stored Response lives as long as its task (`GET /v1/responses/{id}`
-    /// must not outlive the retention rules).
     /// Each purge query walks an index, not the table: the refused calls
     /// `tasks_by_state_updated`, the classes `tasks_by_class_state_updated`;
-    /// and the state-only index a store of before is migrated away.
+    /// and the indexes of a store of before that no query used (the
+    /// state-only one, the request ids') are migrated away.
     #[test]
     fn purge_queries_use_the_indexes_and_the_redundant_one_is_gone() {
         let c = db();
         c.execute_batch("CREATE INDEX tasks_by_state ON tasks(state)").unwrap();
+        c.execute_batch("CREATE INDEX tasks_by_request ON tasks(tenant, application, request_id)").unwrap();
         super::super::migrate(&c).unwrap();
         let names: Vec<String> = c
             .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tasks' ORDER BY name")
@@ -262,7 +262,7 @@ mod tests {
             .unwrap()
             .map(Result::unwrap)
             .collect();
-        assert!(!names.iter().any(|n| n == "tasks_by_state"), "{names:?}");
+        assert!(!names.iter().any(|n| n == "tasks_by_state" || n == "tasks_by_request"), "{names:?}");
         let plan = |sql: &str| -> String {
             let mut st = c.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
             let rows: Vec<String> = st.query_map([], |r| r.get::<_, String>(3)).unwrap().map(Result::unwrap).collect();
@@ -276,6 +276,8 @@ mod tests {
         assert!(class.contains("tasks_by_class_state_updated"), "{class}");
     }
 
+    /// A stored Response lives as long as its task (`GET /v1/responses/{id}`
+    /// must not outlive the retention rules).
     #[test]
     fn a_stored_response_goes_with_its_task() {
         let c = db();
