@@ -270,6 +270,35 @@ impl WriteOp {
     }
 }
 
+/// The writer's channel. A write that may wait for the write-behind
+/// window does not wake the writer while it waits out that window (it
+/// gathers what came when the window ends); anything sooner does. Woken
+/// for every write, the writer cost each task's sender about eight
+/// futex wake-ups, which took more of the runtime's time than gathering
+/// the writes saved the writer (BENCHMARKS.md, session 22).
+#[derive(Clone)]
+struct Inbox {
+    tx: mpsc::Sender<Op>,
+    writer: std::thread::Thread,
+}
+
+impl Inbox {
+    /// Fails only once the writer thread is gone (the op is dropped).
+    fn send(&self, op: Op) -> Result<(), WriterGone> {
+        let behind = matches!(&op, Op::Write(w) if w.urgency() == Urgency::Behind);
+        self.tx.send(op).map_err(|_| WriterGone)?;
+        if !behind {
+            // Ends the writer's wait for the window (`Writer::run`). The
+            // channel itself wakes a writer waiting for a first write.
+            self.writer.unpark();
+        }
+        Ok(())
+    }
+}
+
+/// The writer thread has stopped ([`Inbox::send`]).
+struct WriterGone;
+
 enum Op {
     Write(WriteOp),
     /// A write whose caller waits: answered once it is committed, or with
@@ -334,7 +363,7 @@ struct RejectedCall {
 /// Handle to the store thread. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
-    tx: mpsc::Sender<Op>,
+    tx: Inbox,
     /// The reader thread: lookups on the request path that must not wait
     /// behind the writer's batches and WAL checkpoints.
     reads: mpsc::Sender<ReadOp>,
@@ -658,7 +687,11 @@ impl Store {
         let mut writer = Writer::new(conn, failures.clone(), health.clone(), opts, reserve);
         writer.audit_tx = Some(audit_tx.clone());
         let spawn_err = |e| StoreError::Dir { path: path.to_path_buf(), source: e };
-        std::thread::Builder::new().name("edgeway-store".into()).spawn(move || writer.run(rx)).map_err(spawn_err)?;
+        let thread = std::thread::Builder::new()
+            .name("edgeway-store".into())
+            .spawn(move || writer.run(rx))
+            .map_err(spawn_err)?;
+        let tx = Inbox { tx, writer: thread.thread().clone() };
         let (reads, read_rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("edgeway-store-read".into())
@@ -1264,10 +1297,26 @@ impl Writer {
                         if left.is_zero() {
                             break;
                         }
-                        match rx.recv_timeout(left) {
+                        match rx.try_recv() {
                             Ok(op) => self.take(op),
+                            // Nothing yet: sleep until the window ends or
+                            // something that may not wait comes (`Inbox`
+                            // wakes the writer for it; a write that may
+                            // wait does not).
+                            Err(mpsc::TryRecvError::Empty) => {
+                                std::thread::park_timeout(left);
+                                continue;
+                            }
                             // A closed channel is seen (and committed) by
                             // the next receive above.
+                            Err(mpsc::TryRecvError::Disconnected) => break,
+                        }
+                        n += 1;
+                    }
+                    // What came while the writer slept joins this commit.
+                    while n < BATCH {
+                        match rx.try_recv() {
+                            Ok(op) => self.take(op),
                             Err(_) => break,
                         }
                         n += 1;
