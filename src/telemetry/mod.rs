@@ -422,7 +422,14 @@ impl Metrics {
             IntCounter::new("store_writes_total", "Task store writes committed (each transaction holds one or more)")
                 .expect("valid metric");
         self.registry
-            .register(Box::new(StoreHealthGauges { health, degraded, buffered, commits, writes }))
+            .register(Box::new(StoreHealthGauges {
+                health,
+                degraded,
+                buffered,
+                commits,
+                writes,
+                catch_up: Default::default(),
+            }))
             .expect("unique metric");
     }
 
@@ -522,6 +529,8 @@ struct StoreHealthGauges {
     buffered: IntGauge,
     commits: IntCounter,
     writes: IntCounter,
+    /// Two scrapes at once must not both add the same commits.
+    catch_up: std::sync::Mutex<()>,
 }
 
 impl Collector for StoreHealthGauges {
@@ -538,8 +547,11 @@ impl Collector for StoreHealthGauges {
         self.degraded.set(i64::from(self.health.is_degraded()));
         self.buffered.set(i64::try_from(self.health.buffered_writes()).unwrap_or(i64::MAX));
         // Counters only go up: each scrape adds what was committed since.
-        self.commits.inc_by(self.health.commits().saturating_sub(self.commits.get()));
-        self.writes.inc_by(self.health.committed_writes().saturating_sub(self.writes.get()));
+        {
+            let _one_at_a_time = self.catch_up.lock().unwrap_or_else(|e| e.into_inner());
+            self.commits.inc_by(self.health.commits().saturating_sub(self.commits.get()));
+            self.writes.inc_by(self.health.committed_writes().saturating_sub(self.writes.get()));
+        }
         let mut out = self.degraded.collect();
         out.extend(self.buffered.collect());
         out.extend(self.commits.collect());
