@@ -454,6 +454,13 @@ impl DeviceIngress {
         }
     }
 
+    /// Starts sending `stream` to `device` from `from_seq`, as of the
+    /// device's connections of `epoch` ([`streams::start_sender`]).
+    fn start_sender(&self, device: &str, stream: &Arc<streams::MqttStream>, from_seq: u64, epoch: u64) {
+        let came_back = self.sessions.came_back(device);
+        streams::start_sender(stream, from_seq, epoch, self.out.clone(), came_back, &self.tracker, &self.shutdown);
+    }
+
     /// Router topic and correlation data of the answers to a message from
     /// `device`: the MQTT 5 response topic when it is inside the device's
     /// namespace, else `{prefix}/{device}/res/{request_id}`.
@@ -691,15 +698,7 @@ impl DeviceIngress {
                 if existing.sid.is_none() {
                     *existing.destination.lock().expect("destination") = dest;
                 }
-                streams::start_sender(
-                    &existing,
-                    0,
-                    epoch,
-                    self.out.clone(),
-                    self.sessions.came_back(device),
-                    &self.tracker,
-                    &self.shutdown,
-                );
+                self.start_sender(device, &existing, 0, epoch);
             }
             return;
         }
@@ -713,15 +712,7 @@ impl DeviceIngress {
             None => dest,
         });
         self.tracker.spawn(streams::pump(self.streams.clone(), stream.clone(), task, fields.coalesce));
-        streams::start_sender(
-            &stream,
-            0,
-            epoch,
-            self.out.clone(),
-            self.sessions.came_back(device),
-            &self.tracker,
-            &self.shutdown,
-        );
+        self.start_sender(device, &stream, 0, epoch);
         if !online {
             // The device dropped after publishing: its policy applies now.
             self.device_dropped(device, epoch);
@@ -788,15 +779,7 @@ impl DeviceIngress {
             }
         }
         let (_, epoch) = self.sessions.state(device);
-        streams::start_sender(
-            &stream,
-            from,
-            epoch,
-            self.out.clone(),
-            self.sessions.came_back(device),
-            &self.tracker,
-            &self.shutdown,
-        );
+        self.start_sender(device, &stream, from, epoch);
     }
 
     /// A device has no connection left (as of `epoch`): its running tasks
