@@ -145,7 +145,7 @@ fn main() -> Result<()> {
 }
 
 async fn run(args: &Args) -> Result<(String, Value)> {
-    let fake = FakeEngine::start_with(Knobs { tokens: args.first.tokens, ..Knobs::default() }).await;
+    let fake = FakeEngine::start_with(Knobs { tokens: args.first.tokens, record: false, ..Knobs::default() }).await;
     let settings = "queue_capacity = 100000\n[log]\nlevel = \"warn\"\n";
     let extra = format!("{settings}{}", mqtt_support::mqtt_toml(""));
     // More engine slots than requests in flight: nothing queues behind the

@@ -77,7 +77,7 @@ fn main() -> Result<()> {
 
 async fn run(args: &Args) -> Result<(String, Value)> {
     let nats = NatsServer::start(false).await;
-    let fake = FakeEngine::start_with(Knobs { tokens: args.first.tokens, ..Knobs::default() }).await;
+    let fake = FakeEngine::start_with(Knobs { tokens: args.first.tokens, record: false, ..Knobs::default() }).await;
     let extra = format!(
         "queue_capacity = 100000\n[log]\nlevel = \"warn\"\n[nats]\nurl = \"{}\"\nevents_queue_capacity = 65536\n",
         nats.url()

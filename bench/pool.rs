@@ -137,7 +137,7 @@ async fn run(args: &Args) -> Result<(String, Value)> {
     // 1. What a forward adds.
     {
         let down = FakeEngine::start_with(Knobs { healthy: false, ..Knobs::default() }).await;
-        let fb = FakeEngine::start_with(Knobs { tokens: args.tokens, ..Knobs::default() }).await;
+        let fb = FakeEngine::start_with(Knobs { tokens: args.tokens, record: false, ..Knobs::default() }).await;
         let (_tb, b) = node(&nats.url(), "node-b", &fb, 64, None).await;
         b.wait_ready().await;
         let (_ta, a) = node(&nats.url(), "node-a", &down, 2, Some(1)).await;

@@ -752,3 +752,21 @@ async fn ollama_health_matches_model_tags() {
         assert_eq!(h.up, up, "{model}: {h:?}");
     }
 }
+
+/// The fake keeps every request's body and POST path for the tests that
+/// read them, and none with `record` off (a benchmark's long run: kept,
+/// they grew its process by a few KB a request).
+#[tokio::test]
+async fn the_fake_records_requests_only_when_asked() {
+    for record in [true, false] {
+        let s = Setup::new(EngineKind::OpenAi, STREAM, knobs(|k| k.record = record)).await;
+        for chunk in collect(s.start(4).await).await {
+            chunk.expect("a chunk");
+        }
+        assert_eq!(s.fake.requests(), 1, "record = {record}");
+        let kept = usize::from(record);
+        assert_eq!(s.fake.bodies().len(), kept, "record = {record}");
+        assert_eq!(s.fake.posts().len(), kept, "record = {record}");
+        assert_eq!(s.fake.traceparents().len(), kept, "record = {record}");
+    }
+}

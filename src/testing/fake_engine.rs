@@ -94,6 +94,11 @@ pub struct Knobs {
     /// and a space, instead of `token_text` (an answer that carries what
     /// was asked: tests look for one caller's bytes in another's answers).
     pub echo: bool,
+    /// Keep every request's body, POST path and `traceparent` in [`Stats`]
+    /// (tests read them back). A benchmark's long run turns it off: kept,
+    /// they grew the process by a few KB a request (2 GiB over
+    /// `bench/overhead --soak`'s ten minutes at 2000 req/s).
+    pub record: bool,
 }
 
 /// Bytes of a tool call's arguments per streamed piece.
@@ -136,6 +141,7 @@ impl Default for Knobs {
             tokenize_status: None,
             tokenize_delay: Duration::ZERO,
             echo: false,
+            record: true,
         }
     }
 }
@@ -341,13 +347,15 @@ async fn begin(s: &Shared, body: &Value) -> Result<Knobs, Response> {
     }
     let ordinal = s.stats.requests.fetch_add(1, Ordering::SeqCst) + 1;
     *s.stats.last_request.lock().expect("last") = Some(body.clone());
-    s.stats.bodies.lock().expect("bodies").push(body.clone());
     let (k, fail_now) = {
         let mut knobs = s.knobs.lock().expect("knobs");
         let fail_now = knobs.fail_next > 0 || knobs.fail_requests.contains(&ordinal);
         knobs.fail_next = knobs.fail_next.saturating_sub(1);
         (knobs.clone(), fail_now)
     };
+    if k.record {
+        s.stats.bodies.lock().expect("bodies").push(body.clone());
+    }
     if !k.accept_delay.is_zero() {
         tokio::time::sleep(k.accept_delay).await;
     }
@@ -918,7 +926,7 @@ async fn record_post(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if req.method() == axum::http::Method::POST {
+    if req.method() == axum::http::Method::POST && s.knobs.lock().expect("knobs").record {
         s.stats.posts.lock().expect("posts").push(req.uri().path().to_string());
         let tp = req.headers().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
         s.stats.traceparents.lock().expect("traceparents").push(tp);
