@@ -449,10 +449,11 @@ async fn run_phase(
             }
         }
     });
-    // Each request hands its result to a collector as it ends. Keeping a
-    // JoinHandle per request until the run's end kept every finished
-    // task's cell alive: the load generator grew by about 3.7 KB a request
-    // (2 GiB over a 10-minute soak at 2000 req/s), faulting in fresh pages
+    // Each request hands its result to a collector as it ends. A
+    // JoinHandle kept per request until the run's end kept every finished
+    // task's cell alive; with the fake engine keeping every request body
+    // (`Knobs::record`), the load generator grew by about 3 KB a request
+    // (3 GiB over a 10-minute soak at 2000 req/s), faulting in fresh pages
     // all through the run beside the proxy it measures.
     let (done_tx, mut done_rx) =
         tokio::sync::mpsc::unbounded_channel::<(usize, Result<(Duration, Duration), String>)>();

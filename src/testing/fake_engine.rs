@@ -96,8 +96,8 @@ pub struct Knobs {
     pub echo: bool,
     /// Keep every request's body, POST path and `traceparent` in [`Stats`]
     /// (tests read them back). A benchmark's long run turns it off: kept,
-    /// they grew the process by a few KB a request (2 GiB over
-    /// `bench/overhead --soak`'s ten minutes at 2000 req/s).
+    /// they were most of the 3 GiB `bench/overhead --soak` grew by over
+    /// ten minutes at 2000 req/s.
     pub record: bool,
 }
 
