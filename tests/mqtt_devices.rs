@@ -418,7 +418,16 @@ async fn a_packet_read_after_the_tokens_expiry_ends_the_link_with_the_disconnect
         )
         .with_config(&mqtt),
     );
-    let exp = now_s() + 1;
+    // The CONNECTs and the first PINGREQs must come before the expiry,
+    // however slow the machine: `exp` is whole seconds, so start just after
+    // a second begins and give them more than two (stop 34's CI read the
+    // first PINGREQ after `now_s() + 1`, its CONNECT having come late in a
+    // second).
+    let subsec = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_millis();
+    while subsec() > 100 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let exp = now_s() + 3;
     let mut codecs: Vec<_> = [(5u8, "jwt-v5"), (4, "jwt-v4")]
         .into_iter()
         .map(|(level, id)| {
